@@ -1,0 +1,243 @@
+"""QuantLoRALinear: a frozen packed base weight plus a trainable low-rank update.
+
+    y = x Ŵᵀ + b + (α/r) · dropout(x) Aᵀ Bᵀ        Ŵ = dequantize(packed), A: (r, K), B: (N, r)
+
+The base is stored only in its packed format (compressed-tensors / bitsandbytes tensors registered as
+buffers, so a state dict carries the checkpoint names). Ŵ is rebuilt inside every forward by
+``qerl.kernels.qmm`` and again in the backward by ``qerl.kernels.qmm_t`` (grad_input = grad_out · Ŵ):
+no BF16 copy of a quantized weight outlives the matmul that needs it. The official QeRL code keeps the
+forward's dequantized weight alive for the backward, which costs a full BF16 copy per layer in flight.
+
+``swap_linears`` turns a Hugging Face Qwen2/Llama causal LM into a QeRL policy in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl import kernels
+from qerl.quant import get_format
+
+#: The seven projections QeRL adapts (paper Sec. 4.1; official `target_modules`).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The per-block RMSNorms the official scripts train with ``--ln True`` (and that AQN perturbs).
+BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA hyper-parameters. ``rank=32`` is the paper's; the official scripts use 16/16."""
+
+    rank: int = 32
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.targets if t not in DEFAULT_TARGETS]
+        if bad:
+            raise ValueError(f"unknown LoRA target(s) {bad}; valid: {list(DEFAULT_TARGETS)}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class _FrozenBaseMatmul(torch.autograd.Function):
+    """x Ŵᵀ with Ŵ frozen and rebuilt from packed storage in the forward and again in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, fmt: str, q: Mapping[str, torch.Tensor]):
+        ctx.fmt, ctx.q = fmt, q  # references to the module's buffers: nothing new is kept alive
+        return kernels.qmm(x, fmt, q)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = kernels.qmm_t(grad_out, ctx.fmt, ctx.q) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
+class QuantLoRALinear(nn.Module):
+    """Frozen packed base (any of ``qerl.quant.FORMATS``) + trainable LoRA A/B.
+
+    ``rank=0`` (``lora=None``) gives a frozen quantized linear with no adapter (base-model evaluation).
+    LoRA weights are kept in ``lora_dtype`` (fp32 by default, as PEFT's k-bit preparation does) and cast to
+    the activation dtype in the forward.
+    """
+
+    def __init__(self, fmt: str, q: Mapping[str, torch.Tensor], in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None, lora: LoraSpec | None = None,
+                 lora_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.fmt = get_format(fmt).name
+        self.in_features, self.out_features = in_features, out_features
+        self._qnames = tuple(q)
+        for name, t in q.items():
+            self.register_buffer(name, t)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.rank = 0 if lora is None else lora.rank
+        self.scaling = 0.0 if lora is None else lora.scaling
+        if lora is not None:
+            dev = next(iter(q.values())).device
+            self.lora_A = nn.Linear(in_features, lora.rank, bias=False, device=dev, dtype=lora_dtype)
+            self.lora_B = nn.Linear(lora.rank, out_features, bias=False, device=dev, dtype=lora_dtype)
+            self.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout > 0 else nn.Identity()
+            self.reset_lora()
+
+    @property
+    def packed(self) -> dict[str, torch.Tensor]:
+        """The packed base tensors by checkpoint name."""
+        return {n: getattr(self, n) for n in self._qnames}
+
+    def reset_lora(self) -> None:
+        """PEFT's default init: A ~ kaiming-uniform(a=√5), B = 0, so the adapter starts as the identity."""
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Ŵ as a dense (N, K) tensor (for export and tests; the forward never keeps it)."""
+        return get_format(self.fmt).dequantize(self.packed, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., K) -> (..., N)
+        y = _FrozenBaseMatmul.apply(x, self.fmt, self.packed)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if self.rank:
+            a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+            y = y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+                f"rank={self.rank}, scaling={self.scaling:g}, bias={self.bias is not None}")
+
+
+class MasterRMSNorm(nn.Module):
+    """RMSNorm with an fp32 master weight, output in the input dtype.
+
+    Used for the per-block norms when they are trained (official ``--ln True``): an update of ~1e-5 to a
+    bf16 weight near 1.0 rounds away (bf16 spacing there is 2⁻⁷), so the trainable copy must be fp32.
+    With a bf16-representable weight this computes exactly what Qwen2RMSNorm/LlamaRMSNorm compute.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().float().clone())
+        self.variance_epsilon = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        dt = h.dtype
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * x.to(dt).float()).to(dt)
+
+
+def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
+
+
+def target_linear_names(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -> list[str]:
+    """Names of the decoder linears to quantize/adapt (never ``lm_head`` or embeddings)."""
+    targets = set(targets)
+    names = [n for n, m in model.named_modules()
+             if isinstance(m, (nn.Linear, QuantLoRALinear)) and n.rpartition(".")[2] in targets]
+    if not names:
+        raise ValueError(f"no linear layers named {sorted(targets)} found in {type(model).__name__}")
+    return names
+
+
+def quantize_linear(linear: nn.Linear, fmt: str, lora: LoraSpec | None,
+                    lora_dtype: torch.dtype = torch.float32) -> QuantLoRALinear:
+    """Round-to-nearest quantize one ``nn.Linear`` into a ``QuantLoRALinear`` on the same device."""
+    f = get_format(fmt)
+    n, k = linear.weight.shape
+    f.check_shape(n, k)
+    with torch.no_grad():
+        q = f.quantize(linear.weight.detach())
+    return QuantLoRALinear(fmt, q, k, n, linear.bias, lora, lora_dtype)
+
+
+def swap_linears(model: nn.Module, fmt: str, lora: LoraSpec | None, train_norms: bool = False,
+                 targets: Iterable[str] | None = None, lora_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Replace the target linears of a Qwen2/Llama causal LM by ``QuantLoRALinear`` (in place).
+
+    Everything else is frozen: embeddings and ``lm_head`` stay in the model dtype (as QeRL). With
+    ``train_norms`` the per-block RMSNorm weights become trainable fp32 parameters (``MasterRMSNorm``).
+    Each original dense weight is freed as soon as it is quantized.
+    """
+    targets = tuple(targets or (lora.targets if lora else DEFAULT_TARGETS))
+    for name in target_linear_names(model, targets):
+        mod = model.get_submodule(name)
+        if isinstance(mod, nn.Linear):
+            _set_module(model, name, quantize_linear(mod, fmt, lora, lora_dtype))
+            del mod
+    finalize_trainable(model, train_norms)
+    return model
+
+
+def finalize_trainable(model: nn.Module, train_norms: bool) -> None:
+    """Freeze all but LoRA (and, with ``train_norms``, the per-block norms as fp32 masters)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for m in model.modules():
+        if isinstance(m, QuantLoRALinear) and m.rank:
+            m.lora_A.weight.requires_grad_(True)
+            m.lora_B.weight.requires_grad_(True)
+    if train_norms:
+        for name, m in list(model.named_modules()):
+            if name.rpartition(".")[2] in BLOCK_NORMS:
+                if not isinstance(m, MasterRMSNorm):
+                    eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
+                    m = MasterRMSNorm(m.weight, eps)
+                    _set_module(model, name, m)
+                m.weight.requires_grad_(True)
+
+
+def lora_modules(model: nn.Module) -> dict[str, QuantLoRALinear]:
+    """All ``QuantLoRALinear`` modules by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantLoRALinear)}
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def packed_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every packed base tensor by full name (for the 'base is bit-identical after a step' invariant)."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        for k, t in m.packed.items():
+            out[f"{name}.{k}"] = t
+    return out
+
+
+def resident_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of every parameter and buffer held by the model, split into quantized base / other / trainable."""
+    seen, out = set(), {"quantized_base": 0, "other_frozen": 0, "trainable": 0}
+    qids = {id(t) for t in packed_state(model).values()}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or t.device.type == "meta":
+            continue
+        seen.add(id(t))
+        nbytes = t.numel() * t.element_size()
+        if id(t) in qids:
+            out["quantized_base"] += nbytes
+        elif isinstance(t, nn.Parameter) and t.requires_grad:
+            out["trainable"] += nbytes
+        else:
+            out["other_frozen"] += nbytes
+    out["total"] = sum(out.values())
+    return out
