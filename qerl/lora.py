@@ -13,6 +13,7 @@ forward's dequantized weight alive for the backward, which costs a full BF16 cop
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -87,6 +88,7 @@ class QuantLoRALinear(nn.Module):
         for name, t in q.items():
             self.register_buffer(name, t)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._lora_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.rank = 0 if lora is None else lora.rank
         self.scaling = 0.0 if lora is None else lora.scaling
         if lora is not None:
@@ -115,7 +117,11 @@ class QuantLoRALinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.rank:
-            a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+            cache = self._lora_cache
+            if cache is not None and cache[0].dtype == x.dtype:
+                a, b = cache  # pre-cast once per rollout (see lora_inference_cache)
+            else:
+                a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
             y = y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
         return y
 
@@ -204,6 +210,27 @@ def finalize_trainable(model: nn.Module, train_norms: bool) -> None:
                     m = MasterRMSNorm(m.weight, eps)
                     _set_module(model, name, m)
                 m.weight.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def lora_inference_cache(model: nn.Module, dtype: torch.dtype):
+    """Inside the block, LoRA A/B are read from copies cast to ``dtype`` once, not re-cast every forward
+    (a decode step would otherwise re-read the fp32 masters of every layer). No gradients flow through them."""
+    mods = [m for m in lora_modules(model).values() if m.rank]
+    try:
+        with torch.no_grad():
+            for m in mods:  # persistent buffers, updated in place: captured CUDA graphs keep their addresses
+                buf = getattr(m, "_lora_cast_buf", None)
+                if buf is None or buf[0].dtype != dtype or buf[0].device != m.lora_A.weight.device:
+                    buf = (torch.empty_like(m.lora_A.weight, dtype=dtype), torch.empty_like(m.lora_B.weight, dtype=dtype))
+                    m._lora_cast_buf = buf
+                buf[0].copy_(m.lora_A.weight)
+                buf[1].copy_(m.lora_B.weight)
+                m._lora_cache = buf
+        yield
+    finally:
+        for m in mods:
+            m._lora_cache = None
 
 
 def lora_modules(model: nn.Module) -> dict[str, QuantLoRALinear]:

@@ -1,0 +1,349 @@
+"""The sampler: G completions per prompt from the policy's own parameter tensors.
+
+There is no second copy of the model and nothing to synchronise: the sampler calls the policy's modules
+(``QuantLoRALinear`` with unmerged LoRA, the RMSNorms AQN perturbs, the rotary embedding) through its own
+decode loop, gpt-fast style:
+
+* one prefill per prompt; its K/V are written into the rows of all G samples of the group (prefix shared);
+* a static KV cache (N = B·G rows × prompt + max_new_tokens slots), so every decode step has fixed shapes;
+* on CUDA each decode step is captured once into a CUDA graph per KV-length bucket and replayed;
+* for every generated token: its sampling log-prob log softmax(z/T)[y] and the entropy of softmax(z/T)
+  (over the full vocabulary, before top-k/top-p truncation — the paper's "sampling entropy", Sec. 3.2).
+
+Works for Qwen2 and Llama decoder layouts (``model.model.layers[i].self_attn.{q,k,v,o}_proj`` …).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl.lora import lora_inference_cache
+
+
+@dataclass
+class Rollout:
+    """A batch of N = B·G completions; rows i·G … i·G+G−1 belong to prompt i."""
+
+    prompt_ids: torch.Tensor        # (N, Lp) left-padded
+    prompt_mask: torch.Tensor       # (N, Lp) bool
+    completion_ids: torch.Tensor    # (N, Tc) pad after EOS
+    completion_mask: torch.Tensor   # (N, Tc) bool, generated tokens through the first EOS
+    logp: torch.Tensor              # (N, Tc) sampling log-probs, 0 outside the mask
+    entropy: torch.Tensor           # (N, Tc) sampling entropy, 0 outside the mask
+    truncated: torch.Tensor         # (N,) bool: hit max_new_tokens without EOS
+    texts: list[str]
+    group_size: int
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(1)
+
+    def select_groups(self, keep: torch.Tensor) -> "Rollout":
+        """The sub-batch of the groups where ``keep`` (B,) is true."""
+        rows = keep.repeat_interleave(self.group_size)
+        idx = rows.nonzero().squeeze(1)
+        t = lambda x: x.index_select(0, idx.to(x.device))  # noqa: E731
+        return Rollout(t(self.prompt_ids), t(self.prompt_mask), t(self.completion_ids), t(self.completion_mask),
+                       t(self.logp), t(self.entropy), t(self.truncated), [self.texts[i] for i in idx.tolist()],
+                       self.group_size, dict(self.stats))
+
+    @staticmethod
+    def cat(parts: list["Rollout"], pad_id: int) -> "Rollout":
+        """Concatenate rollouts along the batch (padding prompts on the left, completions on the right)."""
+        if len(parts) == 1:
+            return parts[0]
+        lp = max(p.prompt_ids.shape[1] for p in parts)
+        tc = max(p.completion_ids.shape[1] for p in parts)
+
+        def left(x, val):
+            return F.pad(x, (lp - x.shape[1], 0), value=val)
+
+        def right(x, val):
+            return F.pad(x, (0, tc - x.shape[1]), value=val)
+
+        stats = {k: sum(p.stats.get(k, 0) for p in parts) for k in parts[0].stats}
+        return Rollout(torch.cat([left(p.prompt_ids, pad_id) for p in parts]),
+                       torch.cat([left(p.prompt_mask, False) for p in parts]),
+                       torch.cat([right(p.completion_ids, pad_id) for p in parts]),
+                       torch.cat([right(p.completion_mask, False) for p in parts]),
+                       torch.cat([right(p.logp, 0.0) for p in parts]),
+                       torch.cat([right(p.entropy, 0.0) for p in parts]),
+                       torch.cat([p.truncated for p in parts]), sum((p.texts for p in parts), []),
+                       parts[0].group_size, stats)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rope(x, cos, sin):  # x: (N, H, L, d), cos/sin: (N, L, d)
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Mask logits outside the top-k and the top-p nucleus with -inf. z: (N, V) float32."""
+    if top_k and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sz, idx = torch.sort(z, dim=-1, descending=True)
+        cum = sz.softmax(-1).cumsum(-1)
+        drop = (cum - sz.softmax(-1)) >= top_p      # keep the smallest prefix whose mass reaches top_p
+        z = z.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    return z
+
+
+class Sampler:
+    """Generates completions with the policy's own modules. See the module docstring."""
+
+    def __init__(self, model: nn.Module, tokenizer, max_prompt_tokens: int = 1024, cuda_graphs: bool | str = "auto",
+                 stop_check_every: int = 8, kv_bucket: int = 256):
+        self.model, self.tok = model, tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
+        cfg = model.config
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.device = model.get_input_embeddings().weight.device
+        self.use_graphs = (self.device.type == "cuda") if cuda_graphs == "auto" else bool(cuda_graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=true needs the policy on a CUDA device")
+        self.stop_check_every = stop_check_every if self.device.type == "cuda" else 1
+        self.kv_bucket = kv_bucket
+        # On CUDA, prompts are left-padded to a multiple of 64 so that captured graphs are reused across steps.
+        self.prompt_pad_multiple = 64 if self.use_graphs else 1
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = {tokenizer.eos_token_id} | set(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            tid = tokenizer.convert_tokens_to_ids(t) if t in tokenizer.get_vocab() else None
+            if tid is not None:
+                eos.add(tid)
+        self.eos_ids = torch.tensor(sorted(e for e in eos if e is not None), device=self.device)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._graphs: dict = {}
+        self._static = None
+
+    # ------------------------------------------------------------------------------------------ model parts
+    @property
+    def _layers(self):
+        return self.model.model.layers
+
+    def _act_dtype(self) -> torch.dtype:
+        w = self.model.get_input_embeddings().weight
+        return torch.bfloat16 if (w.dtype == torch.float32 and self.device.type == "cuda") else w.dtype
+
+    def _autocast(self):
+        w = self.model.get_input_embeddings().weight
+        if w.dtype == torch.float32 and self.device.type == "cuda":  # full fine-tuning keeps fp32 masters
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _qkv(self, attn, h, pos):  # h: (N, L, D), pos: (N, L)
+        n, L, _ = h.shape
+        q = attn.q_proj(h).view(n, L, self.n_heads, self.head_dim).transpose(1, 2)   # (N, H, L, d)
+        k = attn.k_proj(h).view(n, L, self.n_kv, self.head_dim).transpose(1, 2)      # (N, Hkv, L, d)
+        v = attn.v_proj(h).view(n, L, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = self.model.model.rotary_emb(h, pos)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _logits(self, h):  # (N, D) -> (N, V) float32
+        return self.model.lm_head(self.model.model.norm(h)).float()
+
+    # ------------------------------------------------------------------------------------------ prefill
+    def _prefill(self, ids, mask, group_size, kc, vc):
+        """Run the prompts (B, Lp) once; write their K/V into all G rows of each group. Returns last logits (B, V)."""
+        B, Lp = ids.shape
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+        h = self.model.get_input_embeddings()(ids)
+        causal = torch.ones(Lp, Lp, dtype=torch.bool, device=ids.device).tril()
+        am = (causal[None] & mask[:, None, :])[:, None]                   # (B, 1, Lp, Lp)
+        am = am | torch.eye(Lp, dtype=torch.bool, device=ids.device)[None, None]  # pad rows attend to self
+        rep = self.n_heads // self.n_kv
+        for i, layer in enumerate(self._layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(a, x, pos)
+            kc[i][:, :, :Lp] = k.repeat_interleave(group_size, 0)
+            vc[i][:, :, :Lp] = v.repeat_interleave(group_size, 0)
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                               attn_mask=am, scale=a.scaling)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(B, Lp, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._logits(h[:, -1])
+
+    # ------------------------------------------------------------------------------------------ decode
+    def _decode_step(self, s, S: int):
+        """One token for all N rows, reading only the first S cache slots. Everything lives in ``s`` (static)."""
+        slot = s["t"] + s["Lp"]                                   # (1,) long
+        s["key_valid"].index_fill_(1, slot, True)
+        pos = (s["prompt_len"] + s["t"]).unsqueeze(1)              # (N, 1)
+        h = self.model.get_input_embeddings()(s["tok"].unsqueeze(1))  # (N, 1, D)
+        n = h.shape[0]
+        g = self.n_heads // self.n_kv
+        valid = s["key_valid"][:, None, None, :S]                  # (N, 1, 1, S)
+        for i, layer in enumerate(self._layers):
+            a = layer.self_attn
+            q, k, v = self._qkv(a, layer.input_layernorm(h), pos)
+            s["kc"][i].index_copy_(2, slot, k)
+            s["vc"][i].index_copy_(2, slot, v)
+            kk, vv = s["kc"][i][:, :, :S], s["vc"][i][:, :, :S]    # (N, Hkv, S, d)
+            qg = q.view(n, self.n_kv, g, self.head_dim)            # (N, Hkv, g, d)
+            sc = torch.matmul(qg, kk.transpose(-1, -2)).float() * a.scaling   # (N, Hkv, g, S)
+            sc = sc.masked_fill(~valid, float("-inf")).softmax(-1).to(vv.dtype)
+            o = torch.matmul(sc, vv).reshape(n, 1, -1)              # (N, 1, H*d)
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self._sample_into(s, self._logits(h[:, 0]))
+
+    def _sample_into(self, s, z):
+        """Sample the next token from logits z (N, V); record log-prob and entropy at column t."""
+        z = z / s["temperature"]
+        logp_all = z.log_softmax(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)                                    # (N,)
+        zf = filter_logits(z, s["top_k"], s["top_p"]) if (s["top_k"] or s["top_p"] < 1.0) else z
+        noise = torch.empty_like(zf).exponential_(generator=s["gen"])
+        tok = (zf.softmax(-1) / noise).argmax(-1)                                    # exponential-race sampling
+        lp = logp_all.gather(1, tok[:, None]).squeeze(1)
+        alive = ~s["finished"]
+        tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
+        s["tok"].copy_(tok)
+        s["out_tok"].index_copy_(1, s["t"], tok[:, None])
+        s["out_mask"].index_copy_(1, s["t"], alive[:, None])
+        s["out_logp"].index_copy_(1, s["t"], torch.where(alive, lp, torch.zeros_like(lp))[:, None])
+        s["out_ent"].index_copy_(1, s["t"], torch.where(alive, ent, torch.zeros_like(ent))[:, None])
+        s["finished"] |= torch.isin(tok, self.eos_ids)
+        s["t"] += 1
+
+    def _bucket(self, S_needed: int, S_max: int) -> int:
+        return min(S_max, int(math.ceil(S_needed / self.kv_bucket)) * self.kv_bucket)
+
+    def _run_step(self, s, S: int):
+        if not self.use_graphs:
+            return self._decode_step(s, S)
+        graphs = s["graphs"]
+        if S not in graphs:
+            tensors = {k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
+            backup = {k: v.clone() for k, v in tensors.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, Triton autotuning)
+                self._decode_step(s, S)
+            torch.cuda.current_stream().wait_stream(side)
+            for k, v in backup.items():
+                tensors[k].copy_(v)
+            g = torch.cuda.CUDAGraph()
+            g.register_generator_state(s["gen"])
+            with torch.cuda.graph(g, pool=s["pool"]):
+                self._decode_step(s, S)
+            graphs[S] = g
+        graphs[S].replay()
+
+    def _state(self, N: int, Lp: int, max_new: int, temperature: float, top_p: float, top_k: int) -> dict:
+        """Static buffers for one shape; kept across calls so captured CUDA graphs are replayed, not re-captured."""
+        key = (N, Lp, max_new, float(temperature), float(top_p), int(top_k))
+        if self._static is not None and self._static["key"] == key:
+            return self._static
+        self._static = None  # free the old cache and graphs first
+        dev, dt, S_max = self.device, self._act_dtype(), Lp + max_new
+        shape = (N, self.n_kv, S_max, self.head_dim)
+        self._static = dict(
+            key=key, graphs={}, pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
+            kc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
+            vc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
+            gen=torch.Generator(device=dev), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+            Lp=torch.tensor([Lp], device=dev), t=torch.zeros(1, dtype=torch.long, device=dev),
+            prompt_len=torch.zeros(N, dtype=torch.long, device=dev), tok=torch.zeros(N, dtype=torch.long, device=dev),
+            key_valid=torch.zeros((N, S_max), dtype=torch.bool, device=dev),
+            finished=torch.zeros(N, dtype=torch.bool, device=dev),
+            out_tok=torch.zeros((N, max_new), dtype=torch.long, device=dev),
+            out_mask=torch.zeros((N, max_new), dtype=torch.bool, device=dev),
+            out_logp=torch.zeros((N, max_new), device=dev), out_ent=torch.zeros((N, max_new), device=dev),
+        )
+        return self._static
+
+    def release(self) -> None:
+        """Free the KV cache and captured graphs (e.g. before the training forward needs the memory)."""
+        self._static = None
+
+    # ------------------------------------------------------------------------------------------ public
+    def encode(self, prompts: list[str] | list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Left-pad prompts to (B, Lp); prompts longer than ``max_prompt_tokens`` keep their last tokens."""
+        ids = [self.tok(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        cut = sum(len(x) > self.max_prompt_tokens for x in ids)
+        ids = [x[-self.max_prompt_tokens:] for x in ids]
+        Lp = max(len(x) for x in ids)
+        Lp = int(math.ceil(Lp / self.prompt_pad_multiple)) * self.prompt_pad_multiple  # fewer distinct shapes
+        t = torch.full((len(ids), Lp), self.pad_id, dtype=torch.long)
+        m = torch.zeros((len(ids), Lp), dtype=torch.bool)
+        for i, x in enumerate(ids):
+            t[i, Lp - len(x):] = torch.tensor(x, dtype=torch.long)
+            m[i, Lp - len(x):] = True
+        return t.to(self.device), m.to(self.device), cut
+
+    @torch.no_grad()
+    def generate(self, prompts, group_size: int = 1, max_new_tokens: int = 128, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, prompt_batch: int = 0) -> Rollout:
+        """G = ``group_size`` samples for each prompt (strings, or token-id lists already chat-formatted)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (got {temperature}); use a small value for near-greedy")
+        if prompt_batch and len(prompts) > prompt_batch:
+            parts = [self.generate(prompts[i:i + prompt_batch], group_size, max_new_tokens, temperature, top_p, top_k,
+                                   None if seed is None else seed + i, 0)
+                     for i in range(0, len(prompts), prompt_batch)]
+            return Rollout.cat(parts, self.pad_id)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._autocast(), lora_inference_cache(self.model, self._act_dtype()):
+                return self._generate(prompts, group_size, max_new_tokens, temperature, top_p, top_k, seed)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, prompts, G, max_new, temperature, top_p, top_k, seed) -> Rollout:
+        t0 = time.perf_counter()
+        ids, mask, cut = self.encode(prompts)
+        B, Lp = ids.shape
+        N, S_max = B * G, Lp + max_new
+        s = self._state(N, Lp, max_new, temperature, top_p, top_k)
+        s["gen"].manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        rep_mask = mask.repeat_interleave(G, 0)
+        s["t"].zero_()
+        s["prompt_len"].copy_(rep_mask.sum(1))
+        s["key_valid"].zero_()
+        s["key_valid"][:, :Lp] = rep_mask
+        s["finished"].zero_()
+        s["out_tok"].fill_(self.pad_id)
+        s["out_mask"].zero_()
+        s["out_logp"].zero_()
+        s["out_ent"].zero_()
+        logits = self._prefill(ids, mask, G, s["kc"], s["vc"]).repeat_interleave(G, 0)
+        self._sample_into(s, logits)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        steps = 1
+        while steps < max_new:
+            if steps % self.stop_check_every == 0 and bool(s["finished"].all()):
+                break
+            self._run_step(s, self._bucket(Lp + steps + 1, S_max))
+            steps += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        out_mask = s["out_mask"][:, :steps].clone()
+        comp = s["out_tok"][:, :steps].clone()
+        texts = self.tok.batch_decode([row[m].tolist() for row, m in zip(comp.cpu(), out_mask.cpu())],
+                                      skip_special_tokens=True)
+        n_tok = int(out_mask.sum())
+        stats = dict(prefill_s=t1 - t0, decode_s=t2 - t1, rollout_s=t2 - t0, generated_tokens=n_tok,
+                     decode_steps=steps, prompts_truncated=cut, rows=N, graphs=len(s["graphs"]))
+        return Rollout(ids.repeat_interleave(G, 0), rep_mask, comp, out_mask, s["out_logp"][:, :steps].clone(),
+                       s["out_ent"][:, :steps].clone(), ~s["finished"].clone(), texts, G, stats)
