@@ -1,0 +1,35 @@
+"""BF16: the unquantized baseline (the weight is stored as bfloat16, nothing else)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+class BF16Format:
+    """Handler that keeps the weight dense in bfloat16."""
+
+    name = "bf16"
+    block = None
+
+    def check_shape(self, n: int, k: int) -> None:
+        """Any positive (n, k) is fine."""
+        if n <= 0 or k <= 0:
+            raise ValueError(f"bf16 needs a non-empty weight, got shape ({n}, {k})")
+
+    @torch.no_grad()
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{"weight": w (N, K) as bfloat16}."""
+        if w.dim() != 2:
+            raise ValueError(f"bf16 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
+        self.check_shape(*w.shape)
+        return {"weight": w.detach().to(torch.bfloat16)}
+
+    def dequantize(self, q: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The stored weight in ``dtype``."""
+        return q["weight"].to(dtype)
+
+    def bits_per_weight(self, n: int, k: int) -> float:
+        """16."""
+        return 16.0

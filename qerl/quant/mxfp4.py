@@ -1,0 +1,130 @@
+"""MXFP4: E2M1 elements with one shared power-of-two scale (E8M0, bias 127) per 32 elements along K.
+
+The element is q = E2M1(W / 2^(e - 127)) (ties to even, saturating at ±6) and W_hat = q * 2^(e - 127).
+Libraries differ only in how they pick the shared exponent e from the block's amax
+(the element format's largest power of two is 2^2, so each rule subtracts 2):
+
+* ``ct`` (default; torchao calls it EVEN): compressed-tensors 0.20 ``MXFP4A16``. amax is first rounded
+  to a power of two, upwards when its significand is >= 1.75, then e = log2(that) - 2. A block max in
+  [1.5, 1.75) * 2^k still saturates to 6; one in [1.75, 2) * 2^k no longer does.
+* ``floor``: the OCP MX v1.0 spec, e = floor(log2(amax)) - 2; block maxima in [1.5, 2) * 2^k saturate.
+* ``ceil``: e = ceil(log2(amax)) - 2; never saturates, a coarser grid for most blocks.
+* ``rceil``: e = ceil(log2(amax / 6)) (NVIDIA's cuBLAS/Blackwell rule); the smallest power of two that
+  avoids saturation.
+
+Biased exponents are clamped to [0, 254] (255 is E8M0's NaN); an all-zero block gets e = 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from qerl.quant.fp4 import decode_packed, e2m1_encode, pack_nibbles
+
+E8M0_BIAS = 127
+_ELEM_EMAX = 2  # floor(log2(6))
+
+_SCALE_LUT_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _floor_log2(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """floor(log2(amax)) as int32 and the significand m in [1, 2), exact for normals and subnormals."""
+    mant, exp = torch.frexp(amax)  # amax = mant * 2^exp, mant in [0.5, 1)
+    return (exp - 1).to(torch.int32), mant * 2
+
+
+def _exp_ct(amax: torch.Tensor) -> torch.Tensor:
+    e, m = _floor_log2(amax)
+    return e + (m >= 1.75).to(torch.int32) - _ELEM_EMAX
+
+
+def _exp_floor(amax: torch.Tensor) -> torch.Tensor:
+    e, _ = _floor_log2(amax)
+    return e - _ELEM_EMAX
+
+
+def _exp_ceil(amax: torch.Tensor) -> torch.Tensor:
+    e, m = _floor_log2(amax)
+    return e + (m > 1).to(torch.int32) - _ELEM_EMAX
+
+
+def _exp_rceil(amax: torch.Tensor) -> torch.Tensor:
+    # smallest e with amax / 2^e <= 6, computed exactly: amax <= 6 * 2^e  <=>  amax / 6 <= 2^e
+    e, m = _floor_log2(amax)  # amax = m * 2^e, m in [1, 2)
+    # m * 2^e <= 6 * 2^x  <=>  x >= e + log2(m / 6); log2(m/6) in [-2.585, -1.585) -> x = e - 2 if m <= 1.5 else e - 1
+    return e - 2 + (m > 1.5).to(torch.int32)
+
+
+SCALE_RULES = {"ct": _exp_ct, "floor": _exp_floor, "ceil": _exp_ceil, "rceil": _exp_rceil}
+
+
+def _scale_lut(device: torch.device) -> torch.Tensor:
+    """(256,) float32: 2^(e - 127) for every biased exponent byte (e = 255 gives inf)."""
+    key = torch.device(device)
+    lut = _SCALE_LUT_CACHE.get(key)
+    if lut is None:
+        lut = torch.tensor([2.0 ** (e - E8M0_BIAS) if e < 255 else float("inf") for e in range(256)],
+                           dtype=torch.float32, device=device)
+        _SCALE_LUT_CACHE[key] = lut
+    return lut
+
+
+class MXFP4Format:
+    """Handler for MXFP4 weights in the compressed-tensors ``mxfp4-pack-quantized`` layout."""
+
+    block = 32
+
+    def __init__(self, scale_rule: str = "ct"):
+        if scale_rule not in SCALE_RULES:
+            raise ValueError(f"unknown MXFP4 scale_rule {scale_rule!r}; valid rules: {sorted(SCALE_RULES)}")
+        self.scale_rule = scale_rule
+        self.name = "mxfp4" if scale_rule == "ct" else f"mxfp4-{scale_rule}"
+
+    def __repr__(self) -> str:
+        return f"MXFP4Format(scale_rule={self.scale_rule!r})"
+
+    def check_shape(self, n: int, k: int) -> None:
+        """Raise ValueError unless an (n, k) weight can be stored (K divisible by 32)."""
+        if n <= 0 or k <= 0 or k % self.block:
+            raise ValueError(
+                f"mxfp4 cannot quantize a weight of shape ({n}, {k}): the input dimension K={k} must be a "
+                f"positive multiple of the block size {self.block}"
+            )
+
+    def shared_exponent(self, amax: torch.Tensor) -> torch.Tensor:
+        """Biased E8M0 exponent (uint8) of each block from its amax (any float dtype), by this scale rule."""
+        amax = amax.to(torch.float64 if amax.dtype == torch.float64 else torch.float32)
+        e = SCALE_RULES[self.scale_rule](amax) + E8M0_BIAS
+        e = torch.where(amax > 0, e, torch.zeros_like(e))
+        return e.clamp(0, 254).to(torch.uint8)
+
+    @torch.no_grad()
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Quantize w (N, K) -> {weight_packed uint8 (N, K/2), weight_scale uint8 E8M0 (N, K/32)}."""
+        if w.dim() != 2:
+            raise ValueError(f"mxfp4 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
+        n, k = w.shape
+        self.check_shape(n, k)
+        if not w.is_floating_point():
+            raise ValueError(f"mxfp4 expects a floating-point weight, got {w.dtype}")
+        cdt = torch.float64 if w.dtype == torch.float64 else torch.float32
+        wg = w.detach().reshape(n, k // self.block, self.block).to(cdt)  # (N, G, 32), exact upcast
+        e = self.shared_exponent(wg.abs().amax(dim=-1))  # (N, G) uint8
+        scale = _scale_lut(w.device)[e.long()].to(cdt)  # (N, G); power-of-two division is exact
+        codes = e2m1_encode(wg / scale.unsqueeze(-1)).reshape(n, k)
+        return {"weight_packed": pack_nibbles(codes), "weight_scale": e}
+
+    def dequantize(self, q: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """W_hat (N, K) = e2m1 * 2^(weight_scale - 127), exact in float32, cast to dtype."""
+        packed = q["weight_packed"]
+        n, half = packed.shape
+        k = 2 * half
+        vals = decode_packed(packed).reshape(n, k // self.block, self.block)  # (N, G, 32)
+        scale = _scale_lut(packed.device)[q["weight_scale"].long()]  # (N, G)
+        return (vals * scale.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+    def bits_per_weight(self, n: int, k: int) -> float:
+        """4-bit elements + one 8-bit exponent per 32."""
+        return (4.0 * n * k + 8.0 * n * (k // self.block)) / (n * k)
