@@ -18,7 +18,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "assets" / "data"
@@ -252,7 +252,7 @@ _HUB_IDS = {"gsm8k": "openai/gsm8k (config main)", "math500": "HuggingFaceH4/MAT
             "aime24": "HuggingFaceH4/aime_2024", "bigmath": "open-r1/Big-Math-RL-Verified-Processed"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

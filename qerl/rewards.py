@@ -11,7 +11,7 @@ interrupt long C-level integer arithmetic anyway. So:
   3. the rest goes to `VerifierPool`: worker *processes* running math-verify with its signal timeouts as a soft
      limit and, as the hard limit, a per-item wall-clock deadline after which the worker is SIGKILLed and replaced.
      A timed-out or crashed item scores 0.0 and is counted in `stats["reward_errors"]`.
-The default pool starts lazily on first use (about 1-2 s per worker to import sympy), is shared by all threads
+The default pool starts lazily on first use (about a second per worker to import and warm up sympy), is shared by all threads
 (calls are serialised by a lock), survives forks (the child builds its own), and is shut down at exit.
 Workers die with the thread that spawned them (PR_SET_PDEATHSIG), so a killed trainer leaves no orphans.
 """
@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
@@ -163,24 +164,20 @@ def quick_verdict(gold: str, pred: str) -> float | None:
 
 def _worker_main() -> None:  # pragma: no cover - runs in a subprocess
     parent, soft, mem_mb = int(sys.argv[2]), int(sys.argv[3]) or None, int(sys.argv[4])
-    try:  # die with the parent's spawning thread, even while stuck in C code
+    with suppress(Exception):  # die with the parent's spawning thread, even while stuck in C code
         import ctypes
         import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
     if os.getppid() != parent:
         os._exit(0)
     proto = os.fdopen(os.dup(1), "w", encoding="ascii")
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol
     if mem_mb > 0:
-        try:
+        with suppress(Exception):
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (mem_mb << 20, mem_mb << 20))
-        except Exception:
-            pass
     import logging
 
     from math_verify import parse, verify
@@ -206,12 +203,13 @@ def _worker_main() -> None:  # pragma: no cover - runs in a subprocess
         g = gold_cache[gold]
         if not g:
             return 0.0
-        for c in cands:
+        for c in cands:  # the first candidate that parses decides
             p = parse(c, parsing_timeout=soft)
-            if p and verify(g, p, timeout_seconds=soft):
-                return 1.0
+            if p:
+                return float(verify(g, p, timeout_seconds=soft))
         return 0.0
 
+    score("\\frac{1}{2}", ["$0.5$"])  # warm up sympy/antlr before taking timed work
     proto.write('{"ready": true}\n')
     proto.flush()
     for line in sys.stdin.buffer:
@@ -250,8 +248,9 @@ _BOOT = (
 class VerifierPool:
     """Worker processes running math-verify, with a hard per-item wall-clock timeout (kill + respawn).
 
-    `verify(jobs)` takes [(gold, [candidate, ...]), ...] and returns [(score, error or None), ...]; an item is 1.0
-    if math-verify says any candidate equals the gold. Thread-safe; use as a context manager or call `close()`.
+    `verify(jobs)` takes [(gold, [candidate, ...]), ...] and returns [(score, error or None), ...]: the first
+    candidate that math-verify can parse is compared with the gold (wrapped in `$…$`). Thread-safe; use as a
+    context manager or call `close()`; `counters` holds items / timeouts / crashes / restarts.
     """
 
     num_workers: int = 0  # 0: min(4, cpu count)
@@ -307,7 +306,7 @@ class VerifierPool:
         with self._lock:
             self._prepare()
             self._run(jobs, results, time.monotonic() + self.batch_timeout_s)
-        self.counters["items"] += len(jobs)
+            self.counters["items"] += len(jobs)
         return results
 
     # -- internals (called with the lock held) --
@@ -323,26 +322,22 @@ class VerifierPool:
         soft = self.soft_timeout_s if self.soft_timeout_s is not None else max(1, int(self.timeout_s * 0.6))
         cmd = [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(os.getpid()), str(soft),
                str(self.memory_limit_mb)]
-        popen = lambda: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        # own session: a Ctrl-C meant for the trainer does not hit the workers mid-item (they die with it anyway)
+        popen = lambda: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                         start_new_session=True)
         w = _Worker(self._spawner.submit(popen).result(), time.monotonic() + self.startup_timeout_s)
         self._sel.register(w.proc.stdout, selectors.EVENT_READ, w)
         self._workers.append(w)
 
     def _drop(self, w: _Worker):
-        try:
+        with suppress(KeyError, ValueError):
             self._sel.unregister(w.proc.stdout)
-        except (KeyError, ValueError):
-            pass
-        try:
+        with suppress(Exception):
             w.proc.kill()
             w.proc.wait(timeout=5)
-        except Exception:
-            pass
         for f in (w.proc.stdin, w.proc.stdout):
-            try:
+            with suppress(Exception):
                 f.close()
-            except Exception:
-                pass
         self._workers.remove(w)
 
     def _replace(self, w: _Worker):
@@ -488,7 +483,7 @@ def accuracy(completions: Sequence, answers: Sequence, *, stats: dict | None = N
     _check(completions, answers)
     out = [0.0] * len(completions)
     jobs, where = [], []
-    for i, (c, a) in enumerate(zip(completions, answers)):
+    for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
         text, gold = _text(c), str(a).strip()
         pred, kind = extract_answer(text)
         pred = pred.strip()
@@ -510,7 +505,7 @@ def accuracy(completions: Sequence, answers: Sequence, *, stats: dict | None = N
         where.append(i)
     if jobs:
         res = (pool or get_pool()).verify(jobs)
-        for i, (score, err) in zip(where, res):
+        for i, (score, err) in zip(where, res, strict=True):
             out[i] = score
             if err in ("timeout", "batch_timeout", "soft_timeout"):
                 _bump(stats, "reward_timeouts")
@@ -558,7 +553,8 @@ def official_xml_answer(text: str) -> str:
 def gsm8k_exact(completions: Sequence, answers: Sequence, *, stats=None) -> list[float]:
     """2.0 if the stripped last `<answer>` text equals the gold string exactly (official code at e8c6e79)."""
     _check(completions, answers)
-    return [2.0 if official_xml_answer(_text(c)) == str(a).strip() else 0.0 for c, a in zip(completions, answers)]
+    return [2.0 if official_xml_answer(_text(c)) == str(a).strip() else 0.0
+            for c, a in zip(completions, answers, strict=True)]
 
 
 _STRICT_HASH = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -570,7 +566,7 @@ def gsm8k_hash(completions: Sequence, answers: Sequence, *, stats=None) -> list[
     answers like `1,080` could never be matched."""
     _check(completions, answers)
     out = []
-    for c, a in zip(completions, answers):
+    for c, a in zip(completions, answers, strict=True):
         found = _STRICT_HASH.findall(_text(c))
         pred = found[-1].replace(",", "").replace("$", "") if found else None
         out.append(1.0 if pred is not None and pred == str(a).strip().replace(",", "") else 0.0)
@@ -607,7 +603,7 @@ class RewardOutput:
             m = sum(v) / len(v) if v else 0.0
             return m, (sum((x - m) ** 2 for x in v) / len(v)) ** 0.5 if v else 0.0
 
-        out = dict(zip(("reward", "reward_std"), ms(self.total)))
+        out = dict(zip(("reward", "reward_std"), ms(self.total), strict=True))
         for k, v in self.per_function.items():
             out[f"rewards/{k}/mean"], out[f"rewards/{k}/std"] = ms(v)
         out.update({k: float(v) for k, v in self.stats.items()})
@@ -625,8 +621,8 @@ def combined(names: Sequence[str], weights: Sequence[float] | None = None) -> Ca
     def score(completions: Sequence, answers: Sequence) -> RewardOutput:
         _check(completions, answers)
         stats = {"reward_errors": 0}
-        per = {n: [float(x) for x in fn(completions, answers, stats=stats)] for n, fn in zip(names, fns)}
-        total = [sum(w * per[n][i] for n, w in zip(names, weights)) for i in range(len(completions))]
+        per = {n: [float(x) for x in fn(completions, answers, stats=stats)] for n, fn in zip(names, fns, strict=True)}
+        total = [sum(w * per[n][i] for n, w in zip(names, weights, strict=True)) for i in range(len(completions))]
         return RewardOutput(total, per, stats)
 
     return score
