@@ -1,0 +1,382 @@
+"""Fast matmuls against packed weights: ``qmm`` (x Wᵀ), ``qmm_t`` (g W), ``dequantize_into``.
+
+Every format of ``qerl.quant.FORMATS`` goes through the same three functions; the path is picked by device,
+format and M (rows of x flattened) and named by :func:`backend_for`:
+
+=================  =======================================================================================
+``triton_gemv``    NVFP4/MXFP4, CUDA, M <= 16: split-K tiled kernel, in-register FP4->BF16 by bit manipulation
+``triton_gemm``    NVFP4/MXFP4, CUDA, 16 < M <= 256: tiled GEMM, in-register dequantization feeding tl.dot
+``dequant_cublas`` NVFP4/MXFP4, CUDA, larger M, every ``qmm_t``, and x not BF16: Triton dequantization into
+                   a reusable per-device buffer, then cuBLAS (no dequantized weight outlives the call)
+``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
+``dense``          BF16 weights: ``F.linear``
+``torch_reference`` CPU, no Triton, odd shapes: ``qerl.quant.FORMATS[fmt].dequantize`` then ``F.linear``
+=================  =======================================================================================
+
+The Triton kernels are CUDA-graph capturable (no host sync, allocations depend on shapes only) once a
+weight has been seen eagerly: the first call on a weight runs :func:`prepare`, which checks its scales once
+(one host sync) and caches the result per tensor. Call it at load time, or run one eager step before capture.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from qerl.kernels import configs
+
+try:  # Triton is optional: CPU hosts without it use the reference path.
+    import triton
+
+    from qerl.kernels import fp4_triton as _k
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the host
+    triton, _k, HAS_TRITON = None, None, False
+
+BACKENDS = ("triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
+_FP4 = {"nvfp4": 0, "mxfp4": 1}
+_GROUP = {0: 16, 1: 32}
+_COUNTER_SLOTS = 1 << 16
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fp4_id(fmt: str) -> int | None:
+    """0 for nvfp4, 1 for mxfp4 and its scale-rule variants (same packing), None otherwise."""
+    if fmt in _FP4:
+        return _FP4[fmt]
+    if fmt.startswith("mxfp4-"):
+        return 1
+    return None
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt in ("bf16", "nf4") or _fp4_id(fmt) is not None:
+        return
+    raise ValueError(f"unknown weight format {fmt!r}; valid formats: ['bf16', 'mxfp4', 'nf4', 'nvfp4']")
+
+
+@dataclass
+class PackedFP4:
+    """Kernel view of an NVFP4/MXFP4 weight: the checkpoint tensors themselves (no copies) plus facts
+    checked once. ``scale`` is ``weight_scale`` viewed as uint8; ``asm_ok`` says the inline-PTX decoder's
+    range conditions hold (see ``fp4_triton``)."""
+
+    fmt_id: int
+    n: int
+    k: int
+    packed: torch.Tensor  # (N, K/2) uint8
+    scale: torch.Tensor  # (N, K/G) uint8
+    gs: torch.Tensor | None  # (1,) float32, NVFP4 only
+    asm_ok: bool
+    stamp: tuple
+
+    @property
+    def group(self) -> int:
+        return _GROUP[self.fmt_id]
+
+
+_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_BNB_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_DEV_INFO: dict[int, tuple[str, int, int]] = {}
+
+
+def _stamp(*ts: torch.Tensor | None) -> tuple:
+    return tuple((t.data_ptr(), t._version) for t in ts if t is not None)
+
+
+def prepare(fmt: str, q: Mapping[str, torch.Tensor]) -> PackedFP4:
+    """Kernel view of an NVFP4/MXFP4 weight (cached per ``weight_packed`` tensor; re-checked if it changes).
+
+    Checks once (one host sync) whether the fast inline-PTX decoder is exact for these scales: every E4M3
+    block scale a positive normal number, every E8M0 exponent <= 154. Inside CUDA-graph capture the check
+    is skipped and the always-exact decoder is used.
+    """
+    fid = _fp4_id(fmt)
+    if fid is None:
+        raise ValueError(f"prepare() handles nvfp4 and mxfp4 weights, got {fmt!r}")
+    packed, scale = q["weight_packed"], q["weight_scale"]
+    gs = q.get("weight_global_scale") if fid == 0 else None
+    stamp = _stamp(packed, scale, gs)
+    hit = _PREPARED.get(packed)
+    if hit is not None and hit.stamp == stamp and hit.fmt_id == fid:
+        return hit
+    n, kh = packed.shape
+    k = 2 * kh
+    g = _GROUP[fid]
+    if scale.shape != (n, k // g):
+        raise ValueError(f"{fmt}: weight_scale has shape {tuple(scale.shape)}, expected {(n, k // g)}")
+    s8 = scale.contiguous().view(torch.uint8)
+    asm_ok = False
+    if packed.is_cuda and not torch.cuda.is_current_stream_capturing():
+        if fid == 0:
+            asm_ok = bool((((s8 & 0x80) == 0) & ((s8 & 0x78) != 0)).all().item())
+        else:
+            asm_ok = int(s8.max().item()) <= _k.MX_ASM_MAX_EXP if _k is not None else False
+    pw = PackedFP4(fid, n, k, packed.contiguous(), s8,
+                   None if gs is None else gs.reshape(1).to(torch.float32), asm_ok, stamp)
+    _PREPARED[packed] = pw
+    return pw
+
+
+def _device_info(dev: torch.device) -> tuple[str, int, int]:
+    """(name, SM count, compute capability major*10+minor) of a CUDA device, cached."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    info = _DEV_INFO.get(idx)
+    if info is None:
+        p = torch.cuda.get_device_properties(idx)
+        info = (p.name, p.multi_processor_count, p.major * 10 + p.minor)
+        _DEV_INFO[idx] = info
+    return info
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    return HAS_TRITON and ((x.is_cuda and torch.cuda.is_available()) or _interpret())
+
+
+def _nf4_on_gpu(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def backend_for(fmt: str, x: torch.Tensor) -> str:
+    """Name of the path ``qmm(x, fmt, q)`` takes (one of ``BACKENDS``)."""
+    _check_fmt(fmt)
+    if fmt == "bf16":
+        return "dense"
+    if fmt == "nf4":
+        return "bnb" if _nf4_on_gpu(x) else "torch_reference"
+    if not _triton_ok(x) or not x.is_cuda:
+        return "torch_reference"
+    if x.dtype != torch.bfloat16:
+        return "dequant_cublas"
+    m = x.numel() // max(1, x.shape[-1])
+    if m > configs.GEMM_MAX_M:
+        return "dequant_cublas"
+    return "triton_gemv" if m <= configs.GEMV_MAX_M else "triton_gemm"
+
+
+def supports(fmt: str, x: torch.Tensor) -> bool:
+    """True when ``qmm(x, fmt, ·)`` runs on a GPU path (Triton, cuBLAS or bitsandbytes), not the reference."""
+    return backend_for(fmt, x) != "torch_reference"
+
+
+# ----------------------------------------------------------------------------------------- reference
+
+def _reference_weight(fmt: str, q: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    from qerl.quant import get_format
+    if fmt == "bf16":
+        return q["weight"].to(dtype)
+    name = "mxfp4" if fmt.startswith("mxfp4") else fmt
+    return get_format(name).dequantize(q, dtype)
+
+
+# ----------------------------------------------------------------------------------------- buffers
+
+def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A flat reusable buffer per (device, dtype), grown to the largest weight seen (old one released)."""
+    key = (device, dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        _WORKSPACE.pop(key, None)
+        buf = torch.empty(numel, device=device, dtype=dtype)
+        _WORKSPACE[key] = buf
+    return buf[:numel]
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 split-K tile counters per (device, stream); each kernel leaves them zero again."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = torch.zeros(_COUNTER_SLOTS, device=device, dtype=torch.int32)
+        _COUNTERS[key] = c
+    return c
+
+
+# ----------------------------------------------------------------------------------------- launchers
+
+def _use_asm(pw: PackedFP4, dev: torch.device) -> bool:
+    if _interpret() or not pw.asm_ok or dev.type != "cuda":
+        return False
+    return _device_info(dev)[2] >= 90
+
+
+def _launch(x2: torch.Tensor, pw: PackedFP4, cfg: configs.KernelConfig, out: torch.Tensor,
+            use_asm: bool | None = None) -> torch.Tensor:
+    """Run one fused kernel: out (M, N) = x2 (M, K) @ Wᵀ. x2 is BF16 with unit stride along K."""
+    m, k = x2.shape
+    n = pw.n
+    dev = x2.device
+    asm = _use_asm(pw, dev) if use_asm is None else use_asm
+    fence = dev.type == "cuda" and not _interpret()
+    gs = pw.gs if pw.gs is not None else pw.packed  # dummy pointer when HAS_G is off
+    n_iter = triton.cdiv(k, cfg.bk)
+    sk = max(d for d in range(1, min(cfg.split_k, n_iter) + 1) if n_iter % d == 0)
+    common = dict(FMT=pw.fmt_id, G=pw.group, USE_ASM=asm, HAS_G=pw.gs is not None,
+                  OUT_C=_k.ASM_OUT_SCALE if asm else 1.0, BN=cfg.bn, BK=cfg.bk, SPLIT_K=sk,
+                  MASKED=bool(n % cfg.bn or k % cfg.bk), FENCE=fence,
+                  num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.kernel == "gemv":
+        grid = (triton.cdiv(n, cfg.bn), sk, m)
+        tiles = grid[0] * m
+    else:
+        grid = (triton.cdiv(n, cfg.bn), triton.cdiv(m, cfg.bm), sk)
+        tiles = grid[0] * grid[1]
+    if sk > 1:
+        if tiles > _COUNTER_SLOTS:
+            raise ValueError(f"split-K launch with {tiles} tiles exceeds {_COUNTER_SLOTS} counters")
+        ws = torch.empty((sk, m, n), device=dev, dtype=torch.float32)
+        cnt = _counters(dev)
+    else:
+        ws, cnt = out, out
+    args = (x2, pw.packed, pw.scale, gs, out, ws, cnt, m, n, k, x2.stride(0), out.stride(0), n_iter // sk)
+    if cfg.kernel == "gemv":
+        _k._qgemv_kernel[grid](*args, **common)
+    else:
+        _k._qmm_dot_kernel[grid](*args, BM=cfg.bm, SWAP=cfg.swap, JOIN=cfg.join, DOT_F32=_interpret(), **common)
+    return out
+
+
+def _dequant_launch(pw: PackedFP4, out: torch.Tensor, bn: int = 32, bk: int = 256) -> torch.Tensor:
+    grid = (triton.cdiv(pw.n, bn), triton.cdiv(pw.k, bk))
+    gs = pw.gs if pw.gs is not None else pw.packed
+    _k._dequant_kernel[grid](pw.packed, pw.scale, gs, out, pw.n, pw.k, FMT=pw.fmt_id, G=pw.group,
+                             HAS_G=pw.gs is not None, BN=bn, BK=bk,
+                             MASKED=bool(pw.n % bn or pw.k % bk), num_warps=4)
+    return out
+
+
+def kernel_config(fmt: str, n: int, k: int, m: int, device: torch.device) -> configs.KernelConfig:
+    """The launch configuration the dispatcher uses for this layer shape and M on ``device``."""
+    if device.type == "cuda":
+        name, sms, _ = _device_info(device)
+    else:
+        name, sms = "", 132
+    return configs.lookup(fmt, n, k, m, name, sms)
+
+
+# ----------------------------------------------------------------------------------------- public API
+
+def dequantize_into(fmt: str, q: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense weight Ŵ (N, K) (Triton on GPU, the reference elsewhere).
+
+    With ``out=None`` the result lives in a reusable per-device BF16 workspace (one buffer per (device, dtype),
+    sized to the largest weight seen) and is valid until the next call on that device: use it at once.
+    ``out`` may be any float dtype; FP4 values are computed in float32 exactly as the reference does.
+    """
+    _check_fmt(fmt)
+    if _fp4_id(fmt) is None or not _triton_ok(q["weight_packed"] if "weight_packed" in q else q["weight"]):
+        dev = next(iter(q.values())).device
+        dtype = torch.bfloat16 if out is None else out.dtype
+        if fmt == "nf4" and dev.type == "cuda" and _nf4_on_gpu(q["weight_packed"]):
+            w = _bnb_dequant(q, dev)
+        else:
+            w = _reference_weight(fmt, q, dtype)
+        if out is None:
+            return w
+        return out.copy_(w)
+    pw = prepare(fmt, q)
+    if out is None:
+        out = _workspace(pw.packed.device, torch.bfloat16, pw.n * pw.k).view(pw.n, pw.k)
+    if out.shape != (pw.n, pw.k) or not out.is_contiguous():
+        raise ValueError(f"dequantize_into: out must be contiguous {(pw.n, pw.k)}, got {tuple(out.shape)}")
+    return _dequant_launch(pw, out)
+
+
+def qmm(x: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """x (..., K) @ Ŵᵀ -> (..., N) in x's dtype, Ŵ (N, K) the weight stored in ``q`` (format ``fmt``)."""
+    backend = backend_for(fmt, x)
+    if backend == "dense":
+        w = q["weight"]
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+    if backend == "torch_reference":
+        return F.linear(x, _reference_weight(fmt, q, x.dtype))
+    if backend == "bnb":
+        return _bnb_matmul(x, q)
+    pw = prepare(fmt, q)
+    k = x.shape[-1]
+    if k != pw.k:
+        raise ValueError(f"qmm: x has K={k}, the {fmt} weight is {(pw.n, pw.k)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, pw.n), device=x.device, dtype=x.dtype)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], pw.n)
+    cfg = None
+    if backend != "dequant_cublas":
+        cfg = kernel_config(fmt, pw.n, pw.k, m, x.device)
+        if cfg.kernel == "cublas":
+            backend = "dequant_cublas"
+    if backend == "dequant_cublas":
+        w = dequantize_into(fmt, q, None if x.dtype == torch.bfloat16 else
+                            _workspace(x.device, x.dtype, pw.n * pw.k).view(pw.n, pw.k))
+        torch.mm(x2, w.t(), out=out)
+    else:
+        _launch(x2, pw, cfg, out)
+    return out.reshape(*x.shape[:-1], pw.n)
+
+
+def qmm_t(g: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """g (..., N) @ Ŵ -> (..., K) in g's dtype: the input gradient of ``qmm`` (dequantize + cuBLAS on GPU)."""
+    _check_fmt(fmt)
+    if fmt == "bf16":
+        w = q["weight"]
+        return torch.matmul(g, w if w.dtype == g.dtype else w.to(g.dtype))
+    if fmt == "nf4":
+        w = _bnb_dequant(q, g.device) if _nf4_on_gpu(g) else _reference_weight(fmt, q, g.dtype)
+        return torch.matmul(g, w.to(g.dtype))
+    if not (_triton_ok(g) and g.is_cuda):
+        return torch.matmul(g, _reference_weight(fmt, q, g.dtype))
+    pw = prepare(fmt, q)
+    out_buf = None if g.dtype == torch.bfloat16 else _workspace(g.device, g.dtype, pw.n * pw.k).view(pw.n, pw.k)
+    w = dequantize_into(fmt, q, out_buf)
+    return torch.matmul(g, w)
+
+
+# ----------------------------------------------------------------------------------------- NF4 (bitsandbytes)
+
+def _bnb_state(q: Mapping[str, torch.Tensor], device: torch.device):
+    packed = q["weight_packed"]
+    hit = _BNB_STATES.get(packed)
+    if hit is not None and hit[0] == _stamp(packed):
+        return hit[1]
+    from qerl.quant.nf4 import to_bnb_quant_state
+    state = to_bnb_quant_state(q, device)
+    _BNB_STATES[packed] = (_stamp(packed), state)
+    return state
+
+
+def _bnb_dequant(q: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    import bitsandbytes.functional as bnbf
+    return bnbf.dequantize_4bit(q["weight_packed"], _bnb_state(q, device))
+
+
+def _bnb_matmul(x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    import bitsandbytes as bnb
+    state = _bnb_state(q, x.device)
+    w = q["weight_packed"]
+    if x.dtype != state.dtype:
+        return F.linear(x, _bnb_dequant(q, x.device).to(x.dtype))
+    return bnb.matmul_4bit(x, w.t(), quant_state=state)
+
+
+__all__ = ["qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
+           "PackedFP4", "BACKENDS", "HAS_TRITON"]

@@ -1,0 +1,103 @@
+"""Launch configurations of the FP4 kernels: a measured table per layer shape and M bucket, and a fallback rule.
+
+A configuration is a handful of constexprs from a small set, so each one compiles once and a new shape or a
+new M inside a bucket never recompiles. ``TUNED`` is filled from ``python -m qerl.kernels.bench --tune``
+on the device named in ``TUNED_DEVICE`` (see NOTES.md); other devices and untuned shapes use ``heuristic``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+#: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
+#: weight is dequantized into a reusable BF16 buffer and cuBLAS does the product.
+GEMV_MAX_M = 16
+GEMM_MAX_M = 256
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch of ``_qmm_dot_kernel`` ("dot") or ``_qgemv_kernel`` ("gemv"), or "cublas" (dequant + cuBLAS)."""
+
+    kernel: str = "dot"
+    bm: int = 16
+    bn: int = 64
+    bk: int = 256
+    split_k: int = 1
+    swap: bool = True
+    join: bool = False
+    warps: int = 4
+    stages: int = 3
+
+    def key(self) -> str:
+        if self.kernel == "cublas":
+            return "cublas"
+        if self.kernel == "gemv":
+            return f"gemv_n{self.bn}_k{self.bk}_s{self.split_k}_w{self.warps}_st{self.stages}"
+        return (f"dot_m{self.bm}_n{self.bn}_k{self.bk}_s{self.split_k}_{'swap' if self.swap else 'nt'}"
+                f"{'_join' if self.join else ''}_w{self.warps}_st{self.stages}")
+
+    @staticmethod
+    def parse(key: str) -> "KernelConfig":
+        """Inverse of :meth:`key`."""
+        if key == "cublas":
+            return KernelConfig(kernel="cublas")
+        parts = key.split("_")
+        kind, vals = parts[0], {}
+        flags = set()
+        for p in parts[1:]:
+            if p in ("swap", "nt", "join"):
+                flags.add(p)
+            else:
+                name = p.rstrip("0123456789")
+                vals[name] = int(p[len(name):])
+        cfg = KernelConfig(kernel=kind, bn=vals["n"], bk=vals["k"], split_k=vals["s"], warps=vals["w"],
+                           stages=vals["st"])
+        if kind == "dot":
+            cfg = replace(cfg, bm=vals["m"], swap="swap" in flags, join="join" in flags)
+        return cfg
+
+
+def m_bucket(m: int) -> int:
+    """Smallest power of two >= m (1, 2, 4, ...): configurations are chosen per bucket."""
+    return 1 << max(0, (int(m) - 1).bit_length())
+
+
+def _split_for(tiles: int, k: int, bk: int, sms: int) -> int:
+    """Split K until the grid covers about two waves of SMs (at least one full K tile per split)."""
+    split = 1
+    while tiles * split < 2 * sms and split < 16 and k // (bk * split * 2) >= 1:
+        split *= 2
+    return split
+
+
+def heuristic(n: int, k: int, m: int, sms: int = 132) -> KernelConfig:
+    """Rule-of-thumb configuration for shapes missing from the tuned table."""
+    if m > GEMM_MAX_M:
+        return KernelConfig(kernel="cublas")
+    if m <= GEMV_MAX_M:
+        bn, bk = 64, 256
+        tiles = -(-n // bn)
+        return KernelConfig(kernel="dot", bm=16, bn=bn, bk=bk, split_k=_split_for(tiles, k, bk, sms),
+                            swap=True, warps=4, stages=3)
+    bm = 32 if m <= 32 else 64 if m <= 64 else 128
+    bn, bk = 128, 128
+    tiles = -(-n // bn) * -(-m // bm)
+    return KernelConfig(kernel="dot", bm=bm, bn=bn, bk=bk, split_k=_split_for(tiles, k, bk, sms),
+                        swap=False, warps=4 if bm <= 64 else 8, stages=3)
+
+
+#: Device name substring the table was measured on (``torch.cuda.get_device_name``).
+TUNED_DEVICE = "H100"
+#: (fmt, N, K, M bucket) -> configuration key (``KernelConfig.key``), from the tuning run in NOTES.md.
+TUNED: dict[tuple[str, int, int, int], str] = {}
+
+
+def lookup(fmt: str, n: int, k: int, m: int, device_name: str = "", sms: int = 132) -> KernelConfig:
+    """The tuned configuration for this layer shape and M (same device family), else :func:`heuristic`."""
+    fam = "mxfp4" if fmt.startswith("mxfp4") else fmt
+    if TUNED_DEVICE in device_name:
+        key = TUNED.get((fam, n, k, m_bucket(m)))
+        if key is not None:
+            return KernelConfig.parse(key)
+    return heuristic(n, k, m, sms)
