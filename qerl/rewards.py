@@ -132,7 +132,7 @@ def as_number(s: str) -> Decimal | None:
     s = s.strip()
     if len(s) > 64:
         return None
-    s = s.replace("\\$", "").replace("$", "").replace("{,}", ",").replace("\\!", "").strip().rstrip(".")
+    s = re.sub(r"\s+", "", s.replace("\\$", "").replace("$", "").replace("{,}", ",").replace("\\!", "")).rstrip(".")
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
     if not _PLAIN_NUMBER.fullmatch(s):
@@ -456,7 +456,14 @@ def shutdown_pool() -> None:
             _POOL = None
 
 
+def _forget_pool_in_child() -> None:  # a forked child must not touch the parent's workers or a held lock
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
 atexit.register(shutdown_pool)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 # --------------------------------------------------------------------------------------------------------------
 # Reward functions.
@@ -484,7 +491,7 @@ def accuracy(completions: Sequence, answers: Sequence, *, stats: dict | None = N
     out = [0.0] * len(completions)
     jobs, where = [], []
     for i, (c, a) in enumerate(zip(completions, answers, strict=True)):
-        text, gold = _text(c), str(a).strip()
+        text, gold = _text(c), ("" if a is None else str(a).strip())
         pred, kind = extract_answer(text)
         pred = pred.strip()
         if not gold or not pred:

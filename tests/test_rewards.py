@@ -5,6 +5,7 @@ timeouts work); the format rewards are checked against the official code's regul
 """
 
 import json
+import os
 import random
 import re
 import threading
@@ -82,6 +83,8 @@ def test_math500_every_gold_boxed_is_right_and_shifted_matches_math_verify(pool)
     golds = [r["answer"] for r in MATH500]  # all 500 right (cheap: identical strings are decided in-process)
     right = R.accuracy([f"<think>..</think> so the answer is $\\boxed{{{g}}}$" for g in golds], golds, pool=pool)
     assert right == [1.0] * len(golds)
+    # the same through math-verify in the workers (no in-process shortcut): every other gold against itself
+    assert [v for v, _ in pool.verify([(g, [f"${g}$"]) for g in golds[::2]])] == [1.0] * len(golds[::2])
     golds = golds[::3]  # every third problem keeps the test fast; wrong answers need full sympy work
     shifted = golds[1:] + golds[:1]  # each problem answered with the next problem's answer
     got = R.accuracy([f"<answer>{p}</answer>" for p in shifted], golds, pool=pool)
@@ -212,6 +215,27 @@ def test_called_from_threads_uses_the_default_pool():
     assert R.accuracy(comps, golds) == expect  # and from the main thread, after the spawning threads are gone
     R.shutdown_pool()
     R.configure_pool()
+
+
+def test_default_pool_works_in_a_forked_child():
+    comps, golds = ["\\boxed{\\frac{2}{4}}", "<answer>3</answer>"], ["0.5", "4"]
+    assert R.accuracy(comps, golds) == [1.0, 0.0]  # parent starts the default pool
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must build its own pool, not talk to the parent's workers
+        code = 1
+        try:
+            os.write(w, json.dumps(R.accuracy(comps, golds)).encode())
+            R.shutdown_pool()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert json.loads(os.read(r, 1000)) == [1.0, 0.0]
+    assert R.accuracy(comps, golds) == [1.0, 0.0]  # the parent's pool is untouched
+    R.shutdown_pool()
 
 
 def test_256_normal_completions_are_fast(pool):
