@@ -183,7 +183,7 @@ def test_mxfp4_rules_never_saturate_when_they_should_not():
         q = f.quantize(w)
         scale = torch.exp2(q["weight_scale"].float() - 127)
         assert (blocks.abs().amax(-1) / scale <= 6.0).all(), rule
-    assert FORMATS["mxfp4"].scale_rule == "ct"
+    assert FORMATS["mxfp4"].scale_rule == "ct" and MXFP4Format(scale_rule="floor").name == "mxfp4"
     with pytest.raises(ValueError, match="valid rules"):
         MXFP4Format(scale_rule="nearest")
 
@@ -195,7 +195,7 @@ bnbf = pytest.importorskip("bitsandbytes.functional")
 def _nf4_cases():
     g = torch.Generator().manual_seed(2)
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        for shape in [(4, 64), (33, 256), (200, 1024)]:  # 4, 132, 3200 blocks: partial nested blocks
+        for shape in [(4, 64), (33, 256), (100, 1024)]:  # 4, 132, 1600 blocks: partial nested blocks
             mags = (1.0, 0.02, 1e-30, 1e30) if dtype != torch.float16 else (1.0, 0.02, 1e-4, 1e4)
             for mag in mags:
                 yield dtype, (torch.randn(*shape, generator=g) * mag).to(dtype)
@@ -312,6 +312,24 @@ def test_nvfp4_fused_global_scale():
     gs = NVFP4Format.global_scale(wq, wk)
     assert torch.equal(gs, NVFP4Format.global_scale(torch.cat([wq, wk])))
     check_against_ct(wq.to(torch.bfloat16), "nvfp4", global_scale=NVFP4Format.global_scale(wq.bfloat16(), wk.bfloat16()))
+
+
+def test_report_runs_small(tmp_path):
+    from qerl.quant import report
+
+    text = report.build_report(rows=8, shapes={"q_proj": (64, 256), "down_proj": (64, 512)})
+    table = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| format")]
+    rows = {(c[0], c[1]): c[2:] for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in table)}
+    assert set(rows) == {("bf16", "-"), ("nf4", "-"), ("nvfp4", "-"), ("mxfp4", "ct (default)"),
+                         ("mxfp4", "floor"), ("mxfp4", "ceil"), ("mxfp4", "rceil")}
+    assert [rows[k][0] for k in [("bf16", "-"), ("mxfp4", "floor")]] == ["16.000", "4.250"]
+    assert all(float(e) == 0.0 for e in rows[("bf16", "-")][1:])
+    for key, cells in rows.items():
+        if key[0] != "bf16":
+            assert all(0.03 < float(e) < 0.3 for e in cells[1:]), (key, cells)
+    out = tmp_path / "r.md"
+    written = report.main(["--rows", "2", "--out", str(out)])
+    assert out.read_text() == written and "down_proj-like 3584x18944" in written
 
 
 @pytest.mark.gpu

@@ -72,15 +72,19 @@ def _scale_lut(device: torch.device) -> torch.Tensor:
 
 
 class MXFP4Format:
-    """Handler for MXFP4 weights in the compressed-tensors ``mxfp4-pack-quantized`` layout."""
+    """Handler for MXFP4 weights in the compressed-tensors ``mxfp4-pack-quantized`` layout.
 
+    ``scale_rule`` only changes how ``quantize`` picks exponents; the stored layout and ``dequantize`` are the
+    same for every rule, so ``name`` is always "mxfp4".
+    """
+
+    name = "mxfp4"
     block = 32
 
     def __init__(self, scale_rule: str = "ct"):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"unknown MXFP4 scale_rule {scale_rule!r}; valid rules: {sorted(SCALE_RULES)}")
         self.scale_rule = scale_rule
-        self.name = "mxfp4" if scale_rule == "ct" else f"mxfp4-{scale_rule}"
 
     def __repr__(self) -> str:
         return f"MXFP4Format(scale_rule={self.scale_rule!r})"
