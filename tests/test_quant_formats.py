@@ -97,6 +97,19 @@ def test_fp4_formats_bit_identical_to_compressed_tensors(fmt, dtype):
             raise AssertionError(f"case {name}: {e}") from None
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_formats_float16_inputs(fmt):
+    # float16 keeps compressed-tensors' scale parameter in float16 too (subnormal block maxima matter there)
+    for _, w in _random_cases():
+        if torch.isfinite(w.half()).all():
+            check_against_ct(w.half(), fmt)
+    w = torch.zeros(10, 64)
+    for i, amax in enumerate([2.0**-23, 2.0**-20, -3e-8, 1.75 * 2**-15, 1.74 * 2**-15, 2.0**-14, 0.7 * 2**-14,
+                              0.75 * 2**-14, 0.74 * 2**-14, 0.999 * 2**-14]):
+        w[i, :32] = torch.linspace(-1, 1, 32) * amax
+    check_against_ct(w.half(), fmt)
+
+
 def _tie_values(unit: float) -> torch.Tensor:
     """Exact E2M1 ties (midpoints between grid points), their negatives, grid points, saturating values."""
     ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]

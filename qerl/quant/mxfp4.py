@@ -115,7 +115,15 @@ class MXFP4Format:
             raise ValueError(f"mxfp4 expects a floating-point weight, got {w.dtype}")
         cdt = torch.float64 if w.dtype == torch.float64 else torch.float32
         wg = w.detach().reshape(n, k // self.block, self.block).to(cdt)  # (N, G, 32), exact upcast
-        e = self.shared_exponent(wg.abs().amax(dim=-1))  # (N, G) uint8
+        amax = wg.abs().amax(dim=-1)  # (N, G)
+        e = self.shared_exponent(amax)  # (N, G) uint8
+        if self.scale_rule == "ct" and w.dtype == torch.float16:
+            # compressed-tensors rounds amax to a power of two with a bit trick in float16. On a subnormal amax
+            # (< 2^-14, no implicit leading 1) it gives 2^-14 when amax >= 0.75 * 2^-14 and 0 otherwise; a 0
+            # scale is then replaced by 1 (e = 127). Match it so fp16 weights stay bit-identical too.
+            sub = amax < 2.0**-14
+            e = torch.where(sub & (amax >= 0.75 * 2.0**-14), torch.full_like(e, E8M0_BIAS - 14 - _ELEM_EMAX), e)
+            e = torch.where(sub & (amax < 0.75 * 2.0**-14), torch.full_like(e, E8M0_BIAS), e)
         scale = _scale_lut(w.device)[e.long()].to(cdt)  # (N, G); power-of-two division is exact
         codes = e2m1_encode(wg / scale.unsqueeze(-1)).reshape(n, k)
         return {"weight_packed": pack_nibbles(codes), "weight_scale": e}
