@@ -21,8 +21,8 @@ weight has been seen eagerly: the first call on a weight runs :func:`prepare`, w
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -153,19 +153,28 @@ def _nf4_on_gpu(x: torch.Tensor) -> bool:
     return True
 
 
-def backend_for(fmt: str, x: torch.Tensor) -> str:
-    """Name of the path ``qmm(x, fmt, q)`` takes (one of ``BACKENDS``)."""
+def backend_for(fmt: str, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None = None) -> str:
+    """Name of the path ``qmm(x, fmt, q)`` takes (one of ``BACKENDS``).
+
+    Without ``q`` the layer shape is unknown and the rule of ``configs`` by M alone is reported; with it,
+    the (tuned) configuration of that shape decides, exactly as in ``qmm``.
+    """
     _check_fmt(fmt)
     if fmt == "bf16":
         return "dense"
     if fmt == "nf4":
         return "bnb" if _nf4_on_gpu(x) else "torch_reference"
-    if not _triton_ok(x) or not x.is_cuda:
+    if not (_triton_ok(x) and x.is_cuda):
         return "torch_reference"
     if x.dtype != torch.bfloat16:
         return "dequant_cublas"
     m = x.numel() // max(1, x.shape[-1])
-    if m > configs.GEMM_MAX_M:
+    if q is not None:
+        n, kh = q["weight_packed"].shape
+        cfg = kernel_config(fmt, n, 2 * kh, m, x.device)
+    else:
+        cfg = configs.heuristic(1, x.shape[-1], m)
+    if cfg.kernel == "cublas":
         return "dequant_cublas"
     return "triton_gemv" if m <= configs.GEMV_MAX_M else "triton_gemm"
 
@@ -227,8 +236,9 @@ def _launch(x2: torch.Tensor, pw: PackedFP4, cfg: configs.KernelConfig, out: tor
     fence = dev.type == "cuda" and not _interpret()
     gs = pw.gs if pw.gs is not None else pw.packed  # dummy pointer when HAS_G is off
     n_iter = triton.cdiv(k, cfg.bk)
-    sk = max(d for d in range(1, min(cfg.split_k, n_iter) + 1) if n_iter % d == 0)
-    common = dict(FMT=pw.fmt_id, G=pw.group, USE_ASM=asm, HAS_G=pw.gs is not None,
+    per = triton.cdiv(n_iter, min(cfg.split_k, n_iter))
+    sk = triton.cdiv(n_iter, per)  # no empty splits
+    common = dict(MODE=cfg.mode, FMT=pw.fmt_id, G=pw.group, USE_ASM=asm, HAS_G=pw.gs is not None,
                   OUT_C=_k.ASM_OUT_SCALE if asm else 1.0, BN=cfg.bn, BK=cfg.bk, SPLIT_K=sk,
                   MASKED=bool(n % cfg.bn or k % cfg.bk), FENCE=fence,
                   num_warps=cfg.warps, num_stages=cfg.stages)
@@ -245,7 +255,7 @@ def _launch(x2: torch.Tensor, pw: PackedFP4, cfg: configs.KernelConfig, out: tor
         cnt = _counters(dev)
     else:
         ws, cnt = out, out
-    args = (x2, pw.packed, pw.scale, gs, out, ws, cnt, m, n, k, x2.stride(0), out.stride(0), n_iter // sk)
+    args = (x2, pw.packed, pw.scale, gs, out, ws, cnt, m, n, k, x2.stride(0), out.stride(0), per, n_iter)
     if cfg.kernel == "gemv":
         _k._qgemv_kernel[grid](*args, **common)
     else:
@@ -320,12 +330,8 @@ def qmm(x: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tenso
     out = torch.empty((m, pw.n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out.reshape(*x.shape[:-1], pw.n)
-    cfg = None
-    if backend != "dequant_cublas":
-        cfg = kernel_config(fmt, pw.n, pw.k, m, x.device)
-        if cfg.kernel == "cublas":
-            backend = "dequant_cublas"
-    if backend == "dequant_cublas":
+    cfg = kernel_config(fmt, pw.n, pw.k, m, x.device) if backend != "dequant_cublas" else None
+    if cfg is None or cfg.kernel == "cublas":
         w = dequantize_into(fmt, q, None if x.dtype == torch.bfloat16 else
                             _workspace(x.device, x.dtype, pw.n * pw.k).view(pw.n, pw.k))
         torch.mm(x2, w.t(), out=out)

@@ -28,17 +28,19 @@ class KernelConfig:
     join: bool = False
     warps: int = 4
     stages: int = 3
+    mode: int = 1  # packed-tile load: 1 = 3-D (BN, BK/G, G/2), 2 = 2-D (BN, BK/2) then reshape
 
     def key(self) -> str:
         if self.kernel == "cublas":
             return "cublas"
+        tail = f"_w{self.warps}_st{self.stages}" + ("" if self.mode == 1 else f"_md{self.mode}")
         if self.kernel == "gemv":
-            return f"gemv_n{self.bn}_k{self.bk}_s{self.split_k}_w{self.warps}_st{self.stages}"
+            return f"gemv_n{self.bn}_k{self.bk}_s{self.split_k}" + tail
         return (f"dot_m{self.bm}_n{self.bn}_k{self.bk}_s{self.split_k}_{'swap' if self.swap else 'nt'}"
-                f"{'_join' if self.join else ''}_w{self.warps}_st{self.stages}")
+                f"{'_join' if self.join else ''}" + tail)
 
     @staticmethod
-    def parse(key: str) -> "KernelConfig":
+    def parse(key: str) -> KernelConfig:
         """Inverse of :meth:`key`."""
         if key == "cublas":
             return KernelConfig(kernel="cublas")
@@ -52,7 +54,7 @@ class KernelConfig:
                 name = p.rstrip("0123456789")
                 vals[name] = int(p[len(name):])
         cfg = KernelConfig(kernel=kind, bn=vals["n"], bk=vals["k"], split_k=vals["s"], warps=vals["w"],
-                           stages=vals["st"])
+                           stages=vals["st"], mode=vals.get("md", 1))
         if kind == "dot":
             cfg = replace(cfg, bm=vals["m"], swap="swap" in flags, join="join" in flags)
         return cfg

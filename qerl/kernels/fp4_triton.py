@@ -5,21 +5,23 @@ high nibble; nibble bit 3 = sign, bits 0-2 index the E2M1 magnitudes {0, .5, 1, 
 NVFP4: ``weight_scale`` E4M3 (N, K/16) and ``weight_global_scale`` g (1,), W = fp4 * s / g.
 MXFP4: ``weight_scale`` E8M0 bytes (N, K/32), W = fp4 * 2^(e - 127).
 
-Two in-register decoders turn a tile of packed bytes (and the per-byte scale bytes) into two BF16 tiles,
-the even (low-nibble) and odd (high-nibble) elements, with no lookup table:
+The packed tile is loaded as (BN, BK/G, G/2) bytes, one row per scale group, with the group scales
+(BN, BK/G, 1) broadcast in registers. ``_decode`` turns it into two tiles, the even (low-nibble) and odd
+(high-nibble) elements, by bit manipulation (no lookup table), in one of two ways:
 
-* ``_decode_pure`` (any backend, also the CPU interpreter): the nibble's sign and magnitude bits are moved
-  into an FP16 bit pattern (``sign<<15 | mag<<9`` is e2m1 * 2^-14, exact, the 0.5 code an FP16 subnormal),
-  widened to FP32 and multiplied by the scale decoded from its bits (E4M3 normals and subnormals, E8M0).
-  Its values are exactly fp4 * s (NVFP4) or fp4 * 2^(e-127) (MXFP4); 1/g is applied to the accumulator.
-* ``_decode_asm`` (CUDA sm_90, 4 bytes = 8 weights per inline-PTX call): ``prmt`` spreads two bytes into the
-  two halves of a register, shift/and/or put each nibble's sign at bit 15 and its magnitude at bits 6-8 of
-  a BF16 (value e2m1 * 2^-126, the 0.5 code a BF16 subnormal), and one ``mul.rn.bf16x2`` per pair applies a
-  scale built from the scale byte by integer ops: E4M3 byte b -> bits (b << 4) + (220 << 7) = s * 2^100,
-  E8M0 byte e -> bits (e + 100) << 7 = 2^(e - 27). Products are fp4 * s * 2^-26, exact in BF16; the
-  accumulator is multiplied by 2^26 (/ g). Valid when every E4M3 scale is a positive normal and every
-  E8M0 exponent is <= 154; ``qerl.kernels.prepare`` checks this once per weight and otherwise uses the
-  pure decoder.
+* pure Triton (any backend, also the CPU interpreter): the nibble's sign and magnitude bits are moved into
+  an FP16 bit pattern (``sign<<15 | mag<<9`` is e2m1 * 2^-14, exact; the 0.5 code is an FP16 subnormal,
+  which the FP16->FP32 conversion keeps), widened to FP32 and multiplied by the scale decoded from its bits
+  (E4M3 normals and subnormals, E8M0). Values are exactly fp4 * s (NVFP4) or fp4 * 2^(e-127) (MXFP4);
+  1/g is applied to the accumulator.
+* inline PTX (sm_90, ``USE_ASM``; 4 bytes = 8 weights per call): ``prmt`` spreads two bytes into the two
+  halves of a register, shift/and/or put each nibble's sign at bit 15 and its magnitude at bits 6-8 of a
+  BF16 (value e2m1 * 2^-126; the 0.5 code is a BF16 subnormal, which BF16 arithmetic keeps) and one
+  ``mul.rn.bf16x2`` per pair applies the group scale, built once per group by integer ops: E4M3 byte b ->
+  bits (b << 4) + (220 << 7) = s * 2^100, E8M0 byte e -> bits (e + 100) << 7 = 2^(e - 27). Products are
+  fp4 * s * 2^-26, exact in BF16; the accumulator is multiplied by 2^26 (/ g). Valid when every E4M3
+  scale is a positive normal and every E8M0 exponent is <= 154; ``qerl.kernels.prepare`` checks this once
+  per weight and otherwise the pure decoder is used.
 
 Kernels: ``_qmm_dot_kernel`` (tiled, in-register dequantization feeding ``tl.dot``; BM=16 covers decode,
 optional swap of the operands so the weight is the MMA's A operand, optional split-K with an in-kernel
@@ -66,23 +68,6 @@ mul.rn.bf16x2 $3, $3, s1;
 }
 """
 
-# $4: 4 packed bytes; $5: their 4 scale bytes. The scale pair of bytes (0,1) / (2,3) becomes a bf16x2.
-_NV_ASM = """
-{
-.reg .b32 z, t0, t1, p0, p1, s0, s1, a, c;
-mov.b32 z, 0;
-prmt.b32 p0, $5, z, 0x4140;
-prmt.b32 p1, $5, z, 0x4342;
-shl.b32 s0, p0, 4;
-add.u32 s0, s0, 0x6E006E00;
-shl.b32 s1, p1, 4;
-add.u32 s1, s1, 0x6E006E00;
-""" + _UNPACK
-
-# Same nibble unpacking; the E8M0 byte e becomes the BF16 exponent field e + 100.
-_MX_ASM = _NV_ASM.replace("shl.b32 s0, p0, 4;", "shl.b32 s0, p0, 7;").replace(
-    "shl.b32 s1, p1, 4;", "shl.b32 s1, p1, 7;").replace("0x6E006E00", "0x32003200")
-
 # $4: 4 packed bytes; $5..$8: each byte's scale as a ready bf16x2 word (both halves equal), built per
 # group by _scale_word; the pair (0,1) takes the low half of byte 0's word and the high half of byte 1's.
 _W_ASM = """
@@ -97,7 +82,7 @@ prmt.b32 s1, $7, $8, 0x7610;
 @triton.jit
 def _nib_val(n):
     """int32 nibbles (sign<<3 | mag) -> float32 e2m1 values, by bit manipulation (no table)."""
-    bits = ((n & 8) << 12) | ((n & 7) << 9)  # FP16 bit pattern of e2m1 * 2^-14
+    bits = ((n & 8) << 12) | ((n & 7) << 9)  # FP16 bit pattern of e2m1 * 2^-14 (0.5 is an FP16 subnormal)
     h = bits.to(tl.int16).to(tl.float16, bitcast=True)
     return h.to(tl.float32) * 16384.0
 
@@ -119,33 +104,6 @@ def _scale_val(s, FMT: tl.constexpr):
 
 
 @triton.jit
-def _decode_pure(b, s, FMT: tl.constexpr):
-    """(packed bytes, per-byte scale bytes) -> (even, odd) float32 weights, exactly fp4 * scale."""
-    bi = b.to(tl.int32)
-    sv = _scale_val(s, FMT)
-    return _nib_val(bi & 15) * sv, _nib_val(bi >> 4) * sv
-
-
-@triton.jit
-def _decode_asm(b, s, FMT: tl.constexpr):
-    """(packed bytes, per-byte scale bytes) -> (even, odd) bfloat16 weights fp4 * scale * 2^-26 (inline PTX)."""
-    if FMT == 0:
-        lo, hi = tl.inline_asm_elementwise(
-            asm=_NV_ASM_C, constraints="=r,=r,=r,=r,r,r", args=[b, s],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        lo, hi = tl.inline_asm_elementwise(
-            asm=_MX_ASM_C, constraints="=r,=r,=r,=r,r,r", args=[b, s],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return lo, hi
-
-
-_NV_ASM_C = tl.constexpr(_NV_ASM)
-_MX_ASM_C = tl.constexpr(_MX_ASM)
-_W_ASM_C = tl.constexpr(_W_ASM)
-
-
-@triton.jit
 def _scale_word(s, FMT: tl.constexpr):
     """uint8 scales -> int32 bf16x2 words (scale * 2^100 in both halves) for the asm decoder."""
     si = s.to(tl.int32)
@@ -156,23 +114,30 @@ def _scale_word(s, FMT: tl.constexpr):
     return v | (v << 16)
 
 
-@triton.jit
-def _decode_asm_w(b, sw):
-    """Packed bytes + per-byte bf16x2 scale words -> (even, odd) bfloat16 weights fp4 * scale * 2^-26."""
-    lo, hi = tl.inline_asm_elementwise(
-        asm=_W_ASM_C, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[b, sw],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    return lo, hi
+_W_ASM_C = tl.constexpr(_W_ASM)
 
 
 @triton.jit
-def _decode_bf16(b, s, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+def _decode(b, s, FMT: tl.constexpr, USE_ASM: tl.constexpr, OUT_F32: tl.constexpr):
+    """Packed bytes b (..., GB) and their group scales s (..., 1) -> (even, odd) weights.
+
+    USE_ASM: bfloat16 fp4 * s * 2^-26 from inline PTX; else exactly fp4 * s, float32 (OUT_F32) or bfloat16.
+    """
     if USE_ASM:
-        lo, hi = _decode_asm(b, s, FMT)
+        lo, hi = tl.inline_asm_elementwise(
+            asm=_W_ASM_C, constraints="=r,=r,=r,=r,r,r,r,r,r", args=[b, _scale_word(s, FMT)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        if OUT_F32:
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
     else:
-        lo32, hi32 = _decode_pure(b, s, FMT)
-        lo = lo32.to(tl.bfloat16)
-        hi = hi32.to(tl.bfloat16)
+        bi = b.to(tl.int32)
+        sv = _scale_val(s, FMT)
+        lo = _nib_val(bi & 15) * sv
+        hi = _nib_val(bi >> 4) * sv
+        if not OUT_F32:
+            lo = lo.to(tl.bfloat16)
+            hi = hi.to(tl.bfloat16)
     return lo, hi
 
 
@@ -185,34 +150,19 @@ def _fence_gpu(FENCE: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(wq_ptr, sc_ptr, offs_n, jb, N, KH, KG, G: tl.constexpr, MASKED: tl.constexpr):
-    """Packed bytes (BN, BK/2) and the scale byte of each of them (repeated addresses, served by L1)."""
-    w_ptrs = wq_ptr + offs_n[:, None] * KH + jb[None, :]
-    s_ptrs = sc_ptr + offs_n[:, None] * KG + (jb // (G // 2))[None, :]
-    if MASKED:
-        mask = (offs_n < N)[:, None] & (jb < KH)[None, :]
-        b = tl.load(w_ptrs, mask=mask, other=0)
-        s = tl.load(s_ptrs, mask=mask, other=0)
-    else:
-        b = tl.load(w_ptrs)
-        s = tl.load(s_ptrs)
-    return b, s
+def _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
+               MODE: tl.constexpr):
+    """Packed bytes as (BN, BK/G, G/2), one row per scale group, and the group scales (BN, BK/G, 1).
 
-
-@triton.jit
-def _load_tile3(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
-                MODE: tl.constexpr):
-    """Packed bytes as (BN, BK/G, G/2) (one row per scale group) and the scales (BN, BK/G, 1).
-
-    MODE 1 loads the 3-D tile directly; MODE 2 loads (BN, BK/2) (wider vectors) and reshapes it."""
+    MODE 1 loads the 3-D tile directly; MODE 2 loads (BN, BK/2) and reshapes it. Keeping the group axis
+    lets the scale broadcast stay in registers and lets Triton convert the packed bytes (not the decoded
+    BF16) into the MMA operand layout."""
     NG: tl.constexpr = BK // G
     GB: tl.constexpr = G // 2
     gcol = k0 // G + tl.arange(0, NG)
     s_ptrs = sc_ptr + offs_n[:, None] * KG + gcol[None, :]
     if MODE == 1:
-        offs_g = tl.arange(0, NG)
-        offs_r = tl.arange(0, GB)
-        jb = k0 // 2 + offs_g[:, None] * GB + offs_r[None, :]  # (NG, GB) byte columns
+        jb = k0 // 2 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # (NG, GB) byte columns
         w_ptrs = wq_ptr + offs_n[:, None, None] * KH + jb[None, :, :]
         if MASKED:
             b = tl.load(w_ptrs, mask=(offs_n < N)[:, None, None] & (jb < KH)[None, :, :], other=0)
@@ -260,51 +210,47 @@ def _epilogue(res, out_ptr, ws_ptr, cnt_ptr, gs_ptr, offs_m, offs_n, M, N, strid
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (graph replays included)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "PER", "NITER"])
 def _qmm_dot_kernel(
     x_ptr, wq_ptr, sc_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_om, PER,
+    M, N, K, stride_xm, stride_om, PER, NITER,
     FMT: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, HAS_G: tl.constexpr, OUT_C: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP: tl.constexpr, JOIN: tl.constexpr, MASKED: tl.constexpr, FENCE: tl.constexpr,
-    DOT_F32: tl.constexpr = False, TILE3: tl.constexpr = 1,
+    DOT_F32: tl.constexpr = False, MODE: tl.constexpr = 1,
 ):
-    """out (M, N) = x (M, K) @ W^T, W dequantized tile by tile in registers and fed to tl.dot (fp32 acc)."""
+    """out (M, N) = x (M, K) @ W^T, W dequantized tile by tile in registers and fed to tl.dot (fp32 acc).
+
+    Grid (N/BN, M/BM, SPLIT_K); program (n, m, k) covers K tiles [k*PER, min((k+1)*PER, NITER)).
+    """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_j = tl.arange(0, BK // 2)
     offs_x = tl.arange(0, BK)
     KH = K // 2
     KG = K // G
-    it0 = pid_k * PER  # K tiles [it0, it0 + PER) of this split (the host makes SPLIT_K divide the count)
+    it0 = pid_k * PER
+    n_it = tl.minimum(PER, NITER - it0)  # the last split may be shorter
     m_ok = offs_m < M
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for i in range(0, PER):
+    for i in range(0, n_it):
         k0 = (it0 + i) * BK
-        if TILE3:
-            b3, s3 = _load_tile3(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, TILE3)
-            if USE_ASM:
-                lo3, hi3 = _decode_asm_w(b3, _scale_word(s3, FMT))  # (BN, BK/G, G/2)
-            else:
-                lo3, hi3 = _decode_bf16(b3, s3, FMT, USE_ASM)
-            lo = tl.reshape(lo3, (BN, BK // 2))
-            hi = tl.reshape(hi3, (BN, BK // 2))
-        else:
-            b, s = _load_tile(wq_ptr, sc_ptr, offs_n, k0 // 2 + offs_j, N, KH, KG, G, MASKED)
-            lo, hi = _decode_bf16(b, s, FMT, USE_ASM)  # (BN, BK/2) even / odd elements
+        b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, MODE)
+        lo3, hi3 = _decode(b3, s3, FMT, USE_ASM, DOT_F32)  # (BN, BK/G, G/2)
+        lo = tl.reshape(lo3, (BN, BK // 2))  # even elements of the K tile
+        hi = tl.reshape(hi3, (BN, BK // 2))  # odd elements
         kx = k0 + offs_x
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :],
-                    mask=m_ok[:, None] & (kx < K)[None, :], other=0.0).to(tl.bfloat16)  # (BM, BK)
+                    mask=m_ok[:, None] & (kx < K)[None, :], other=0.0)  # (BM, BK)
         if DOT_F32:  # CPU interpreter only: its bf16 tl.dot multiplies the raw uint16 storage
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
             x = x.to(tl.float32)
+        else:
+            x = x.to(tl.bfloat16)
         if JOIN:
             w = tl.reshape(tl.join(lo, hi), (BN, BK))
             if SWAP:
@@ -328,12 +274,13 @@ def _qmm_dot_kernel(
               SPLIT_K, HAS_G, OUT_C, FENCE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "PER", "NITER"])
 def _qgemv_kernel(
     x_ptr, wq_ptr, sc_ptr, gs_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_om, PER,
+    M, N, K, stride_xm, stride_om, PER, NITER,
     FMT: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, HAS_G: tl.constexpr, OUT_C: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, MASKED: tl.constexpr, FENCE: tl.constexpr,
+    MODE: tl.constexpr = 1,
 ):
     """One row of x per program (grid axis 2): out[m] = W x[m] with CUDA-core FMAs (split-K, fp32 acc).
 
@@ -344,26 +291,24 @@ def _qgemv_kernel(
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_j = tl.arange(0, BK // 2)
+    NG: tl.constexpr = BK // G
+    GB: tl.constexpr = G // 2
     KH = K // 2
     KG = K // G
-    it0 = pid_k * PER  # K tiles [it0, it0 + PER) of this split (the host makes SPLIT_K divide the count)
-    acc = tl.zeros((BN, BK // 2), dtype=tl.float32)
-    for i in range(0, PER):
+    it0 = pid_k * PER
+    n_it = tl.minimum(PER, NITER - it0)  # the last split may be shorter
+    jl = tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # (NG, GB) byte offsets in a tile
+    acc = tl.zeros((BN, NG, GB), dtype=tl.float32)
+    for i in range(0, n_it):
         k0 = (it0 + i) * BK
-        jb = k0 // 2 + offs_j
-        b, s = _load_tile(wq_ptr, sc_ptr, offs_n, jb, N, KH, KG, G, MASKED)
-        if USE_ASM:
-            lo16, hi16 = _decode_asm(b, s, FMT)
-            lo = lo16.to(tl.float32)
-            hi = hi16.to(tl.float32)
-        else:
-            lo, hi = _decode_pure(b, s, FMT)
+        b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, MODE)
+        lo, hi = _decode(b3, s3, FMT, USE_ASM, True)
+        jb = k0 // 2 + jl
         kmask = jb < KH
-        xe = tl.load(x_ptr + m * stride_xm + 2 * jb, mask=kmask, other=0.0).to(tl.float32)  # (BK/2,)
+        xe = tl.load(x_ptr + m * stride_xm + 2 * jb, mask=kmask, other=0.0).to(tl.float32)  # (NG, GB)
         xo = tl.load(x_ptr + m * stride_xm + 2 * jb + 1, mask=kmask, other=0.0).to(tl.float32)
-        acc += lo * xe[None, :] + hi * xo[None, :]
-    res = tl.sum(acc, axis=1)[None, :]  # (1, BN)
+        acc += lo * xe[None, :, :] + hi * xo[None, :, :]
+    res = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]  # (1, BN)
     offs_m = m + tl.arange(0, 1)
     tile = m * tl.num_programs(0) + pid_n
     _epilogue(res, out_ptr, ws_ptr, cnt_ptr, gs_ptr, offs_m, offs_n, M, N, stride_om, tile, pid_k,
@@ -374,22 +319,20 @@ def _qgemv_kernel(
 def _dequant_kernel(wq_ptr, sc_ptr, gs_ptr, out_ptr, N, K,
                     FMT: tl.constexpr, G: tl.constexpr, HAS_G: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr):
-    """out (N, K) = fp4 * (s / g) (NVFP4) or fp4 * 2^(e-127) (MXFP4), computed in float32 like the reference."""
+    """out (N, K) = fp4 * (s / g) (NVFP4) or fp4 * 2^(e-127) (MXFP4), in float32 exactly as the reference."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    jb = pid_k * (BK // 2) + tl.arange(0, BK // 2)
-    KH = K // 2
-    KG = K // G
-    b, s = _load_tile(wq_ptr, sc_ptr, offs_n, jb, N, KH, KG, G, MASKED)
-    bi = b.to(tl.int32)
-    sv = _scale_val(s, FMT)
+    k0 = pid_k * BK
+    b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, K // 2, K // G, G, BK, MASKED, 2)
+    bi = b3.to(tl.int32)
+    sv = _scale_val(s3, FMT)
     if HAS_G:
         sv = tl.math.div_rn(sv, tl.load(gs_ptr))
     lo = _nib_val(bi & 15) * sv
     hi = _nib_val(bi >> 4) * sv
-    w = tl.reshape(tl.join(lo, hi), (BN, BK)).to(out_ptr.dtype.element_ty)
-    offs_k = pid_k * BK + tl.arange(0, BK)
+    w = tl.reshape(tl.join(lo, hi), (BN, BK)).to(out_ptr.dtype.element_ty)  # (BN, NG, GB, 2) -> (BN, BK)
+    offs_k = k0 + tl.arange(0, BK)
     o_ptrs = out_ptr + offs_n[:, None] * K + offs_k[None, :]
     if MASKED:
         tl.store(o_ptrs, w, mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])

@@ -25,7 +25,7 @@ from qerl.kernels import fp4_triton as K
 from qerl.kernels.configs import KernelConfig
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_INT_ARGS = ("M", "N", "K", "stride_xm", "stride_om", "PER")
+_INT_ARGS = ("M", "N", "K", "stride_xm", "stride_om", "PER", "NITER")
 
 
 def compile_config(cfg: KernelConfig, fmt_id: int = 0, asm: bool = True, masked: bool = False,
@@ -37,9 +37,9 @@ def compile_config(cfg: KernelConfig, fmt_id: int = 0, asm: bool = True, masked:
     sig.update({a: "i32" for a in _INT_ARGS})
     const = dict(FMT=fmt_id, G=16 if fmt_id == 0 else 32, USE_ASM=asm, HAS_G=fmt_id == 0,
                  OUT_C=K.ASM_OUT_SCALE if asm else 1.0, BN=cfg.bn, BK=cfg.bk, SPLIT_K=cfg.split_k,
-                 MASKED=masked, FENCE=True)
+                 MASKED=masked, FENCE=True, MODE=cfg.mode)
     if cfg.kernel != "gemv":
-        const.update(BM=cfg.bm, SWAP=cfg.swap, JOIN=cfg.join, DOT_F32=False, TILE3=int(os.environ.get("TILE3","1")))
+        const.update(BM=cfg.bm, SWAP=cfg.swap, JOIN=cfg.join, DOT_F32=False)
     for c in const:
         sig[c] = "constexpr"
     names = fn.arg_names

@@ -1,0 +1,378 @@
+"""Per-layer benchmark of the decoder linears: each format's ``qmm`` (and ``qmm_t``) against BF16 cuBLAS.
+
+    python -m qerl.kernels.bench [--models 7b,14b,32b] [--m 1,2,...,2048] [--out results/speed] [--tune]
+
+For the seven linears of one decoder layer of Qwen2.5-3B/7B/14B/32B (dims hard-coded below), per M: the
+median time (``triton.testing.do_bench``, which flushes L2 before every call; weights also rotate over
+copies totalling >= 128 MB) of each linear, summed over the layer; effective bytes/s (weights + x + out
+moved once) against a device-to-device copy measured in the same run; the ratio to BF16 ``F.linear``.
+Backward (``qmm_t``, grad_input = g W) is timed at M >= 512. NF4 goes through bitsandbytes if it imports.
+``--tune`` first times candidate kernel configurations per (format, layer shape, M bucket) and uses the
+fastest (its table is printed for ``configs.TUNED``). Writes ``layers_<gpu>.csv`` / ``.md`` (and
+``layers_tune_<gpu>.csv``) under ``--out`` and prints the markdown last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+MODELS = {  # hidden, intermediate, heads, kv heads, head_dim
+    "3b": (2048, 11008, 16, 2, 128),
+    "7b": (3584, 18944, 28, 4, 128),
+    "14b": (5120, 13824, 40, 8, 128),
+    "32b": (5120, 27648, 40, 8, 128),
+}
+DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
+ROTATE_BYTES = 128 << 20
+DEVICE = "cuda"  # the benchmark is for GPUs; tests may point it elsewhere
+
+
+def layer_linears(model: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the 7 linears of one decoder layer."""
+    h, inter, nh, nkv, hd = MODELS[model]
+    return [("q_proj", nh * hd, h), ("k_proj", nkv * hd, h), ("v_proj", nkv * hd, h), ("o_proj", h, nh * hd),
+            ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter)]
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _do_bench(fn, rep_ms: float) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms / 4), rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    ms = _do_bench(lambda: dst.copy_(src), 200)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+class _Weights:
+    """A quantized random weight and enough copies of it to rotate through more than the L2 cache."""
+
+    def __init__(self, fmt: str, n: int, k: int, seed: int):
+        from qerl.kernels import prepare
+        from qerl.quant import FORMATS
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
+        q = FORMATS[fmt].quantize(w.bfloat16() if fmt == "bf16" else w)
+        del w
+        self.nbytes = sum(t.numel() * t.element_size() for t in q.values())
+        reps = max(1, min(32, math.ceil(ROTATE_BYTES / self.nbytes)))
+        self.qs = [q] + [{kk: v.clone() for kk, v in q.items()} for _ in range(reps - 1)]
+        if fmt in ("nvfp4", "mxfp4"):
+            self.pws = [prepare(fmt, qq) for qq in self.qs]
+        self.i = 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.qs)
+        return self.i
+
+
+def _time_fn(fmt: str, wts: _Weights, m: int, k: int, n: int, op: str, rep_ms: float, cfg=None) -> float:
+    from qerl import kernels as qk
+    x = torch.randn(m, n if op == "bwd" else k, device=DEVICE).bfloat16()
+    if cfg is not None:
+        out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
+
+        def fn():
+            i = wts.next()
+            if cfg.kernel == "cublas":
+                w = qk.dequantize_into(fmt, wts.qs[i])
+                torch.mm(x, w.t(), out=out)
+            else:
+                qk._launch(x, wts.pws[i], cfg, out)
+    elif fmt == "bf16":
+        def fn():
+            w = wts.qs[wts.next()]["weight"]
+            return torch.matmul(x, w) if op == "bwd" else F.linear(x, w)
+    else:
+        f = qk.qmm_t if op == "bwd" else qk.qmm
+
+        def fn():
+            return f(x, fmt, wts.qs[wts.next()])
+    fn()
+    _sync()
+    return _do_bench(fn, rep_ms)
+
+
+# ----------------------------------------------------------------------------------------- tuning
+
+def _candidates(m: int) -> list:
+    from qerl.kernels.configs import KernelConfig as C
+    if m <= 16:
+        base = [(32, 512, 4, 3), (64, 256, 4, 3), (64, 256, 4, 4), (64, 256, 8, 3), (128, 256, 8, 3),
+                (128, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 4)]
+        out = [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st)
+               for bn, bk, w, st in base for s in (1, 2, 4, 8)]
+        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=True, warps=4, stages=3) for s in (1, 4)]
+        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, mode=2) for s in (1, 4)]
+        if m <= 2:
+            out += [C("gemv", bn=32, bk=256, split_k=s, warps=4, stages=3) for s in (1, 4)]
+        return out + [C("cublas")]
+    bms = {32: (32,), 64: (32, 64), 128: (64, 128), 256: (64, 128)}.get(m, (64, 128))
+    base = [(64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 8, 4)]
+    out = [C("dot", bm=bm, bn=bn, bk=bk, split_k=s, swap=sw, warps=w, stages=st)
+           for bm in bms for bn, bk, w, st in base for sw in (False, True) for s in (1, 2)]
+    return out + [C("cublas")]
+
+
+def _compile_worker(job) -> str:
+    """Compile one (format, configuration, shape) by launching it once on small inputs (fills the cache)."""
+    fmt, key, n, k = job
+    from qerl import kernels as qk
+    from qerl.kernels.configs import KernelConfig
+    from qerl.quant import FORMATS
+    cfg = KernelConfig.parse(key)
+    try:
+        q = FORMATS[fmt].quantize(torch.randn(n, k, device=DEVICE) * 0.02)
+        pw = qk.prepare(fmt, q)
+        x = torch.randn(cfg.bm if cfg.kernel == "dot" else 1, k, device=DEVICE).bfloat16()
+        qk._launch(x, pw, cfg, torch.empty(x.shape[0], n, device=DEVICE, dtype=torch.bfloat16))
+        _sync()
+        return ""
+    except Exception as e:  # resource limits: the configuration is dropped from the sweep
+        return f"{fmt} {key} {n}x{k}: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def precompile(jobs: list, workers: int) -> list[str]:
+    """Compile many configurations in parallel processes (Triton's on-disk cache serves the parent)."""
+    import multiprocessing as mp
+    if workers <= 1:
+        return [r for r in map(_compile_worker, jobs) if r]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        return [r for r in ex.map(_compile_worker, jobs) if r]
+
+
+def tune_jobs(models: list[str], fmts: list[str], ms: list[int]) -> list:
+    """(fmt, config key, N, K) compile jobs of a tuning sweep (one shape: all tuned shapes specialize alike)."""
+    shapes = sorted({(n, k) for mdl in models for _, n, k in layer_linears(mdl)})
+    return sorted({(f, c.key(), n, k) for f in fmts for m in ms for c in _candidates(m) if c.kernel != "cublas"
+                   for n, k in shapes[:1]})
+
+
+def tune(models: list[str], fmts: list[str], ms: list[int], rep_ms: float, out_csv: str, workers: int) -> dict:
+    """Time every candidate per (format, shape, M); returns {(fmt, N, K, M): best key} and writes all timings."""
+    shapes = sorted({(n, k) for mdl in models for _, n, k in layer_linears(mdl)})
+    jobs = tune_jobs(models, fmts, ms)
+    t0 = time.time()
+    failed = precompile(jobs, workers)
+    print(f"[tune] compiled {len(jobs)} configurations in {time.time() - t0:.0f}s; failed: {len(failed)}",
+          flush=True)
+    for f in failed:
+        print("  ", f)
+    bad = {(f.split()[0], f.split()[1]) for f in failed}
+    best, rows = {}, []
+    for fmt in fmts:
+        for n, k in shapes:
+            wts = _Weights(fmt, n, k, seed=n + k)
+            for m in ms:
+                res = []
+                for cfg in _candidates(m):
+                    if (fmt, cfg.key()) in bad:
+                        continue
+                    try:
+                        t = _time_fn(fmt, wts, m, k, n, "fwd", rep_ms, cfg=cfg)
+                    except Exception as e:  # e.g. out of shared memory for this shape
+                        print(f"  [tune] {fmt} {n}x{k} M={m} {cfg.key()}: {type(e).__name__}", flush=True)
+                        continue
+                    res.append((t, cfg.key()))
+                    rows.append(dict(fmt=fmt, N=n, K=k, M=m, config=cfg.key(), us=round(t * 1e3, 2)))
+                res.sort()
+                if not res:
+                    continue
+                best[(fmt, n, k, m)] = res[0][1]
+                second = f"(2nd {res[1][1]} {res[1][0] * 1e3:.1f}us)" if len(res) > 1 else ""
+                print(f"[tune] {fmt} {n}x{k} M={m}: best {res[0][1]} {res[0][0] * 1e3:.1f}us {second}", flush=True)
+            del wts
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    with open(out_csv, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    return best
+
+
+def install_table(best: dict) -> dict:
+    """Map tuned M values to buckets (M=1 -> 1; the M=16 result serves 2..16) and install them in configs."""
+    from qerl.kernels import configs
+    table = {}
+    for (fmt, n, k, m), key in best.items():
+        buckets = [m] if m != 16 else [2, 4, 8, 16]
+        for b in buckets:
+            if (fmt, n, k, b) not in best or b == m:
+                table[(fmt, n, k, b)] = key
+    configs.TUNED.clear()
+    configs.TUNED.update(table)
+    return table
+
+
+# ----------------------------------------------------------------------------------------- benchmark
+
+def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
+    from qerl import kernels as qk
+    rows = []
+    for mdl in models:
+        lins = layer_linears(mdl)
+        for fmt in fmts:
+            wts = {}
+            for i, (_name, n, k) in enumerate(lins):
+                wts.setdefault((n, k), None)
+                if wts[(n, k)] is None:
+                    wts[(n, k)] = _Weights(fmt, n, k, seed=1000 + i)
+            for m in ms:
+                for op in ("fwd", "bwd") if m >= 512 else ("fwd",):
+                    total_t, total_b, backends = 0.0, 0, set()
+                    for name, n, k in lins:
+                        w = wts[(n, k)]
+                        t = _time_fn(fmt, w, m, k, n, op, rep_ms)
+                        xin = torch.empty(m, n if op == "bwd" else k, device=DEVICE, dtype=torch.bfloat16)
+                        if op == "fwd" or fmt not in ("nvfp4", "mxfp4"):
+                            backends.add(qk.backend_for(fmt, xin, w.qs[0]))
+                        else:
+                            backends.add("dequant_cublas")
+                        nbytes = w.nbytes + 2 * m * (n + k)
+                        total_t += t
+                        total_b += nbytes
+                        rows.append(dict(model=mdl, M=m, fmt=fmt, op=op, linear=name, N=n, K=k,
+                                         us=round(t * 1e3, 3), bytes=nbytes))
+                    rows.append(dict(model=mdl, M=m, fmt=fmt, op=op, linear="layer", N=0, K=0,
+                                     us=round(total_t * 1e3, 3), bytes=total_b,
+                                     backend="+".join(sorted(backends))))
+                    print(f"[bench] {mdl} {fmt:6s} {op} M={m:5d}: {total_t * 1e3:8.1f} us/layer "
+                          f"{total_b / (total_t * 1e-3) / 1e12:5.2f} TB/s", flush=True)
+            del wts
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    layer = {(r["model"], r["M"], r["fmt"], r["op"]): r for r in rows if r["linear"] == "layer"}
+    for r in rows:
+        base = layer.get((r["model"], r["M"], "bf16", r["op"]))
+        if r["linear"] == "layer" and base is not None:
+            r["speedup_vs_bf16"] = round(base["us"] / r["us"], 3)
+        r["TBps"] = round(r["bytes"] / (r["us"] * 1e-6) / 1e12, 3)
+        r["frac_copy_bw"] = round(r["bytes"] / (r["us"] * 1e-6) / copy_bw, 3)
+    return rows
+
+
+def markdown(rows, header: str) -> str:
+    layer = [r for r in rows if r["linear"] == "layer"]
+    fmts = [f for f in ("bf16", "nvfp4", "mxfp4", "nf4") if any(r["fmt"] == f for r in layer)]
+    out = [header, ""]
+    for mdl in dict.fromkeys(r["model"] for r in layer):
+        for op in ("fwd", "bwd"):
+            sel = [r for r in layer if r["model"] == mdl and r["op"] == op]
+            if not sel:
+                continue
+            out += [f"### Qwen2.5-{mdl.upper()} decoder linears, {'forward qmm' if op == 'fwd' else 'backward qmm_t'}"
+                    " (µs per layer, speed-up vs BF16, effective TB/s)", ""]
+            out.append("| M | " + " | ".join(fmts) + " | FP4 backend |")
+            out.append("|---:|" + "---:|" * len(fmts) + "---|")
+            for m in sorted({r["M"] for r in sel}):
+                cells, be = [], ""
+                for f in fmts:
+                    r = next((x for x in sel if x["M"] == m and x["fmt"] == f), None)
+                    if r is None:
+                        cells.append("–")
+                        continue
+                    sp = "" if f == "bf16" else f" ({r.get('speedup_vs_bf16', float('nan')):.2f}×)"
+                    cells.append(f"{r['us']:.1f}{sp} {r['TBps']:.2f}")
+                    if f == "nvfp4":
+                        be = r.get("backend", "")
+                out.append(f"| {m} | " + " | ".join(cells) + f" | {be} |")
+            out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="3b,7b,14b,32b")
+    ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)))
+    ap.add_argument("--fmts", default="bf16,nvfp4,mxfp4,nf4")
+    ap.add_argument("--out", default="results/speed")
+    ap.add_argument("--rep", type=float, default=40.0, help="do_bench repetition time per measurement (ms)")
+    ap.add_argument("--tune", action="store_true", help="time candidate configurations first and use the best")
+    ap.add_argument("--tune-models", default="7b")
+    ap.add_argument("--tune-m", default="1,16,32,64,128,256,512")
+    ap.add_argument("--tune-rep", type=float, default=15.0)
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="only compile the tuning candidates in parallel (fills Triton's cache) and exit")
+    a = ap.parse_args(argv)
+    if a.precompile_only:
+        jobs = tune_jobs(a.tune_models.split(","), ["nvfp4", "mxfp4"], [int(v) for v in a.tune_m.split(",")])
+        t0 = time.time()
+        failed = precompile(jobs, a.workers)
+        print(f"[precompile] {len(jobs)} jobs in {time.time() - t0:.0f}s, {len(failed)} failed", flush=True)
+        for f in failed:
+            print("  ", f)
+        return
+    import triton
+
+    from qerl import kernels as qk
+    fmts = [f for f in a.fmts.split(",") if f]
+    if "nf4" in fmts:
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as e:
+            print(f"[bench] bitsandbytes unavailable ({type(e).__name__}); NF4 skipped", flush=True)
+            fmts.remove("nf4")
+    name = torch.cuda.get_device_name()
+    tag = a.tag or (name.split()[1].lower() if len(name.split()) > 1 else "gpu")
+    os.makedirs(a.out, exist_ok=True)
+    bw = copy_bandwidth()
+    print(f"[bench] {name}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    if a.tune:
+        best = tune(a.tune_models.split(","), [f for f in fmts if f in ("nvfp4", "mxfp4")],
+                    [int(v) for v in a.tune_m.split(",")], a.tune_rep,
+                    os.path.join(a.out, f"layers_tune_{tag}.csv"), a.workers)
+        table = install_table(best)
+        print("TUNED = {")
+        for key in sorted(table):
+            print(f"    {key!r}: {table[key]!r},")
+        print("}", flush=True)
+    rows = run(a.models.split(","), [int(v) for v in a.m.split(",")], fmts, a.rep, bw)
+    keys = ["model", "M", "fmt", "op", "linear", "N", "K", "us", "bytes", "TBps", "frac_copy_bw",
+            "speedup_vs_bf16", "backend"]
+    with open(os.path.join(a.out, f"layers_{tag}.csv"), "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    try:
+        import bitsandbytes
+        bnb_v = bitsandbytes.__version__
+    except Exception:
+        bnb_v = "n/a"
+    header = (f"## Per-layer linear benchmark: {name}\n\n"
+              f"torch {torch.__version__}, triton {triton.__version__}, bitsandbytes {bnb_v}, "
+              f"python {platform.python_version()}; device-to-device copy {bw / 1e12:.2f} TB/s (read+write). "
+              f"Median of triton.testing.do_bench (L2 flushed before each call, weights rotated over "
+              f">= 128 MB), summed over the 7 linears of one decoder layer. Dispatch table: "
+              f"{'tuned in this run' if a.tune else 'qerl/kernels/configs.py'}; "
+              f"FP4 dispatch M<= {qk.configs.GEMV_MAX_M} gemv-family, <= {qk.configs.GEMM_MAX_M} fused GEMM, "
+              f"else dequant+cuBLAS (table entries may override). Command: `python -m qerl.kernels.bench "
+              f"{' '.join(sys.argv[1:] if argv is None else argv)}`")
+    md = markdown(rows, header)
+    with open(os.path.join(a.out, f"layers_{tag}.md"), "w") as fh:
+        fh.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
