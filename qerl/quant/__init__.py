@@ -13,7 +13,10 @@ qerl, llm-compressor and vLLM without conversion:
 * ``nvfp4``: ``weight_packed`` uint8 (N, K/2) (low nibble = even element), ``weight_scale`` float8_e4m3fn
   (N, K/16), ``weight_global_scale`` float32 (1,) (compressed-tensors' convention: the divisor).
 * ``mxfp4``: ``weight_packed`` uint8 (N, K/2), ``weight_scale`` uint8 E8M0 exponents (N, K/32).
-* ``nf4``: bitsandbytes NF4 (blocksize 64, double quantization), tensors named after bnb's QuantState.
+* ``mxfp4`` takes a ``scale_rule`` (``MXFP4Format(scale_rule="floor")``); ``FORMATS`` holds compressed-tensors' rule.
+* ``nf4``: bitsandbytes NF4 (blocksize 64, double quantization): ``weight_packed`` uint8 (N*K/2, 1) (bnb's
+  ``weight``, even element in the high nibble) + QuantState names ``absmax``, ``quant_map``, ``nested_absmax``,
+  ``nested_quant_map``, ``nested_offset``, and ``weight_shape``; ``nf4.to_bnb_quant_state`` rebuilds bnb's state.
 * ``bf16``: ``weight`` (N, K) bfloat16.
 """
 

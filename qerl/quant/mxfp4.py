@@ -12,7 +12,8 @@ Libraries differ only in how they pick the shared exponent e from the block's am
 * ``rceil``: e = ceil(log2(amax / 6)) (NVIDIA's cuBLAS/Blackwell rule); the smallest power of two that
   avoids saturation.
 
-Biased exponents are clamped to [0, 254] (255 is E8M0's NaN); an all-zero block gets e = 0.
+Biased exponents are clamped to [0, 254] (255 is E8M0's NaN); an all-zero block gets e = 0 (e = 127 for
+float16 weights under ``ct``, as compressed-tensors' float16 scale parameter gives).
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ class NF4Format:
         if "nested_absmax" not in q:
             return absmax.float()
         nb = absmax.numel()
-        nested = q["nested_absmax"].repeat_interleave(NESTED_BLOCKSIZE)[:nb]
-        return q["nested_quant_map"][absmax.long()] * nested + q["nested_offset"]
+        nested = q["nested_absmax"].float().repeat_interleave(NESTED_BLOCKSIZE)[:nb]
+        return q["nested_quant_map"].float()[absmax.long()] * nested + q["nested_offset"].float()
 
     def dequantize(self, q: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """W_hat (N, K) = nf4[code] * absmax_block in float32, cast to dtype."""
