@@ -117,7 +117,7 @@ def curves(name: str, root, experiments, y: Sequence[str], hue: Callable[[pd.Ser
     for ax in axes.flat:
         if ax.get_legend() is not None:
             sns.move_legend(ax, "best", title=None, fontsize=8)
-    n_seeds = runs.groupby("_hue").size()
+    n_seeds = runs.groupby(["_row", "_col", "_hue"]).size()
     lo, hi = n_seeds.min(), n_seeds.max()
     fig.suptitle(f"{title}\n{exp}: {len(runs)} runs, {lo if lo == hi else f'{lo}–{hi}'} per line (mean ± sd)"
                  + (f", smoothed over {smooth} steps" if smooth and smooth > 1 else ""), fontsize=9)

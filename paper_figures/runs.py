@@ -73,10 +73,30 @@ def row_keys(row: pd.Series) -> dict:
             "training": str(training).lower(), "aqn": aqn}
 
 
+_CACHE: dict = {}
+
+
+def _signature(root: Path) -> tuple:
+    files = sorted(p for name in ("config.yaml", "summary.json") for p in root.rglob(name)
+                   if "checkpoints" not in p.parts)
+    return tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+
+
 def all_runs(root: str | Path) -> pd.DataFrame:
     """``qerl.results.load_runs`` of the whole tree plus the key columns (``paper_model`` … ``aqn``) and
-    ``finished``. Empty (with a ``run_dir`` column) when there is no run."""
+    ``finished``. Empty (with a ``run_dir`` column) when there is no run. Cached until a config or summary
+    file under ``root`` changes."""
     root = Path(root)
+    sig = _signature(root) if root.exists() else ()
+    hit = _CACHE.get(str(root.resolve()))
+    if hit is not None and hit[0] == sig:
+        return hit[1].copy()
+    df = _load(root)
+    _CACHE[str(root.resolve())] = (sig, df)
+    return df.copy()
+
+
+def _load(root: Path) -> pd.DataFrame:
     df = load_runs(root) if root.exists() else pd.DataFrame(columns=_NO_RUNS_COLUMNS)
     if df.empty:
         return pd.DataFrame(columns=_NO_RUNS_COLUMNS + list(KEYS) + ["finished"])

@@ -123,11 +123,15 @@ def render_rows(runs: pd.DataFrame, paper: pd.DataFrame, benchmarks: list[str], 
         col = f"sum.eval.{BENCH_SETS.get(label, label)}.pass@1"
         return 100 * sub[col].astype(float) if col in sub else pd.Series(math.nan, index=sub.index)
 
-    lines, base_mean = [], {}
+    lines, base_mean, mixed = [], {}, []
     for key in order:
         if key[0] not in models:
             continue
-        sub = placed[[key_of[i] == key for i in placed.index]]
+        sub = placed.loc[[i for i in placed.index if key_of[i] == key]]
+        if len(sub) > 1:
+            diff = _differing_config(sub)
+            if diff:
+                mixed.append(f"{key[0]} {row_label(*key[1:])}: {', '.join(diff)}")
         line = dict(zip(R.KEYS, key, strict=True))
         line["row"] = row_label(*key[1:])
         for c in labels:
@@ -159,7 +163,22 @@ def render_rows(runs: pd.DataFrame, paper: pd.DataFrame, benchmarks: list[str], 
     unplaced = done.drop(index=placed_idx) if not done.empty else done
     unfinished = runs[~runs["finished"]] if not runs.empty else runs
     return table, {"placed": placed, "unplaced": unplaced, "unfinished": unfinished, "labels": labels,
-                   "extra": extra, "models": models}
+                   "extra": extra, "models": models, "mixed": mixed}
+
+
+_SAME_RUN = {"cfg.seed", "cfg.run_name", "cfg.out_dir", "cfg.device", "cfg.tags.row"}
+
+
+def _differing_config(sub: pd.DataFrame) -> list[str]:
+    """Config keys (other than seed, names, paths) whose values differ between the runs averaged into one row."""
+    out = []
+    for c in sub.columns:
+        if c.startswith("cfg.") and c not in _SAME_RUN and not c.startswith("cfg.choices."):
+            present = [v for v in sub[c] if v is not None and not (isinstance(v, float) and v != v)]
+            vals = {repr(v) for v in present}
+            if len(vals) > 1 or (vals and len(present) < len(sub)):
+                out.append(c[4:])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ markdown
@@ -186,7 +205,7 @@ def _notes(info: dict, scale: str, root: Path) -> list[str]:
     notes = []
     used = [f"{m} rows: `{', '.join(_uniq(placed[placed['paper_model'] == m], 'cfg.model.source')) or 'no run'}`"
             for m in info["models"]]
-    differs = any(src != m for m in info["models"]
+    differs = any(m.lower() not in src.lower() for m in info["models"]
                   for src in _uniq(placed[placed["paper_model"] == m], "cfg.model.source"))
     notes.append(f"**Scale `{scale}`.** Actual model(s): {'; '.join(used)}."
                  + (" These stand in for the paper's models: " + _SCALE_NOTE.get(scale, "the model differs from the "
@@ -224,6 +243,9 @@ def _notes(info: dict, scale: str, root: Path) -> list[str]:
     if info["extra"]:
         notes.append("Extra columns " + ", ".join(f"`{e}`" for e in info["extra"]) + " are eval sets of our runs "
                      "with no paper column (ours only).")
+    if info["mixed"]:
+        notes.append("**Warning**: some rows average runs whose configs differ beyond the seed — "
+                     + "; ".join(info["mixed"]))
     for what in ("unplaced", "unfinished"):
         df = info[what]
         if len(df):

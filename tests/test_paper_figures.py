@@ -227,6 +227,36 @@ def test_no_runs_writes_nothing(tmp_path, capsys):
     assert (df["n_seeds"] == 0).all() and len(df) == 18 and "skip table2" in capsys.readouterr().out
 
 
+def test_a_run_written_by_the_training_core_is_placed(tmp_path):
+    # config.yaml from the real TrainConfig, summary and metrics through the real RunWriter
+    from qerl.config import AqnCfg, QuantCfg, TrainConfig
+    from qerl.results import RunWriter, atomic_write_text
+
+    cfg = TrainConfig(quant=QuantCfg(format="nvfp4"), aqn=AqnCfg(enabled=True), experiment="table2/smoke",
+                      out_dir=str(tmp_path), seed=3, tags=t2tags("NVFP4", "lora", "yes"))
+    w = RunWriter(cfg.run_dir)
+    atomic_write_text(cfg.run_dir / "config.yaml", cfg.to_yaml())
+    for step in (1, 2):
+        w.log(step, reward=0.1 * step, **{"rewards/accuracy/mean": 0.1 * step}, entropy=0.2, sigma=0.0)
+    w.write_summary({"finished": True, "steps": 2, "scale": "smoke", "eval": {
+        "math500": {"pass@1": 0.25, "n_problems": 4, "n_samples": 2},
+        "aime24": {"pass@1": 0.5, "n_problems": 4, "n_samples": 2}}})
+    md, df = T.render_table2(tmp_path, "smoke", write=False)
+    r = df[df["row"] == "NVFP4 LoRA +AQN"].iloc[0]
+    assert (r["MATH500 ours"], r["AIME24 ours"], r["AMC23 ours"], r["seeds"]) == ("25.0", "50.0", "—", "3")
+    assert r["runs"] == str(cfg.run_dir.relative_to(tmp_path))
+    assert F.fig7(tmp_path, scale="smoke", out_dir=tmp_path / "f")[0].exists()
+
+
+def test_rows_mixing_configs_are_flagged(tmp_path):
+    for seed, lr in ((0, 1e-5), (1, 3e-5)):
+        write_run(tmp_path, "table1/smoke", f"bf16-s{seed}", lr=lr, seed=seed, tags=t1tags("BF16", "lora"),
+                  evals={"gsm8k": 0.5})
+    md, df = T.render_table1(tmp_path, "smoke", write=False)
+    assert "**Warning**" in md and "BF16 LoRA: optim.lr" in md
+    assert df[df["row"] == "BF16 LoRA"].iloc[0]["n_seeds"] == 2
+
+
 @pytest.mark.skipif(not SHARED.exists(), reason="shared paper tables not on this machine")
 def test_shipped_paper_csvs_match_the_shared_copies():
     for p in sorted(SHARED.iterdir()):
