@@ -166,6 +166,7 @@ class TrainConfig:
     device: str = "auto"
     scale: str = "smoke"            # the chosen scale group (recorded in every result)
     choices: dict = field(default_factory=dict)  # group -> chosen option
+    tags: dict = field(default_factory=dict)     # free-form labels set by experiments (table, row, paper model)
 
     # ------------------------------------------------------------------------------------ derived
     @property
@@ -202,6 +203,9 @@ def _plain(x):
     return x
 
 
+_FREE = {"tags", "choices"}  # plain dicts, not dataclasses
+
+
 def _build(cls, data: dict, where: str):
     """Instantiate a dataclass from a plain dict; unknown keys are errors."""
     names = {f.name: f for f in fields(cls)}
@@ -212,7 +216,9 @@ def _build(cls, data: dict, where: str):
     kwargs = {}
     for k, v in data.items():
         sub = names[k].default_factory if names[k].default_factory is not dataclasses.MISSING else None
-        if sub is not None and dataclasses.is_dataclass(sub) and isinstance(v, dict):
+        if k in _FREE:
+            v = dict(v or {})
+        elif sub is not None and dataclasses.is_dataclass(sub) and isinstance(v, dict):
             v = _build(sub, v, f"{where}.{k}" if where else k)
         elif isinstance(v, list):
             v = tuple(v)
@@ -223,7 +229,7 @@ def _build(cls, data: dict, where: str):
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check every value against the registries of the modules that own them."""
     from qerl import aqn, data, rewards
-    from qerl.algos import LOSS_AGGS
+    from qerl.algos import AGGREGATIONS
     from qerl.lora import DEFAULT_TARGETS
     from qerl.quant import FORMATS
 
@@ -235,17 +241,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"quant.scale_rule applies to mxfp4 only (quant.format={cfg.quant.format!r})")
         _check("quant.scale_rule", cfg.quant.scale_rule, SCALE_RULES)
     _check("model.dtype", cfg.model.dtype, ["auto", "bfloat16", "float16", "float32"])
-    _check("algo.loss_agg", cfg.algo.loss_agg, LOSS_AGGS)
+    _check("algo.loss_agg", cfg.algo.loss_agg, AGGREGATIONS)
     _check("aqn.schedule", cfg.aqn.schedule, aqn.SCHEDULES)
-    _check("aqn.mode", cfg.aqn.mode, ["paper", "official"])
-    _check("aqn.draw", cfg.aqn.draw, ["per_rollout", "per_forward"])
-    _check("data.train", cfg.data.train, [k for k in data.DATASETS if "train" in data.splits(k)])
-    _check("data.source", cfg.data.source, ["local", "hub"])
+    _check("aqn.mode", cfg.aqn.mode, aqn.SIGMA_MODES)
+    _check("aqn.draw", cfg.aqn.draw, aqn.DRAW_MODES)
+    _check("data.train", cfg.data.train, [k for k in data.DATASETS if "train" in data.SPLITS[k]])
+    _check("data.source", cfg.data.source, data.SOURCES[cfg.data.train])
     _check("data.prompt", cfg.data.prompt, data.PROMPTS)
     for r in cfg.data.rewards:
         _check("data.rewards[]", r, rewards.REWARDS)
     for s in cfg.eval.sets:
-        _check("eval.sets[]", s, [k for k in data.DATASETS if "test" in data.splits(k)])
+        _check("eval.sets[]", s, [k for k in data.DATASETS if "test" in data.SPLITS[k]])
     _check("optim.name", cfg.optim.name, ["adamw8bit", "adamw"])
     _check("optim.schedule", cfg.optim.schedule, ["cosine", "constant", "linear"])
     _check("rollout.cuda_graphs", cfg.rollout.cuda_graphs, ["auto", True, False])
@@ -318,12 +324,13 @@ def compose(overrides: Sequence[str] = (), config_name: str = "train"):
 
 def load_config(overrides: Sequence[str] = ()) -> TrainConfig:
     """Compose, convert and validate: the single entry from command-line overrides to a ``TrainConfig``."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     raw = compose(overrides)
     choices = {g: str(raw.hydra.runtime.choices.get(g)) for g in GROUPS}
+    with open_dict(raw):
+        del raw["hydra"]
     data = OmegaConf.to_container(raw, resolve=True)
-    data.pop("hydra", None)
     data.pop("defaults", None)
     data["scale"] = choices["scale"]
     data["choices"] = choices

@@ -57,7 +57,7 @@ PRESETS: dict[str, dict] = {
     # Tests: every K a multiple of 64 so all four formats apply; vocab covers the toy tokenizer.
     "tiny": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                  hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, initializer_range=0.02),
+                 num_key_value_heads=2, vocab_size=768, tie_word_embeddings=False, initializer_range=0.02),
 }
 TOY_MODELS = ("smoke", "toy")
 
@@ -184,21 +184,57 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, dtype: torch.d
     setattr(mod, attr, nn.Parameter(value.to(dtype), requires_grad=False))
 
 
+# Linears that share one input in vLLM / llm-compressor (fused qkv and gate_up): NVFP4 gives them one global scale.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def make_format(fmt: str, options: dict | None = None):
+    """The format handler, with quantize-time options (e.g. ``{"scale_rule": "floor"}`` for mxfp4)."""
+    opts = {k: v for k, v in (options or {}).items() if v is not None}
+    if not opts:
+        return get_format(fmt)
+    if fmt == "mxfp4":
+        from qerl.quant.mxfp4 import MXFP4Format
+
+        return MXFP4Format(**opts)
+    raise ValueError(f"quantization options {sorted(opts)} do not apply to {fmt!r} (only mxfp4 takes scale_rule)")
+
+
 def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: LoraSpec | None,
-          targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, lora_dtype: torch.dtype) -> None:
-    f = get_format(fmt)
-    for name in target_linear_names(model, targets):
-        meta = model.get_submodule(name)
-        n, k = meta.out_features, meta.in_features
-        bias = src.get(f"{name}.bias").to(device, dtype) if f"{name}.bias" in src.keys else None
-        if ckpt_fmt is not None:  # packed tensors straight from a compressed-tensors checkpoint
-            prefix = name + "."
-            q = {key[len(prefix):]: src.get(key).to(device) for key in src.keys
-                 if key.startswith(prefix) and key[len(prefix):] not in ("weight", "bias")}
-        else:
-            f.check_shape(n, k)
-            q = f.quantize(src.get(f"{name}.weight").to(device))
-        _set_module(model, name, QuantLoRALinear(fmt, q, k, n, bias, lora, lora_dtype))
+          targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, lora_dtype: torch.dtype,
+          quant_options: dict | None = None) -> None:
+    f = make_format(fmt, quant_options)
+    names = target_linear_names(model, targets)
+    by_parent: dict[str, list[str]] = {}
+    for name in names:
+        by_parent.setdefault(name.rpartition(".")[0], []).append(name)
+    for parent, members in by_parent.items():  # one attention / MLP block at a time: bounded memory
+        dense: dict[str, torch.Tensor] = {}
+        shared_gs: dict[str, torch.Tensor] = {}
+        if ckpt_fmt is None:
+            for name in members:
+                meta = model.get_submodule(name)
+                f.check_shape(meta.out_features, meta.in_features)
+                dense[name] = src.get(f"{name}.weight").to(device)
+            if fmt == "nvfp4":  # llm-compressor's fused global scales (qkv, gate_up), as vLLM reads them
+                for group in FUSED_GROUPS:
+                    grp = [f"{parent}.{g}" for g in group if f"{parent}.{g}" in dense]
+                    if len(grp) > 1:
+                        gs = type(f).global_scale(*[dense[m] for m in grp])
+                        shared_gs.update({m: gs for m in grp})
+        for name in members:
+            meta = model.get_submodule(name)
+            n, k = meta.out_features, meta.in_features
+            bias = src.get(f"{name}.bias").to(device, dtype) if f"{name}.bias" in src.keys else None
+            if ckpt_fmt is not None:  # packed tensors straight from a compressed-tensors checkpoint
+                prefix = name + "."
+                q = {key[len(prefix):]: src.get(key).to(device) for key in src.keys
+                     if key.startswith(prefix) and key[len(prefix):] not in ("weight", "bias")}
+            else:
+                w = dense.pop(name)
+                q = f.quantize(w, global_scale=shared_gs[name]) if name in shared_gs else f.quantize(w)
+                del w
+            _set_module(model, name, QuantLoRALinear(fmt, q, k, n, bias, lora, lora_dtype))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for pname, p in list(model.named_parameters()):
         if p.device.type != "meta":
@@ -235,11 +271,13 @@ def load_tokenizer(directory: Path | None, tokenizer: str | None = None):
 def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec(), train_norms: bool = False,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                 tokenizer: str | None = None, seed: int = 0, attn_implementation: str = "sdpa",
-                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False):
+                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False,
+                quant_options: dict | None = None):
     """Build a policy and its tokenizer.
 
     * ``fmt``: one of ``qerl.quant.FORMATS``; for a compressed-tensors checkpoint it must match the checkpoint's.
     * ``lora=None`` with ``full_finetune=False``: a frozen (quantized) model for base-model evaluation.
+    * ``quant_options``: quantize-time options of the format (mxfp4 ``scale_rule``).
     * ``full_finetune=True``: the paper's "Full" baseline — plain ``nn.Linear`` layers, all parameters trainable
       in fp32 (run it under bf16 autocast on GPU); only ``fmt='bf16'``.
     Returns ``(model, tokenizer)``; ``model.qerl`` records how it was built.
@@ -274,7 +312,7 @@ def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec
     if full_finetune:
         _fill_dense(model, src, device)
     else:
-        _fill(model, src, fmt, ckpt_fmt, lora, targets, device, dtype, lora_dtype)
+        _fill(model, src, fmt, ckpt_fmt, lora, targets, device, dtype, lora_dtype, quant_options)
         finalize_trainable(model, train_norms)
     model.eval()
     model.qerl = dict(source=source, fmt=fmt, lora=None if lora is None or full_finetune else vars(lora).copy(),
@@ -366,13 +404,14 @@ def save_quantized_base(model: nn.Module, directory: str | Path) -> Path:
     quant = {name: {k: t.detach().cpu() for k, t in m.packed.items()} for name, m in lora_modules(model).items()}
     qnames = {f"{n}.{k}" for n, d in quant.items() for k in d}
     other = {}
+    dtype = model.get_input_embeddings().weight.dtype  # the model dtype (fp32 norm masters are cast to it)
     for name, t in list(model.state_dict().items()):
         if name in qnames or ".lora_" in name:
             continue
-        other[name] = t.detach().to("cpu", torch.bfloat16).contiguous()
+        other[name] = t.detach().to("cpu", dtype).contiguous()
     if getattr(model.config, "tie_word_embeddings", False):
         other.pop("lm_head.weight", None)
     cfg = model.config.to_dict()
-    cfg["torch_dtype"] = "bfloat16"
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     ct.save_compressed(directory, cfg, quant, other, fmt)
     return Path(directory)

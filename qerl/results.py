@@ -123,6 +123,10 @@ class RunWriter:
         rows = read_jsonl(self.metrics_path)
         keep = [r for r in rows if step is not None and r.get("step", -1) <= step]
         atomic_write_text(self.metrics_path, "".join(json.dumps(r, default=_jsonable) + "\n" for r in keep))
+        ev = self.dir / "eval.jsonl"
+        if ev.exists():
+            rows = [r for r in read_jsonl(ev) if step is not None and r.get("step", -1) <= step]
+            atomic_write_text(ev, "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows))
 
     def log(self, step: int, **metrics: Any) -> dict:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -131,6 +135,13 @@ class RunWriter:
             f.flush()
             os.fsync(f.fileno())
         return row
+
+    def log_eval(self, step: int, results: dict) -> None:
+        """Append intermediate evaluation results (eval.jsonl), same crash-safety as metrics."""
+        with open(self.dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **results}, default=_jsonable) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def write_summary(self, summary: dict, merge: bool = True) -> dict:
         path = self.dir / SUMMARY

@@ -16,6 +16,7 @@ Works for Qwen2 and Llama decoder layouts (``model.model.layers[i].self_attn.{q,
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.lora import lora_inference_cache
+
+
+def seed_for(*parts) -> int:
+    """A stable 63-bit seed from any parts (independent of PYTHONHASHSEED)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
 
 
 @dataclass
@@ -182,9 +188,10 @@ class Sampler:
     # ------------------------------------------------------------------------------------------ decode
     def _decode_step(self, s, S: int):
         """One token for all N rows, reading only the first S cache slots. Everything lives in ``s`` (static)."""
-        slot = s["t"] + s["Lp"]                                   # (1,) long
+        cur = s["t"] - 1                                          # index of the token being fed (sampled last step)
+        slot = cur + s["Lp"]                                      # (1,) its cache slot
         s["key_valid"].index_fill_(1, slot, True)
-        pos = (s["prompt_len"] + s["t"]).unsqueeze(1)              # (N, 1)
+        pos = (s["prompt_len"] + cur).unsqueeze(1)                 # (N, 1) its position
         h = self.model.get_input_embeddings()(s["tok"].unsqueeze(1))  # (N, 1, D)
         n = h.shape[0]
         g = self.n_heads // self.n_kv
@@ -333,7 +340,7 @@ class Sampler:
         while steps < max_new:
             if steps % self.stop_check_every == 0 and bool(s["finished"].all()):
                 break
-            self._run_step(s, self._bucket(Lp + steps + 1, S_max))
+            self._run_step(s, self._bucket(Lp + steps, S_max))
             steps += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()

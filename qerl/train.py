@@ -1,0 +1,401 @@
+"""The RL loop, top to bottom: ``python -m qerl.train quant=nvfp4 algo=dapo aqn=paper data=gsm8k scale=smoke``.
+
+One step (house rule 1: no trainer class, no callbacks):
+
+    σ      = aqn.sigma_at(step)                                 # stage 0 is noise-free (Alg. 1)
+    with aqn.noise(policy, σ): rollout = sampler.generate(...)  # noise in the block RMSNorms, rollout only
+    r      = Σ_k w_k · reward_k(completions, answers)           # (B·G,)
+    keep   = groups with reward variance (DAPO dynamic sampling) # refill up to max_refills times
+    A      = group_advantages(r)                                # (B·G,)
+    π_old  = log-probs of the noiseless training policy         # also: training entropy, sampler mismatch
+    for each update (ppo_epochs × minibatches):                 # 4 for Table 1 GRPO, 1 for Table 2 DAPO
+        loss = policy_loss(logπ, π_old, A, mask, clip 0.2/0.28, agg)  → backward, clip, AdamW(-8bit), lr schedule
+    log one metrics line; checkpoint every `save_every` steps
+
+Every random draw of step s is seeded from (seed, s), so a run killed at any moment and resumed from its last
+checkpoint recomputes exactly the lines it lost (RunWriter drops lines past the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from qerl import algos, aqn, data, rewards
+from qerl.config import TrainConfig, load_config
+from qerl.lora import LoraSpec, lora_modules, trainable_parameters
+from qerl.model import load_policy, save_adapter
+from qerl.results import RunWriter
+from qerl.rollout import Rollout, Sampler, seed_for
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name!r} was asked but CUDA is not available")
+    return dev
+
+
+def build_policy(cfg: TrainConfig, device: torch.device, base_only: bool = False):
+    """The policy of ``cfg`` (``base_only``: the frozen, possibly quantized base with no adapter, for evaluation)."""
+    lora = None if cfg.full_finetune or base_only else LoraSpec(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
+                                                                cfg.lora.targets)
+    dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    return load_policy(cfg.model.source, cfg.quant.format, lora, cfg.lora.train_norms and not base_only, device,
+                       dtype, cfg.model.tokenizer, cfg.seed, cfg.model.attn_implementation,
+                       full_finetune=cfg.full_finetune and not base_only,
+                       quant_options={"scale_rule": cfg.quant.scale_rule} if cfg.quant.scale_rule else None)
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, total_updates: int):
+    o = cfg.optim
+    if o.name == "adamw8bit":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    warm = int(round(o.warmup_ratio * total_updates))
+
+    def factor(i: int) -> float:  # HF get_{cosine,linear,constant}_schedule_with_warmup
+        if i < warm:
+            return (i + 1) / (warm + 1)
+        if o.schedule == "constant":
+            return 1.0
+        frac = (i - warm) / max(1, total_updates - warm)
+        return max(0.0, 1.0 - frac) if o.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+# ------------------------------------------------------------------------------------------------- data
+class PromptStream:
+    """Prompts for step s: an epoch-wise seeded permutation of the training set (position = a pure function of s)."""
+
+    def __init__(self, problems: list[data.Problem], batch: int, seed: int, render):
+        if not problems:
+            raise ValueError("the training set is empty")
+        self.problems, self.batch, self.seed, self.render = problems, batch, seed, render
+
+    def _perm(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed_for(self.seed, "epoch", epoch))
+        return torch.randperm(len(self.problems), generator=g).tolist()
+
+    def at(self, step: int) -> list[data.Problem]:
+        n = len(self.problems)
+        start = (step - 1) * self.batch
+        out = []
+        for i in range(start, start + self.batch):
+            out.append(self.problems[self._perm(i // n)[i % n]])
+        return out
+
+    def extra(self, step: int, k: int, count: int) -> list[data.Problem]:
+        """Refill prompts for DAPO dynamic sampling: a seeded random draw, independent of the main stream."""
+        g = torch.Generator().manual_seed(seed_for(self.seed, "refill", step, k))
+        return [self.problems[i] for i in torch.randint(len(self.problems), (count,), generator=g).tolist()]
+
+
+# ------------------------------------------------------------------------------------------------- forward
+def _autocast(policy, device):
+    w = policy.get_input_embeddings().weight
+    if device.type == "cuda" and w.dtype == torch.float32:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def completion_logprobs(policy, ro: Rollout, rows: slice | torch.Tensor, temperature: float, with_entropy: bool,
+                        chunk_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced log π(o_t | q, o_<t) (and entropy) of completions ``rows`` under the training policy.
+
+    Left-padded prompt + completion go through the HF forward (with gradient checkpointing if enabled); the
+    vocabulary projection runs in chunks of ``chunk_tokens`` positions under activation checkpointing, so the
+    (rows, T, V) logits never exist at once.
+    """
+    pi, pm = ro.prompt_ids[rows], ro.prompt_mask[rows]
+    ci, cm = ro.completion_ids[rows], ro.completion_mask[rows]
+    ids = torch.cat([pi, ci], 1)                                         # (n, Lp+Tc)
+    att = torch.cat([pm, cm], 1)
+    att[:, pi.shape[1]:] = True  # tokens after EOS are pad: attend anyway (their outputs are masked out)
+    pos = (att.long().cumsum(1) - 1).clamp(min=0)
+    Lp, Tc = pi.shape[1], ci.shape[1]
+    hidden = policy.model(input_ids=ids, attention_mask=att.long(), position_ids=pos,
+                          use_cache=False).last_hidden_state[:, Lp - 1:Lp + Tc - 1]  # (n, Tc, D) predicts ci
+    head = policy.lm_head
+
+    def piece(h, t):
+        return algos.token_logprobs_and_entropy(head(h), t, temperature, with_entropy=with_entropy)
+
+    lps, ents = [], []
+    for t0 in range(0, Tc, chunk_tokens):
+        h, t = hidden[:, t0:t0 + chunk_tokens], ci[:, t0:t0 + chunk_tokens]
+        lp, ent = checkpoint(piece, h, t, use_reentrant=False) if torch.is_grad_enabled() else piece(h, t)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, 1), (torch.cat(ents, 1) if with_entropy else None)
+
+
+@contextlib.contextmanager
+def adapters_disabled(policy):
+    """The reference policy π_ref = the (quantized) base: LoRA switched off — free with LoRA (no second model)."""
+    mods = [m for m in lora_modules(policy).values() if m.rank]
+    saved = [m.scaling for m in mods]
+    try:
+        for m in mods:
+            m.scaling = 0.0
+        yield
+    finally:
+        for m, s in zip(mods, saved):
+            m.scaling = s
+
+
+def rows_in_chunks(n: int, size: int):
+    for i in range(0, n, size):
+        yield slice(i, min(n, i + size))
+
+
+# ------------------------------------------------------------------------------------------------- the loop
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train one run end to end (resuming if its directory holds a checkpoint); returns the summary."""
+    writer = RunWriter(cfg.run_dir, cfg.to_yaml(), cfg.train.keep_checkpoints)
+    if writer.is_finished():
+        import json
+
+        print(f"[qerl] {cfg.run_dir} already finished; skipping")
+        return json.loads((cfg.run_dir / "summary.json").read_text())
+    device = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    t_start = time.perf_counter()
+    policy, tok = build_policy(cfg, device)
+    if cfg.train.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = list(trainable_parameters(policy).values())
+    n_updates = cfg.train.steps * cfg.algo.updates_per_rollout
+    opt, sched = build_optimizer(params, cfg, n_updates)
+    problems = data.load_dataset(cfg.data.train, "train", source=cfg.data.source, seed=cfg.seed,
+                                 **({"levels": tuple(cfg.data.levels)} if cfg.data.levels else {}))
+    render = lambda p: data.render_prompt(tok, p.prompt, cfg.data.prompt)  # noqa: E731
+    stream = PromptStream(problems, cfg.batch_prompts, cfg.seed, render)
+    score = rewards.combined(cfg.data.rewards, cfg.data.reward_weights)
+    if "accuracy" in cfg.data.rewards or cfg.eval.sets:
+        rewards.get_pool().start(wait=True)  # math-verify workers up before step 1's timer starts
+    # per_forward AQN redraws noise in forward pre-hooks, which a CUDA-graph replay would not run: decode eagerly.
+    graphs = False if (cfg.aqn.enabled and cfg.aqn.draw == "per_forward") else cfg.rollout.cuda_graphs
+    sampler = Sampler(policy, tok, cfg.data.max_prompt_tokens, graphs)
+    noise_targets = aqn.find_noise_targets(policy, cfg.aqn.include_final_norm) if cfg.aqn.enabled else None
+
+    start = 0
+    ck = writer.latest_checkpoint()
+    if ck is not None:
+        state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+        with torch.no_grad():
+            named = trainable_parameters(policy)
+            for k, v in state["trainable"].items():
+                named[k].copy_(v)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start = state["step"]
+        print(f"[qerl] resuming {cfg.run_dir} from step {start}")
+    writer.truncate_after(start)
+
+    bar = _progress(cfg, start)
+    for step in range(start + 1, cfg.train.steps + 1):
+        m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device)
+        writer.log(step, **m)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward']:.3f}", tok_s=f"{m['rollout_tokens_per_s']:.0f}",
+                            sigma=f"{m['sigma']:.1e}")
+        if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+            writer.save_checkpoint(step, {
+                "step": step, "trainable": {k: v.detach().cpu() for k, v in trainable_parameters(policy).items()},
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "data_position": step * stream.batch,
+                "rng": {"torch": torch.get_rng_state()}})
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            from qerl.evaluate import evaluate_policy
+
+            writer.log_eval(step, evaluate_policy(policy, tok, cfg, sampler=sampler))
+    if bar is not None:
+        bar.close()
+    sampler.release()
+
+    from qerl.evaluate import evaluate_policy
+
+    ev = evaluate_policy(policy, tok, cfg, sampler=sampler)
+    if not cfg.full_finetune:
+        save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
+    summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device)
+    return writer.write_summary(summary)
+
+
+def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device) -> dict:
+    """One RL step (rollout, rewards, advantages, updates). Returns the metrics line."""
+    a, G = cfg.algo, cfg.algo.group_size
+    torch.manual_seed(seed_for(cfg.seed, "step", step))  # dropout and anything else global
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sigma = aqn.sigma_at(step, cfg.train.steps, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.stages,
+                         cfg.aqn.schedule, cfg.aqn.mode) if cfg.aqn.enabled else 0.0
+
+    def rollout(problems: list[data.Problem], k: int) -> tuple[Rollout, rewards.RewardOutput, torch.Tensor]:
+        gen = torch.Generator(device=device).manual_seed(seed_for(cfg.seed, "aqn", step, k))
+        ctx = aqn.noise(noise_targets, sigma, generator=gen, mode=cfg.aqn.draw) if noise_targets and sigma > 0 \
+            else contextlib.nullcontext()
+        with ctx:
+            ro = sampler.generate([stream.render(p) for p in problems], G, cfg.data.max_new_tokens,
+                                  cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
+                                  seed=seed_for(cfg.seed, "sample", step, k), prompt_batch=cfg.rollout.prompt_batch)
+        answers = [p.answer for p in problems for _ in range(G)]
+        out = score(ro.texts, answers)
+        return ro, out, torch.tensor(out.total, dtype=torch.float32, device=device)
+
+    problems = stream.at(step)
+    ro, scored, r = rollout(problems, 0)
+    t_roll = time.perf_counter() - t0
+    gen_tokens, roll_time = ro.stats["generated_tokens"], ro.stats["rollout_s"]
+    stats_all = scored.metrics()  # reward, reward_std, rewards/<fn>/mean|std, reward_errors (first sampling round)
+    groups_total = len(problems)
+    if a.dynamic_sampling:
+        keep = algos.dynamic_sampling_filter(r, G)
+        ros, rs = [ro.select_groups(keep)], [r.view(-1, G)[keep].reshape(-1)]
+        kept = int(keep.sum())
+        for k in range(1, a.max_refills + 1):
+            if kept >= len(problems):
+                break
+            extra = stream.extra(step, k, len(problems))
+            ro2, _, r2 = rollout(extra, k)
+            gen_tokens += ro2.stats["generated_tokens"]
+            roll_time += ro2.stats["rollout_s"]
+            keep2 = algos.dynamic_sampling_filter(r2, G)
+            idx, _ = algos.select_groups(keep2, len(problems) - kept)
+            sel = torch.zeros_like(keep2)
+            sel[idx] = True
+            ros.append(ro2.select_groups(sel))
+            rs.append(r2.view(-1, G)[sel].reshape(-1))
+            kept += int(sel.sum())
+            groups_total += len(extra)
+        ro = Rollout.cat(ros, sampler.pad_id)
+        r = torch.cat(rs)
+        stats_all["groups_kept"] = kept
+        stats_all["groups_sampled"] = groups_total
+    n_rows = r.numel()
+    t1 = time.perf_counter()
+    metrics = dict(stats_all, sigma=sigma, lr=sched.get_last_lr()[0])
+    mask = algos.truncation_mask(ro.completion_mask, ro.truncated, a.mask_truncated)   # (N, Tc)
+    lengths = ro.completion_mask.sum(1).float()
+    metrics.update(response_length=lengths.mean().item() if n_rows else 0.0,
+                   response_length_max=lengths.max().item() if n_rows else 0.0,
+                   truncated_frac=ro.truncated.float().mean().item() if n_rows else 0.0,
+                   sampling_entropy=algos.entropy_mean(ro.entropy, ro.completion_mask).item() if n_rows else 0.0,
+                   rollout_tokens=gen_tokens, rollout_tokens_per_s=gen_tokens / max(roll_time, 1e-9),
+                   time_rollout_s=t_roll)
+    if n_rows == 0 or mask.sum() == 0:  # nothing to learn from (every group uniform, or all truncated)
+        metrics.update(skipped_update=1, time_step_s=time.perf_counter() - t0, peak_mem_gib=peak_memory_gib(device))
+        return metrics
+    adv = algos.group_advantages(r, G, a.adv_std_norm, a.adv_eps)                      # (N,)
+    micro = cfg.train.micro_batch
+    temp = cfg.rollout.temperature
+    ac = _autocast(policy, device)
+
+    policy.train()
+    with torch.no_grad(), ac:  # π_old, training-policy entropy, reference log-probs
+        olds, ents, refs = [], [], []
+        for rows in rows_in_chunks(n_rows, micro):
+            lp, ent = completion_logprobs(policy, ro, rows, temp, True)
+            olds.append(lp)
+            ents.append(ent)
+            if a.kl_coef > 0:
+                with adapters_disabled(policy):
+                    refs.append(completion_logprobs(policy, ro, rows, temp, False)[0])
+        old_logp, train_ent = torch.cat(olds), torch.cat(ents)
+        ref_logp = torch.cat(refs) if refs else None
+    metrics["entropy"] = algos.entropy_mean(train_ent, ro.completion_mask).item()
+    metrics.update({f"mismatch/{k}": v.item() for k, v in
+                    algos.mismatch_stats(ro.logp, old_logp, ro.completion_mask).items()})
+    t2 = time.perf_counter()
+
+    agg_stats: dict[str, list[float]] = {}
+    grad_norms = []
+    groups = n_rows // G
+    per_mb = max(1, groups // a.minibatches)
+    for _ in range(a.ppo_epochs):
+        for g0 in range(0, groups, per_mb):
+            mb = torch.arange(g0 * G, min(groups, g0 + per_mb) * G, device=device)
+            mb_tokens = mask[mb].sum().clamp(min=1)
+            opt.zero_grad(set_to_none=True)
+            for i in range(0, mb.numel(), micro):
+                rows = mb[i:i + micro]
+                with ac:
+                    logp, _ = completion_logprobs(policy, ro, rows, temp, False)
+                loss, st = algos.policy_loss(
+                    logp, old_logp[rows], adv[rows], mask[rows], a.clip_low, a.clip_high, a.loss_agg,
+                    ref_logp=None if ref_logp is None else ref_logp[rows], kl_coef=a.kl_coef,
+                    behav_logp=ro.logp[rows] if a.tis_cap else None, tis_cap=a.tis_cap,
+                    max_len=ro.completion_ids.shape[1])
+                weight = (mask[rows].sum() / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb.numel()
+                (loss * weight).backward()
+                for k, v in st.items():
+                    agg_stats.setdefault(k, []).append(v.item())
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            grad_norms.append(gn.item())
+            opt.step()
+            sched.step()
+    policy.eval()
+    t3 = time.perf_counter()
+    metrics.update({k: sum(v) / len(v) for k, v in agg_stats.items()})
+    metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), updates=len(grad_norms),
+                   time_reward_s=t1 - t0 - t_roll, time_logprob_s=t2 - t1, time_update_s=t3 - t2,
+                   time_step_s=t3 - t0, peak_mem_gib=peak_memory_gib(device))
+    return metrics
+
+
+def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, device) -> dict:
+    from qerl.results import read_jsonl
+
+    rows = read_jsonl(writer.metrics_path)
+    k = max(1, min(5, len(rows) // 4))
+    first = [r["reward"] for r in rows[:k]]
+    last = [r["reward"] for r in rows[-k:]]
+    return {
+        "finished": True, "steps": len(rows), "scale": cfg.scale, "experiment": cfg.experiment,
+        "reward_first": sum(first) / len(first) if first else None,
+        "reward_last": sum(last) / len(last) if last else None,
+        "eval": ev, "wall_time_s": wall_s, "device": str(device),
+        "data": data.data_provenance(cfg.data.train, cfg.data.source,
+                                     **({"levels": tuple(cfg.data.levels)} if cfg.data.levels else {})),
+    }
+
+
+def _progress(cfg: TrainConfig, start: int):
+    if not cfg.train.progress or not sys.stderr.isatty() and not os.environ.get("QERL_PROGRESS"):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.steps, initial=start, desc=str(cfg.run_dir.name), dynamic_ncols=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    summary = run(cfg)
+    print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
+          f"eval {({k: v.get('pass@1') for k, v in (summary.get('eval') or {}).items()})}")
+
+
+if __name__ == "__main__":
+    main()
