@@ -41,8 +41,9 @@ def save(fig: Figure, out_dir: str | Path, name: str, sources: Iterable[str], no
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.pdf", out / f"{name}.runs.txt"]
-    fig.savefig(paths[0], dpi=150)
-    fig.savefig(paths[1])
+    # no timestamps in the files, so regenerating unchanged results leaves committed figures byte-identical
+    fig.savefig(paths[0], dpi=150, metadata={"Software": None})
+    fig.savefig(paths[1], metadata={"CreationDate": None, "Producer": None})
     head = f"# {name}: sources of this figure" + (f" ({note})" if note else "") + "\n"
     paths[2].write_text(head + "".join(f"{s}\n" for s in sources))
     return paths

@@ -286,6 +286,12 @@ def test_curve_figures_write_png_pdf_and_sidecar(tree, tmp_path, fig):
     _check_written(paths, tmp_path, f"{fig}_smoke", runs)
 
 
+def test_regenerated_figures_are_byte_identical(tree, tmp_path):
+    a = [p.read_bytes() for p in F.fig8(tree, scale="smoke", out_dir=tmp_path / "a")]
+    b = [p.read_bytes() for p in F.fig8(tree, scale="smoke", out_dir=tmp_path / "b")]
+    assert a == b
+
+
 def test_sampling_entropy_option(tree, tmp_path):
     paths = F.fig5(tree, scale="smoke", out_dir=tmp_path, metric="sampling_entropy")
     assert paths[0].name == "fig5_smoke_sampling_entropy.png"
