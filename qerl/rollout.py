@@ -108,6 +108,23 @@ def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
     return z
 
 
+def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                       gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(z/T) restricted to top-k / top-p. z: (N, V) float32.
+
+    Returns (token (N,), log softmax(z/T)[token] (N,), entropy of softmax(z/T) (N,)). Sampling is the
+    exponential race argmax_v p_v / E_v, E_v ~ Exp(1), which draws v with probability p_v and, unlike
+    ``torch.multinomial``, needs no host synchronisation (so it can live inside a CUDA graph).
+    """
+    z = z / temperature
+    logp_all = z.log_softmax(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)                                          # (N,)
+    zf = filter_logits(z, top_k, top_p) if (top_k or top_p < 1.0) else z
+    noise = torch.empty_like(zf).exponential_(generator=gen)
+    tok = (zf.softmax(-1) / noise).argmax(-1)
+    return tok, logp_all.gather(1, tok[:, None]).squeeze(1), ent
+
+
 class Sampler:
     """Generates completions with the policy's own modules. See the module docstring."""
 
@@ -212,13 +229,7 @@ class Sampler:
 
     def _sample_into(self, s, z):
         """Sample the next token from logits z (N, V); record log-prob and entropy at column t."""
-        z = z / s["temperature"]
-        logp_all = z.log_softmax(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1)                                    # (N,)
-        zf = filter_logits(z, s["top_k"], s["top_p"]) if (s["top_k"] or s["top_p"] < 1.0) else z
-        noise = torch.empty_like(zf).exponential_(generator=s["gen"])
-        tok = (zf.softmax(-1) / noise).argmax(-1)                                    # exponential-race sampling
-        lp = logp_all.gather(1, tok[:, None]).squeeze(1)
+        tok, lp, ent = sample_from_logits(z, s["temperature"], s["top_k"], s["top_p"], s["gen"])
         alive = ~s["finished"]
         tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
         s["tok"].copy_(tok)
