@@ -108,29 +108,42 @@ def _emulate_w_asm(q: int, words: list[int]) -> tuple[list[float], list[float]]:
     return mul(lo(t0), s0) + mul(lo(t1), s1), mul(hi(t0), s0) + mul(hi(t1), s1)
 
 
+def _bf16_bits(v: float) -> int:
+    return torch.tensor([v], dtype=torch.float32).bfloat16().view(torch.int16).item() & 0xFFFF
+
+
+def _expected_scale_word(fmt: str, b: int) -> int:
+    """What fp4_triton._scale_word must return: the BF16 of scale * 2^100 in both halves."""
+    if fmt == "nvfp4":
+        val = torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+    else:
+        val = 2.0 ** (b - 127)
+    v = _bf16_bits(val * 2.0**100)
+    return v | (v << 16)
+
+
+def _scale_bytes(fmt: str, lowest_mx: int = 0) -> list[int]:
+    if fmt == "nvfp4":  # every E4M3 byte but NaN: normals, subnormals, zero, negative
+        return [b for b in range(256) if b & 0x7F != 0x7F]
+    # E8M0 exponents the fast decoder takes; below 28 (scales < 2^-99) its products underflow BF16
+    return list(range(lowest_mx, 155))
+
+
 @pytest.mark.parametrize("fmt", FP4)
 def test_ptx_decoder_bit_logic(fmt):
-    """The asm decoder's bit manipulation reproduces fp4 * scale * 2^-26 for every code and many scales."""
+    """The asm decoder's bit manipulation reproduces fp4 * scale * 2^-26 for every code and every scale."""
     from qerl.quant.fp4 import E2M1_GRID
     vals = list(E2M1_GRID) + [-v for v in E2M1_GRID]
     g = torch.Generator().manual_seed(3)
-    if fmt == "nvfp4":  # positive normal E4M3 bytes (the fast path's condition)
-        scales = torch.randint(0x08, 0x7F, (48,), generator=g).tolist() + [0x08, 0x7E, 0x38]
-        sval = torch.tensor(scales, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
-        words = [((s << 4) + 0x6E00) * 0x10001 for s in scales]
-    else:
-        scales = torch.randint(28, 155, (48,), generator=g).tolist() + [28, 154, 127]
-        sval = [2.0 ** (e - 127) for e in scales]
-        words = [((e << 7) + 0x3200) * 0x10001 for e in scales]
-    for i in range(len(scales)):
-        bytes4 = torch.randint(0, 256, (4,), generator=g).tolist()
-        if i < 64:  # cover every code in every slot
-            bytes4 = [(4 * i + j) % 256 for j in range(4)]
+    for i, sb in enumerate(_scale_bytes(fmt, lowest_mx=28)):
+        word = _expected_scale_word(fmt, sb)
+        sval = _bf16(word) * 2.0**-100
+        bytes4 = [(4 * i + j) % 256 for j in range(4)] if i < 64 else torch.randint(0, 256, (4,), generator=g).tolist()
         qword = sum(b << (8 * j) for j, b in enumerate(bytes4))
-        lo, hi = _emulate_w_asm(qword, [words[i]] * 4)
+        lo, hi = _emulate_w_asm(qword, [word] * 4)
         for j, b in enumerate(bytes4):
-            assert lo[j] * 2.0**26 == vals[b & 15] * sval[i], (fmt, hex(b), scales[i])
-            assert hi[j] * 2.0**26 == vals[b >> 4] * sval[i], (fmt, hex(b), scales[i])
+            assert lo[j] * 2.0**26 == vals[b & 15] * sval, (fmt, hex(b), sb)
+            assert hi[j] * 2.0**26 == vals[b >> 4] * sval, (fmt, hex(b), sb)
 
 
 # ------------------------------------------------------------------------------------------ CPU, Triton interpreter
@@ -151,10 +164,30 @@ def _interp_shim():
 def _interpreter_main() -> None:
     """Runs in a subprocess with TRITON_INTERPRET=1: every kernel variant vs the reference on CPU tensors."""
     _interp_shim()
+    import triton
+    import triton.language as tl
+
+    from qerl.kernels.fp4_triton import _scale_word
+    globals()["_scale_word"] = _scale_word  # the interpreter resolves names in the module's globals
+
+    @triton.jit
+    def scale_word_kernel(s_ptr, o_ptr, FMT: tl.constexpr):
+        r = tl.arange(0, 256)
+        tl.store(o_ptr + r, _scale_word(tl.load(s_ptr + r), FMT))
+
+    for fid, fmt in enumerate(FP4):
+        sb = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        words = torch.zeros(256, dtype=torch.int32)
+        scale_word_kernel[(1,)](sb, words, fid)
+        for b in _scale_bytes(fmt):
+            assert words[b].item() & 0xFFFFFFFF == _expected_scale_word(fmt, b), (fmt, b)
+
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cfgs = [configs.KernelConfig("dot", bm=16, bn=32, bk=64, split_k=1, swap=False),
-            configs.KernelConfig("dot", bm=16, bn=16, bk=64, split_k=2, swap=True, mode=2),
+            configs.KernelConfig("dot", bm=16, bn=16, bk=64, split_k=2, swap=True, mode=2, prefetch=False),
             configs.KernelConfig("dot", bm=32, bn=32, bk=128, split_k=1, swap=False, join=True),
+            configs.KernelConfig("dot", bm=16, bn=32, bk=128, split_k=2, swap=False, sc32=True),
+            configs.KernelConfig("dot", bm=16, bn=16, bk=128, split_k=1, swap=False, mode=3),
             configs.KernelConfig("gemv", bn=16, bk=64, split_k=3)]
     for fmt in FP4:
         for n, k, m in ((48, 192, 3), (64, 256, 17), (40, 320, 5)):  # masked N and K tails, uneven split-K
@@ -253,8 +286,11 @@ def test_gpu_every_kernel_variant_poisoned(fmt):
             configs.KernelConfig("dot", bm=64, bn=128, bk=64, split_k=1, swap=False, warps=4, stages=3),
             configs.KernelConfig("dot", bm=64, bn=64, bk=128, split_k=1, swap=True, join=True),
             configs.KernelConfig("dot", bm=128, bn=128, bk=64, split_k=2, swap=False, warps=8),
+            configs.KernelConfig("dot", bm=16, bn=64, bk=256, split_k=3, swap=False, sc32=True),
+            configs.KernelConfig("dot", bm=16, bn=128, bk=256, split_k=1, swap=False, mode=3, warps=8),
+            configs.KernelConfig("dot", bm=16, bn=64, bk=256, split_k=2, swap=False, prefetch=False),
             configs.KernelConfig("gemv", bn=32, bk=256, split_k=4)]
-    for n, k in ((3584, 3584), (1000, 1056), (512, 18944)):
+    for n, k in ((3584, 3584), (1000, 1088), (512, 18944)):
         q, wd = _gpu_case(fmt, n, k, seed=k)
         pw = qk.prepare(fmt, q)
         out = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -274,11 +310,14 @@ def test_gpu_every_kernel_variant_poisoned(fmt):
 
 @gpu
 @needs_cuda
-def test_gpu_odd_scales_use_exact_decoder():
-    """E4M3 subnormal block scales (and huge E8M0 exponents) fail the fast decoder's check and stay exact."""
+def test_gpu_odd_scales():
+    """NVFP4 subnormal and zero block scales stay on the fast decoder and exact; an MXFP4 exponent above
+    the fast decoder's range (e > 154) switches that weight to the pure decoder, still exact."""
     q, _ = _gpu_case("nvfp4", 256, 512, seed=5)
-    q["weight_scale"] = (q["weight_scale"].float() * 2.0**-9).to(torch.float8_e4m3fn)  # many subnormals
-    assert not qk.prepare("nvfp4", q).asm_ok
+    s = q["weight_scale"].float() * 2.0**-12
+    s[:, ::7] = 0.0
+    q["weight_scale"] = s.to(torch.float8_e4m3fn)  # many subnormals and zeros
+    assert qk.prepare("nvfp4", q).asm_ok
     wd = FORMATS["nvfp4"].dequantize(q, torch.float32)
     x = torch.randn(4, 512, device="cuda").bfloat16()
     assert _rel(qk.qmm(x, "nvfp4", q), _ref_mm(x, wd.t())) < TOL

@@ -77,6 +77,7 @@ class PackedFP4:
     gs: torch.Tensor | None  # (1,) float32, NVFP4 only
     asm_ok: bool
     stamp: tuple
+    scale32: torch.Tensor | None = None  # (N, K/G/4) int32 view of ``scale`` when K/G % 4 == 0
 
     @property
     def group(self) -> int:
@@ -97,9 +98,9 @@ def _stamp(*ts: torch.Tensor | None) -> tuple:
 def prepare(fmt: str, q: Mapping[str, torch.Tensor]) -> PackedFP4:
     """Kernel view of an NVFP4/MXFP4 weight (cached per ``weight_packed`` tensor; re-checked if it changes).
 
-    Checks once (one host sync) whether the fast inline-PTX decoder is exact for these scales: every E4M3
-    block scale a positive normal number, every E8M0 exponent <= 154. Inside CUDA-graph capture the check
-    is skipped and the always-exact decoder is used.
+    The fast inline-PTX decoder is exact for every NVFP4 weight; for MXFP4 it needs every E8M0 exponent
+    <= 154 (scales <= 2^27), checked once here (one host sync; inside CUDA-graph capture the check is
+    skipped and the always-exact pure decoder is used).
     """
     fid = _fp4_id(fmt)
     if fid is None:
@@ -116,14 +117,12 @@ def prepare(fmt: str, q: Mapping[str, torch.Tensor]) -> PackedFP4:
     if scale.shape != (n, k // g):
         raise ValueError(f"{fmt}: weight_scale has shape {tuple(scale.shape)}, expected {(n, k // g)}")
     s8 = scale.contiguous().view(torch.uint8)
-    asm_ok = False
-    if packed.is_cuda and not torch.cuda.is_current_stream_capturing():
-        if fid == 0:
-            asm_ok = bool((((s8 & 0x80) == 0) & ((s8 & 0x78) != 0)).all().item())
-        else:
-            asm_ok = int(s8.max().item()) <= _k.MX_ASM_MAX_EXP if _k is not None else False
+    asm_ok = fid == 0  # every E4M3 byte has an exact scale word (normals, subnormals, zero)
+    if fid == 1 and packed.is_cuda and not torch.cuda.is_current_stream_capturing():
+        asm_ok = int(s8.max().item()) <= _k.MX_ASM_MAX_EXP if _k is not None else False
+    s32 = s8.view(torch.int32) if (k // g) % 4 == 0 and s8.storage_offset() % 4 == 0 else None
     pw = PackedFP4(fid, n, k, packed.contiguous(), s8,
-                   None if gs is None else gs.reshape(1).to(torch.float32), asm_ok, stamp)
+                   None if gs is None else gs.reshape(1).to(torch.float32), asm_ok, stamp, s32)
     _PREPARED[packed] = pw
     return pw
 
@@ -238,7 +237,7 @@ def _launch(x2: torch.Tensor, pw: PackedFP4, cfg: configs.KernelConfig, out: tor
     n_iter = triton.cdiv(k, cfg.bk)
     per = triton.cdiv(n_iter, min(cfg.split_k, n_iter))
     sk = triton.cdiv(n_iter, per)  # no empty splits
-    common = dict(MODE=cfg.mode, FMT=pw.fmt_id, G=pw.group, USE_ASM=asm, HAS_G=pw.gs is not None,
+    common = dict(FMT=pw.fmt_id, G=pw.group, USE_ASM=asm, HAS_G=pw.gs is not None,
                   OUT_C=_k.ASM_OUT_SCALE if asm else 1.0, BN=cfg.bn, BK=cfg.bk, SPLIT_K=sk,
                   MASKED=bool(n % cfg.bn or k % cfg.bk), FENCE=fence,
                   num_warps=cfg.warps, num_stages=cfg.stages)
@@ -255,7 +254,14 @@ def _launch(x2: torch.Tensor, pw: PackedFP4, cfg: configs.KernelConfig, out: tor
         cnt = _counters(dev)
     else:
         ws, cnt = out, out
-    args = (x2, pw.packed, pw.scale, gs, out, ws, cnt, m, n, k, x2.stride(0), out.stride(0), per, n_iter)
+    sc32 = (cfg.sc32 or cfg.mode == 3) and pw.scale32 is not None and (cfg.bk // pw.group) % 4 == 0
+    if cfg.mode == 3 and not sc32:
+        cfg = configs.replace(cfg, mode=1)
+    args = (x2, pw.packed, pw.scale32 if sc32 else pw.scale, gs, out, ws, cnt, m, n, k, x2.stride(0), out.stride(0),
+            per, n_iter)
+    common.update(SC32=sc32, MODE=cfg.mode)
+    if cfg.kernel != "gemv":
+        common["PREFETCH"] = cfg.prefetch and not sc32 and cfg.mode != 3
     if cfg.kernel == "gemv":
         _k._qgemv_kernel[grid](*args, **common)
     else:

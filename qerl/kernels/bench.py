@@ -3,12 +3,14 @@
     python -m qerl.kernels.bench [--models 7b,14b,32b] [--m 1,2,...,2048] [--out results/speed] [--tune]
 
 For the seven linears of one decoder layer of Qwen2.5-3B/7B/14B/32B (dims hard-coded below), per M: the
-median time (``triton.testing.do_bench``, which flushes L2 before every call; weights also rotate over
-copies totalling >= 128 MB) of each linear, summed over the layer; effective bytes/s (weights + x + out
-moved once) against a device-to-device copy measured in the same run; the ratio to BF16 ``F.linear``.
-Backward (``qmm_t``, grad_input = g W) is timed at M >= 512. NF4 goes through bitsandbytes if it imports.
-``--tune`` first times candidate kernel configurations per (format, layer shape, M bucket) and uses the
-fastest (its table is printed for ``configs.TUNED``). Writes ``layers_<gpu>.csv`` / ``.md`` (and
+median time of each linear, measured as CUDA-graph replays of the product over rotating weight copies
+(>= 160 MB, so every weight read comes from HBM, as in a decode step; graphs take host launch overhead
+out, as the rollout's CUDA-graph decode does), summed over the layer; and the 7 linears run back to back
+over consecutive layer copies in one graph. Effective bytes/s (weights + x + out moved once) is compared
+with a device-to-device copy measured in the same run; speed-ups are against BF16 ``F.linear``. Backward
+(``qmm_t``, grad_input = g W) is timed at M >= 512. NF4 goes through bitsandbytes if it imports.
+``--tune`` first times candidate kernel configurations per (format, layer shape, M) the same way and uses
+the fastest (the table is printed for ``configs.TUNED``). Writes ``layers_<gpu>.csv`` / ``.md`` (and
 ``layers_tune_<gpu>.csv``) under ``--out`` and prints the markdown last.
 """
 
@@ -19,6 +21,7 @@ import csv
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,7 +36,8 @@ MODELS = {  # hidden, intermediate, heads, kv heads, head_dim
     "32b": (5120, 27648, 40, 8, 128),
 }
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
-ROTATE_BYTES = 128 << 20
+ROTATE_BYTES = 160 << 20
+MAX_COPIES = 160
 DEVICE = "cuda"  # the benchmark is for GPUs; tests may point it elsewhere
 
 
@@ -73,62 +77,109 @@ class _Weights:
         q = FORMATS[fmt].quantize(w.bfloat16() if fmt == "bf16" else w)
         del w
         self.nbytes = sum(t.numel() * t.element_size() for t in q.values())
-        reps = max(1, min(32, math.ceil(ROTATE_BYTES / self.nbytes)))
+        reps = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / self.nbytes)))
         self.qs = [q] + [{kk: v.clone() for kk, v in q.items()} for _ in range(reps - 1)]
         if fmt in ("nvfp4", "mxfp4"):
             self.pws = [prepare(fmt, qq) for qq in self.qs]
-        self.i = 0
 
-    def next(self):
-        self.i = (self.i + 1) % len(self.qs)
-        return self.i
+
+def _call(fmt: str, wts: _Weights, i: int, x: torch.Tensor, op: str, cfg=None):
+    """A closure running one product on copy i of the weight (what a decode step does once per layer)."""
+    from qerl import kernels as qk
+    q = wts.qs[i]
+    if cfg is not None:
+        out = torch.empty(x.shape[0], q["weight_packed"].shape[0], device=x.device, dtype=torch.bfloat16)
+        if cfg.kernel == "cublas":
+            return lambda: torch.mm(x, qk.dequantize_into(fmt, q).t(), out=out)
+        pw = wts.pws[i]
+        return lambda: qk._launch(x, pw, cfg, out)
+    if fmt == "bf16":
+        w = q["weight"]
+        return (lambda: torch.matmul(x, w)) if op == "bwd" else (lambda: F.linear(x, w))
+    f = qk.qmm_t if op == "bwd" else qk.qmm
+    return lambda: f(x, fmt, q)
+
+
+def _graph_ms(calls: list, rep_ms: float) -> tuple[float, str]:
+    """Per-call time (ms): median over replays of one CUDA graph running ``calls`` in order.
+
+    Graphs take the host's launch overhead out (a decode step runs as a graph); the rotation over weight
+    copies larger than L2 keeps every weight read coming from HBM. Falls back to timing the calls eagerly
+    (events around the whole list) if capture fails; the second value says which ("graph" / "eager").
+    """
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    cur.wait_stream(side)
+    torch.cuda.synchronize()
+    mode, g = "graph", None
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        run = g.replay
+    except Exception:  # e.g. a library call that cannot be captured
+        mode, g = "eager", None
+        torch.cuda.synchronize()
+
+        def run():
+            for c in calls:
+                c()
+    run()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    t_end = time.perf_counter() + rep_ms * 1e-3
+    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return statistics.median(times) / len(calls), mode
 
 
 def _time_fn(fmt: str, wts: _Weights, m: int, k: int, n: int, op: str, rep_ms: float, cfg=None) -> float:
-    from qerl import kernels as qk
+    """Per-call time (ms) of one linear, rotating over all copies of its weight inside one graph."""
     x = torch.randn(m, n if op == "bwd" else k, device=DEVICE).bfloat16()
-    if cfg is not None:
-        out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
-
-        def fn():
-            i = wts.next()
-            if cfg.kernel == "cublas":
-                w = qk.dequantize_into(fmt, wts.qs[i])
-                torch.mm(x, w.t(), out=out)
-            else:
-                qk._launch(x, wts.pws[i], cfg, out)
-    elif fmt == "bf16":
-        def fn():
-            w = wts.qs[wts.next()]["weight"]
-            return torch.matmul(x, w) if op == "bwd" else F.linear(x, w)
-    else:
-        f = qk.qmm_t if op == "bwd" else qk.qmm
-
-        def fn():
-            return f(x, fmt, wts.qs[wts.next()])
-    fn()
-    _sync()
-    return _do_bench(fn, rep_ms)
+    calls = [_call(fmt, wts, i, x, op, cfg) for i in range(len(wts.qs))]
+    if DEVICE != "cuda":
+        return _do_bench(lambda: [c() for c in calls], rep_ms) / len(calls)
+    return _graph_ms(calls, rep_ms)[0]
 
 
 # ----------------------------------------------------------------------------------------- tuning
 
 def _candidates(m: int) -> list:
+    """Kernel configurations timed by ``--tune`` for one M (all share a small set of constexprs)."""
     from qerl.kernels.configs import KernelConfig as C
+    out = []
     if m <= 16:
-        base = [(32, 512, 4, 3), (64, 256, 4, 3), (64, 256, 4, 4), (64, 256, 8, 3), (128, 256, 8, 3),
-                (128, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 4)]
-        out = [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st)
-               for bn, bk, w, st in base for s in (1, 2, 4, 8)]
+        base = [(64, 256, 4, 3), (64, 256, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4), (128, 128, 4, 3),
+                (32, 512, 4, 3), (32, 256, 4, 4), (128, 256, 4, 3)]
+        out += [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st)
+                for bn, bk, w, st in base for s in (1, 2, 4, 8)]
+        for bn, bk, w, st in base[:1] + base[2:3]:  # scale-load and tile-load variants
+            for s in (1, 4):
+                out += [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, mode=2),
+                        C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, sc32=True),
+                        C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, mode=3),
+                        C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, prefetch=False)]
         out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=True, warps=4, stages=3) for s in (1, 4)]
-        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, mode=2) for s in (1, 4)]
         if m <= 2:
             out += [C("gemv", bn=32, bk=256, split_k=s, warps=4, stages=3) for s in (1, 4)]
         return out + [C("cublas")]
-    bms = {32: (32,), 64: (32, 64), 128: (64, 128), 256: (64, 128)}.get(m, (64, 128))
-    base = [(64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 64, 8, 4)]
-    out = [C("dot", bm=bm, bn=bn, bk=bk, split_k=s, swap=sw, warps=w, stages=st)
-           for bm in bms for bn, bk, w, st in base for sw in (False, True) for s in (1, 2)]
+    if m <= 64:
+        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3) for s in (1, 2, 4)]
+    bms = {32: (32,), 64: (32, 64), 128: (64, 128), 256: (64, 128)}.get(m, (128,))
+    base = [(64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 256, 4, 3)]
+    out += [C("dot", bm=bm, bn=bn, bk=bk, split_k=s, swap=sw, warps=w, stages=st)
+            for bm in bms for bn, bk, w, st in base for sw in (False, True) for s in (1, 2)]
     return out + [C("cublas")]
 
 
@@ -218,12 +269,29 @@ def install_table(best: dict) -> dict:
         for b in buckets:
             if (fmt, n, k, b) not in best or b == m:
                 table[(fmt, n, k, b)] = key
-    configs.TUNED.clear()
-    configs.TUNED.update(table)
+    configs.set_table(table)
     return table
 
 
 # ----------------------------------------------------------------------------------------- benchmark
+
+def _layer_graph_ms(fmt: str, lins, wts: dict, m: int, op: str, rep_ms: float) -> float:
+    """Per-layer time (ms) of the 7 linears run back to back as one graph, over consecutive layer copies
+    (as in a decode step; the copies rotate through more than the L2 cache)."""
+    xs = {}
+    calls = []
+    layers = min(64, max(len(w.qs) for w in wts.values()))
+    for r in range(layers):
+        for _name, n, k in lins:
+            kin = n if op == "bwd" else k
+            if (m, kin) not in xs:
+                xs[(m, kin)] = torch.randn(m, kin, device=DEVICE).bfloat16()
+            w = wts[(n, k)]
+            calls.append(_call(fmt, w, r % len(w.qs), xs[(m, kin)], op))
+    if DEVICE != "cuda":
+        return _do_bench(lambda: [c() for c in calls], rep_ms) / layers
+    return _graph_ms(calls, rep_ms)[0] * len(lins)
+
 
 def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
     from qerl import kernels as qk
@@ -252,11 +320,13 @@ def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
                         total_b += nbytes
                         rows.append(dict(model=mdl, M=m, fmt=fmt, op=op, linear=name, N=n, K=k,
                                          us=round(t * 1e3, 3), bytes=nbytes))
+                    t_graph = _layer_graph_ms(fmt, lins, wts, m, op, rep_ms)
                     rows.append(dict(model=mdl, M=m, fmt=fmt, op=op, linear="layer", N=0, K=0,
                                      us=round(total_t * 1e3, 3), bytes=total_b,
-                                     backend="+".join(sorted(backends))))
+                                     backend="+".join(sorted(backends)), layer_graph_us=round(t_graph * 1e3, 3)))
                     print(f"[bench] {mdl} {fmt:6s} {op} M={m:5d}: {total_t * 1e3:8.1f} us/layer "
-                          f"{total_b / (total_t * 1e-3) / 1e12:5.2f} TB/s", flush=True)
+                          f"{total_b / (total_t * 1e-3) / 1e12:5.2f} TB/s; whole-layer graph "
+                          f"{t_graph * 1e3:8.1f} us", flush=True)
             del wts
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
@@ -265,6 +335,7 @@ def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
         base = layer.get((r["model"], r["M"], "bf16", r["op"]))
         if r["linear"] == "layer" and base is not None:
             r["speedup_vs_bf16"] = round(base["us"] / r["us"], 3)
+            r["graph_speedup_vs_bf16"] = round(base["layer_graph_us"] / r["layer_graph_us"], 3)
         r["TBps"] = round(r["bytes"] / (r["us"] * 1e-6) / 1e12, 3)
         r["frac_copy_bw"] = round(r["bytes"] / (r["us"] * 1e-6) / copy_bw, 3)
     return rows
@@ -279,8 +350,9 @@ def markdown(rows, header: str) -> str:
             sel = [r for r in layer if r["model"] == mdl and r["op"] == op]
             if not sel:
                 continue
-            out += [f"### Qwen2.5-{mdl.upper()} decoder linears, {'forward qmm' if op == 'fwd' else 'backward qmm_t'}"
-                    " (µs per layer, speed-up vs BF16, effective TB/s)", ""]
+            out += [f"### Qwen2.5-{mdl.upper()} decoder linears, {'forward qmm' if op == 'fwd' else 'backward qmm_t'}",
+                    "", "Cell: sum of the 7 per-linear medians in µs (speed-up vs BF16) effective TB/s · whole-layer "
+                    "graph µs (speed-up vs BF16).", ""]
             out.append("| M | " + " | ".join(fmts) + " | FP4 backend |")
             out.append("|---:|" + "---:|" * len(fmts) + "---|")
             for m in sorted({r["M"] for r in sel}):
@@ -291,7 +363,8 @@ def markdown(rows, header: str) -> str:
                         cells.append("–")
                         continue
                     sp = "" if f == "bf16" else f" ({r.get('speedup_vs_bf16', float('nan')):.2f}×)"
-                    cells.append(f"{r['us']:.1f}{sp} {r['TBps']:.2f}")
+                    gsp = "" if f == "bf16" else f" ({r.get('graph_speedup_vs_bf16', float('nan')):.2f}×)"
+                    cells.append(f"{r['us']:.1f}{sp} {r['TBps']:.2f} · {r['layer_graph_us']:.1f}{gsp}")
                     if f == "nvfp4":
                         be = r.get("backend", "")
                 out.append(f"| {m} | " + " | ".join(cells) + f" | {be} |")
@@ -305,11 +378,11 @@ def main(argv=None) -> None:
     ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)))
     ap.add_argument("--fmts", default="bf16,nvfp4,mxfp4,nf4")
     ap.add_argument("--out", default="results/speed")
-    ap.add_argument("--rep", type=float, default=40.0, help="do_bench repetition time per measurement (ms)")
+    ap.add_argument("--rep", type=float, default=20.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--tune", action="store_true", help="time candidate configurations first and use the best")
     ap.add_argument("--tune-models", default="7b")
     ap.add_argument("--tune-m", default="1,16,32,64,128,256,512")
-    ap.add_argument("--tune-rep", type=float, default=15.0)
+    ap.add_argument("--tune-rep", type=float, default=8.0)
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--tag", default="")
     ap.add_argument("--precompile-only", action="store_true",
@@ -349,7 +422,7 @@ def main(argv=None) -> None:
         print("}", flush=True)
     rows = run(a.models.split(","), [int(v) for v in a.m.split(",")], fmts, a.rep, bw)
     keys = ["model", "M", "fmt", "op", "linear", "N", "K", "us", "bytes", "TBps", "frac_copy_bw",
-            "speedup_vs_bf16", "backend"]
+            "speedup_vs_bf16", "layer_graph_us", "graph_speedup_vs_bf16", "backend"]
     with open(os.path.join(a.out, f"layers_{tag}.csv"), "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=keys)
         wr.writeheader()
@@ -362,8 +435,9 @@ def main(argv=None) -> None:
     header = (f"## Per-layer linear benchmark: {name}\n\n"
               f"torch {torch.__version__}, triton {triton.__version__}, bitsandbytes {bnb_v}, "
               f"python {platform.python_version()}; device-to-device copy {bw / 1e12:.2f} TB/s (read+write). "
-              f"Median of triton.testing.do_bench (L2 flushed before each call, weights rotated over "
-              f">= 128 MB), summed over the 7 linears of one decoder layer. Dispatch table: "
+              f"Per linear: median over CUDA-graph replays of the product over rotating weight copies "
+              f"(>= 160 MB); summed over the 7 linears of one decoder layer, and the 7 run back to back as one "
+              f"graph over consecutive layer copies. Dispatch table: "
               f"{'tuned in this run' if a.tune else 'qerl/kernels/configs.py'}; "
               f"FP4 dispatch M<= {qk.configs.GEMV_MAX_M} gemv-family, <= {qk.configs.GEMM_MAX_M} fused GEMM, "
               f"else dequant+cuBLAS (table entries may override). Command: `python -m qerl.kernels.bench "

@@ -7,7 +7,11 @@ on the device named in ``TUNED_DEVICE`` (see NOTES.md); other devices and untune
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, replace
+
+__all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE"]
 
 #: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
 #: weight is dequantized into a reusable BF16 buffer and cuBLAS does the product.
@@ -29,11 +33,14 @@ class KernelConfig:
     warps: int = 4
     stages: int = 3
     mode: int = 1  # packed-tile load: 1 = 3-D (BN, BK/G, G/2), 2 = 2-D (BN, BK/2) then reshape
+    sc32: bool = False  # load the group scales four at a time (int32, pipelined by cp.async) where possible
+    prefetch: bool = True  # load the group scale bytes one K tile ahead (register double buffer)
 
     def key(self) -> str:
         if self.kernel == "cublas":
             return "cublas"
-        tail = f"_w{self.warps}_st{self.stages}" + ("" if self.mode == 1 else f"_md{self.mode}")
+        tail = (f"_w{self.warps}_st{self.stages}" + ("" if self.mode == 1 else f"_md{self.mode}")
+                + ("_sc32" if self.sc32 else "") + ("" if self.prefetch else "_np"))
         if self.kernel == "gemv":
             return f"gemv_n{self.bn}_k{self.bk}_s{self.split_k}" + tail
         return (f"dot_m{self.bm}_n{self.bn}_k{self.bk}_s{self.split_k}_{'swap' if self.swap else 'nt'}"
@@ -48,13 +55,14 @@ class KernelConfig:
         kind, vals = parts[0], {}
         flags = set()
         for p in parts[1:]:
-            if p in ("swap", "nt", "join"):
+            if p in ("swap", "nt", "join", "sc32", "np"):
                 flags.add(p)
             else:
                 name = p.rstrip("0123456789")
                 vals[name] = int(p[len(name):])
         cfg = KernelConfig(kernel=kind, bn=vals["n"], bk=vals["k"], split_k=vals["s"], warps=vals["w"],
-                           stages=vals["st"], mode=vals.get("md", 1))
+                           stages=vals["st"], mode=vals.get("md", 1), sc32="sc32" in flags,
+                           prefetch="np" not in flags)
         if kind == "dot":
             cfg = replace(cfg, bm=vals["m"], swap="swap" in flags, join="join" in flags)
         return cfg
@@ -97,9 +105,25 @@ TUNED: dict[tuple[str, int, int, int], str] = {}
 
 def lookup(fmt: str, n: int, k: int, m: int, device_name: str = "", sms: int = 132) -> KernelConfig:
     """The tuned configuration for this layer shape and M (same device family), else :func:`heuristic`."""
-    fam = "mxfp4" if fmt.startswith("mxfp4") else fmt
+    return _lookup("mxfp4" if fmt.startswith("mxfp4") else fmt, n, k, m_bucket(m), device_name, sms)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(fam: str, n: int, k: int, bucket: int, device_name: str, sms: int) -> KernelConfig:
     if TUNED_DEVICE in device_name:
-        key = TUNED.get((fam, n, k, m_bucket(m)))
+        key = TUNED.get((fam, n, k, bucket))
+        if key is None:  # an untuned shape: the tuned shape of this bucket closest in (log N, log K)
+            near = [(abs(math.log(n / tn)) + abs(math.log(k / tk)), tkey)
+                    for (tf, tn, tk, tb), tkey in TUNED.items() if tf == fam and tb == bucket]
+            if near and min(near)[0] < 1.0:
+                key = min(near)[1]
         if key is not None:
             return KernelConfig.parse(key)
-    return heuristic(n, k, m, sms)
+    return heuristic(n, k, bucket, sms)
+
+
+def set_table(table: dict) -> None:
+    """Replace the tuned table (e.g. from a fresh ``bench --tune`` run) and forget cached lookups."""
+    TUNED.clear()
+    TUNED.update(table)
+    _lookup.cache_clear()

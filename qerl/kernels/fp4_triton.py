@@ -17,11 +17,11 @@ The packed tile is loaded as (BN, BK/G, G/2) bytes, one row per scale group, wit
 * inline PTX (sm_90, ``USE_ASM``; 4 bytes = 8 weights per call): ``prmt`` spreads two bytes into the two
   halves of a register, shift/and/or put each nibble's sign at bit 15 and its magnitude at bits 6-8 of a
   BF16 (value e2m1 * 2^-126; the 0.5 code is a BF16 subnormal, which BF16 arithmetic keeps) and one
-  ``mul.rn.bf16x2`` per pair applies the group scale, built once per group by integer ops: E4M3 byte b ->
-  bits (b << 4) + (220 << 7) = s * 2^100, E8M0 byte e -> bits (e + 100) << 7 = 2^(e - 27). Products are
-  fp4 * s * 2^-26, exact in BF16; the accumulator is multiplied by 2^26 (/ g). Valid when every E4M3
-  scale is a positive normal and every E8M0 exponent is <= 154; ``qerl.kernels.prepare`` checks this once
-  per weight and otherwise the pure decoder is used.
+  ``mul.rn.bf16x2`` per pair applies the group scale, built once per group (``_scale_word``) as a BF16
+  equal to scale * 2^100: E4M3 normals by integer ops on the byte, subnormals and zero through an exact
+  float product, E8M0 e as the exponent field e + 100. Products are fp4 * s * 2^-26, exact in BF16; the
+  accumulator is multiplied by 2^26 (/ g). Exact for every NVFP4 weight and for E8M0 exponents <= 154
+  (``qerl.kernels.prepare`` checks MXFP4 once; otherwise the pure decoder is used).
 
 Kernels: ``_qmm_dot_kernel`` (tiled, in-register dequantization feeding ``tl.dot``; BM=16 covers decode,
 optional swap of the operands so the weight is the MMA's A operand, optional split-K with an in-kernel
@@ -105,10 +105,17 @@ def _scale_val(s, FMT: tl.constexpr):
 
 @triton.jit
 def _scale_word(s, FMT: tl.constexpr):
-    """uint8 scales -> int32 bf16x2 words (scale * 2^100 in both halves) for the asm decoder."""
-    si = s.to(tl.int32)
+    """Scale bytes (any int dtype) -> int32 bf16x2 words, scale * 2^100 in both halves, for the asm decoder.
+
+    E4M3: normal b -> bits ((b & 0x7F) << 4) + (220 << 7); subnormal m * 2^-9 (and zero) through an exact
+    float product m * 2^91; sign kept. E8M0: bits (e + 100) << 7 (exact for e <= 154).
+    """
+    si = s.to(tl.int32) & 0xFF
     if FMT == 0:
-        v = (si << 4) + 0x6E00
+        mag = si & 0x7F
+        normal = (mag << 4) + 0x6E00
+        sub = ((mag & 7).to(tl.float32) * 2.4758800785707605e27).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        v = tl.where(mag < 8, sub.to(tl.int32) & 0xFFFF, normal) | ((si & 0x80) << 8)
     else:
         v = (si << 7) + 0x3200
     return v | (v << 16)
@@ -151,16 +158,25 @@ def _fence_gpu(FENCE: tl.constexpr):
 
 @triton.jit
 def _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
-               MODE: tl.constexpr):
+               MODE: tl.constexpr, SC32: tl.constexpr = False):
     """Packed bytes as (BN, BK/G, G/2), one row per scale group, and the group scales (BN, BK/G, 1).
 
     MODE 1 loads the 3-D tile directly; MODE 2 loads (BN, BK/2) and reshapes it. Keeping the group axis
     lets the scale broadcast stay in registers and lets Triton convert the packed bytes (not the decoded
-    BF16) into the MMA operand layout."""
+    BF16) into the MMA operand layout. SC32: ``sc_ptr`` is the scale tensor viewed as int32 (KG % 4 == 0)
+    and four scales come per load, wide enough for Triton to pipeline them with cp.async."""
     NG: tl.constexpr = BK // G
     GB: tl.constexpr = G // 2
     gcol = k0 // G + tl.arange(0, NG)
     s_ptrs = sc_ptr + offs_n[:, None] * KG + gcol[None, :]
+    if SC32:
+        gw = k0 // (4 * G) + tl.arange(0, NG // 4)
+        sw_ptrs = sc_ptr + offs_n[:, None] * (KG // 4) + gw[None, :]
+        if MASKED:
+            sw = tl.load(sw_ptrs, mask=(offs_n < N)[:, None] & (gw < KG // 4)[None, :], other=0)
+        else:
+            sw = tl.load(sw_ptrs)  # (BN, NG/4) int32
+        s4 = (sw[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # (BN, NG/4, 4)
     if MODE == 1:
         jb = k0 // 2 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # (NG, GB) byte columns
         w_ptrs = wq_ptr + offs_n[:, None, None] * KH + jb[None, :, :]
@@ -176,11 +192,71 @@ def _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.co
         else:
             b2 = tl.load(w_ptrs2)
         b = tl.reshape(b2, (offs_n.shape[0], NG, GB))
-    if MASKED:
+    if SC32:
+        s = tl.reshape(s4, (offs_n.shape[0], NG))
+    elif MASKED:
         s = tl.load(s_ptrs, mask=(offs_n < N)[:, None] & (gcol < KG)[None, :], other=0)
     else:
         s = tl.load(s_ptrs)
     return b, s[:, :, None]
+
+
+@triton.jit
+def _load_scales(sc_ptr, offs_n, k0, N, KG, G: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr, live):
+    """Group scale bytes (BN, BK/G, 1) of the K tile at k0; all zero (not loaded) where ``live`` is false."""
+    NG: tl.constexpr = BK // G
+    gcol = k0 // G + tl.arange(0, NG)
+    s_ptrs = sc_ptr + offs_n[:, None] * KG + gcol[None, :]
+    if MASKED:
+        s = tl.load(s_ptrs, mask=((offs_n < N)[:, None] & (gcol < KG)[None, :]) & live, other=0)
+    else:
+        s = tl.load(s_ptrs, mask=live, other=0)
+    return s[:, :, None]
+
+
+@triton.jit
+def _load_bytes(wq_ptr, offs_n, k0, N, KH, G: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr,
+                MODE: tl.constexpr):
+    """Packed bytes of the K tile at k0 as (BN, BK/G, G/2): MODE 1 a 3-D load, MODE 2 a 2-D load reshaped."""
+    NG: tl.constexpr = BK // G
+    GB: tl.constexpr = G // 2
+    if MODE == 1:
+        jb = k0 // 2 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # (NG, GB) byte columns
+        w_ptrs = wq_ptr + offs_n[:, None, None] * KH + jb[None, :, :]
+        if MASKED:
+            b = tl.load(w_ptrs, mask=(offs_n < N)[:, None, None] & (jb < KH)[None, :, :], other=0)
+        else:
+            b = tl.load(w_ptrs)
+    else:
+        jb2 = k0 // 2 + tl.arange(0, BK // 2)
+        w_ptrs2 = wq_ptr + offs_n[:, None] * KH + jb2[None, :]
+        if MASKED:
+            b2 = tl.load(w_ptrs2, mask=(offs_n < N)[:, None] & (jb2 < KH)[None, :], other=0)
+        else:
+            b2 = tl.load(w_ptrs2)
+        b = tl.reshape(b2, (offs_n.shape[0], NG, GB))
+    return b
+
+
+@triton.jit
+def _load_tile4(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.constexpr, MASKED: tl.constexpr):
+    """MODE 3: packed bytes as (BN, BK/4G, 4, G/2) and scales (BN, BK/4G, 4, 1) from int32 words, so the
+    four scales of a word broadcast over their groups without any reshape (``sc_ptr`` viewed as int32)."""
+    NG: tl.constexpr = BK // G
+    GB: tl.constexpr = G // 2
+    gw = k0 // (4 * G) + tl.arange(0, NG // 4)
+    sw_ptrs = sc_ptr + offs_n[:, None] * (KG // 4) + gw[None, :]
+    jb4 = (k0 // 2 + (tl.arange(0, NG // 4)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * GB
+           + tl.arange(0, GB)[None, None, :])  # (NG/4, 4, GB) byte columns
+    w_ptrs = wq_ptr + offs_n[:, None, None, None] * KH + jb4[None, :, :, :]
+    if MASKED:
+        sw = tl.load(sw_ptrs, mask=(offs_n < N)[:, None] & (gw < KG // 4)[None, :], other=0)
+        b = tl.load(w_ptrs, mask=(offs_n < N)[:, None, None, None] & (jb4 < KH)[None, :, :, :], other=0)
+    else:
+        sw = tl.load(sw_ptrs)
+        b = tl.load(w_ptrs)
+    s = (sw[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # (BN, NG/4, 4)
+    return b, s[:, :, :, None]
 
 
 @triton.jit
@@ -217,7 +293,8 @@ def _qmm_dot_kernel(
     FMT: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, HAS_G: tl.constexpr, OUT_C: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP: tl.constexpr, JOIN: tl.constexpr, MASKED: tl.constexpr, FENCE: tl.constexpr,
-    DOT_F32: tl.constexpr = False, MODE: tl.constexpr = 1,
+    DOT_F32: tl.constexpr = False, MODE: tl.constexpr = 1, SC32: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """out (M, N) = x (M, K) @ W^T, W dequantized tile by tile in registers and fed to tl.dot (fp32 acc).
 
@@ -238,10 +315,19 @@ def _qmm_dot_kernel(
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if PREFETCH:  # scale bytes are too narrow for cp.async: load them one iteration ahead by hand
+        s_next = _load_scales(sc_ptr, offs_n, it0 * BK, N, KG, G, BK, MASKED, n_it > 0)
     for i in range(0, n_it):
         k0 = (it0 + i) * BK
-        b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, MODE)
-        lo3, hi3 = _decode(b3, s3, FMT, USE_ASM, DOT_F32)  # (BN, BK/G, G/2)
+        if PREFETCH:
+            s3 = s_next
+            b3 = _load_bytes(wq_ptr, offs_n, k0, N, KH, G, BK, MASKED, MODE)
+            s_next = _load_scales(sc_ptr, offs_n, k0 + BK, N, KG, G, BK, MASKED, i + 1 < n_it)
+        elif MODE == 3:
+            b3, s3 = _load_tile4(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED)
+        else:
+            b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, MODE, SC32)
+        lo3, hi3 = _decode(b3, s3, FMT, USE_ASM, DOT_F32)  # (BN, BK/G, G/2) or MODE 3's 4-D tile
         lo = tl.reshape(lo3, (BN, BK // 2))  # even elements of the K tile
         hi = tl.reshape(hi3, (BN, BK // 2))  # odd elements
         kx = k0 + offs_x
@@ -280,7 +366,7 @@ def _qgemv_kernel(
     M, N, K, stride_xm, stride_om, PER, NITER,
     FMT: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr, HAS_G: tl.constexpr, OUT_C: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr, MASKED: tl.constexpr, FENCE: tl.constexpr,
-    MODE: tl.constexpr = 1,
+    MODE: tl.constexpr = 1, SC32: tl.constexpr = False,
 ):
     """One row of x per program (grid axis 2): out[m] = W x[m] with CUDA-core FMAs (split-K, fp32 acc).
 
@@ -301,7 +387,7 @@ def _qgemv_kernel(
     acc = tl.zeros((BN, NG, GB), dtype=tl.float32)
     for i in range(0, n_it):
         k0 = (it0 + i) * BK
-        b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, MODE)
+        b3, s3 = _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G, BK, MASKED, MODE, SC32)
         lo, hi = _decode(b3, s3, FMT, USE_ASM, True)
         jb = k0 // 2 + jl
         kmask = jb < KH

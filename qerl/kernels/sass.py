@@ -32,14 +32,15 @@ def compile_config(cfg: KernelConfig, fmt_id: int = 0, asm: bool = True, masked:
                    capability: int = 90):
     """triton.compile one configuration of the fused kernels for ``sm_<capability>``; returns the CompiledKernel."""
     fn = K._qgemv_kernel if cfg.kernel == "gemv" else K._qmm_dot_kernel
-    sig = {"x_ptr": "*bf16", "wq_ptr": "*u8", "sc_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
+    sig = {"x_ptr": "*bf16", "wq_ptr": "*u8", "sc_ptr": "*i32" if (cfg.sc32 or cfg.mode == 3) else "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     sig.update({a: "i32" for a in _INT_ARGS})
     const = dict(FMT=fmt_id, G=16 if fmt_id == 0 else 32, USE_ASM=asm, HAS_G=fmt_id == 0,
                  OUT_C=K.ASM_OUT_SCALE if asm else 1.0, BN=cfg.bn, BK=cfg.bk, SPLIT_K=cfg.split_k,
-                 MASKED=masked, FENCE=True, MODE=cfg.mode)
+                 MASKED=masked, FENCE=True, MODE=cfg.mode, SC32=cfg.sc32 or cfg.mode == 3)
     if cfg.kernel != "gemv":
-        const.update(BM=cfg.bm, SWAP=cfg.swap, JOIN=cfg.join, DOT_F32=False)
+        const.update(BM=cfg.bm, SWAP=cfg.swap, JOIN=cfg.join, DOT_F32=False,
+                     PREFETCH=cfg.prefetch and not cfg.sc32 and cfg.mode != 3)
     for c in const:
         sig[c] = "constexpr"
     names = fn.arg_names
