@@ -1,17 +1,26 @@
 # qerl: one command per job. Every target installs what it needs first (see `deps`).
+# SCALE=smoke (CPU, minutes) | toy (one GPU) | paper (Qwen2.5, the paper's settings). ARGS= extra key=value overrides.
 PY ?= python3
 SCALE ?= smoke
+ARGS ?=
 PYTEST_ARGS ?=
+STUDY ?= aqn-$(SCALE)
+TRIALS ?= 8
+WORKERS ?= 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: deps test test-gpu lint quant-report
+.PHONY: help deps test test-gpu lint quant-report reproduce-table1 reproduce-table2 fig4 fig5 fig8 fig9 fig10 \
+        fig15 fig16 fig17 figures sweep-aqn
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make test                 run the CPU test suite (installs dependencies first)"
-	@echo "make test-gpu             run the GPU tests (-m gpu) on a CUDA host"
-	@echo "make reproduce-table2     Table 2 at SCALE=$(SCALE) (smoke|toy|paper)"
+	@echo "make reproduce-table2     Table 2 (DAPO, Big-Math) at SCALE=$(SCALE); also reproduce-table1"
+	@echo "make fig4 fig8 fig9 fig10 fig15 fig16  the ablation runs behind each figure, then the figure"
+	@echo "make figures              regenerate every figure and table from results/ alone"
+	@echo "make sweep-aqn            Optuna sweep of AQN (STUDY=$(STUDY) TRIALS=$(TRIALS) WORKERS=$(WORKERS))"
 	@echo "make quant-report         bits/weight and quantization error of every format"
+	@echo "make test-gpu             the GPU tests (-m gpu) on a CUDA host"
 
 # A CPU-only machine gets the local CPU wheel of torch 2.13.0; an existing torch (e.g. CUDA) is left alone.
 deps:
@@ -28,4 +37,28 @@ lint: deps
 	$(PY) -m ruff check qerl experiments sweeps paper_figures tests
 
 quant-report: deps
-	$(PY) -m qerl.quant.report
+	$(PY) -m qerl.quant.report --out results/quant/report.md
+
+reproduce-table1: deps
+	$(PY) -m experiments.table1 --scale $(SCALE) $(ARGS)
+
+reproduce-table2: deps
+	$(PY) -m experiments.table2 --scale $(SCALE) $(ARGS)
+
+fig4 fig5: deps
+	$(PY) -m experiments.fig4 --scale $(SCALE) $(ARGS)
+
+fig8 fig9 fig10: deps
+	$(PY) -m experiments.$@ --scale $(SCALE) $(ARGS)
+
+fig15: deps
+	$(PY) -m experiments.fig15
+
+fig16 fig17: deps
+	$(PY) -m experiments.fig16 --scale $(SCALE) $(ARGS)
+
+figures: deps
+	$(PY) -m paper_figures --root results
+
+sweep-aqn: deps
+	$(PY) -m sweeps.aqn --study $(STUDY) --scale $(SCALE) --trials $(TRIALS) --workers $(WORKERS) $(ARGS)

@@ -170,8 +170,12 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train one run end to end (resuming if its directory holds a checkpoint); returns the summary."""
+def run(cfg: TrainConfig, on_step=None) -> dict:
+    """Train one run end to end (resuming if its directory holds a checkpoint); returns the summary.
+
+    ``on_step(step, metrics)``, if given, is called after each logged step (an Optuna objective reports
+    intermediate values there and may raise ``optuna.TrialPruned`` to stop the run).
+    """
     writer = RunWriter(cfg.run_dir, cfg.to_yaml(), cfg.train.keep_checkpoints)
     if writer.is_finished():
         import json
@@ -217,6 +221,8 @@ def run(cfg: TrainConfig) -> dict:
     for step in range(start + 1, cfg.train.steps + 1):
         m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device)
         writer.log(step, **m)
+        if on_step is not None:
+            on_step(step, m)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.3f}", tok_s=f"{m['rollout_tokens_per_s']:.0f}",
