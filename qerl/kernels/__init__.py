@@ -241,6 +241,8 @@ def _launch(x2: torch.Tensor, pw: PackedFP4, cfg: configs.KernelConfig, out: tor
                   OUT_C=_k.ASM_OUT_SCALE if asm else 1.0, BN=cfg.bn, BK=cfg.bk, SPLIT_K=sk,
                   MASKED=bool(n % cfg.bn or k % cfg.bk), FENCE=fence,
                   num_warps=cfg.warps, num_stages=cfg.stages)
+    if cfg.maxnreg:
+        common["maxnreg"] = cfg.maxnreg
     if cfg.kernel == "gemv":
         grid = (triton.cdiv(n, cfg.bn), sk, m)
         tiles = grid[0] * m

@@ -160,22 +160,22 @@ def _candidates(m: int) -> list:
     from qerl.kernels.configs import KernelConfig as C
     out = []
     if m <= 16:
-        base = [(64, 256, 4, 3), (64, 256, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4), (128, 128, 4, 3),
-                (32, 512, 4, 3), (32, 256, 4, 4), (128, 256, 4, 3)]
-        out += [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st)
-                for bn, bk, w, st in base for s in (1, 2, 4, 8)]
-        for bn, bk, w, st in base[:1] + base[2:3]:  # scale-load and tile-load variants
-            for s in (1, 4):
-                out += [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, mode=2),
-                        C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, sc32=True),
-                        C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, mode=3),
-                        C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, prefetch=False)]
-        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=True, warps=4, stages=3) for s in (1, 4)]
+        md1 = [(64, 256, 4, 3, 0), (128, 256, 8, 3, 0), (64, 128, 4, 4, 0), (32, 512, 4, 3, 0), (32, 256, 4, 4, 0)]
+        md2 = [(64, 256, 4, 3, 0), (64, 256, 4, 4, 0), (64, 256, 8, 3, 0), (128, 256, 8, 3, 0), (64, 128, 4, 3, 96),
+               (128, 128, 4, 3, 0), (32, 256, 4, 3, 0), (64, 256, 4, 2, 0)]
+        for mode, base in ((1, md1), (2, md2)):
+            out += [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, mode=mode, maxnreg=r)
+                    for bn, bk, w, st, r in base for s in (1, 2, 4, 8)]
+        for s in (1, 4):  # scale-load variants
+            out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, sc32=True),
+                    C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, mode=3),
+                    C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, mode=2, prefetch=False),
+                    C("dot", bm=16, bn=64, bk=256, split_k=s, swap=True, warps=4, stages=3)]
         if m <= 2:
             out += [C("gemv", bn=32, bk=256, split_k=s, warps=4, stages=3) for s in (1, 4)]
         return out + [C("cublas")]
     if m <= 64:
-        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3) for s in (1, 2, 4)]
+        out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, mode=2) for s in (1, 2, 4)]
     bms = {32: (32,), 64: (32, 64), 128: (64, 128), 256: (64, 128)}.get(m, (128,))
     base = [(64, 128, 4, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (64, 256, 4, 3)]
     out += [C("dot", bm=bm, bn=bn, bk=bk, split_k=s, swap=sw, warps=w, stages=st)
@@ -217,9 +217,43 @@ def tune_jobs(models: list[str], fmts: list[str], ms: list[int]) -> list:
                    for n, k in shapes[:1]})
 
 
-def tune(models: list[str], fmts: list[str], ms: list[int], rep_ms: float, out_csv: str, workers: int) -> dict:
-    """Time every candidate per (format, shape, M); returns {(fmt, N, K, M): best key} and writes all timings."""
+def _tune_shape(fmt, n, k, ms, cands_for, rep_ms, bad, rows, best) -> dict:
+    """Time the candidates of every M for one layer shape; records rows and the best key per M."""
+    wts = _Weights(fmt, n, k, seed=n + k)
+    ranked = {}
+    for m in ms:
+        res = []
+        for cfg in cands_for(m):
+            if (fmt, cfg.key()) in bad:
+                continue
+            try:
+                t = _time_fn(fmt, wts, m, k, n, "fwd", rep_ms, cfg=cfg)
+            except Exception as e:  # e.g. out of shared memory for this shape
+                print(f"  [tune] {fmt} {n}x{k} M={m} {cfg.key()}: {type(e).__name__}", flush=True)
+                continue
+            res.append((t, cfg.key()))
+            rows.append(dict(fmt=fmt, N=n, K=k, M=m, config=cfg.key(), us=round(t * 1e3, 2)))
+        res.sort()
+        if not res:
+            continue
+        ranked[m] = res
+        best[(fmt, n, k, m)] = res[0][1]
+        second = f"(2nd {res[1][1]} {res[1][0] * 1e3:.1f}us)" if len(res) > 1 else ""
+        print(f"[tune] {fmt} {n}x{k} M={m}: best {res[0][1]} {res[0][0] * 1e3:.1f}us {second}", flush=True)
+    del wts
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return ranked
+
+
+def tune(models: list[str], fmts: list[str], ms: list[int], rep_ms: float, out_csv: str, workers: int,
+         more_models: list[str] = (), top: int = 6) -> dict:
+    """Time every candidate per (format, shape, M) of ``models``; then, for the other shapes of
+    ``more_models``, only the ``top`` configurations of each M from the first pass (plus cuBLAS).
+    Returns {(fmt, N, K, M): best key} and writes every timing to ``out_csv``."""
+    from qerl.kernels.configs import KernelConfig
     shapes = sorted({(n, k) for mdl in models for _, n, k in layer_linears(mdl)})
+    more = sorted({(n, k) for mdl in more_models for _, n, k in layer_linears(mdl)} - set(shapes))
     jobs = tune_jobs(models, fmts, ms)
     t0 = time.time()
     failed = precompile(jobs, workers)
@@ -230,29 +264,17 @@ def tune(models: list[str], fmts: list[str], ms: list[int], rep_ms: float, out_c
     bad = {(f.split()[0], f.split()[1]) for f in failed}
     best, rows = {}, []
     for fmt in fmts:
+        shortlist: dict[int, dict[str, float]] = {}
         for n, k in shapes:
-            wts = _Weights(fmt, n, k, seed=n + k)
-            for m in ms:
-                res = []
-                for cfg in _candidates(m):
-                    if (fmt, cfg.key()) in bad:
-                        continue
-                    try:
-                        t = _time_fn(fmt, wts, m, k, n, "fwd", rep_ms, cfg=cfg)
-                    except Exception as e:  # e.g. out of shared memory for this shape
-                        print(f"  [tune] {fmt} {n}x{k} M={m} {cfg.key()}: {type(e).__name__}", flush=True)
-                        continue
-                    res.append((t, cfg.key()))
-                    rows.append(dict(fmt=fmt, N=n, K=k, M=m, config=cfg.key(), us=round(t * 1e3, 2)))
-                res.sort()
-                if not res:
-                    continue
-                best[(fmt, n, k, m)] = res[0][1]
-                second = f"(2nd {res[1][1]} {res[1][0] * 1e3:.1f}us)" if len(res) > 1 else ""
-                print(f"[tune] {fmt} {n}x{k} M={m}: best {res[0][1]} {res[0][0] * 1e3:.1f}us {second}", flush=True)
-            del wts
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
+            ranked = _tune_shape(fmt, n, k, ms, _candidates, rep_ms, bad, rows, best)
+            for m, res in ranked.items():
+                for rank, (_, key) in enumerate(res[:top]):
+                    shortlist.setdefault(m, {})[key] = shortlist.get(m, {}).get(key, 0) + top - rank
+        picks = {m: [KernelConfig.parse(key) for key, _ in sorted(v.items(), key=lambda kv: -kv[1])[:top]]
+                 for m, v in shortlist.items()}
+        for n, k in more:
+            _tune_shape(fmt, n, k, ms, lambda m: picks.get(m, []) + [KernelConfig(kernel="cublas")],
+                        rep_ms, bad, rows, best)
     with open(out_csv, "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
         wr.writeheader()
@@ -383,6 +405,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tune-models", default="7b")
     ap.add_argument("--tune-m", default="1,16,32,64,128,256,512")
     ap.add_argument("--tune-rep", type=float, default=8.0)
+    ap.add_argument("--tune-top", type=int, default=6,
+                    help="configurations per M carried from the full sweep to the other models' shapes")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--tag", default="")
     ap.add_argument("--precompile-only", action="store_true",
@@ -414,7 +438,8 @@ def main(argv=None) -> None:
     if a.tune:
         best = tune(a.tune_models.split(","), [f for f in fmts if f in ("nvfp4", "mxfp4")],
                     [int(v) for v in a.tune_m.split(",")], a.tune_rep,
-                    os.path.join(a.out, f"layers_tune_{tag}.csv"), a.workers)
+                    os.path.join(a.out, f"layers_tune_{tag}.csv"), a.workers,
+                    more_models=a.models.split(","), top=a.tune_top)
         table = install_table(best)
         print("TUNED = {")
         for key in sorted(table):

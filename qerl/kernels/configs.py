@@ -35,12 +35,14 @@ class KernelConfig:
     mode: int = 1  # packed-tile load: 1 = 3-D (BN, BK/G, G/2), 2 = 2-D (BN, BK/2) then reshape
     sc32: bool = False  # load the group scales four at a time (int32, pipelined by cp.async) where possible
     prefetch: bool = True  # load the group scale bytes one K tile ahead (register double buffer)
+    maxnreg: int = 0  # register cap per thread (0: the compiler's choice), to fit more CTAs per SM
 
     def key(self) -> str:
         if self.kernel == "cublas":
             return "cublas"
         tail = (f"_w{self.warps}_st{self.stages}" + ("" if self.mode == 1 else f"_md{self.mode}")
-                + ("_sc32" if self.sc32 else "") + ("" if self.prefetch else "_np"))
+                + ("_sc32" if self.sc32 else "") + ("" if self.prefetch else "_np")
+                + (f"_r{self.maxnreg}" if self.maxnreg else ""))
         if self.kernel == "gemv":
             return f"gemv_n{self.bn}_k{self.bk}_s{self.split_k}" + tail
         return (f"dot_m{self.bm}_n{self.bn}_k{self.bk}_s{self.split_k}_{'swap' if self.swap else 'nt'}"
@@ -62,7 +64,7 @@ class KernelConfig:
                 vals[name] = int(p[len(name):])
         cfg = KernelConfig(kernel=kind, bn=vals["n"], bk=vals["k"], split_k=vals["s"], warps=vals["w"],
                            stages=vals["st"], mode=vals.get("md", 1), sc32="sc32" in flags,
-                           prefetch="np" not in flags)
+                           prefetch="np" not in flags, maxnreg=vals.get("r", 0))
         if kind == "dot":
             cfg = replace(cfg, bm=vals["m"], swap="swap" in flags, join="join" in flags)
         return cfg
@@ -115,7 +117,7 @@ def _lookup(fam: str, n: int, k: int, bucket: int, device_name: str, sms: int) -
         if key is None:  # an untuned shape: the tuned shape of this bucket closest in (log N, log K)
             near = [(abs(math.log(n / tn)) + abs(math.log(k / tk)), tkey)
                     for (tf, tn, tk, tb), tkey in TUNED.items() if tf == fam and tb == bucket]
-            if near and min(near)[0] < 1.0:
+            if near and min(near)[0] < 2.0:
                 key = min(near)[1]
         if key is not None:
             return KernelConfig.parse(key)

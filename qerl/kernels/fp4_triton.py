@@ -18,8 +18,8 @@ The packed tile is loaded as (BN, BK/G, G/2) bytes, one row per scale group, wit
   halves of a register, shift/and/or put each nibble's sign at bit 15 and its magnitude at bits 6-8 of a
   BF16 (value e2m1 * 2^-126; the 0.5 code is a BF16 subnormal, which BF16 arithmetic keeps) and one
   ``mul.rn.bf16x2`` per pair applies the group scale, built once per group (``_scale_word``) as a BF16
-  equal to scale * 2^100: E4M3 normals by integer ops on the byte, subnormals and zero through an exact
-  float product, E8M0 e as the exponent field e + 100. Products are fp4 * s * 2^-26, exact in BF16; the
+  equal to scale * 2^100: E4M3 through the exact hardware E4M3->FP16 conversion and an exponent shift,
+  E8M0 e as the exponent field e + 100. Products are fp4 * s * 2^-26, exact in BF16; the
   accumulator is multiplied by 2^26 (/ g). Exact for every NVFP4 weight and for E8M0 exponents <= 154
   (``qerl.kernels.prepare`` checks MXFP4 once; otherwise the pure decoder is used).
 
@@ -107,16 +107,17 @@ def _scale_val(s, FMT: tl.constexpr):
 def _scale_word(s, FMT: tl.constexpr):
     """Scale bytes (any int dtype) -> int32 bf16x2 words, scale * 2^100 in both halves, for the asm decoder.
 
-    E4M3: normal b -> bits ((b & 0x7F) << 4) + (220 << 7); subnormal m * 2^-9 (and zero) through an exact
-    float product m * 2^91; sign kept. E8M0: bits (e + 100) << 7 (exact for e <= 154).
+    E4M3: the hardware conversion to FP16 is exact (subnormals become FP16 normals); its exponent and top 7
+    mantissa bits are the BF16's, with the exponent field moved by 127 - 15 + 100 = 212; zero stays zero,
+    the sign is kept. E8M0: bits (e + 100) << 7 (exact for e <= 154).
     """
-    si = s.to(tl.int32) & 0xFF
     if FMT == 0:
-        mag = si & 0x7F
-        normal = (mag << 4) + 0x6E00
-        sub = ((mag & 7).to(tl.float32) * 2.4758800785707605e27).to(tl.bfloat16).to(tl.int16, bitcast=True)
-        v = tl.where(mag < 8, sub.to(tl.int32) & 0xFFFF, normal) | ((si & 0x80) << 8)
+        h = s.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.int16, bitcast=True)
+        h = h.to(tl.int32) & 0xFFFF
+        mag = h & 0x7FFF
+        v = tl.where(mag == 0, 0, (mag >> 3) + 0x6A00) | (h & 0x8000)
     else:
+        si = s.to(tl.int32) & 0xFF
         v = (si << 7) + 0x3200
     return v | (v << 16)
 

@@ -50,6 +50,8 @@ def compile_config(cfg: KernelConfig, fmt_id: int = 0, asm: bool = True, masked:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=opts)
 
 
