@@ -273,7 +273,7 @@ def tune(models: list[str], fmts: list[str], ms: list[int], rep_ms: float, out_c
         picks = {m: [KernelConfig.parse(key) for key, _ in sorted(v.items(), key=lambda kv: -kv[1])[:top]]
                  for m, v in shortlist.items()}
         for n, k in more:
-            _tune_shape(fmt, n, k, ms, lambda m: picks.get(m, []) + [KernelConfig(kernel="cublas")],
+            _tune_shape(fmt, n, k, ms, lambda m, p=picks: p.get(m, []) + [KernelConfig(kernel="cublas")],
                         rep_ms, bad, rows, best)
     with open(out_csv, "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
