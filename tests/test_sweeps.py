@@ -1,0 +1,251 @@
+"""AQN sweeps: sampled parameters reach the run, pruning stops a run, failures are recorded, the trial budget is
+counted right, SIGKILLed workers are retried on rerun, two workers share one SQLite study, the report is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from qerl.results import read_jsonl
+from sweeps.aqn import (
+    Worker,
+    build_sweep,
+    default_storage,
+    make_storage,
+    open_study,
+    suggest,
+    trial_overrides,
+)
+from sweeps.report import census, run_values, trials_frame, write_report
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+MODEL = ["model=tiny"]
+# Small but real training runs (a few seconds a step on 2 shared cores).
+FAST = [*MODEL, "train.steps=3", "train.batch_size=8", "algo.group_size=4", "train.micro_batch=8",
+        "data.max_new_tokens=16", "eval.limit=4", "eval.n_samples=1", "eval.max_new_tokens=16", "algo.ppo_epochs=1",
+        "train.save_every=1", "train.progress=false"]
+
+
+def _setup(tmp_path, name, extra=(), pruner=None, n=1, objective="val_acc"):
+    sweep = build_sweep(name, (*FAST, f"out_dir={tmp_path}", *extra), "smoke", objective)
+    storage = make_storage(default_storage(tmp_path, name), heartbeat=1)
+    study = open_study(sweep, storage, pruner or optuna.pruners.NopPruner(), n, baseline=False)
+    return sweep, study
+
+
+def _acc(row):
+    return row.get("rewards/accuracy/mean", row["reward"])
+
+
+def test_sampled_parameters_become_the_run_config_and_drive_sigma(tmp_path):
+    sweep, study = _setup(tmp_path, "wire")
+    p = {"sigma_start": 0.0123, "sigma_ratio": 0.037, "stages": 3, "schedule": "cosine"}
+    study.enqueue_trial(p)
+    assert Worker(sweep, study, n_trials=1).run() == 1
+    (t,) = study.get_trials()
+    assert t.state == TrialState.COMPLETE
+    run = tmp_path / "sweeps" / "wire" / "trial_0"
+    assert Path(t.user_attrs["run_dir"]) == run
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    s_end = 0.0123 * 0.037
+    assert cfg["aqn"]["enabled"] and cfg["aqn"]["mode"] == "paper"
+    assert (cfg["aqn"]["sigma_start"], cfg["aqn"]["sigma_end"]) == (0.0123, s_end)  # exact: repr round-trips
+    assert (cfg["aqn"]["stages"], cfg["aqn"]["schedule"]) == (3, "cosine")
+    assert cfg["experiment"] == "sweeps/wire" and cfg["run_name"] == "trial_0"
+    assert cfg["tags"] == {"sweep": "wire", "trial": 0}
+    assert (cfg["train"]["steps"], cfg["algo"]["group_size"], cfg["scale"]) == (3, 4, "smoke")  # overrides reach it
+    # σ per step, by hand (paper mode, 3 steps / 3 stages): stage 0 noise-free, stage 1 σ_start (u = 0),
+    # stage 2 cosine at u = 1/2: σ_end + (σ_start − σ_end)(1 + cos(π/2))/2 = (σ_start + σ_end)/2.
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["sigma"] for r in rows] == pytest.approx([0.0, 0.0123, (0.0123 + s_end) / 2], rel=1e-12)
+    # the objective is the summary's pass@1 (mean over eval sets); reward_area the mean accuracy reward
+    summary = json.loads((run / "summary.json").read_text())
+    passes = [v["pass@1"] for v in summary["eval"].values()]
+    assert t.value == pytest.approx(sum(passes) / len(passes))
+    accs = [_acc(r) for r in rows]
+    assert t.user_attrs["reward_area"] == pytest.approx(sum(accs) / 3)
+    assert t.intermediate_values == pytest.approx({s: sum(accs[:s]) / s for s in (1, 2, 3)})
+    # a FixedTrial samples the same mapping: σ_end = σ_start · ratio
+    got = suggest(optuna.trial.FixedTrial(p), sweep.space)
+    assert got == {**p, "sigma_end": s_end}
+    assert f"aqn.sigma_end={s_end!r}" in trial_overrides(sweep, got, 7)
+
+
+def test_build_sweep_space_and_refusals(tmp_path):
+    sw = build_sweep("s", (*FAST, "train.steps=5"), "smoke")
+    assert sw.space["stages"] == [2, 5] and sw.steps == 5  # paper mode needs steps >= stages
+    assert build_sweep("s", (*FAST, "train.steps=40", "aqn.mode=official"), "smoke").space["stages"] == [3, 12]
+    assert set(sw.space["schedule"]) == {"exponential", "linear", "cosine", "logarithmic"}
+    for bad, needle in [(["aqn.sigma_start=0.1"], "aqn.sigma_start"), (["run_name=x"], "run_name"),
+                        (["aqn=off"], "AQN enabled"), (["scale=toy"], "--scale"), (["train.steps=1"], "stages")]:
+        with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("-", r"\-")):
+            build_sweep("s", (*FAST, *bad), "smoke")
+    with pytest.raises(ValueError, match="reward_area"):
+        build_sweep("s", FAST, "smoke", "accuracy")
+    # a rerun with other settings is refused; the stored ones are kept
+    sweep, study = _setup(tmp_path, "same")
+    other = build_sweep("same", (*FAST, f"out_dir={tmp_path}", "quant=nf4"), "smoke")
+    with pytest.raises(ValueError, match="other settings"):
+        open_study(other, make_storage(default_storage(tmp_path, "same")))
+    assert study.user_attrs["sweep"]["overrides"] == list(sweep.overrides)
+
+
+def test_a_pruned_trial_stops_its_run(tmp_path):
+    # a real Optuna pruner that prunes any running reward below 2 (rewards are <= 1): at step 1, once
+    sweep, study = _setup(tmp_path, "prune", pruner=optuna.pruners.ThresholdPruner(lower=2.0))
+    Worker(sweep, study, n_trials=1).run()
+    (t,) = study.get_trials()
+    assert t.state == TrialState.PRUNED
+    run = Path(t.user_attrs["run_dir"])
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1]  # stopped after the first of 3 steps
+    assert not (run / "summary.json").exists()
+    assert t.intermediate_values == pytest.approx({1: _acc(rows[0])})
+
+
+def test_a_failed_trial_is_recorded_and_the_study_goes_on(tmp_path):
+    sweep, study = _setup(tmp_path, "fail", n=2)
+    study.enqueue_trial({"sigma_start": 0.01, "sigma_ratio": 0.1, "stages": 1, "schedule": "linear"})  # K=1: invalid
+    study.enqueue_trial({"sigma_start": 0.02, "sigma_ratio": 0.1, "stages": 2, "schedule": "linear"})
+    assert Worker(sweep, study, n_trials=2).run() == 2
+    bad, good = study.get_trials()
+    assert bad.state == TrialState.FAIL and "stages" in bad.user_attrs["error"]
+    assert good.state == TrialState.COMPLETE
+    counted, pending, _ = census(study.get_trials())
+    assert len(counted) == 2 and not pending  # a FAIL of its own counts toward the budget
+
+
+def _synthetic_study(tmp_path):
+    """Every state the budget has to tell apart, and run directories with hand-made metrics."""
+    dists = {"sigma_start": FloatDistribution(1e-3, 1e-1, log=True), "sigma_ratio": FloatDistribution(1e-3, 0.5, log=True),
+             "stages": IntDistribution(2, 12), "schedule": CategoricalDistribution(["exponential", "linear"])}
+
+    def run_dir(n, accs, passes=None):
+        d = tmp_path / f"trial_{n}"
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "rewards/accuracy/mean": a}) + "\n"
+                                                 for i, a in enumerate(accs)))
+        if passes is not None:
+            (d / "summary.json").write_text(json.dumps({"finished": True, "eval": {
+                s: {"pass@1": v} for s, v in passes.items()}}))
+        return str(d)
+
+    study = optuna.create_study(direction="maximize")
+    P = lambda s, r, k: {"sigma_start": s, "sigma_ratio": r, "stages": k, "schedule": "linear"}
+    add = lambda **kw: study.add_trial(create_trial(distributions=dists, **kw))
+    add(state=TrialState.COMPLETE, value=0.4, params=P(0.01, 0.05, 10),
+        user_attrs={"run_dir": run_dir(0, [0.25, 0.75], {"toy": 0.5, "gsm8k": 0.3})})
+    add(state=TrialState.PRUNED, params=P(0.05, 0.5, 3), intermediate_values={1: 0.125},
+        user_attrs={"run_dir": run_dir(1, [0.125])})
+    add(state=TrialState.FAIL, params=P(0.002, 0.01, 4), user_attrs={"error": "ValueError: bad K"})
+    add(state=TrialState.FAIL, params=P(0.003, 0.02, 5))                              # worker died ...
+    add(state=TrialState.WAITING, params=P(0.003, 0.02, 5), system_attrs={"failed_trial": 3, "retry_history": [3]})
+    add(state=TrialState.FAIL, params=P(0.004, 0.02, 6), user_attrs={"surplus": True})
+    add(state=TrialState.RUNNING, params=P(0.005, 0.03, 7))
+    add(state=TrialState.COMPLETE, value=0.9, params=P(0.02, 0.2, 8))
+    return study
+
+
+def test_budget_census_and_run_values(tmp_path):
+    study = _synthetic_study(tmp_path)
+    counted, pending, retried_as = census(study.get_trials())
+    assert sorted(t.number for t in counted) == [0, 1, 2, 7]  # COMPLETE, PRUNED, FAIL of its own
+    assert sorted(t.number for t in pending) == [4, 6]
+    assert retried_as == {3: 4}
+    v = run_values(tmp_path / "trial_0")
+    assert v == {"val_acc": pytest.approx(0.4), "reward_area": pytest.approx(0.5), "steps_done": 2}
+    assert run_values(tmp_path / "trial_1") == {"val_acc": None, "reward_area": 0.125, "steps_done": 1}
+
+
+def test_report_files(tmp_path):
+    study = _synthetic_study(tmp_path)
+    study.set_user_attr("sweep", {"objective": "val_acc", "scale": "smoke", "overrides": ["x=1"]})
+    files = write_report(study, tmp_path / "rep")
+    assert {f.name for f in files} == {"trials.csv", "trials.md", "history.png", "importances.png", "sigma.png"}
+    for f in files:
+        assert f.stat().st_size > 100
+        if f.suffix == ".png":
+            assert f.read_bytes()[:4] == b"\x89PNG"
+    import pandas as pd
+
+    df = pd.read_csv(tmp_path / "rep" / "trials.csv")
+    assert list(df.number) == list(range(8))
+    r0 = df.iloc[0]
+    assert (r0.state, r0.val_acc, r0.reward_area, r0.steps_done) == ("COMPLETE", 0.4, 0.5, 2)
+    assert r0.sigma_end == pytest.approx(0.01 * 0.05)
+    assert df.iloc[3].error == "worker lost; retried as trial 4" and df.iloc[4].retry_of == 3
+    assert df.iloc[2].error == "ValueError: bad K" and df.iloc[5].error.startswith("surplus")
+    assert list(df.counted) == [True, True, True, False, False, False, False, True]
+    md = (tmp_path / "rep" / "trials.md").read_text()
+    assert "best: trial 7" in md and "| 3 | FAIL |" in md
+    assert trials_frame(study).shape[0] == 8
+
+
+def _cmd(tmp_path, study, trials, workers, extra=()):
+    return [sys.executable, "-m", "sweeps.aqn", "--study", study, "--trials", str(trials), "--workers", str(workers),
+            "--heartbeat", "1", "--pruner", "none", *FAST, f"out_dir={tmp_path}", *extra]
+
+
+def _load(tmp_path, study):
+    return optuna.load_study(study_name=study, storage=make_storage(default_storage(tmp_path, study), 1))
+
+
+def test_two_workers_share_one_sqlite_study(tmp_path):
+    res = subprocess.run(_cmd(tmp_path, "pair", 4, 2, ["train.steps=2"]), capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    trials = _load(tmp_path, "pair").get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    assert sorted(t.number for t in trials) == [0, 1, 2, 3]
+    assert len({t.user_attrs["worker"].rsplit(":", 1)[1] for t in trials}) == 2  # both workers ran trials
+    assert trials[0].params == {"sigma_start": 0.01, "sigma_ratio": 0.05, "stages": 2, "schedule": "exponential"}
+    runs = sorted(p.name for p in (tmp_path / "sweeps" / "pair").glob("trial_*"))
+    assert runs == [f"trial_{i}" for i in range(4)]  # one run directory per trial, none shared
+    assert "[w0]" in res.stdout and "[w1]" in res.stdout
+    assert (tmp_path / "sweeps" / "pair" / "trials.csv").exists()
+
+
+def test_sigkill_mid_trial_then_rerun_finishes_the_study(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    sdir = tmp_path / "sweeps" / "res"
+    p = subprocess.Popen(_cmd(tmp_path, "res", 3, 1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    deadline, victim = time.time() + 400, None
+    while time.time() < deadline and victim is None:  # kill once a trial has a checkpoint but no summary
+        for d in sdir.glob("trial_*"):
+            if list((d / "checkpoints").glob("step_*[0-9]")) and not (d / "summary.json").exists():
+                victim = d
+        time.sleep(0.05)
+    assert victim is not None, "no trial reached its first checkpoint"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    before = _load(tmp_path, "res").get_trials()
+    assert [t.state for t in before].count(TrialState.RUNNING) == 1
+    killed = next(t for t in before if t.state == TrialState.RUNNING)
+    res = subprocess.run(_cmd(tmp_path, "res", 3, 1), env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    after = _load(tmp_path, "res").get_trials()
+    assert not [t for t in after if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    counted, _, retried_as = census(after)
+    assert len(counted) == 3 and all(t.state == TrialState.COMPLETE for t in counted)
+    assert after[killed.number].state == TrialState.FAIL and killed.number in retried_as
+    retry = after[retried_as[killed.number]]
+    assert retry.params == killed.params and retry.user_attrs["run_dir"] == str(victim)  # same run, resumed
+    assert f"resuming {victim}" in res.stdout
+    assert [r["step"] for r in read_jsonl(victim / "metrics.jsonl")] == [1, 2, 3]
+    assert (sdir / "trials.csv").exists() and (sdir / "sigma.png").exists()
+    assert math.isfinite(retry.value)
