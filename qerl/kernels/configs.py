@@ -11,6 +11,10 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
+# TUNED_DEVICE: device name substring the table was measured on (``torch.cuda.get_device_name``);
+# TUNED: (fmt, N, K, M bucket) -> configuration key (``KernelConfig.key``), written by ``bench --tune``.
+from qerl.kernels.tuned_h100 import TUNED, TUNED_DEVICE
+
 __all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE"]
 
 #: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
@@ -99,10 +103,6 @@ def heuristic(n: int, k: int, m: int, sms: int = 132) -> KernelConfig:
                         swap=False, warps=4 if bm <= 64 else 8, stages=3)
 
 
-#: Device name substring the table was measured on (``torch.cuda.get_device_name``).
-TUNED_DEVICE = "H100"
-#: (fmt, N, K, M bucket) -> configuration key (``KernelConfig.key``), from the tuning run in NOTES.md.
-TUNED: dict[tuple[str, int, int, int], str] = {}
 
 
 def lookup(fmt: str, n: int, k: int, m: int, device_name: str = "", sms: int = 132) -> KernelConfig:
