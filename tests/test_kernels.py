@@ -73,7 +73,8 @@ def test_configs_roundtrip_and_buckets():
     assert [configs.m_bucket(m) for m in (1, 2, 3, 5, 16, 17, 300)] == [1, 2, 4, 8, 16, 32, 512]
     for cfg in (configs.KernelConfig(), configs.KernelConfig("gemv", bn=32, bk=128, split_k=4, mode=2),
                 configs.KernelConfig("dot", bm=64, bn=128, bk=64, swap=False, join=True, warps=8, stages=4),
-                configs.KernelConfig("cublas")):
+                configs.KernelConfig("cublas"), configs.KernelConfig("cublas", chunk=2048),
+                configs.KernelConfig("dot", bm=16, bn=64, bk=128, mode=2, maxnreg=96, prefetch=False, sc32=True)):
         assert configs.KernelConfig.parse(cfg.key()) == cfg
     assert configs.heuristic(3584, 3584, 4096).kernel == "cublas"
     assert configs.heuristic(512, 3584, 1).split_k > 1  # 8 tiles of N: split K to fill the GPU
@@ -207,6 +208,9 @@ def _interpreter_main() -> None:
                 outb = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
                 err = _rel(qk._launch(x, pw, cfg, outb, use_asm=False), ref)
                 assert err < 1e-2, (fmt, n, k, m, cfg.key(), err)  # the interpreter truncates to bf16
+            outb = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            qk._dequant_mm(x, fmt, q, pw, outb, 20)  # dequantize + matmul in row slices (20 does not divide n)
+            assert _rel(outb, ref) < 1e-2, (fmt, n, k, m, "chunked dequant+mm")
     print("INTERPRETER-OK")
 
 
@@ -306,6 +310,9 @@ def test_gpu_every_kernel_variant_poisoned(fmt):
                     qk._launch(x, pw, cfg, y, use_asm=asm)
                     err = _rel(y, ref)
                     assert err < TOL, (fmt, n, k, m, cfg.key(), asm, err)
+            y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            qk._dequant_mm(x, fmt, q, pw, y, 384)
+            assert _rel(y, ref) < TOL, (fmt, n, k, m, "chunked dequant+mm")
 
 
 @gpu

@@ -338,14 +338,28 @@ def qmm(x: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tenso
     out = torch.empty((m, pw.n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out.reshape(*x.shape[:-1], pw.n)
-    cfg = kernel_config(fmt, pw.n, pw.k, m, x.device) if backend != "dequant_cublas" else None
+    cfg = kernel_config(fmt, pw.n, pw.k, m, x.device) if x.dtype == torch.bfloat16 else None
     if cfg is None or cfg.kernel == "cublas":
-        w = dequantize_into(fmt, q, None if x.dtype == torch.bfloat16 else
-                            _workspace(x.device, x.dtype, pw.n * pw.k).view(pw.n, pw.k))
-        torch.mm(x2, w.t(), out=out)
+        _dequant_mm(x2, fmt, q, pw, out, cfg.chunk if cfg is not None else 0)
     else:
         _launch(x2, pw, cfg, out)
     return out.reshape(*x.shape[:-1], pw.n)
+
+
+def _dequant_mm(x2: torch.Tensor, fmt: str, q, pw: PackedFP4, out: torch.Tensor, chunk: int) -> None:
+    """out (M, N) = x2 @ Ŵᵀ by dequantize + cuBLAS; with ``chunk`` rows at a time, so each dequantized
+    slice is still in L2 when cuBLAS reads it (for large M, where each slice's GEMM fills the GPU)."""
+    if not chunk or chunk >= pw.n or x2.dtype != torch.bfloat16:
+        w = dequantize_into(fmt, q, None if x2.dtype == torch.bfloat16 else
+                            _workspace(x2.device, x2.dtype, pw.n * pw.k).view(pw.n, pw.k))
+        torch.mm(x2, w.t(), out=out)
+        return
+    buf = _workspace(x2.device, torch.bfloat16, chunk * pw.k).view(chunk, pw.k)
+    for n0 in range(0, pw.n, chunk):
+        r = min(chunk, pw.n - n0)
+        part = PackedFP4(pw.fmt_id, r, pw.k, pw.packed[n0:n0 + r], pw.scale[n0:n0 + r], pw.gs, pw.asm_ok, pw.stamp)
+        _dequant_launch(part, buf[:r])
+        torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
 def qmm_t(g: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -90,7 +90,8 @@ def _call(fmt: str, wts: _Weights, i: int, x: torch.Tensor, op: str, cfg=None):
     if cfg is not None:
         out = torch.empty(x.shape[0], q["weight_packed"].shape[0], device=x.device, dtype=torch.bfloat16)
         if cfg.kernel == "cublas":
-            return lambda: torch.mm(x, qk.dequantize_into(fmt, q).t(), out=out)
+            pw = wts.pws[i]
+            return lambda: qk._dequant_mm(x, fmt, q, pw, out, cfg.chunk)
         pw = wts.pws[i]
         return lambda: qk._launch(x, pw, cfg, out)
     if fmt == "bf16":
@@ -162,7 +163,8 @@ def _candidates(m: int) -> list:
     if m <= 16:
         md1 = [(64, 256, 4, 3, 0), (128, 256, 8, 3, 0), (64, 128, 4, 4, 0), (32, 512, 4, 3, 0), (32, 256, 4, 4, 0)]
         md2 = [(64, 256, 4, 3, 0), (64, 256, 4, 4, 0), (64, 256, 8, 3, 0), (128, 256, 8, 3, 0), (64, 128, 4, 3, 96),
-               (128, 128, 4, 3, 0), (32, 256, 4, 3, 0), (64, 256, 4, 2, 0)]
+               (128, 128, 4, 3, 0), (32, 256, 4, 3, 0), (64, 256, 4, 2, 0), (64, 128, 4, 3, 80),
+               (64, 128, 4, 4, 96), (128, 128, 8, 3, 96), (128, 128, 4, 3, 128)]
         for mode, base in ((1, md1), (2, md2)):
             out += [C("dot", bm=16, bn=bn, bk=bk, split_k=s, swap=False, warps=w, stages=st, mode=mode, maxnreg=r)
                     for bn, bk, w, st, r in base for s in (1, 2, 4, 8)]
@@ -173,6 +175,12 @@ def _candidates(m: int) -> list:
                     C("dot", bm=16, bn=64, bk=256, split_k=s, swap=True, warps=4, stages=3)]
         if m <= 2:
             out += [C("gemv", bn=32, bk=256, split_k=s, warps=4, stages=3) for s in (1, 4)]
+        return out + [C("cublas")]
+    if m >= 512:  # dequantize + cuBLAS, whole or in L2-sized slices; two fused configurations at 512
+        out += [C("cublas", chunk=c) for c in (1024, 2048, 4096)]
+        if m == 512:
+            out += [C("dot", bm=128, bn=128, bk=64, split_k=1, swap=True, warps=8, stages=4),
+                    C("dot", bm=128, bn=64, bk=128, split_k=2, swap=True, warps=4, stages=3)]
         return out + [C("cublas")]
     if m <= 64:
         out += [C("dot", bm=16, bn=64, bk=256, split_k=s, swap=False, warps=4, stages=3, mode=2) for s in (1, 2, 4)]
@@ -403,7 +411,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rep", type=float, default=20.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--tune", action="store_true", help="time candidate configurations first and use the best")
     ap.add_argument("--tune-models", default="7b")
-    ap.add_argument("--tune-m", default="1,16,32,64,128,256,512")
+    ap.add_argument("--tune-m", default="1,16,32,64,128,256,512,2048")
     ap.add_argument("--tune-rep", type=float, default=8.0)
     ap.add_argument("--tune-top", type=int, default=6,
                     help="configurations per M carried from the full sweep to the other models' shapes")

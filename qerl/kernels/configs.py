@@ -40,10 +40,11 @@ class KernelConfig:
     sc32: bool = False  # load the group scales four at a time (int32, pipelined by cp.async) where possible
     prefetch: bool = True  # load the group scale bytes one K tile ahead (register double buffer)
     maxnreg: int = 0  # register cap per thread (0: the compiler's choice), to fit more CTAs per SM
+    chunk: int = 0  # "cublas" only: dequantize and multiply this many weight rows at a time (L2-sized)
 
     def key(self) -> str:
         if self.kernel == "cublas":
-            return "cublas"
+            return f"cublas_ch{self.chunk}" if self.chunk else "cublas"
         tail = (f"_w{self.warps}_st{self.stages}" + ("" if self.mode == 1 else f"_md{self.mode}")
                 + ("_sc32" if self.sc32 else "") + ("" if self.prefetch else "_np")
                 + (f"_r{self.maxnreg}" if self.maxnreg else ""))
@@ -55,8 +56,8 @@ class KernelConfig:
     @staticmethod
     def parse(key: str) -> KernelConfig:
         """Inverse of :meth:`key`."""
-        if key == "cublas":
-            return KernelConfig(kernel="cublas")
+        if key == "cublas" or key.startswith("cublas_ch"):
+            return KernelConfig(kernel="cublas", chunk=int(key[9:]) if key != "cublas" else 0)
         parts = key.split("_")
         kind, vals = parts[0], {}
         flags = set()
@@ -119,6 +120,11 @@ def _lookup(fam: str, n: int, k: int, bucket: int, device_name: str, sms: int) -
                     for (tf, tn, tk, tb), tkey in TUNED.items() if tf == fam and tb == bucket]
             if near and min(near)[0] < 2.0:
                 key = min(near)[1]
+        if key is None and bucket > GEMM_MAX_M:  # beyond the tuned Ms: the largest tuned M's cuBLAS variant
+            tuned = [b for (tf, tn, tk, b) in TUNED if (tf, tn, tk) == (fam, n, k) and b < bucket]
+            if tuned:
+                key = _lookup(fam, n, k, max(tuned), device_name, sms).key()
+                key = key if key.startswith("cublas") else None
         if key is not None:
             return KernelConfig.parse(key)
     return heuristic(n, k, bucket, sms)
