@@ -237,7 +237,7 @@ class Sampler:
         s["out_mask"].index_copy_(1, s["t"], alive[:, None])
         s["out_logp"].index_copy_(1, s["t"], torch.where(alive, lp, torch.zeros_like(lp))[:, None])
         s["out_ent"].index_copy_(1, s["t"], torch.where(alive, ent, torch.zeros_like(ent))[:, None])
-        s["finished"] |= torch.isin(tok, self.eos_ids)
+        s["finished"] |= torch.isin(tok, s["eos"])
         s["t"] += 1
 
     def _bucket(self, S_needed: int, S_max: int) -> int:
@@ -259,14 +259,25 @@ class Sampler:
                 tensors[k].copy_(v)
             g = torch.cuda.CUDAGraph()
             g.register_generator_state(s["gen"])
-            with torch.cuda.graph(g, pool=s["pool"]):
-                self._decode_step(s, S)
+            try:
+                with torch.cuda.graph(g, pool=s["pool"]):
+                    self._decode_step(s, S)
+            except Exception as e:  # a kernel that cannot be captured (e.g. a library syncing): decode eagerly
+                import warnings
+
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding without graphs")
+                torch.cuda.synchronize()
+                self.use_graphs = False
+                for k, v in backup.items():
+                    tensors[k].copy_(v)
+                return self._decode_step(s, S)
             graphs[S] = g
         graphs[S].replay()
 
-    def _state(self, N: int, Lp: int, max_new: int, temperature: float, top_p: float, top_k: int) -> dict:
+    def _state(self, N: int, Lp: int, max_new: int, temperature: float, top_p: float, top_k: int,
+               ignore_eos: bool = False) -> dict:
         """Static buffers for one shape; kept across calls so captured CUDA graphs are replayed, not re-captured."""
-        key = (N, Lp, max_new, float(temperature), float(top_p), int(top_k))
+        key = (N, Lp, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos))
         if self._static is not None and self._static["key"] == key:
             return self._static
         self._static = None  # free the old cache and graphs first
@@ -277,6 +288,7 @@ class Sampler:
             kc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             vc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             gen=torch.Generator(device=dev), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+            eos=self.eos_ids if not ignore_eos else torch.full((1,), -1, dtype=torch.long, device=dev),
             Lp=torch.tensor([Lp], device=dev), t=torch.zeros(1, dtype=torch.long, device=dev),
             prompt_len=torch.zeros(N, dtype=torch.long, device=dev), tok=torch.zeros(N, dtype=torch.long, device=dev),
             key_valid=torch.zeros((N, S_max), dtype=torch.bool, device=dev),
@@ -286,6 +298,23 @@ class Sampler:
             out_logp=torch.zeros((N, max_new), device=dev), out_ent=torch.zeros((N, max_new), device=dev),
         )
         return self._static
+
+    @torch.no_grad()
+    def precapture(self, n_prompts: int, prompt_len: int, group_size: int = 1, max_new_tokens: int = 128,
+                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False) -> int:
+        """Capture the decode graphs of every KV bucket for this shape ahead of time (benchmarks keep capture
+        out of the timed region). Returns the number of graphs. A no-op without CUDA graphs."""
+        if not self.use_graphs:
+            return 0
+        Lp = int(math.ceil(min(prompt_len, self.max_prompt_tokens) / self.prompt_pad_multiple)) * self.prompt_pad_multiple
+        N, S_max = n_prompts * group_size, Lp + max_new_tokens
+        with self._autocast(), lora_inference_cache(self.model, self._act_dtype()):
+            s = self._state(N, Lp, max_new_tokens, temperature, top_p, top_k, ignore_eos)
+            s["t"].fill_(1)
+            s["key_valid"][:, :Lp] = True
+            for S in sorted({self._bucket(Lp + k, S_max) for k in range(1, max_new_tokens)}):
+                self._run_step(s, S)
+        return len(s["graphs"])
 
     def release(self) -> None:
         """Free the KV cache and captured graphs (e.g. before the training forward needs the memory)."""
@@ -308,29 +337,33 @@ class Sampler:
 
     @torch.no_grad()
     def generate(self, prompts, group_size: int = 1, max_new_tokens: int = 128, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, prompt_batch: int = 0) -> Rollout:
-        """G = ``group_size`` samples for each prompt (strings, or token-id lists already chat-formatted)."""
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, prompt_batch: int = 0,
+                 ignore_eos: bool = False) -> Rollout:
+        """G = ``group_size`` samples for each prompt (strings, or token-id lists already chat-formatted).
+
+        ``ignore_eos`` (benchmarks): every row runs to ``max_new_tokens`` (vLLM's ``ignore_eos``)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 (got {temperature}); use a small value for near-greedy")
         if prompt_batch and len(prompts) > prompt_batch:
             parts = [self.generate(prompts[i:i + prompt_batch], group_size, max_new_tokens, temperature, top_p, top_k,
-                                   None if seed is None else seed + i, 0)
+                                   None if seed is None else seed + i, 0, ignore_eos)
                      for i in range(0, len(prompts), prompt_batch)]
             return Rollout.cat(parts, self.pad_id)
         was_training = self.model.training
         self.model.eval()
         try:
             with self._autocast(), lora_inference_cache(self.model, self._act_dtype()):
-                return self._generate(prompts, group_size, max_new_tokens, temperature, top_p, top_k, seed)
+                return self._generate(prompts, group_size, max_new_tokens, temperature, top_p, top_k, seed,
+                                      ignore_eos)
         finally:
             self.model.train(was_training)
 
-    def _generate(self, prompts, G, max_new, temperature, top_p, top_k, seed) -> Rollout:
+    def _generate(self, prompts, G, max_new, temperature, top_p, top_k, seed, ignore_eos=False) -> Rollout:
         t0 = time.perf_counter()
         ids, mask, cut = self.encode(prompts)
         B, Lp = ids.shape
         N, S_max = B * G, Lp + max_new
-        s = self._state(N, Lp, max_new, temperature, top_p, top_k)
+        s = self._state(N, Lp, max_new, temperature, top_p, top_k, ignore_eos)
         s["gen"].manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         rep_mask = mask.repeat_interleave(G, 0)
         s["t"].zero_()

@@ -1,0 +1,228 @@
+"""Speed and memory benchmarks behind the paper's Tables 3, 5-9 and Figures 1/11 (GPU).
+
+    python -m qerl.bench memory  --models 7b --formats bf16,nf4,mxfp4,nvfp4
+    python -m qerl.bench rollout --models 7b,14b --formats bf16,nf4,nvfp4 --batch 2,8 --prompt 256 --new 2048 \
+                                 --ranks 32 [--rank-sweep 16,32,64]
+    python -m qerl.bench step    --models 7b --formats bf16,nf4,nvfp4 --batch 8 --gc both --steps 3
+    python -m qerl.bench layers  ...   (per-layer kernels: qerl.kernels.bench)
+
+Models are the ``preset:qwen2.5-*`` shape presets (random weights, exact Qwen2.5-*-Instruct shapes): speed does
+not depend on the values, and nothing is downloaded. Methods are named as in the paper: LoRA = BF16 base +
+LoRA, QLoRA = NF4 (bitsandbytes) + LoRA, QeRL = NVFP4 + LoRA; MXFP4 + LoRA is reported too. Rollouts use qerl's
+own sampler (static KV cache, CUDA graphs, unmerged LoRA) with ``ignore_eos`` so every sequence runs to
+``--new`` tokens, like the paper's vLLM measurement; throughput = generated tokens / wall time of the rollout.
+Each result row records device, torch/triton versions and the wall time; CSVs go to ``results/speed/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import io
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from qerl.lora import LoraSpec, resident_weight_bytes
+from qerl.model import load_policy
+from qerl.results import atomic_write_text, environment
+from qerl.rollout import Sampler
+
+METHOD = {"bf16": "LoRA", "nf4": "QLoRA", "nvfp4": "QeRL", "mxfp4": "MXFP4-LoRA"}
+PAPER_NAME = {"3b": "Qwen2.5-3B-Instruct", "7b": "Qwen2.5-7B-Instruct", "14b": "Qwen2.5-14B-Instruct",
+              "32b": "Qwen2.5-32B-Instruct", "0.5b": "Qwen2.5-0.5B-Instruct", "1.5b": "Qwen2.5-1.5B-Instruct"}
+
+
+def _env() -> dict:
+    e = environment()
+    hw = e["hardware"]
+    return {"device": hw.get("gpu", hw.get("cpu")), "torch": e["packages"].get("torch"),
+            "triton": e["packages"].get("triton"), "git_sha": (e["git_sha"] or "")[:10]}
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    old = []
+    if path.exists():  # append-merge: rows with the same key columns are replaced
+        with open(path) as f:
+            old = list(csv.DictReader(f))
+        keys = list(dict.fromkeys(list(old[0].keys()) + keys)) if old else keys
+    ident = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens")
+    new_ids = {tuple(str(r.get(k, "")) for k in ident) for r in rows}
+    merged = [r for r in old if tuple(str(r.get(k, "")) for k in ident) not in new_ids] + rows
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(merged)
+    atomic_write_text(path, buf.getvalue())
+    print(f"wrote {path} ({len(rows)} new rows)")
+
+
+def _source(model: str) -> str:
+    return "preset:tiny" if model == "tiny" else f"preset:qwen2.5-{model}"
+
+
+def _policy(model: str, fmt: str, rank: int, device: str):
+    return load_policy(_source(model), fmt, LoraSpec(rank=rank, alpha=rank), device=device)
+
+
+def bench_memory(models, formats, device) -> list[dict]:
+    """Resident weight memory of each format (Table 3's 'model size')."""
+    rows = []
+    for m in models:
+        for f in formats:
+            _free()
+            policy, _ = _policy(m, f, 32, device)
+            b = resident_weight_bytes(policy)
+            rows.append(dict(bench="memory", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                             quantized_linears_gb=b["quantized_base"] / 1e9, other_frozen_gb=b["other_frozen"] / 1e9,
+                             lora_gb=b["trainable"] / 1e9, model_size_gb=(b["quantized_base"] + b["other_frozen"]) / 1e9,
+                             cuda_allocated_gb=torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+                             **_env()))
+            print(rows[-1])
+            del policy
+    return rows
+
+
+def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, device, repeats: int = 1) -> list[dict]:
+    """Rollout throughput (Tables 5-9): B sequences x `new_tokens` tokens after a `prompt_len`-token prompt."""
+    rows = []
+    for m in models:
+        for f in formats:
+            for r in ranks:
+                _free()
+                try:
+                    policy, tok = _policy(m, f, r, device)
+                except torch.OutOfMemoryError as e:
+                    rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                                     lora_rank=r, status=f"OOM at load: {e}"[:200], **_env()))
+                    continue
+                size = resident_weight_bytes(policy)
+                sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
+                for b in batches:
+                    g = torch.Generator().manual_seed(b)
+                    vocab = min(policy.config.vocab_size, 150_000)
+                    prompts = [torch.randint(vocab // 10, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
+                    try:
+                        t0 = time.perf_counter()
+                        n_graphs = sampler.precapture(b, prompt_len, 1, new_tokens, ignore_eos=True)
+                        capture_s = time.perf_counter() - t0
+                        best = None
+                        for rep in range(repeats):
+                            ro = sampler.generate(prompts, 1, new_tokens, 1.0, seed=rep, ignore_eos=True)
+                            st = ro.stats
+                            tps = st["generated_tokens"] / st["rollout_s"]
+                            if best is None or tps > best[0]:
+                                best = (tps, st)
+                        tps, st = best
+                        rows.append(dict(
+                            bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(), lora_rank=r,
+                            batch_size=b, prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
+                            decode_tokens_per_s=b * (st["decode_steps"] - 1) / max(st["decode_s"], 1e-9),
+                            prefill_s=st["prefill_s"], rollout_s=st["rollout_s"], generated_tokens=st["generated_tokens"],
+                            cuda_graphs=sampler.use_graphs, graphs=n_graphs, capture_s=capture_s,
+                            model_size_gb=(size["quantized_base"] + size["other_frozen"]) / 1e9,
+                            peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+                            status="ok", **_env()))
+                    except torch.OutOfMemoryError as e:
+                        rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                                         lora_rank=r, batch_size=b, status=f"OOM: {e}"[:200], **_env()))
+                    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                           if k in ("model", "method", "lora_rank", "batch_size", "tokens_per_s", "status",
+                                    "capture_s", "peak_mem_gb")}, flush=True)
+                    sampler.release()
+                    _free()
+                del policy, sampler
+    return rows
+
+
+def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, device, out_root: Path) -> list[dict]:
+    """End-to-end GRPO steps (rollout + log-probs + update) through qerl.train on a shape preset (Table 3)."""
+    from qerl.config import load_config
+    from qerl.results import read_jsonl
+    from qerl.train import run
+
+    rows = []
+    for m in models:
+        for f in formats:
+            for b in batches:
+                for use_gc in gcs:
+                    _free()
+                    name = f"{m}-{f}-b{b}-{'gc' if use_gc else 'nogc'}"
+                    over = ["model=tiny" if m == "tiny" else f"model=preset-{m}", f"quant={f}", "lora=r32", "algo=grpo", "algo.ppo_epochs=1", "algo.mask_truncated=false",
+                            f"algo.group_size={b}", f"train.batch_size={b}", f"train.micro_batch={b}",
+                            f"train.steps={steps}", "train.save_every=0", "train.progress=false",
+                            f"train.gradient_checkpointing={str(use_gc).lower()}", "data=toy",
+                            f"data.max_new_tokens={new_tokens}", f"data.max_prompt_tokens={prompt_len}",
+                            "eval.sets=[]", "aqn=off", "scale=smoke", f"out_dir={out_root}", "experiment=step",
+                            f"run_name={name}"]
+                    cfg = load_config(over)
+                    status = "ok"
+                    t0 = time.perf_counter()
+                    try:
+                        run(cfg)
+                    except torch.OutOfMemoryError as e:
+                        status = f"OOM: {str(e)[:160]}"
+                    metrics = read_jsonl(cfg.run_dir / "metrics.jsonl")
+                    keep = metrics[1:] if len(metrics) > 1 else metrics  # step 1 includes graph capture
+                    mean = lambda k: sum(r.get(k, 0.0) for r in keep) / len(keep) if keep else None  # noqa: E731
+                    rows.append(dict(bench="step", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                                     batch_size=b, gc=use_gc, prompt_len="toy task (~60 tokens)",
+                                     new_tokens=new_tokens,
+                                     steps=len(metrics), step_s=mean("time_step_s"), rollout_s=mean("time_rollout_s"),
+                                     logprob_s=mean("time_logprob_s"), update_s=mean("time_update_s"),
+                                     rollout_tokens_per_s=mean("rollout_tokens_per_s"),
+                                     peak_mem_gb=max((r.get("peak_mem_gib", 0) for r in metrics), default=None),
+                                     wall_s=time.perf_counter() - t0, status=status, **_env()))
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["memory", "rollout", "step", "layers"])
+    p.add_argument("--models", default="7b")
+    p.add_argument("--formats", default="bf16,nf4,mxfp4,nvfp4")
+    p.add_argument("--batch", default="2,8")
+    p.add_argument("--ranks", default="32")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--new", type=int, default=2048)
+    p.add_argument("--gc", default="both", choices=["on", "off", "both"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="results/speed")
+    a, rest = p.parse_known_args(argv)
+    if a.what == "layers":
+        from qerl.kernels import bench as kb
+
+        return kb.main(rest)
+    models, fmts = a.models.split(","), a.formats.split(",")
+    batches, ranks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.ranks.split(",")]
+    out = Path(a.out)
+    if a.what == "memory":
+        _write_csv(bench_memory(models, fmts, a.device), out / "memory.csv")
+    elif a.what == "rollout":
+        _write_csv(bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats),
+                   out / "rollout.csv")
+    else:
+        gcs = {"on": [True], "off": [False], "both": [False, True]}[a.gc]
+        _write_csv(bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs"),
+                   out / "step.csv")
+    (out / "env.json").write_text(json.dumps(environment(), indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
