@@ -26,7 +26,8 @@ checkpoint. Ctrl-C / SIGTERM does the same at once.
 Budget: ``--trials N`` is the number of finished trials the *study* should hold (over all invocations and workers):
 COMPLETE + PRUNED + FAIL, where a FAIL counts when the trial failed by itself (an exception in training, recorded in
 the user attribute ``error``; the study goes on) but not when it was superseded by a retry (its worker died) nor
-when it was "surplus" (opened the instant another worker took the last slot). Workers run trials while slots are
+when it was void: "surplus" (opened the instant another worker took the last slot) or a duplicate retry (two
+workers noticed the same dead trial at once). Workers run trials while slots are
 free, then wait for the running ones (taking over their retries if their workers die), so every invocation ends
 with N finished trials, and interrupting and rerunning the same command continues the same study.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -51,7 +53,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sweeps.report import accuracy_reward, census, run_values, write_report
+from sweeps.report import accuracy_reward, census, run_values, void_reason, write_report
 
 OBJECTIVES = ("val_acc", "reward_area")
 PRUNERS = ("median", "none")
@@ -62,8 +64,17 @@ OWNED = ("aqn.enabled", "aqn.sigma_start", "aqn.sigma_end", "aqn.stages", "aqn.s
 MAX_RETRY = 3  # a trial whose worker dies more often than this counts as FAIL
 
 
-class SurplusTrial(RuntimeError):
-    """Raised when a worker opened a trial after the study's budget was already taken by other workers."""
+class VoidTrial(RuntimeError):
+    """A trial that must not run: the budget was taken by other workers, or it duplicates another retry."""
+
+
+class _NoVoidTraceback(logging.Filter):
+    """Optuna logs a failed trial with its traceback; for a void trial the one-line reason is the whole story."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], VoidTrial):
+            record.exc_info = None
+        return True
 
 
 @dataclass(frozen=True)
@@ -156,7 +167,7 @@ def default_storage(out_dir: str | Path, study: str) -> str:
     return f"sqlite:///{Path(out_dir) / 'sweeps' / f'{study}.db'}"
 
 
-def make_storage(url: str, heartbeat: int = 15):
+def make_storage(url: str, heartbeat: int = 10):
     """An ``RDBStorage`` with heartbeats (stale trials: no beat for 3 × ``heartbeat`` s, failed and retried); for
     SQLite a long busy timeout and the WAL journal so several processes can write one file."""
     import inspect
@@ -252,10 +263,12 @@ class Worker:
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}:{self.tag}")
         params = suggest(trial, self.sweep.space)
         trial.set_user_attr("sigma_end", params["sigma_end"])
-        counted, pending, _ = census(self.study.get_trials(deepcopy=False))
-        if len(counted) + sum(t.number < trial.number for t in pending) >= self.n_trials:
-            trial.set_user_attr("surplus", True)
-            raise SurplusTrial(f"the study already holds {self.n_trials} trials")
+        frozen = self.study.get_trials(deepcopy=False)
+        me = next(t for t in frozen if t.number == trial.number)
+        void = void_reason(me, frozen, self.n_trials)
+        if void:
+            trial.set_user_attr("void", void)
+            raise VoidTrial(void)
         try:
             cfg = load_config(trial_overrides(self.sweep, params, run_number))
             trial.set_user_attr("run_dir", str(cfg.run_dir))
@@ -323,7 +336,7 @@ class Worker:
         if self.current is None:
             return
         t = next((t for t in self.study.get_trials(deepcopy=False) if t.number == self.current), None)
-        if t is not None and t.state.name == "FAIL" and not t.user_attrs.get("surplus") \
+        if t is not None and t.state.name == "FAIL" and not t.user_attrs.get("void") \
                 and not t.user_attrs.get("error"):
             _retry_callback()(self.study, t)
 
@@ -417,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--objective", choices=OBJECTIVES, default=None, help="default: stored, else val_acc")
     p.add_argument("--pruner", choices=PRUNERS, default="median")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (give each machine its own)")
-    p.add_argument("--heartbeat", type=int, default=15, help="heartbeat interval in s (stale after 3x)")
+    p.add_argument("--heartbeat", type=int, default=10, help="heartbeat interval in s (stale after 3x)")
     p.add_argument("--startup-trials", type=int, default=5, help="random trials before TPE takes over")
     p.add_argument("--worker-tag", default="", help="this worker's name (mixed into its sampler seed)")
     p.add_argument("--no-baseline", action="store_true", help="do not enqueue the paper's setting as trial 0")
@@ -435,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     import optuna
 
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    for h in logging.getLogger("optuna").handlers:  # records of optuna's child loggers reach these handlers
+        h.addFilter(_NoVoidTraceback())
     args = parse_args(argv)
     out_dir = next((o.split("=", 1)[1] for o in args.overrides if _key(o) == "out_dir"), "results")
     url = args.storage or default_storage(out_dir, args.study)
@@ -447,13 +462,16 @@ def main(argv: list[str] | None = None) -> int:
         for f in write_report(study, Path(stored.get("out_dir", out_dir)) / "sweeps" / args.study):
             print(f"[sweep] wrote {f}")
         return 0
-    stored = stored or {}
-    sweep = build_sweep(args.study, tuple(args.overrides) or tuple(stored.get("overrides", ())),
-                        args.scale or stored.get("scale", "smoke"), args.objective or stored.get("objective", "val_acc"))
-    if args.trials is None:
-        args.trials = 16 if not stored else optuna.load_study(study_name=args.study, storage=storage) \
-            .user_attrs.get("n_trials", 16)
-    study = open_study(sweep, storage, make_pruner(args.pruner, sweep.steps), args.trials, not args.no_baseline)
+    try:
+        sweep = build_sweep(args.study, tuple(args.overrides) or tuple((stored or {}).get("overrides", ())),
+                            args.scale or (stored or {}).get("scale", "smoke"),
+                            args.objective or (stored or {}).get("objective", "val_acc"))
+        if args.trials is None:
+            args.trials = 16 if stored is None else optuna.load_study(study_name=args.study, storage=storage) \
+                .user_attrs.get("n_trials", 16)
+        study = open_study(sweep, storage, make_pruner(args.pruner, sweep.steps), args.trials, not args.no_baseline)
+    except ValueError as e:  # bad settings (ConfigError included): one clear line, no traceback
+        raise SystemExit(f"sweeps.aqn: {e}") from None
     print(f"[sweep] study {args.study} ({url}): {args.trials} trials, objective {sweep.objective}, scale "
           f"{sweep.scale}, overrides {list(sweep.overrides)}", flush=True)
     t0, code = time.perf_counter(), 0

@@ -25,24 +25,44 @@ def census(trials) -> tuple[list, list, dict[int, int]]:
     counted: COMPLETE, PRUNED, and FAIL trials that failed by themselves — these count toward ``--trials``.
     pending: RUNNING and WAITING trials (they will end up counted, or superseded).
     retried_as: {number of a FAIL trial whose worker died -> number of the trial that retries it}. Such trials and
-    "surplus" trials (opened by a worker while another took the last slot) are not counted.
+    trials voided when they started (``void_reason``: surplus, duplicate retry) are not counted.
     """
     from optuna.trial import TrialState
 
     retried_as: dict[int, int] = {}
-    for t in trials:
+    for t in sorted(trials, key=lambda t: t.number):
         for n in t.system_attrs.get("retry_history", []):
-            retried_as[n] = t.number
+            retried_as.setdefault(n, t.number)  # the first retry; later copies of it are voided when they start
     counted, pending = [], []
     for t in trials:
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             counted.append(t)
         elif t.state == TrialState.FAIL:
-            if t.number not in retried_as and not t.user_attrs.get("surplus"):
+            if t.number not in retried_as and not t.user_attrs.get("void"):
                 counted.append(t)
         else:
             pending.append(t)
     return counted, pending, retried_as
+
+
+def void_reason(trial, trials, n_trials: int) -> str | None:
+    """Why ``trial`` (just started) must not run, or None. Two cases, both races between workers:
+
+    surplus — the budget was already taken (counted trials + pending trials opened before this one >= n_trials);
+    duplicate — another trial with a lower number retries the same dead trial (two workers noticed the same stale
+    heartbeat at once; on SQLite nothing stops both from enqueueing a retry). Running it would train the same run
+    directory twice at the same time.
+    """
+    history = trial.system_attrs.get("retry_history")
+    if history:
+        twin = min((t.number for t in trials if t.number < trial.number
+                    and t.system_attrs.get("retry_history") == history), default=None)
+        if twin is not None:
+            return f"duplicate retry of trial {history[-1]} (trial {twin} retries it)"
+    counted, pending, _ = census([t for t in trials if t.number != trial.number])
+    if len(counted) + sum(t.number < trial.number for t in pending) >= n_trials:
+        return f"surplus: the study already holds {n_trials} trials"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- values
@@ -79,12 +99,12 @@ def trials_frame(study):
         p = dict(t.params)
         if "sigma_start" in p and "sigma_ratio" in p:
             p["sigma_end"] = p["sigma_start"] * p["sigma_ratio"]
-        run_dir = t.user_attrs.get("run_dir")
+        run_dir = None if t.user_attrs.get("void") else t.user_attrs.get("run_dir")  # a void trial ran nothing
         vals = run_values(run_dir) if run_dir and Path(run_dir).exists() else {}
         if t.number in retried_as:
             note = f"worker lost; retried as trial {retried_as[t.number]}"
-        elif t.user_attrs.get("surplus"):
-            note = "surplus: another worker took the last slot"
+        elif t.user_attrs.get("void"):
+            note = t.user_attrs["void"]
         else:
             note = t.user_attrs.get("error") or t.system_attrs.get("fail_reason") or ""
         if t.state.name == "PRUNED" and t.intermediate_values:
@@ -102,7 +122,8 @@ def trials_frame(study):
         })
     cols = ["number", "state", "counted", "value", "val_acc", "reward_area", *PARAMS, "steps_done", "duration_s",
             "retry_of", "run_dir", "error"]
-    return pd.DataFrame(rows, columns=cols).sort_values("number").reset_index(drop=True)
+    df = pd.DataFrame(rows, columns=cols).sort_values("number").reset_index(drop=True)
+    return df.astype({"retry_of": "Int64", "steps_done": "Int64"})
 
 
 def importances(study) -> tuple[dict[str, float], str]:
@@ -160,6 +181,9 @@ def plot_history(study, df, objective: str, path: Path) -> Path:
         if len(sub):
             y0 = float(ok.value.min()) if len(ok) else 0.0
             ax.plot(sub.number, [y0] * len(sub), _MARK[state][0], color=_MARK[state][1], label=state, alpha=0.8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("trial")
     ax.set_ylabel(objective)
     ax.set_title("optimization history")

@@ -28,7 +28,7 @@ from sweeps.aqn import (
     suggest,
     trial_overrides,
 )
-from sweeps.report import census, run_values, trials_frame, write_report
+from sweeps.report import census, run_values, trials_frame, void_reason, write_report
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -154,7 +154,7 @@ def _synthetic_study(tmp_path):
     add(state=TrialState.FAIL, params=P(0.002, 0.01, 4), user_attrs={"error": "ValueError: bad K"})
     add(state=TrialState.FAIL, params=P(0.003, 0.02, 5))                              # worker died ...
     add(state=TrialState.WAITING, params=P(0.003, 0.02, 5), system_attrs={"failed_trial": 3, "retry_history": [3]})
-    add(state=TrialState.FAIL, params=P(0.004, 0.02, 6), user_attrs={"surplus": True})
+    add(state=TrialState.FAIL, params=P(0.004, 0.02, 6), user_attrs={"void": "surplus: the study already holds 4 trials"})
     add(state=TrialState.RUNNING, params=P(0.005, 0.03, 7))
     add(state=TrialState.COMPLETE, value=0.9, params=P(0.02, 0.2, 8))
     return study
@@ -166,6 +166,15 @@ def test_budget_census_and_run_values(tmp_path):
     assert sorted(t.number for t in counted) == [0, 1, 2, 7]  # COMPLETE, PRUNED, FAIL of its own
     assert sorted(t.number for t in pending) == [4, 6]
     assert retried_as == {3: 4}
+    # a trial just opened by a worker: surplus when counted + pending opened before it fill the budget
+    study.add_trial(create_trial(state=TrialState.RUNNING))
+    study.add_trial(create_trial(state=TrialState.RUNNING, system_attrs={"failed_trial": 3, "retry_history": [3]}))
+    trials = study.get_trials()
+    assert void_reason(trials[8], trials, 7) is None
+    assert void_reason(trials[8], trials, 6).startswith("surplus")  # 4 counted + trials 4 and 6 pending
+    # two workers retried the same dead trial 3: the later copy (9) must not train trial 3's run directory too
+    assert void_reason(trials[9], trials, 100) == "duplicate retry of trial 3 (trial 4 retries it)"
+    assert void_reason(trials[4], trials, 100) is None
     v = run_values(tmp_path / "trial_0")
     assert v == {"val_acc": pytest.approx(0.4), "reward_area": pytest.approx(0.5), "steps_done": 2}
     assert run_values(tmp_path / "trial_1") == {"val_acc": None, "reward_area": 0.125, "steps_done": 1}
@@ -197,13 +206,14 @@ def test_report_files(tmp_path):
 
 def _cmd(tmp_path, study, trials, workers, extra=()):
     return [sys.executable, "-m", "sweeps.aqn", "--study", study, "--trials", str(trials), "--workers", str(workers),
-            "--heartbeat", "1", "--pruner", "none", *FAST, f"out_dir={tmp_path}", *extra]
+            "--heartbeat", "2", "--pruner", "none", *FAST, f"out_dir={tmp_path}", *extra]
 
 
 def _load(tmp_path, study):
     return optuna.load_study(study_name=study, storage=make_storage(default_storage(tmp_path, study), 1))
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_sqlite_study(tmp_path):
     res = subprocess.run(_cmd(tmp_path, "pair", 4, 2, ["train.steps=2"]), capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -219,6 +229,7 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
     assert (tmp_path / "sweeps" / "pair" / "trials.csv").exists()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_trial_then_rerun_finishes_the_study(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     sdir = tmp_path / "sweeps" / "res"
