@@ -4,18 +4,22 @@ Every format of ``qerl.quant.FORMATS`` goes through the same three functions; th
 format and M (rows of x flattened) and named by :func:`backend_for`:
 
 =================  =======================================================================================
-``triton_gemv``    NVFP4/MXFP4, CUDA, M <= 16: split-K tiled kernel, in-register FP4->BF16 by bit manipulation
-``triton_gemm``    NVFP4/MXFP4, CUDA, 16 < M <= 256: tiled GEMM, in-register dequantization feeding tl.dot
-``dequant_cublas`` NVFP4/MXFP4, CUDA, larger M, every ``qmm_t``, and x not BF16: Triton dequantization into
-                   a reusable per-device buffer, then cuBLAS (no dequantized weight outlives the call)
+``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16: split-K tiled kernel (BM=16 mma), in-register
+                   FP4->BF16 by bit manipulation
+``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
+``dequant_cublas`` NVFP4/MXFP4, CUDA: M > 256, every ``qmm_t``, x not BF16, and wherever the tuned table
+                   (``configs``/``tuned_h100``) measured it faster: Triton dequantization into a reusable
+                   per-device buffer (or L2-sized row slices of it), then cuBLAS
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
 ``dense``          BF16 weights: ``F.linear``
-``torch_reference`` CPU, no Triton, odd shapes: ``qerl.quant.FORMATS[fmt].dequantize`` then ``F.linear``
+``torch_reference`` CPU, no Triton: ``qerl.quant.FORMATS[fmt].dequantize`` then ``F.linear``
 =================  =======================================================================================
 
-The Triton kernels are CUDA-graph capturable (no host sync, allocations depend on shapes only) once a
-weight has been seen eagerly: the first call on a weight runs :func:`prepare`, which checks its scales once
-(one host sync) and caches the result per tensor. Call it at load time, or run one eager step before capture.
+The Triton kernels are CUDA-graph capturable (no host sync, allocations depend on shapes only, split-K
+counters reset by the kernel) once a weight has been seen eagerly: the first call on a weight runs
+:func:`prepare` (for MXFP4 one host sync to check the exponent range), cached per tensor. Call it at load
+time or run one eager step before capture. Small-M calls cost tens of µs of host time (dispatch + Triton
+launch), more than the GPU work: decode belongs in CUDA graphs. Measured speeds: ``NOTES.md``.
 """
 
 from __future__ import annotations
