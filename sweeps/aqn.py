@@ -476,10 +476,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{sweep.scale}, overrides {list(sweep.overrides)}", flush=True)
     t0, code = time.perf_counter(), 0
     try:
+        signal.signal(signal.SIGTERM, _sigterm_to_interrupt)  # like Ctrl-C: running trials are re-enqueued
         if args.workers > 1:
             code = spawn_workers(args, args.workers, url)
         else:
-            signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
             Worker(sweep, study, args.trials, args.seed, args.worker_tag or "0",
                    poll_s=min(5.0, args.heartbeat), startup_trials=args.startup_trials).run()
     except KeyboardInterrupt:

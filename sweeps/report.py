@@ -59,7 +59,7 @@ def void_reason(trial, trials, n_trials: int) -> str | None:
                     and t.system_attrs.get("retry_history") == history), default=None)
         if twin is not None:
             return f"duplicate retry of trial {history[-1]} (trial {twin} retries it)"
-    counted, pending, _ = census([t for t in trials if t.number != trial.number])
+    counted, pending, _ = census(trials)  # all of them: this trial may be what supersedes a dead one
     if len(counted) + sum(t.number < trial.number for t in pending) >= n_trials:
         return f"surplus: the study already holds {n_trials} trials"
     return None

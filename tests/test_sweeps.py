@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,36 @@ def test_sampled_parameters_become_the_run_config_and_drive_sigma(tmp_path):
     got = suggest(optuna.trial.FixedTrial(p), sweep.space)
     assert got == {**p, "sigma_end": s_end}
     assert f"aqn.sigma_end={s_end!r}" in trial_overrides(sweep, got, 7)
+
+
+def test_sigterm_mid_trial_reenqueues_it_and_the_retry_resumes_its_run(tmp_path):
+    from sweeps.aqn import _sigterm_to_interrupt
+
+    sweep, study = _setup(tmp_path, "term")
+    study.enqueue_trial({"sigma_start": 0.03, "sigma_ratio": 0.01, "stages": 3, "schedule": "linear"})
+    run = tmp_path / "sweeps" / "term" / "trial_0"
+
+    def shoot():  # SIGTERM this process once step 2 is logged (a checkpoint exists from step 1)
+        while len(read_jsonl(run / "metrics.jsonl")) < 2:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        threading.Thread(target=shoot, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            Worker(sweep, study, n_trials=1).run()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    dead, retry = study.get_trials()
+    assert dead.state == TrialState.FAIL and retry.state == TrialState.WAITING and retry.params == dead.params
+    assert not (run / "summary.json").exists()
+    Worker(sweep, study, n_trials=1).run()
+    retry = study.get_trials()[1]
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["run_dir"] == str(run)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert retry.intermediate_values.keys() == {1, 2, 3}  # steps before the checkpoint reported from metrics.jsonl
+    assert len(census(study.get_trials())[0]) == 1
 
 
 def test_build_sweep_space_and_refusals(tmp_path):
@@ -175,6 +206,8 @@ def test_budget_census_and_run_values(tmp_path):
     # two workers retried the same dead trial 3: the later copy (9) must not train trial 3's run directory too
     assert void_reason(trials[9], trials, 100) == "duplicate retry of trial 3 (trial 4 retries it)"
     assert void_reason(trials[4], trials, 100) is None
+    # the retry (4) of dead trial 3 takes the 5th slot: 4 counted, none pending below it; trial 3 does not count
+    assert void_reason(trials[4], trials[:9], 5) is None
     v = run_values(tmp_path / "trial_0")
     assert v == {"val_acc": pytest.approx(0.4), "reward_area": pytest.approx(0.5), "steps_done": 2}
     assert run_values(tmp_path / "trial_1") == {"val_acc": None, "reward_area": 0.125, "steps_done": 1}
