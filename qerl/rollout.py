@@ -237,7 +237,7 @@ class Sampler:
         s["out_mask"].index_copy_(1, s["t"], alive[:, None])
         s["out_logp"].index_copy_(1, s["t"], torch.where(alive, lp, torch.zeros_like(lp))[:, None])
         s["out_ent"].index_copy_(1, s["t"], torch.where(alive, ent, torch.zeros_like(ent))[:, None])
-        s["finished"] |= torch.isin(tok, s["eos"])
+        s["finished"] |= (tok[:, None] == s["eos"][None, :]).any(-1)  # (N,); plain compare: graph-safe
         s["t"] += 1
 
     def _bucket(self, S_needed: int, S_max: int) -> int:
