@@ -67,7 +67,7 @@ def _write_csv(rows: list[dict], path: Path) -> None:
     w.writeheader()
     w.writerows(merged)
     atomic_write_text(path, buf.getvalue())
-    print(f"wrote {path} ({len(rows)} new rows)")
+    print(f"wrote {path} ({len(rows)} new rows)", flush=True)
 
 
 def _source(model: str) -> str:
@@ -78,7 +78,7 @@ def _policy(model: str, fmt: str, rank: int, device: str):
     return load_policy(_source(model), fmt, LoraSpec(rank=rank, alpha=rank), device=device)
 
 
-def bench_memory(models, formats, device) -> list[dict]:
+def bench_memory(models, formats, device, sink=None) -> list[dict]:
     """Resident weight memory of each format (Table 3's 'model size')."""
     rows = []
     for m in models:
@@ -92,11 +92,14 @@ def bench_memory(models, formats, device) -> list[dict]:
                              cuda_allocated_gb=torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None,
                              **_env()))
             print(rows[-1])
+            if sink:
+                sink(rows[-1])
             del policy
     return rows
 
 
-def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, device, repeats: int = 1) -> list[dict]:
+def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, device, repeats: int = 1,
+                  sink=None) -> list[dict]:
     """Rollout throughput (Tables 5-9): B sequences x `new_tokens` tokens after a `prompt_len`-token prompt."""
     rows = []
     for m in models:
@@ -108,6 +111,8 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                 except torch.OutOfMemoryError as e:
                     rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
                                      lora_rank=r, status=f"OOM at load: {e}"[:200], **_env()))
+                    if sink:
+                        sink(rows[-1])
                     continue
                 size = resident_weight_bytes(policy)
                 sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
@@ -142,13 +147,16 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                            if k in ("model", "method", "lora_rank", "batch_size", "tokens_per_s", "status",
                                     "capture_s", "peak_mem_gb")}, flush=True)
+                    if sink:
+                        sink(rows[-1])
                     sampler.release()
                     _free()
                 del policy, sampler
     return rows
 
 
-def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, device, out_root: Path) -> list[dict]:
+def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, device, out_root: Path,
+               sink=None) -> list[dict]:
     """End-to-end GRPO steps (rollout + log-probs + update) through qerl.train on a shape preset (Table 3)."""
     from qerl.config import load_config
     from qerl.results import read_jsonl
@@ -187,6 +195,8 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
                                      peak_mem_gb=max((r.get("peak_mem_gib", 0) for r in metrics), default=None),
                                      wall_s=time.perf_counter() - t0, status=status, **_env()))
                     print(rows[-1], flush=True)
+                    if sink:
+                        sink(rows[-1])
     return rows
 
 
@@ -212,15 +222,14 @@ def main(argv=None) -> None:
     models, fmts = a.models.split(","), a.formats.split(",")
     batches, ranks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.ranks.split(",")]
     out = Path(a.out)
+    sink = lambda name: (lambda row: _write_csv([row], out / name))  # noqa: E731  (each row lands at once)
     if a.what == "memory":
-        _write_csv(bench_memory(models, fmts, a.device), out / "memory.csv")
+        bench_memory(models, fmts, a.device, sink("memory.csv"))
     elif a.what == "rollout":
-        _write_csv(bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats),
-                   out / "rollout.csv")
+        bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats, sink("rollout.csv"))
     else:
         gcs = {"on": [True], "off": [False], "both": [False, True]}[a.gc]
-        _write_csv(bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs"),
-                   out / "step.csv")
+        bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs", sink("step.csv"))
     (out / "env.json").write_text(json.dumps(environment(), indent=1, default=str))
 
 
