@@ -113,16 +113,28 @@ class QuantLoRALinear(nn.Module):
         return get_format(self.fmt).dequantize(self.packed, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., K) -> (..., N)
+        if self._lora_cache is not None and not torch.is_grad_enabled():
+            return self._forward_inference(x)
         y = _FrozenBaseMatmul.apply(x, self.fmt, self.packed)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.rank:
-            cache = self._lora_cache
-            if cache is not None and cache[0].dtype == x.dtype:
-                a, b = cache  # pre-cast once per rollout (see lora_inference_cache)
-            else:
-                a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+            a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
             y = y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
+        return y
+
+    def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """Rollout path (no grad, inside ``lora_inference_cache``): fewer kernels per call, same function —
+        bias added in place, LoRA as x·Aᵀ then one in-place addmm with the pre-scaled, pre-cast (α/r)·Bᵀ."""
+        y = kernels.qmm(x, self.fmt, self.packed)                            # (..., N)
+        if self.bias is not None:
+            y.add_(self.bias.to(y.dtype))
+        if self.rank:
+            a, bt = self._lora_cache
+            if a.dtype != x.dtype:
+                a, bt = a.to(x.dtype), bt.to(x.dtype)
+            xa = F.linear(x, a)                                                # (..., r)
+            y.view(-1, self.out_features).addmm_(xa.reshape(-1, self.rank), bt)
         return y
 
     def extra_repr(self) -> str:
@@ -216,16 +228,20 @@ def finalize_trainable(model: nn.Module, train_norms: bool) -> None:
 def lora_inference_cache(model: nn.Module, dtype: torch.dtype):
     """Inside the block, LoRA A/B are read from copies cast to ``dtype`` once, not re-cast every forward
     (a decode step would otherwise re-read the fp32 masters of every layer). No gradients flow through them."""
-    mods = [m for m in lora_modules(model).values() if m.rank]
+    mods = list(lora_modules(model).values())
     try:
         with torch.no_grad():
             for m in mods:  # persistent buffers, updated in place: captured CUDA graphs keep their addresses
+                if not m.rank:
+                    m._lora_cache = ()  # marks the inference path for adapter-free (base) modules
+                    continue
                 buf = getattr(m, "_lora_cast_buf", None)
                 if buf is None or buf[0].dtype != dtype or buf[0].device != m.lora_A.weight.device:
-                    buf = (torch.empty_like(m.lora_A.weight, dtype=dtype), torch.empty_like(m.lora_B.weight, dtype=dtype))
+                    bt = torch.empty((m.rank, m.out_features), dtype=dtype, device=m.lora_B.weight.device)
+                    buf = (torch.empty_like(m.lora_A.weight, dtype=dtype), bt)
                     m._lora_cast_buf = buf
                 buf[0].copy_(m.lora_A.weight)
-                buf[1].copy_(m.lora_B.weight)
+                buf[1].copy_((m.lora_B.weight * m.scaling).t())  # (r, N): scaling folded in once
                 m._lora_cache = buf
         yield
     finally:

@@ -86,13 +86,10 @@ class Rollout:
                        parts[0].group_size, stats)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def _rope(x, cos, sin):  # x: (N, H, L, d), cos/sin: (N, L, d)
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+def _rope(x, cos, ssin):
+    """HF's rotate-half RoPE, x·cos + rotate_half(x)·sin, with rotate_half(x)·sin = roll(x, d/2)·[−sin₁, sin₂].
+    x: (N, H, L, d); cos, ssin: (N, L, d)."""
+    return torch.addcmul(x * cos.unsqueeze(1), torch.roll(x, x.shape[-1] // 2, dims=-1), ssin.unsqueeze(1))
 
 
 def filter_logits(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -169,13 +166,27 @@ class Sampler:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _qkv(self, attn, h, pos):  # h: (N, L, D), pos: (N, L)
+    def _norm(self, mod, h):
+        """RMSNorm of the policy's module, fused (F.rms_norm) when nothing hooks it (AQN per_forward does)."""
+        if mod._forward_pre_hooks or mod._forward_hooks or not hasattr(F, "rms_norm"):
+            return mod(h)
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+        x = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+        w = mod.weight
+        return w * x if w.dtype == h.dtype else (w * x.float()).to(h.dtype)
+
+    def _qkv(self, attn, h, rope):  # h: (N, L, D), rope: (cos, signed sin) (N, L, d)
         n, L, _ = h.shape
         q = attn.q_proj(h).view(n, L, self.n_heads, self.head_dim).transpose(1, 2)   # (N, H, L, d)
         k = attn.k_proj(h).view(n, L, self.n_kv, self.head_dim).transpose(1, 2)      # (N, Hkv, L, d)
         v = attn.v_proj(h).view(n, L, self.n_kv, self.head_dim).transpose(1, 2)
+        return _rope(q, *rope), _rope(k, *rope), v
+
+    def _rope_tables(self, h, pos):
+        """cos and the signed sin of HF's rotary embedding, computed once per forward (not once per layer)."""
         cos, sin = self.model.model.rotary_emb(h, pos)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
     def _logits(self, h):  # (N, D) -> (N, V) float32
         return self.model.lm_head(self.model.model.norm(h)).float()
@@ -190,16 +201,16 @@ class Sampler:
         am = (causal[None] & mask[:, None, :])[:, None]                   # (B, 1, Lp, Lp)
         am = am | torch.eye(Lp, dtype=torch.bool, device=ids.device)[None, None]  # pad rows attend to self
         rep = self.n_heads // self.n_kv
+        rope = self._rope_tables(h, pos)
         for i, layer in enumerate(self._layers):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = self._qkv(a, x, pos)
+            q, k, v = self._qkv(a, self._norm(layer.input_layernorm, h), rope)
             kc[i][:, :, :Lp] = k.repeat_interleave(group_size, 0)
             vc[i][:, :, :Lp] = v.repeat_interleave(group_size, 0)
             o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                                attn_mask=am, scale=a.scaling)
             h = h + a.o_proj(o.transpose(1, 2).reshape(B, Lp, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
         return self._logits(h[:, -1])
 
     # ------------------------------------------------------------------------------------------ decode
@@ -208,23 +219,25 @@ class Sampler:
         cur = s["t"] - 1                                          # index of the token being fed (sampled last step)
         slot = cur + s["Lp"]                                      # (1,) its cache slot
         s["key_valid"].index_fill_(1, slot, True)
+        s["attn_bias"].index_fill_(1, slot, 0.0)
         pos = (s["prompt_len"] + cur).unsqueeze(1)                 # (N, 1) its position
         h = self.model.get_input_embeddings()(s["tok"].unsqueeze(1))  # (N, 1, D)
         n = h.shape[0]
         g = self.n_heads // self.n_kv
-        valid = s["key_valid"][:, None, None, :S]                  # (N, 1, 1, S)
+        bias = s["attn_bias"][:, None, None, :S]                   # (N, 1, 1, S): 0 valid, -inf not
+        rope = self._rope_tables(h, pos)
         for i, layer in enumerate(self._layers):
             a = layer.self_attn
-            q, k, v = self._qkv(a, layer.input_layernorm(h), pos)
+            q, k, v = self._qkv(a, self._norm(layer.input_layernorm, h), rope)
             s["kc"][i].index_copy_(2, slot, k)
             s["vc"][i].index_copy_(2, slot, v)
             kk, vv = s["kc"][i][:, :, :S], s["vc"][i][:, :, :S]    # (N, Hkv, S, d)
             qg = q.view(n, self.n_kv, g, self.head_dim)            # (N, Hkv, g, d)
-            sc = torch.matmul(qg, kk.transpose(-1, -2)).float() * a.scaling   # (N, Hkv, g, S)
-            sc = sc.masked_fill(~valid, float("-inf")).softmax(-1).to(vv.dtype)
-            o = torch.matmul(sc, vv).reshape(n, 1, -1)              # (N, 1, H*d)
+            sc = torch.matmul(qg, kk.transpose(-1, -2))           # (N, Hkv, g, S)
+            sc = sc.float() * a.scaling + bias
+            o = torch.matmul(sc.softmax(-1).to(vv.dtype), vv).reshape(n, 1, -1)   # (N, 1, H*d)
             h = h + a.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
         self._sample_into(s, self._logits(h[:, 0]))
 
     def _sample_into(self, s, z):
@@ -292,6 +305,7 @@ class Sampler:
             Lp=torch.tensor([Lp], device=dev), t=torch.zeros(1, dtype=torch.long, device=dev),
             prompt_len=torch.zeros(N, dtype=torch.long, device=dev), tok=torch.zeros(N, dtype=torch.long, device=dev),
             key_valid=torch.zeros((N, S_max), dtype=torch.bool, device=dev),
+            attn_bias=torch.full((N, S_max), float("-inf"), device=dev),
             finished=torch.zeros(N, dtype=torch.bool, device=dev),
             out_tok=torch.zeros((N, max_new), dtype=torch.long, device=dev),
             out_mask=torch.zeros((N, max_new), dtype=torch.bool, device=dev),
@@ -312,6 +326,7 @@ class Sampler:
             s = self._state(N, Lp, max_new_tokens, temperature, top_p, top_k, ignore_eos)
             s["t"].fill_(1)
             s["key_valid"][:, :Lp] = True
+            s["attn_bias"][:, :Lp] = 0.0
             for S in sorted({self._bucket(Lp + k, S_max) for k in range(1, max_new_tokens)}):
                 self._run_step(s, S)
         return len(s["graphs"])
@@ -370,6 +385,8 @@ class Sampler:
         s["prompt_len"].copy_(rep_mask.sum(1))
         s["key_valid"].zero_()
         s["key_valid"][:, :Lp] = rep_mask
+        s["attn_bias"].fill_(float("-inf"))
+        s["attn_bias"][:, :Lp].masked_fill_(rep_mask, 0.0)
         s["finished"].zero_()
         s["out_tok"].fill_(self.pad_id)
         s["out_mask"].zero_()
