@@ -108,7 +108,7 @@ def _compare_story(rng: random.Random, level: int):
     x = rng.randint(5, 60)
     counts = [x]
     q, s = [f"{people[0].name} has {x} {objs}."], []
-    for prev, cur in zip(people, people[1:]):
+    for prev, cur in zip(people, people[1:], strict=False):
         ops = ["more", "fewer"] if x > 2 else ["more"]
         if x * 2 <= 200:
             ops.append("times")
@@ -292,10 +292,13 @@ TOY_PRESETS = _Presets(
     toy=_qwen2(hidden=512, layers=8, heads=8, kv_heads=4, inter=1536),  # ~26M params: one GPU
 )
 # Pretraining recipe per preset (what `pretrain` and `ensure_checkpoint` use unless told otherwise).
+# smoke: measured on 2 CPU cores (see qerl/assets/toy/smoke/pretrain.json). toy: not measured here (no GPU on the
+# machine that wrote this); the probe-based stop keeps it partially right whatever its learning speed.
 PRETRAIN_DEFAULTS = {
-    "smoke": dict(steps=600, batch=32, lr=3e-3, levels=(1, 2, 3)),
-    "toy": dict(steps=3000, batch=64, lr=1e-3, levels=(1, 2, 3)),
+    "smoke": dict(steps=1500, batch=32, lr=3e-3, levels=(1, 2, 3)),
+    "toy": dict(steps=4000, batch=64, lr=1e-3, levels=(1, 2, 3), eval_every=250, stop_acc=0.35),
 }
+PRETRAIN_SEED_OFFSET = 10_000
 
 
 def smoke_checkpoint_dir() -> Path:
@@ -347,39 +350,44 @@ def evaluate_accuracy(model, tokenizer, problems: list[dict], temperature: float
     (no top-k / top-p). Returns {"acc": float, "acc_by_level": {level: float}, "n": int}."""
     import torch
 
-    torch.manual_seed(seed)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
     right = []
-    try:
-        for i in range(0, len(problems), batch):
-            chunk = problems[i : i + batch]
-            enc = tokenizer([render_prompt(tokenizer, p["question"]) for p in chunk], return_tensors="pt",
-                            padding=True, add_special_tokens=False).to(device)
-            sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-                dict(do_sample=False)
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, **sample)  # (B, T + new)
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            right += [extract_answer(t) == p["answer"] for t, p in zip(texts, chunk)]
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
+    # Seeded sampling that leaves the caller's RNG state as it was.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        try:
+            for i in range(0, len(problems), batch):
+                chunk = problems[i : i + batch]
+                enc = tokenizer([render_prompt(tokenizer, p["question"]) for p in chunk], return_tensors="pt",
+                                padding=True, add_special_tokens=False).to(device)
+                with torch.no_grad():
+                    out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id, **sample)  # (B, T + new)
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                right += [extract_answer(t) == p["answer"] for t, p in zip(texts, chunk, strict=True)]
+        finally:
+            tokenizer.padding_side = side
+            model.train(was_training)
     by_level = {}
-    for ok, p in zip(right, problems):
+    for ok, p in zip(right, problems, strict=True):
         by_level.setdefault(p["level"], []).append(ok)
     return {"acc": sum(right) / max(1, len(right)), "n": len(right),
             "acc_by_level": {lv: sum(v) / len(v) for lv, v in sorted(by_level.items())}}
 
 
 def pretrain(preset: str, out_dir: str | Path, steps: int | None = None, batch: int | None = None,
-             lr: float | None = None, seed: int = 0, device: str = "cpu", levels=None, eval_n: int = 200,
-             log_every: int = 50, threads: int | None = 2) -> dict:
+             lr: float | None = None, seed: int = 0, device: str | None = None, levels=None, eval_n: int = 200,
+             log_every: int = 50, threads: int | None = 2, eval_every: int | None = None,
+             stop_acc: float | None = None) -> dict:
     """Train the `preset` model from scratch on train-split problems (loss on solution tokens only; AdamW, linear
-    warmup then cosine decay to 10%), save model + tokenizer with `save_pretrained` and `pretrain.json`."""
+    warmup then cosine decay to 10%), save model + tokenizer with `save_pretrained` and `pretrain.json`.
+    Every `eval_every` steps a probe of 100 test problems is scored; with `stop_acc`, training stops once the probe's
+    T=1.0 accuracy reaches it (keeps the model only partially right). `device` None: cuda if available, else cpu."""
     import copy
     import json
     import math
@@ -388,11 +396,15 @@ def pretrain(preset: str, out_dir: str | Path, steps: int | None = None, batch: 
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    if threads:
-        torch.set_num_threads(threads)
-    d = PRETRAIN_DEFAULTS[preset] if preset in PRETRAIN_DEFAULTS else TOY_PRESETS[preset]  # raises on a bad key
+    d = {**PRETRAIN_DEFAULTS[preset]} if preset in PRETRAIN_DEFAULTS else TOY_PRESETS[preset]  # bad key: ValueError
     steps, batch, lr = steps or d["steps"], batch or d["batch"], lr or d["lr"]
     levels = tuple(levels or d["levels"])
+    eval_every = d.get("eval_every", 0) if eval_every is None else eval_every
+    stop_acc = d.get("stop_acc") if stop_acc is None else stop_acc
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     tok = load_tokenizer()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(copy.deepcopy(TOY_PRESETS[preset])).to(device)
@@ -404,37 +416,49 @@ def pretrain(preset: str, out_dir: str | Path, steps: int | None = None, batch: 
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
-    data = generate_problems(steps * batch, seed, "train", levels)
-    t0, losses, first_loss = time.time(), [], None
+    # A generator stream of its own (seed + 10000): the RL train prompts (seed 0, 1, ...) are not its exact problems.
+    data = generate_problems(steps * batch, PRETRAIN_SEED_OFFSET + seed, "train", levels)
+    probe = generate_problems(100, seed + 1, "test", levels) if eval_every else []
+    t0, losses, probes = time.time(), [], []
     for step in range(steps):
         ids, mask, labels = (x.to(device) for x in encode_batch(tok, data[step * batch : (step + 1) * batch]))
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss  # mean over solution tokens
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
-        first_loss = losses[0] if first_loss is None else first_loss
         if log_every and ((step + 1) % log_every == 0 or step == 0):
             avg = sum(losses[-log_every:]) / len(losses[-log_every:])
             print(f"step {step + 1}/{steps} loss {avg:.4f} lr {sched.get_last_lr()[0]:.2e} "
                   f"{time.time() - t0:.0f}s", flush=True)
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            g, s = evaluate_accuracy(model, tok, probe), evaluate_accuracy(model, tok, probe, temperature=1.0)
+            probes.append({"step": step + 1, "greedy": g["acc"], "t1": s["acc"]})
+            print(f"step {step + 1} probe greedy {g['acc']:.2f} {g['acc_by_level']} T=1 {s['acc']:.2f} "
+                  f"{s['acc_by_level']}", flush=True)
+            if stop_acc is not None and s["acc"] >= stop_acc:
+                print(f"probe T=1.0 accuracy {s['acc']:.2f} >= stop_acc {stop_acc}: stopping", flush=True)
+                break
     wall = time.time() - t0
-    record = {"preset": preset, "steps": steps, "batch": batch, "lr": lr, "seed": seed, "levels": list(levels),
-              "first_loss": first_loss, "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-              "wall_time_s": round(wall, 1), "device": device, "torch": torch.__version__,
-              "params": sum(p.numel() for p in model.parameters())}
+    tail = max(1, min(20, len(losses) // 4))  # final loss = mean of the last few steps
+    record = {"preset": preset, "steps": steps, "steps_done": len(losses), "batch": batch, "lr": lr, "seed": seed,
+              "data_seed": PRETRAIN_SEED_OFFSET + seed, "levels": list(levels), "first_loss": losses[0],
+              "final_loss": sum(losses[-tail:]) / tail, "wall_time_s": round(wall, 1), "device": device,
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "params": sum(p.numel() for p in model.parameters()), "probes": probes}
     if eval_n:
         test = generate_problems(eval_n, seed, "test", levels)
         record["test_greedy"] = evaluate_accuracy(model, tok, test)
         record["test_t1"] = evaluate_accuracy(model, tok, test, temperature=1.0, seed=seed)
         print(f"test greedy {record['test_greedy']}\ntest T=1.0 {record['test_t1']}", flush=True)
+    torch.set_num_threads(old_threads)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=tok.eos_token_id,
                                                pad_token_id=tok.pad_token_id)
-    model.save_pretrained(str(out))
+    model.to("cpu").save_pretrained(str(out))  # fp32 safetensors
     tok.save_pretrained(str(out))
     (out / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -462,10 +486,12 @@ def _main(argv=None) -> None:
     p.add_argument("--batch", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--levels", type=lambda s: tuple(int(x) for x in s.split(",")), help="e.g. 1,2,3")
     p.add_argument("--eval-n", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--eval-every", type=int, help="probe accuracy every N steps (0: only at the end)")
+    p.add_argument("--stop-acc", type=float, help="stop once the probe's T=1.0 accuracy reaches this")
     e = sub.add_parser("eval", help="greedy and T=1.0 accuracy of a checkpoint on the toy test split")
     e.add_argument("--model", required=True)
     e.add_argument("--n", type=int, default=200)
@@ -479,7 +505,7 @@ def _main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.cmd == "pretrain":
         rec = pretrain(a.preset, a.out, a.steps, a.batch, a.lr, a.seed, a.device, a.levels, a.eval_n,
-                       threads=a.threads)
+                       threads=a.threads, eval_every=a.eval_every, stop_acc=a.stop_acc)
         print(json.dumps(rec, indent=2))
     elif a.cmd == "eval":
         import torch
