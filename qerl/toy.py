@@ -466,10 +466,21 @@ def pretrain(preset: str, out_dir: str | Path, steps: int | None = None, batch: 
 
 def ensure_checkpoint(preset: str, out_dir: str | Path, **pretrain_kwargs) -> Path:
     """`out_dir` if it already holds a checkpoint (config.json + model.safetensors), else pretrain `preset` into it
-    (the `toy` preset is meant to be pretrained this way on a GPU: pass device="cuda")."""
+    with `PRETRAIN_DEFAULTS` (on cuda when available: the `toy` preset is meant for a GPU). Written to a temporary
+    sibling and renamed into place, so concurrent callers never see a half-written checkpoint."""
+    import os
+    import shutil
+
     out = Path(out_dir)
     if not ((out / "config.json").exists() and (out / "model.safetensors").exists()):
-        pretrain(preset, out, **pretrain_kwargs)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        pretrain(preset, tmp, **pretrain_kwargs)
+        try:
+            if out.exists() and not any(out.iterdir()):
+                out.rmdir()
+            os.rename(tmp, out)
+        except OSError:  # another process finished first: keep its checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -206,13 +206,14 @@ def test_presets_quantizable_shapes():
 def test_tiny_pretrain_lowers_loss(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    rec = toy.pretrain("smoke", tmp_path, steps=10, batch=4, eval_n=0, log_every=0)
-    assert rec["final_loss"] < rec["first_loss"] - 1.0
-    saved = json.loads((tmp_path / "pretrain.json").read_text())
-    assert saved["steps"] == 10 and saved["torch"] == torch.__version__
-    assert AutoModelForCausalLM.from_pretrained(str(tmp_path)).config.model_type == "qwen2"
-    assert toy.ensure_checkpoint("smoke", tmp_path) == tmp_path  # present: not retrained
-    assert json.loads((tmp_path / "pretrain.json").read_text()) == saved
+    path = toy.ensure_checkpoint("smoke", tmp_path / "ck", steps=10, batch=4, eval_n=0, log_every=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # written aside, renamed into place
+    rec = json.loads((path / "pretrain.json").read_text())
+    assert rec["final_loss"] < rec["first_loss"] - 1.0, rec
+    assert rec["steps_done"] == 10 and rec["torch"] == torch.__version__
+    assert AutoModelForCausalLM.from_pretrained(str(path)).config.model_type == "qwen2"
+    assert toy.ensure_checkpoint("smoke", path) == path  # present: not retrained
+    assert json.loads((path / "pretrain.json").read_text()) == rec
 
 
 def test_committed_smoke_checkpoint_solves_easy_problems():
