@@ -188,8 +188,31 @@ def make_storage(url: str, heartbeat: int = 10):
     cb = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat,
-                                          grace_period=3 * heartbeat, **{cb: _retry_callback()})
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat,
+                                             grace_period=3 * heartbeat, **{cb: _retry_callback()})
+    if url.startswith("sqlite"):
+        _immediate_transactions(storage.engine)
+    return storage
+
+
+def _immediate_transactions(engine) -> None:
+    """Make every SQLite transaction ``BEGIN IMMEDIATE`` (the SQLAlchemy pysqlite recipe).
+
+    Optuna reads a row, checks its state and writes it in one transaction, relying on ``SELECT … FOR UPDATE``, which
+    SQLite ignores: with deferred transactions two processes both see a WAITING trial as WAITING and both run it
+    (or both fail the same stale trial and enqueue two retries). Taking the write lock at BEGIN serializes them.
+    """
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_connection, record):
+        dbapi_connection.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _begin_immediate(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened while the storage set itself up do not have the hooks
 
 
 def make_pruner(name: str, steps: int):
