@@ -40,7 +40,7 @@ ALIASES = {
     "m": ["m", "tokens"],
     "time_ms": ["time_ms"],
     "ratio": ["ratio_vs_bf16"],
-    "direction": ["direction", "pass"],
+    "direction": ["direction", "pass", "op"],
 }
 
 
@@ -56,9 +56,14 @@ def _canon(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def speed_csvs(root) -> dict[str, list[tuple[Path, pd.DataFrame]]]:
-    """``{"rollout": [(path, frame)], "layer": [...]}`` for every CSV under ``<root>/speed``."""
+    """``{"rollout": [(path, frame)], "layer": [...]}`` for every CSV under ``<root>/speed``.
+
+    ``speed/raw/`` (per-session logs and CSVs, already merged into the top-level CSVs) and ``step.csv`` (whose
+    ``rollout_tokens_per_s`` is an in-training figure, not a rollout benchmark) are not read."""
     out = {"rollout": [], "layer": []}
     for p in sorted((Path(root) / "speed").rglob("*.csv")):
+        if "raw" in p.relative_to(Path(root) / "speed").parts[:-1] or p.name == "step.csv":
+            continue
         try:
             df = _canon(pd.read_csv(p))
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
@@ -66,7 +71,7 @@ def speed_csvs(root) -> dict[str, list[tuple[Path, pd.DataFrame]]]:
             continue
         if "tok_s" in df:
             out["rollout"].append((p, df))
-        elif "time_ms" in df and "m" in df:
+        elif ("time_ms" in df or "us" in df) and "m" in df:
             out["layer"].append((p, df))
     return out
 
@@ -193,6 +198,14 @@ def speed_layers(root="results", out_dir=None) -> list[Path]:
     df = pd.concat([d for _, d in found], ignore_index=True)
     df["model"] = df["model"].map(model_size) if "model" in df else ""
     df["weights"] = df["weights"].astype(str).str.upper() if "weights" in df else "?"
+    if "us" in df and "linear" in df:  # qerl.kernels.bench rows: one per linear -> decoder-layer sums
+        keys = ["model", "weights", "m"] + (["direction"] if "direction" in df else [])
+        lay = df.groupby(keys, as_index=False)["us"].sum()
+        bf = lay[lay["weights"] == "BF16"].drop(columns="weights").rename(columns={"us": "bf16_us"})
+        lay = lay.merge(bf, on=[k for k in keys if k != "weights"], how="left")
+        lay["ratio"] = lay["us"] / lay["bf16_us"]
+        lay["time_ms"] = lay["us"] / 1e3
+        df = lay
     y = "ratio" if "ratio" in df and df["ratio"].notna().any() else "time_ms"
     models = sorted(df["model"].unique(), key=_size_key)
     fig, axes = new_figure(1, len(models), sharey=False)

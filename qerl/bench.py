@@ -200,6 +200,21 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
     return rows
 
 
+def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
+    out, skip = [], False
+    for i, x in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if x == flag:
+            skip = True
+            continue
+        if x.startswith(flag + "="):
+            continue
+        out.append(x)
+    return out + [flag, value]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["memory", "rollout", "step", "layers"])
@@ -214,12 +229,26 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
+    p.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],
+                   help="one process per (model, format): a 32B BF16 policy after a 32B NVFP4 one in the same process "
+                        "OOMed at load on 80 GB (memory the first left cached); auto = yes on CUDA")
     a, rest = p.parse_known_args(argv)
     if a.what == "layers":
         from qerl.kernels import bench as kb
 
         return kb.main(rest)
     models, fmts = a.models.split(","), a.formats.split(",")
+    isolate = a.isolate == "yes" or (a.isolate == "auto" and torch.cuda.is_available())
+    if isolate and a.what in ("rollout", "memory", "step") and len(models) * len(fmts) > 1:
+        import subprocess
+        import sys
+
+        base = [x for x in (argv if argv is not None else sys.argv[1:])]
+        for m in models:
+            for f in fmts:
+                args = _replace_arg(_replace_arg(base, "--models", m), "--formats", f) + ["--isolate", "no"]
+                subprocess.run([sys.executable, "-m", "qerl.bench", *args], check=False)
+        return
     batches, ranks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.ranks.split(",")]
     out = Path(a.out)
     sink = lambda name: (lambda row: _write_csv([row], out / name))  # noqa: E731  (each row lands at once)

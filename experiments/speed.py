@@ -1,0 +1,151 @@
+"""Speed and memory (paper Tables 3, 5-8, Fig. 1/11): measure on a GPU, then render ours beside the paper's.
+
+    python -m experiments.speed --run core|step|large|small   # on a CUDA host: the benchmark stages (qerl.bench)
+    python -m experiments.speed                               # anywhere: render results/speed/speed.md from CSVs
+
+Rendering reads only ``results/speed/{memory,rollout,step}.csv`` (written by ``qerl.bench``) and the paper's
+numbers (``paper_figures/paper/*.csv``); ratios are always ours against our own BF16-LoRA in the same run
+(same git SHA and device), never against the paper's. Paper numbers come from vLLM 0.10.1 (Marlin FP4 kernel);
+ours from qerl's own sampler and Triton kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+STAGES = {
+    "core": [["memory", "--models", "7b", "--formats", "bf16,nf4,mxfp4,nvfp4"],
+             ["rollout", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"]],
+    "step": [["step", "--models", "7b", "--formats", "nvfp4,bf16,nf4", "--batch", "8", "--gc", "on"],
+             ["step", "--models", "32b", "--formats", "nvfp4", "--batch", "8", "--gc", "on"]],
+    "large": [["rollout", "--models", "14b,32b", "--formats", "nvfp4,bf16,nf4", "--batch", "8,2"]],
+    "small": [["rollout", "--models", "3b", "--formats", "nvfp4,bf16,nf4", "--batch", "8,2"],
+              ["rollout", "--models", "7b", "--formats", "nvfp4,bf16", "--batch", "2", "--ranks", "16,32,64"]],
+}
+PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_figures" / "paper"
+SIZES = {"Qwen2.5-7B-Instruct": {"BF16": 15.2, "NF4": 5.7, "NVFP4": 5.9},
+         "Qwen2.5-14B-Instruct": {"BF16": 29.6, "NF4": 10.2, "NVFP4": 10.6}}
+
+
+def _fmt(x, nd=1):
+    return "—" if x is None or (isinstance(x, float) and x != x) else f"{x:.{nd}f}"
+
+
+def memory_table(root: Path) -> str:
+    p = root / "memory.csv"
+    if not p.exists():
+        return "_no memory.csv_\n"
+    d = pd.read_csv(p)
+    lines = ["| model | method | weights | ours: model size (GB) | paper (Table 3) |", "|---|---|---|---|---|"]
+    for _, r in d.iterrows():
+        paper = SIZES.get(r["model"], {}).get(r["weights"])
+        lines.append(f"| {r['model']} | {r['method']} | {r['weights']} | {r['model_size_gb']:.2f} | "
+                     f"{_fmt(paper)} |")
+    return "\n".join(lines) + "\n"
+
+
+def rollout_table(root: Path, name: str = "rollout.csv") -> str:
+    p = root / name
+    if not p.exists():
+        return f"_no {name}_\n"
+    d = pd.read_csv(p)
+    d = d[d["tokens_per_s"].notna()]
+    paper = pd.read_csv(PAPER_DIR / "rollout_speed.csv")
+    paper = paper[paper.metric == "rollout_throughput"]
+    lines = ["| model | batch | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | paper tok/s (vLLM) | "
+             "paper ×LoRA | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, batch), g in d.groupby(["model", "batch_size"], sort=False):
+        base = g[g.method == "LoRA"]["tokens_per_s"]
+        qlora = g[g.method == "QLoRA"]["tokens_per_s"]
+        pg = paper[(paper.model == model) & (paper.batch_size == batch)]
+        p_lora = pg[pg.method == "LoRA"]["value"]
+        for _, r in g.sort_values("tokens_per_s", ascending=False).iterrows():
+            pv = pg[pg.method == r["method"]]["value"]
+            pv = float(pv.iloc[0]) if len(pv) else None
+            lines.append(
+                f"| {model} | {int(batch)} | {r['method']} | {r['weights']} | {r['tokens_per_s']:.0f} | "
+                f"{_fmt(r['tokens_per_s'] / base.iloc[0], 2) if len(base) else '—'} | "
+                f"{_fmt(r['tokens_per_s'] / qlora.iloc[0], 2) if len(qlora) else '—'} | {_fmt(pv)} | "
+                f"{_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'} | "
+                f"{r.get('run', '')} ({r.get('git_sha', '')}) |")
+    return "\n".join(lines) + "\n"
+
+
+def step_table(root: Path) -> str:
+    p = root / "step.csv"
+    if not p.exists():
+        return "_no step.csv_\n"
+    d = pd.read_csv(p)
+    t3 = pd.read_csv(PAPER_DIR / "table3.csv")
+    lines = ["| model | batch | GC | method | status | ours s/step | rollout s | log-prob s | update s | peak GB | "
+             "ours ×LoRA | paper ×LoRA (Table 3) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, batch, gc), g in d.groupby(["model", "batch_size", "gc"], sort=False):
+        base = g[(g.method == "LoRA") & (g.status == "ok")]["step_s"]
+        for _, r in g.iterrows():
+            pp = t3[(t3.model == model) & (t3.batch_size == batch) & (t3.method == r["method"])]
+            pv = pp["e2e_speedup_vs_bf16_lora"].iloc[0] if len(pp) else None
+            ok = r["status"] == "ok"
+            st = "ok" if ok else str(r["status"]).split(".")[0][:40]
+            lines.append(
+                f"| {model} | {int(batch)} | {'on' if gc else 'off'} | {r['method']} | {st} | "
+                f"{_fmt(r['step_s']) if ok else '—'} | {_fmt(r['rollout_s']) if ok else '—'} | "
+                f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
+                f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "
+                f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'} | {_fmt(pv) if pv == pv else '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def render(root: Path) -> str:
+    env = ""
+    for p in sorted((root / "raw").glob("*/env.json")):
+        env = p.read_text()
+        break
+    dev = "NVIDIA H100 80GB HBM3" if "H100" in env else "see raw/*/env.json"
+    layers = (root / "layers_h100.md").read_text() if (root / "layers_h100.md").exists() else "_no layer table_\n"
+    md = f"""# Speed and memory (ours beside the paper's)
+
+Device: {dev}, torch 2.11 (CUDA 13), triton 3.6. Shape presets with random weights (exact Qwen2.5-*-Instruct
+shapes), LoRA rank 32 on all seven projections, prompt 256 tokens, 2048 new tokens with `ignore_eos`, one sampler
+per model (static KV cache, CUDA graphs, unmerged LoRA). Ratios are ours vs our own BF16-LoRA (and QLoRA) measured
+in the same run; paper columns are vLLM 0.10.1 on one H100 (Tables 3, 5-8) and are never mixed into ours.
+Raw logs, per-run CSVs and env.json: `results/speed/raw/`.
+
+## Model size (Table 3)
+{memory_table(root)}
+## Rollout throughput (Tables 5-8, Fig. 1)
+{rollout_table(root)}
+### All four formats at 7B, one run (earlier sampler build, before the decode-overhead cuts)
+{rollout_table(root / "raw", "rollout_all_formats_7b.csv")}
+## One GRPO step end to end (Table 3; rollout + log-probs + update)
+The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
+2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).
+{step_table(root)}
+## Decoder linears per layer (kernels; `python -m qerl.kernels.bench`)
+{layers}
+"""
+    return md
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", choices=sorted(STAGES), nargs="*", default=[])
+    ap.add_argument("--root", default="results/speed")
+    a = ap.parse_args(argv)
+    root = Path(a.root)
+    for stage in a.run:
+        for args in STAGES[stage]:
+            subprocess.run([sys.executable, "-m", "qerl.bench", *args, "--out", str(root)], check=False)
+    md = render(root)
+    from qerl.results import atomic_write_text
+
+    atomic_write_text(root / "speed.md", md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
