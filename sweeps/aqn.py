@@ -88,6 +88,7 @@ class Sweep:
     out_dir: str = "results"
     steps: int = 16
     space: dict = field(default_factory=dict)
+    base: dict = field(default_factory=dict)  # the resolved config every trial shares (flattened, JSON values)
 
     @property
     def dir(self) -> Path:
@@ -141,7 +142,32 @@ def build_sweep(study: str, overrides=(), scale: str = "smoke", objective: str =
         raise ValueError("objective val_acc needs at least one eval set (eval.sets)")
     space = {"sigma_start": list(SPACE["sigma_start"]), "sigma_ratio": list(SPACE["sigma_ratio"]),
              "stages": [lo, hi], "schedule": list(SCHEDULES)}
-    return Sweep(study, tuple(overrides), scale, objective, cfg.out_dir, steps, space)
+    return Sweep(study, tuple(overrides), scale, objective, cfg.out_dir, steps, space, base_config(cfg))
+
+
+# What a trial sets itself; everything else of its resolved config must equal the study's base.
+_PER_TRIAL = ("aqn.sigma_start", "aqn.sigma_end", "aqn.stages", "aqn.schedule", "run_name", "tags.trial")
+
+
+def base_config(cfg) -> dict:
+    """The resolved config of a trial without what the trial sets itself: equal for all trials of a study. A change
+    (someone edited a YAML default or a preset between two trials) would make the trials incomparable."""
+    import json
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("choices",):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    return {k: v for k, v in json.loads(json.dumps(dict(flat(cfg.to_dict())), default=list)).items()
+            if k not in _PER_TRIAL}
+
+
+def config_drift(stored: dict, now: dict) -> dict:
+    """{key: (stored, now)} for every key whose value differs."""
+    return {k: (stored.get(k), now.get(k)) for k in sorted(set(stored) | set(now)) if stored.get(k) != now.get(k)}
 
 
 def suggest(trial, space: dict) -> dict:
@@ -249,7 +275,10 @@ def open_study(sweep: Sweep, storage, pruner=None, n_trials: int | None = None, 
             p = dict(PAPER, stages=min(max(PAPER["stages"], sweep.space["stages"][0]), sweep.space["stages"][1]))
             study.enqueue_trial(p, user_attrs={"baseline": "paper"}, skip_if_exists=True)
     else:
-        diff = {k: (old.get(k), v) for k, v in sweep.stored().items() if old.get(k) != v}
+        diff = {k: (old.get(k), v) for k, v in sweep.stored().items() if old.get(k) != v and k != "base"}
+        drift = config_drift(old.get("base") or {}, sweep.base)
+        if drift:
+            diff["base config"] = drift
         if diff:
             raise ValueError(f"study {sweep.study!r} was created with other settings {diff} (stored, given); "
                              f"rerun with the same ones (or none) or pick another --study")
@@ -271,6 +300,7 @@ class Worker:
         self.sweep, self.study, self.n_trials = sweep, study, n_trials
         self.seed, self.tag, self.poll_s, self.startup_trials = seed, tag, poll_s, startup_trials
         self.current: int | None = None  # number of the trial running in this process
+        self.drift: str | None = None
 
     # -------------------------------------------------------------------- the objective
     def objective(self, trial) -> float:
@@ -294,6 +324,11 @@ class Worker:
             raise VoidTrial(void)
         try:
             cfg = load_config(trial_overrides(self.sweep, params, run_number))
+            drift = config_drift(self.sweep.base, base_config(cfg))
+            if drift:  # not this trial's fault: void it and stop this worker (see Worker.run)
+                self.drift = f"the base configuration changed since the study was created: {drift}"
+                trial.set_user_attr("void", self.drift[:2000])
+                raise VoidTrial(self.drift)
             trial.set_user_attr("run_dir", str(cfg.run_dir))
             run(cfg, on_step=self._reporter(trial, cfg.run_dir))
             values = run_values(cfg.run_dir)
@@ -302,7 +337,7 @@ class Worker:
             if values[self.sweep.objective] is None:
                 raise RuntimeError(f"{cfg.run_dir} finished without a {self.sweep.objective} value")
             return float(values[self.sweep.objective])
-        except optuna.TrialPruned:
+        except (optuna.TrialPruned, VoidTrial):
             raise
         except KeyboardInterrupt:
             trial.set_user_attr("interrupted", True)
@@ -388,6 +423,8 @@ class Worker:
             except KeyboardInterrupt:
                 self._retry_current()
                 raise
+            if self.drift:
+                raise SystemExit(f"sweeps.aqn: {self.drift}; start a new --study")
             ran += 1
             if self.current is not None:
                 print(f"[sweep] worker {self.tag}: trial {self.current} done", flush=True)

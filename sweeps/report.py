@@ -100,7 +100,7 @@ def trials_frame(study):
         if "sigma_start" in p and "sigma_ratio" in p:
             p["sigma_end"] = p["sigma_start"] * p["sigma_ratio"]
         run_dir = None if t.user_attrs.get("void") else t.user_attrs.get("run_dir")  # a void trial ran nothing
-        vals = run_values(run_dir) if run_dir and Path(run_dir).exists() else {}
+        vals = run_values(run_dir) if run_dir and Path(run_dir).exists() and t.number not in retried_as else {}
         if t.number in retried_as:
             note = f"worker lost; retried as trial {retried_as[t.number]}"
         elif t.user_attrs.get("void"):

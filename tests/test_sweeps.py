@@ -3,6 +3,7 @@ counted right, SIGKILLed workers are retried on rerun, two workers share one SQL
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -132,6 +133,17 @@ def test_build_sweep_space_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         open_study(other, make_storage(default_storage(tmp_path, "same")))
     assert study.user_attrs["sweep"]["overrides"] == list(sweep.overrides)
+    # the resolved base config is stored: if a YAML default changes later, the study refuses to mix the two
+    assert study.user_attrs["sweep"]["base"]["train.steps"] == 3 and "aqn.sigma_start" not in sweep.base
+    drifted = dataclasses.replace(sweep, base={**sweep.base, "optim.lr": 0.5})
+    with pytest.raises(ValueError, match="base config.*optim.lr"):
+        open_study(drifted, make_storage(default_storage(tmp_path, "same")))
+    # ... and a worker that finds the drift mid-study voids the trial (not counted) and stops
+    with pytest.raises(SystemExit, match="optim.lr"):
+        Worker(drifted, study, n_trials=1).run()
+    (t,) = study.get_trials()
+    assert t.state == TrialState.FAIL and "optim.lr" in t.user_attrs["void"] and not census([t])[0]
+    assert not (tmp_path / "sweeps" / "same" / "trial_0").exists()  # nothing was trained
 
 
 def test_a_pruned_trial_stops_its_run(tmp_path):
