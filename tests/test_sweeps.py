@@ -41,6 +41,21 @@ FAST = ["train.steps=3", "train.batch_size=8", "algo.group_size=4", "train.micro
         "train.save_every=1", "train.progress=false"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: the 2 shared cores run other jobs too, and 2-thread OpenMP regions stall badly when a core is
+    taken (a 0.1 s step was seen taking 12 s)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
 def _setup(tmp_path, name, extra=(), pruner=None, n=1, objective="val_acc"):
     sweep = build_sweep(name, (*FAST, f"out_dir={tmp_path}", *extra), "smoke", objective)
     storage = make_storage(default_storage(tmp_path, name), heartbeat=1)
@@ -288,7 +303,7 @@ def test_sqlite_waiting_trial_is_popped_by_one_process_only(tmp_path):
 @pytest.mark.slow
 def test_two_workers_share_one_sqlite_study(tmp_path):
     res = subprocess.run(_cmd(tmp_path, "pair", 4, 2, ["train.steps=2"]), capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         env=ENV)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     trials = _load(tmp_path, "pair").get_trials()
     counted, pending, _ = census(trials)
@@ -307,7 +322,7 @@ def test_two_workers_share_one_sqlite_study(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_mid_trial_then_rerun_finishes_the_study(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = ENV
     sdir = tmp_path / "sweeps" / "res"
     p = subprocess.Popen(_cmd(tmp_path, "res", 3, 1), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
