@@ -189,7 +189,7 @@ def plot_history(study, df, objective: str, path: Path) -> Path:
     ax.set_title("optimization history")
     ax.legend(fontsize=8)
     for t in study.get_trials(deepcopy=False):
-        if t.intermediate_values:
+        if t.intermediate_values and t.state.name != "FAIL":  # a dead trial's curve is continued by its retry
             steps = sorted(t.intermediate_values)
             pruned = t.state.name == "PRUNED"
             bx.plot(steps, [t.intermediate_values[s] for s in steps], color="#888888" if pruned else None,
@@ -239,8 +239,8 @@ def plot_sigma(df, objective: str, path: Path) -> Path:
     for _, r in d.iterrows():
         ax.annotate(str(int(r.number)), (r.sigma_start, r.sigma_end), fontsize=7, xytext=(4, 3),
                     textcoords="offset points")
-    ax.scatter(*PAPER_SIGMA, marker="*", s=160, color="#ff7f0e", edgecolors="k", label="paper (1e-2 → 5e-4)",
-               zorder=4)
+    ax.scatter(*PAPER_SIGMA, marker="*", s=320, facecolors="none", edgecolors="#ff7f0e", linewidths=1.5,
+               label="paper (1e-2 → 5e-4)", zorder=4)
     lo = min([PAPER_SIGMA[1], *d.sigma_end.tolist()]) / 2
     hi = max([PAPER_SIGMA[0], *d.sigma_start.tolist()]) * 2
     ax.plot([lo, hi], [lo, hi], ":", color="#999999", lw=1, label="σ_end = σ_start")
@@ -249,14 +249,16 @@ def plot_sigma(df, objective: str, path: Path) -> Path:
     ax.set_xlabel("σ_start")
     ax.set_ylabel("σ_end")
     ax.set_title("AQN noise range")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return _save(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------- the report
 def _fmt(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+    import pandas as pd
+
+    if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)):
         return ""
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.4f}".rstrip("0").rstrip(".")
