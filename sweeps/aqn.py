@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sweeps.report import accuracy_reward, census, run_values, void_reason, write_report
+from sweeps.storage import default_storage, make_storage, retry_callback
 
 OBJECTIVES = ("val_acc", "reward_area")
 PRUNERS = ("median", "none")
@@ -61,7 +62,6 @@ SPACE = {"sigma_start": [1e-3, 1e-1], "sigma_ratio": [1e-3, 0.5], "max_stages": 
 PAPER = {"sigma_start": 1e-2, "sigma_ratio": 0.05, "stages": 10, "schedule": "exponential"}
 # Keys the sweep sets itself; overriding them on the command line would break the trial <-> run mapping.
 OWNED = ("aqn.enabled", "aqn.sigma_start", "aqn.sigma_end", "aqn.stages", "aqn.schedule", "experiment", "run_name")
-MAX_RETRY = 3  # a trial whose worker dies more often than this counts as FAIL
 
 
 class VoidTrial(RuntimeError):
@@ -180,67 +180,6 @@ def suggest(trial, space: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- storage and study
-def _retry_callback():
-    import optuna
-
-    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return cls(max_retry=MAX_RETRY)
-
-
-def default_storage(out_dir: str | Path, study: str) -> str:
-    return f"sqlite:///{Path(out_dir) / 'sweeps' / f'{study}.db'}"
-
-
-def make_storage(url: str, heartbeat: int = 10):
-    """An ``RDBStorage`` with heartbeats (stale trials: no beat for 3 × ``heartbeat`` s, failed and retried); for
-    SQLite a long busy timeout and the WAL journal so several processes can write one file."""
-    import inspect
-
-    import optuna
-
-    if url.startswith("sqlite:///") and ":memory:" not in url:
-        import sqlite3
-
-        path = Path(url[len("sqlite:///"):])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.closing(sqlite3.connect(path, timeout=120)) as con:
-            con.execute("PRAGMA journal_mode=WAL")  # persistent in the file: readers never block the writer
-        engine = {"connect_args": {"timeout": 120}}
-    else:
-        engine = {"pool_pre_ping": True}
-    params = inspect.signature(optuna.storages.RDBStorage).parameters
-    cb = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat,
-                                             grace_period=3 * heartbeat, **{cb: _retry_callback()})
-    if url.startswith("sqlite"):
-        _immediate_transactions(storage.engine)
-    return storage
-
-
-def _immediate_transactions(engine) -> None:
-    """Make every SQLite transaction ``BEGIN IMMEDIATE`` (the SQLAlchemy pysqlite recipe).
-
-    Optuna reads a row, checks its state and writes it in one transaction, relying on ``SELECT … FOR UPDATE``, which
-    SQLite ignores: with deferred transactions two processes both see a WAITING trial as WAITING and both run it
-    (or both fail the same stale trial and enqueue two retries). Taking the write lock at BEGIN serializes them.
-    """
-    from sqlalchemy import event
-
-    @event.listens_for(engine, "connect")
-    def _no_implicit_begin(dbapi_connection, record):
-        dbapi_connection.isolation_level = None
-
-    @event.listens_for(engine, "begin")
-    def _begin_immediate(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-    engine.dispose()  # connections opened while the storage set itself up do not have the hooks
-
-
 def make_pruner(name: str, steps: int):
     import optuna
 
@@ -396,7 +335,7 @@ class Worker:
         t = next((t for t in self.study.get_trials(deepcopy=False) if t.number == self.current), None)
         if t is not None and t.state.name == "FAIL" and not t.user_attrs.get("void") \
                 and not t.user_attrs.get("error"):
-            _retry_callback()(self.study, t)
+            retry_callback()(self.study, t)
 
     def run(self) -> int:
         """Work until the study is done; returns the number of trials this worker ran."""
