@@ -25,7 +25,7 @@ SCALES = ("smoke", "toy", "paper")
 #: "collapses" above); the Full baseline's rate is not stated — 1e-6, a common full-parameter RL rate. The tiny toy
 #: models need far larger rates to move in a few dozen steps; the 2:1 quantized:BF16 ratio is kept.
 LR = {
-    "smoke": {"quantized": 2e-3, "bf16_lora": 1e-3, "full": 1e-4},
+    "smoke": {"quantized": 1e-3, "bf16_lora": 5e-4, "full": 1e-4},
     "toy": {"quantized": 5e-4, "bf16_lora": 2.5e-4, "full": 2e-5},
     "paper": {"quantized": 1e-5, "bf16_lora": 5e-6, "full": 1e-6},
 }

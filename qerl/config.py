@@ -95,6 +95,7 @@ class AqnCfg:
 class DataCfg:
     train: str = "toy"
     source: str = "local"
+    train_size: int | None = None     # keep the first n training problems (after a seeded shuffle); None: all
     levels: tuple[int, ...] | None = None
     prompt: str = "plain"
     rewards: tuple[str, ...] = ("accuracy",)

@@ -192,6 +192,7 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     n_updates = cfg.train.steps * cfg.algo.updates_per_rollout
     opt, sched = build_optimizer(params, cfg, n_updates)
     problems = data.load_dataset(cfg.data.train, "train", source=cfg.data.source, seed=cfg.seed,
+                                 shuffle=cfg.data.train_size is not None, limit=cfg.data.train_size,
                                  **({"levels": tuple(cfg.data.levels)} if cfg.data.levels else {}))
     render = lambda p: data.render_prompt(tok, p.prompt, cfg.data.prompt)  # noqa: E731
     stream = PromptStream(problems, cfg.batch_prompts, cfg.seed, render)

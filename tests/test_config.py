@@ -46,7 +46,7 @@ def test_scale_sets_sizes_but_explicit_overrides_win():
     assert load_config(["scale=paper", "model=qwen2.5-3b"]).model.source == "Qwen/Qwen2.5-3B-Instruct"
     assert load_config(["model=qwen2.5-3b", "scale=paper"]).model.source == "Qwen/Qwen2.5-3B-Instruct"
     assert load_config(["scale=smoke", "train.steps=3"]).train.steps == 3
-    assert load_config(["scale=smoke", "algo=dapo"]).algo.group_size == 8  # smoke shrinks G for both presets
+    assert load_config(["scale=smoke", "algo=dapo"]).algo.group_size == 4  # smoke shrinks G for both presets
 
 
 @pytest.mark.parametrize("override, needle", [
