@@ -133,17 +133,34 @@ def scale_model(scale: str, paper_key: str) -> tuple[str, ...]:
     return ("data=toy", "eval.sets=[toy]")
 
 
-def figure_main(artifact: str, rows_fn, figures: tuple[str, ...], doc: str, argv=None) -> None:
-    """CLI of a figure experiment: run its rows, then draw its figures from results/."""
+def artifact_main(artifact: str, rows_fn, doc: str, render, argv=None) -> None:
+    """CLI of an experiment: run (or skip, or resume) its rows, then ``render(root, scale)`` from results/."""
     args = parser(doc).parse_args(argv)
     res = run_rows(artifact, args.scale, rows_fn(args.scale), seeds_arg(args),
                    [f"out_dir={args.root}", *args.overrides], args.dry_run)
+    finish(res, lambda: render(args.root, args.scale))
 
-    def render():
+
+def figure_main(artifact: str, rows_fn, figures: tuple[str, ...], doc: str, argv=None) -> None:
+    """CLI of a figure experiment: run its rows, then draw its figures from results/."""
+
+    def render(root, scale):
         from paper_figures import figures as figs
 
         for name in figures:
-            written = getattr(figs, name)(root=args.root, scale=args.scale)
+            written = getattr(figs, name)(root=root, scale=scale)
             print(f"{name}: {written or 'skipped'}")
 
-    finish(res, render)
+    artifact_main(artifact, rows_fn, doc, render, argv)
+
+
+def table_main(artifact: str, rows_fn, doc: str, argv=None) -> None:
+    """CLI of a table experiment: run its rows, then render the table (ours beside the paper's)."""
+
+    def render(root, scale):
+        from paper_figures import tables
+
+        md, _ = getattr(tables, f"render_{artifact}")(root, scale)
+        print(md)
+
+    artifact_main(artifact, rows_fn, doc, render, argv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from experiments.common import finish, method_rows, parser, run_rows, seeds_arg
+from experiments.common import method_rows, table_main
 
 ARTIFACT = "table1"
 
@@ -26,17 +26,7 @@ def rows(scale: str):
 
 
 def main(argv=None) -> None:
-    args = parser(__doc__).parse_args(argv)
-    res = run_rows(ARTIFACT, args.scale, rows(args.scale), seeds_arg(args), [f"out_dir={args.root}", *args.overrides],
-                   args.dry_run)
-
-    def render():
-        from paper_figures.tables import render_table1
-
-        md, _ = render_table1(args.root, args.scale)
-        print(md)
-
-    finish(res, render)
+    table_main(ARTIFACT, rows, __doc__, argv)
 
 
 if __name__ == "__main__":
