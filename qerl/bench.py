@@ -185,7 +185,8 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
                         status = f"OOM: {str(e)[:160]}"
                     metrics = read_jsonl(cfg.run_dir / "metrics.jsonl")
                     keep = metrics[1:] if len(metrics) > 1 else metrics  # step 1 includes graph capture
-                    mean = lambda k: sum(r.get(k, 0.0) for r in keep) / len(keep) if keep else None  # noqa: E731
+                    def mean(k, keep=keep):
+                        return sum(r.get(k, 0.0) for r in keep) / len(keep) if keep else None
                     rows.append(dict(bench="step", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
                                      batch_size=b, gc=use_gc, prompt_len="toy task (~60 tokens)",
                                      new_tokens=new_tokens,
@@ -202,7 +203,7 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
 
 def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
     out, skip = [], False
-    for i, x in enumerate(args):
+    for x in args:
         if skip:
             skip = False
             continue

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "quant", "lora", "algo", "aqn", "data", "rollout", "scale")

@@ -21,7 +21,8 @@ import torch
 
 from qerl import data, rewards
 from qerl.config import TrainConfig, from_dict, load_config
-from qerl.results import RunWriter, atomic_write_text, load_config as read_run_config
+from qerl.results import RunWriter, atomic_write_text
+from qerl.results import load_config as read_run_config
 from qerl.rollout import Sampler, seed_for
 
 
@@ -47,7 +48,7 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
             correct += sc
             lengths += ro.lengths.tolist()
             truncated += ro.truncated.tolist()
-            for j, (text, s) in enumerate(zip(ro.texts, sc)):
+            for j, (text, s) in enumerate(zip(ro.texts, sc, strict=True)):
                 rows.append({"id": batch[j // e.n_samples].id, "sample": j % e.n_samples, "correct": s,
                              "length": int(ro.lengths[j]), "completion": text[:2000]})
         sampler.release()

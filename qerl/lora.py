@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -33,8 +33,8 @@ from qerl.lora import (
     lora_modules,
     target_linear_names,
 )
-from qerl.quant import get_format
 from qerl.quant import checkpoint as ct
+from qerl.quant import get_format
 
 # Exact Qwen2.5-*-Instruct shapes (config.json of each hub repo).
 _QWEN25 = dict(

@@ -21,8 +21,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 CONFIG, ENV, METRICS, SUMMARY, CKPTS = "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints"
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "compressed-tensors", "triton", "math-verify",
@@ -107,12 +108,17 @@ class RunWriter:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep_checkpoints
-        if config_yaml is not None:
+        if config_yaml is not None and not self.is_finished():  # a finished run's provenance is never rewritten
             old = self.dir / CONFIG
             if old.exists() and old.read_text() != config_yaml:
                 atomic_write_text(self.dir / "config.previous.yaml", old.read_text())
             atomic_write_text(old, config_yaml)
-            atomic_write_json(self.dir / ENV, environment())
+            env = environment()
+            if (self.dir / ENV).exists():  # a resumed run keeps its first env.json; each resume is appended
+                with open(self.dir / "env.resumes.jsonl", "a") as f:
+                    f.write(json.dumps(env, default=_jsonable) + "\n")
+            else:
+                atomic_write_json(self.dir / ENV, env)
 
     @property
     def metrics_path(self) -> Path:

@@ -52,7 +52,7 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(1)
 
-    def select_groups(self, keep: torch.Tensor) -> "Rollout":
+    def select_groups(self, keep: torch.Tensor) -> Rollout:
         """The sub-batch of the groups where ``keep`` (B,) is true."""
         rows = keep.repeat_interleave(self.group_size)
         idx = rows.nonzero().squeeze(1)
@@ -62,7 +62,7 @@ class Rollout:
                        self.group_size, dict(self.stats))
 
     @staticmethod
-    def cat(parts: list["Rollout"], pad_id: int) -> "Rollout":
+    def cat(parts: list[Rollout], pad_id: int) -> Rollout:
         """Concatenate rollouts along the batch (padding prompts on the left, completions on the right)."""
         if len(parts) == 1:
             return parts[0]
@@ -278,7 +278,8 @@ class Sampler:
             except Exception as e:  # a kernel that cannot be captured (e.g. a library syncing): decode eagerly
                 import warnings
 
-                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding without graphs")
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding without graphs",
+                              stacklevel=2)
                 torch.cuda.synchronize()
                 self.use_graphs = False
                 for k, v in backup.items():
@@ -408,8 +409,8 @@ class Sampler:
         t2 = time.perf_counter()
         out_mask = s["out_mask"][:, :steps].clone()
         comp = s["out_tok"][:, :steps].clone()
-        texts = self.tok.batch_decode([row[m].tolist() for row, m in zip(comp.cpu(), out_mask.cpu())],
-                                      skip_special_tokens=True)
+        rows = [row[m].tolist() for row, m in zip(comp.cpu(), out_mask.cpu(), strict=True)]
+        texts = self.tok.batch_decode(rows, skip_special_tokens=True)
         n_tok = int(out_mask.sum())
         stats = dict(prefill_s=t1 - t0, decode_s=t2 - t1, rollout_s=t2 - t0, generated_tokens=n_tok,
                      decode_steps=steps, prompts_truncated=cut, rows=N, graphs=len(s["graphs"]))

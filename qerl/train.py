@@ -24,7 +24,6 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -154,7 +153,7 @@ def adapters_disabled(policy):
             m.scaling = 0.0
         yield
     finally:
-        for m, s in zip(mods, saved):
+        for m, s in zip(mods, saved, strict=True):
             m.scaling = s
 
 

@@ -26,7 +26,7 @@ ARTIFACTS = {  # module -> (row function names, artifact names)
 def test_every_row_composes(module, scale):
     mod = importlib.import_module(f"experiments.{module}")
     fns, arts = ARTIFACTS[module]
-    for fn, art in zip(fns, arts):
+    for fn, art in zip(fns, arts, strict=True):
         rows = getattr(mod, fn)(scale)
         assert rows and len({r.key for r in rows}) == len(rows), "row keys must be unique"
         for row in rows:

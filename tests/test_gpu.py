@@ -49,5 +49,5 @@ def test_gpu_training_step_updates_lora_only(fmt):
     ids = torch.randint(0, 700, (4, 64), device="cuda")
     policy(input_ids=ids, labels=ids).loss.backward()
     torch.optim.AdamW(params, lr=1e-3, weight_decay=0).step()
-    assert all(not torch.equal(a, p) for a, p in zip(old, params))
+    assert all(not torch.equal(a, p) for a, p in zip(old, params, strict=True))
     assert all(torch.equal(before[k], v) for k, v in packed_state(policy).items())

@@ -152,7 +152,11 @@ def test_compressed_tensors_written_checkpoint_gives_its_decompressed_logits(tmp
     ct = pytest.importorskip("test_quant_checkpoint")
     model = ct.tiny_model()
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
 
     qcfg = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("NVFP4A16", ["Linear"])},
                               ignore=["lm_head"])

@@ -52,7 +52,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     a = read_jsonl(tmp_path / "resume" / "ref" / "metrics.jsonl")
     b = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 11))  # no gap, no duplicate
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         for k in SAME:
             assert ra.get(k) == rb.get(k), (ra["step"], k, ra.get(k), rb.get(k))
     sa = json.loads((tmp_path / "resume" / "ref" / "summary.json").read_text())
