@@ -235,14 +235,15 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             from qerl.evaluate import evaluate_policy
 
-            writer.log_eval(step, evaluate_policy(policy, tok, cfg, sampler=sampler))
+            sampler.release()  # evaluation builds its own sampler (eval prompts may be longer than training's)
+            writer.log_eval(step, evaluate_policy(policy, tok, cfg))
     if bar is not None:
         bar.close()
     sampler.release()
 
     from qerl.evaluate import evaluate_policy
 
-    ev = evaluate_policy(policy, tok, cfg, sampler=sampler)
+    ev = evaluate_policy(policy, tok, cfg)
     if not cfg.full_finetune:
         save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
     summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device)
@@ -310,6 +311,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                    truncated_frac=ro.truncated.float().mean().item() if n_rows else 0.0,
                    sampling_entropy=algos.entropy_mean(ro.entropy, ro.completion_mask).item() if n_rows else 0.0,
                    rollout_tokens=gen_tokens, rollout_tokens_per_s=gen_tokens / max(roll_time, 1e-9),
+                   prompts_truncated=ro.stats.get("prompts_truncated", 0),
                    time_rollout_s=t_roll)
     if n_rows == 0 or mask.sum() == 0:  # nothing to learn from (every group uniform, or all truncated)
         metrics.update(skipped_update=1, time_step_s=time.perf_counter() - t0, peak_mem_gib=peak_memory_gib(device))
