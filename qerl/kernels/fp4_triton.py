@@ -167,7 +167,6 @@ def _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.co
     BF16) into the MMA operand layout. SC32: ``sc_ptr`` is the scale tensor viewed as int32 (KG % 4 == 0)
     and four scales come per load, wide enough for Triton to pipeline them with cp.async."""
     NG: tl.constexpr = BK // G
-    GB: tl.constexpr = G // 2
     gcol = k0 // G + tl.arange(0, NG)
     s_ptrs = sc_ptr + offs_n[:, None] * KG + gcol[None, :]
     if SC32:
@@ -178,21 +177,7 @@ def _load_tile(wq_ptr, sc_ptr, offs_n, k0, N, KH, KG, G: tl.constexpr, BK: tl.co
         else:
             sw = tl.load(sw_ptrs)  # (BN, NG/4) int32
         s4 = (sw[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # (BN, NG/4, 4)
-    if MODE == 1:
-        jb = k0 // 2 + tl.arange(0, NG)[:, None] * GB + tl.arange(0, GB)[None, :]  # (NG, GB) byte columns
-        w_ptrs = wq_ptr + offs_n[:, None, None] * KH + jb[None, :, :]
-        if MASKED:
-            b = tl.load(w_ptrs, mask=(offs_n < N)[:, None, None] & (jb < KH)[None, :, :], other=0)
-        else:
-            b = tl.load(w_ptrs)
-    else:
-        jb2 = k0 // 2 + tl.arange(0, BK // 2)
-        w_ptrs2 = wq_ptr + offs_n[:, None] * KH + jb2[None, :]
-        if MASKED:
-            b2 = tl.load(w_ptrs2, mask=(offs_n < N)[:, None] & (jb2 < KH)[None, :], other=0)
-        else:
-            b2 = tl.load(w_ptrs2)
-        b = tl.reshape(b2, (offs_n.shape[0], NG, GB))
+    b = _load_bytes(wq_ptr, offs_n, k0, N, KH, G, BK, MASKED, MODE)
     if SC32:
         s = tl.reshape(s4, (offs_n.shape[0], NG))
     elif MASKED:
