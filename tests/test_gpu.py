@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import perturb_lora_b
 
-from qerl.lora import LoraSpec, lora_modules, packed_state
+from qerl.lora import LoraSpec, packed_state
 from qerl.model import load_policy
 from qerl.rollout import Sampler
 from qerl.train import completion_logprobs
@@ -19,9 +20,7 @@ pytestmark = [pytest.mark.gpu,
 def test_graph_sampler_matches_teacher_forcing_on_gpu(fmt):
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
-    with torch.no_grad():
-        for m in lora_modules(policy).values():
-            m.lora_B.weight.normal_(0, 0.05)
+    perturb_lora_b(policy)  # the sampler and the update must use the adapter too
     s = Sampler(policy, tok, 128, cuda_graphs=True)
     ro = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=40, temperature=1.0, seed=1)
     assert s.use_graphs and ro.stats["decode_steps"] > 1
@@ -40,9 +39,7 @@ def test_graph_sampler_matches_teacher_forcing_on_gpu(fmt):
 def test_gpu_training_step_updates_lora_only(fmt):
     torch.manual_seed(0)
     policy, _ = load_policy("preset:tiny", fmt, LoraSpec(rank=8), device="cuda")
-    with torch.no_grad():
-        for m in lora_modules(policy).values():
-            m.lora_B.weight.normal_(0, 0.05)
+    perturb_lora_b(policy)  # the sampler and the update must use the adapter too
     before = {k: v.clone() for k, v in packed_state(policy).items()}
     params = [p for p in policy.parameters() if p.requires_grad]
     old = [p.detach().clone() for p in params]

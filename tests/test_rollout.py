@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import perturb_lora_b
 
-from qerl.lora import LoraSpec, lora_modules
+from qerl.lora import LoraSpec
 from qerl.model import load_policy
 from qerl.rollout import Rollout, Sampler, filter_logits, sample_from_logits
 from qerl.train import completion_logprobs
@@ -17,9 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def tiny():
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny", "nvfp4", LoraSpec(rank=4), device="cpu")
-    with torch.no_grad():
-        for m in lora_modules(policy).values():
-            m.lora_B.weight.normal_(0, 0.05)  # the sampler must use the adapter too
+    perturb_lora_b(policy)  # the sampler and the update must use the adapter too
     return policy, tok
 
 
@@ -27,9 +26,7 @@ def tiny():
 def test_sampler_logprobs_and_entropy_equal_teacher_forcing(fmt):
     torch.manual_seed(1)
     policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=4), train_norms=True, device="cpu")
-    with torch.no_grad():
-        for m in lora_modules(policy).values():
-            m.lora_B.weight.normal_(0, 0.05)
+    perturb_lora_b(policy)  # the sampler and the update must use the adapter too
     s = Sampler(policy, tok, 64)
     # prompts of different lengths: left padding, per-row positions, prefix shared by G = 3 samples
     ro = s.generate(["how many apples are there", "3 + 4", "a"], 3, max_new_tokens=12, temperature=0.9, seed=3)
