@@ -59,7 +59,7 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         with open(path) as f:
             old = list(csv.DictReader(f))
         keys = list(dict.fromkeys(list(old[0].keys()) + keys)) if old else keys
-    ident = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens")
+    ident = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode")
     new_ids = {tuple(str(r.get(k, "")) for k in ident) for r in rows}
     merged = [r for r in old if tuple(str(r.get(k, "")) for k in ident) not in new_ids] + rows
     buf = io.StringIO()
@@ -99,8 +99,12 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
 
 
 def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, device, repeats: int = 1,
-                  sink=None) -> list[dict]:
-    """Rollout throughput (Tables 5-9): B sequences x `new_tokens` tokens after a `prompt_len`-token prompt."""
+                  sink=None, decodes=("fused",)) -> list[dict]:
+    """Rollout throughput (Tables 5-9): B sequences x `new_tokens` tokens after a `prompt_len`-token prompt.
+    ``decodes``: the sampler's decode step, "fused" (``qerl.kernels.fused``) and/or "unfused", same policy."""
+    for d in decodes:
+        if d not in ("fused", "unfused"):
+            raise ValueError(f"unknown decode mode {d!r}; valid: ['fused', 'unfused']")
     rows = []
     for m in models:
         for f in formats:
@@ -116,7 +120,8 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                     continue
                 size = resident_weight_bytes(policy)
                 sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
-                for b in batches:
+                for b, dec in [(b, d) for b in batches for d in decodes]:
+                    sampler.fused = dec == "fused"
                     g = torch.Generator().manual_seed(b)
                     vocab = min(policy.config.vocab_size, 150_000)
                     prompts = [torch.randint(vocab // 10, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
@@ -134,7 +139,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                         tps, st = best
                         rows.append(dict(
                             bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(), lora_rank=r,
-                            batch_size=b, prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
+                            batch_size=b, decode="fused" if st.get("fused_decode") else "unfused", prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
                             decode_tokens_per_s=b * (st["decode_steps"] - 1) / max(st["decode_s"], 1e-9),
                             prefill_s=st["prefill_s"], rollout_s=st["rollout_s"], generated_tokens=st["generated_tokens"],
                             cuda_graphs=sampler.use_graphs, graphs=n_graphs, capture_s=capture_s,
@@ -143,9 +148,9 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                             status="ok", **_env()))
                     except torch.OutOfMemoryError as e:
                         rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
-                                         lora_rank=r, batch_size=b, status=f"OOM: {e}"[:200], **_env()))
+                                         lora_rank=r, batch_size=b, decode=dec, status=f"OOM: {e}"[:200], **_env()))
                     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
-                           if k in ("model", "method", "lora_rank", "batch_size", "tokens_per_s", "status",
+                           if k in ("model", "method", "lora_rank", "batch_size", "decode", "tokens_per_s", "status",
                                     "capture_s", "peak_mem_gb")}, flush=True)
                     if sink:
                         sink(rows[-1])
@@ -228,6 +233,7 @@ def main(argv=None) -> None:
     p.add_argument("--gc", default="both", choices=["on", "off", "both"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--decode", default="fused", help="rollout: fused,unfused (the sampler's decode step)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
     p.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],
@@ -256,7 +262,8 @@ def main(argv=None) -> None:
     if a.what == "memory":
         bench_memory(models, fmts, a.device, sink("memory.csv"))
     elif a.what == "rollout":
-        bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats, sink("rollout.csv"))
+        bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats, sink("rollout.csv"),
+                      tuple(a.decode.split(",")))
     else:
         gcs = {"on": [True], "off": [False], "both": [False, True]}[a.gc]
         bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs", sink("step.csv"))

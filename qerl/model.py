@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qerl.fastdecode import fuse_projection_storage
 from qerl.lora import (
     DEFAULT_TARGETS,
     LoraSpec,
@@ -313,6 +314,7 @@ def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec
         _fill_dense(model, src, device)
     else:
         _fill(model, src, fmt, ckpt_fmt, lora, targets, device, dtype, lora_dtype, quant_options)
+        fuse_projection_storage(model)  # q|k|v and gate|up packed side by side: one matmul each in decode
         finalize_trainable(model, train_norms)
     model.eval()
     model.qerl = dict(source=source, fmt=fmt, lora=None if lora is None or full_finetune else vars(lora).copy(),

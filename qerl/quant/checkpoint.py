@@ -217,7 +217,9 @@ def save_compressed(directory: str | os.PathLike, model_config_dict: Mapping, qu
         if name in tensors:
             raise ValueError(f"tensor {name!r} is both packed and dense")
         tensors[name] = t
-    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    # fresh CPU tensors: packed buffers may be views into one shared buffer (qerl.fastdecode), which
+    # safetensors refuses to write
+    tensors = {k: torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()) for k, t in tensors.items()}
     for old in list(directory.glob("model*.safetensors")) + list(directory.glob("model.safetensors.index.json")):
         old.unlink()
     _write_shards(directory, tensors, max_shard_bytes)

@@ -1,0 +1,274 @@
+"""Fused kernels for the sampler's decode step: everything of a decoder layer that is not a weight matmul.
+
+A decode step is memory- and launch-bound: unfused, one Qwen2 layer issues ~50 small kernels per token
+(RMSNorm as 4-5 elementwise kernels, bias adds, RoPE as 3 per tensor, cache writes, 7 for attention,
+SiLU and the product, residual adds), and under CUDA graphs each still costs a few µs. These four
+functions cover all of it in 5 launches per layer:
+
+* :func:`add_rms_norm`  ``h += delta`` (the residual) then ``x = RMSNorm(h)`` (HF Qwen2/Llama semantics);
+* :func:`rope_qkv`      bias, rotary embedding of q and k, and the K/V cache write of one token, from the
+                        fused ``[q | k | v]`` projection output;
+* :func:`decode_attention`  softmax(q Kᵀ·scale + bias) V over the first S cache slots, GQA, split over
+                        the keys (flash-decoding: partial max/sum/accumulator per split, then a combine);
+* :func:`silu_mul`      ``silu(gate) * up`` from the fused ``[gate | up]`` output.
+
+Each has a pure-torch reference (``*_ref``, used on CPU and as the tests' reference) with the same rounding
+points as the unfused modules (bf16 results rounded where the HF modules round them); the Triton versions
+run on CUDA, or anywhere under ``TRITON_INTERPRET=1``. Attention differs from the unfused matmul path in one
+place: the scores stay in fp32 (the unfused path rounds q·k to bf16 first).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the host
+    triton, tl, HAS_TRITON = None, None, False
+
+NEG = -1.0e30  # finite "minus infinity" for masked scores (an all-masked split stays NaN-free)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------ references
+
+def add_rms_norm_ref(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h + delta, RMSNorm(h + delta)·w) with HF's rounding: normalise in fp32, round to h's dtype, multiply
+    by the weight (fp32 master weights multiply in fp32 and round once). h, delta: (M, D); weight: (D,)."""
+    if delta is not None:
+        h = h + delta
+    x = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    y = weight * x if weight.dtype == h.dtype else (weight * x.float()).to(h.dtype)
+    return h, y
+
+
+def rope_qkv_ref(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, slot):
+    """Split the fused projection (M, (H+2Hkv)·d) into q, k, v, add the bias, rotate q and k
+    (x·cos + roll(x, d/2)·ssin, ssin = [−sin₁, sin₂]), write k and v into cache slot ``slot`` (1,) of
+    kc/vc (M, Hkv, S_max, d). Returns q (M, H, d)."""
+    if bias is not None:
+        qkv = qkv + bias
+    m = qkv.shape[0]
+    q, k, v = qkv.split((n_heads * head_dim, n_kv * head_dim, n_kv * head_dim), dim=-1)
+    c, s = cos[:, None, :], ssin[:, None, :]
+
+    def rot(x):
+        return torch.addcmul(x * c, torch.roll(x, head_dim // 2, dims=-1), s)
+
+    q = rot(q.reshape(m, n_heads, head_dim))
+    kc.index_copy_(2, slot, rot(k.reshape(m, n_kv, head_dim))[:, :, None])
+    vc.index_copy_(2, slot, v.reshape(m, n_kv, head_dim)[:, :, None])
+    return q
+
+
+def decode_attention_ref(q, kc, vc, bias, S: int, scale: float):
+    """softmax(q·Kᵀ·scale + bias) V over cache slots [0, S). q (M, H, d); kc, vc (M, Hkv, S_max, d);
+    bias (M, S_max) float32 (0 valid, −inf masked). Returns (M, H·d) in q's dtype."""
+    m, H, d = q.shape
+    hkv = kc.shape[1]
+    qg = q.view(m, hkv, H // hkv, d).float()
+    sc = torch.matmul(qg, kc[:, :, :S].float().transpose(-1, -2)) * scale + bias[:, None, None, :S]
+    p = sc.softmax(-1)
+    return torch.matmul(p.to(vc.dtype).float(), vc[:, :, :S].float()).to(q.dtype).reshape(m, H * d)
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from the fused (M, 2I) output, rounded like HF's MLP (silu result, then the product)."""
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+# ------------------------------------------------------------------------------------------ Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        msk = offs < D
+        h = tl.load(h_ptr + row * D + offs, mask=msk, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * D + offs, mask=msk, other=0.0)
+            h = (h.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * D + offs, h, mask=msk)
+        hf = h.to(tl.float32)
+        var = tl.sum(hf * hf, axis=0) / D
+        xn = (hf * (1.0 / tl.sqrt(var + eps))).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        tl.store(x_ptr + row * D + offs, (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=msk)
+
+    @triton.jit
+    def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX,
+                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
+        row = tl.program_id(0)
+        j = tl.program_id(1)  # head: [0, H) q, [H, H+HKV) k, [H+HKV, H+2HKV) v
+        offs = tl.arange(0, D)
+        NT: tl.constexpr = (H + 2 * HKV) * D
+        x = tl.load(qkv_ptr + row * NT + j * D + offs)
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + tl.load(b_ptr + j * D + offs).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
+        if j < H + HKV:
+            roll = (offs + D // 2) % D  # roll(x, d/2)[i] = x[(i - d/2) mod d] = x[(i + d/2) mod d]
+            xr = tl.load(qkv_ptr + row * NT + j * D + roll)
+            if HAS_BIAS:
+                xr = (xr.to(tl.float32) + tl.load(b_ptr + j * D + roll).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
+            c = tl.load(cos_ptr + row * D + offs).to(tl.float32)
+            s = tl.load(sin_ptr + row * D + offs).to(tl.float32)
+            t = (x.to(tl.float32) * c).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+            x = (t + xr.to(tl.float32) * s).to(qkv_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr)
+        if j < H:
+            tl.store(q_ptr + (row * H + j) * D + offs, x)
+        elif j < H + HKV:
+            tl.store(kc_ptr + ((row * HKV + (j - H)) * S_MAX + slot) * D + offs, x)
+        else:
+            tl.store(vc_ptr + ((row * HKV + (j - H - HKV)) * S_MAX + slot) * D + offs, x)
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
+                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BS: tl.constexpr, DOT_F32: tl.constexpr):
+        pid = tl.program_id(0)  # row * HKV + kv head
+        sp = tl.program_id(1)  # split of the keys
+        row = pid // HKV
+        gi = tl.arange(0, GP)
+        dm = tl.arange(0, D)
+        gmask = gi < G
+        q = tl.load(q_ptr + (pid * G + gi)[:, None] * D + dm[None, :], mask=gmask[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m_i = tl.full([GP], NEG, tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        start = sp * CHUNK
+        stop = tl.minimum(start + CHUNK, S)
+        base = pid.to(tl.int64) * S_MAX
+        for s0 in range(start, stop, BS):
+            offs = s0 + tl.arange(0, BS)
+            smask = offs < stop
+            kb = tl.load(k_ptr + (base + offs)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
+            vb = tl.load(v_ptr + (base + offs)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
+            if DOT_F32:
+                kb = kb.to(tl.float32)
+                vb = vb.to(tl.float32)
+            bias = tl.load(b_ptr + row * S_MAX + offs, mask=smask, other=NEG)
+            sc = tl.dot(q, tl.trans(kb)) * scale + bias[None, :]  # (GP, BS) fp32
+            sc = tl.maximum(sc, NEG)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if DOT_F32:
+                pv = tl.dot(p.to(v_ptr.dtype.element_ty).to(tl.float32), vb)
+            else:
+                pv = tl.dot(p.to(v_ptr.dtype.element_ty), vb)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = (pid * G + gi) * NSPLIT + sp  # (row, head, split)
+        tl.store(m_ptr + out, m_i, mask=gmask)
+        tl.store(l_ptr + out, l_i, mask=gmask)
+        tl.store(acc_ptr + out[:, None] * D + dm[None, :], acc, mask=gmask[:, None])
+
+    @triton.jit
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr):
+        rh = tl.program_id(0)  # row * H + head
+        sp = tl.arange(0, SP)
+        smask = sp < NSPLIT
+        dm = tl.arange(0, D)
+        m = tl.load(m_ptr + rh * NSPLIT + sp, mask=smask, other=NEG)
+        l_ = tl.load(l_ptr + rh * NSPLIT + sp, mask=smask, other=0.0)
+        a = tl.load(acc_ptr + (rh * NSPLIT + sp)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))
+        w = tl.where(smask, w, 0.0)
+        o = tl.sum(a * w[:, None], axis=0) / tl.sum(l_ * w, axis=0)
+        tl.store(o_ptr + rh * D + dm, o.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, o_ptr, NI, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        msk = offs < NI
+        g = tl.load(gu_ptr + row * 2 * NI + offs, mask=msk, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * NI + NI + offs, mask=msk, other=0.0)
+        a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(o_ptr + row * NI + offs, (a * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=msk)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``h += delta`` (in place) and ``RMSNorm(h)·w``. h, delta: (M, D) contiguous. Returns (h, x)."""
+    if not _use_triton(h):
+        return add_rms_norm_ref(h, delta, weight, eps)
+    m, d = h.shape
+    x = torch.empty_like(h)
+    _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d, float(eps),
+                               HAS_DELTA=delta is not None, BLOCK=_pow2(d), num_warps=4 if d <= 4096 else 8)
+    return h, x
+
+
+def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, slot):
+    """Bias + RoPE of the fused q|k|v output (M, (H+2Hkv)·d); k and v go into cache slot ``slot`` of
+    kc/vc (M, Hkv, S_max, d); returns q (M, H, d). cos/ssin: (M, d)."""
+    if not _use_triton(qkv):
+        return rope_qkv_ref(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
+    m = qkv.shape[0]
+    q = torch.empty((m, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_qkv_kernel[(m, n_heads + 2 * n_kv)](
+        qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), q, kc, vc, slot, kc.shape[2],
+        H=n_heads, HKV=n_kv, D=head_dim, HAS_BIAS=bias is not None, num_warps=1)
+    return q
+
+
+def attention_splits(rows: int, S: int, block: int = 64, target_programs: int = 264) -> tuple[int, int]:
+    """(number of key splits, keys per split): enough programs (rows = M·Hkv of them per split) to fill
+    about two waves of an H100's 132 SMs, each split a whole number of ``block``-key tiles."""
+    tiles = -(-S // block)
+    nsplit = max(1, min(tiles, -(-target_programs // max(rows, 1))))
+    chunk = -(-tiles // nsplit) * block
+    return -(-S // chunk), chunk
+
+
+def decode_attention(q, kc, vc, bias, S: int, scale: float):
+    """Attention of one new token per row over cache slots [0, S): q (M, H, d), kc/vc (M, Hkv, S_max, d),
+    bias (M, S_max) fp32 additive mask. Returns (M, H·d)."""
+    if not _use_triton(q):
+        return decode_attention_ref(q, kc, vc, bias, S, scale)
+    m, H, d = q.shape
+    hkv, s_max = kc.shape[1], kc.shape[2]
+    g = H // hkv
+    nsplit, chunk = attention_splits(m * hkv, S)
+    part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
+    mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
+                                          float(scale), HKV=hkv, G=g, GP=max(16, _pow2(g)), D=d, BS=64,
+                                          DOT_F32=interp, num_warps=4)
+    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
+    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, _pow2(nsplit)), num_warps=4)
+    return o
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up from the fused (M, 2I) gate|up output. Returns (M, I)."""
+    if not _use_triton(gu):
+        return silu_mul_ref(gu)
+    m, i2 = gu.shape
+    i = i2 // 2
+    out = torch.empty((m, i), dtype=gu.dtype, device=gu.device)
+    block = 1024
+    _silu_mul_kernel[(m, -(-i // block))](gu, out, i, BLOCK=block, num_warps=4)
+    return out

@@ -1,0 +1,286 @@
+"""The fused decode step: its kernels (``qerl.kernels.fused``) against independent references and under the
+Triton interpreter, the fused projection storage (``qerl.fastdecode``), and the sampler with ``fused=True``
+against teacher forcing. ``-m gpu``: the Triton kernels on CUDA in bf16."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import perturb_lora_b
+
+from qerl.fastdecode import FusedLinear, build_decode_plan, concat_rows, fuse_projection_storage
+from qerl.kernels import fused as fk
+from qerl.lora import LoraSpec, lora_inference_cache, swap_linears
+from qerl.model import load_policy
+from qerl.rollout import Sampler
+from qerl.train import completion_logprobs
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+BF = torch.bfloat16
+
+
+def _naive_attention(q, kc, vc, bias, S, scale):
+    """float64 loop over heads: softmax(q·k·scale + bias)·v with GQA head h -> kv head h // (H/Hkv)."""
+    m, H, d = q.shape
+    g = H // kc.shape[1]
+    out = torch.zeros(m, H, d, dtype=torch.float64)
+    for r in range(m):
+        for h in range(H):
+            k, v = kc[r, h // g, :S].double(), vc[r, h // g, :S].double()
+            p = torch.softmax(k @ q[r, h].double() * scale + bias[r, :S].double(), 0)
+            out[r, h] = p @ v
+    return out.reshape(m, H * d)
+
+
+# ------------------------------------------------------------------------------------------ references (CPU)
+
+def test_add_rms_norm_ref_matches_hf_qwen2_rmsnorm():
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = Qwen2RMSNorm(96, eps=1e-6).to(BF)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    h, d = torch.randn(4, 96, generator=g).to(BF), torch.randn(4, 96, generator=g).to(BF)
+    h2, x = fk.add_rms_norm_ref(h.clone(), d, norm.weight, 1e-6)
+    assert torch.equal(h2, h + d) and torch.equal(x, norm(h + d))
+
+
+def test_rope_ref_matches_hf_rotate_half():
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(1)
+    m, H, hkv, d = 3, 4, 2, 16
+    qkv = torch.randn(m, (H + 2 * hkv) * d, generator=g, dtype=torch.float64)
+    ang = torch.rand(m, d // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    ssin = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
+    kc, vc = torch.zeros(m, hkv, 7, d, dtype=torch.float64), torch.zeros(m, hkv, 7, d, dtype=torch.float64)
+    q = fk.rope_qkv_ref(qkv, None, cos, ssin, H, hkv, d, kc, vc, torch.tensor([5]))
+    qh, kh, vh = qkv.split((H * d, hkv * d, hkv * d), -1)
+    q_ref, k_ref = apply_rotary_pos_emb(qh.view(m, 1, H, d).transpose(1, 2), kh.view(m, 1, hkv, d).transpose(1, 2),
+                                        cos[:, None], sin[:, None])
+    torch.testing.assert_close(q, q_ref[:, :, 0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(kc[:, :, 5], k_ref[:, :, 0], rtol=0, atol=1e-12)
+    assert torch.equal(vc[:, :, 5], vh.view(m, hkv, d)) and not kc[:, :, :5].any() and not vc[:, :, 6].any()
+
+
+def test_attention_and_silu_refs_match_naive():
+    g = torch.Generator().manual_seed(2)
+    m, H, hkv, d, smax = 2, 6, 2, 8, 40
+    q = torch.randn(m, H, d, generator=g)
+    kc, vc = torch.randn(m, hkv, smax, d, generator=g), torch.randn(m, hkv, smax, d, generator=g)
+    bias = torch.zeros(m, smax)
+    bias[0, 3:9] = -math.inf
+    out = fk.decode_attention_ref(q, kc, vc, bias, 30, 0.3)
+    torch.testing.assert_close(out.double(), _naive_attention(q, kc, vc, bias, 30, 0.3), rtol=1e-5, atol=1e-6)
+    gu = torch.randn(3, 20, generator=g)
+    torch.testing.assert_close(fk.silu_mul_ref(gu), gu[:, :10] * torch.sigmoid(gu[:, :10]) * gu[:, 10:])
+
+
+def test_attention_splits_cover_the_keys():
+    for rows, S in ((32, 1), (32, 300), (2, 2304), (512, 4096), (8, 64)):
+        n, chunk = fk.attention_splits(rows, S)
+        assert chunk % 64 == 0 and (n - 1) * chunk < S <= n * chunk, (rows, S, n, chunk)
+        assert rows * n >= min(264, rows * -(-S // 64)) or n == -(-S // chunk)
+
+
+# ------------------------------------------------------------------------------------------ Triton interpreter
+
+def _interpreter_main() -> None:
+    """Subprocess with TRITON_INTERPRET=1: every fused kernel vs its reference on CPU tensors (float32, where
+    the interpreter's arithmetic is exact to rounding; it truncates bf16 conversions, so bf16 is checked on
+    the GPU)."""
+    from test_kernels import _interp_shim
+
+    _interp_shim()
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    f32 = torch.float32
+    for D in (96, 64):
+        h, d, w = torch.randn(5, D, generator=g), torch.randn(5, D, generator=g), 1 + torch.randn(D, generator=g)
+        for delta in (d, None):
+            h1, x1 = fk.add_rms_norm_ref(h.clone(), delta, w, 1e-6)
+            h2, x2 = fk.add_rms_norm(h.clone(), delta, w, 1e-6)
+            assert torch.equal(h1, h2)
+            torch.testing.assert_close(x2, x1, rtol=1e-6, atol=1e-6)
+    H, hkv, d, m = 4, 2, 16, 3
+    qkv, b = torch.randn(m, (H + 2 * hkv) * d, generator=g), torch.randn((H + 2 * hkv) * d, generator=g)
+    cos, ssin = torch.randn(m, d, generator=g), torch.randn(m, d, generator=g)
+    for bias in (b, None):
+        caches = [torch.full((m, hkv, 9, d), 7.0, dtype=f32) for _ in range(4)]
+        q1 = fk.rope_qkv_ref(qkv, bias, cos, ssin, H, hkv, d, caches[0], caches[1], torch.tensor([6]))
+        q2 = fk.rope_qkv(qkv, bias, cos, ssin, H, hkv, d, caches[2], caches[3], torch.tensor([6]))
+        torch.testing.assert_close(q2, q1, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(caches[2], caches[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(caches[3], caches[1])
+    m, H, hkv, d, smax = 3, 6, 2, 32, 300
+    q = torch.randn(m, H, d, generator=g)
+    kc, vc = torch.randn(m, hkv, smax, d, generator=g), torch.randn(m, hkv, smax, d, generator=g)
+    bias = torch.zeros(m, smax)
+    bias[0, 1:50] = -math.inf    # a whole leading split masked for row 0 (left padding)
+    bias[1, 100:] = -math.inf
+    bias[2, 130:200] = -math.inf
+    for S in (1, 70, 257, 300):
+        ref = _naive_attention(q, kc, vc, bias, S, 0.17)
+        torch.testing.assert_close(fk.decode_attention(q, kc, vc, bias, S, 0.17).double(), ref, rtol=1e-5, atol=1e-5)
+    gu = torch.randn(4, 2 * 1500, generator=g)
+    torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
+    print("FUSED-INTERPRETER-OK")
+
+
+def test_fused_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "FUSED-INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+# ------------------------------------------------------------------------------------------ fused storage
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4"])
+def test_load_policy_fuses_storage_and_fused_linear_equals_members(fmt):
+    torch.manual_seed(0)
+    policy, _ = load_policy("preset:tiny", fmt, LoraSpec(rank=4), device="cpu")
+    perturb_lora_b(policy)
+    a = policy.model.layers[1].self_attn
+    mods = [a.q_proj, a.k_proj, a.v_proj]
+    for name in mods[0]._qnames:
+        whole = concat_rows([getattr(m, name) for m in mods])
+        if getattr(mods[0], name).shape[0] == mods[0].out_features:  # stacked by rows, one storage
+            assert whole is not None and whole.shape[0] == sum(m.out_features for m in mods)
+            part = whole[mods[0].out_features:][:mods[1].out_features]
+            assert torch.equal(part.view(torch.uint8), getattr(mods[1], name).view(torch.uint8))
+    plan = build_decode_plan(policy)
+    assert plan is not None and all(e["qkv"].concatenated and e["gate_up"].concatenated for e in plan)
+    x = torch.randn(5, mods[0].in_features)
+    with torch.no_grad(), lora_inference_cache(policy, torch.float32):
+        for key in ("qkv", "gate_up"):
+            f = plan[1][key]
+            f.refresh(torch.float32)
+            y = f(x)
+            if f.pending_bias is not None:
+                y = y + f.pending_bias
+            ref = torch.cat([m(x) for m in f.mods], -1)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+            assert (f.Bt != 0).sum() == sum((m.lora_B.weight != 0).sum() for m in f.mods)  # block diagonal
+    # replacing a member's buffer makes the plan stale and the group no longer concatenable
+    mods[1]._buffers[mods[1]._qnames[0]] = getattr(mods[1], mods[1]._qnames[0]).clone()
+    assert plan[1]["qkv"].stale() and not FusedLinear(mods, defer_bias=True).concatenated
+
+
+def test_unfusable_groups_fall_back_to_member_calls():
+    torch.manual_seed(0)
+    policy, _ = load_policy("preset:tiny", "nf4", LoraSpec(rank=4), device="cpu")  # per-tensor bnb states
+    perturb_lora_b(policy)
+    plan = build_decode_plan(policy)
+    f = plan[0]["qkv"]
+    assert not f.concatenated and f.pending_bias is None
+    x = torch.randn(3, f.mods[0].in_features)
+    with torch.no_grad(), lora_inference_cache(policy, torch.float32):
+        f.refresh(torch.float32)
+        torch.testing.assert_close(f(x), torch.cat([m(x) for m in f.mods], -1))
+    # NVFP4 quantized per linear (swap_linears): different global scales, so no shared storage
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    m = swap_linears(Qwen2ForCausalLM(cfg), "nvfp4", LoraSpec(rank=2))
+    assert fuse_projection_storage(m) == 0 or torch.equal(m.model.layers[0].self_attn.q_proj.weight_global_scale,
+                                                          m.model.layers[0].self_attn.k_proj.weight_global_scale)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nf4", "mxfp4", "nvfp4"])
+def test_fused_sampler_matches_teacher_forcing(fmt):
+    torch.manual_seed(1)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=4), train_norms=True, device="cpu")
+    perturb_lora_b(policy)
+    s = Sampler(policy, tok, 64, fused=True)
+    ro = s.generate(["how many apples are there", "3 + 4", "a"], 3, max_new_tokens=12, temperature=0.9, seed=3)
+    assert ro.stats["fused_decode"]
+    with torch.no_grad():
+        lp, ent = completion_logprobs(policy, ro, slice(0, 9), 0.9, True)
+    m = ro.completion_mask
+    assert m.any()
+    torch.testing.assert_close(lp[m], ro.logp[m], rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent[m], ro.entropy[m], rtol=0, atol=2e-5)
+    # a hooked norm (AQN per_forward) turns the fused step off
+    hook = policy.model.layers[0].input_layernorm.register_forward_pre_hook(lambda mod, args: None)
+    try:
+        assert not s.generate(["a"], 2, max_new_tokens=3, seed=0).stats["fused_decode"]
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match="fused must be one of"):
+        Sampler(policy, tok, 64, fused="yes")
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_kernels_bf16():
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda")
+
+    for D, wdt in ((3584, BF), (5120, torch.float32), (64, BF)):
+        h, d, w = rn(8, D).to(BF), rn(8, D).to(BF), (1 + 0.1 * rn(D)).to(wdt)
+        h1, x1 = fk.add_rms_norm_ref(h.clone(), d, w, 1e-6)
+        h2, x2 = fk.add_rms_norm(h.clone(), d, w, 1e-6)
+        assert torch.equal(h1, h2)
+        assert (x1 != x2).float().mean() < 0.01 and (x1.float() - x2.float()).abs().max() <= 2 ** -6 * x1.abs().max()
+    for H, hkv, d in ((28, 4, 128), (40, 8, 128), (4, 2, 16)):
+        qkv, b = rn(8, (H + 2 * hkv) * d).to(BF), rn((H + 2 * hkv) * d).to(BF)
+        cos, ssin = rn(8, d).to(BF), rn(8, d).to(BF)
+        caches = [torch.zeros(8, hkv, 300, d, dtype=BF, device="cuda") for _ in range(4)]
+        slot = torch.tensor([257], device="cuda")
+        q1 = fk.rope_qkv_ref(qkv, b, cos, ssin, H, hkv, d, caches[0], caches[1], slot)
+        q2 = fk.rope_qkv(qkv, b, cos, ssin, H, hkv, d, caches[2], caches[3], slot)
+        for a1, a2 in ((q1, q2), (caches[0], caches[2]), (caches[1], caches[3])):
+            assert (a1 != a2).float().mean() < 0.01 and (a1.float() - a2.float()).abs().max() < 0.05
+        for S in (1, 64, 257, 300):
+            kc, vc = rn(8, hkv, 300, d).to(BF), rn(8, hkv, 300, d).to(BF)
+            bias = torch.zeros(8, 300, device="cuda")
+            bias[:4, 1:40] = -math.inf
+            o = fk.decode_attention(q2, kc, vc, bias, S, d ** -0.5)
+            ref = _naive_attention(q2.cpu(), kc.cpu(), vc.cpu(), bias.cpu(), S, d ** -0.5)
+            assert (o.double().cpu() - ref).abs().max() < 0.03, (H, S)
+    gu = rn(8, 2 * 18944).to(BF)
+    a1, a2 = fk.silu_mul_ref(gu), fk.silu_mul(gu)
+    assert (a1 != a2).float().mean() < 0.01 and (a1.float() - a2.float()).abs().max() <= 2 ** -7 * a1.abs().max()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "nf4", "mxfp4", "nvfp4"])
+def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt):
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    stats = {}
+    for fused in (True, False):
+        s = Sampler(policy, tok, 128, cuda_graphs=True, fused=fused)
+        ro = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=300, temperature=1.0, seed=1)
+        assert ro.stats["fused_decode"] is fused and s.use_graphs
+        with torch.no_grad():
+            lp, _ = completion_logprobs(policy, ro, slice(0, 12), 1.0, True)
+        m = ro.completion_mask
+        stats[fused] = float((lp[m] - ro.logp[m]).abs().mean())
+    # bf16 activations: both decode steps agree with the HF forward to bf16 noise (300 tokens: 2 KV buckets)
+    assert stats[True] < 0.02 and stats[False] < 0.02, stats
+
+
+if __name__ == "__main__":
+    _interpreter_main()
