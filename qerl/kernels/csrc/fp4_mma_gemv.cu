@@ -1,0 +1,313 @@
+// W4A16 decode GEMV for NVFP4 / MXFP4 weights on tensor cores (mma.sync m16n8k16, bf16 in, fp32 acc).
+//
+// out (M, N) = x (M, K) @ W^T for M <= 16. W is re-laid out once by qerl/kernels/cuda_fp4.py (prepare) so that
+// one 128-bit load per lane and K chunk of 64 is that lane's A fragments for four MMAs:
+//   weight rows = the MMA's M (a strip of 16 rows per warp), x rows (tokens) = the MMA's N (one n8 tile, or two
+//   for M > 8), K chunk c of 64: lane (g = lane/4, t = lane%4) holds rows g and g+8, k = 64c + 16t + 0..15, so its
+//   x operand is 16 contiguous bf16 of one token row (two 128-bit loads). MMA step j (0..3) of the chunk uses
+//   k = 64c + 16t + 4j + {0,1} (A regs 0/1, B reg 0) and + {2,3} (A regs 2/3, B reg 1); the sum over K is
+//   order-free, so this permutation of K inside the chunk changes nothing but the accumulation order.
+// Word j of the lane's 16 bytes holds the 8 nibbles of MMA step j, placed so that each A register is
+//   reg0 = w & MASK, reg1 = rotr(w, 3) & MASK, reg2 = rotr(w, 6) & MASK,
+//   reg3 = ((w & 0x001B001B) * (2^3 + 2^8 + 2^14)) & MASK       (three disjoint shifted copies, no carries)
+// with MASK = 0x81C081C0: in each bf16 half the nibble's sign at bit 15 and its magnitude (e1 e0 m) at bits 8..6,
+// i.e. the bf16 value e2m1 * 2^-126 (the 0.5 code is a bf16 subnormal, which bf16 arithmetic keeps). One
+// mul.bf16x2 per register by the group's scale word (scale * 2^B as bf16, both halves) gives e2m1 * s * 2^(B-126),
+// exact; the fp32 accumulator is multiplied by 2^(126-B) (and 1/g for NVFP4) at the end.
+// Scale words: NVFP4 E4M3 through the exact hardware E4M3->FP16 conversion, exponent moved by 112 + B (B = 119:
+// 448 * 2^119 < bf16 max); zero scales are remapped at prepare time (codes zeroed, scale 1). MXFP4 E8M0 e gives
+// the bf16 exponent field e + B, B chosen per tensor at prepare time (exactness window e + B in [128, 254]).
+//
+// Split-K inside the CTA: each strip is worked on by `splits` warps (contiguous K ranges), partial sums are
+// reduced through shared memory, so one launch, no workspace, no atomics: CUDA-graph capturable.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace qfp4 {
+
+constexpr uint32_t kMask = 0x81C081C0u;
+constexpr uint32_t kRest = 0x001B001Bu;
+constexpr uint32_t kSpread = (1u << 3) + (1u << 8) + (1u << 14);
+// Warps per CTA at most: 16 with U = 4 (<= 128 registers), 8 with U = 8 (<= 255 registers).
+template <int U>
+constexpr int max_warps() { return U == 8 ? 8 : 16; }
+
+__device__ __forceinline__ uint32_t rotr(uint32_t w, int s) { return __funnelshift_r(w, w, s); }
+
+__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Weights: streamed once, keep them out of L1 (x lives there).
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_stream_u16(const uint16_t* p) {
+  unsigned short r;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// Scale words of rows g (sg) and g+8 (sg8), both halves equal, from the lane's 16-bit scale pair.
+template <int FMT>
+__device__ __forceinline__ void scale_words(uint32_t s16, uint32_t bword, uint32_t& sg, uint32_t& sg8) {
+  if constexpr (FMT == 0) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(s16), __NV_E4M3);
+    const uint32_t h2 = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+    uint32_t t = ((h2 >> 3) & 0x0FFF0FFFu) + bword;  // exponent 15-biased -> 127-biased + B
+    t |= h2 & 0x80008000u;
+    sg = __byte_perm(t, 0u, 0x1010);
+    sg8 = __byte_perm(t, 0u, 0x3232);
+  } else {
+    sg = __byte_perm(s16, 0u, 0x4040) * 128u + bword;
+    sg8 = __byte_perm(s16, 0u, 0x4141) * 128u + bword;
+  }
+}
+
+template <int NT>
+struct XFrag {
+  uint32_t r[NT][8];
+};
+
+// x fragment of the chunk at p (16 bf16 of token g, and of token g+8 for NT = 2); rows >= M keep stale values,
+// which only reach output columns that are never stored.
+template <int NT>
+__device__ __forceinline__ void load_x(XFrag<NT>& f, const __nv_bfloat16* p, int ldx8, bool v0, bool v1) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if (nt == 0 ? v0 : v1) {
+      const uint4 a = ld_x(p + nt * ldx8), b = ld_x(p + nt * ldx8 + 8);
+      f.r[nt][0] = a.x; f.r[nt][1] = a.y; f.r[nt][2] = a.z; f.r[nt][3] = a.w;
+      f.r[nt][4] = b.x; f.r[nt][5] = b.y; f.r[nt][6] = b.z; f.r[nt][7] = b.w;
+    }
+  }
+}
+
+template <int FMT, int NT>
+__device__ __forceinline__ void chunk_mma(float (&acc)[2][NT][4], const uint4& w, uint32_t s16, uint32_t bword,
+                                          const XFrag<NT>& xf) {
+  uint32_t sg, sg8;
+  scale_words<FMT>(s16, bword, sg, sg8);
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t v = ws[j];
+    const uint32_t a0 = bmul2(v & kMask, sg);
+    const uint32_t a1 = bmul2(rotr(v, 3) & kMask, sg8);
+    const uint32_t a2 = bmul2(rotr(v, 6) & kMask, sg);
+    const uint32_t a3 = bmul2(((v & kRest) * kSpread) & kMask, sg8);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma_bf16(acc[j & 1][nt], a0, a1, a2, a3, xf.r[nt][2 * j], xf.r[nt][2 * j + 1]);
+  }
+}
+
+// grid: ceil(S / R) CTAs of R * splits warps; warp w works on strip blockIdx.x * R + w / splits, K chunks
+// [split * C / splits, (split + 1) * C / splits).
+template <int FMT, int NT, int U>
+__global__ void __launch_bounds__(max_warps<U>() * 32)
+fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
+                int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
+                uint32_t bword, int M, int S, int C, int splits, int R) {
+  extern __shared__ float red[];  // (warps, 16 rows, 8 * NT tokens), only when splits > 1
+  constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int strip = blockIdx.x * R + warp / splits, split = warp % splits;
+  const bool active = strip < S;
+  const int c0 = split * C / splits;  // C * splits < 2^31 (checked by the caller)
+  const int c1 = (split + 1) * C / splits;
+
+  float acc[2][NT][4];  // two accumulator sets (even / odd MMA steps): half the HMMA dependency chain
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+
+  if (active && c0 < c1) {
+    // Pointers advance one batch of U chunks at a time; inside a batch the offsets are compile-time constants.
+    const uint4* wq = qw + ((size_t)strip * C + c0) * 32 + lane;
+    const uint16_t* sq = sc + ((size_t)strip * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
+    const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
+    const int ldx8 = 8 * ldx;
+    const bool xv0 = g < M, xv1 = g + 8 < M;
+    const int nch = c1 - c0;
+    uint4 wa[U], wb[U];
+    uint32_t sa[U], sb[U];
+    XFrag<NT> xf[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xf[i].r[nt][e] = 0u;
+
+    // Loads of the batch at chunk offset `done` (n valid chunks, warp-uniform).
+    auto load_batch = [&](uint4 (&w)[U], uint32_t (&s)[U], int n) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u < n) {
+          w[u] = ld_stream(wq + u * 32);
+          s[u] = ld_stream_u16(sq + u * SL);
+        }
+      }
+    };
+    // Chunk u uses x fragment (u & 1) and prefetches chunk u + 1's (possibly the next batch's first) into the
+    // other one; U is even, so parities carry over between batches.
+    auto compute_batch = [&](const uint4 (&w)[U], const uint32_t (&s)[U], int n, int left) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (u < n) {
+          if (u + 1 < left) load_x<NT>(xf[(u + 1) & 1], xq + 64 * (u + 1), ldx8, xv0, xv1);
+          chunk_mma<FMT, NT>(acc, w[u], s[u], bword, xf[u & 1]);
+        }
+      }
+    };
+
+    load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
+    int left = nch;  // chunks not yet computed
+    load_batch(wa, sa, left);
+    while (true) {
+      wq += U * 32;
+      sq += U * SL;
+      load_batch(wb, sb, left - U);
+      compute_batch(wa, sa, left, left);
+      xq += 64 * U;
+      left -= U;
+      if (left <= 0) break;
+      wq += U * 32;
+      sq += U * SL;
+      load_batch(wa, sa, left - U);
+      compute_batch(wb, sb, left, left);
+      xq += 64 * U;
+      left -= U;
+      if (left <= 0) break;
+    }
+  }
+
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][nt][e] += acc[1][nt][e];
+  float mult = out_mult;
+  if (FMT == 0) mult = out_mult / __ldg(gs);
+  const int n0 = strip * 16;
+  if (splits == 1) {
+    if (active) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int tok = nt * 8 + 2 * t;
+        if (tok < M) {
+          out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[0][nt][0] * mult);
+          out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[0][nt][2] * mult);
+        }
+        if (tok + 1 < M) {
+          out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[0][nt][1] * mult);
+          out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[0][nt][3] * mult);
+        }
+      }
+    }
+    return;
+  }
+  constexpr int TOK = 8 * NT;
+  float* r = red + warp * 16 * TOK;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + 2 * t;
+    r[g * TOK + tok] = acc[0][nt][0];
+    r[g * TOK + tok + 1] = acc[0][nt][1];
+    r[(g + 8) * TOK + tok] = acc[0][nt][2];
+    r[(g + 8) * TOK + tok + 1] = acc[0][nt][3];
+  }
+  __syncthreads();
+  const int per_strip = 16 * M;
+  for (int i = threadIdx.x; i < R * per_strip; i += blockDim.x) {
+    const int ls = i / per_strip, rem = i - ls * per_strip;
+    const int tok = rem >> 4, row = rem & 15;
+    const int st = blockIdx.x * R + ls;
+    if (st >= S) continue;
+    float v = 0.f;
+    for (int sp = 0; sp < splits; ++sp) v += red[((ls * splits + sp) * 16 + row) * TOK + tok];
+    out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult);
+  }
+}
+
+template <int FMT, int NT, int U>
+const void* kernel_ptr() {
+  return reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U>);
+}
+
+const void* pick(int fmt, int nt, int unroll) {
+#define QFP4_CASE(F, T, UU) \
+  if (fmt == F && nt == T && unroll == UU) return kernel_ptr<F, T, UU>();
+  QFP4_CASE(0, 1, 4) QFP4_CASE(0, 1, 8) QFP4_CASE(0, 2, 4) QFP4_CASE(0, 2, 8)
+  QFP4_CASE(1, 1, 4) QFP4_CASE(1, 1, 8) QFP4_CASE(1, 2, 4) QFP4_CASE(1, 2, 8)
+#undef QFP4_CASE
+  return nullptr;
+}
+
+size_t smem_bytes(int nt, int warps, int splits) { return splits > 1 ? (size_t)warps * 16 * 8 * nt * 4 : 0; }
+
+}  // namespace qfp4
+
+// C entry points for the torch binding (cuda_fp4.py): plain pointers, the caller checks shapes.
+// Return a cudaError_t (0 = success); -1 = unsupported variant / configuration.
+
+// out (M, N) <- x (M, K) @ W^T; qw (S, C, 32) uint4, sc (S, C, 32 | 16) uint16, gs (1,) f32 (nvfp4 only).
+extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
+                         const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits,
+                         int strips_per_cta, int unroll, void* stream) {
+  const int nt = M > 8 ? 2 : 1;
+  const void* fn = qfp4::pick(fmt, nt, unroll);
+  const int warps = splits * strips_per_cta;
+  const int cap = unroll == 8 ? qfp4::max_warps<8>() : qfp4::max_warps<4>();
+  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > cap) return -1;
+  const dim3 grid((unsigned)((S + strips_per_cta - 1) / strips_per_cta)), block((unsigned)(warps * 32));
+  const size_t smem = qfp4::smem_bytes(nt, warps, splits);
+  void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
+                  (void*)&strips_per_cta};
+  return (int)cudaLaunchKernel(fn, grid, block, args, smem, (cudaStream_t)stream);
+}
+
+// Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant).
+extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int warps, int splits) {
+  const void* fn = qfp4::pick(fmt, nt, unroll);
+  if (fn == nullptr) return -1;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32, qfp4::smem_bytes(nt, warps, splits)))
+    return -1;
+  return blocks;
+}
+
+// Registers and local-memory bytes per thread of one variant (-1 on error).
+extern "C" int qfp4_attributes(int fmt, int nt, int unroll, int* regs, int* local_bytes) {
+  const void* fn = qfp4::pick(fmt, nt, unroll);
+  cudaFuncAttributes a;
+  if (fn == nullptr || cudaFuncGetAttributes(&a, fn)) return -1;
+  *regs = a.numRegs;
+  *local_bytes = (int)a.localSizeBytes;
+  return 0;
+}

@@ -1,0 +1,398 @@
+"""Hand-written CUDA W4A16 decode GEMV for NVFP4 / MXFP4 weights (opt-in backend), and its CPU emulator.
+
+``prepare`` re-lays out a compressed-tensors FP4 weight once (pure torch, any device) so that each lane's
+128-bit load is its ``mma.sync.m16n8k16`` A fragments for one K chunk of 64 (see ``csrc/fp4_mma_gemv.cu`` for
+the fragment map and the decode); ``gemv`` runs y (M, N) = x (M, K) @ Ŵᵀ for M <= 16 in one launch (split-K
+reduced inside the CTA, CUDA-graph capturable); ``emulate`` computes the same thing on any device by decoding
+the re-laid-out tensors lane by lane with the kernel's own bit operations. Shapes: N % 16 == 0, K % 64 == 0.
+
+Decoded weights are exactly fp4 * s (NVFP4, E4M3 s; 1/g is applied to the fp32 accumulator) and
+fp4 * 2^(e - 127) (MXFP4), scaled by 2^(B - 126) inside the kernel (B = 119 for NVFP4; per tensor for MXFP4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMATS = ("mxfp4", "nvfp4")
+_GROUP = {"nvfp4": 16, "mxfp4": 32}
+MASK = 0x81C081C0  # per bf16 half: sign bit 15, e2m1 magnitude bits 8..6
+REST = 0x001B001B  # bits of the fourth register of a word
+SPREAD = (1 << 3) + (1 << 8) + (1 << 14)  # three shifted copies of REST's bits, no carries
+_P = (6, 7, 8, 15)  # bf16 bit of nibble bit b (m, e0, e1, sign)
+# SRC[o][h][b]: bit of the 32-bit word that holds bit b of the nibble feeding half h of A register o.
+SRC = (
+    tuple(tuple(16 * h + _P[b] for b in range(4)) for h in range(2)),
+    tuple(tuple((16 * h + _P[b] + 3) % 32 for b in range(4)) for h in range(2)),
+    tuple(tuple((16 * h + _P[b] + 6) % 32 for b in range(4)) for h in range(2)),
+    tuple(tuple(16 * h + (3, 4, 0, 1)[b] for b in range(4)) for h in range(2)),
+)
+NV_BEXP = 119  # NVFP4 scale words are s * 2^119 (448 * 2^119 < bf16 max)
+_MAX_WARPS = {4: 16, 8: 8}
+
+
+@dataclass
+class CudaFP4Weight:
+    """A re-laid-out FP4 weight: ``qweight`` (N/16, K/64, 32, 4) int32 (lane-major A fragments), ``scales``
+    (N/16, K/64, 32) int16 E4M3 pairs (NVFP4) or (N/16, K/64, 16) int16 E8M0 pairs (MXFP4), the per-tensor
+    global scale (NVFP4), the decode exponent ``bexp`` and the accumulator multiplier 2^(126 - bexp)."""
+
+    fmt: str
+    n: int
+    k: int
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    bexp: int
+    bword: int
+    out_mult: float
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads per call (packed weights + scales)."""
+        return self.qweight.numel() * 4 + self.scales.numel() * 2
+
+
+# ----------------------------------------------------------------------------------------- re-layout
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown FP4 format {fmt!r}; valid formats: {list(FORMATS)}")
+
+
+def _unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, K/2) -> nibble codes uint8 (N, K), element 2j from the low nibble."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def _to_i32(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
+
+
+def _to_i16(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 2**15, v - 2**16, v).to(torch.int16)
+
+
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """Nibble codes (N, K) -> int32 (N/16, K/64, 32, 4): word j of lane (g, t) in chunk c holds rows g, g+8 and
+    k = 64c + 16t + 4j + {0..3} of its strip, each nibble's bits at ``SRC``."""
+    n, k = codes.shape
+    s, c = n // 16, k // 64
+    # (strip, row half rh, g, chunk, t, j, ob, h) -> (strip, chunk, g, t, j, [ob, rh, h]); A register o = 2 ob + rh
+    v = codes.reshape(s, 2, 8, c, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 6, 1, 7).reshape(s, c, 32, 4, 8)
+    words = torch.zeros((s, c, 32, 4), dtype=torch.int64, device=codes.device)
+    for o in range(4):
+        for h in range(2):
+            nib = v[..., 2 * o + h].to(torch.int64)
+            for b in range(4):
+                words |= ((nib >> b) & 1) << SRC[o][h][b]
+    return _to_i32(words)
+
+
+def _pair_scales(sb: torch.Tensor, groups_per_chunk: int) -> torch.Tensor:
+    """Scale bytes (N, K/G) -> int16 (N/16, K/64, 8 * groups_per_chunk): [g, group] -> row g | row g+8 << 8."""
+    n, kg = sb.shape
+    s, c = n // 16, kg // groups_per_chunk
+    v = sb.reshape(s, 2, 8, c, groups_per_chunk).permute(0, 3, 2, 4, 1).to(torch.int64)  # (S, C, g, grp, rh)
+    return _to_i16(v[..., 0] | (v[..., 1] << 8)).reshape(s, c, 8 * groups_per_chunk).contiguous()
+
+
+def prepare(fmt: str, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+            weight_global_scale: torch.Tensor | None = None) -> CudaFP4Weight:
+    """Re-lay out a compressed-tensors NVFP4/MXFP4 weight for :func:`gemv` (once, at load time; pure torch).
+
+    NVFP4 blocks with a zero scale get zero codes and scale 1 (their weights are zero either way). MXFP4 picks
+    the decode exponent B so that every block with a nonzero code has e + B in [128, 254] (products exact in
+    bf16); a ValueError is raised when no B fits (exponents more than 126 apart), for NaN scales (E4M3 0x7F,
+    E8M0 255) and for shapes other than N % 16 == 0, K % 64 == 0. Host syncs: a few (load time only).
+    """
+    _check_fmt(fmt)
+    if weight_packed.dim() != 2 or weight_packed.dtype != torch.uint8:
+        raise ValueError(f"weight_packed must be uint8 (N, K/2), got {weight_packed.dtype} "
+                         f"{tuple(weight_packed.shape)}")
+    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
+    if n % 16 or k % 64 or n == 0 or k == 0:
+        raise ValueError(f"{fmt}: the CUDA GEMV needs N % 16 == 0 and K % 64 == 0, got N={n}, K={k}")
+    gsz = _GROUP[fmt]
+    if tuple(weight_scale.shape) != (n, k // gsz):
+        raise ValueError(f"{fmt}: weight_scale has shape {tuple(weight_scale.shape)}, expected {(n, k // gsz)}")
+    dev = weight_packed.device
+    codes = _unpack_codes(weight_packed)  # (N, K) uint8
+    sb = weight_scale.contiguous().view(torch.uint8).to(dev)  # (N, K/G) raw scale bytes
+    if fmt == "nvfp4":
+        if weight_global_scale is None:
+            raise ValueError("nvfp4 needs weight_global_scale (the per-tensor FP32 divisor)")
+        if bool(((sb & 0x7F) == 0x7F).any()):
+            raise ValueError("nvfp4: weight_scale holds E4M3 NaN (0x7F/0xFF); the CUDA GEMV cannot represent it")
+        zero = (sb & 0x7F) == 0  # (N, K/16)
+        if bool(zero.any()):
+            codes = codes.reshape(n, k // gsz, gsz).masked_fill(zero[..., None], 0).reshape(n, k)
+            sb = torch.where(zero, torch.full_like(sb, 0x38), sb)  # 1.0
+        bexp = NV_BEXP
+        bword = ((112 + bexp) << 7) * 0x10001  # E4M3 -> f16 exponent (bias 15) -> bf16 (bias 127) * 2^B
+        gs = weight_global_scale.detach().reshape(1).to(device=dev, dtype=torch.float32).contiguous()
+    else:
+        if weight_scale.dtype != torch.uint8:
+            raise ValueError(f"mxfp4: weight_scale must be uint8 E8M0 exponents, got {weight_scale.dtype}")
+        live = (codes.reshape(n, k // gsz, gsz) & 7).amax(dim=-1) > 0  # blocks with a nonzero magnitude
+        bexp = 126
+        if bool(live.any()):
+            el = sb[live]
+            emin, emax = int(el.min()), int(el.max())
+            if emax == 255:
+                raise ValueError("mxfp4: weight_scale holds the E8M0 NaN exponent 255")
+            lo, hi = 128 - emin, 254 - emax
+            if lo > hi:
+                raise ValueError(f"mxfp4: E8M0 exponents span [{emin}, {emax}], wider than the 126 the CUDA "
+                                 "decoder represents exactly")
+            bexp = min(max(126, lo), hi)
+        sb = sb.clamp(0, 254 - bexp)  # only all-zero blocks move (their scale is irrelevant)
+        bword = (bexp << 7) * 0x10001
+        gs = None
+    qweight = pack_words(codes)
+    scales = _pair_scales(sb, 64 // gsz)
+    return CudaFP4Weight(fmt, n, k, qweight, scales, gs, bexp, bword, 2.0 ** (126 - bexp))
+
+
+# ----------------------------------------------------------------------------------------- emulator
+
+def _bf16_bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
+    """int64 bf16 bit patterns (0..65535) -> float32 values (exact, subnormals included)."""
+    return _to_i32(bits << 16).view(torch.float32)
+
+
+def _scale_words(w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-lane scale words (S, C, 32) of rows g and g+8 as float32, computed as the kernel does."""
+    s16 = w.scales.to(torch.int64) & 0xFFFF
+    if w.fmt == "nvfp4":
+        lo = (s16 & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+        hi = (s16 >> 8).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16)
+        h2 = (lo.to(torch.int64) & 0xFFFF) | ((hi.to(torch.int64) & 0xFFFF) << 16)
+        t = (((h2 >> 3) & 0x0FFF0FFF) + w.bword) & 0xFFFFFFFF
+        t = t | (h2 & 0x80008000)
+        sg, sg8 = t & 0xFFFF, t >> 16
+    else:
+        s16 = s16.repeat_interleave(2, dim=-1)  # lane reads pair lane >> 1
+        sg = ((s16 & 0xFF) * 128 + w.bword) & 0xFFFF
+        sg8 = ((s16 >> 8) * 128 + w.bword) & 0xFFFF
+    return _bf16_bits_to_f32(sg), _bf16_bits_to_f32(sg8)
+
+
+def _decoded_fragments(w: CudaFP4Weight) -> torch.Tensor:
+    """float32 (N, K): the bf16 A operands the kernel feeds its MMAs, e2m1 * s * 2^(bexp - 126)."""
+    v = w.qweight.to(torch.int64) & 0xFFFFFFFF  # (S, C, 32, 4)
+
+    def rotr(a, r):
+        return ((a >> r) | (a << (32 - r))) & 0xFFFFFFFF
+
+    regs = torch.stack((v & MASK, rotr(v, 3) & MASK, rotr(v, 6) & MASK,
+                        (((v & REST) * SPREAD) & 0xFFFFFFFF) & MASK), dim=-1)  # (S, C, 32, 4 j, 4 o)
+    nib = _bf16_bits_to_f32(torch.stack((regs & 0xFFFF, regs >> 16), dim=-1))  # (S, C, 32, 4, 4, 2) e2m1*2^-126
+    sg, sg8 = _scale_words(w)  # (S, C, 32)
+    sw = torch.stack((sg, sg8, sg, sg8), dim=-1)[:, :, :, None, :, None]  # A registers 0, 2: row g
+    dec = (nib * sw).to(torch.bfloat16).to(torch.float32)  # mul.rn.bf16x2
+    s, c = v.shape[0], v.shape[1]
+    # (S, C, g, t, j, ob, rh, h) -> (S, rh, g, C, t, j, ob, h) = (N, K)
+    return dec.reshape(s, c, 8, 4, 4, 2, 2, 2).permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(w.n, w.k)
+
+
+def emulate_weight(w: CudaFP4Weight) -> torch.Tensor:
+    """float32 (N, K) weight as the kernel decodes it, before NVFP4's 1/g: fp4 * s or fp4 * 2^(e-127)."""
+    return _decoded_fragments(w) * (2.0 ** (126 - w.bexp))
+
+
+def emulate(x: torch.Tensor, w: CudaFP4Weight) -> torch.Tensor:
+    """y (M, N) bf16 = x (M, K) @ Ŵᵀ computed like the kernel (fp32 sums of the decoded bf16 operands times
+    2^(126-B) [/ g]), in pure torch on any device; equal to ``gemv`` up to fp32 summation order."""
+    acc = x.to(torch.float32) @ _decoded_fragments(w).to(x.device).t()  # (M, N)
+    mult = torch.tensor(w.out_mult, dtype=torch.float32, device=x.device)
+    if w.global_scale is not None:
+        mult = mult / w.global_scale.to(x.device)
+    return (acc * mult).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------- build
+
+_BINDING = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned,
+                         int, int, int, int, int, int, int, void*);
+extern "C" int qfp4_occupancy(int, int, int, int, int);
+extern "C" int qfp4_attributes(int, int, int, int*, int*);
+
+void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
+          double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll) {
+  TORCH_CHECK(x.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda(), "tensors must be on CUDA");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out must be bf16");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qw.dim() == 4 && sc.dim() == 3, "bad ranks");
+  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  TORCH_CHECK(x.size(1) == 64 * C && out.size(0) == M && out.size(1) == 16 * S, "shape mismatch");
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && out.stride(1) == 1, "x/out layout");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
+  TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
+  TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
+  const int err = qfp4_gemv(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
+                            (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
+                            (int)splits, (int)strips_per_cta, (int)unroll,
+                            (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
+                                                  : cudaGetErrorString((cudaError_t)err));
+}
+
+int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t warps, int64_t splits) {
+  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)warps, (int)splits);
+}
+
+std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll) {
+  int regs = -1, local = -1;
+  qfp4_attributes((int)fmt, (int)nt, (int)unroll, &regs, &local);
+  return {regs, local};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv", &gemv);
+  m.def("occupancy", &occupancy);
+  m.def("attributes", &attributes);
+}
+"""
+
+_CU = Path(__file__).with_name("csrc") / "fp4_mma_gemv.cu"
+_STATE: dict = {}
+
+
+def _arch_flags() -> list[str]:
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a"]
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+def _ext():
+    """The compiled extension (built once per source/arch into ~/.cache/qerl_kernels or TORCH_EXTENSIONS_DIR)."""
+    mod = _STATE.get("mod")
+    if mod is not None:
+        return mod
+    if "error" in _STATE:
+        raise RuntimeError(_STATE["error"])
+    from torch.utils.cpp_extension import load
+    flags = ["-O3", "-std=c++17", *_arch_flags()]
+    src = _CU.read_text()
+    tag = hashlib.sha1((src + _BINDING + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"qerl_fp4_mma_{tag}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                  "qerl_kernels")
+    bdir = os.path.join(root, name)
+    os.makedirs(bdir, exist_ok=True)
+    cpp = os.path.join(bdir, "binding.cpp")
+    if not os.path.exists(cpp) or open(cpp).read() != _BINDING:
+        with open(cpp, "w") as fh:
+            fh.write(_BINDING)
+    try:
+        mod = load(name=name, sources=[cpp, str(_CU)], extra_cflags=["-O3"], extra_cuda_cflags=flags,
+                   build_directory=bdir, verbose=os.environ.get("QERL_KERNELS_VERBOSE") == "1")
+    except Exception as e:  # compiler missing or build failure: remembered, reported by available()
+        _STATE["error"] = f"{type(e).__name__}: {e}"
+        raise
+    _STATE["mod"] = mod
+    return mod
+
+
+def available() -> bool:
+    """True when a CUDA device (sm_80+) is present and the extension builds and loads."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        return False
+    try:
+        _ext()
+    except Exception:
+        return False
+    return True
+
+
+def build_error() -> str | None:
+    """Why the last build failed (None when it did not)."""
+    return _STATE.get("error")
+
+
+def kernel_attributes(fmt: str, m: int, unroll: int) -> tuple[int, int]:
+    """(registers, local-memory bytes) per thread of the kernel variant used for ``fmt`` at M rows."""
+    _check_fmt(fmt)
+    r = _ext().attributes(0 if fmt == "nvfp4" else 1, 2 if m > 8 else 1, unroll)
+    return int(r[0]), int(r[1])
+
+
+# ----------------------------------------------------------------------------------------- launch
+
+def pick_config(s: int, c: int, sms: int, unroll: int, occupancy) -> tuple[int, int, int]:
+    """(splits, strips per CTA, unroll) for S = N/16 strips and C = K/64 chunks on ``sms`` SMs.
+
+    Enough warps for the loads in flight to cover HBM latency (~8 (U=8) or ~12 (U=4) warps per SM), each with
+    at least one full batch of U chunks, the whole grid resident in one wave (``occupancy(warps, splits)`` =
+    resident CTAs per SM).
+    """
+    target = sms * (8 if unroll == 8 else 12)
+    maxw = _MAX_WARPS[unroll]
+    splits = max(1, min(math.ceil(target / s), max(1, c // unroll), maxw))
+    while True:
+        per = max(1, min(maxw // splits, 4 // splits))
+        blocks = math.ceil(s / per)
+        if splits == 1 or blocks <= occupancy(per * splits, splits) * sms:
+            return splits, per, unroll
+        splits -= 1
+
+
+def _config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int]:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = (idx, w.fmt, m > 8, w.n, w.k)
+    cfg = _STATE.get(key)
+    if cfg is None:
+        sms = torch.cuda.get_device_properties(idx).multi_processor_count
+        ext, fid, nt, unroll = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1, 4
+        cfg = pick_config(w.n // 16, w.k // 64, sms, unroll,
+                          lambda warps, splits: ext.occupancy(fid, nt, unroll, warps, splits))
+        _STATE[key] = cfg
+    return cfg
+
+
+def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for M <= 16 on the current CUDA stream (graph capturable).
+
+    ``config`` = (splits, strips per CTA, unroll 4 | 8) overrides :func:`pick_config` (for tuning).
+    """
+    if not x.is_cuda or not w.qweight.is_cuda:
+        raise ValueError("gemv needs CUDA tensors (use emulate() elsewhere)")
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"gemv: x must be a 2-D bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= 16:
+        raise ValueError(f"gemv handles M in [1, 16] rows, got M={m}")
+    if k != w.k:
+        raise ValueError(f"gemv: x has K={k}, the weight is {(w.n, w.k)}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
+    elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"gemv: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    splits, per, unroll = config if config is not None else _config(w, m, x.device)
+    gs = w.global_scale if w.global_scale is not None else w.qweight
+    _ext().gemv(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword,
+                splits, per, unroll)
+    return out
+
+
+__all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config",
+           "pack_words", "build_error", "kernel_attributes"]

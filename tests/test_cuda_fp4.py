@@ -1,0 +1,224 @@
+"""Tests for qerl.kernels.cuda_fp4: the re-layout + lane-level emulator (CPU, bit-exact against
+``qerl.quant`` dequantization) and, with ``-m gpu``, the CUDA kernel against the reference over a shape sweep.
+
+References: ``qerl.quant.FORMATS[fmt].dequantize`` (tested bit-exact against compressed-tensors elsewhere), with
+NVFP4's global scale set to 1 for the exact decode check (the kernel applies 1/g to its fp32 accumulator).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qerl.kernels import cuda_fp4 as cf
+from qerl.quant import FORMATS
+
+FP4 = ("nvfp4", "mxfp4")
+
+
+def _weight(n: int, k: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    """Heavy-tailed rows and blocks so scales span many binades; mixed signs."""
+    w = torch.randn(n, k, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+    w = w * torch.exp(0.7 * torch.randn(n, k // 16, 1, generator=gen)).expand(-1, -1, 16).reshape(n, k)
+    return (0.02 * w).to(device)
+
+
+def _quant(fmt: str, n: int, k: int, seed: int, device="cpu") -> dict:
+    return FORMATS[fmt].quantize(_weight(n, k, torch.Generator().manual_seed(seed), device))
+
+
+def _exact_ref(fmt: str, q: dict) -> torch.Tensor:
+    """fp4 * s (NVFP4, g = 1) or fp4 * 2^(e-127) (MXFP4) in float32, from the format's own dequantize."""
+    if fmt == "nvfp4":
+        q = dict(q, weight_global_scale=torch.ones(1, device=q["weight_packed"].device))
+    return FORMATS[fmt].dequantize(q, torch.float32)
+
+
+def _prep(fmt: str, q: dict) -> cf.CudaFP4Weight:
+    return cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+def test_bit_layout_is_a_bijection():
+    bits = [cf.SRC[o][h][b] for o in range(4) for h in range(2) for b in range(4)]
+    assert sorted(bits) == list(range(32))
+    # the fourth register's three shifted copies of REST's bits never collide (no carries in the multiply)
+    rest = [b for b in range(32) if cf.REST >> b & 1]
+    assert sorted(rest) == sorted(cf.SRC[3][h][b] for h in range(2) for b in range(4))
+    shifts = [s for s in range(32) if cf.SPREAD >> s & 1]
+    targets = [b + s for b in rest for s in shifts if b + s < 32]
+    assert len(targets) == len(set(targets))
+    # every nibble bit lands on its bf16 place: sign 15, magnitude 8..6 (per half)
+    for h in range(2):
+        for b in range(4):
+            hits = [s for s in shifts if cf.SRC[3][h][b] + s == 16 * h + (6, 7, 8, 15)[b]]
+            assert len(hits) == 1
+
+
+@pytest.mark.parametrize("fmt", FP4)
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (64, 128), (32, 1024)])
+def test_emulated_decode_is_bit_exact(fmt, n, k):
+    q = _quant(fmt, n, k, seed=n + k)
+    w = _prep(fmt, q)
+    assert w.qweight.shape == (n // 16, k // 64, 32, 4) and w.qweight.dtype == torch.int32
+    assert w.nbytes == q["weight_packed"].numel() + q["weight_scale"].numel()
+    assert torch.equal(cf.emulate_weight(w), _exact_ref(fmt, q))
+
+
+def test_nvfp4_zero_subnormal_negative_scales_exact():
+    n, k = 32, 256
+    q = _quant("nvfp4", n, k, seed=7)
+    sb = q["weight_scale"].view(torch.uint8).clone()
+    special = torch.tensor([0x00, 0x80, 0x01, 0x03, 0x07, 0x81, 0x86, 0x08, 0xB8, 0x7E, 0xFE], dtype=torch.uint8)
+    flat = sb.view(-1)
+    idx = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[: 4 * special.numel()]
+    flat[idx] = special.repeat(4)
+    q["weight_scale"] = sb.view(torch.float8_e4m3fn)
+    w = _prep("nvfp4", q)
+    ref = _exact_ref("nvfp4", q)
+    assert (ref < 0).any() and (ref == 0).any()
+    assert torch.equal(cf.emulate_weight(w), ref)
+
+
+def test_mxfp4_exponent_window():
+    n, k = 32, 256
+    q = _quant("mxfp4", n, k, seed=3)
+    e = q["weight_scale"].clone()
+    e[0, 0], e[1, 1], e[2, 2] = 0, 150, 40  # tiny and large scales, within 126 binades of each other? no: 0..150
+    q["weight_scale"] = e
+    with pytest.raises(ValueError, match="wider than the 126"):
+        _prep("mxfp4", q)
+    e[0, 0] = 30  # now [30, 150]: B = 104, exact
+    w = _prep("mxfp4", q)
+    assert w.bexp == 104
+    assert torch.equal(cf.emulate_weight(w), _exact_ref("mxfp4", q))
+    # an all-zero block with an out-of-window exponent is harmless
+    q2 = _quant("mxfp4", n, k, seed=4)
+    q2["weight_packed"][3, :16] = 0
+    q2["weight_scale"][3, 0] = 254
+    w2 = _prep("mxfp4", q2)
+    assert w2.bexp == 126 and torch.equal(cf.emulate_weight(w2), _exact_ref("mxfp4", q2))
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_emulate_matches_linear(fmt):
+    n, k = 64, 512
+    q = _quant(fmt, n, k, seed=11)
+    w = _prep(fmt, q)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = cf.emulate(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (5, n)
+    ref = x.float() @ FORMATS[fmt].dequantize(q, torch.float32).t()
+    mag = x.float().abs() @ FORMATS[fmt].dequantize(q, torch.float32).abs().t()
+    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * mag).all()
+
+
+def test_bad_inputs_raise():
+    q = _quant("nvfp4", 32, 128, seed=1)
+    with pytest.raises(ValueError, match=r"'int4'.*valid formats: \['mxfp4', 'nvfp4'\]"):
+        cf.prepare("int4", q["weight_packed"], q["weight_scale"])
+    with pytest.raises(ValueError, match="N % 16 == 0 and K % 64 == 0, got N=8, K=128"):
+        cf.prepare("nvfp4", q["weight_packed"][:8], q["weight_scale"][:8], q["weight_global_scale"])
+    with pytest.raises(ValueError, match="K % 64 == 0, got N=32, K=96"):
+        cf.prepare("nvfp4", q["weight_packed"][:, :48], q["weight_scale"][:, :6], q["weight_global_scale"])
+    with pytest.raises(ValueError, match="weight_global_scale"):
+        cf.prepare("nvfp4", q["weight_packed"], q["weight_scale"])
+    with pytest.raises(ValueError, match="weight_scale has shape"):
+        cf.prepare("mxfp4", q["weight_packed"], q["weight_scale"].view(torch.uint8))
+    sb = q["weight_scale"].view(torch.uint8).clone()
+    sb[0, 0] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        cf.prepare("nvfp4", q["weight_packed"], sb.view(torch.float8_e4m3fn), q["weight_global_scale"])
+    w = _prep("nvfp4", q)
+    with pytest.raises(ValueError, match="CUDA"):
+        cf.gemv(torch.randn(1, 128).bfloat16(), w)
+
+
+def test_pick_config_one_wave():
+    # a simple occupancy model: 2048 threads / SM, at most 4 CTAs of any size
+    occ = lambda warps, splits: min(4, 64 // warps)  # noqa: E731
+    for s, c in [(224, 56), (32, 56), (1184, 56), (224, 296), (1728, 80), (4, 2)]:
+        for unroll in (4, 8):
+            splits, per, u = cf.pick_config(s, c, 132, unroll, occ)
+            assert u == unroll and 1 <= splits * per <= cf._MAX_WARPS[unroll]
+            assert splits == 1 or c // splits >= unroll
+            assert splits == 1 or -(-s // per) <= occ(splits * per, splits) * 132
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHAPES = [(16, 64), (48, 192), (64, 128), (128, 256), (512, 3584), (3584, 3584), (18944, 3584), (3584, 18944),
+          (1024, 5120), (5120, 5120), (13824, 5120), (5120, 13824), (27648, 5120), (5120, 27648), (64, 27648)]
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, fmt: str, q: dict, w: cf.CudaFP4Weight) -> None:
+    wref = FORMATS[fmt].dequantize(q, torch.bfloat16)
+    ref = F.linear(x, wref).float()
+    mag = x.float().abs() @ wref.float().abs().t()
+    y = y.float()
+    assert torch.isfinite(y).all(), "unwritten or non-finite output"
+    assert ((y - ref).abs() <= 1e-2 * ref.abs() + 2e-3 * mag).all(), float((y - ref).abs().max())
+    emu = cf.emulate(x, w).float()  # same math, other summation order: 1 bf16 ulp + fp32 rounding
+    assert ((y - emu).abs() <= 2**-7 * emu.abs() + 2e-5 * mag).all(), float((y - emu).abs().max())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_kernel_matches_reference(fmt):
+    assert cf.available(), cf.build_error()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for i, (n, k) in enumerate(SHAPES):
+        q = _quant(fmt, n, k, seed=100 + i, device="cuda")
+        w = _prep(fmt, q)
+        for m in (1, 2, 3, 4, 8, 9, 16):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            y = cf.gemv(x, w, out=out)
+            assert y.data_ptr() == out.data_ptr()
+            _check(y, x, fmt, q, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_every_config_and_layout(fmt):
+    n, k = 96, 1536  # 6 strips, 24 chunks: uneven splits, partial batches, partial CTAs
+    q = _quant(fmt, n, k, seed=5, device="cuda")
+    w = _prep(fmt, q)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for m in (1, 7, 12, 16):
+        xb = torch.randn(m, k + 8, device="cuda", generator=g).bfloat16()
+        for x in (xb[:, :k], xb[:, 8:]):  # strided rows; misaligned start (copied by gemv)
+            for cfg in [(1, 1, 4), (1, 4, 8), (3, 2, 4), (5, 3, 4), (7, 1, 8), (16, 1, 4), (8, 1, 8), (2, 8, 4)]:
+                _check(cf.gemv(x, w, config=cfg), x.contiguous(), fmt, q, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_cuda_graph_replay(fmt):
+    n, k = 3584, 3584
+    q = _quant(fmt, n, k, seed=9, device="cuda")
+    w = _prep(fmt, q)
+    for m in (1, 16):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        cf.gemv(x, w)  # config + build outside capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            cf.gemv(x, w)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = cf.gemv(x, w)
+        for _ in range(3):
+            x.copy_(torch.randn(m, k, device="cuda").bfloat16())
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, cf.gemv(x, w))
+
