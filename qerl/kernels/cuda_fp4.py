@@ -287,7 +287,7 @@ def _ext():
     if "error" in _STATE:
         raise RuntimeError(_STATE["error"])
     from torch.utils.cpp_extension import load
-    flags = ["-O3", "-std=c++17", *_arch_flags()]
+    flags = ["-O3", *_arch_flags()]
     src = _CU.read_text()
     tag = hashlib.sha1((src + _BINDING + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     name = f"qerl_fp4_mma_{tag}"
