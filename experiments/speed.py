@@ -55,11 +55,14 @@ def rollout_table(root: Path, name: str = "rollout.csv") -> str:
         return f"_no {name}_\n"
     d = pd.read_csv(p)
     d = d[d["tokens_per_s"].notna()]
+    d["decode"] = d["decode"].fillna("unfused") if "decode" in d else "unfused"
+    if "lora_rank" not in d:
+        d["lora_rank"] = 32
     paper = pd.read_csv(PAPER_DIR / "rollout_speed.csv")
     paper = paper[paper.metric == "rollout_throughput"]
-    lines = ["| model | batch | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | paper tok/s (vLLM) | "
-             "paper ×LoRA | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for (model, batch), g in d.groupby(["model", "batch_size"], sort=False):
+    lines = ["| model | batch | rank | decode | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | "
+             "paper tok/s (vLLM) | paper ×LoRA | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, batch, rank, dec), g in d.groupby(["model", "batch_size", "lora_rank", "decode"], sort=False):
         base = g[g.method == "LoRA"]["tokens_per_s"]
         qlora = g[g.method == "QLoRA"]["tokens_per_s"]
         pg = paper[(paper.model == model) & (paper.batch_size == batch)]
@@ -68,7 +71,8 @@ def rollout_table(root: Path, name: str = "rollout.csv") -> str:
             pv = pg[pg.method == r["method"]]["value"]
             pv = float(pv.iloc[0]) if len(pv) else None
             lines.append(
-                f"| {model} | {int(batch)} | {r['method']} | {r['weights']} | {r['tokens_per_s']:.0f} | "
+                f"| {model} | {int(batch)} | {int(rank)} | {dec} | {r['method']} | {r['weights']} | "
+                f"{r['tokens_per_s']:.0f} | "
                 f"{_fmt(r['tokens_per_s'] / base.iloc[0], 2) if len(base) else '—'} | "
                 f"{_fmt(r['tokens_per_s'] / qlora.iloc[0], 2) if len(qlora) else '—'} | {_fmt(pv)} | "
                 f"{_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'} | "

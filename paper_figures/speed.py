@@ -155,11 +155,20 @@ def _paper_rank() -> pd.DataFrame:
                                "tok_s": p["rollout_throughput_tokens_per_s"].astype(float)}))
 
 
+def current_decode(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the sampler's current decode step: where a model has ``decode == "fused"`` rows, only those;
+    otherwise its rows as they are (older CSVs have no ``decode`` column, or only "unfused")."""
+    if "decode" not in df:
+        return df
+    fused_models = set(df.loc[df["decode"] == "fused", "model"])
+    return df[(df["decode"] == "fused") | ~df["model"].isin(fused_models)]
+
+
 def _rollout_frame(root):
     found = speed_csvs(root)["rollout"]
     if not found:
         return None, []
-    return _prep(pd.concat([df for _, df in found], ignore_index=True)), [str(p) for p, _ in found]
+    return _prep(current_decode(pd.concat([df for _, df in found], ignore_index=True))), [str(p) for p, _ in found]
 
 
 def speed_rollout(root="results", out_dir=None) -> list[Path]:

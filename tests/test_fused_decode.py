@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import perturb_lora_b
 
 from qerl.fastdecode import FusedLinear, build_decode_plan, concat_rows, fuse_projection_storage
@@ -142,6 +141,32 @@ def test_fused_kernels_under_triton_interpreter():
     r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "FUSED-INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def test_fused_kernels_compile_for_sm90():
+    """Ahead-of-time compile (no GPU) for Hopper: catches what the interpreter accepts and the compiler
+    does not (non-constexpr globals, layout errors), with the 7B decode shapes."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def build(fn, sig, const, warps=4):
+        sig = dict(sig, **{c: "constexpr" for c in const})
+        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+        assert ck.asm["cubin"]
+
+    bf, f32 = "*bf16", "*fp32"
+    for wdt in (bf, f32):
+        build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=wdt, x_ptr=bf, D="i32", eps="fp32"),
+              dict(HAS_DELTA=True, BLOCK=4096))
+    build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
+                                    slot_ptr="*i64", S_MAX="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=True), 1)
+    build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
+                                      S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
+          dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False))
+    build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"), dict(D=128, SP=16))
+    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32"), dict(BLOCK=1024))
 
 
 # ------------------------------------------------------------------------------------------ fused storage

@@ -94,6 +94,8 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ Triton
 
 if HAS_TRITON:
+    _NEG = tl.constexpr(NEG)
+
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -150,7 +152,7 @@ if HAS_TRITON:
         q = tl.load(q_ptr + (pid * G + gi)[:, None] * D + dm[None, :], mask=gmask[:, None], other=0.0)
         if DOT_F32:
             q = q.to(tl.float32)
-        m_i = tl.full([GP], NEG, tl.float32)
+        m_i = tl.full([GP], _NEG, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         start = sp * CHUNK
@@ -164,9 +166,9 @@ if HAS_TRITON:
             if DOT_F32:
                 kb = kb.to(tl.float32)
                 vb = vb.to(tl.float32)
-            bias = tl.load(b_ptr + row * S_MAX + offs, mask=smask, other=NEG)
+            bias = tl.load(b_ptr + row * S_MAX + offs, mask=smask, other=_NEG)
             sc = tl.dot(q, tl.trans(kb)) * scale + bias[None, :]  # (GP, BS) fp32
-            sc = tl.maximum(sc, NEG)
+            sc = tl.maximum(sc, _NEG)
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new[:, None])
@@ -188,7 +190,7 @@ if HAS_TRITON:
         sp = tl.arange(0, SP)
         smask = sp < NSPLIT
         dm = tl.arange(0, D)
-        m = tl.load(m_ptr + rh * NSPLIT + sp, mask=smask, other=NEG)
+        m = tl.load(m_ptr + rh * NSPLIT + sp, mask=smask, other=_NEG)
         l_ = tl.load(l_ptr + rh * NSPLIT + sp, mask=smask, other=0.0)
         a = tl.load(acc_ptr + (rh * NSPLIT + sp)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
         w = tl.exp(m - tl.max(m, axis=0))
