@@ -2,6 +2,7 @@
 
     python -m experiments.speed --run core|step|large|small   # on a CUDA host: the benchmark stages (qerl.bench)
     python -m experiments.speed                               # anywhere: render results/speed/speed.md from CSVs
+    python -m experiments.speed --merge OUT --name h100_run5  # keep a GPU session's CSVs under raw/ and merge
 
 Rendering reads only ``results/speed/{memory,rollout,step}.csv`` (written by ``qerl.bench``) and the paper's
 numbers (``paper_figures/paper/*.csv``); ratios are always ours against our own BF16-LoRA in the same run
@@ -135,12 +136,75 @@ The step benchmark runs `qerl.train` on the shape preset with the toy task's pro
     return md
 
 
+IDENT = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode")
+
+
+def _ident(df: pd.DataFrame, keys: list[str]) -> list[tuple]:
+    """Row identities with numbers normalised (8, 8.0 and "8" are the same batch)."""
+    def norm(v):
+        try:
+            f = float(v)
+            return str(int(f)) if f == int(f) else str(f)
+        except (TypeError, ValueError):
+            return str(v)
+    return [tuple(norm(v) for v in row) for row in df[keys].values.tolist()]
+
+
+def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[str]:
+    """Keep a benchmark session's output (``qerl.bench --out src``: CSVs, env.json, logs) as ``raw/<name>/``
+    and merge its rows into ``root``'s top-level CSVs; a row replaces an older one with the same identity
+    (model, weights, batch, rank, GC, lengths, decode step). ``sha``: the commit the session ran (the
+    device's copy of the tree may carry an older ``.git``). Returns the CSVs merged."""
+    import shutil
+
+    src, root = Path(src), Path(root)
+    if not src.is_dir():
+        raise FileNotFoundError(f"no benchmark output folder {src}")
+    dst = root / "raw" / name
+    dst.mkdir(parents=True, exist_ok=True)
+    merged = []
+    for f in sorted(src.rglob("*")):
+        if f.is_file() and f.suffix in (".csv", ".json", ".log", ".txt", ".md"):
+            shutil.copy2(f, dst / f.name)
+    for f in sorted(dst.glob("*.csv")):
+        if f.name not in ("memory.csv", "rollout.csv", "step.csv"):
+            continue
+        new = pd.read_csv(f)
+        new["run"] = name
+        if sha:
+            new["git_sha"] = sha
+        if f.name == "rollout.csv" and "decode" in new:
+            new["decode"] = new["decode"].fillna("unfused")
+        new.to_csv(f, index=False)
+        top = root / f.name
+        old = pd.read_csv(top) if top.exists() else pd.DataFrame()
+        if f.name == "rollout.csv" and len(old):
+            old["decode"] = old["decode"].fillna("unfused") if "decode" in old else "unfused"
+        keys = [k for k in IDENT if k in new.columns and k in old.columns]
+        if len(old) and keys:
+            ids = set(_ident(new, keys))
+            old = old[[i not in ids for i in _ident(old, keys)]]
+        out = pd.concat([old, new], ignore_index=True)
+        from qerl.results import atomic_write_text
+
+        atomic_write_text(top, out.to_csv(index=False))
+        merged.append(str(top))
+    return merged
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", choices=sorted(STAGES), nargs="*", default=[])
     ap.add_argument("--root", default="results/speed")
+    ap.add_argument("--merge", default="", help="a benchmark output folder to keep under raw/ and merge")
+    ap.add_argument("--name", default="", help="with --merge: its name under raw/ (e.g. h100_run5)")
+    ap.add_argument("--sha", default="", help="with --merge: the commit the session ran")
     a = ap.parse_args(argv)
     root = Path(a.root)
+    if a.merge:
+        if not a.name:
+            ap.error("--merge needs --name")
+        print("merged:", merge_run(Path(a.merge), root, a.name, a.sha or None))
     for stage in a.run:
         for args in STAGES[stage]:
             subprocess.run([sys.executable, "-m", "qerl.bench", *args, "--out", str(root)], check=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.lora import LoraSpec, resident_weight_bytes
+from qerl.lora import LoraSpec, lora_inference_cache, resident_weight_bytes
 from qerl.model import load_policy
 from qerl.results import atomic_write_text, environment
 from qerl.rollout import Sampler
@@ -206,6 +206,71 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
     return rows
 
 
+def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused", "unfused"), steps: int = 8,
+                  kv: int = 1024, sink=None) -> list[dict]:
+    """Where a decode step's GPU time goes: the CUDA kernels of ``steps`` eager decode steps (torch.profiler,
+    kernel durations only — launch gaps are what CUDA graphs remove), grouped by kernel, next to the
+    graph-replayed step time at the same KV length ``kv``. One row per (model, format, batch, decode, kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = []
+    for m in models:
+        for f in formats:
+            _free()
+            policy, tok = _policy(m, f, 32, device)
+            sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
+            if steps + 24 > 64:
+                raise ValueError(f"steps must be <= 40, got {steps}")
+            for b, dec in [(b, d) for b in batches for d in decodes]:
+                sampler.fused = dec == "fused"
+                new = kv - prompt_len + 64
+                g = torch.Generator().manual_seed(b)
+                prompts = [torch.randint(100, 700, (prompt_len,), generator=g).tolist() for _ in range(b)]
+                sampler.generate(prompts, 1, new, ignore_eos=True)  # state, graphs, warm kernels
+                s = sampler._static
+                S = sampler._bucket(kv, prompt_len + new)
+                s["t"].fill_(kv - prompt_len)
+                for _ in range(3):  # graph replay time of one step at this KV length
+                    sampler._run_step(s, S)
+                s["t"].fill_(kv - prompt_len)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    sampler._run_step(s, S)
+                sync()
+                graph_us = (time.perf_counter() - t0) / 20 * 1e6
+                s["t"].fill_(kv - prompt_len)
+                with lora_inference_cache(policy, sampler._act_dtype()), torch.no_grad():
+                    sampler._decode_step(s, S)  # warm (eager)
+                    sync()
+                    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                        for _ in range(steps):
+                            sampler._decode_step(s, S)
+                        sync()
+                per = {}
+                for e in prof.key_averages():
+                    us = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)  # kernels only
+                    if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
+                        per[e.key] = (us / steps, e.count / steps)
+                total = sum(v[0] for v in per.values())
+                launches = sum(v[1] for v in per.values())
+                print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
+                      f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
+                for k, (us, n) in sorted(per.items(), key=lambda kv_: -kv_[1][0]):
+                    rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=f.upper(), batch_size=b,
+                                     decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
+                                     kernel=k[:120], kernel_us=us, calls=n, **_env()))
+                    if us > 0.01 * total:
+                        print(f"   {us:8.1f} us {n:6.1f}x  {k[:100]}")
+                if sink:
+                    sink(rows[-len(per):])
+                sampler.release()
+            del policy, sampler
+    return rows
+
+
 def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
     out, skip = [], False
     for x in args:
@@ -223,7 +288,7 @@ def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["memory", "rollout", "step", "layers"])
+    p.add_argument("what", choices=["memory", "rollout", "step", "layers", "profile"])
     p.add_argument("--models", default="7b")
     p.add_argument("--formats", default="bf16,nf4,mxfp4,nvfp4")
     p.add_argument("--batch", default="2,8")
@@ -246,7 +311,7 @@ def main(argv=None) -> None:
         return kb.main(rest)
     models, fmts = a.models.split(","), a.formats.split(",")
     isolate = a.isolate == "yes" or (a.isolate == "auto" and torch.cuda.is_available())
-    if isolate and a.what in ("rollout", "memory", "step") and len(models) * len(fmts) > 1:
+    if isolate and a.what in ("rollout", "memory", "step", "profile") and len(models) * len(fmts) > 1:
         import subprocess
         import sys
 
@@ -261,6 +326,9 @@ def main(argv=None) -> None:
     sink = lambda name: (lambda row: _write_csv([row], out / name))  # noqa: E731  (each row lands at once)
     if a.what == "memory":
         bench_memory(models, fmts, a.device, sink("memory.csv"))
+    elif a.what == "profile":
+        bench_profile(models, fmts, batches, a.prompt, a.device, tuple(a.decode.split(",")),
+                      sink=lambda rows: _write_csv(rows, out / "profile.csv"))
     elif a.what == "rollout":
         bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats, sink("rollout.csv"),
                       tuple(a.decode.split(",")))
