@@ -141,11 +141,12 @@ def test_pick_config_one_wave():
     # a simple occupancy model: 2048 threads / SM, at most 4 CTAs of any size
     occ = lambda warps, splits: min(4, 64 // warps)  # noqa: E731
     for s, c in [(224, 56), (32, 56), (1184, 56), (224, 296), (1728, 80), (4, 2)]:
-        for unroll in (4, 8):
-            splits, per, u = cf.pick_config(s, c, 132, unroll, occ)
-            assert u == unroll and 1 <= splits * per <= cf._MAX_WARPS[unroll]
+        for m in (1, 8, 16):
+            unroll, sw = cf.variant_for(m)
+            splits, per, u, w = cf.pick_config(s, c, 132, unroll, occ, sw)
+            assert (u, w) == (unroll, sw) and 1 <= splits * per <= (8 if u * w >= 8 else 16)
             assert splits == 1 or c // splits >= unroll
-            assert splits == 1 or -(-s // per) <= occ(splits * per, splits) * 132
+            assert splits == 1 or -(-s // (per * sw)) <= occ(splits * per, splits) * 132
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -192,15 +193,18 @@ def test_gpu_kernel_matches_reference(fmt):
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
 def test_gpu_every_config_and_layout(fmt):
-    n, k = 96, 1536  # 6 strips, 24 chunks: uneven splits, partial batches, partial CTAs
+    n, k = 112, 1536  # 7 strips, 24 chunks: uneven splits, partial batches, partial CTAs and strip groups
     q = _quant(fmt, n, k, seed=5, device="cuda")
     w = _prep(fmt, q)
     g = torch.Generator(device="cuda").manual_seed(1)
     for m in (1, 7, 12, 16):
         xb = torch.randn(m, k + 8, device="cuda", generator=g).bfloat16()
         for x in (xb[:, :k], xb[:, 4:k + 4]):  # strided rows; misaligned start (copied by gemv)
-            for cfg in [(1, 1, 4), (1, 4, 8), (3, 2, 4), (5, 3, 4), (7, 1, 8), (16, 1, 4), (8, 1, 8), (2, 8, 4)]:
-                _check(cf.gemv(x, w, config=cfg), x.contiguous(), fmt, q, w)
+            for cfg in [(1, 1, 4, 1), (1, 4, 8, 1), (3, 2, 4, 1), (5, 3, 4, 1), (7, 1, 8, 1), (16, 1, 4, 1),
+                        (8, 1, 8, 1), (2, 8, 4, 1), (1, 1, 2, 1), (3, 1, 2, 2), (1, 2, 4, 2), (2, 1, 2, 4),
+                        (5, 1, 2, 4), (1, 3, 2, 4), (4, 2, 2, 2)]:
+                for pdl in (False, True):
+                    _check(cf.gemv(x, w, config=cfg, pdl=pdl), x.contiguous(), fmt, q, w)
 
 
 @pytest.mark.gpu
@@ -221,9 +225,12 @@ def test_gpu_cuda_graph_replay(fmt):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = cf.gemv(x, w)
+            y2 = cf.gemv(y[:, :k], w, pdl=True)  # consumes the previous launch's output (PDL edge)
         for _ in range(3):
             x.copy_(torch.randn(m, k, device="cuda").bfloat16())
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(y, cf.gemv(x, w))
+            ref = cf.gemv(x, w)
+            assert torch.equal(y, ref)
+            assert torch.equal(y2, cf.gemv(ref[:, :k].contiguous(), w))
 

@@ -24,7 +24,7 @@ import torch
 from qerl.kernels import bench
 from qerl.kernels import cuda_fp4 as cf
 
-PATHS = ("bf16", "triton", "cuda")
+PATHS = ("bf16", "triton", "cuda", "cuda_pdl")
 
 
 def _nvcc_version() -> str:
@@ -39,14 +39,14 @@ def _cuda_weights(fmt: str, wts: bench._Weights) -> list[cf.CudaFP4Weight]:
     return [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
 
 
-def _time_cuda(cws: list[cf.CudaFP4Weight], m: int, rep_ms: float, config=None) -> float:
+def _time_cuda(cws: list[cf.CudaFP4Weight], m: int, rep_ms: float, config=None, pdl=False) -> float:
     """Per-call ms of ``gemv`` over the rotating copies inside one graph."""
     x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
-    calls = [lambda w=w: cf.gemv(x, w, config=config) for w in cws]
+    calls = [lambda w=w: cf.gemv(x, w, config=config, pdl=pdl) for w in cws]
     return bench._graph_ms(calls, rep_ms)[0]
 
 
-def _layer_cuda_ms(lins, cws: dict, m: int, rep_ms: float) -> float:
+def _layer_cuda_ms(lins, cws: dict, m: int, rep_ms: float, pdl: bool) -> float:
     """Per-layer ms of the 7 linears back to back (one graph over consecutive layer copies)."""
     xs, calls = {}, []
     layers = min(64, max(len(v) for v in cws.values()))
@@ -55,19 +55,18 @@ def _layer_cuda_ms(lins, cws: dict, m: int, rep_ms: float) -> float:
             if k not in xs:
                 xs[k] = torch.randn(m, k, device="cuda").bfloat16()
             ws = cws[(n, k)]
-            calls.append(lambda x=xs[k], w=ws[r % len(ws)]: cf.gemv(x, w))
+            calls.append(lambda x=xs[k], w=ws[r % len(ws)]: cf.gemv(x, w, pdl=pdl))
     return bench._graph_ms(calls, rep_ms)[0] * len(lins)
 
 
-def _sweep_configs(s: int, c: int) -> list[tuple[int, int, int]]:
+def _sweep_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
     out = []
-    for unroll in (4, 8):
-        maxw = cf._MAX_WARPS[unroll]
-        for splits in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16):
+    for unroll, sw in ((4, 1), (8, 1), (2, 2), (4, 2), (2, 4)):
+        maxw = 8 if unroll * sw >= 8 else 16
+        for splits in (1, 2, 4, 6, 8, 12, 16):
             if splits > maxw or (splits > 1 and c // splits < 2):
                 continue
-            for per in sorted({max(1, min(maxw // splits, 4 // splits)), 1}):
-                out.append((splits, per, unroll))
+            out.append((splits, max(1, min(maxw // splits, 4 // splits)), unroll, sw))
     return out
 
 
@@ -78,15 +77,16 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
         shapes = list(dict.fromkeys((n, k) for _, n, k in lins))
         for fmt in (["bf16"] if "bf16" in paths else []) + list(fmts):
             wts = {(n, k): bench._Weights(fmt, n, k, seed=1000 + i) for i, (n, k) in enumerate(shapes)}
-            kinds = ["bf16"] if fmt == "bf16" else [p for p in ("triton", "cuda") if p in paths]
-            cws = {key: _cuda_weights(fmt, w) for key, w in wts.items()} if "cuda" in kinds else {}
+            kinds = ["bf16"] if fmt == "bf16" else [p for p in ("triton", "cuda", "cuda_pdl") if p in paths]
+            cuda = [p for p in kinds if p.startswith("cuda")]
+            cws = {key: _cuda_weights(fmt, w) for key, w in wts.items()} if cuda else {}
             for path in kinds:
                 for m in ms:
                     total_t, total_b = 0.0, 0
                     for name, n, k in lins:
                         w = wts[(n, k)]
-                        if path == "cuda":
-                            t = _time_cuda(cws[(n, k)], m, rep_ms)
+                        if path.startswith("cuda"):
+                            t = _time_cuda(cws[(n, k)], m, rep_ms, pdl=path == "cuda_pdl")
                             nb = cws[(n, k)][0].nbytes
                             cfg = cf._config(cws[(n, k)][0], m, torch.device("cuda"))
                         else:
@@ -98,8 +98,8 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
                         rows.append(dict(model=mdl, fmt=fmt, path=path, M=m, linear=name, N=n, K=k,
                                          us=round(t * 1e3, 3), bytes=nbytes,
                                          TBps=round(nbytes / (t * 1e-3) / 1e12, 3), config=str(cfg)))
-                    if path == "cuda":
-                        tg = _layer_cuda_ms(lins, cws, m, rep_ms)
+                    if path.startswith("cuda"):
+                        tg = _layer_cuda_ms(lins, cws, m, rep_ms, path == "cuda_pdl")
                     else:
                         tg = bench._layer_graph_ms(fmt, lins, wts, m, "fwd", rep_ms)
                     rows.append(dict(model=mdl, fmt=fmt, path=path, M=m, linear="layer", N=0, K=0,
@@ -109,9 +109,9 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
                     print(f"[cuda_bench] {mdl} {fmt:6s} {path:6s} M={m:3d}: {total_t * 1e3:8.1f} us/layer "
                           f"{total_b / (total_t * 1e-3) / 1e12:5.2f} TB/s; layer graph {tg * 1e3:8.1f} us",
                           flush=True)
-            if sweep and mdl == models[0] and "cuda" in kinds:
+            if sweep and mdl == models[0] and cuda and fmt == "nvfp4":
                 for (n, k), ws in cws.items():
-                    for m in (1, 16):
+                    for m in (1, 4, 8, 16):
                         pick = cf._config(ws[0], m, torch.device("cuda"))
                         res = []
                         for cfg in _sweep_configs(n // 16, k // 64):
@@ -136,7 +136,7 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
         tri = layer.get((r["model"], r["fmt"], "triton", r["M"]))
         if base is not None:
             r["speedup_vs_bf16"] = round(base["us"] / r["us"], 3)
-        if tri is not None and r["path"] == "cuda":
+        if tri is not None and r["path"].startswith("cuda"):
             r["speedup_vs_triton"] = round(tri["us"] / r["us"], 3)
     return rows, sweep_rows
 
@@ -147,7 +147,7 @@ def markdown(rows, header: str) -> str:
     for mdl in dict.fromkeys(r["model"] for r in layer):
         out += [f"### Qwen2.5-{mdl.upper()} decoder linears (µs per layer = sum of the 7 per-linear medians)", "",
                 "Cell: µs/layer (speed-up vs BF16) effective TB/s · whole-layer graph µs.", ""]
-        cols = [("bf16", "bf16")] + [(f, p) for f in ("nvfp4", "mxfp4") for p in ("triton", "cuda")]
+        cols = [("bf16", "bf16")] + [(f, p) for f in ("nvfp4", "mxfp4") for p in ("triton", "cuda", "cuda_pdl")]
         cols = [c for c in cols if any(r["model"] == mdl and (r["fmt"], r["path"]) == c for r in layer)]
         out.append("| M | " + " | ".join(f"{f} {p}" if f != p else "BF16" for f, p in cols) + " |")
         out.append("|---:|" + "---:|" * len(cols))
@@ -165,7 +165,8 @@ def markdown(rows, header: str) -> str:
         out.append("")
         per = [r for r in rows if r["model"] == mdl and r["linear"] != "layer" and r["path"] == "cuda"]
         if per:
-            out += ["Per linear, CUDA kernel (µs · TB/s · config splits/strips-per-CTA/unroll):", "",
+            out += ["Per linear, CUDA kernel without PDL (µs · TB/s · config: splits, strip groups per CTA, "
+                    "unroll, strips per warp):", "",
                     "| fmt | M | " + " | ".join(n for n, _, _ in bench.layer_linears(mdl)) + " |",
                     "|---|---:|" + "---:|" * 7]
             for f in ("nvfp4", "mxfp4"):
@@ -195,8 +196,8 @@ def main(argv=None) -> None:
     tag = a.tag or (name.split()[1].lower() if len(name.split()) > 1 else "gpu")
     os.makedirs(a.out, exist_ok=True)
     bw = bench.copy_bandwidth()
-    attrs = {(f, nt, u): cf.kernel_attributes(f, 1 if nt == 1 else 16, u)
-             for f in ("nvfp4", "mxfp4") for nt in (1, 2) for u in (4, 8)}
+    attrs = {(f, nt, u, sw): cf.kernel_attributes(f, 1 if nt == 1 else 16, u, sw)
+             for f in ("nvfp4", "mxfp4") for nt in (1, 2) for u, sw in ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))}
     print(f"[cuda_bench] {name}: copy {bw / 1e12:.2f} TB/s; kernel (regs, local bytes): {attrs}", flush=True)
     hdr = _header(name, bw, attrs, argv)
     rows, sweep_rows = [], []
@@ -230,7 +231,7 @@ def _header(name: str, bw: float, attrs: dict, argv) -> str:
     return (f"## CUDA FP4 decode GEMV vs BF16 and Triton: {name}\n\n"
             f"torch {torch.__version__}, triton {triton.__version__}, nvcc: {_nvcc_version()}, python "
             f"{platform.python_version()}; device-to-device copy {bw / 1e12:.2f} TB/s (read+write). Kernel "
-            f"registers/local bytes per (fmt, n8 tiles, unroll): {attrs}. Per linear: median over CUDA-graph "
+            f"registers/local bytes per (fmt, n8 tiles, unroll, strips per warp): {attrs}. Per linear: median over CUDA-graph "
             f"replays over rotating weight copies (>= 160 MB). Command: `python -m qerl.kernels.cuda_bench "
             f"{' '.join(sys.argv[1:] if argv is None else argv)}`")
 

@@ -34,7 +34,6 @@ SRC = (
     tuple(tuple(16 * h + (3, 4, 0, 1)[b] for b in range(4)) for h in range(2)),
 )
 NV_BEXP = 119  # NVFP4 scale words are s * 2^119 (448 * 2^119 < bf16 max)
-_MAX_WARPS = {4: 16, 8: 8}
 
 
 @dataclass
@@ -226,12 +225,13 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 
 extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned,
-                         int, int, int, int, int, int, int, void*);
-extern "C" int qfp4_occupancy(int, int, int, int, int);
-extern "C" int qfp4_attributes(int, int, int, int*, int*);
+                         int, int, int, int, int, int, int, int, int, void*);
+extern "C" int qfp4_occupancy(int, int, int, int, int, int);
+extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 
 void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
-          double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll) {
+          double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
+          bool pdl) {
   TORCH_CHECK(x.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out must be bf16");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qw.dim() == 4 && sc.dim() == 3, "bad ranks");
@@ -245,19 +245,19 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   const int err = qfp4_gemv(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
-                            (int)splits, (int)strips_per_cta, (int)unroll,
+                            (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
-int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t warps, int64_t splits) {
-  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)warps, (int)splits);
+int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t warps, int64_t splits) {
+  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits);
 }
 
-std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll) {
+std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw) {
   int regs = -1, local = -1;
-  qfp4_attributes((int)fmt, (int)nt, (int)unroll, &regs, &local);
+  qfp4_attributes((int)fmt, (int)nt, (int)unroll, (int)sw, &regs, &local);
   return {regs, local};
 }
 
@@ -325,51 +325,64 @@ def build_error() -> str | None:
     return _STATE.get("error")
 
 
-def kernel_attributes(fmt: str, m: int, unroll: int) -> tuple[int, int]:
-    """(registers, local-memory bytes) per thread of the kernel variant used for ``fmt`` at M rows."""
+def kernel_attributes(fmt: str, m: int, unroll: int, sw: int = 1) -> tuple[int, int]:
+    """(registers, local-memory bytes) per thread of the kernel variant (unroll, strips per warp) at M rows."""
     _check_fmt(fmt)
-    r = _ext().attributes(0 if fmt == "nvfp4" else 1, 2 if m > 8 else 1, unroll)
+    r = _ext().attributes(0 if fmt == "nvfp4" else 1, 2 if m > 8 else 1, unroll, sw)
     return int(r[0]), int(r[1])
 
 
 # ----------------------------------------------------------------------------------------- launch
 
-def pick_config(s: int, c: int, sms: int, unroll: int, occupancy) -> tuple[int, int, int]:
-    """(splits, strips per CTA, unroll) for S = N/16 strips and C = K/64 chunks on ``sms`` SMs.
+def variant_for(m: int) -> tuple[int, int]:
+    """(unroll U, strips per warp SW) used at M rows: one x fragment serves SW strips, so larger M (more x
+    bytes per weight byte) takes more strips per warp; U * SW chunk loads per lane are in flight per batch."""
+    return VARIANTS[min(k for k in VARIANTS if k >= m)]
 
-    Enough warps for the loads in flight to cover HBM latency (~8 (U=8) or ~12 (U=4) warps per SM), each with
-    at least one full batch of U chunks, the whole grid resident in one wave (``occupancy(warps, splits)`` =
-    resident CTAs per SM).
+
+VARIANTS = {4: (4, 1), 8: (4, 2), 16: (2, 4)}  # M bucket -> (U, SW)
+
+
+def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1) -> tuple[int, int, int, int]:
+    """(splits, strip groups per CTA, unroll, strips per warp) for S = N/16 strips, C = K/64 chunks.
+
+    Enough warps for the loads in flight to cover HBM latency (~12 warps per SM with 4 loads a batch, fewer with
+    more), each with at least one full batch, the whole grid resident in one wave (``occupancy(warps, splits)``
+    = resident CTAs per SM).
     """
-    target = sms * (8 if unroll == 8 else 12)
-    maxw = _MAX_WARPS[unroll]
-    splits = max(1, min(math.ceil(target / s), max(1, c // unroll), maxw))
+    groups = math.ceil(s / sw)
+    target = sms * max(4, 48 // (unroll * sw))
+    maxw = 8 if unroll * sw >= 8 else 16
+    splits = max(1, min(math.ceil(target / groups), max(1, c // unroll), maxw))
     while True:
         per = max(1, min(maxw // splits, 4 // splits))
-        blocks = math.ceil(s / per)
+        blocks = math.ceil(groups / per)
         if splits == 1 or blocks <= occupancy(per * splits, splits) * sms:
-            return splits, per, unroll
+            return splits, per, unroll, sw
         splits -= 1
 
 
-def _config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int]:
+def _config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    key = (idx, w.fmt, m > 8, w.n, w.k)
+    unroll, sw = variant_for(m)
+    key = (idx, w.fmt, m > 8, unroll, sw, w.n, w.k)
     cfg = _STATE.get(key)
     if cfg is None:
         sms = torch.cuda.get_device_properties(idx).multi_processor_count
-        ext, fid, nt, unroll = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1, 4
+        ext, fid, nt = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1
         cfg = pick_config(w.n // 16, w.k // 64, sms, unroll,
-                          lambda warps, splits: ext.occupancy(fid, nt, unroll, warps, splits))
+                          lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits), sw)
         _STATE[key] = cfg
     return cfg
 
 
 def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for M <= 16 on the current CUDA stream (graph capturable).
 
-    ``config`` = (splits, strips per CTA, unroll 4 | 8) overrides :func:`pick_config` (for tuning).
+    ``config`` = (splits, strip groups per CTA, unroll, strips per warp) overrides :func:`pick_config` (tuning).
+    ``pdl``: programmatic dependent launch; the kernel starts during the previous kernel's tail and requests
+    its first weight batch before waiting for it, so the preceding kernels must not write the weight.
     """
     if not x.is_cuda or not w.qweight.is_cuda:
         raise ValueError("gemv needs CUDA tensors (use emulate() elsewhere)")
@@ -387,12 +400,12 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
         raise ValueError(f"gemv: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    splits, per, unroll = config if config is not None else _config(w, m, x.device)
+    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     _ext().gemv(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword,
-                splits, per, unroll)
+                splits, per, unroll, sw, pdl)
     return out
 
 
-__all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config",
+__all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes"]
