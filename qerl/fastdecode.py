@@ -167,18 +167,12 @@ class FusedLinear:
                 r0 += m.rank
             c0 += m.out_features
 
-    @property
-    def lora_a(self) -> torch.Tensor | None:
-        """The stacked LoRA A (R, K) when the group runs concatenated (the caller may compute x·Aᵀ itself,
-        e.g. fused into the RMSNorm that produces x, and pass it as ``xa``)."""
-        return self.A if self.q is not None else None
-
-    def __call__(self, x: torch.Tensor, xa: torch.Tensor | None = None) -> torch.Tensor:  # (M, K) -> (M, sum N)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: (M, K) -> (M, sum N)
         if self.q is None:
             return torch.cat([m(x) for m in self.mods], dim=-1)
         y = kernels.qmm(x, self.fmt, self.q)
         if self.A is not None:
-            y.addmm_(F.linear(x, self.A) if xa is None else xa, self.Bt)
+            y.addmm_(F.linear(x, self.A), self.Bt)
         if self.bias is not None and not self.defer_bias:
             y.add_(self.bias.to(y.dtype))
         return y

@@ -266,23 +266,17 @@ class Sampler:
         n = h.shape[0]
         cos, ssin = self._rope_tables(h[:, None], pos)             # (N, 1, d)
         cos, ssin = cos.reshape(n, -1), ssin.reshape(n, -1)
-        layers, plan = self._layers, s["plan"]
-
-        def norm(h, delta, mod, nxt):  # residual add + RMSNorm (+ the next group's LoRA x·Aᵀ): one launch
-            r = fk.add_rms_norm(h, delta, *self._norm_args(mod), lora_a=None if nxt is None else nxt.lora_a)
-            return r if len(r) == 3 else (*r, None)
-
-        h, x, xa = norm(h, None, layers[0].input_layernorm, plan[0]["qkv"])
+        layers = self._layers
+        h, x = fk.add_rms_norm(h, None, *self._norm_args(layers[0].input_layernorm))
         for i, layer in enumerate(layers):
-            p, a = plan[i], layer.self_attn
-            q = fk.rope_qkv(p["qkv"](x, xa), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
+            p, a = s["plan"][i], layer.self_attn
+            q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
             o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling)  # (N, H*d)
-            h, x, xa = norm(h, a.o_proj(o), layer.post_attention_layernorm, p["gate_up"])
-            d = layer.mlp.down_proj(fk.silu_mul(p["gate_up"](x, xa)))
-            last = i + 1 == len(layers)
-            h, x, xa = norm(h, d, self.model.model.norm if last else layers[i + 1].input_layernorm,
-                            None if last else plan[i + 1]["qkv"])
+            h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm))
+            d = layer.mlp.down_proj(fk.silu_mul(p["gate_up"](x)))
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.model.norm
+            h, x = fk.add_rms_norm(h, d, *self._norm_args(nxt))
         self._sample_into(s, self.model.lm_head(x).float())
 
     def _decode_plan(self):

@@ -113,43 +113,6 @@ if HAS_TRITON:
         tl.store(x_ptr + row * D + offs, (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
-    def _add_rms_norm_lora_kernel(h_ptr, d_ptr, w_ptr, a_ptr, ho_ptr, x_ptr, xa_ptr, D, R, eps,
-                                  HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr):
-        """As _add_rms_norm_kernel (h + delta written to a new buffer, since every program reads h), and
-        also xa[row, rb·RB:(rb+1)·RB] = x · A[rb·RB:(rb+1)·RB]ᵀ for the next LoRA (A: (R, D))."""
-        row = tl.program_id(0)
-        rb = tl.program_id(1)
-        offs = tl.arange(0, BLOCK)
-        msk = offs < D
-        h = tl.load(h_ptr + row * D + offs, mask=msk, other=0.0)
-        if HAS_DELTA:
-            d = tl.load(d_ptr + row * D + offs, mask=msk, other=0.0)
-            h = (h.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        hf = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
-        if rb == 0:
-            tl.store(ho_ptr + row * D + offs, h, mask=msk)
-            xn = (hf * rstd).to(x_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + offs, mask=msk, other=0.0).to(tl.float32)
-            tl.store(x_ptr + row * D + offs, (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=msk)
-        rows = rb * RB + tl.arange(0, RB)
-        rmask = rows < R
-        acc = tl.zeros([RB], tl.float32)
-        for k0 in range(0, D, BK):  # x again, chunk by chunk (L1/L2-resident), rounded exactly as stored
-            kk = k0 + tl.arange(0, BK)
-            km = kk < D
-            hk = tl.load(h_ptr + row * D + kk, mask=km, other=0.0)
-            if HAS_DELTA:
-                dk = tl.load(d_ptr + row * D + kk, mask=km, other=0.0)
-                hk = (hk.to(tl.float32) + dk.to(tl.float32)).to(h_ptr.dtype.element_ty)
-            xk = (hk.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-            wk = tl.load(w_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            xk = (wk * xk).to(x_ptr.dtype.element_ty).to(tl.float32)
-            a = tl.load(a_ptr + rows[:, None] * D + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(a.to(tl.float32) * xk[None, :], axis=1)
-        tl.store(xa_ptr + row * R + rows, acc.to(xa_ptr.dtype.element_ty), mask=rmask)
-
-    @triton.jit
     def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
         row = tl.program_id(0)
@@ -248,23 +211,8 @@ if HAS_TRITON:
 
 # ------------------------------------------------------------------------------------------ dispatch
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 lora_a: torch.Tensor | None = None):
-    """``h + delta`` and ``x = RMSNorm(h + delta)·w``; h, delta: (M, D) contiguous. Returns (h, x), or with
-    ``lora_a`` (R, D) (the next linear's LoRA A) (h, x, x·Aᵀ) — one launch either way. Without ``lora_a``
-    h is updated in place."""
-    if lora_a is not None:
-        if not _use_triton(h):
-            h, x = add_rms_norm_ref(h, delta, weight, eps)
-            return h, x, F.linear(x, lora_a)
-        m, d = h.shape
-        r = lora_a.shape[0]
-        ho, x = torch.empty_like(h), torch.empty_like(h)
-        xa = torch.empty((m, r), dtype=h.dtype, device=h.device)
-        _add_rms_norm_lora_kernel[(m, -(-r // 16))](h, delta if delta is not None else h, weight, lora_a, ho, x, xa,
-                                                    d, r, float(eps), HAS_DELTA=delta is not None, BLOCK=_pow2(d),
-                                                    RB=16, BK=256, num_warps=4 if d <= 4096 else 8)
-        return ho, x, xa
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``h += delta`` (in place) and ``RMSNorm(h)·w``. h, delta: (M, D) contiguous. Returns (h, x)."""
     if not _use_triton(h):
         return add_rms_norm_ref(h, delta, weight, eps)
     m, d = h.shape
