@@ -4,7 +4,10 @@ Every format of ``qerl.quant.FORMATS`` goes through the same three functions; th
 format and M (rows of x flattened) and named by :func:`backend_for`:
 
 =================  =======================================================================================
-``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16: split-K tiled kernel (BM=16 mma), in-register
+``cuda_gemv``      NVFP4/MXFP4, CUDA, BF16 x, M <= 16, N % 16 == 0, K % 64 == 0, when the hand-written CUDA
+                   kernel builds (``qerl.kernels.cuda_fp4``; ``QERL_CUDA_GEMV=0`` turns it off): weights
+                   re-laid out once into mma fragments (a second copy, same size as the packed weight)
+``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
 ``dequant_cublas`` NVFP4/MXFP4, CUDA: M > 256, every ``qmm_t``, x not BF16, and wherever the tuned table
@@ -42,7 +45,7 @@ try:  # Triton is optional: CPU hosts without it use the reference path.
 except Exception:  # pragma: no cover - depends on the host
     triton, _k, HAS_TRITON = None, None, False
 
-BACKENDS = ("triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
+BACKENDS = ("cuda_gemv", "triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
 _FP4 = {"nvfp4": 0, "mxfp4": 1}
 _GROUP = {0: 16, 1: 32}
 _COUNTER_SLOTS = 1 << 16
@@ -142,6 +145,60 @@ def _device_info(dev: torch.device) -> tuple[str, int, int]:
     return info
 
 
+# ----------------------------------------------------------------------------------------- CUDA decode GEMV
+
+CUDA_GEMV_MAX_M = 16
+_CUDA: dict = {}
+_CUDA_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def cuda_gemv_enabled(dev: torch.device) -> bool:
+    """True when the hand-written CUDA FP4 GEMV (``qerl.kernels.cuda_fp4``) serves decode-size M on ``dev``:
+    a CUDA device, ``QERL_CUDA_GEMV`` not "0", and the extension built (once; a failure warns and falls back
+    to Triton)."""
+    if dev.type != "cuda" or _interpret() or os.environ.get("QERL_CUDA_GEMV", "1") == "0":
+        return False
+    ok = _CUDA.get("ok")
+    if ok is None:
+        try:
+            from qerl.kernels import cuda_fp4
+            ok = cuda_fp4.available()
+            err = cuda_fp4.build_error()
+        except Exception as e:  # pragma: no cover - depends on the host
+            ok, err = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            import warnings
+            warnings.warn(f"CUDA FP4 GEMV unavailable ({err}); decode uses the Triton kernels", stacklevel=2)
+        _CUDA["ok"] = ok
+    return ok
+
+
+def _cuda_weight(fmt: str, q: Mapping[str, torch.Tensor]):
+    """The CUDA kernel's re-laid-out copy of this weight (cached per ``weight_packed`` tensor), or None when
+    the format/shape is not supported or we are inside a CUDA-graph capture without a cached copy."""
+    fid = _fp4_id(fmt)
+    packed, scale = q["weight_packed"], q["weight_scale"]
+    gs = q.get("weight_global_scale") if fid == 0 else None
+    stamp = _stamp(packed, scale, gs)
+    hit = _CUDA_PREPARED.get(packed)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    from qerl.kernels import cuda_fp4
+    try:
+        w = cuda_fp4.prepare("nvfp4" if fid == 0 else "mxfp4", packed, scale, gs)
+    except ValueError:  # e.g. an MXFP4 exponent range the kernel's decode cannot represent exactly
+        w = None
+    _CUDA_PREPARED[packed] = (stamp, w)
+    return w
+
+
+def _cuda_gemv_ok(x: torch.Tensor, m: int, n: int, k: int) -> bool:
+    return (m <= CUDA_GEMV_MAX_M and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0
+            and cuda_gemv_enabled(x.device))
+
+
 def _triton_ok(x: torch.Tensor) -> bool:
     return HAS_TRITON and ((x.is_cuda and torch.cuda.is_available()) or _interpret())
 
@@ -174,6 +231,8 @@ def backend_for(fmt: str, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None 
     m = x.numel() // max(1, x.shape[-1])
     if q is not None:
         n, kh = q["weight_packed"].shape
+        if _cuda_gemv_ok(x, m, n, 2 * kh) and _cuda_weight(fmt, q) is not None:
+            return "cuda_gemv"
         cfg = kernel_config(fmt, n, 2 * kh, m, x.device)
     else:
         cfg = configs.heuristic(1, x.shape[-1], m)
@@ -342,6 +401,12 @@ def qmm(x: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tenso
     out = torch.empty((m, pw.n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out.reshape(*x.shape[:-1], pw.n)
+    if _cuda_gemv_ok(x2, m, pw.n, pw.k):
+        w = _cuda_weight(fmt, q)
+        if w is not None:
+            from qerl.kernels import cuda_fp4
+            cuda_fp4.gemv(x2, w, out)
+            return out.reshape(*x.shape[:-1], pw.n)
     cfg = kernel_config(fmt, pw.n, pw.k, m, x.device) if x.dtype == torch.bfloat16 else None
     if cfg is None or cfg.kernel == "cublas":
         _dequant_mm(x2, fmt, q, pw, out, cfg.chunk if cfg is not None else 0)
@@ -410,5 +475,5 @@ def _bnb_matmul(x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return bnb.matmul_4bit(x, w.t(), quant_state=state)
 
 
-__all__ = ["qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
+__all__ = ["cuda_gemv_enabled", "qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
            "PackedFP4", "BACKENDS", "HAS_TRITON"]
