@@ -19,10 +19,10 @@ Formats whose packing is per tensor (NF4: bitsandbytes' nested absmax blocks) ar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qerl import kernels
+from qerl.kernels.fused import lora_a
 from qerl.lora import QuantLoRALinear
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -172,7 +172,7 @@ class FusedLinear:
             return torch.cat([m(x) for m in self.mods], dim=-1)
         y = kernels.qmm(x, self.fmt, self.q)
         if self.A is not None:
-            y.addmm_(F.linear(x, self.A), self.Bt)
+            y.addmm_(lora_a(x, self.A), self.Bt)
         if self.bias is not None and not self.defer_bias:
             y.add_(self.bias.to(y.dtype))
         return y

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl import kernels
+from qerl.kernels.fused import lora_a
 from qerl.quant import get_format
 
 #: The seven projections QeRL adapts (paper Sec. 4.1; official `target_modules`).
@@ -133,8 +134,8 @@ class QuantLoRALinear(nn.Module):
             a, bt = self._lora_cache
             if a.dtype != x.dtype:
                 a, bt = a.to(x.dtype), bt.to(x.dtype)
-            xa = F.linear(x, a)                                                # (..., r)
-            y.view(-1, self.out_features).addmm_(xa.reshape(-1, self.rank), bt)
+            xa = lora_a(x.reshape(-1, self.in_features), a)                     # (M, r)
+            y.view(-1, self.out_features).addmm_(xa, bt)
         return y
 
     def extra_repr(self) -> str:

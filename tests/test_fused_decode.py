@@ -130,6 +130,11 @@ def _interpreter_main() -> None:
         torch.testing.assert_close(fk.decode_attention(q, kc, vc, bias, S, 0.17).double(), ref, rtol=1e-5, atol=1e-5)
     gu = torch.randn(4, 2 * 1500, generator=g)
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
+    for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128)):  # split-K, ragged R and K
+        assert fk.lora_a_splits(r, k)[0] > 1 or k <= 128
+        x, a = torch.randn(m, k, generator=g), torch.randn(r, k, generator=g)
+        for _ in range(2):  # twice: the split-K counters must be back at zero
+            torch.testing.assert_close(fk.lora_a(x, a), x @ a.t(), rtol=1e-5, atol=1e-4)
     print("FUSED-INTERPRETER-OK")
 
 
@@ -167,6 +172,9 @@ def test_fused_kernels_compile_for_sm90():
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"), dict(D=128, SP=16))
     build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32"), dict(BLOCK=1024))
+    build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32", R="i32",
+                                  K="i32", stride_xm="i32", PER="i32"),
+          dict(BM=16, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False))
 
 
 # ------------------------------------------------------------------------------------------ fused storage
@@ -282,6 +290,11 @@ def test_gpu_fused_kernels_bf16():
             o = fk.decode_attention(q2, kc, vc, bias, S, d ** -0.5)
             ref = _naive_attention(q2.cpu(), kc.cpu(), vc.cpu(), bias.cpu(), S, d ** -0.5)
             assert (o.double().cpu() - ref).abs().max() < 0.03, (H, S)
+    for m, r, k in ((8, 96, 3584), (8, 32, 18944), (2, 64, 5120), (16, 32, 27648)):
+        x, a = rn(m, k).to(BF), (0.02 * rn(r, k)).to(BF)
+        ref = x.double() @ a.double().t()
+        for _ in range(3):
+            assert ((fk.lora_a(x, a).double() - ref).abs().max() / ref.abs().max()) < 1e-2, (m, r, k)
     gu = rn(8, 2 * 18944).to(BF)
     a1, a2 = fk.silu_mul_ref(gu), fk.silu_mul(gu)
     assert (a1 != a2).float().mean() < 0.01 and (a1.float() - a2.float()).abs().max() <= 2 ** -7 * a1.abs().max()

@@ -10,7 +10,9 @@ functions cover all of it in 5 launches per layer:
                         fused ``[q | k | v]`` projection output;
 * :func:`decode_attention`  softmax(q Kᵀ·scale + bias) V over the first S cache slots, GQA, split over
                         the keys (flash-decoding: partial max/sum/accumulator per split, then a combine);
-* :func:`silu_mul`      ``silu(gate) * up`` from the fused ``[gate | up]`` output.
+* :func:`silu_mul`      ``silu(gate) * up`` from the fused ``[gate | up]`` output;
+* :func:`lora_a`        the LoRA down-projection ``x·Aᵀ`` (M <= 16 rows, rank R): one split-K launch whose last
+                        CTA per rank block sums the partials (cuBLAS takes a GEMM plus a split-K reduce).
 
 Each has a pure-torch reference (``*_ref``, used on CPU and as the tests' reference) with the same rounding
 points as the unfused modules (bf16 results rounded where the HF modules round them); the Triton versions
@@ -94,7 +96,49 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ Triton
 
 if HAS_TRITON:
+    from qerl.kernels.fp4_triton import _fence_gpu
+
     _NEG = tl.constexpr(NEG)
+
+    @triton.jit
+    def _lora_a_kernel(x_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, PER,
+                       BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                       FENCE: tl.constexpr, DOT_F32: tl.constexpr):
+        rb = tl.program_id(0)
+        sp = tl.program_id(1)
+        rows = tl.arange(0, BM)
+        rr = rb * BR + tl.arange(0, BR)
+        rmask = rr < R
+        acc = tl.zeros([BM, BR], tl.float32)
+        k_lo = sp * PER
+        k_hi = tl.minimum(k_lo + PER, K)
+        for k0 in range(k_lo, k_hi, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < k_hi
+            xt = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=(rows < M)[:, None] & km[None, :],
+                         other=0.0)
+            at = tl.load(a_ptr + rr[:, None] * K + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
+            if DOT_F32:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            acc += tl.dot(xt, tl.trans(at))
+        omask = (rows < M)[:, None] & rmask[None, :]
+        o_ptrs = out_ptr + rows[:, None] * R + rr[None, :]
+        if SPLIT == 1:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            p_off = rows[:, None] * R + rr[None, :]
+            tl.store(ws_ptr + sp * M * R + p_off, acc, mask=omask)
+            _fence_gpu(FENCE)
+            tl.debug_barrier()
+            cnt = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel")
+            if cnt == SPLIT - 1:  # the last split of this rank block sums every partial
+                _fence_gpu(FENCE)
+                tot = tl.load(ws_ptr + p_off, mask=omask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT):
+                    tot += tl.load(ws_ptr + s * M * R + p_off, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(cnt_ptr + rb, 0)  # zero again for the next launch (graph replays too)
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
@@ -262,6 +306,34 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, _pow2(nsplit)), num_warps=4)
     return o
+
+
+def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96) -> tuple[int, int]:
+    """(K splits, K per split) for ``lora_a``: about ``target`` CTAs over the R/br rank blocks, each split
+    a whole number of ``bk`` tiles, at most 16 splits."""
+    tiles = -(-k // bk)
+    split = max(1, min(16, tiles, -(-target // -(-r // br))))
+    per = -(-tiles // split) * bk
+    return -(-k // per), per
+
+
+def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, for decode-size M (<= 16) on CUDA; F.linear elsewhere."""
+    m, k = x.shape
+    if m > 16 or not _use_triton(x) or x.stride(1) != 1 or not a.is_contiguous() or a.dtype != x.dtype:
+        return F.linear(x, a)
+    from qerl import kernels as qk
+
+    r = a.shape[0]
+    split, per = lora_a_splits(r, k)
+    out = torch.empty((m, r), dtype=x.dtype, device=x.device)
+    nrb = -(-r // 16)
+    ws = torch.empty((split, m, r), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = qk._counters(x.device) if split > 1 else out
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    _lora_a_kernel[(nrb, split)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=16, BR=16, BK=128, SPLIT=split,
+                                FENCE=x.is_cuda and not interp, DOT_F32=interp, num_warps=4)
+    return out
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
