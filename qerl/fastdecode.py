@@ -79,6 +79,9 @@ def fuse_projection_storage(model: nn.Module) -> int:
                 for m in mods:
                     m._buffers[name] = whole[off:off + m.out_features]
                     off += m.out_features
+                if whole.is_cuda:  # hand the members' old blocks back: cached, they cannot hold the next group's
+                    del whole      # (larger) buffer, and a 32B BF16 load would grow by one group per layer (OOM)
+                    torch.cuda.empty_cache()
             fused += 1
     return fused
 
