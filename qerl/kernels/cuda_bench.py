@@ -2,7 +2,8 @@
 
     python -m qerl.kernels.cuda_bench --out DIR [--models 7b,14b,32b] [--m 1,2,4,8,16] [--sweep]
 
-Timed exactly as ``bench.py`` does: per linear, one CUDA graph over rotating weight copies (>= 160 MB, so every
+The Triton path is ``qmm`` with ``QERL_CUDA_GEMV=0`` (its own CUDA-GEMV dispatch off). Timed exactly as
+``bench.py`` does: per linear, one CUDA graph over rotating weight copies (>= 160 MB, so every
 weight read comes from HBM) replayed; median replay / copies. Per layer: the sum over the 7 linears, and the 7
 run back to back over consecutive layer copies in one graph. Effective TB/s counts the weight bytes the path
 reads (packed + scales, or BF16) plus x and out, once. ``--sweep`` also times launch configurations of the CUDA
@@ -13,6 +14,7 @@ kernel on the 7B shapes at M = 1 and 16 (table printed; the dispatcher's pick is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import platform
@@ -44,6 +46,27 @@ def _time_cuda(cws: list[cf.CudaFP4Weight], m: int, rep_ms: float, config=None, 
     x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
     calls = [lambda w=w: cf.gemv(x, w, config=config, pdl=pdl) for w in cws]
     return bench._graph_ms(calls, rep_ms)[0]
+
+
+@contextlib.contextmanager
+def _triton_only(on: bool):
+    """qmm without its CUDA-GEMV dispatch (``QERL_CUDA_GEMV=0``): the Triton decode path."""
+    old = os.environ.get("QERL_CUDA_GEMV")
+    if on:
+        os.environ["QERL_CUDA_GEMV"] = "0"
+    try:
+        yield
+    finally:
+        if on:
+            if old is None:
+                os.environ.pop("QERL_CUDA_GEMV", None)
+            else:
+                os.environ["QERL_CUDA_GEMV"] = old
+
+
+def _time_qmm(fmt: str, w, m: int, k: int, n: int, rep_ms: float, path: str) -> float:
+    with _triton_only(path == "triton"):
+        return bench._time_fn(fmt, w, m, k, n, "fwd", rep_ms)
 
 
 def _layer_cuda_ms(lins, cws: dict, m: int, rep_ms: float, pdl: bool) -> float:
@@ -90,7 +113,7 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
                             nb = cws[(n, k)][0].nbytes
                             cfg = cf._config(cws[(n, k)][0], m, torch.device("cuda"))
                         else:
-                            t = bench._time_fn(fmt, w, m, k, n, "fwd", rep_ms)
+                            t = _time_qmm(fmt, w, m, k, n, rep_ms, path)
                             nb, cfg = w.nbytes, ""
                         nbytes = nb + 2 * m * (n + k)
                         total_t += t
@@ -101,7 +124,8 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
                     if path.startswith("cuda"):
                         tg = _layer_cuda_ms(lins, cws, m, rep_ms, path == "cuda_pdl")
                     else:
-                        tg = bench._layer_graph_ms(fmt, lins, wts, m, "fwd", rep_ms)
+                        with _triton_only(path == "triton"):
+                            tg = bench._layer_graph_ms(fmt, lins, wts, m, "fwd", rep_ms)
                     rows.append(dict(model=mdl, fmt=fmt, path=path, M=m, linear="layer", N=0, K=0,
                                      us=round(total_t * 1e3, 3), bytes=total_b,
                                      TBps=round(total_b / (total_t * 1e-3) / 1e12, 3),

@@ -69,7 +69,15 @@ __device__ __forceinline__ uint32_t ld_stream_u16(const uint16_t* p) {
   return r;
 }
 
-__device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// Activations: a coherent load (not ld.global.nc), issued only after griddepcontrol.wait: under programmatic
+// dependent launch x is written by the previous grid while this one is already running, and the
+// non-coherent path may then return stale lines.
+__device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
+  return r;
+}
 
 // Scale words of rows g (sg) and g+8 (sg8), both halves equal, from the lane's 16-bit scale pair.
 template <int FMT>
@@ -130,8 +138,9 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
 // grid: ceil(S / (R * SW)) CTAs of R * splits warps; warp w works on the SW strips starting at
 // (blockIdx.x * R + w / splits) * SW (clamped to S - 1 for loads), K chunks [split * C / splits,
 // (split + 1) * C / splits). Each x fragment load serves SW strips. With programmatic dependent launch the
-// first weight batch is requested before griddepcontrol.wait (weights are never written by the kernels this
-// one overlaps); x, written by the previous kernel, only after it.
+// CTAs start during the previous grid's tail and wait (griddepcontrol.wait) before reading anything that grid
+// may write; the source asks for the first weight batch before the wait, but ptxas (13.0) schedules the wait
+// first, so the gain is the overlapped launch only.
 template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW>() * 32)
 fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
@@ -159,67 +168,68 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[i][a][nt][0] = acc[i][a][nt][1] = acc[i][a][nt][2] = acc[i][a][nt][3] = 0.f;
 
-  if (active && c0 < c1) {
-    // Pointers advance one batch of U chunks at a time; inside a batch the offsets are compile-time constants.
-    const uint4* wq[SW];
-    const uint16_t* sq[SW];
+  const bool work = active && c0 < c1;
+  // Pointers advance one batch of U chunks at a time; inside a batch the offsets are compile-time constants.
+  const uint4* wq[SW];
+  const uint16_t* sq[SW];
+#pragma unroll
+  for (int i = 0; i < SW; ++i) {
+    const int st = max(0, min(strip0 + i, S - 1));
+    wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
+    sq[i] = sc + ((size_t)st * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
+  }
+  const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
+  const int ldx8 = 8 * ldx;
+  const bool xv0 = g < M, xv1 = g + 8 < M;
+  uint4 wa[U][SW], wb[U][SW];
+  uint32_t sa[U][SW], sb[U][SW];
+  XFrag<NT> xf[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf[i].r[nt][e] = 0u;
+
+  // Loads of the batch at the current pointers (n valid chunks, warp-uniform).
+  auto load_batch = [&](uint4 (&w)[U][SW], uint32_t (&s)[U][SW], int n) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (u < n) {
+#pragma unroll
+        for (int i = 0; i < SW; ++i) {
+          w[u][i] = ld_stream(wq[i] + u * 32);
+          s[u][i] = ld_stream_u16(sq[i] + u * SL);
+        }
+      }
+    }
+  };
+  auto advance = [&]() {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
-      const int st = min(strip0 + i, S - 1);
-      wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
-      sq[i] = sc + ((size_t)st * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
+      wq[i] += U * 32;
+      sq[i] += U * SL;
     }
-    const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
-    const int ldx8 = 8 * ldx;
-    const bool xv0 = g < M, xv1 = g + 8 < M;
-    uint4 wa[U][SW], wb[U][SW];
-    uint32_t sa[U][SW], sb[U][SW];
-    XFrag<NT> xf[2];
+  };
+  // Chunk u uses x fragment (u & 1) and prefetches chunk u + 1's (possibly the next batch's first) into the
+  // other one; U is even, so parities carry over between batches.
+  auto compute_batch = [&](const uint4 (&w)[U][SW], const uint32_t (&s)[U][SW], int left) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int u = 0; u < U; ++u) {
+      if (u < left) {
+        if (u + 1 < left) load_x<NT>(xf[(u + 1) & 1], xq + 64 * (u + 1), ldx8, xv0, xv1);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xf[i].r[nt][e] = 0u;
+        for (int i = 0; i < SW; ++i) chunk_mma<FMT, NT, A2>(acc[i], w[u][i], s[u][i], bword, xf[u & 1]);
+      }
+    }
+  };
 
-    // Loads of the batch at the current pointers (n valid chunks, warp-uniform).
-    auto load_batch = [&](uint4 (&w)[U][SW], uint32_t (&s)[U][SW], int n) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (u < n) {
-#pragma unroll
-          for (int i = 0; i < SW; ++i) {
-            w[u][i] = ld_stream(wq[i] + u * 32);
-            s[u][i] = ld_stream_u16(sq[i] + u * SL);
-          }
-        }
-      }
-    };
-    auto advance = [&]() {
-#pragma unroll
-      for (int i = 0; i < SW; ++i) {
-        wq[i] += U * 32;
-        sq[i] += U * SL;
-      }
-    };
-    // Chunk u uses x fragment (u & 1) and prefetches chunk u + 1's (possibly the next batch's first) into the
-    // other one; U is even, so parities carry over between batches.
-    auto compute_batch = [&](const uint4 (&w)[U][SW], const uint32_t (&s)[U][SW], int left) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (u < left) {
-          if (u + 1 < left) load_x<NT>(xf[(u + 1) & 1], xq + 64 * (u + 1), ldx8, xv0, xv1);
-#pragma unroll
-          for (int i = 0; i < SW; ++i) chunk_mma<FMT, NT, A2>(acc[i], w[u][i], s[u][i], bword, xf[u & 1]);
-        }
-      }
-    };
-
-    int left = c1 - c0;  // chunks not yet computed
-    load_batch(wa, sa, left);
+  int left = work ? c1 - c0 : 0;  // chunks not yet computed
+  load_batch(wa, sa, left);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  if (work) {
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
       advance();
@@ -235,10 +245,6 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
       left -= U;
       if (left <= 0) break;
     }
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   }
 
 #pragma unroll
