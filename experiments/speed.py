@@ -50,7 +50,15 @@ def memory_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rollout_table(root: Path, name: str = "rollout.csv") -> str:
+def _size(model: str) -> float:
+    import re
+    m = re.search(r"(\d+(?:\.\d+)?)B", str(model))
+    return float(m.group(1)) if m else 0.0
+
+
+def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = None, rank: int | None = 32) -> str:
+    """Ours beside the paper's (Tables 5-8), grouped by model, batch, LoRA rank and decode step; ×LoRA and
+    ×QLoRA against our own rows of the same group (marked † where that row came from another run)."""
     p = root / name
     if not p.exists():
         return f"_no {name}_\n"
@@ -59,25 +67,65 @@ def rollout_table(root: Path, name: str = "rollout.csv") -> str:
     d["decode"] = d["decode"].fillna("unfused") if "decode" in d else "unfused"
     if "lora_rank" not in d:
         d["lora_rank"] = 32
+    if decode is not None:
+        d = d[d["decode"] == decode]
+    if rank is not None:
+        d = d[d["lora_rank"] == rank]
+    if d.empty:
+        return "_no rows_\n"
+    d = d.assign(_size=d["model"].map(_size)).sort_values(["_size", "batch_size"], ascending=[True, False])
     paper = pd.read_csv(PAPER_DIR / "rollout_speed.csv")
     paper = paper[paper.metric == "rollout_throughput"]
     lines = ["| model | batch | rank | decode | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | "
              "paper tok/s (vLLM) | paper ×LoRA | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (model, batch, rank, dec), g in d.groupby(["model", "batch_size", "lora_rank", "decode"], sort=False):
-        base = g[g.method == "LoRA"]["tokens_per_s"]
-        qlora = g[g.method == "QLoRA"]["tokens_per_s"]
-        pg = paper[(paper.model == model) & (paper.batch_size == batch)]
+    for (model, batch, rk, dec), g in d.groupby(["model", "batch_size", "lora_rank", "decode"], sort=False):
+        base = g[g.method == "LoRA"]
+        qlora = g[g.method == "QLoRA"]
+        pg = paper[(paper.model == model) & (paper.batch_size == batch)] if rk == 32 else paper.iloc[:0]
         p_lora = pg[pg.method == "LoRA"]["value"]
+
+        def ratio(r, ref):
+            if not len(ref):
+                return "—"
+            mark = "" if ref["run"].iloc[0] == r.get("run") else "†"
+            return _fmt(r["tokens_per_s"] / ref["tokens_per_s"].iloc[0], 2) + mark
+
         for _, r in g.sort_values("tokens_per_s", ascending=False).iterrows():
             pv = pg[pg.method == r["method"]]["value"]
             pv = float(pv.iloc[0]) if len(pv) else None
             lines.append(
-                f"| {model} | {int(batch)} | {int(rank)} | {dec} | {r['method']} | {r['weights']} | "
-                f"{r['tokens_per_s']:.0f} | "
-                f"{_fmt(r['tokens_per_s'] / base.iloc[0], 2) if len(base) else '—'} | "
-                f"{_fmt(r['tokens_per_s'] / qlora.iloc[0], 2) if len(qlora) else '—'} | {_fmt(pv)} | "
+                f"| {model} | {int(batch)} | {int(rk)} | {dec} | {r['method']} | {r['weights']} | "
+                f"{r['tokens_per_s']:.0f} | {ratio(r, base)} | {ratio(r, qlora)} | {_fmt(pv)} | "
                 f"{_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'} | "
                 f"{r.get('run', '')} ({r.get('git_sha', '')}) |")
+    return "\n".join(lines) + "\n"
+
+
+def rank_table(root: Path) -> str:
+    """Table 9: ours per LoRA rank (the batch of our sweep) beside the paper's (vLLM, batch 1)."""
+    p = root / "rollout.csv"
+    if not p.exists():
+        return "_no rollout.csv_\n"
+    d = pd.read_csv(p)
+    d = d[d["tokens_per_s"].notna() & (d.get("decode", "fused") == "fused")]
+    swept = d.groupby(["model", "batch_size"])["lora_rank"].nunique()
+    swept = swept[swept > 1]
+    if swept.empty:
+        return "_no rank sweep_\n"
+    t9 = pd.read_csv(PAPER_DIR / "table9.csv")
+    lines = ["| model | batch (ours) | weights | rank | ours tok/s | ours ×LoRA | paper tok/s (vLLM, batch 1) | "
+             "paper ×LoRA |", "|---|---|---|---|---|---|---|---|"]
+    for (model, batch) in swept.index:
+        g = d[(d.model == model) & (d.batch_size == batch)].sort_values(["lora_rank", "weights"])
+        for _, r in g.iterrows():
+            b = g[(g.lora_rank == r.lora_rank) & (g.weights == "BF16")]["tokens_per_s"]
+            pv = t9[(t9.model == model) & (t9.weights == r.weights) & (t9.lora_rank == r.lora_rank)]
+            pb = t9[(t9.model == model) & (t9.weights == "BF16") & (t9.lora_rank == r.lora_rank)]
+            pvv = float(pv.rollout_throughput_tokens_per_s.iloc[0]) if len(pv) else None
+            pbv = float(pb.rollout_throughput_tokens_per_s.iloc[0]) if len(pb) else None
+            lines.append(f"| {model} | {int(batch)} | {r.weights} | {int(r.lora_rank)} | {r.tokens_per_s:.0f} | "
+                         f"{_fmt(r.tokens_per_s / b.iloc[0], 2) if len(b) else '—'} | {_fmt(pvv)} | "
+                         f"{_fmt(pvv / pbv, 2) if pvv and pbv else '—'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -88,7 +136,7 @@ def step_table(root: Path) -> str:
     d = pd.read_csv(p)
     t3 = pd.read_csv(PAPER_DIR / "table3.csv")
     lines = ["| model | batch | GC | method | status | ours s/step | rollout s | log-prob s | update s | peak GB | "
-             "ours ×LoRA | paper ×LoRA (Table 3) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours ×LoRA | paper ×LoRA (Table 3) | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, batch, gc), g in d.groupby(["model", "batch_size", "gc"], sort=False):
         base = g[(g.method == "LoRA") & (g.status == "ok")]["step_s"]
         for _, r in g.iterrows():
@@ -101,7 +149,8 @@ def step_table(root: Path) -> str:
                 f"{_fmt(r['step_s']) if ok else '—'} | {_fmt(r['rollout_s']) if ok else '—'} | "
                 f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
                 f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "
-                f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'} | {_fmt(pv) if pv == pv else '—'} |")
+                f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'} | {_fmt(pv) if pv == pv else '—'} | "
+                f"{r.get('run', '')} ({r.get('git_sha', '') if r.get('git_sha', '') == r.get('git_sha', '') else ''}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -112,6 +161,7 @@ def render(root: Path) -> str:
         break
     dev = "NVIDIA H100 80GB HBM3" if "H100" in env else "see raw/*/env.json"
     layers = (root / "layers_h100.md").read_text() if (root / "layers_h100.md").exists() else "_no layer table_\n"
+    cuda = (root / "cuda_fp4_h100.md").read_text() if (root / "cuda_fp4_h100.md").exists() else "_no CUDA GEMV table_\n"
     md = f"""# Speed and memory (ours beside the paper's)
 
 Device: {dev}, torch 2.11 (CUDA 13), triton 3.6. Shape presets with random weights (exact Qwen2.5-*-Instruct
@@ -123,14 +173,25 @@ Raw logs, per-run CSVs and env.json: `results/speed/raw/`.
 ## Model size (Table 3)
 {memory_table(root)}
 ## Rollout throughput (Tables 5-8, Fig. 1)
-{rollout_table(root)}
-### All four formats at 7B, one run (earlier sampler build, before the decode-overhead cuts)
-{rollout_table(root / "raw", "rollout_all_formats_7b.csv")}
+The current sampler: fused decode step (`qerl.kernels.fused`, q|k|v and gate|up as one matmul each) and, for
+NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = ratio against a row of another run
+(32B BF16 needed `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to load next to nothing else on 80 GB).
+{rollout_table(root, decode="fused")}
+### The fused decode step against the unfused one (7B, one run, before the CUDA GEMV; Triton FP4 kernels)
+{rollout_table(root / "raw" / "h100_run5", decode=None)}
+### Throughput per LoRA rank (Table 9, Fig. 11)
+{rank_table(root)}
+Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
+827 / BF16 739 tok/s, 14B 470 / 409, 32B 284 / 225.
+
 ## One GRPO step end to end (Table 3; rollout + log-probs + update)
 The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
 2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).
 {step_table(root)}
-## Decoder linears per layer (kernels; `python -m qerl.kernels.bench`)
+## Decoder linears at decode size: the CUDA mma GEMV (`python -m qerl.kernels.cuda_bench`)
+The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
+{cuda}
+## Decoder linears per layer, all M (Triton kernels; `python -m qerl.kernels.bench`, before the CUDA GEMV)
 {layers}
 """
     return md

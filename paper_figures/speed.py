@@ -178,6 +178,7 @@ def speed_rollout(root="results", out_dir=None) -> list[Path]:
         return skip("speed_rollout", f"no rollout CSV (with a tokens/s column) under {Path(root) / 'speed'}")
     if "batch" not in df:
         df["batch"] = 1
+    df = df[df["batch"].notna()].assign(batch=lambda x: x["batch"].astype(int))
     note = ""
     if "rank" in df and df["rank"].nunique() > 1:
         r = df["rank"].value_counts().sort_index().idxmax()
