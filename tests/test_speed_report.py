@@ -1,0 +1,88 @@
+"""The speed report's bookkeeping (``experiments.speed``): merging a GPU session's CSVs into results, the tables
+(same-run ratios, † across runs, the fused decode step as the current one, Table 9 beside the paper), and
+``qerl.bench profile`` end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from experiments import speed
+
+
+def _rollout(rows, run, sha="abc1234"):
+    base = dict(bench="rollout", prompt_len=256, new_tokens=2048, status="ok", run=run, git_sha=sha)
+    return pd.DataFrame([dict(base, **r) for r in rows])
+
+
+def _row(model, method, weights, batch, tps, decode="fused", rank=32):
+    return dict(model=model, method=method, weights=weights, batch_size=batch, lora_rank=rank, decode=decode,
+                tokens_per_s=tps)
+
+
+def test_merge_replaces_same_identity_and_keeps_the_rest(tmp_path):
+    root = tmp_path / "speed"
+    root.mkdir()
+    # an older top-level CSV: float batch sizes, no decode column (older builds decoded unfused)
+    old = _rollout([_row("Qwen2.5-7B-Instruct", "LoRA", "BF16", 8.0, 700.0),
+                    _row("Qwen2.5-14B-Instruct", "LoRA", "BF16", 8.0, 400.0)], "run1").drop(columns="decode")
+    old.to_csv(root / "rollout.csv", index=False)
+    src = tmp_path / "out"
+    src.mkdir()
+    _rollout([_row("Qwen2.5-7B-Instruct", "LoRA", "BF16", 8, 1000.0, "unfused"),
+              _row("Qwen2.5-7B-Instruct", "LoRA", "BF16", 8, 1100.0, "fused")], "ignored",
+             sha="deadbeef00").drop(columns=["run"]).to_csv(src / "rollout.csv", index=False)
+    (src / "env.json").write_text(json.dumps({"gpu": "H100"}))
+    merged = speed.merge_run(src, root, "h100_runX", sha="cafe123")
+    assert merged == [str(root / "rollout.csv")]
+    d = pd.read_csv(root / "rollout.csv")
+    # the 7B unfused row replaced run1's (8.0 == 8, missing decode == unfused); 14B kept; fused added
+    assert sorted(d["tokens_per_s"]) == [400.0, 1000.0, 1100.0]
+    assert set(d.loc[d["tokens_per_s"] > 900, "run"]) == {"h100_runX"}
+    assert set(d.loc[d["tokens_per_s"] > 900, "git_sha"]) == {"cafe123"}
+    assert (root / "raw" / "h100_runX" / "env.json").exists()
+    assert (root / "raw" / "h100_runX" / "rollout.csv").exists()
+    with pytest.raises(FileNotFoundError, match="no benchmark output folder"):
+        speed.merge_run(tmp_path / "missing", root, "x")
+
+
+def test_rollout_table_ratios_and_cross_run_mark(tmp_path):
+    d = pd.concat([_rollout([_row("Qwen2.5-32B-Instruct", "QeRL", "NVFP4", 8, 520.0),
+                             _row("Qwen2.5-32B-Instruct", "QLoRA", "NF4", 8, 130.0),
+                             _row("Qwen2.5-32B-Instruct", "QeRL", "NVFP4", 8, 300.0, "unfused")], "a"),
+                   _rollout([_row("Qwen2.5-32B-Instruct", "LoRA", "BF16", 8, 260.0)], "b")])
+    d.to_csv(tmp_path / "rollout.csv", index=False)
+    md = speed.rollout_table(tmp_path, decode="fused")
+    line = next(x for x in md.splitlines() if "| QeRL |" in x)
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[7] == "520" and cells[8] == "2.00†" and cells[9] == "4.00"  # ×LoRA from run b: marked
+    assert "688.2" in line  # the paper's 32B batch-8 NVFP4 figure beside ours (Table 8)
+    assert "unfused" not in md
+
+
+def test_rank_table_beside_paper_table9(tmp_path):
+    d = _rollout([_row("Qwen2.5-7B-Instruct", m, w, 2, t, rank=r)
+                  for r, t0 in ((16, 280.0), (64, 270.0))
+                  for m, w, t in (("LoRA", "BF16", t0), ("QeRL", "NVFP4", 2 * t0))], "r")
+    d.to_csv(tmp_path / "rollout.csv", index=False)
+    md = speed.rank_table(tmp_path)
+    row = next(x for x in md.splitlines() if "| NVFP4 | 64 |" in x)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[5] == "540" and cells[6] == "2.00" and cells[7] == "137.7"  # paper Table 9, 7B NVFP4 r64
+    assert cells[8] == f"{137.7 / 108.3:.2f}"
+
+
+def test_bench_profile_runs_on_cpu(tmp_path):
+    from qerl import bench
+
+    rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused", "unfused"), steps=2, kv=128)
+    decodes = {r["decode"] for r in rows}
+    assert decodes == {"fused", "unfused"}
+    for dec in decodes:
+        sub = [r for r in rows if r["decode"] == dec]
+        assert sub[0]["graph_step_us"] > 0 and sub[0]["launches"] > 0
+        assert abs(sum(r["kernel_us"] for r in sub) - sub[0]["kernels_us"]) < 1e-6 * sub[0]["kernels_us"] + 1e-9
+    with pytest.raises(ValueError, match="steps must be"):
+        bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=50)
