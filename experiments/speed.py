@@ -21,13 +21,18 @@ import pandas as pd
 
 STAGES = {
     "core": [["memory", "--models", "7b", "--formats", "bf16,nf4,mxfp4,nvfp4"],
-             ["rollout", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"]],
-    "step": [["step", "--models", "7b", "--formats", "nvfp4,bf16,nf4", "--batch", "8", "--gc", "on"],
-             ["step", "--models", "32b", "--formats", "nvfp4", "--batch", "8", "--gc", "on"]],
-    "large": [["rollout", "--models", "14b,32b", "--formats", "nvfp4,bf16,nf4", "--batch", "8,2"]],
-    "small": [["rollout", "--models", "3b", "--formats", "nvfp4,bf16,nf4", "--batch", "8,2"],
-              ["rollout", "--models", "7b", "--formats", "nvfp4,bf16", "--batch", "2", "--ranks", "16,32,64"]],
+             ["rollout", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"],
+             ["rollout", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2", "--decode", "unfused"],
+             ["profile", "--models", "7b", "--formats", "nvfp4,bf16", "--batch", "8", "--decode", "fused,unfused"]],
+    "step": [["step", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8", "--gc", "both"],
+             ["step", "--models", "32b", "--formats", "nvfp4,bf16", "--batch", "8", "--gc", "on"]],
+    "large": [["rollout", "--models", "14b,32b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"]],
+    "small": [["rollout", "--models", "3b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"],
+              ["rollout", "--models", "7b", "--formats", "nvfp4,bf16", "--batch", "2", "--ranks", "16,64"]],
 }
+# 32B BF16 (65 GB of weights) loads on an 80 GB GPU only with expandable segments (fragmentation otherwise)
+STAGE_ENV = {"step": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+             "large": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_figures" / "paper"
 SIZES = {"Qwen2.5-7B-Instruct": {"BF16": 15.2, "NF4": 5.7, "NVFP4": 5.9},
          "Qwen2.5-14B-Instruct": {"BF16": 29.6, "NF4": 10.2, "NVFP4": 10.6}}
@@ -267,8 +272,13 @@ def main(argv=None) -> None:
             ap.error("--merge needs --name")
         print("merged:", merge_run(Path(a.merge), root, a.name, a.sha or None))
     for stage in a.run:
+        import os
+
+        env = dict(os.environ, **STAGE_ENV.get(stage, {}))
         for args in STAGES[stage]:
-            subprocess.run([sys.executable, "-m", "qerl.bench", *args, "--out", str(root)], check=False)
+            subprocess.run([sys.executable, "-m", "qerl.bench", *args, "--out", str(root)], check=False, env=env)
+        if stage == "core":  # the decode-size kernels: BF16 vs Triton vs the CUDA mma GEMV, one run
+            subprocess.run([sys.executable, "-m", "qerl.kernels.cuda_bench", "--out", str(root)], check=False, env=env)
     md = render(root)
     from qerl.results import atomic_write_text
 

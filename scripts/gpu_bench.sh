@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements behind results/speed/ (run on an H100 from the repo root). CSV rows land in $OUT (default
 # results/speed) one at a time, so a run cut short keeps what it measured; the log goes to $OUT/log.txt.
-#   scripts/gpu_bench.sh core    GPU tests + memory (7B, 4 formats) + rollout (7B, 4 formats, batch 8/2)
-#   scripts/gpu_bench.sh step    E2E GRPO step 7B (NVFP4/BF16/NF4, batch 8, no GC) + 32B NVFP4 step (GC)
-#   scripts/gpu_bench.sh large   rollout 14B/32B (NVFP4/BF16/NF4, batch 8/2)
-#   scripts/gpu_bench.sh small   rollout 3B + LoRA-rank sweep 7B (Table 9)
+#   scripts/gpu_bench.sh core    GPU tests + memory (7B) + rollout (7B, 4 formats, batch 8/2, fused and unfused
+#                                decode) + decode-step profile + CUDA GEMV vs Triton vs BF16 per layer
+#   scripts/gpu_bench.sh step    E2E GRPO step 7B (4 formats, batch 8, GC on/off) + 32B NVFP4/BF16 step (GC)
+#   scripts/gpu_bench.sh large   rollout 14B/32B (4 formats, batch 8/2)
+#   scripts/gpu_bench.sh small   rollout 3B (4 formats) + LoRA-rank sweep 7B (Table 9)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -17,16 +18,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG"
 B="python3 -m qerl.bench"
 case "${1:-core}" in
 core)
-  python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -4 >> "$LOG"
+  python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fused_decode.py tests/test_kernels.py tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
   $B memory --models 7b --formats bf16,nf4,mxfp4,nvfp4 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
-  $B rollout --models 7b --formats nvfp4,bf16,mxfp4,nf4 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
+  $B rollout --models 7b --formats nvfp4,bf16,mxfp4,nf4 --batch 8,2 --decode fused,unfused --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+  $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,unfused --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+  python3 -m qerl.kernels.cuda_bench --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
 step)
-  $B step --models 7b --formats nvfp4,bf16,nf4 --batch 8 --gc off --steps 2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
-  $B step --models 32b --formats nvfp4 --batch 8 --gc on --steps 2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  $B step --models 7b --formats nvfp4,bf16,mxfp4,nf4 --batch 8 --gc both --steps 2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+  $B step --models 32b --formats nvfp4,bf16 --batch 8 --gc on --steps 2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
 large)
-  $B rollout --models 14b,32b --formats nvfp4,bf16,nf4 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # 32B BF16 does not load on 80 GB without it
+  $B rollout --models 14b,32b --formats nvfp4,bf16,mxfp4,nf4 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
 small)
-  $B rollout --models 3b --formats nvfp4,bf16,nf4 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+  $B rollout --models 3b --formats nvfp4,bf16,mxfp4,nf4 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
   $B rollout --models 7b --formats nvfp4,bf16 --batch 2 --ranks 16,64 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
 esac
 tail -40 "$LOG"
