@@ -245,6 +245,16 @@ def test_fused_sampler_matches_teacher_forcing(fmt):
     assert m.any()
     torch.testing.assert_close(lp[m], ro.logp[m], rtol=0, atol=2e-5)
     torch.testing.assert_close(ent[m], ro.entropy[m], rtol=0, atol=2e-5)
+    # after an update (new LoRA B, new norm weights), the same sampler (plan and buffers reused) follows it
+    perturb_lora_b(policy)
+    with torch.no_grad():
+        policy.model.layers[0].post_attention_layernorm.weight.mul_(1.5)
+    ro2 = s.generate(["how many apples are there", "3 + 4", "a"], 3, max_new_tokens=12, temperature=0.9, seed=3)
+    with torch.no_grad():
+        lp2, _ = completion_logprobs(policy, ro2, slice(0, 9), 0.9, True)
+    m2 = ro2.completion_mask
+    torch.testing.assert_close(lp2[m2], ro2.logp[m2], rtol=0, atol=2e-5)
+    assert not torch.equal(ro2.logp, ro.logp)
     # a hooked norm (AQN per_forward) turns the fused step off
     hook = policy.model.layers[0].input_layernorm.register_forward_pre_hook(lambda mod, args: None)
     try:
