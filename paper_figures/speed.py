@@ -195,7 +195,11 @@ def speed_rank(root="results", out_dir=None) -> list[Path]:
     note = ""
     if "batch" in df:
         b = df["batch"].min()
-        df, note = df[df["batch"] == b], f", batch {b}"
+        df, note = df[df["batch"] == b], f", ours at batch {int(b)}, the paper's at batch 1"
+    # only the (model, format) pairs that were swept over ranks
+    swept = df.groupby(["model", "label"])["rank"].transform("nunique") > 1
+    if swept.any():
+        df = df[swept]
     return _bars("speed_rank", df, _paper_rank(), "rank", "LoRA rank",
                  f"Rollout throughput per LoRA rank{note} (Fig. 11 / Table 9)", sources, root, out_dir)
 
