@@ -265,6 +265,31 @@ def test_fused_sampler_matches_teacher_forcing(fmt):
         Sampler(policy, tok, 64, fused="yes")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])
+def test_fused_sampler_on_a_llama_stack(fmt):
+    """Llama layout (no q/k/v bias), quantized by swap_linears: bf16/mxfp4 groups concatenate; nvfp4 per-linear
+    global scales do not, so its groups run member by member — both match teacher forcing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qerl.model import load_tokenizer
+
+    tok = load_tokenizer(None)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=tok.eos_token_id)
+    m = swap_linears(LlamaForCausalLM(cfg), fmt, LoraSpec(rank=4))
+    fused = fuse_projection_storage(m)
+    assert fused == (0 if fmt == "nvfp4" else 4)
+    perturb_lora_b(m)
+    s = Sampler(m, tok, 64, fused=True)
+    ro = s.generate(["how many apples are there", "3 + 4"], 3, max_new_tokens=10, temperature=0.9, seed=3)
+    assert ro.stats["fused_decode"]
+    with torch.no_grad():
+        lp, _ = completion_logprobs(m, ro, slice(0, 6), 0.9, True)
+    mk = ro.completion_mask
+    torch.testing.assert_close(lp[mk], ro.logp[mk], rtol=0, atol=2e-5)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
