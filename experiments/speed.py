@@ -42,11 +42,16 @@ def _fmt(x, nd=1):
     return "—" if x is None or (isinstance(x, float) and x != x) else f"{x:.{nd}f}"
 
 
+def _read(root: Path, name: str) -> pd.DataFrame | None:
+    """A benchmark CSV of ``root``, or None when that benchmark has not been run."""
+    p = root / name
+    return pd.read_csv(p) if p.exists() else None
+
+
 def memory_table(root: Path) -> str:
-    p = root / "memory.csv"
-    if not p.exists():
+    d = _read(root, "memory.csv")
+    if d is None:
         return "_no memory.csv_\n"
-    d = pd.read_csv(p)
     lines = ["| model | method | weights | ours: model size (GB) | paper (Table 3) |", "|---|---|---|---|---|"]
     for _, r in d.iterrows():
         paper = SIZES.get(r["model"], {}).get(r["weights"])
@@ -64,10 +69,9 @@ def _size(model: str) -> float:
 def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = None, rank: int | None = 32) -> str:
     """Ours beside the paper's (Tables 5-8), grouped by model, batch, LoRA rank and decode step; ×LoRA and
     ×QLoRA against our own rows of the same group (marked † where that row came from another run)."""
-    p = root / name
-    if not p.exists():
+    d = _read(root, name)
+    if d is None:
         return f"_no {name}_\n"
-    d = pd.read_csv(p)
     d = d[d["tokens_per_s"].notna()]
     d["decode"] = d["decode"].fillna("unfused") if "decode" in d else "unfused"
     if "lora_rank" not in d:
@@ -108,10 +112,9 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
 
 def rank_table(root: Path) -> str:
     """Table 9: ours per LoRA rank (the batch of our sweep) beside the paper's (vLLM, batch 1)."""
-    p = root / "rollout.csv"
-    if not p.exists():
+    d = _read(root, "rollout.csv")
+    if d is None:
         return "_no rollout.csv_\n"
-    d = pd.read_csv(p)
     d = d[d["tokens_per_s"].notna() & (d.get("decode", "fused") == "fused")]
     swept = d.groupby(["model", "batch_size"])["lora_rank"].nunique()
     swept = swept[swept > 1]
@@ -135,10 +138,9 @@ def rank_table(root: Path) -> str:
 
 
 def step_table(root: Path) -> str:
-    p = root / "step.csv"
-    if not p.exists():
+    d = _read(root, "step.csv")
+    if d is None:
         return "_no step.csv_\n"
-    d = pd.read_csv(p)
     t3 = pd.read_csv(PAPER_DIR / "table3.csv")
     lines = ["| model | batch | GC | method | status | ours s/step | rollout s | log-prob s | update s | peak GB | "
              "ours ×LoRA | paper ×LoRA (Table 3) | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

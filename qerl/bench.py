@@ -213,6 +213,8 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
     graph-replayed step time at the same KV length ``kv``. One row per (model, format, batch, decode, kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if steps + 24 > 64:  # 3 + 20 graph steps, then 1 + steps eager ones, within the 64 slots past kv
+        raise ValueError(f"steps must be <= 40, got {steps}")
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
@@ -221,8 +223,6 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
             _free()
             policy, tok = _policy(m, f, 32, device)
             sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
-            if steps + 24 > 64:
-                raise ValueError(f"steps must be <= 40, got {steps}")
             for b, dec in [(b, d) for b in batches for d in decodes]:
                 sampler.fused = dec == "fused"
                 new = kv - prompt_len + 64
@@ -231,17 +231,18 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
                 sampler.generate(prompts, 1, new, ignore_eos=True)  # state, graphs, warm kernels
                 s = sampler._static
                 S = sampler._bucket(kv, prompt_len + new)
-                s["t"].fill_(kv - prompt_len)
+                t_kv = kv - prompt_len  # every phase starts at the token whose cache slot is kv
+                s["t"].fill_(t_kv)
                 for _ in range(3):  # graph replay time of one step at this KV length
                     sampler._run_step(s, S)
-                s["t"].fill_(kv - prompt_len)
+                s["t"].fill_(t_kv)
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(20):
                     sampler._run_step(s, S)
                 sync()
                 graph_us = (time.perf_counter() - t0) / 20 * 1e6
-                s["t"].fill_(kv - prompt_len)
+                s["t"].fill_(t_kv)
                 with lora_inference_cache(policy, sampler._act_dtype()), torch.no_grad():
                     sampler._decode_step(s, S)  # warm (eager)
                     sync()

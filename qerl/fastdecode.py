@@ -118,12 +118,7 @@ class FusedLinear:
                 q.update({n: getattr(mods[0], n) for n in split[1]})
                 self.q = {n: q[n] for n in mods[0]._qnames}  # the checkpoint's key order
         self.device = next(iter(mods[0].packed.values())).device
-        self.bias = None
-        if self.q is not None and any(m.bias is not None for m in mods):
-            bdt = next(m.bias.dtype for m in mods if m.bias is not None)
-            self.bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=bdt,
-                                                                                    device=self.device)
-                                   for m in mods])
+        self.bias = self._stacked_bias() if self.q is not None else None
         self.defer_bias = defer_bias
         self.ranks = [m.rank for m in mods]
         self.A = self.Bt = None
@@ -138,8 +133,15 @@ class FusedLinear:
     def pending_bias(self) -> torch.Tensor | None:
         return self.bias if (self.defer_bias and self.bias is not None) else None
 
+    def _stacked_bias(self) -> torch.Tensor | None:
+        """The members' biases side by side (zeros for a member without one), or None if none has one."""
+        have = [m.bias for m in self.mods if m.bias is not None]
+        if not have:
+            return None
+        return torch.cat([m.bias if m.bias is not None else have[0].new_zeros(m.out_features) for m in self.mods])
+
     def signature(self) -> tuple:
-        """Addresses the captured graphs depend on (packed tensors; LoRA cast buffers)."""
+        """Addresses the captured graphs depend on (the members' packed tensors)."""
         return tuple((t.data_ptr(), tuple(t.shape)) for m in self.mods for t in m.packed.values())
 
     def stale(self) -> bool:
@@ -151,8 +153,7 @@ class FusedLinear:
         """Copy the members' current LoRA (cast, pre-scaled: ``_lora_cache``) and bias into the fused
         buffers, in place (captured graphs keep their addresses)."""
         if self.bias is not None:
-            torch.cat([m.bias.to(self.bias.dtype) if m.bias is not None else torch.zeros_like(self.bias[:m.out_features])
-                       for m in self.mods], out=self.bias)
+            self.bias.copy_(self._stacked_bias())
         if not any(self.ranks):
             return
         R, K = sum(self.ranks), self.mods[0].in_features

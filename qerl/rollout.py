@@ -177,12 +177,14 @@ class Sampler:
 
     def _norm(self, mod, h):
         """RMSNorm of the policy's module, fused (F.rms_norm) when nothing hooks it (AQN per_forward does)."""
-        if mod._forward_pre_hooks or mod._forward_hooks or not hasattr(F, "rms_norm"):
+        if mod._forward_pre_hooks or mod._forward_hooks:
             return mod(h)
-        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
-        x = F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
-        w = mod.weight
-        return w * x if w.dtype == h.dtype else (w * x.float()).to(h.dtype)
+        return fk.add_rms_norm_ref(h, None, *self._norm_args(mod))[1]
+
+    @staticmethod
+    def _norm_args(mod):
+        """(weight, eps) of an HF RMSNorm (``variance_epsilon``) or ``MasterRMSNorm``/torch's (``eps``)."""
+        return mod.weight, getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
 
     def _qkv(self, attn, h, rope):  # h: (N, L, D), rope: (cos, signed sin) (N, L, d)
         n, L, _ = h.shape
@@ -223,14 +225,20 @@ class Sampler:
         return self._logits(h[:, -1])
 
     # ------------------------------------------------------------------------------------------ decode
+    @staticmethod
+    def _open_slot(s):
+        """The cache slot (1,) of the token fed this step (sampled last step), unmasked for attention, and
+        each row's position (N, 1)."""
+        cur = s["t"] - 1
+        slot = cur + s["Lp"]
+        s["attn_bias"].index_fill_(1, slot, 0.0)
+        return slot, (s["prompt_len"] + cur).unsqueeze(1)
+
     def _decode_step(self, s, S: int):
         """One token for all N rows, reading only the first S cache slots. Everything lives in ``s`` (static)."""
         if s["plan"] is not None:
             return self._decode_step_fused(s, S)
-        cur = s["t"] - 1                                          # index of the token being fed (sampled last step)
-        slot = cur + s["Lp"]                                      # (1,) its cache slot
-        s["attn_bias"].index_fill_(1, slot, 0.0)
-        pos = (s["prompt_len"] + cur).unsqueeze(1)                 # (N, 1) its position
+        slot, pos = self._open_slot(s)
         h = self.model.get_input_embeddings()(s["tok"].unsqueeze(1))  # (N, 1, D)
         n = h.shape[0]
         g = self.n_heads // self.n_kv
@@ -250,18 +258,11 @@ class Sampler:
             h = h + layer.mlp(self._norm(layer.post_attention_layernorm, h))
         self._sample_into(s, self._logits(h[:, 0]))
 
-    @staticmethod
-    def _norm_args(mod):
-        return mod.weight, getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
-
     def _decode_step_fused(self, s, S: int):
         """The same step with fused projections and kernels (see the module docstring): per layer
         add+norm, q|k|v (+LoRA), bias+RoPE+cache write, attention (2), o_proj (+LoRA), add+norm,
         gate|up (+LoRA), SiLU·up, down_proj (+LoRA)."""
-        cur = s["t"] - 1
-        slot = cur + s["Lp"]
-        s["attn_bias"].index_fill_(1, slot, 0.0)
-        pos = (s["prompt_len"] + cur).unsqueeze(1)                 # (N, 1)
+        slot, pos = self._open_slot(s)
         h = self.model.get_input_embeddings()(s["tok"])            # (N, D)
         n = h.shape[0]
         cos, ssin = self._rope_tables(h[:, None], pos)             # (N, 1, d)

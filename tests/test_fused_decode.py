@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import perturb_lora_b
+from conftest import assert_teacher_forced, perturb_lora_b
 
 from qerl.fastdecode import FusedLinear, build_decode_plan, concat_rows, fuse_projection_storage
 from qerl.kernels import fused as fk
@@ -238,22 +238,14 @@ def test_fused_sampler_matches_teacher_forcing(fmt):
     perturb_lora_b(policy)
     s = Sampler(policy, tok, 64, fused=True)
     ro = s.generate(["how many apples are there", "3 + 4", "a"], 3, max_new_tokens=12, temperature=0.9, seed=3)
-    assert ro.stats["fused_decode"]
-    with torch.no_grad():
-        lp, ent = completion_logprobs(policy, ro, slice(0, 9), 0.9, True)
-    m = ro.completion_mask
-    assert m.any()
-    torch.testing.assert_close(lp[m], ro.logp[m], rtol=0, atol=2e-5)
-    torch.testing.assert_close(ent[m], ro.entropy[m], rtol=0, atol=2e-5)
+    assert ro.stats["fused_decode"] and ro.completion_mask.any()
+    assert_teacher_forced(policy, ro, 0.9)
     # after an update (new LoRA B, new norm weights), the same sampler (plan and buffers reused) follows it
     perturb_lora_b(policy)
     with torch.no_grad():
         policy.model.layers[0].post_attention_layernorm.weight.mul_(1.5)
     ro2 = s.generate(["how many apples are there", "3 + 4", "a"], 3, max_new_tokens=12, temperature=0.9, seed=3)
-    with torch.no_grad():
-        lp2, _ = completion_logprobs(policy, ro2, slice(0, 9), 0.9, True)
-    m2 = ro2.completion_mask
-    torch.testing.assert_close(lp2[m2], ro2.logp[m2], rtol=0, atol=2e-5)
+    assert_teacher_forced(policy, ro2, 0.9, entropy=False)
     assert not torch.equal(ro2.logp, ro.logp)
     # a hooked norm (AQN per_forward) turns the fused step off
     hook = policy.model.layers[0].input_layernorm.register_forward_pre_hook(lambda mod, args: None)
@@ -284,10 +276,7 @@ def test_fused_sampler_on_a_llama_stack(fmt):
     s = Sampler(m, tok, 64, fused=True)
     ro = s.generate(["how many apples are there", "3 + 4"], 3, max_new_tokens=10, temperature=0.9, seed=3)
     assert ro.stats["fused_decode"]
-    with torch.no_grad():
-        lp, _ = completion_logprobs(m, ro, slice(0, 6), 0.9, True)
-    mk = ro.completion_mask
-    torch.testing.assert_close(lp[mk], ro.logp[mk], rtol=0, atol=2e-5)
+    assert_teacher_forced(m, ro, 0.9, entropy=False)
 
 
 # ------------------------------------------------------------------------------------------ GPU

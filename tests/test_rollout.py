@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturb_lora_b
+from conftest import assert_teacher_forced, perturb_lora_b
 
 from qerl.lora import LoraSpec
 from qerl.model import load_policy
 from qerl.rollout import Rollout, Sampler, filter_logits, sample_from_logits
-from qerl.train import completion_logprobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -31,12 +30,8 @@ def test_sampler_logprobs_and_entropy_equal_teacher_forcing(fmt):
     # prompts of different lengths: left padding, per-row positions, prefix shared by G = 3 samples
     ro = s.generate(["how many apples are there", "3 + 4", "a"], 3, max_new_tokens=12, temperature=0.9, seed=3)
     assert ro.completion_ids.shape[0] == 9 and ro.prompt_ids.shape[0] == 9
-    with torch.no_grad():
-        lp, ent = completion_logprobs(policy, ro, slice(0, 9), 0.9, True)
-    m = ro.completion_mask
-    assert m.any()
-    torch.testing.assert_close(lp[m], ro.logp[m], rtol=0, atol=2e-5)
-    torch.testing.assert_close(ent[m], ro.entropy[m], rtol=0, atol=2e-5)
+    assert ro.completion_mask.any()
+    assert_teacher_forced(policy, ro, 0.9)
 
 
 def test_eos_mask_truncation_and_texts():
@@ -112,6 +107,4 @@ def test_select_and_cat_groups(tiny):
     assert both.completion_ids.shape == (6, 6) and both.prompt_ids.shape[1] == max(sub.prompt_ids.shape[1],
                                                                                   ro2.prompt_ids.shape[1])
     assert both.texts == sub.texts + ro2.texts
-    with torch.no_grad():  # still consistent with teacher forcing after left/right re-padding
-        lp, _ = completion_logprobs(policy, both, slice(0, 6), 1.0, False)
-    torch.testing.assert_close(lp[both.completion_mask], both.logp[both.completion_mask], rtol=0, atol=2e-5)
+    assert_teacher_forced(policy, both, 1.0, entropy=False)  # still consistent after left/right re-padding

@@ -231,7 +231,8 @@ def backend_for(fmt: str, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None 
     m = x.numel() // max(1, x.shape[-1])
     if q is not None:
         n, kh = q["weight_packed"].shape
-        if _cuda_gemv_ok(x, m, n, 2 * kh) and _cuda_weight(fmt, q) is not None:
+        hit = _CUDA_PREPARED.get(q["weight_packed"])  # a query: no re-layout here (qmm makes it on first use)
+        if _cuda_gemv_ok(x, m, n, 2 * kh) and (hit is None or hit[1] is not None):
             return "cuda_gemv"
         cfg = kernel_config(fmt, n, 2 * kh, m, x.device)
     else:

@@ -22,10 +22,10 @@ place: the scores stay in fp32 (the unfused path rounds q·k to bf16 first).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from qerl.kernels import _counters, _interpret, _triton_ok
 
 try:
     import triton
@@ -35,14 +35,6 @@ except Exception:  # pragma: no cover - depends on the host
     triton, tl, HAS_TRITON = None, None, False
 
 NEG = -1.0e30  # finite "minus infinity" for masked scores (an all-masked split stays NaN-free)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -96,7 +88,7 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ Triton
 
 if HAS_TRITON:
-    from qerl.kernels.fp4_triton import _fence_gpu
+    from qerl.kernels.fp4_triton import _epilogue
 
     _NEG = tl.constexpr(NEG)
 
@@ -122,23 +114,9 @@ if HAS_TRITON:
                 xt = xt.to(tl.float32)
                 at = at.to(tl.float32)
             acc += tl.dot(xt, tl.trans(at))
-        omask = (rows < M)[:, None] & rmask[None, :]
-        o_ptrs = out_ptr + rows[:, None] * R + rr[None, :]
-        if SPLIT == 1:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-        else:
-            p_off = rows[:, None] * R + rr[None, :]
-            tl.store(ws_ptr + sp * M * R + p_off, acc, mask=omask)
-            _fence_gpu(FENCE)
-            tl.debug_barrier()
-            cnt = tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel")
-            if cnt == SPLIT - 1:  # the last split of this rank block sums every partial
-                _fence_gpu(FENCE)
-                tot = tl.load(ws_ptr + p_off, mask=omask, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT):
-                    tot += tl.load(ws_ptr + s * M * R + p_off, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptrs, tot.to(out_ptr.dtype.element_ty), mask=omask)
-                tl.atomic_xchg(cnt_ptr + rb, 0)  # zero again for the next launch (graph replays too)
+        # the FP4 GEMM's epilogue: cast and store, or (split-K) the last split of this rank block sums them
+        _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, rows, rr, M, R, R, rb, sp,
+                  SPLIT_K=SPLIT, HAS_G=False, OUT_C=1.0, FENCE=FENCE)
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
@@ -257,19 +235,19 @@ if HAS_TRITON:
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """``h += delta`` (in place) and ``RMSNorm(h)·w``. h, delta: (M, D) contiguous. Returns (h, x)."""
-    if not _use_triton(h):
+    if not _triton_ok(h):
         return add_rms_norm_ref(h, delta, weight, eps)
     m, d = h.shape
     x = torch.empty_like(h)
     _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d, float(eps),
-                               HAS_DELTA=delta is not None, BLOCK=_pow2(d), num_warps=4 if d <= 4096 else 8)
+                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8)
     return h, x
 
 
 def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, slot):
     """Bias + RoPE of the fused q|k|v output (M, (H+2Hkv)·d); k and v go into cache slot ``slot`` of
     kc/vc (M, Hkv, S_max, d); returns q (M, H, d). cos/ssin: (M, d)."""
-    if not _use_triton(qkv):
+    if not _triton_ok(qkv):
         return rope_qkv_ref(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
     m = qkv.shape[0]
     q = torch.empty((m, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -291,7 +269,7 @@ def attention_splits(rows: int, S: int, block: int = 64, target_programs: int = 
 def decode_attention(q, kc, vc, bias, S: int, scale: float):
     """Attention of one new token per row over cache slots [0, S): q (M, H, d), kc/vc (M, Hkv, S_max, d),
     bias (M, S_max) fp32 additive mask. Returns (M, H·d)."""
-    if not _use_triton(q):
+    if not _triton_ok(q):
         return decode_attention_ref(q, kc, vc, bias, S, scale)
     m, H, d = q.shape
     hkv, s_max = kc.shape[1], kc.shape[2]
@@ -299,12 +277,12 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     nsplit, chunk = attention_splits(m * hkv, S)
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interp = _interpret()
     _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
-                                          float(scale), HKV=hkv, G=g, GP=max(16, _pow2(g)), D=d, BS=64,
+                                          float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=64,
                                           DOT_F32=interp, num_warps=4)
     o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
-    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, _pow2(nsplit)), num_warps=4)
+    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4)
     return o
 
 
@@ -320,17 +298,15 @@ def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96)
 def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, for decode-size M (<= 16) on CUDA; F.linear elsewhere."""
     m, k = x.shape
-    if m > 16 or not _use_triton(x) or x.stride(1) != 1 or not a.is_contiguous() or a.dtype != x.dtype:
+    if m > 16 or not _triton_ok(x) or x.stride(1) != 1 or not a.is_contiguous() or a.dtype != x.dtype:
         return F.linear(x, a)
-    from qerl import kernels as qk
-
     r = a.shape[0]
     split, per = lora_a_splits(r, k)
     out = torch.empty((m, r), dtype=x.dtype, device=x.device)
     nrb = -(-r // 16)
     ws = torch.empty((split, m, r), dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = qk._counters(x.device) if split > 1 else out
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    cnt = _counters(x.device) if split > 1 else out
+    interp = _interpret()
     _lora_a_kernel[(nrb, split)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=16, BR=16, BK=128, SPLIT=split,
                                 FENCE=x.is_cuda and not interp, DOT_F32=interp, num_warps=4)
     return out
@@ -338,7 +314,7 @@ def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate)·up from the fused (M, 2I) gate|up output. Returns (M, I)."""
-    if not _use_triton(gu):
+    if not _triton_ok(gu):
         return silu_mul_ref(gu)
     m, i2 = gu.shape
     i = i2 // 2
