@@ -149,6 +149,40 @@ def quick_verdict(gold: str, pred: str) -> float | None:
     return None
 
 
+# A LaTeX command, with the braced argument of the text-like ones (their words are math-verify's to read:
+# `18 \text{ dollars}` already parses as 18), or else a word: two or more letters in a row.
+_COMMAND_OR_WORD = re.compile(
+    r"\\(?:text\w*|math\w*|mbox|operatorname|begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|(?P<word>[A-Za-z]{2,})")
+# Words that are math written without a backslash: cutting `pi` out of `2 pi` or `sqrt` out of `sqrt(11)` would
+# leave a different number (2, 11).
+_MATH_WORDS = frozenset(
+    "sqrt cbrt pi sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp mod gcd lcm max min "
+    "abs floor ceil det choose binom inf infty infinity".split())
+_MATH_CHAR = re.compile(r"[0-9\\]")  # a digit or a LaTeX command: what makes a piece of an answer math
+_SPAN_EDGES = " \t\n,.;:!?"
+
+
+def prose_free(answer: str) -> str | None:
+    """The one math span left when the prose words are cut out of an answer, or None.
+
+    `It is 18 dollars.` -> `18`, `1,800 eggs` -> `1,800`, `Therefore \\frac{1}{2}` -> `\\frac{1}{2}`. Read whole
+    inside `$…$`, such an answer is a product of one-letter symbols (`18·d·o·l·l·a·r·s`) that equals nothing.
+    None when the answer has no prose word (it is math already) or no math span; None too when it has several
+    (`18 or 19`, `18 dollars and 17 cents`): such an answer names no single value, and picking one of its numbers
+    (math-verify's reading of bare text takes the last) would reward hedging.
+    """
+    pieces, start = [], 0
+    for m in _COMMAND_OR_WORD.finditer(answer):
+        if m.group("word") and m.group("word").lower() not in _MATH_WORDS:
+            pieces.append(answer[start : m.start()])
+            start = m.end()
+    if not pieces:
+        return None
+    pieces.append(answer[start:])
+    spans = [p.strip(_SPAN_EDGES) for p in pieces if _MATH_CHAR.search(p)]
+    return spans[0] if len(spans) == 1 else None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Reward functions.
 
@@ -184,12 +218,16 @@ def accuracy(completions: Sequence, answers: Sequence, *, stats: dict | None = N
             if len(pred) > MAX_ANSWER_CHARS:
                 _bump(stats, "reward_answer_too_long")
                 continue
-            v = quick_verdict(gold, pred)
-            if v is not None:
-                out[i] = v
+            # the answer as written and, if it has prose words, its one math span: any reading equal to the gold
+            # scores 1.0. The bare text is not a reading: math-verify takes the last number in it, so `3\sqrt{11}`
+            # would equal 3 and `(1, 2)` would equal 2.
+            readings = [r for r in (pred, prose_free(pred)) if r]
+            verdicts = [quick_verdict(gold, r) for r in readings]
+            if 1.0 in verdicts or None not in verdicts:
+                out[i] = 1.0 if 1.0 in verdicts else 0.0
                 _bump(stats, "reward_fast")
                 continue
-            cands = [pred] if wrap_latex(pred) == pred else [wrap_latex(pred), pred]
+            cands = [wrap_latex(r) for r, v in zip(readings, verdicts, strict=True) if v is None]
         else:
             cands = [pred]
         jobs.append((gold, cands))

@@ -81,10 +81,13 @@ def _worker_main() -> None:  # pragma: no cover - runs in a subprocess
         g = gold_cache[gold]
         if not g:
             return 0.0
-        for c in cands:  # the first candidate that parses decides
+        # Every candidate gets its turn: one that parses but does not verify must not end the search. The
+        # `$…$` reading of "It is 18" parses (as a product of one-letter symbols) and is wrong; the reading after
+        # it ("18", see qerl.rewards.prose_free) is right.
+        for c in cands:
             p = parse(c, parsing_timeout=soft)
-            if p:
-                return float(verify(g, p, timeout_seconds=soft))
+            if p and verify(g, p, timeout_seconds=soft):
+                return 1.0
         return 0.0
 
     score("\\frac{1}{2}", ["$0.5$"])  # warm up sympy/antlr before taking timed work
@@ -126,9 +129,9 @@ _BOOT = (
 class VerifierPool:
     """Worker processes running math-verify, with a hard per-item wall-clock timeout (kill + respawn).
 
-    `verify(jobs)` takes [(gold, [candidate, ...]), ...] and returns [(score, error or None), ...]: the first
-    candidate that math-verify can parse is compared with the gold (wrapped in `$…$`). Thread-safe; use as a
-    context manager or call `close()`; `counters` holds items / timeouts / crashes / restarts.
+    `verify(jobs)` takes [(gold, [candidate, ...]), ...] and returns [(score, error or None), ...]: 1.0 if any
+    candidate, tried in order, parses and verifies equal to the gold (wrapped in `$…$`), else 0.0. Thread-safe;
+    use as a context manager or call `close()`; `counters` holds items / timeouts / crashes / restarts.
     """
 
     num_workers: int = 0  # 0: min(4, cpu count)
