@@ -134,6 +134,83 @@ def test_extraction_order_and_fallback(pool):
     assert R.accuracy([c, c, "therefore the total is $42$."], ["1", "2", "42"], pool=pool) == [1.0, 0.0, 1.0]
 
 
+def gsm8k_gold(i):
+    return GSM8K[i]["answer"].split("####")[-1].strip()
+
+
+# Real problems, each answered in words the way models write it, plus wrong twins in the same words:
+# (dataset row, gold, right answers, wrong answers).
+PHRASED = [
+    (GSM8K, 0, ["18 dollars", "It is 18", "She makes \\$18 every day.", "18 dollars per day"],
+     ["17 dollars", "It is 19", "She makes \\$17 every day.", "18 or 19 dollars", "18 dollars and 17 cents"]),
+    (GSM8K, 13, ["18 vacuum cleaners", "She started with 18."], ["17 vacuum cleaners", "She started with 19."]),
+    (GSM8K, 969, ["1,800 dollars", "He paid \\$1,800.", "1800 dollars"], ["1,700 dollars", "He paid \\$1,700."]),
+    (GSM8K, 249, ["5,600 calories", "Sue consumed 5,600 more calories"], ["5,400 calories", "5,600 or 5,400"]),
+    (GSM8K, 92, ["4 years old", "Jackson is 4"], ["5 years old", "Jackson is 14"]),
+    (GSM8K, 98, ["5 cars", "5 people"], ["6 cars", "It is -5"]),
+    (GSM8K, 118, ["4 solutions", "4 containers"], ["3 solutions", "40 containers"]),
+    (MATH500, 381, ["Therefore \\frac{1}{2}", "The probability is $\\frac{1}{2}$.", "It is 1/2"],
+     ["Therefore \\frac{1}{3}", "The probability is $\\frac{1}{4}$.", "It is 1/2 or 1/3"]),
+]
+
+
+def test_answers_in_words_score_like_their_number_and_wrong_twins_do_not(pool):
+    comps, golds, expect = [], [], []
+    for rows, i, right, wrong in PHRASED:
+        gold = gsm8k_gold(i) if rows is GSM8K else rows[i]["answer"]
+        for words, score in [(w, 1.0) for w in right] + [(w, 0.0) for w in wrong]:
+            # wrong twins go without a marker instead of after ####: `#### 18 or 19` takes its leading number,
+            # GSM8K's own convention
+            for fmt in ("<think>..</think> <answer>{}</answer>", "so \\boxed{{{}}}", "#### {}" if score else "{}"):
+                comps.append(fmt.format(words))
+                golds.append(gold.replace(",", ""))
+                expect.append(score)
+    stats = {}
+    assert R.accuracy(comps, golds, stats=stats, pool=pool) == expect
+    assert stats.get("reward_errors", 0) == 0
+
+
+def test_answers_in_words_with_a_plain_number_need_no_sympy(pool):
+    comps = [f"<answer>{w}</answer>" for rows, _, right, _ in PHRASED if rows is GSM8K for w in right]
+    golds = [gsm8k_gold(i).replace(",", "") for rows, i, right, _ in PHRASED if rows is GSM8K for _ in right]
+    stats = {}
+    assert R.accuracy(comps, golds, stats=stats, pool=pool) == [1.0] * len(comps)
+    assert stats == {"reward_fast": len(comps)}
+
+
+# math-verify's reading of bare text takes its last number; none of these answers is that number
+LAST_NUMBER_TRAPS = [("3", "3\\sqrt{11}"), ("2", "(1, 2)"), ("2", "x > 2"), ("6", "6+5i"), ("5", "1, 2, 3, 4, 5"),
+                     ("3", "It is 3\\sqrt{11}"), ("2", "It is 2^{10}"), ("5", "It is 6 + 5i"), ("5", "It is - 5"),
+                     ("19", "It is 18 or 19"), ("2", "It is 2 pi"), ("20", "18 dollars, then 20")]
+
+
+def test_no_reading_takes_the_last_number_of_an_answer(pool):
+    golds = [g for g, _ in LAST_NUMBER_TRAPS]
+    answers = [a for _, a in LAST_NUMBER_TRAPS]
+    assert [float(verify(parse(f"${g}$"), parse(a))) for g, a in LAST_NUMBER_TRAPS] == [1.0] * len(golds)  # real traps
+    assert R.accuracy([f"<answer>{a}</answer>" for a in answers], golds, pool=pool) == [0.0] * len(golds)
+    assert R.accuracy([f"<answer>{a}</answer>" for a in ["It is 2^{10}", "It is -5"]], ["1024", "-5"],
+                      pool=pool) == [1.0, 1.0]
+
+
+def test_prose_free_keeps_the_one_math_span():
+    assert R.prose_free("It is 18 dollars.") == "18"
+    assert R.prose_free("He paid \\$1,800.") == "\\$1,800"
+    assert R.prose_free("Therefore, the answer is $\\frac{1}{2}$.") == "$\\frac{1}{2}$"
+    assert R.prose_free("It is 2 pi") == "2 pi"  # pi, sqrt, log ... are math, not prose
+    assert R.prose_free("It is sqrt(11)") == "sqrt(11)"
+    for math_only in ["18", "18 \\text{ dollars}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "x = 5", "\\sqrt{2}"]:
+        assert R.prose_free(math_only) is None, math_only  # no prose word: the answer is read as written
+    for hedge in ["18 or 19", "18 dollars and 17 cents", "x = 5 or x = 7", "no answer"]:
+        assert R.prose_free(hedge) is None, hedge  # several math spans, or none
+
+
+def test_pool_tries_every_candidate_until_one_verifies(pool):
+    # the first candidate parses (as 18·d·o·l·l·a·r·s) and is wrong; it must not end the search
+    assert pool.verify([("18", ["$18 dollars$", "$18$"]), ("18", ["$18 dollars$", "$17$"])]) == [(1.0, None),
+                                                                                                   (0.0, None)]
+
+
 MALFORMED = ["", "   ", None, "<answer></answer>", "\\boxed{}", "\\boxed{", "####", "<answer>\\frac{</answer>",
              "</answer>18<answer>", "\\boxed{\\left(}", "$$$$", "<think></think>"]
 
