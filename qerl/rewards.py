@@ -6,7 +6,8 @@ Every reward is `fn(completions, answers, *, stats=None) -> list[float]` and liv
 Why a process pool (`qerl.verify_pool`): math-verify (sympy) can hang or eat all memory on short inputs
 (`\\boxed{9^{9^{9^9}}}`, an unclosed `${{{...`), and its own timeouts use `signal.alarm`, which raises outside the
 main thread and cannot interrupt long C-level integer arithmetic anyway. So:
-  1. extraction (`<answer>`, `\\boxed{}`, `#### N`) is done here with linear-time string code and length caps;
+  1. extraction (`<answer>`, `\\boxed{}`, `#### N`, and an answer's one math span when it is written in words) is
+     done here with linear-time string code and length caps;
   2. easy cases (plain numbers, identical strings) are decided in-process, no sympy involved;
   3. the rest goes to `VerifierPool`: worker *processes* running math-verify with its signal timeouts as a soft
      limit and, as the hard limit, a per-item wall-clock deadline after which the worker is SIGKILLed and replaced.
@@ -203,6 +204,7 @@ def accuracy(completions: Sequence, answers: Sequence, *, stats: dict | None = N
 
     The answer is taken from the last `<answer>…</answer>`, else the last `\\boxed{}`, else the last `#### N`,
     else the whole completion's tail (math-verify's LaTeX + expression extraction). Gold is wrapped in `$…$`.
+    An answer in words (`18 dollars`, `It is 18`) is also read as its one math span (`prose_free`).
     Timeouts and crashes score 0.0 and count in stats["reward_errors"].
     """
     _check(completions, answers)
