@@ -240,6 +240,19 @@ def test_budget_census_and_run_values(tmp_path):
     assert run_values(tmp_path / "trial_1") == {"val_acc": None, "reward_area": 0.125, "steps_done": 1}
 
 
+def test_run_values_skip_an_unreadable_summary_and_a_corrupt_line(tmp_path):
+    from qerl.results import ResultsWarning
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.2}\n{"ste\n{"step": 3, "reward": 0.4}\n')
+    (tmp_path / "summary.json").write_text('{"finished": true, "ev')
+    with pytest.warns(ResultsWarning) as caught:
+        v = run_values(tmp_path)
+    assert v == {"val_acc": None, "reward_area": pytest.approx(0.3), "steps_done": 2}
+    said = [str(w.message) for w in caught]
+    assert any(f"{tmp_path / 'metrics.jsonl'}:2" in m for m in said)
+    assert any(f"{tmp_path / 'summary.json'} is unreadable" in m for m in said)
+
+
 def test_report_files(tmp_path):
     study = _synthetic_study(tmp_path)
     study.set_user_attr("sweep", {"objective": "val_acc", "scale": "smoke", "overrides": ["x=1"]})
