@@ -12,15 +12,13 @@ A run directory holds::
 ``load_runs`` and ``load_metrics`` turn a results tree into DataFrames; ``paper_figures`` uses only them. Readers
 skip what they cannot read (a corrupt line, an unreadable summary) with a ``ResultsWarning`` naming the file (and
 line), and never stop early: one bad line must not hide the lines after it.
-This module imports no torch at module level so plotting code can import it cheaply.
+The file primitives (atomic writes, appends, the lock, checksums) live in ``qerl.runfiles``. This module imports
+no torch at module level so plotting code can import it cheaply.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import hashlib
 import json
 import os
 import platform
@@ -29,122 +27,37 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
-import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qerl.errors import UserError
+from qerl.runfiles import (  # noqa: F401 (ResultsWarning: re-exported for readers)
+    CHECKSUMS,
+    JsonLines,
+    ResultsWarning,
+    append_line,
+    aside_path,
+    atomic_write_json,
+    atomic_write_text,
+    jsonable,
+    lock_dir,
+    read_jsonl,
+    scan_jsonl,
+    set_aside,
+    sha256_file,
+    spans,
+    unlock_dir,
+    verify_checkpoint,
+    warn,
+    writing,
+)
 
 CONFIG, ENV, METRICS, SUMMARY, CKPTS = "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints"
-EVALS, LOCK, CHECKSUMS = "eval.jsonl", ".lock", "sha256.json"
+EVALS = "eval.jsonl"
 _STEP_DIR = re.compile(r"step_(\d+)")  # a finished checkpoint; step_N.tmp and moved-aside ones do not match
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "compressed-tensors", "triton", "math-verify",
              "optuna", "hydra-core", "numpy", "vllm", "qerl")
-
-
-class ResultsWarning(UserWarning):
-    """Something in a run directory was skipped or set aside (a corrupt line or summary, a damaged checkpoint)."""
-
-
-def _warn(message: str) -> None:
-    """Warn, attributed to the first caller outside this module (the message itself names the file)."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, ResultsWarning, stacklevel=level)
-
-
-def _out_of_space(e: BaseException | None) -> bool:
-    """Whether ``e`` or an exception it was raised from is a full disk (torch.save wraps the OSError of a failed
-    write in a RuntimeError that says only "unexpected pos ... iostream error")."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
-
-
-@contextlib.contextmanager
-def _writing(path: Path, *partial: Path):
-    """Writing ``path``: on any failure remove the ``partial`` files or directories (no orphan ``.tmp`` stays
-    behind), and turn a full disk into an error that names ``path``."""
-    try:
-        yield
-    except BaseException as e:
-        for p in partial:
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    p.unlink()
-        if _out_of_space(e):
-            raise UserError(f"no space left writing {path}; free some space and rerun (the run resumes from its "
-                            f"last checkpoint)") from e
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a file so that readers see either the old or the new content, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with _writing(path, tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-
-def _append_line(path: Path, line: str) -> None:
-    """Append one line and fsync it. A failed write (disk full) is cut back off, so the file never keeps half a
-    line in front of the lines a resumed run appends."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.lseek(fd, 0, os.SEEK_END)
-        with _writing(path):
-            try:
-                data = line.encode()
-                while data:
-                    data = data[os.write(fd, data):]
-                os.fsync(fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, size)
-                raise
-    finally:
-        os.close(fd)
-
-
-def _set_aside(path: Path, why: str) -> Path:
-    """Rename ``path`` to ``<name>.<why>-<time>`` (kept for inspection, ignored by every reader)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside = path.with_name(f"{path.name}.{why}-{stamp}")
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{path.name}.{why}-{stamp}.{n}")
-    os.replace(path, aside)
-    return aside
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
-
-
-def _jsonable(x):
-    if hasattr(x, "item"):
-        return x.item()
-    if isinstance(x, Path):
-        return str(x)
-    if isinstance(x, (set, tuple)):
-        return list(x)
-    return str(x)
 
 
 def _git(*args: str, cwd: Path) -> str | None:
@@ -186,63 +99,7 @@ def environment(repo: Path | None = None) -> dict:
             "hostname": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-# ------------------------------------------------------------------------------------------------- JSON lines
-@dataclass
-class _Lines:
-    """A JSON-lines file as read: the good rows with their line numbers and text, and the bad lines."""
-
-    path: Path
-    exists: bool = False
-    rows: list[tuple[int, str, dict]] = field(default_factory=list)  # (line number, text, row)
-    bad: list[tuple[int, str]] = field(default_factory=list)         # (line number, why); a torn tail excluded
-    torn: bool = False  # the last line was cut short (a crash mid-append): expected, dropped without a warning
-
-    def warn_bad(self) -> None:
-        for n, why in self.bad:
-            _warn(f"{self.path}:{n}: skipping a corrupt line ({why})")
-
-
-def _scan_jsonl(path: Path, steps: bool = False) -> _Lines:
-    """Read every line; a bad one is recorded and skipped, never the end of the file. ``steps``: a row must also
-    carry a positive integer ``step`` (metrics and eval lines)."""
-    out = _Lines(Path(path))
-    if not out.path.exists():
-        return out
-    out.exists = True
-    data = out.path.read_bytes()
-    lines = data.split(b"\n")
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        why, row = None, None
-        try:
-            text = raw.decode()
-            row = json.loads(text)
-        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError
-            why = f"not valid JSON: {e}"
-        else:
-            if not isinstance(row, dict):
-                why = f"a JSON {type(row).__name__}, not an object"
-            elif steps and not (type(row.get("step")) is int and row["step"] >= 1):
-                why = f"no positive integer 'step' (got {row.get('step')!r})"
-        if why is None:
-            out.rows.append((n, text, row))
-        elif n == len(lines) and not data.endswith(b"\n"):
-            out.torn = True
-        else:
-            out.bad.append((n, why))
-    return out
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSON-lines file. A corrupt line is skipped with a ``ResultsWarning`` naming ``file:line`` (the
-    lines after it are still read); a torn final line (a crash mid-write) is skipped silently."""
-    lines = _scan_jsonl(Path(path))
-    lines.warn_bad()
-    return [row for _, _, row in lines.rows]
-
-
-def _step_gap(lines: _Lines, k: int) -> str | None:
+def _step_gap(lines: JsonLines, k: int) -> str | None:
     """Why ``lines`` (metrics.jsonl) does not hold each of steps 1..k exactly once; None when it does."""
     if k == 0:
         return None
@@ -258,28 +115,16 @@ def _step_gap(lines: _Lines, k: int) -> str | None:
         return None
     why = []
     if missing:
-        corrupt = f" (corrupt: line{'s' * (len(lines.bad) > 1)} {_spans([n for n, _ in lines.bad])})" \
+        corrupt = f" (corrupt: line{'s' * (len(lines.bad) > 1)} {spans([n for n, _ in lines.bad])})" \
             if lines.bad else ""
-        why.append(f"has no line for step{'s' * (len(missing) > 1)} {_spans(missing)}{corrupt}")
+        why.append(f"has no line for step{'s' * (len(missing) > 1)} {spans(missing)}{corrupt}")
     if twice:
         shown = "; ".join(f"step {s} on lines {', '.join(map(str, ns))}" for s, ns in list(twice.items())[:3])
         why.append(f"repeats steps ({shown}{'; ...' if len(twice) > 3 else ''}: two processes wrote the run?)")
     return f"{lines.path} " + ", ".join(why)
 
 
-def _spans(xs: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ", ".join(out)
-
-
-def _keep_steps_upto(lines: _Lines, k: int) -> None:
+def _keep_steps_upto(lines: JsonLines, k: int) -> None:
     """Rewrite the file with its lines of steps 1..k in step order (the later copy of a repeated step wins).
     Lines past ``k`` are dropped (a resumed run recomputes them); corrupt lines are dropped only here, where the
     file is rewritten whole, and the original is kept as ``<name>.corrupt-<time>``."""
@@ -287,49 +132,11 @@ def _keep_steps_upto(lines: _Lines, k: int) -> None:
         return
     keep = {row["step"]: text for _, text, row in lines.rows if row["step"] <= k}
     if lines.bad:
-        aside = lines.path.with_name(f"{lines.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside = aside_path(lines.path, "corrupt")
         shutil.copy2(lines.path, aside)
-        _warn(f"{lines.path}: dropped corrupt line{'s' * (len(lines.bad) > 1)} {_spans([n for n, _ in lines.bad])} "
-              f"while resuming from step {k}; the original file is kept as {aside.name}")
+        warn(f"{lines.path}: dropped corrupt line{'s' * (len(lines.bad) > 1)} {spans([n for n, _ in lines.bad])} "
+             f"while resuming from step {k}; the original file is kept as {aside.name}")
     atomic_write_text(lines.path, "".join(keep[s] + "\n" for s in sorted(keep)))
-
-
-# ------------------------------------------------------------------------------------------------- the lock
-_HELD: dict[Path, list] = {}  # run directory -> [open lock file, RunWriters of this process holding it]
-
-
-def _lock(run_dir: Path) -> Path:
-    """Take the run directory's lock (one writing process at a time). ``flock`` dies with its process, so a
-    SIGKILLed run never leaves a stale lock; RunWriters of one process share it."""
-    key = run_dir.resolve()
-    if key in _HELD:
-        _HELD[key][1] += 1
-        return key
-    f = open(run_dir / LOCK, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise UserError(f"run directory {run_dir} is in use by {holder} (its {LOCK} is locked); wait for that "
-                        f"run to end, or give this one another run_name or out_dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on host {platform.node()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
-    f.flush()
-    _HELD[key] = [f, 1]
-    return key
-
-
-def _unlock(key: Path) -> None:
-    held = _HELD.get(key)
-    if held is None:
-        return
-    held[1] -= 1
-    if held[1] == 0:
-        del _HELD[key]
-        held[0].close()  # closing the file releases the flock
 
 
 # ------------------------------------------------------------------------------------------------- the writer
@@ -348,7 +155,7 @@ class RunWriter:
     def __init__(self, run_dir: str | Path, config_yaml: str | None = None, keep_checkpoints: int = 2):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock(self.dir)  # before anything is written: a second process stops here
+        self._lock = lock_dir(self.dir)  # before anything is written: a second process stops here
         self.keep = keep_checkpoints
         if config_yaml is not None and not self.is_finished():  # a finished run's provenance is never rewritten
             old = self.dir / CONFIG
@@ -357,14 +164,14 @@ class RunWriter:
             atomic_write_text(old, config_yaml)
             env = environment()
             if (self.dir / ENV).exists():  # a resumed run keeps its first env.json; each resume is appended
-                _append_line(self.dir / "env.resumes.jsonl", json.dumps(env, default=_jsonable) + "\n")
+                append_line(self.dir / "env.resumes.jsonl", json.dumps(env, default=jsonable) + "\n")
             else:
                 atomic_write_json(self.dir / ENV, env)
 
     def close(self) -> None:
         """Release the run directory's lock (idempotent)."""
         if self._lock is not None:
-            _unlock(self._lock)
+            unlock_dir(self._lock)
             self._lock = None
 
     def __enter__(self) -> RunWriter:
@@ -383,12 +190,12 @@ class RunWriter:
 
     def log(self, step: int, **metrics: Any) -> dict:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        _append_line(self.metrics_path, json.dumps(row, default=_jsonable) + "\n")
+        append_line(self.metrics_path, json.dumps(row, default=jsonable) + "\n")
         return row
 
     def log_eval(self, step: int, results: dict) -> None:
         """Append intermediate evaluation results (eval.jsonl), same crash-safety as metrics."""
-        _append_line(self.dir / EVALS, json.dumps({"step": step, **results}, default=_jsonable) + "\n")
+        append_line(self.dir / EVALS, json.dumps({"step": step, **results}, default=jsonable) + "\n")
 
     def read_summary(self) -> dict | None:
         return read_summary(self.dir)
@@ -398,7 +205,7 @@ class RunWriter:
         if merge and path.exists():
             old = read_summary(self.dir)
             if old is None:  # unreadable: keep it for inspection, write the new one whole
-                _warn(f"{path} is unreadable; kept as {_set_aside(path, 'corrupt').name}, writing a new one")
+                warn(f"{path} is unreadable; kept as {set_aside(path, 'corrupt').name}, writing a new one")
             summary = {**(old or {}), **summary}
         atomic_write_json(path, summary)
         return summary
@@ -424,7 +231,7 @@ class RunWriter:
         final = self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        with _writing(final, tmp):
+        with writing(final, tmp):
             tmp.mkdir(parents=True)
             with open(tmp / "state.pt", "wb") as f:  # a file object: a failed write keeps its OSError (errno)
                 torch.save(state, f)
@@ -434,8 +241,8 @@ class RunWriter:
                 if callable(obj):
                     obj(tmp / name)
                 else:
-                    (tmp / name).write_text(obj if isinstance(obj, str) else json.dumps(obj, default=_jsonable))
-            sums = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+                    (tmp / name).write_text(obj if isinstance(obj, str) else json.dumps(obj, default=jsonable))
+            sums = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             atomic_write_json(tmp / CHECKSUMS, sums)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -454,7 +261,7 @@ class RunWriter:
         either test are set aside (``step_N.corrupt-<time>`` / ``step_N.unused-<time>``) with a warning; when
         every checkpoint fails, a ``UserError`` names each and why, and nothing is changed. Then metrics.jsonl
         and eval.jsonl keep exactly their lines of steps 1..k."""
-        metrics = _scan_jsonl(self.metrics_path, steps=True)
+        metrics = scan_jsonl(self.metrics_path, steps=True)
         skipped, chosen = [], None
         for ck in reversed(self.checkpoints()):
             gap = _step_gap(metrics, _step_of(ck))
@@ -471,11 +278,11 @@ class RunWriter:
         k = _step_of(chosen) if chosen is not None else 0
         state = _load_state(chosen, map_location) if chosen is not None else None
         for ck, kind, why in skipped:
-            aside = _set_aside(ck, kind)
-            _warn(f"not resuming from {ck}: {why}; set it aside as {aside.name} and resuming from step {k}")
+            aside = set_aside(ck, kind)
+            warn(f"not resuming from {ck}: {why}; set it aside as {aside.name} and resuming from step {k}")
         metrics.warn_bad()
         _keep_steps_upto(metrics, k)
-        evals = _scan_jsonl(self.dir / EVALS, steps=True)
+        evals = scan_jsonl(self.dir / EVALS, steps=True)
         evals.warn_bad()
         _keep_steps_upto(evals, k)
         for tmp in (self.dir / CKPTS).glob("step_*.tmp"):  # a save killed midway (we hold the lock: not in use)
@@ -485,41 +292,6 @@ class RunWriter:
 
 def _step_of(ck: Path) -> int:
     return int(_STEP_DIR.fullmatch(ck.name).group(1))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_checkpoint(ck: Path) -> str | None:
-    """Why checkpoint directory ``ck`` is damaged (a file missing, truncated or changed); None when intact.
-    Checked against its ``sha256.json``; a checkpoint saved before checksums were recorded is checked through the
-    CRCs of its zip container (what ``torch.save`` writes)."""
-    state = ck / "state.pt"
-    if not (ck / CHECKSUMS).exists():
-        try:
-            with zipfile.ZipFile(state) as z:
-                bad = z.testzip()
-        except (OSError, zipfile.BadZipFile, EOFError) as e:
-            return f"{state} is not a readable checkpoint ({e})"
-        return None if bad is None else f"{state} fails its CRC check (member {bad})"
-    try:
-        sums = json.loads((ck / CHECKSUMS).read_text())
-    except (OSError, ValueError) as e:
-        return f"its checksum file {ck / CHECKSUMS} is unreadable ({e})"
-    if not isinstance(sums, dict) or "state.pt" not in sums:
-        return f"its checksum file {ck / CHECKSUMS} does not list state.pt"
-    for name, want in sums.items():
-        p = ck / name
-        if not p.is_file():
-            return f"{p} is missing"
-        if _sha256(p) != want:
-            return f"{p} does not match the sha256 recorded when it was saved ({p.stat().st_size} bytes now)"
-    return None
 
 
 def _load_state(ck: Path, map_location) -> dict:
@@ -555,7 +327,7 @@ def read_summary(run_dir: str | Path) -> dict | None:
         return None
     summary, why = _read_summary(path)
     if why is not None:
-        _warn(f"{path} is unreadable ({why})")
+        warn(f"{path} is unreadable ({why})")
     return summary
 
 
@@ -594,17 +366,17 @@ def load_runs(root: str | Path, runs: Iterable[Path] | None = None):
         try:
             cfg = load_config(d)
         except (OSError, yaml.YAMLError) as e:
-            _warn(f"skipping run {d}: {d / CONFIG} is unreadable ({type(e).__name__}: {e})".replace("\n", " "))
+            warn(f"skipping run {d}: {d / CONFIG} is unreadable ({type(e).__name__}: {e})".replace("\n", " "))
             continue
         if not isinstance(cfg, dict):
-            _warn(f"skipping run {d}: {d / CONFIG} is a YAML {type(cfg).__name__}, not a mapping")
+            warn(f"skipping run {d}: {d / CONFIG} is a YAML {type(cfg).__name__}, not a mapping")
             continue
         row = {"run_dir": str(d)}
         row.update({f"cfg.{k}": v for k, v in _flatten(cfg).items()})
         if (d / SUMMARY).exists():
             summary, why = _read_summary(d / SUMMARY)
             if why is not None:
-                _warn(f"skipping run {d}: {d / SUMMARY} is unreadable ({why})")
+                warn(f"skipping run {d}: {d / SUMMARY} is unreadable ({why})")
                 continue
             row.update({f"sum.{k}": v for k, v in _flatten(summary).items()})
         rows.append(row)

@@ -19,6 +19,8 @@ from qerl.errors import UserError, cli_main
 from qerl.results import ResultsWarning, RunWriter, load_runs, read_jsonl, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+# pytest.warns checks the warning each test is about; the others a resume also gives are expected
+pytestmark = pytest.mark.filterwarnings("ignore::qerl.runfiles.ResultsWarning")
 
 
 def _state(step: int) -> dict:
