@@ -13,13 +13,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from qerl.errors import UserError, cli_main
-from qerl.results import ResultsWarning
-
 from paper_figures import figures as F
 from paper_figures import runs as R
 from paper_figures import speed as S
 from paper_figures import tables as T
+from qerl.errors import UserError, cli_main
+from qerl.results import ResultsWarning
 
 
 def _table(name: str):
