@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -25,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from qerl.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX (Windows): run directories are not locked there
+    fcntl = None
 
 LOCK, CHECKSUMS = ".lock", "sha256.json"
 # Warnings are attributed to the first caller outside these files (their message names the file at fault).
@@ -217,6 +221,8 @@ def lock_dir(run_dir: Path) -> Path:
     key = run_dir.resolve()
     if key in _HELD:
         _HELD[key][1] += 1
+        return key
+    if fcntl is None:
         return key
     f = open(run_dir / LOCK, "a+")  # noqa: SIM115 (held open for the lock's lifetime)
     try:
