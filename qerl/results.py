@@ -273,7 +273,11 @@ class RunWriter:
         if chosen is None and skipped:
             hint = ("restore metrics.jsonl" if any(kind == "unused" for _, kind, _ in skipped)
                     else "no intact checkpoint is left")
-            raise UserError(f"cannot resume {self.dir}: " + "; ".join(f"{ck.name}: {why}" for ck, _, why in skipped)
+            by_why: dict[str, list[str]] = {}
+            for ck, _, why in skipped:
+                by_why.setdefault(why, []).append(ck.name)
+            raise UserError(f"cannot resume {self.dir}: " + "; ".join(f"{', '.join(n)}: {why}" for why, n in
+                                                                      by_why.items())
                             + f". {hint.capitalize()}, or move {self.dir / CKPTS} aside to train again from step 0")
         k = _step_of(chosen) if chosen is not None else 0
         state = _load_state(chosen, map_location) if chosen is not None else None

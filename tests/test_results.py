@@ -93,7 +93,8 @@ def test_resume_refuses_when_no_checkpoint_is_covered_and_changes_nothing(tmp_pa
     w = _run(tmp_path)
     _corrupt_line(w, 3)
     before = w.metrics_path.read_bytes()
-    with pytest.raises(UserError, match=r"cannot resume .*step_0000008: .*no line for step 3 \(corrupt: line 3\)"):
+    with pytest.raises(UserError, match=r"cannot resume .*: step_0000008, step_0000004: .*metrics\.jsonl has no line "
+                                        r"for step 3 \(corrupt: line 3\)\. Restore metrics\.jsonl"):
         w.resume()
     assert w.metrics_path.read_bytes() == before  # never rewritten past the bad line
     assert [p.name for p in w.checkpoints()] == ["step_0000004", "step_0000008"]
@@ -102,7 +103,7 @@ def test_resume_refuses_when_no_checkpoint_is_covered_and_changes_nothing(tmp_pa
 def test_deleted_metrics_with_checkpoints_kept_refuses(tmp_path):
     w = _run(tmp_path)
     w.metrics_path.unlink()
-    with pytest.raises(UserError, match=r"metrics\.jsonl is missing.*Restore metrics\.jsonl"):
+    with pytest.raises(UserError, match=r"step_0000008, step_0000004: .*metrics\.jsonl is missing\. Restore metrics"):
         w.resume()
     assert [p.name for p in w.checkpoints()] == ["step_0000004", "step_0000008"]
 
