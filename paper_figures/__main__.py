@@ -2,17 +2,23 @@
 
 Regenerates every table and figure it can from ``results/`` alone and prints what it wrote and what it skipped.
 Without ``--scale`` it renders every scale that some run records; Fig. 15 and the speed figures have no scale.
+A run whose summary.json or config.yaml cannot be read, and a corrupt metrics line, are skipped with a one-line
+warning naming the file (and line); the rest is still drawn.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from pathlib import Path
 
 from paper_figures import figures as F
 from paper_figures import runs as R
 from paper_figures import speed as S
 from paper_figures import tables as T
+from qerl.errors import UserError, cli_main
+from qerl.results import ResultsWarning
 
 
 def _table(name: str):
@@ -43,7 +49,21 @@ ARTIFACTS = {
 }
 
 
+def _show(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """A skipped run or line as one line on stderr (the message names the file); other warnings as usual."""
+    if issubclass(category, ResultsWarning):
+        print(f"[paper_figures] warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():  # restores the usual warning display afterwards (main is called by tests)
+        warnings.showwarning = _show
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paper_figures", description=__doc__.split("\n\n")[1])
     ap.add_argument("--root", default="results", help="results tree (default: results)")
     ap.add_argument("--only", default="", help=f"comma-separated subset of {','.join(ARTIFACTS)}")
@@ -54,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in only if s not in ARTIFACTS]
     if bad:
         ap.error(f"unknown artifact(s) {bad}; valid: {list(ARTIFACTS)}")
+    if not Path(a.root).is_dir():
+        raise UserError(f"--root {a.root}: no such directory (the results tree to draw from)")
+    if a.smooth < 1:
+        raise UserError(f"--smooth {a.smooth}: the rolling-mean window must be >= 1 step")
     scales = [s.strip() for s in a.scale.split(",") if s.strip()] or R.scales(a.root)
     if not scales:
         print(f"[paper_figures] no runs under {a.root}; only scale-free figures can be made")
@@ -74,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli_main(main)

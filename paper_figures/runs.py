@@ -13,7 +13,8 @@ key                tag (``cfg.tags.*``)                   fallback
 ``aqn``            ``tags.aqn`` (yes/no)                   ``aqn.enabled``
 =================  =====================================  =============================================
 
-Imports pandas and ``qerl.results`` only (no torch).
+Imports pandas and ``qerl.results`` only (no torch). A run whose summary.json or config.yaml cannot be read, and a
+corrupt metrics line, are skipped with a ``qerl.results.ResultsWarning`` naming the file (and line).
 """
 
 from __future__ import annotations

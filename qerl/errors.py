@@ -11,3 +11,30 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A mistake in the user's input; its message is the whole explanation (no traceback is shown)."""
+
+
+def cli_main(fn, argv: list[str] | None = None) -> None:
+    """Run an entry point's ``fn(argv)`` and exit with its status (``None`` counts as 0); a ``UserError`` is printed
+    as one line, ``<module>: error: <message>``, to stderr, and the exit status is 2 (no traceback).
+
+    Use it as ``if __name__ == "__main__": cli_main(main)``.
+    """
+    import sys
+
+    try:
+        status = fn(argv)
+    except UserError as e:
+        print(f"{_prog(fn)}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(0 if status is None else status)
+
+
+def _prog(fn) -> str:
+    """The entry point's module as the user typed it (``python -m sweeps.aqn`` runs it as ``__main__``)."""
+    import sys
+
+    name = getattr(fn, "__module__", None) or "qerl"
+    if name == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        name = spec.name if spec is not None else "qerl"
+    return name.removesuffix(".__main__")

@@ -13,7 +13,7 @@ One step (house rule 1: no trainer class, no callbacks):
     log one metrics line; checkpoint every `save_every` steps
 
 Every random draw of step s is seeded from (seed, s), so a run killed at any moment and resumed from its last
-checkpoint recomputes exactly the lines it lost (RunWriter drops lines past the checkpoint).
+checkpoint recomputes exactly the lines it lost (RunWriter.resume keeps the lines up to the checkpoint, no more).
 """
 
 from __future__ import annotations
@@ -177,11 +177,13 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     """
     writer = RunWriter(cfg.run_dir, cfg.to_yaml(), cfg.train.keep_checkpoints)
     if writer.is_finished():
-        import json
-
         print(f"[qerl] {cfg.run_dir} already finished; skipping")
-        return json.loads((cfg.run_dir / "summary.json").read_text())
+        writer.close()
+        return writer.read_summary()
     device = resolve_device(cfg.device)
+    # The checkpoint to continue from (newest intact one whose steps metrics.jsonl covers; metrics cut back to it),
+    # chosen before the model is built so that a run which cannot resume says so at once.
+    start, state = writer.resume(map_location=device)
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
     policy, tok = build_policy(cfg, device)
@@ -203,19 +205,15 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     sampler = Sampler(policy, tok, cfg.data.max_prompt_tokens, graphs)
     noise_targets = aqn.find_noise_targets(policy, cfg.aqn.include_final_norm) if cfg.aqn.enabled else None
 
-    start = 0
-    ck = writer.latest_checkpoint()
-    if ck is not None:
-        state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+    if state is not None:
         with torch.no_grad():
             named = trainable_parameters(policy)
             for k, v in state["trainable"].items():
                 named[k].copy_(v)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        start = state["step"]
+        del state
         print(f"[qerl] resuming {cfg.run_dir} from step {start}")
-    writer.truncate_after(start)
 
     bar = _progress(cfg, start)
     for step in range(start + 1, cfg.train.steps + 1):
@@ -247,7 +245,9 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     if not cfg.full_finetune:
         save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
     summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device)
-    return writer.write_summary(summary)
+    summary = writer.write_summary(summary)
+    writer.close()  # the run directory is free for the next writer (a crash frees it at exit)
+    return summary
 
 
 def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device) -> dict:

@@ -53,8 +53,9 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qerl.errors import UserError, cli_main
 from sweeps.report import accuracy_reward, census, run_values, void_reason, write_report
-from sweeps.storage import default_storage, make_storage, retry_callback
+from sweeps.storage import default_storage, make_storage, retry_callback, storage_errors
 
 OBJECTIVES = ("val_acc", "reward_area")
 PRUNERS = ("median", "none")
@@ -453,10 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = next((o.split("=", 1)[1] for o in args.overrides if _key(o) == "out_dir"), "results")
     url = args.storage or default_storage(out_dir, args.study)
     storage = make_storage(url, args.heartbeat)
-    stored = stored_settings(storage, args.study)
+    with storage_errors(url):  # a damaged SQLite file may open and fail only at the first query
+        stored = stored_settings(storage, args.study)
     if args.report_only:
         if stored is None:
-            raise SystemExit(f"no study {args.study!r} in {url}")
+            raise UserError(f"no study {args.study!r} in {url}")
         study = optuna.load_study(study_name=args.study, storage=storage)
         for f in write_report(study, Path(stored.get("out_dir", out_dir)) / "sweeps" / args.study):
             print(f"[sweep] wrote {f}")
@@ -469,8 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             args.trials = 16 if stored is None else optuna.load_study(study_name=args.study, storage=storage) \
                 .user_attrs.get("n_trials", 16)
         study = open_study(sweep, storage, make_pruner(args.pruner, sweep.steps), args.trials, not args.no_baseline)
+    except UserError:
+        raise
     except ValueError as e:  # bad settings (ConfigError included): one clear line, no traceback
-        raise SystemExit(f"sweeps.aqn: {e}") from None
+        raise UserError(str(e)) from None
     print(f"[sweep] study {args.study} ({url}): {args.trials} trials, objective {sweep.objective}, scale "
           f"{sweep.scale}, overrides {list(sweep.overrides)}", flush=True)
     t0, code = time.perf_counter(), 0
@@ -494,4 +498,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli_main(main)

@@ -11,7 +11,7 @@ import math
 import warnings
 from pathlib import Path
 
-from qerl.results import read_jsonl
+from qerl.results import read_jsonl, read_summary
 
 PARAMS = ("sigma_start", "sigma_end", "sigma_ratio", "stages", "schedule")
 # The paper's AQN setting (Table 4): the star in the σ plot.
@@ -78,9 +78,8 @@ def run_values(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     accs = [a for a in (accuracy_reward(r) for r in read_jsonl(run_dir / "metrics.jsonl")) if a is not None]
     out = {"val_acc": None, "reward_area": sum(accs) / len(accs) if accs else None, "steps_done": len(accs)}
-    s = run_dir / "summary.json"
-    if s.exists():
-        summary = json.loads(s.read_text())
+    summary = read_summary(run_dir)  # None when missing or unreadable (a warning names the file)
+    if summary is not None:
         p = [v["pass@1"] for v in (summary.get("eval") or {}).values() if isinstance(v, dict) and "pass@1" in v]
         if summary.get("finished") and p:
             out["val_acc"] = sum(p) / len(p)

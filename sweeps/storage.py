@@ -11,6 +11,8 @@ import contextlib
 import warnings
 from pathlib import Path
 
+from qerl.errors import UserError
+
 MAX_RETRY = 3  # a trial whose worker dies more often than this counts as FAIL
 
 
@@ -29,9 +31,63 @@ def default_storage(out_dir: str | Path, study: str) -> str:
     return f"sqlite:///{Path(out_dir) / 'sweeps' / f'{study}.db'}"
 
 
+@contextlib.contextmanager
+def storage_errors(url: str):
+    """Turn a bad storage URL, a missing driver, an unreachable server or a corrupt SQLite file met inside the
+    block into a ``UserError`` of one line that echoes ``url`` (the drivers' own messages name neither)."""
+    import sqlite3
+
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+
+    shown = _masked(url)
+    try:
+        yield
+    except (ArgumentError, NoSuchModuleError) as e:
+        raise UserError(f"study storage {shown!r} is not a valid storage URL ({_first_line(e)}); give "
+                        f"sqlite:///path/to/study.db or a SQLAlchemy database URL such as "
+                        f"postgresql://user@host/db") from None
+    except ImportError as e:
+        raise UserError(f"study storage {shown!r}: the database driver for this URL is not installed "
+                        f"({_first_line(e)})") from None
+    except (sqlite3.DatabaseError, SQLAlchemyError) as e:
+        orig = getattr(e, "orig", None) or e
+        if url.startswith("sqlite:///") and isinstance(orig, sqlite3.DatabaseError):
+            raise UserError(f"study storage {shown!r}: {_sqlite_path(url)} is not a readable SQLite study "
+                            f"({_first_line(orig)}); restore it from a copy, or move it aside to start the study "
+                            f"anew") from None
+        raise UserError(f"study storage {shown!r}: {_first_line(orig)}") from None
+    except OSError as e:
+        raise UserError(f"study storage {shown!r}: {e}") from None
+
+
+def _masked(url: str) -> str:
+    """``url`` with its password (if any) hidden: the message goes to logs."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _sqlite_path(url: str) -> Path:
+    return Path(url[len("sqlite:///"):])
+
+
 def make_storage(url: str, heartbeat: int = 10):
     """An ``RDBStorage`` with heartbeats (stale trials: no beat for 3 × ``heartbeat`` s, failed and retried); for
-    SQLite a long busy timeout and the WAL journal so several processes can write one file."""
+    SQLite a long busy timeout and the WAL journal so several processes can write one file. A URL or file that
+    cannot serve as a study is a ``UserError`` naming it."""
+    with storage_errors(url):
+        return _make_storage(url, heartbeat)
+
+
+def _make_storage(url: str, heartbeat: int):
     import inspect
 
     import optuna
@@ -39,7 +95,7 @@ def make_storage(url: str, heartbeat: int = 10):
     if url.startswith("sqlite:///") and ":memory:" not in url:
         import sqlite3
 
-        path = Path(url[len("sqlite:///"):])
+        path = _sqlite_path(url)
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.closing(sqlite3.connect(path, timeout=120)) as con:
             con.execute("PRAGMA journal_mode=WAL")  # persistent in the file: readers never block the writer

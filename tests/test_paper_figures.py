@@ -344,3 +344,34 @@ def test_importing_paper_figures_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(T.__file__).resolve().parents[1])
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_truncated_summary_and_a_corrupt_metrics_line_skip_only_themselves(tmp_path, capsys):
+    # the audit's probe: one truncated summary.json aborted every figure; a corrupt metrics line hid the rest
+    for seed in (0, 1):
+        write_run(tmp_path, "table1/smoke", f"bf16-lora-s{seed}", seed=seed, tags=t1tags("BF16", "lora"),
+                  evals={"gsm8k": 0.6 + seed / 10})
+    for aqn in (False, True):
+        write_run(tmp_path, "fig8/smoke", f"nvfp4-aqn{int(aqn)}", fmt="nvfp4", aqn=aqn, sigma=aqn)
+    torn = tmp_path / "table1" / "smoke" / "bf16-lora-s1" / "summary.json"
+    torn.write_text(torn.read_text()[:25])
+    metrics = tmp_path / "fig8" / "smoke" / "nvfp4-aqn1" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([*lines[:2], '{"step": 3, "rew', *lines[3:]]) + "\n")
+    assert cli_main(["--root", str(tmp_path), "--only", "table1,fig8", "--scale", "smoke"]) == 0
+    out, err = capsys.readouterr()
+    assert f"[paper_figures] warning: skipping run {torn.parent}: {torn} is unreadable" in err
+    assert f"[paper_figures] warning: {metrics}:3: skipping a corrupt line" in err
+    assert "wrote   table1[smoke]" in out and "wrote   fig8[smoke]" in out
+    md, df = T.render_table1(tmp_path, "smoke", write=False)
+    assert df[df["row"] == "BF16 LoRA"].iloc[0]["n_seeds"] == 1  # the readable seed is still there
+    curve = F.fig8(tmp_path, scale="smoke", out_dir=tmp_path / "f")
+    assert curve and curve[0].exists()
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "paper_figures", "--root", str(tmp_path / "nope")], capture_output=True,
+                       text=True, cwd=Path(T.__file__).resolve().parents[1])
+    assert r.returncode == 2
+    assert r.stderr == f"paper_figures: error: --root {tmp_path / 'nope'}: no such directory (the results tree to " \
+                       f"draw from)\n"

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -239,6 +240,19 @@ def test_budget_census_and_run_values(tmp_path):
     assert run_values(tmp_path / "trial_1") == {"val_acc": None, "reward_area": 0.125, "steps_done": 1}
 
 
+def test_run_values_skip_an_unreadable_summary_and_a_corrupt_line(tmp_path):
+    from qerl.results import ResultsWarning
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.2}\n{"ste\n{"step": 3, "reward": 0.4}\n')
+    (tmp_path / "summary.json").write_text('{"finished": true, "ev')
+    with pytest.warns(ResultsWarning) as caught:
+        v = run_values(tmp_path)
+    assert v == {"val_acc": None, "reward_area": pytest.approx(0.3), "steps_done": 2}
+    said = [str(w.message) for w in caught]
+    assert any(f"{tmp_path / 'metrics.jsonl'}:2" in m for m in said)
+    assert any(f"{tmp_path / 'summary.json'} is unreadable" in m for m in said)
+
+
 def test_report_files(tmp_path):
     study = _synthetic_study(tmp_path)
     study.set_user_attr("sweep", {"objective": "val_acc", "scale": "smoke", "overrides": ["x=1"]})
@@ -351,3 +365,54 @@ def test_sigkill_mid_trial_then_rerun_finishes_the_study(tmp_path):
     assert [r["step"] for r in read_jsonl(victim / "metrics.jsonl")] == [1, 2, 3]
     assert (sdir / "trials.csv").exists() and (sdir / "sigma.png").exists()
     assert math.isfinite(retry.value)
+
+
+def _cli(argv):
+    """``python -m sweeps.aqn argv`` in this process: (exit status, stderr lines)."""
+    import contextlib
+    import io
+
+    from qerl.errors import cli_main
+    from sweeps.aqn import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        cli_main(main, argv)
+    return e.value.code, err.getvalue().splitlines()
+
+
+def test_a_corrupt_or_truncated_sqlite_study_is_one_line_naming_the_file(tmp_path):
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not a database, it is text\n" * 200)
+    good = tmp_path / "good.db"
+    study = optuna.create_study(study_name="s", storage=make_storage(f"sqlite:///{good}", 5))
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=10)
+    truncated = tmp_path / "truncated.db"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 3])
+    for db, why in ((garbage, "file is not a database"), (truncated, "database disk image is malformed")):
+        code, err = _cli(["--study", "s", "--storage", f"sqlite:///{db}", *FAST, f"out_dir={tmp_path}"])
+        assert code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"sweeps.aqn: error: study storage 'sqlite:///{db}': {db} is not a readable "
+                                 f"SQLite study ({why})")
+    # the default study file (no --storage) is named the same way
+    default = tmp_path / "sweeps" / "d.db"
+    default.parent.mkdir()
+    shutil.copy(garbage, default)
+    code, err = _cli(["--study", "d", "--report-only", f"out_dir={tmp_path}"])
+    assert code == 2 and f"{default} is not a readable SQLite study" in err[0]
+
+
+def test_a_bad_storage_url_is_one_line_echoing_it(tmp_path):
+    for url, why in (("notaurl", "is not a valid storage URL"), ("foo://bar/x", "is not a valid storage URL"),
+                     ("postgresql://me:secret@localhost:1/db", "")):
+        code, err = _cli(["--study", "s", "--storage", url, *FAST, f"out_dir={tmp_path}"])
+        shown = url.replace(":secret@", ":***@")  # a password never reaches the log
+        assert code == 2 and len(err) == 1 and err[0].startswith(f"sweeps.aqn: error: study storage {shown!r}"), err
+        assert why in err[0] and "secret" not in err[0]
+
+
+def test_bad_sweep_settings_are_one_line_through_the_command(tmp_path):
+    code, err = _cli(["--study", "s", *FAST, "aqn=off", f"out_dir={tmp_path}"])
+    assert code == 2 and err == ["sweeps.aqn: error: the sweep needs AQN enabled (drop aqn=off / aqn.enabled=false)"]
+    code, err = _cli(["--study", "nope", "--report-only", f"out_dir={tmp_path}"])
+    assert code == 2 and len(err) == 1 and "no study 'nope'" in err[0]

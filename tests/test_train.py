@@ -81,3 +81,27 @@ def test_reward_rises_on_the_toy_task(tmp_path):
     env = json.loads((cfg.run_dir / "env.json").read_text())
     assert env["packages"]["torch"] and "hardware" in env
     assert Path(cfg.run_dir / "checkpoints" / "final_adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    """The audit's probe: the newest checkpoint's state.pt cut short used to fail every rerun with
+    "PytorchStreamReader failed reading zip archive" and no path. Now the run falls back to the intact one, says
+    which file was bad, and recomputes the same lines."""
+    from qerl.results import ResultsWarning
+    from qerl.train import run
+
+    cfg = load_config([*FAST, "train.steps=2", "train.save_every=1", f"out_dir={tmp_path}", "quant=nvfp4",
+                       "aqn=paper", "aqn.stages=2", "eval.limit=2"])
+    run(cfg)
+    ref = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    bad = cfg.run_dir / "checkpoints" / "step_0000002" / "state.pt"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    (cfg.run_dir / "summary.json").unlink()
+    with pytest.warns(ResultsWarning, match=rf"not resuming from .*step_0000002: {bad} does not match"):
+        summary = run(cfg)
+    rows = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and summary["finished"]
+    for ra, rb in zip(ref, rows, strict=True):
+        for k in SAME:
+            assert ra.get(k) == rb.get(k), (ra["step"], k, ra.get(k), rb.get(k))
