@@ -243,7 +243,7 @@ def worker_command(job: Job, workers: int) -> list[str]:
             "--parent-pid", str(os.getpid()), "--", *job.overrides]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Proc:
     job: Job
     proc: subprocess.Popen

@@ -90,7 +90,7 @@ def _counts(text: str) -> list[int]:
         counts = []
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not valid; give worker counts >= 1, e.g. 1,4,8")
-    return counts
+    return list(dict.fromkeys(counts))  # each count once, in the order given
 
 
 def main(argv=None) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from experiments import common
 from experiments.common import WORKER_LOG, Row, artifact_main, run_rows, worker_env
@@ -235,17 +236,18 @@ def test_killed_worker_fails_alone_and_its_row_resumes_exactly(tmp_path, capsys)
 def test_concurrency_benchmark_on_cpu(tmp_path):
     from experiments import concurrency
 
-    concurrency.main(["--scale", "smoke", "--workers", "1,2", "--rows", "2", "--steps", "2", "--root",
-                      str(tmp_path), *FAST])
+    concurrency.main(["--scale", "smoke", "--workers", "1,2", "--rows", "2", "--steps", "1", "--root",
+                      str(tmp_path), *FAST])  # FAST's train.steps gives way to --steps
     out = tmp_path / "concurrency" / "smoke"
     lines = list(csv.DictReader((out / "concurrency.csv").open()))
     assert [ln["workers"] for ln in lines] == ["1", "2"] and list(lines[0]) == list(concurrency.COLUMNS)
     for ln in lines:
-        assert ln["rows"] == "2" and ln["steps"] == "2" and ln["device"] == "cpu"
+        assert ln["rows"] == "2" and ln["steps"] == "1" and ln["device"] == "cpu"
         assert float(ln["runs_per_min"]) == pytest.approx(2 / float(ln["wall_s"]) * 60, rel=1e-2)
         runs = sorted((out / f"w{ln['workers']}").iterdir())
         assert [r.name for r in runs] == ["bench-s0", "bench-s1"]
-        assert all(len(read_jsonl(r / "metrics.jsonl")) == 2 for r in runs)
+        assert all(len(read_jsonl(r / "metrics.jsonl")) == 1 for r in runs)
+        assert {yaml.safe_load((r / "config.yaml").read_text())["tags"]["workers"] for r in runs} == {int(ln["workers"])}
     assert float(lines[0]["gain_vs_1"]) == 1.0
     assert float(lines[1]["gain_vs_1"]) == pytest.approx(float(lines[1]["runs_per_min"])
                                                          / float(lines[0]["runs_per_min"]), rel=1e-2)
