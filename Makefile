@@ -6,19 +6,24 @@ ARGS ?=
 PYTEST_ARGS ?=
 STUDY ?= aqn-$(SCALE)
 TRIALS ?= 8
-WORKERS ?= 2
+# Experiment rows run as worker processes, WORKERS at a time on one device (0: one after the other in-process).
+WORKERS ?= 1
+SWEEP_WORKERS ?= 2
+CONCURRENCY ?= 1,2,4
 export PYTHONUNBUFFERED := 1
 
 .PHONY: help deps test test-gpu lint quant-report reproduce-table1 reproduce-table2 fig4 fig5 fig8 fig9 fig10 \
-        fig15 fig16 fig17 figures sweep-aqn
+        fig15 fig16 fig17 figures sweep-aqn concurrency
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make test                 run the CPU test suite (installs dependencies first)"
 	@echo "make reproduce-table2     Table 2 (DAPO, Big-Math) at SCALE=$(SCALE); also reproduce-table1"
 	@echo "make fig4 fig8 fig9 fig10 fig15 fig16  the ablation runs behind each figure, then the figure"
+	@echo "                          (WORKERS=$(WORKERS): rows run as processes, WORKERS at a time on one device)"
 	@echo "make figures              regenerate every figure and table from results/ alone"
-	@echo "make sweep-aqn            Optuna sweep of AQN (STUDY=$(STUDY) TRIALS=$(TRIALS) WORKERS=$(WORKERS))"
+	@echo "make concurrency          runs/min with CONCURRENCY=$(CONCURRENCY) rows at a time on one device"
+	@echo "make sweep-aqn            Optuna sweep of AQN (STUDY=$(STUDY) TRIALS=$(TRIALS) SWEEP_WORKERS=$(SWEEP_WORKERS))"
 	@echo "make quant-report         bits/weight and quantization error of every format"
 	@echo "make test-gpu             the GPU tests (-m gpu) on a CUDA host"
 
@@ -40,25 +45,28 @@ quant-report: deps
 	$(PY) -m qerl.quant.report --out results/quant/report.md
 
 reproduce-table1: deps
-	$(PY) -m experiments.table1 --scale $(SCALE) $(ARGS)
+	$(PY) -m experiments.table1 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
 
 reproduce-table2: deps
-	$(PY) -m experiments.table2 --scale $(SCALE) $(ARGS)
+	$(PY) -m experiments.table2 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
 
 fig4 fig5: deps
-	$(PY) -m experiments.fig4 --scale $(SCALE) $(ARGS)
+	$(PY) -m experiments.fig4 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
 
 fig8 fig9 fig10: deps
-	$(PY) -m experiments.$@ --scale $(SCALE) $(ARGS)
+	$(PY) -m experiments.$@ --scale $(SCALE) --workers $(WORKERS) $(ARGS)
 
 fig15: deps
 	$(PY) -m experiments.fig15
 
 fig16 fig17: deps
-	$(PY) -m experiments.fig16 --scale $(SCALE) $(ARGS)
+	$(PY) -m experiments.fig16 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
 
 figures: deps
 	$(PY) -m paper_figures --root results
 
 sweep-aqn: deps
-	$(PY) -m sweeps.aqn --study $(STUDY) --scale $(SCALE) --trials $(TRIALS) --workers $(WORKERS) $(ARGS)
+	$(PY) -m sweeps.aqn --study $(STUDY) --scale $(SCALE) --trials $(TRIALS) --workers $(SWEEP_WORKERS) $(ARGS)
+
+concurrency: deps
+	$(PY) -m experiments.concurrency --scale $(SCALE) --workers $(CONCURRENCY) $(ARGS)

@@ -4,6 +4,10 @@ An experiment script declares its rows for a scale and calls ``main``; nothing a
 here. Every run lands in ``results/<artifact>/<scale>/<row>-s<seed>/``; a finished run is skipped and an
 interrupted one resumes from its checkpoint (``qerl.train.run`` does both), so re-running a matrix is cheap.
 
+A row names what it runs (``Row.runner``, a key of ``RUNNERS``). ``--workers N`` (default 1) runs each row x seed
+as its own process (``experiments.worker``), at most N at a time on the same device; ``--workers 0`` runs them one
+after the other inside this process (for a debugger or a profiler).
+
 Scales (``SCALE=`` in the Makefile):
 * ``smoke``: CPU, minutes. The committed toy smoke model stands in for every paper model and trains on the toy
   arithmetic task; numbers prove the plumbing and are not comparable with the paper.
@@ -14,10 +18,20 @@ Scales (``SCALE=`` in the Makefile):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import os
+import shlex
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from qerl.errors import UserError
 
 SCALES = ("smoke", "toy", "paper")
 
@@ -35,15 +49,39 @@ PAPER_MODELS = {"3b": "Qwen2.5-3B-Instruct", "7b": "Qwen2.5-7B-Instruct", "14b":
                 "32b": "Qwen2.5-32B-Instruct"}
 WEIGHTS = {"bf16": "BF16", "nf4": "NF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
+#: What a row runs: name -> "module:function", a function of the row's TrainConfig. Import paths, not functions,
+#: so nothing heavy is imported until a row runs, and a worker process can import the function by itself.
+#: Another module registers its own: ``RUNNERS["entropy"] = "experiments.evidence:run_entropy"``.
+RUNNERS = {"train": "qerl.train:run", "base": "qerl.evaluate:run_base"}
+
+
+def runner_path(name: str, where: str = "") -> str:
+    """The import path of the runner ``name`` (``where`` says which row asked, for the error)."""
+    if name not in RUNNERS:
+        raise UserError(f"{where}unknown runner {name!r}; valid runners: {sorted(RUNNERS)}")
+    return RUNNERS[name]
+
+
+def load_runner(path: str):
+    """Import ``"package.module:function"`` and return the function."""
+    module, sep, attr = path.partition(":")
+    if not (module and sep and attr):
+        raise UserError(f"runner path {path!r} must look like 'package.module:function'")
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise UserError(f"runner path {path!r}: module {module!r} has no function {attr!r}")
+    return fn
+
 
 @dataclass(frozen=True)
 class Row:
-    """One cell-producing run: ``overrides`` of the training config plus the paper-row tags it fills."""
+    """One cell-producing run: ``overrides`` of the training config plus the paper-row tags it fills, and the name
+    of what runs it (a key of ``RUNNERS``: ``train`` trains, ``base`` evaluates the untrained base model)."""
 
     key: str
     overrides: tuple[str, ...]
     tags: dict = field(default_factory=dict)
-    train: bool = True  # False: evaluate the untrained base model only
+    runner: str = "train"
 
     def all_overrides(self, artifact: str, scale: str, seed: int, extra=()) -> list[str]:
         tags = [f"+tags.{k}={v}" for k, v in {"table": artifact, **self.tags}.items()]
@@ -57,7 +95,7 @@ def method_rows(model_key: str, scale: str, formats=("bf16", "nf4", "mxfp4", "nv
     lr = LR[scale]
     paper = PAPER_MODELS[model_key]
     rows = [Row(f"{model_key}-{f}-base", (f"quant={f}",),
-                dict(paper_model=paper, weights=WEIGHTS[f], training="none", aqn="no"), train=False) for f in base]
+                dict(paper_model=paper, weights=WEIGHTS[f], training="none", aqn="no"), runner="base") for f in base]
     if full:
         rows.append(Row(f"{model_key}-bf16-full", ("quant=bf16", "lora=none", f"optim.lr={lr['full']}"),
                         dict(paper_model=paper, weights="BF16", training="full", aqn="no")))
@@ -72,34 +110,238 @@ def method_rows(model_key: str, scale: str, formats=("bf16", "nf4", "mxfp4", "nv
     return rows
 
 
-def run_rows(artifact: str, scale: str, rows: list[Row], seeds=None, extra=(), dry_run: bool = False) -> dict:
-    """Run (or skip, or resume) every row x seed. Failures are reported, not fatal to the other rows."""
+@dataclass(frozen=True)
+class Job:
+    """One row x seed of a matrix: its 1-based position, the row, the seed, its overrides and composed config."""
+
+    index: int
+    row: Row
+    seed: int
+    overrides: tuple[str, ...]
+    cfg: object  # qerl.config.TrainConfig
+
+    @property
+    def runner(self) -> str:
+        return RUNNERS[self.row.runner]
+
+
+def compose(artifact: str, scale: str, rows: list[Row], seeds, extra=()) -> list[Job]:
+    """Every row x seed with its validated config; a bad runner name or two jobs sharing a run directory (they
+    would write over each other, at the same time with workers) is an error before anything runs."""
     from qerl.config import load_config
 
-    seeds = SEEDS[scale] if seeds is None else seeds
-    done, failed = [], []
-    cfgs = [(row, load_config(row.all_overrides(artifact, scale, s, extra))) for row in rows for s in seeds]
-    for i, (row, cfg) in enumerate(cfgs, 1):
-        print(f"[{artifact}/{scale}] {i}/{len(cfgs)} {cfg.run_dir} ({'train' if row.train else 'base eval'})",
-              flush=True)
+    for row in rows:
+        runner_path(row.runner, f"row {row.key!r}: ")
+    jobs, owner = [], {}
+    for row in rows:
+        for seed in seeds:
+            ov = tuple(row.all_overrides(artifact, scale, seed, extra))
+            cfg = load_config(ov)
+            if cfg.run_dir in owner:
+                raise UserError(f"rows {owner[cfg.run_dir]!r} and {row.key!r} (seed {seed}) both write {cfg.run_dir}; "
+                                "give them distinct keys")
+            owner[cfg.run_dir] = row.key
+            jobs.append(Job(len(jobs) + 1, row, seed, ov, cfg))
+    return jobs
+
+
+def run_rows(artifact: str, scale: str, rows: list[Row], seeds=None, extra=(), dry_run: bool = False,
+             workers: int = 1) -> dict:
+    """Run (or skip, or resume) every row x seed (see ``run_jobs``); returns ``{"configs", "done", "skipped",
+    "failed"}``."""
+    jobs = compose(artifact, scale, rows, SEEDS[scale] if seeds is None else seeds, extra)
+    return run_jobs(jobs, f"[{artifact}/{scale}]", workers, dry_run)
+
+
+def run_jobs(jobs: list[Job], label: str, workers: int = 1, dry_run: bool = False) -> dict:
+    """Run (or skip, or resume) composed jobs; ``done`` includes the skipped, already finished runs.
+
+    ``workers >= 1``: each job runs in its own process (``python -m experiments.worker``), at most ``workers`` at a
+    time, all on this machine's device; its output goes to ``<run_dir>/worker.log``. ``workers = 0``: one after the
+    other inside this process. Either way a finished run is skipped without starting anything, and a failed one is
+    reported without stopping the others; it resumes from its checkpoint the next time the matrix runs.
+    """
+    if workers < 0:
+        raise UserError(f"workers={workers} is not valid; use 0 (in this process) or N >= 1 processes at a time")
+    log = _Log(label, len(jobs))
+    res = {"configs": [(j.row, j.cfg) for j in jobs], "done": [], "skipped": [], "failed": []}
+    todo = []
+    for j in jobs:
         if dry_run:
-            continue
+            log(j, "plan", f" ({j.row.runner}; dry run)")
+        elif _finished(j.cfg.run_dir):
+            log(j, "skip", " (finished)")
+            res["skipped"].append(str(j.cfg.run_dir))
+            res["done"].append(str(j.cfg.run_dir))
+        else:
+            todo.append(j)
+    if workers == 0:
+        _run_in_process(todo, log, res)
+    else:
+        _run_in_workers(todo, workers, log, res)
+    return res
+
+
+class _Log:
+    """The runner's one line per event: ``[fig4/smoke] done 3/12 results/fig4/smoke/... in 42 s``."""
+
+    def __init__(self, label: str, n: int):
+        self.label, self.n = label, n
+
+    def __call__(self, job: Job, event: str, detail: str = "", file=None) -> None:
+        print(f"{self.label} {event} {job.index}/{self.n} {job.cfg.run_dir}{detail}", file=file or sys.stdout,
+              flush=True)
+
+
+def _finished(run_dir: Path) -> bool:
+    from qerl.results import RunWriter
+
+    return Path(run_dir).is_dir() and RunWriter(run_dir).is_finished()
+
+
+def _run_in_process(jobs: list[Job], log: _Log, res: dict) -> None:
+    for j in jobs:
+        log(j, "start", f" ({j.row.runner})")
         t0 = time.perf_counter()
         try:
-            if row.train:
-                from qerl.train import run
-
-                run(cfg)
-            else:
-                from qerl.evaluate import run_base
-
-                run_base(cfg)
-            done.append(str(cfg.run_dir))
-            print(f"    done in {time.perf_counter() - t0:.0f} s", flush=True)
+            load_runner(j.runner)(j.cfg)
         except Exception as e:  # keep going: the matrix resumes the failed row next time
             traceback.print_exc()
-            failed.append((str(cfg.run_dir), f"{type(e).__name__}: {e}"))
-    return {"configs": cfgs, "done": done, "failed": failed}
+            log(j, "FAILED", f" after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {e}", sys.stderr)
+            res["failed"].append((str(j.cfg.run_dir), f"{type(e).__name__}: {e}"))
+        else:
+            log(j, "done", f" in {time.perf_counter() - t0:.0f} s")
+            res["done"].append(str(j.cfg.run_dir))
+
+
+# ------------------------------------------------------------------------------------- rows as processes
+WORKER_LOG = "worker.log"
+_ROOT = Path(__file__).resolve().parents[1]  # the checkout holding experiments/ (and qerl/)
+
+
+def worker_env(workers: int, environ=None) -> dict[str, str]:
+    """The environment of each of ``workers`` row processes sharing this machine: this process's (so
+    CUDA_VISIBLE_DEVICES and everything else pass through) plus a fair share of the CPU cores for torch's threads
+    (OMP_NUM_THREADS) and for the math-verify pool (QERL_REWARD_WORKERS; its own default, min(4, cores), times N
+    workers would oversubscribe the cores). A value the caller already set wins."""
+    env = dict(os.environ if environ is None else environ)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // workers)
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(k, str(share))
+    env.setdefault("QERL_REWARD_WORKERS", str(min(4, share)))
+    env["PYTHONUNBUFFERED"] = "1"  # the log shows where a row is, even when it is killed
+    # the worker imports this checkout's experiments/ and qerl/, whatever its working directory's sys.path says
+    paths = [str(_ROOT), *(q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q and q != str(_ROOT))]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def worker_command(job: Job, workers: int) -> list[str]:
+    """``python -m experiments.worker``: the row's runner and overrides; ``--workers`` lands in env.json's argv."""
+    return [sys.executable, "-m", "experiments.worker", "--runner", job.runner, "--workers", str(workers),
+            "--parent-pid", str(os.getpid()), "--", *job.overrides]
+
+
+@dataclass(eq=False)
+class _Proc:
+    job: Job
+    proc: subprocess.Popen
+    log: object  # the open worker.log
+    t0: float
+
+
+def _spawn(job: Job, workers: int, env: dict) -> _Proc:
+    run_dir = Path(job.cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = worker_command(job, workers)
+    f = open(run_dir / WORKER_LOG, "a")  # appended: a resumed row keeps the story of its earlier attempts
+    f.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {shlex.join(cmd)}\n")
+    f.flush()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return _Proc(job, p, f, time.perf_counter())
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of the newest attempt in a worker.log."""
+    with contextlib.suppress(OSError):
+        text = path.read_text(errors="replace").rsplit("\n=== ", 1)[-1]
+        return "\n".join("    " + line for line in text.splitlines()[1:][-lines:])
+    return ""
+
+
+def _run_in_workers(jobs: list[Job], workers: int, log: _Log, res: dict, poll_s: float = 0.2) -> None:
+    env = worker_env(workers)
+    pending, running = list(reversed(jobs)), []
+    try:
+        with _sigterm_as_interrupt():
+            while pending or running:
+                while pending and len(running) < workers:
+                    w = _spawn(pending.pop(), workers, env)
+                    running.append(w)
+                    log(w.job, "start", f" ({w.job.row.runner}, pid {w.proc.pid}, log "
+                                        f"{Path(w.job.cfg.run_dir) / WORKER_LOG})")
+                time.sleep(poll_s)
+                for w in [w for w in running if w.proc.poll() is not None]:
+                    running.remove(w)
+                    _collect(w, log, res)
+    finally:  # Ctrl-C, SIGTERM or a bug here: no row process outlives the runner
+        _stop(running, log)
+
+
+def _collect(w: _Proc, log: _Log, res: dict) -> None:
+    w.log.close()
+    dt, run_dir = time.perf_counter() - w.t0, str(w.job.cfg.run_dir)
+    code = w.proc.returncode
+    if code == 0:
+        log(w.job, "done", f" in {dt:.0f} s")
+        res["done"].append(run_dir)
+        return
+    why = _exit_reason(code)
+    log(w.job, "FAILED", f" after {dt:.0f} s: {why}; last lines of its {WORKER_LOG}:\n"
+        f"{_log_tail(Path(run_dir) / WORKER_LOG)}", sys.stderr)
+    res["failed"].append((run_dir, why))
+
+
+def _stop(running: list[_Proc], log: _Log, grace_s: float = 10.0) -> None:
+    """Terminate the row processes, then kill what is left after ``grace_s``; their runs resume next time."""
+    for w in running:
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for w in running:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+        w.log.close()
+        log(w.job, "stopped", " (interrupted; it resumes from its checkpoint next time)", sys.stderr)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C, so the ``finally`` that stops the row processes runs (main thread only: Python
+    delivers signals there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -108,8 +350,22 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: per scale)")
     p.add_argument("--dry-run", action="store_true", help="compose and validate every row, run nothing")
     p.add_argument("--root", default="results")
+    p.add_argument("--workers", type=_workers_arg, default=1, metavar="N",
+                   help="run N rows at a time, each in its own process on the same device (default 1; 0: one after "
+                        "the other inside this process). Each gets max(1, cores // N) torch threads and a "
+                        "math-verify pool of min(4, cores // N) unless OMP_NUM_THREADS / QERL_REWARD_WORKERS are set")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every row")
     return p
+
+
+def _workers_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; use 0 (in this process) or N >= 1 processes")
+    return n
 
 
 def finish(result: dict, render=None) -> None:
@@ -135,9 +391,18 @@ def scale_model(scale: str, paper_key: str) -> tuple[str, ...]:
 
 def artifact_main(artifact: str, rows_fn, doc: str, render, argv=None) -> None:
     """CLI of an experiment: run (or skip, or resume) its rows, then ``render(root, scale)`` from results/."""
+    from qerl.config import ConfigError
+
     args = parser(doc).parse_args(argv)
-    res = run_rows(artifact, args.scale, rows_fn(args.scale), seeds_arg(args),
-                   [f"out_dir={args.root}", *args.overrides], args.dry_run)
+    try:
+        res = run_rows(artifact, args.scale, rows_fn(args.scale), seeds_arg(args),
+                       [f"out_dir={args.root}", *args.overrides], args.dry_run, args.workers)
+    except (UserError, ConfigError) as e:  # the user's to fix: one line, no traceback
+        print(f"{artifact}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"{artifact}: interrupted; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)
     finish(res, lambda: render(args.root, args.scale))
 
 

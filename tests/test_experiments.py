@@ -59,9 +59,9 @@ def test_table_rows_match_the_paper_rows():
     assert models == {"Qwen2.5-7B-Instruct", "Qwen2.5-14B-Instruct", "Qwen2.5-32B-Instruct"}
     for r in t1 + t2:
         cfg = load_config(r.all_overrides("t", "paper", 0))
-        if r.train and cfg.lora.enabled:
+        if r.runner == "train" and cfg.lora.enabled:
             assert cfg.optim.lr == (5e-6 if cfg.quant.format == "bf16" else 1e-5)
-        if r.tags["paper_model"] == "Qwen2.5-32B-Instruct" and r.train:
+        if r.tags["paper_model"] == "Qwen2.5-32B-Instruct" and r.runner == "train":
             assert cfg.data.levels == (4, 5)
     assert all(load_config(r.all_overrides("t", "paper", 0)).algo.name == "dapo" for r in t2)
     assert all(load_config(r.all_overrides("t", "paper", 0)).algo.name == "grpo" for r in t1)
