@@ -1,5 +1,5 @@
-"""Evidence figures, per scale, from the runs under ``results/evidence/<scale>/`` (see ``paper_figures.findings``
-for the runs, the learning-rate protocol and the comparisons these figures draw).
+"""Evidence figures, per scale, from the runs under ``results/evidence/<scale>/`` (``paper_figures.evidence_runs``
+says which runs and the learning-rate protocol; ``paper_figures.findings`` the comparisons these figures draw).
 
 Each function takes the results ``root`` and a ``scale`` (and optionally ``smooth``, a rolling mean over steps of
 each run before the seeds are averaged; ``out_dir``, default ``<root>/figures``; ``ev``, an already loaded
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paper_figures import evidence_runs as ER
 from paper_figures import findings as FD
 from paper_figures import runs as R
 from paper_figures import stats as S
@@ -49,7 +50,7 @@ def _dashes(arm: str):
 
 
 def _load(root, scale: str, ev):
-    return ev if ev is not None else FD.load(root, scale)
+    return ev if ev is not None else ER.load(root, scale)
 
 
 def _smoothed(values: np.ndarray, window: int) -> np.ndarray:
@@ -60,14 +61,14 @@ def _smoothed(values: np.ndarray, window: int) -> np.ndarray:
     return (c[1:] - c[np.arange(1, len(values) + 1) - k]) / k
 
 
-def metric_curve(ev: FD.Evidence, run_dir: str, metric: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def metric_curve(ev: ER.Evidence, run_dir: str, metric: str, smooth: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(steps, values) of one run: ``metric`` ``reward`` is the training reward (``findings.reward_curve``),
     anything else a metrics.jsonl column; smoothed by a trailing mean of ``smooth`` steps."""
     m = ev.curves.get(run_dir)
     if m is None:
         return np.array([]), np.array([])
     if metric == "reward":
-        s, v = FD.reward_curve(m)
+        s, v = ER.reward_curve(m)
     elif metric in m:
         sub = m[["step", metric]].dropna().sort_values("step")
         s, v = sub["step"].to_numpy(float), sub[metric].to_numpy(float)
@@ -76,7 +77,7 @@ def metric_curve(ev: FD.Evidence, run_dir: str, metric: str, smooth: int = 1) ->
     return s, _smoothed(v, smooth)
 
 
-def line_band(ev: FD.Evidence, arm: str, lr, metric: str, smooth: int = 1) -> tuple[S.Band, list[str]]:
+def line_band(ev: ER.Evidence, arm: str, lr, metric: str, smooth: int = 1) -> tuple[S.Band, list[str]]:
     """The band over seeds of ``arm`` at rate ``lr`` and the runs behind it (runs without the metric left out)."""
     curves, dirs = [], []
     for d in ev.at(arm, lr)["run_dir"]:
@@ -87,15 +88,15 @@ def line_band(ev: FD.Evidence, arm: str, lr, metric: str, smooth: int = 1) -> tu
     return S.curve_band(curves), dirs
 
 
-def _subtitle(ev: FD.Evidence, text: str) -> str:
+def _subtitle(ev: ER.Evidence, text: str) -> str:
     return "\n".join([text, *ev.notes])
 
 
-def _sources(ev: FD.Evidence, dirs) -> list[str]:
+def _sources(ev: ER.Evidence, dirs) -> list[str]:
     return [R.rel(d, ev.root) for d in dict.fromkeys(dirs)]
 
 
-def _curve_panels(name: str, ev: FD.Evidence, panels, metric: str, ylabel: str, title: str, smooth: int,
+def _curve_panels(name: str, ev: ER.Evidence, panels, metric: str, ylabel: str, title: str, smooth: int,
                   out_dir, ncols: int | None = None) -> list[Path]:
     """Panels of band lines. ``panels``: [(panel title, [(arm, lr, colour, dashes, label prefix)])]."""
     drawn = [(t, [(*ln, *line_band(ev, ln[0], ln[1], metric, smooth)) for ln in lines]) for t, lines in panels]
@@ -108,7 +109,7 @@ def _curve_panels(name: str, ev: FD.Evidence, panels, metric: str, ylabel: str, 
     for ax, (ptitle, lines) in zip(axes.flat, drawn, strict=False):
         for _arm, lr, color, dashes, label, band, dirs in lines:
             if dirs:
-                plot_band(ax, band, color, f"{label} lr {FD.fmt_lr(lr)} ({seeds_label([len(dirs)])})", dashes)
+                plot_band(ax, band, color, f"{label} lr {ER.fmt_lr(lr)} ({seeds_label([len(dirs)])})", dashes)
                 used += dirs
                 counts.append(len(dirs))
         if ax.lines:
@@ -127,11 +128,11 @@ def _curve_panels(name: str, ev: FD.Evidence, panels, metric: str, ylabel: str, 
                 note=f"scale {ev.scale}, paths relative to {ev.root}" + "".join(f"; {n}" for n in ev.notes))
 
 
-def _format_panels(ev: FD.Evidence) -> list:
-    p, lora = ev.protocol, [a for a in FD.FORMAT_ARMS if a != "bf16-full"]
-    line = lambda arm, lr: (arm, lr, arm_color(arm), _dashes(arm), FD.LABELS[arm])  # noqa: E731
-    return [(f"shared lr {FD.fmt_lr(p.shared)}", [line(a, p.shared) for a in lora]),
-            ("each arm at its best lr", [line(a, p.best.get(a)) for a in FD.FORMAT_ARMS])]
+def _format_panels(ev: ER.Evidence) -> list:
+    p, lora = ev.protocol, [a for a in ER.FORMAT_ARMS if a != "bf16-full"]
+    line = lambda arm, lr: (arm, lr, arm_color(arm), _dashes(arm), ER.LABELS[arm])  # noqa: E731
+    return [(f"shared lr {ER.fmt_lr(p.shared)}", [line(a, p.shared) for a in lora]),
+            ("each arm at its best lr", [line(a, p.best.get(a)) for a in ER.FORMAT_ARMS])]
 
 
 def reward_curves(root="results", scale: str = "toy", smooth: int = 1, out_dir=None, ev=None) -> list[Path]:
@@ -162,9 +163,9 @@ def aqn_curves(root="results", scale: str = "toy", smooth: int = 1, out_dir=None
     for mode in ("shared", "best"):
         for a, b in (("nvfp4-lora-aqn", "nvfp4-lora"), ("bf16-lora-aqn", "bf16-lora")):
             lr_a, lr_b = (p.shared, p.shared) if mode == "shared" else FD.c_best_rates(ev, a, b)[:2]
-            panels.append((f"{FD.LABELS[b]} ± AQN · {mode} lr",
-                           [(b, lr_b, arm_color(b), None, FD.LABELS[b]),
-                            (a, lr_a, arm_color(a), AQN_DASH, FD.LABELS[a])]))
+            panels.append((f"{ER.LABELS[b]} ± AQN · {mode} lr",
+                           [(b, lr_b, arm_color(b), None, ER.LABELS[b]),
+                            (a, lr_a, arm_color(a), AQN_DASH, ER.LABELS[a])]))
     return _curve_panels(name, ev, panels, "reward", "training reward", "AQN on/off (Fig. 8), BF16 control",
                          smooth, out_dir, ncols=2)
 
@@ -178,7 +179,7 @@ def schedule_curves(root="results", scale: str = "toy", smooth: int = 1, out_dir
     for mode in ("shared", "best"):
         lines = [("nvfp4-lora", p.shared if mode == "shared" else p.best.get("nvfp4-lora"),
                   SCHEDULE_COLORS["none"], None, "no AQN")]
-        for sched, arm in FD.SCHEDULE_ARMS.items():
+        for sched, arm in ER.SCHEDULE_ARMS.items():
             lr = p.shared if mode == "shared" else FD.c_best_rates(ev, arm, "nvfp4-lora")[0]
             lines.append((arm, lr, SCHEDULE_COLORS[sched], None, sched))
         panels.append((f"NVFP4-LoRA, {mode} lr", lines))
@@ -191,10 +192,10 @@ def entropy_formats(root="results", scale: str = "toy", out_dir=None, ev=None, *
     name = f"evidence_sampling_entropy_{scale}"
     if (ev := _load(root, scale, ev)) is None:
         return skip(name, f"no evidence runs at scale {scale!r}")
-    fe = FD.entropy_by_format(ev)
+    fe = ER.entropy_by_format(ev)
     if not fe:
         return skip(name, f"no finished entropy runs (claim a) at scale {scale}")
-    fmts = [f for f in FD.ENTROPY_FORMATS if f in fe] + sorted(set(fe) - set(FD.ENTROPY_FORMATS))
+    fmts = [f for f in ER.ENTROPY_FORMATS if f in fe] + sorted(set(fe) - set(ER.ENTROPY_FORMATS))
     fig, axes = new_figure(1, 2, sharey=False)
     left, right = axes[0]
     for i, f in enumerate(fmts):
@@ -236,17 +237,17 @@ def lr_grid(root="results", scale: str = "toy", out_dir=None, ev=None, **_) -> l
         return skip(name, f"no seed-0 grid runs at scale {scale}")
     fig, axes = new_figure(1, 1, width=7.5, height=4.0)
     ax = axes[0][0]
-    for arm in [a for a in FD.ARMS if a in p.grid]:
+    for arm in [a for a in ER.ARMS if a in p.grid]:
         lrs = sorted(p.grid[arm])
         # the other schedules get colours of their own: they would all be NVFP4 green otherwise
         color = GRID_SCHEDULE_COLORS.get(arm) or arm_color(arm)
         kw = {"dashes": AQN_DASH, "marker": "s"} if "aqn" in arm else {"marker": "o"}
-        ax.plot(lrs, [p.grid[arm][x] for x in lrs], ms=4, color=color, label=FD.LABELS[arm], **kw)
+        ax.plot(lrs, [p.grid[arm][x] for x in lrs], ms=4, color=color, label=ER.LABELS[arm], **kw)
         if arm in p.best:
             ax.plot([p.best[arm]], [p.grid[arm][p.best[arm]]], marker="*", ms=13, color=color, ls="")
     if p.shared is not None:
         ax.axvline(p.shared, color="0.4", ls=":", lw=1)
-        ax.text(p.shared, 1.0, f"shared {FD.fmt_lr(p.shared)}", transform=ax.get_xaxis_transform(), fontsize=7,
+        ax.text(p.shared, 1.0, f"shared {ER.fmt_lr(p.shared)}", transform=ax.get_xaxis_transform(), fontsize=7,
                 ha="center", va="bottom")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
@@ -265,7 +266,7 @@ FIGURES = {"reward": reward_curves, "entropy": entropy_curves, "aqn": aqn_curves
 
 def all_figures(root="results", scale: str = "toy", smooth: int = 1, out_dir=None) -> list[Path]:
     """Every evidence figure of ``scale`` (the runs are loaded once); the paths written."""
-    ev = FD.load(root, scale)
+    ev = ER.load(root, scale)
     if ev is None:
-        return skip(f"evidence_{scale}", f"no evidence runs (tags.table: {FD.TABLE}) at scale {scale!r}")
+        return skip(f"evidence_{scale}", f"no evidence runs (tags.table: {ER.TABLE}) at scale {scale!r}")
     return [p for fn in FIGURES.values() for p in fn(root, scale, smooth=smooth, out_dir=out_dir, ev=ev)]

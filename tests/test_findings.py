@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from paper_figures import evidence as E
+from paper_figures import evidence_runs as ER
 from paper_figures import figures as F
 from paper_figures import findings as FD
 from paper_figures.__main__ import main as cli_main
@@ -133,28 +134,28 @@ def row(df, comparison, mode, metric="reward AUC"):
 
 # ------------------------------------------------------------------------------------------------ lr protocol
 def test_best_lr_uses_training_reward_only(tree):
-    ev = FD.load(tree, SCALE)
+    ev = ER.load(tree, SCALE)
     nv = ev.runs[ev.runs["arm"] == "nvfp4-lora"]
     # held-out pass@1 of the grid runs would choose 1e-5 (0.95); the training reward chooses 1e-4
-    assert FD.best_lr(nv) == pytest.approx(1e-4)
+    assert ER.best_lr(nv) == pytest.approx(1e-4)
     assert ev.protocol.best == pytest.approx({a: b for a, (_, b) in LEVELS.items()} | {
         "nvfp4-lora-aqn": 1e-4, "bf16-lora-aqn": SHARED, "nvfp4-lora-aqn-linear": 1e-4})
     # the grid score is the mean training reward over all steps of the seed-0 run
     assert ev.protocol.grid["nvfp4-lora"][1e-4] == pytest.approx(0.60 + 0.05)
     assert ev.protocol.grid["nvfp4-lora"][1e-5] == pytest.approx(0.50 + 0.05)
-    assert FD.mean_training_reward(nv[nv["lr"] == 1e-4].query("seed == 0")["run_dir"].iloc[0]) == pytest.approx(0.65)
+    assert ER.mean_training_reward(nv[nv["lr"] == 1e-4].query("seed == 0")["run_dir"].iloc[0]) == pytest.approx(0.65)
 
 
 def test_best_lr_tie_goes_to_the_lower_rate(tmp_path):
     for lr in (3e-4, 1e-4, 2e-4):
         write_trained(tmp_path, "bf16-lora", lr, 0, np.full(5, 0.3 if lr != 3e-4 else 0.1))
-    ev = FD.load(tmp_path, SCALE)
-    assert FD.best_lr(ev.runs) == pytest.approx(1e-4)
-    assert FD.best_lr(ev.runs.iloc[0:0]) is None
+    ev = ER.load(tmp_path, SCALE)
+    assert ER.best_lr(ev.runs) == pytest.approx(1e-4)
+    assert ER.best_lr(ev.runs.iloc[0:0]) is None
 
 
 def test_shared_rate_from_protocol_json_else_the_median_grid_rate(tree, tmp_path):
-    p = FD.load(tree, SCALE).protocol
+    p = ER.load(tree, SCALE).protocol
     assert p.shared == pytest.approx(SHARED) and "protocol.json" in p.shared_source
     assert p.extra == {"budget_min": 20} and p.seeds == [0, 1, 2]
     # without protocol.json: the lower middle of the LoRA arms' grid rates (4 rates here: the 2nd)
@@ -162,7 +163,7 @@ def test_shared_rate_from_protocol_json_else_the_median_grid_rate(tree, tmp_path
         for lr in rates:
             write_trained(tmp_path, arm, lr, 0, np.full(5, 0.3))
     write_trained(tmp_path, "bf16-full", 1e-6, 0, np.full(5, 0.3))  # full fine-tuning's grid does not count
-    p = FD.load(tmp_path, SCALE).protocol
+    p = ER.load(tmp_path, SCALE).protocol
     assert p.shared == pytest.approx(3e-5) and "median" in p.shared_source
     assert p.n_settings == 5 and p.n_runs == 5
 
@@ -192,7 +193,7 @@ def test_claim_b_verdicts_from_known_effects(table):
 
 def test_unfinished_runs_are_left_out(tree, table):
     assert row(table, "NVFP4-LoRA − BF16-LoRA", "best")["n_a"] == 3
-    ev = FD.load(tree, SCALE)
+    ev = ER.load(tree, SCALE)
     assert ev.unfinished == [f"evidence/{SCALE}/nvfp4-lora-lr0.0001-s3"]
 
 
@@ -264,7 +265,7 @@ def test_a_bad_protocol_file_is_named(tmp_path):
                       ('{"grid": {"bf16-lora": 1e-5}}', "grid must map each arm")):
         path.write_text(text)
         with pytest.raises(UserError, match=msg) as e:
-            FD.load(tmp_path, SCALE)
+            ER.load(tmp_path, SCALE)
         assert str(path) in str(e.value)
 
 
@@ -278,7 +279,7 @@ def test_a_scale_without_arms_says_not_run(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ figures
 def test_evidence_band_numbers(tree):
-    ev = FD.load(tree, SCALE)
+    ev = ER.load(tree, SCALE)
     band, dirs = E.line_band(ev, "nvfp4-lora", 1e-4, "reward")
     assert len(dirs) == 3 and list(band.n) == [3] * STEPS
     # seeds at +0, +0.03, −0.03 around 0.60 + ramp: mean 0.60 + ramp, half = 4.303 · 0.03/√3 = 0.074530
@@ -335,7 +336,8 @@ def test_evidence_figures_with_most_arms_missing(tmp_path, capsys):
 
 
 def test_evidence_modules_do_not_import_torch():
-    code = ("import sys, paper_figures.stats, paper_figures.findings, paper_figures.evidence, paper_figures.__main__; "
+    code = ("import sys, paper_figures.stats, paper_figures.evidence_runs, paper_figures.findings, "
+            "paper_figures.evidence, paper_figures.__main__; "
             "bad = [m for m in ('torch', 'qerl.aqn', 'qerl.train') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
