@@ -230,7 +230,12 @@ def load(root, scale: str) -> Evidence | None:
     runs = pd.DataFrame({"run_dir": tr["run_dir"], "arm": _col(tr, "cfg.tags.arm").astype(str),
                          "lr": _col(tr, "cfg.optim.lr").map(lambda x: _lr_key(x) if x is not None else np.nan),
                          "seed": _col(tr, "cfg.seed", 0).astype(int)})
-    runs = runs.sort_values("run_dir").drop_duplicates(["arm", "lr", "seed"]).reset_index(drop=True)
+    runs = runs.sort_values("run_dir")
+    dup = runs.duplicated(["arm", "lr", "seed"])
+    if dup.any():  # one run per (arm, rate, seed), or a setting would count twice as independent seeds
+        print(f"[paper_figures] evidence {scale}: runs repeating an (arm, lr, seed) left out: "
+              f"{[R.rel(d, root) for d in runs.loc[dup, 'run_dir']]}")
+    runs = runs[~dup].reset_index(drop=True)
     unknown = sorted(set(runs["arm"]) - set(ARMS))
     if unknown:
         print(f"[paper_figures] evidence {scale}: runs with arms {unknown} are not in any comparison (known: {ARMS})")
