@@ -13,7 +13,9 @@ import sys
 import warnings
 from pathlib import Path
 
+from paper_figures import evidence as E
 from paper_figures import figures as F
+from paper_figures import findings as FD
 from paper_figures import runs as R
 from paper_figures import speed as S
 from paper_figures import tables as T
@@ -46,6 +48,8 @@ ARTIFACTS = {
     "fig1": (False, lambda root, scale, smooth: S.speed_rollout(root)),
     "fig11": (False, lambda root, scale, smooth: S.speed_rank(root)),
     "speed_layers": (False, lambda root, scale, smooth: S.speed_layers(root)),
+    "evidence": (True, lambda root, scale, smooth: E.all_figures(root, scale, smooth=smooth)),
+    "findings": (True, lambda root, scale, smooth: FD.write_findings(root, scale)),
 }
 
 

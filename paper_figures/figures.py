@@ -1,4 +1,5 @@
-"""Training-curve figures of the paper from ``results/`` (seaborn; mean ± 1 sd band over seeds; PNG + PDF).
+"""Training-curve figures of the paper from ``results/`` (mean ± 95% t-interval band over seeds, no band for a
+single seed; PNG + PDF).
 
 Every function takes the results ``root``, an ``experiment`` (a ``cfg.experiment`` value such as ``fig4/smoke``, or
 a list of them: the first that has runs is used; default: the figure's own experiment at ``scale`` and then the
@@ -22,9 +23,11 @@ import pandas as pd
 import seaborn as sns
 
 from paper_figures import runs as R
+from paper_figures.stats import Band, curve_band
 from paper_figures.style import AQN_DASHES, FORMAT_ORDER, SCHEDULE_COLORS, format_color, new_figure, save
 
 REWARD = ("rewards/accuracy/mean", "reward")
+BAND_NOTE = "mean ± 95% CI (t) over seeds; one seed: no band"
 
 
 def skip(name: str, why: str) -> list:
@@ -73,12 +76,37 @@ def _smooth(m: pd.DataFrame, y: str, window: int) -> pd.DataFrame:
     return m
 
 
+def group_bands(m: pd.DataFrame, ycol: str, keys: Sequence[str], level: float = 0.95) -> dict[tuple, Band]:
+    """Per group of ``keys`` values, the band over its runs (``run_dir``) of ``ycol`` vs ``step``: mean and the
+    ``level`` t interval at each step (``paper_figures.stats.curve_band``; no interval where one run has the step)."""
+    out = {}
+    for key, sub in m.groupby(list(keys), sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        out[key] = curve_band([(g["step"].to_numpy(), g[ycol].to_numpy()) for _, g in sub.groupby("run_dir")], level)
+    return out
+
+
+def plot_band(ax, band: Band, color, label: str, dashes=None) -> None:
+    """The mean line and, where at least two runs have the step, its confidence band (same colour, translucent)."""
+    kw = {"dashes": dashes} if dashes else {}
+    ax.plot(band.x, band.mean, color=color, label=label, lw=1.4, **kw)
+    if (band.n >= 2).any():
+        ax.fill_between(band.x, band.lo, band.hi, where=band.n >= 2, color=color, alpha=0.2, lw=0)
+
+
+def seeds_label(counts) -> str:
+    """``n=3`` or ``n=1–3``: how many runs (seeds) stand behind a line."""
+    lo, hi = min(counts), max(counts)
+    return f"n={lo}" if lo == hi else f"n={lo}–{hi}"
+
+
 def curves(name: str, root, experiments, y: Sequence[str], hue: Callable[[pd.Series], str], *,
            palette: Callable[[pd.DataFrame, list], dict] | None = None, row: Callable | None = None,
            col: Callable | None = None, style: Callable | None = None, smooth: int = 1, ylabel: str = "",
            title: str = "", out_dir=None, sigma_marks: bool = False, hue_order: Callable | None = None) -> list[Path]:
-    """Generic curve figure: one line per ``hue(run)`` value (mean over its runs, ± 1 sd band), panels by
-    ``row(run)`` × ``col(run)``, dashes by ``style(run)``. ``y``: metric candidates, first present is used."""
+    """Generic curve figure: one line per ``hue(run)`` value (mean over its runs ± 95% t interval band, no band
+    for a single run), panels by ``row(run)`` × ``col(run)``, dashes by ``style(run)``. ``y``: metric
+    candidates, first present is used."""
     runs, exp = find_runs(root, experiments)
     if runs.empty:
         return skip(name, f"no runs with metrics for experiment(s) {experiments!r} under {root}")
@@ -94,7 +122,10 @@ def curves(name: str, root, experiments, y: Sequence[str], hue: Callable[[pd.Ser
         subset=[ycol]), ycol, smooth).merge(runs[["run_dir", "_hue", "_row", "_col", "_style"]], on="run_dir")
     order = hue_order(runs) if hue_order else list(dict.fromkeys(
         runs.assign(_k=[_sort_key(r) for _, r in runs.iterrows()]).sort_values("_k")["_hue"]))
-    pal = palette(runs, order) if palette else None
+    pal = palette(runs, order) if palette else dict(zip(order, sns.color_palette(n_colors=len(order)), strict=True))
+    styles = [s for s in AQN_DASHES if s in set(m["_style"])] if style else []
+    bands = group_bands(m, ycol, ["_row", "_col", "_hue", "_style"])
+    n_runs = runs.groupby(["_row", "_col", "_hue", "_style"]).size()
     rows, cols = sorted(runs["_row"].unique()), sorted(runs["_col"].unique())
     fig, axes = new_figure(len(rows), len(cols))
     for i, rv in enumerate(rows):
@@ -103,23 +134,22 @@ def curves(name: str, root, experiments, y: Sequence[str], hue: Callable[[pd.Ser
             if sub.empty:
                 ax.set_visible(False)
                 continue
-            styles = [s for s in AQN_DASHES if s in set(m["_style"])] if style else None
-            styles = styles if styles and len(styles) > 1 else None  # one level: no dash legend
-            sns.lineplot(data=sub, x="step", y=ycol, hue="_hue", hue_order=[h for h in order if h in set(sub["_hue"])],
-                         palette=pal, style="_style" if styles else None, style_order=styles,
-                         dashes={s: AQN_DASHES[s] for s in styles} if styles else True, errorbar="sd",
-                         estimator="mean", ax=ax, legend=(i == 0 and j == len(cols) - 1))
+            for h in [h for h in order if h in set(sub["_hue"])]:
+                own = sorted(set(sub.loc[sub["_hue"] == h, "_style"]), key=lambda v: (v not in styles, v))
+                for st in own:
+                    # the legend says how many runs stand behind a line, over every panel it appears in
+                    n = seeds_label(n_runs.xs((h, st), level=("_hue", "_style")))
+                    label = f"{h}, {st} ({n})" if len(set(runs.loc[runs["_hue"] == h, "_style"])) > 1 else f"{h} ({n})"
+                    plot_band(ax, bands[(rv, cv, h, st)], pal[h], label,
+                              AQN_DASHES.get(st) if len(styles) > 1 else None)
             if sigma_marks and "sigma" in sub:
                 _mark_stages(ax, sub)
             ax.set_title(" · ".join(str(v) for v in (rv, cv) if v), fontsize=10)
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel or ycol)
-    for ax in axes.flat:
-        if ax.get_legend() is not None:
-            sns.move_legend(ax, "best", title=None, fontsize=8)
-    n_seeds = runs.groupby(["_row", "_col", "_hue"]).size()
-    lo, hi = n_seeds.min(), n_seeds.max()
-    fig.suptitle(f"{title}\n{exp}: {len(runs)} runs, {lo if lo == hi else f'{lo}–{hi}'} per line (mean ± sd)"
+            if i == 0 and j == len(cols) - 1:
+                ax.legend(loc="best", fontsize=8)
+    fig.suptitle(f"{title}\n{exp}: {len(runs)} runs, {seeds_label(n_runs)} per line\n{BAND_NOTE}"
                  + (f", smoothed over {smooth} steps" if smooth and smooth > 1 else ""), fontsize=9)
     sources = [R.rel(d, root) + ("" if f else "  (unfinished)") for d, f in zip(runs["run_dir"], runs["finished"], strict=True)]
     return save(fig, out_dir_for(root, out_dir), name, sources, note=f"experiment {exp}, paths relative to {root}")
