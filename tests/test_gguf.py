@@ -240,6 +240,27 @@ def test_source_provenance_kinds(tiny_f32, tmp_path):
     assert prov["tensor_types"] == {"F32": 21} and prov["note"].startswith("the 'BF16' weights of this model are the F32")
 
 
+def test_run_summaries_say_what_the_gguf_weights_are(tmp_path):
+    """A base evaluation and a training run's summary on a Q4_1 GGUF both record model_source."""
+    from qerl.config import load_config
+    from qerl.evaluate import run_base
+    from qerl.results import RunWriter
+    from qerl.train import summarize
+
+    path, _, _ = write_tiny(tmp_path, "Q4_1")
+    common = ["scale=smoke", f"model.source={path}", "quant=nvfp4", f"out_dir={tmp_path / 'runs'}",
+              "eval.limit=2", "eval.n_samples=1", "eval.max_new_tokens=6"]
+    base = run_base(load_config([*common, "run_name=base"]))
+    cfg = load_config([*common, "run_name=trained"])
+    trained = summarize(cfg, RunWriter(cfg.run_dir, cfg.to_yaml()), {}, 0.0, "cpu")  # what train.run writes
+    for summary in (trained, base):
+        prov = summary["model_source"]
+        assert prov["kind"] == "gguf" and prov["file"] == "tiny.gguf" and prov["weights_type"] == "Q4_1"
+        assert "the 'BF16' weights of this model are the dequantized Q4_1 values of tiny.gguf" in prov["note"]
+    smoke = source_provenance(load_config(["scale=smoke"]).model.source)
+    assert smoke["kind"] in ("toy", "hf_dir")
+
+
 def test_missing_package_and_bad_gguf_sources(monkeypatch):
     with pytest.raises(UserError, match="pip install qerl-no-such-package"):
         resolve_source("pkg:qerl_no_such_package/model.gguf")
