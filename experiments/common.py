@@ -33,7 +33,7 @@ from pathlib import Path
 
 from qerl.errors import UserError
 
-SCALES = ("smoke", "toy", "paper")
+SCALES = ("smoke", "toy", "small", "paper")
 
 #: Learning rates per scale. Paper (Table 4): 1e-5 for quantized LoRA (QeRL, QLoRA), 5e-6 for BF16 LoRA (it
 #: "collapses" above); the Full baseline's rate is not stated — 1e-6, a common full-parameter RL rate. The tiny toy
@@ -41,10 +41,11 @@ SCALES = ("smoke", "toy", "paper")
 LR = {
     "smoke": {"quantized": 1e-3, "bf16_lora": 5e-4, "full": 1e-4},
     "toy": {"quantized": 5e-4, "bf16_lora": 2.5e-4, "full": 2e-5},
+    "small": {"quantized": 2e-4, "bf16_lora": 2e-4, "full": 3e-5},
     "paper": {"quantized": 1e-5, "bf16_lora": 5e-6, "full": 1e-6},
 }
 #: Seeds per scale (the paper reports single runs; toy-scale comparisons need several).
-SEEDS = {"smoke": (0,), "toy": (0, 1, 2), "paper": (0,)}
+SEEDS = {"smoke": (0,), "toy": (0, 1, 2), "small": (0, 1, 2), "paper": (0,)}
 PAPER_MODELS = {"3b": "Qwen2.5-3B-Instruct", "7b": "Qwen2.5-7B-Instruct", "14b": "Qwen2.5-14B-Instruct",
                 "32b": "Qwen2.5-32B-Instruct"}
 WEIGHTS = {"bf16": "BF16", "nf4": "NF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
