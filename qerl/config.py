@@ -354,15 +354,15 @@ def _check_fields(obj, where: str = "") -> None:
                               + (f" ({why})" if why else ""))
 
 
-def _check_data(cfg: TrainConfig, data) -> None:
-    """The training and evaluation sets: names, sources, levels, user files (read and checked row by row now,
-    so a bad row fails before any run directory or model exists)."""
+def _check_data(cfg: TrainConfig, data, read_files: bool) -> None:
+    """The training and evaluation sets: names, sources, levels, and (``read_files``) user files, read and checked
+    row by row now, so a bad row fails before any run directory or model exists."""
     d = cfg.data
     _check("data.train", d.train, [k for k in data.DATASETS if "train" in data.SPLITS[k]],
            " (a file of your own: data=jsonl data.path=<file>)" if ":" in d.train else "")
     _check("data.source", d.source, data.SOURCES[d.train])
     if (d.train == "jsonl") != (d.path is not None):
-        raise ConfigError(f"data.train=jsonl needs data.path=<file>" if d.path is None else
+        raise ConfigError("data.train=jsonl needs data.path=<file>" if d.path is None else
                           f"data.path={d.path!r} applies to data.train=jsonl only (data.train={d.train!r})")
     levels = data.valid_levels(d.train)
     if d.levels is not None and (levels is None or not d.levels or not set(d.levels) <= set(levels)):
@@ -379,16 +379,17 @@ def _check_data(cfg: TrainConfig, data) -> None:
                               f"eval sets too); its sources: {list(data.SOURCES[name])}")
     files = ([("data.path", f"jsonl:{d.path}")] if d.path is not None else []) + \
         [("eval.sets", s) for s in cfg.eval.sets if data.dataset_name(s) == "jsonl"]
-    for key, spec in files:
+    for key, spec in files if read_files else ():
         try:
             data.check_dataset(spec)
         except UserError as e:
             raise ConfigError(f"{key}: {e}") from None
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
+def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
     """Check every value: types and ranges declared on the fields, registries of the modules that own them,
-    and the constraints between values. Raises ``ConfigError`` naming the key, the value and what is valid."""
+    and the constraints between values. Raises ``ConfigError`` naming the key, the value and what is valid.
+    ``read_files``: also read every row of the user's data files (``data.path``, ``jsonl:<file>`` eval sets)."""
     from qerl import aqn, data, rewards
     from qerl.algos import AGGREGATIONS
     from qerl.lora import DEFAULT_TARGETS
@@ -415,7 +416,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check("data.rewards[]", r, rewards.REWARDS)
     for t in cfg.lora.targets:
         _check("lora.targets[]", t, DEFAULT_TARGETS)
-    _check_data(cfg, data)
+    _check_data(cfg, data, read_files)
     if len(cfg.data.reward_weights) != len(cfg.data.rewards):
         raise ConfigError(f"data.reward_weights has {len(cfg.data.reward_weights)} entries for "
                           f"{len(cfg.data.rewards)} rewards {list(cfg.data.rewards)}")
@@ -526,6 +527,7 @@ def load_config(overrides: Sequence[str] = ()) -> TrainConfig:
     return _absolute_paths(validate(_build(TrainConfig, data, "")))
 
 
-def from_dict(data: dict) -> TrainConfig:
-    """Rebuild a ``TrainConfig`` from ``to_dict()`` output (e.g. a run's config.yaml)."""
-    return validate(_build(TrainConfig, dict(data), ""))
+def from_dict(data: dict, read_files: bool = False) -> TrainConfig:
+    """Rebuild a ``TrainConfig`` from ``to_dict()`` output (e.g. a run's config.yaml). The user's data files are
+    not read unless asked: re-evaluating a run must not need its training file (callers check what they load)."""
+    return validate(_build(TrainConfig, dict(data), ""), read_files)

@@ -281,13 +281,19 @@ def test_hub_rows_with_an_empty_answer_or_a_missing_key_are_named():
 
 
 def test_jsonl_in_the_config_is_checked_before_a_run_directory_exists(tmp_path, capsys):
-    from qerl.config import load_config
+    from qerl.config import from_dict, load_config
     from qerl.train import main
 
     good = _write(tmp_path / "train.jsonl", '{"prompt": "2+3?", "answer": 5}', '{"prompt": "4+4?", "answer": 8}')
     cfg = load_config(["data=jsonl", f"data.path={good}", f"eval.sets=[toy,jsonl:{good}]"])
     assert cfg.data.load_options() == {"path": str(good)} and cfg.eval.sets == ("toy", f"jsonl:{good}")
     assert cfg.run_dir.name.endswith("-jsonl-train-s0")  # the file's name keeps two datasets' runs apart
+    moved = tmp_path / "moved.jsonl"
+    good.rename(moved)  # a recorded run re-reads its config without needing its training file
+    assert from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(UserError, match=r"data.path: .*train.jsonl' does not exist"):
+        load_config(["data=jsonl", f"data.path={good}"])
+    moved.rename(good)
     bad = _write(tmp_path / "bad.jsonl", '{"prompt": "2+3?", "answer": 5}', '{"prompt": "x?", "answer": ""}')
     out = tmp_path / "results"
     for overrides in (["data=jsonl", f"data.path={bad}"], [f"eval.sets=[jsonl:{bad}]"],
