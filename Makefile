@@ -28,9 +28,11 @@ help:
 	@echo "make test-gpu             the GPU tests (-m gpu) on a CUDA host"
 
 # A CPU-only machine gets the local CPU wheel of torch 2.13.0; an existing torch (e.g. CUDA) is left alone.
+# Quiet unless something is wrong: -q keeps pip's warnings and errors; the "new pip release" notice is off.
+PIP_INSTALL = $(PY) -m pip install -q --disable-pip-version-check
 deps:
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	@$(PY) -m pip install -q -e ".[dev,kernels]"
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
+	@$(PIP_INSTALL) -e ".[dev,kernels]"
 
 test: deps
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -9,37 +9,85 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from qerl.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "quant", "lora", "algo", "aqn", "data", "rollout", "scale")
 
 
-class ConfigError(ValueError):
-    """A bad configuration key or value."""
+class ConfigError(UserError):
+    """A bad configuration key or value (a ``UserError``: entry points print it as one line)."""
 
 
 def _choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def _check(name: str, value, valid) -> None:
+def _check(name: str, value, valid, extra: str = "") -> None:
     valid = list(valid)
     if value not in valid:
         hint = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
-        raise ConfigError(f"{name}={value!r} is not valid; choose one of {valid}"
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {valid}{extra}"
                           + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+
+
+# ------------------------------------------------------------------------------------------------ field constraints
+@dataclass(frozen=True)
+class Range:
+    """A closed, open or half-open interval of valid numbers (None: unbounded). NaN and ±inf are never valid."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def holds(self, v: float) -> bool:
+        if not math.isfinite(v):
+            return False
+        above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.lo is None and self.hi is None:
+            return "a finite number"
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def num(default, lo=None, hi=None, *, lo_open=False, hi_open=False, why: str = ""):
+    """A numeric field (or a tuple of numbers, or an optional number) whose values must lie in the range;
+    ``why`` is appended to the error to say what the knob does."""
+    return field(default=default, metadata={"range": Range(lo, hi, lo_open, hi_open), "why": why})
+
+
+def one_of(*choices):
+    """A field whose value is one of a fixed set, the first being the default (sets owned by other modules, e.g.
+    the quant formats, are checked in ``validate`` against those modules' registries)."""
+    return field(default=choices[0], metadata={"choices": choices})
+
+
+POSITIVE = dict(lo=0, lo_open=True)      # > 0
+UNIT = dict(lo=0, hi=1, hi_open=True)    # [0, 1)
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")  # transformers' names
 
 
 @dataclass(frozen=True)
 class ModelCfg:
     source: str = "toy:smoke"
     tokenizer: str | None = None
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
+    dtype: str = one_of("auto", "bfloat16", "float16", "float32")
+    attn_implementation: str = one_of(*ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -51,9 +99,9 @@ class QuantCfg:
 @dataclass(frozen=True)
 class LoraCfg:
     enabled: bool = True
-    rank: int = 32
-    alpha: float = 32.0
-    dropout: float = 0.0
+    rank: int = num(32, 0)
+    alpha: float = num(32.0, 0)
+    dropout: float = num(0.0, **UNIT)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     train_norms: bool = False
 
@@ -61,19 +109,20 @@ class LoraCfg:
 @dataclass(frozen=True)
 class AlgoCfg:
     name: str = "grpo"
-    group_size: int = 8
-    ppo_epochs: int = 4
-    minibatches: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    group_size: int = num(8, 2, why="completions per prompt; a lone completion's group-relative advantage "
+                                    "is always 0, and its group std is undefined")
+    ppo_epochs: int = num(4, 1)
+    minibatches: int = num(1, 1)
+    clip_low: float = num(0.2, **UNIT)
+    clip_high: float = num(0.28, **UNIT)
     loss_agg: str = "seq_mean"
     adv_std_norm: bool = True
-    adv_eps: float = 1e-4
-    kl_coef: float = 0.0
+    adv_eps: float = num(1e-4, **POSITIVE, why="added to the group std; 0 makes a uniform group's advantage 0/0")
+    kl_coef: float = num(0.0, 0)
     dynamic_sampling: bool = False
-    max_refills: int = 0
+    max_refills: int = num(0, 0)
     mask_truncated: bool = True
-    tis_cap: float | None = None
+    tis_cap: float | None = num(None, **POSITIVE)
 
     @property
     def updates_per_rollout(self) -> int:
@@ -83,9 +132,9 @@ class AlgoCfg:
 @dataclass(frozen=True)
 class AqnCfg:
     enabled: bool = False
-    sigma_start: float = 1e-2
-    sigma_end: float = 5e-4
-    stages: int = 10
+    sigma_start: float = num(1e-2, **POSITIVE)
+    sigma_end: float = num(5e-4, **POSITIVE)
+    stages: int = num(10, 2)
     schedule: str = "exponential"
     mode: str = "paper"
     draw: str = "per_rollout"
@@ -96,57 +145,65 @@ class AqnCfg:
 class DataCfg:
     train: str = "toy"
     source: str = "local"
-    train_size: int | None = None     # keep the first n training problems (after a seeded shuffle); None: all
+    path: str | None = None           # data.train=jsonl: the user's JSON-lines file (see qerl.data.load_jsonl)
+    train_size: int | None = num(None, 1, why="keep the first n training problems; null keeps all")
     levels: tuple[int, ...] | None = None
     prompt: str = "plain"
     rewards: tuple[str, ...] = ("accuracy",)
-    reward_weights: tuple[float, ...] = (1.0,)
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = 128
+    reward_weights: tuple[float, ...] = num((1.0,))
+    max_prompt_tokens: int = num(256, 1)
+    max_new_tokens: int = num(128, 1)
+
+    def load_options(self) -> dict:
+        """Keyword options of ``qerl.data.load_dataset`` / ``data_provenance`` for the training set."""
+        return {**({"levels": tuple(self.levels)} if self.levels else {}),
+                **({"path": self.path} if self.path is not None else {})}
 
 
 @dataclass(frozen=True)
 class RolloutCfg:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    cuda_graphs: Any = "auto"
-    prompt_batch: int = 0
+    temperature: float = num(1.0, **POSITIVE, why="RL samples the policy; greedy rollouts make every "
+                                                  "completion of a group the same")
+    top_p: float = num(1.0, 0, 1, lo_open=True)
+    top_k: int = num(0, 0, why="0 turns top-k off")
+    cuda_graphs: Any = one_of("auto", True, False)
+    prompt_batch: int = num(0, 0, why="0 prefills all of a step's prompts together")
 
 
 @dataclass(frozen=True)
 class TrainLoopCfg:
-    steps: int = 20
-    batch_size: int = 32
-    micro_batch: int = 8
+    steps: int = num(20, 1)
+    batch_size: int = num(32, 1)
+    micro_batch: int = num(8, 1)
     gradient_checkpointing: bool = False
-    save_every: int = 10
-    keep_checkpoints: int = 2
-    eval_every: int = 0
+    save_every: int = num(10, 0, why="0 saves only at the end")
+    keep_checkpoints: int = num(2, 0, why="0 keeps every checkpoint")
+    eval_every: int = num(0, 0, why="0 evaluates only at the end")
     progress: bool = True
 
 
 @dataclass(frozen=True)
 class OptimCfg:
-    name: str = "adamw8bit"
-    lr: float = 1e-5
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.99)
-    eps: float = 1e-8
-    warmup_ratio: float = 0.1
-    schedule: str = "cosine"
-    max_grad_norm: float = 0.2
+    name: str = one_of("adamw8bit", "adamw")
+    lr: float = num(1e-5, **POSITIVE)
+    weight_decay: float = num(0.1, 0)
+    betas: tuple[float, float] = num((0.9, 0.99), **UNIT, why="Adam's moment decay rates")
+    eps: float = num(1e-8, **POSITIVE)
+    warmup_ratio: float = num(0.1, **UNIT)
+    schedule: str = one_of("cosine", "constant", "linear")
+    max_grad_norm: float = num(0.2, **POSITIVE, why="the gradient-norm clip limit; a negative one would turn "
+                                                   "descent into ascent")
 
 
 @dataclass(frozen=True)
 class EvalCfg:
     sets: tuple[str, ...] = ("toy",)
-    n_samples: int = 4
-    limit: int | None = 64
-    temperature: float = 0.6
-    top_p: float = 0.95
-    max_new_tokens: int = 4096
-    batch_prompts: int = 16
+    n_samples: int = num(4, 1)
+    limit: int | None = num(64, 1, why="problems per set; null evaluates all")
+    temperature: float = num(0.6, 0, why="0 decodes greedily")
+    top_p: float = num(0.95, 0, 1, lo_open=True)
+    max_new_tokens: int = num(4096, 1)
+    batch_prompts: int = num(16, 1)
 
 
 @dataclass(frozen=True)
@@ -164,8 +221,8 @@ class TrainConfig:
     experiment: str = "default"
     run_name: str | None = None
     out_dir: str = "results"
-    seed: int = 0
-    device: str = "auto"
+    seed: int = num(0, 0)
+    device: str = "auto"            # auto | cpu | cuda | cuda:N
     scale: str = "smoke"            # the chosen scale group (recorded in every result)
     choices: dict = field(default_factory=dict)  # group -> chosen option
     tags: dict = field(default_factory=dict)     # free-form labels set by experiments (table, row, paper model)
@@ -182,7 +239,8 @@ class TrainConfig:
     def default_run_name(self) -> str:
         lora = "full" if self.full_finetune else f"lora{self.lora.rank}" + ("ln" if self.lora.train_norms else "")
         aqn = f"aqn-{self.aqn.schedule[:3]}-{self.aqn.mode}" if self.aqn.enabled else "noaqn"
-        return f"{self.quant.format}-{lora}-{aqn}-{self.algo.name}-{self.data.train}-s{self.seed}"
+        train = self.data.train + (f"-{Path(self.data.path).stem}" if self.data.path else "")  # two files, two runs
+        return f"{self.quant.format}-{lora}-{aqn}-{self.algo.name}-{train}-s{self.seed}"
 
     @property
     def run_dir(self) -> Path:
@@ -208,6 +266,13 @@ def _plain(x):
 _FREE = {"tags", "choices"}  # plain dicts, not dataclasses
 
 
+def _section(name: str):
+    """The dataclass a field of ``TrainConfig`` holds (``TrainConfig.train`` -> ``TrainLoopCfg``), else None."""
+    f = {f.name: f for f in fields(TrainConfig)}.get(name)
+    sub = f.default_factory if f is not None and f.default_factory is not dataclasses.MISSING else None
+    return sub if sub is not None and dataclasses.is_dataclass(sub) else None
+
+
 def _build(cls, data: dict, where: str):
     """Instantiate a dataclass from a plain dict; unknown keys are errors."""
     names = {f.name: f for f in fields(cls)}
@@ -217,24 +282,122 @@ def _build(cls, data: dict, where: str):
                           f"valid keys{' of ' + where if where else ''}: {sorted(names)}")
     kwargs = {}
     for k, v in data.items():
-        sub = names[k].default_factory if names[k].default_factory is not dataclasses.MISSING else None
+        sub = _section(k) if cls is TrainConfig else None
         if k in _FREE:
             v = dict(v or {})
-        elif sub is not None and dataclasses.is_dataclass(sub) and isinstance(v, dict):
-            v = _build(sub, v, f"{where}.{k}" if where else k)
+        elif sub is not None:
+            if not isinstance(v, dict):
+                raise ConfigError(f"{k}={v!r} is a section, not a value; valid keys of {k}: "
+                                  f"{sorted(f.name for f in fields(sub))}")
+            v = _build(sub, v, k)
         elif isinstance(v, list):
             v = tuple(v)
         kwargs[k] = v
     return cls(**kwargs)
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Check every value against the registries of the modules that own them."""
+# ------------------------------------------------------------------------------------------------ validation
+def _type_name(tp) -> str:
+    if get_origin(tp) in (Union, UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if get_origin(tp) is tuple:
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_type_name(args[0]).removeprefix('a ').removeprefix('an ')}s"
+        return f"a list of {len(args)} {_type_name(args[0]).removeprefix('a ')}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def _is(value, tp) -> bool:
+    """Does ``value`` (as OmegaConf hands it over: lists already made tuples) have the annotated type ``tp``?"""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (Union, UnionType):
+        return any(_is(value, a) for a in args)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_is(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_is(v, a) for v, a in zip(value, args, strict=True))
+    if tp is float:  # an integer is a number; a bool is not (YAML `true` must not pass for 1.0)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _show(value) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def _check_fields(obj, where: str = "") -> None:
+    """Every field of ``obj`` (recursively): its annotated type, then its declared choices or range."""
+    hints = get_type_hints(type(obj))
+    for f in fields(obj):
+        key, value = f"{where}.{f.name}" if where else f.name, getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, key)
+            continue
+        if not _is(value, hints[f.name]):
+            raise ConfigError(f"{key}={_show(value)} is not valid: it must be {_type_name(hints[f.name])}")
+        if "choices" in f.metadata:
+            _check(key, value, f.metadata["choices"])
+        rng = f.metadata.get("range")
+        numbers = value if isinstance(value, tuple) else (value,)
+        if rng is not None and not all(x is None or rng.holds(x) for x in numbers):
+            why = f.metadata.get("why")
+            raise ConfigError(f"{key}={_show(value)} is out of range: "
+                              f"{'each value ' if isinstance(value, tuple) else ''}must be {rng}"
+                              + (f" ({why})" if why else ""))
+
+
+def _check_data(cfg: TrainConfig, data, read_files: bool) -> None:
+    """The training and evaluation sets: names, sources, levels, and (``read_files``) user files, read and checked
+    row by row now, so a bad row fails before any run directory or model exists."""
+    d = cfg.data
+    _check("data.train", d.train, [k for k in data.DATASETS if "train" in data.SPLITS[k]],
+           " (a file of your own: data=jsonl data.path=<file>)" if ":" in d.train else "")
+    _check("data.source", d.source, data.SOURCES[d.train])
+    if (d.train == "jsonl") != (d.path is not None):
+        raise ConfigError("data.train=jsonl needs data.path=<file>" if d.path is None else
+                          f"data.path={d.path!r} applies to data.train=jsonl only (data.train={d.train!r})")
+    levels = data.valid_levels(d.train)
+    if d.levels is not None and (levels is None or not d.levels or not set(d.levels) <= set(levels)):
+        raise ConfigError(f"data.levels={_show(d.levels)} is not valid for data.train={d.train!r}: "
+                          + (f"choose a non-empty subset of {list(levels)}" if levels else
+                             "this dataset has no levels; set data.levels=null"
+                             + (" (or use the preset: data=jsonl data.path=<file>)" if d.train == "jsonl" else "")))
+    for s in cfg.eval.sets:
+        name = data.dataset_name(s)
+        _check("eval.sets[]", name, [k for k in data.DATASETS if "test" in data.SPLITS[k]],
+               " (a file of your own: jsonl:<file>)")
+        if name != "toy" and d.source not in data.SOURCES[name]:
+            raise ConfigError(f"eval.sets has {s!r}, which has no source {d.source!r} (data.source applies to the "
+                              f"eval sets too); its sources: {list(data.SOURCES[name])}")
+    files = ([("data.path", f"jsonl:{d.path}")] if d.path is not None else []) + \
+        [("eval.sets", s) for s in cfg.eval.sets if data.dataset_name(s) == "jsonl"]
+    for key, spec in files if read_files else ():
+        try:
+            data.check_dataset(spec)
+        except UserError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
+def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
+    """Check every value: types and ranges declared on the fields, registries of the modules that own them,
+    and the constraints between values. Raises ``ConfigError`` naming the key, the value and what is valid.
+    ``read_files``: also read every row of the user's data files (``data.path``, ``jsonl:<file>`` eval sets)."""
     from qerl import aqn, data, rewards
     from qerl.algos import AGGREGATIONS
     from qerl.lora import DEFAULT_TARGETS
     from qerl.quant import FORMATS
 
+    _check_fields(cfg)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
+        _check("device", cfg.device, DEVICES)
     _check("quant.format", cfg.quant.format, FORMATS)
     if cfg.quant.scale_rule is not None:
         from qerl.quant.mxfp4 import SCALE_RULES
@@ -242,23 +405,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if cfg.quant.format != "mxfp4":
             raise ConfigError(f"quant.scale_rule applies to mxfp4 only (quant.format={cfg.quant.format!r})")
         _check("quant.scale_rule", cfg.quant.scale_rule, SCALE_RULES)
-    _check("model.dtype", cfg.model.dtype, ["auto", "bfloat16", "float16", "float32"])
     _check("algo.loss_agg", cfg.algo.loss_agg, AGGREGATIONS)
     _check("aqn.schedule", cfg.aqn.schedule, aqn.SCHEDULES)
     _check("aqn.mode", cfg.aqn.mode, aqn.SIGMA_MODES)
     _check("aqn.draw", cfg.aqn.draw, aqn.DRAW_MODES)
-    _check("data.train", cfg.data.train, [k for k in data.DATASETS if "train" in data.SPLITS[k]])
-    _check("data.source", cfg.data.source, data.SOURCES[cfg.data.train])
     _check("data.prompt", cfg.data.prompt, data.PROMPTS)
+    if not cfg.data.rewards:
+        raise ConfigError(f"data.rewards is empty; choose one or more of {sorted(rewards.REWARDS)}")
     for r in cfg.data.rewards:
         _check("data.rewards[]", r, rewards.REWARDS)
-    for s in cfg.eval.sets:
-        _check("eval.sets[]", s, [k for k in data.DATASETS if "test" in data.SPLITS[k]])
-    _check("optim.name", cfg.optim.name, ["adamw8bit", "adamw"])
-    _check("optim.schedule", cfg.optim.schedule, ["cosine", "constant", "linear"])
-    _check("rollout.cuda_graphs", cfg.rollout.cuda_graphs, ["auto", True, False])
     for t in cfg.lora.targets:
         _check("lora.targets[]", t, DEFAULT_TARGETS)
+    _check_data(cfg, data, read_files)
     if len(cfg.data.reward_weights) != len(cfg.data.rewards):
         raise ConfigError(f"data.reward_weights has {len(cfg.data.reward_weights)} entries for "
                           f"{len(cfg.data.rewards)} rewards {list(cfg.data.rewards)}")
@@ -267,43 +425,73 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"got {cfg.quant.format!r}")
     if cfg.full_finetune and cfg.lora.train_norms:
         raise ConfigError("lora.train_norms needs a LoRA run (full fine-tuning trains every weight anyway)")
-    positive = {"algo.group_size": cfg.algo.group_size, "algo.ppo_epochs": cfg.algo.ppo_epochs,
-                "algo.minibatches": cfg.algo.minibatches, "train.steps": cfg.train.steps,
-                "train.batch_size": cfg.train.batch_size, "train.micro_batch": cfg.train.micro_batch,
-                "data.max_new_tokens": cfg.data.max_new_tokens, "eval.n_samples": cfg.eval.n_samples,
-                "aqn.stages": cfg.aqn.stages}
-    for k, v in positive.items():
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{k} must be a positive integer, got {v!r}")
-    if cfg.lora.enabled and cfg.lora.rank < 1:
-        raise ConfigError(f"lora.rank must be >= 1 when lora.enabled, got {cfg.lora.rank}")
+    if cfg.lora.enabled:
+        if cfg.lora.rank < 1 or cfg.lora.alpha <= 0 or not cfg.lora.targets:
+            raise ConfigError(f"a LoRA run (lora.enabled=true) needs lora.rank >= 1, lora.alpha > 0 and at least one "
+                              f"of lora.targets; got rank={cfg.lora.rank}, alpha={cfg.lora.alpha}, "
+                              f"targets={list(cfg.lora.targets)} (lora=none trains without an adapter)")
     if cfg.train.batch_size % cfg.algo.group_size:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be a multiple of "
                           f"algo.group_size={cfg.algo.group_size} (it counts completions)")
     if cfg.batch_prompts % cfg.algo.minibatches:
         raise ConfigError(f"the {cfg.batch_prompts} prompts of a step cannot be split into "
                           f"algo.minibatches={cfg.algo.minibatches} equal minibatches")
+    if cfg.aqn.sigma_start < cfg.aqn.sigma_end:
+        raise ConfigError(f"aqn.sigma_start={cfg.aqn.sigma_start!r} < aqn.sigma_end={cfg.aqn.sigma_end!r}: the noise "
+                          f"would rise during training; AQN decays it, so sigma_start must be >= sigma_end")
     if cfg.aqn.enabled:
-        aqn.sigma_at(1, cfg.train.steps, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.stages,
-                     cfg.aqn.schedule, cfg.aqn.mode)  # raises on bad sigma / stage arguments
-    if not 0 <= cfg.optim.warmup_ratio < 1:
-        raise ConfigError(f"optim.warmup_ratio must be in [0, 1), got {cfg.optim.warmup_ratio}")
-    for k in ("clip_low", "clip_high"):
-        if not 0 <= getattr(cfg.algo, k) < 1:
-            raise ConfigError(f"algo.{k} must be in [0, 1), got {getattr(cfg.algo, k)}")
-    if cfg.rollout.temperature <= 0 or not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout needs temperature > 0 and 0 < top_p <= 1, got "
-                          f"{cfg.rollout.temperature}, {cfg.rollout.top_p}")
+        try:  # the stage arithmetic needs enough steps per stage (and K >= 3 in official mode)
+            aqn.sigma_at(1, cfg.train.steps, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.stages,
+                         cfg.aqn.schedule, cfg.aqn.mode)
+        except ValueError as e:
+            raise ConfigError(f"aqn (stages={cfg.aqn.stages}, mode={cfg.aqn.mode!r}, train.steps={cfg.train.steps}): "
+                              f"{e}") from None
+    if cfg.eval.temperature == 0 and cfg.eval.n_samples != 1:
+        raise ConfigError(f"eval.temperature=0 decodes greedily, so the eval.n_samples={cfg.eval.n_samples} samples "
+                          f"of a problem would all be the same; set eval.n_samples=1")
     return cfg
+
+
+def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """User data files as absolute paths, so the recorded config still finds them from another directory."""
+    from qerl import data
+
+    path = str(Path(cfg.data.path).expanduser().resolve()) if cfg.data.path else cfg.data.path
+    sets = tuple(data.absolute_spec(s) for s in cfg.eval.sets)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path),
+                               eval=dataclasses.replace(cfg.eval, sets=sets))
+
+
+# ------------------------------------------------------------------------------------------------ composition
+def _check_key(key: str) -> None:
+    """An override's dotted key names a field of the schema (else: the valid keys of its section)."""
+    parts = key.split(".")
+    cls, where = TrainConfig, ""
+    for i, part in enumerate(parts):
+        names = [f.name for f in fields(cls)]
+        if part not in names:
+            hint = difflib.get_close_matches(part, names, n=1)
+            raise ConfigError(f"unknown key {key!r}; valid keys of {where or 'the configuration'}: {sorted(names)}"
+                              + (f" (did you mean {'.'.join(parts[:i] + hint)!r}?)" if hint else ""))
+        sub = _section(part) if cls is TrainConfig else None
+        if part in _FREE or (sub is None and i == len(parts) - 1):
+            return
+        if sub is None:
+            raise ConfigError(f"{'.'.join(parts[:i + 1])} is a value, not a section (in override key {key!r})")
+        cls, where = sub, part
 
 
 def _split_overrides(overrides: Sequence[str]) -> None:
     for o in overrides:
-        key = o.lstrip("+~").split("=", 1)[0]
         if "=" not in o:
             raise ConfigError(f"override {o!r} is not of the form key=value")
-        if "." not in key and key in GROUPS:
-            _check(key, o.split("=", 1)[1], _choices(key))
+        key, value = o.split("=", 1)
+        if key.startswith(("+", "~", "hydra.")) or "/" in key or "@" in key:
+            continue  # additions (checked against the schema after composition), deletions, Hydra's own keys
+        if key in GROUPS:
+            _check(key, value, _choices(key))
+        else:
+            _check_key(key)
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "train"):
@@ -336,9 +524,10 @@ def load_config(overrides: Sequence[str] = ()) -> TrainConfig:
     data.pop("defaults", None)
     data["scale"] = choices["scale"]
     data["choices"] = choices
-    return validate(_build(TrainConfig, data, ""))
+    return _absolute_paths(validate(_build(TrainConfig, data, "")))
 
 
-def from_dict(data: dict) -> TrainConfig:
-    """Rebuild a ``TrainConfig`` from ``to_dict()`` output (e.g. a run's config.yaml)."""
-    return validate(_build(TrainConfig, dict(data), ""))
+def from_dict(data: dict, read_files: bool = False) -> TrainConfig:
+    """Rebuild a ``TrainConfig`` from ``to_dict()`` output (e.g. a run's config.yaml). The user's data files are
+    not read unless asked: re-evaluating a run must not need its training file (callers check what they load)."""
+    return validate(_build(TrainConfig, dict(data), ""), read_files)

@@ -3,6 +3,10 @@
 `load_dataset(name, split, source, ...)` returns a list of `Problem(id, prompt, answer, meta)`:
 - `source="local"` (default) reads the copies vendored under `qerl/assets/data/` (byte-for-byte, see each SOURCE.md);
 - `source="hub"` uses `datasets.load_dataset` on the Hugging Face hub (`openai/gsm8k`, Big-Math, ...).
+- `jsonl:<file>` (or `load_dataset("jsonl", path=<file>)`) reads a user's own problems, one JSON object a line
+  with `prompt` and `answer` (see `load_jsonl`).
+Every row is checked as it is read: a malformed line, a missing key or an empty gold answer is a `UserError`
+naming the file and line (or the hub dataset and row).
 Big-Math has no offline copy: locally, Hendrycks MATH train filtered by level stands in for it, and every
 Problem's meta and `data_provenance(...)` say so. `toy` problems come from `qerl.toy.generate_problems`.
 
@@ -20,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+from qerl.errors import UserError
 
 DATA_DIR = Path(__file__).resolve().parent / "assets" / "data"
 
@@ -90,12 +96,65 @@ def bigmath_row(row: dict, index: int, config: str) -> Problem:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Reading rows: each row travels with where it came from ('file:line', 'hub id row i'), so every error names it.
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    """(where, row) for each non-blank line of a JSON-lines file; where is 'path:line'."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read dataset file {path}: {e.strerror or e}") from None
+    out = []
+    for n, raw in enumerate(lines, 1):
+        where = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: expected a JSON object {{...}}, got {type(row).__name__}")
+        out.append((where, row))
+    return out
+
+
+def _hub_rows(hub_id: str, rows) -> list[tuple[str, dict]]:
+    return [(f"{hub_id} row {i}", r) for i, r in enumerate(rows)]
+
+
+def _require(where: str, row: dict, keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise UserError(f"{where}: missing key {missing[0]!r}; each row needs {list(keys)}, this one has {sorted(row)}")
+
+
+def _convert(rows: list[tuple[str, dict]], required: tuple[str, ...],
+             make: Callable[[dict, int], Problem]) -> list[Problem]:
+    """Problems from (where, row) pairs, ``make(row, position)``: each row must hold the `required` keys and give
+    a non-empty gold answer (an empty one would score every completion 0, silently)."""
+    out = []
+    for i, (where, row) in enumerate(rows):
+        _require(where, row, required)
+        try:
+            p = make(row, i)
+        except ValueError as e:  # e.g. a GSM8K solution without '####', a prompt that is not text
+            raise UserError(f"{where}: {e}") from None
+        if not p.answer.strip():
+            raise UserError(f"{where}: empty gold answer; every completion of this problem would score 0 "
+                            f"(fix or remove the row)")
+        out.append(p)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Loaders: each takes (split, source, **opts) and returns problems in their original order.
-
-
-def _jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _hub(path: str, config: str | None, split: str):
@@ -107,38 +166,73 @@ def _hub(path: str, config: str | None, split: str):
 def load_gsm8k(split: str, source: str, hub_rows=None) -> list[Problem]:
     """GSM8K train (7473) / test (1319); hub: `openai/gsm8k`, config `main`."""
     if source == "hub":
-        rows = hub_rows if hub_rows is not None else _hub("openai/gsm8k", "main", split)
+        rows = _hub_rows("openai/gsm8k", hub_rows if hub_rows is not None else _hub("openai/gsm8k", "main", split))
     else:
-        rows = _jsonl(DATA_DIR / "gsm8k" / f"{split}.jsonl")
-    return [gsm8k_row(r, i, split, source) for i, r in enumerate(rows)]
+        rows = _read_jsonl(DATA_DIR / "gsm8k" / f"{split}.jsonl")
+    return _convert(rows, ("question", "answer"), lambda r, i: gsm8k_row(r, i, split, source))
 
 
 def load_math500(split: str, source: str, hub_rows=None) -> list[Problem]:
     """MATH-500 (PRM800K test subset); hub: `HuggingFaceH4/MATH-500`."""
     if source == "hub":
-        rows = hub_rows if hub_rows is not None else _hub("HuggingFaceH4/MATH-500", None, "test")
+        rows = _hub_rows("HuggingFaceH4/MATH-500",
+                         hub_rows if hub_rows is not None else _hub("HuggingFaceH4/MATH-500", None, "test"))
     else:
-        rows = _jsonl(DATA_DIR / "math500" / "test.jsonl")
-    return [math500_row(r, i, source) for i, r in enumerate(rows)]
+        rows = _read_jsonl(DATA_DIR / "math500" / "test.jsonl")
+    return _convert(rows, ("problem", "answer"), lambda r, i: math500_row(r, i, source))
 
 
 def load_aime24(split: str, source: str, hub_rows=None) -> list[Problem]:
     """AIME 2024 I+II (30); hub: `HuggingFaceH4/aime_2024` (its only split is `train`)."""
     if source == "hub":
-        rows = hub_rows if hub_rows is not None else _hub("HuggingFaceH4/aime_2024", None, "train")
+        rows = _hub_rows("HuggingFaceH4/aime_2024",
+                         hub_rows if hub_rows is not None else _hub("HuggingFaceH4/aime_2024", None, "train"))
     else:
-        rows = _jsonl(DATA_DIR / "aime24" / "test.jsonl")
-    return [aime_row(r, i, "aime24", source) for i, r in enumerate(rows)]
+        rows = _read_jsonl(DATA_DIR / "aime24" / "test.jsonl")
+    return _convert(rows, ("problem", "answer"), lambda r, i: aime_row(r, i, "aime24", source))
 
 
 def load_aime25(split: str, source: str) -> list[Problem]:
     """AIME 2025 I+II (30), vendored from inclusionAI/AReaL."""
-    return [aime_row(r, i, "aime25", source) for i, r in enumerate(_jsonl(DATA_DIR / "aime25" / "test.jsonl"))]
+    return _convert(_read_jsonl(DATA_DIR / "aime25" / "test.jsonl"), ("problem", "answer"),
+                    lambda r, i: aime_row(r, i, "aime25", source))
 
 
 def load_amc23(split: str, source: str) -> list[Problem]:
     """AMC 2023 (40), vendored from QwenLM/Qwen2.5-Math."""
-    return [amc23_row(r, i, source) for i, r in enumerate(_jsonl(DATA_DIR / "amc23" / "test.jsonl"))]
+    return _convert(_read_jsonl(DATA_DIR / "amc23" / "test.jsonl"), ("problem", "answer"),
+                    lambda r, i: amc23_row(r, i, source))
+
+
+def jsonl_row(row: dict, index: int, split: str, where: str) -> Problem:
+    """Problem from a user's row: `prompt` (the question text, no template) and `answer` (the gold final answer,
+    a string or a number); optional `id`; every other key is kept in `meta`."""
+    prompt, answer = row["prompt"], row["answer"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"'prompt' must be non-empty text, got {prompt!r}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"'answer' must be text or a number, got {answer!r}")
+    extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "id")}
+    meta = {"dataset": "jsonl", "split": split, "source": "local", "index": index, "where": where, **extra}
+    gold = answer.strip() if isinstance(answer, str) else integer_gold(answer)  # 27.0 -> '27'; text as written
+    return Problem(f"jsonl/{split}/{row.get('id', index)}", prompt, gold, meta)
+
+
+JSONL_SCHEMA = ('one JSON object a line: {"prompt": "<question text>", "answer": "<gold final answer>"} '
+                '(answer may be a number; optional "id"; other keys are kept as metadata)')
+
+
+def load_jsonl(split: str, source: str, path: str | Path | None = None) -> list[Problem]:
+    """A user's problems from a JSON-lines file (any split: the file is the split). See `JSONL_SCHEMA`."""
+    if path is None:
+        raise UserError(f"the jsonl dataset needs a file (jsonl:<file>, or data.path=<file>); {JSONL_SCHEMA}")
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"dataset file {str(path)!r} does not exist (or is not a file); expected {JSONL_SCHEMA}")
+    rows = _read_jsonl(path)
+    if not rows:
+        raise UserError(f"dataset file {path} holds no problems; expected {JSONL_SCHEMA}")
+    return _convert(rows, ("prompt", "answer"), lambda r, i: jsonl_row(r, i, split, rows[i][0]))
 
 
 def _bigmath_levels(levels) -> tuple[str, tuple[int, ...]]:
@@ -171,20 +265,31 @@ def load_bigmath(split: str, source: str, levels="3_4_5", max_prompt_chars: int 
     config, lv = _bigmath_levels(levels if min_level is None else tuple(range(int(min_level), 6)))
     keep = lambda p: max_prompt_chars is None or len(p) <= max_prompt_chars
     if source == "hub":
-        rows = hub_rows if hub_rows is not None else _hub("open-r1/Big-Math-RL-Verified-Processed", config, "train")
-        return [bigmath_row(r, i, config) for i, r in enumerate(rows) if keep(r["prompt"])]
+        hub_id = "open-r1/Big-Math-RL-Verified-Processed"
+        rows = _hub_rows(f"{hub_id} ({config})", hub_rows if hub_rows is not None else _hub(hub_id, config, "train"))
+        for where, r in rows:
+            _require(where, r, ("prompt", "solution"))
+        index = [i for i, (_, r) in enumerate(rows) if keep(r["prompt"])]  # positions in the hub split
+        return _convert([rows[i] for i in index], (), lambda r, j: bigmath_row(r, index[j], config))
     stand_in = _stand_in_text(lv)
-    out = []
-    with open(DATA_DIR / "math_train" / "math.json", encoding="utf-8") as f:
-        rows = json.load(f)
-    for i, r in enumerate(rows):
-        ans = r.get("answer")
-        if ans is None or not str(ans).strip() or int(r["difficulty"]) not in lv or not keep(r["problem"]):
-            continue
+    path = DATA_DIR / "math_train" / "math.json"
+    try:
+        rows = [(f"{path}[{i}]", r) for i, r in enumerate(json.loads(path.read_text(encoding="utf-8")))]
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    for where, r in rows:
+        _require(where, r, ("problem", "answer", "difficulty"))
+    # rows without an answer are dropped: the stand-in's filter (Big-Math keeps only verifiable answers), not an error
+    index = [i for i, (_, r) in enumerate(rows) if r["answer"] is not None and str(r["answer"]).strip()
+             and int(r["difficulty"]) in lv and keep(r["problem"])]
+
+    def make(r: dict, j: int) -> Problem:
+        i = index[j]
         meta = {"dataset": "bigmath", "split": "train", "source": "local", "index": i, "config": config,
                 "level": int(r["difficulty"]), "subject": r.get("type"), "stand_in": stand_in}
-        out.append(Problem(f"bigmath-local/{config}/{i}", r["problem"], str(ans).strip(), meta))
-    return out
+        return Problem(f"bigmath-local/{config}/{i}", r["problem"], str(r["answer"]).strip(), meta)
+
+    return _convert([rows[i] for i in index], (), make)
 
 
 def _stand_in_text(lv: tuple[int, ...]) -> str:
@@ -213,28 +318,75 @@ DATASETS: dict[str, Callable[..., list[Problem]]] = {
     "amc23": load_amc23,
     "bigmath": load_bigmath,
     "toy": load_toy,
+    "jsonl": load_jsonl,
 }
 SPLITS = {"gsm8k": ("train", "test"), "math500": ("test",), "aime24": ("test",), "aime25": ("test",),
-          "amc23": ("test",), "bigmath": ("train",), "toy": ("train", "test")}
+          "amc23": ("test",), "bigmath": ("train",), "toy": ("train", "test"), "jsonl": ("train", "test")}
 SOURCES = {"gsm8k": ("local", "hub"), "math500": ("local", "hub"), "aime24": ("local", "hub"), "aime25": ("local",),
-           "amc23": ("local",), "bigmath": ("local", "hub"), "toy": ("local",)}
+           "amc23": ("local",), "bigmath": ("local", "hub"), "toy": ("local",), "jsonl": ("local",)}
+
+
+def valid_levels(name: str) -> tuple[int, ...] | None:
+    """The difficulty levels dataset `name` can be filtered to (its `levels` option), or None if it has none."""
+    if name == "toy":
+        from qerl import toy
+
+        return tuple(toy.LEVELS)
+    return (1, 2, 3, 4, 5) if name == "bigmath" else None
+
+
+def dataset_name(spec: str) -> str:
+    """The registry name of a dataset spec: 'jsonl:<file>' -> 'jsonl', 'gsm8k' -> 'gsm8k'."""
+    return spec.split(":", 1)[0]
+
+
+def _resolve(spec: str, opts: dict) -> tuple[str, dict]:
+    """(registry name, options) of a spec: 'jsonl:<file>' is the jsonl dataset with path=<file>."""
+    name, sep, path = spec.partition(":")
+    if sep and name == "jsonl":
+        return name, {**opts, "path": path}
+    return spec, opts
+
+
+def absolute_spec(spec: str) -> str:
+    """The spec with a user file's path made absolute (so a recorded config still finds it from elsewhere)."""
+    name, opts = _resolve(spec, {})
+    return f"{name}:{Path(opts['path']).expanduser().resolve()}" if "path" in opts else spec
+
+
+_CHECKED: dict[tuple, int] = {}
+
+
+def check_dataset(spec: str, split: str = "train", **opts) -> int:
+    """Read and check every row of dataset `spec` now (a user file: each time it changes); returns the number of
+    problems. Raises `UserError` naming the file and line of the first bad row."""
+    name, opts = _resolve(spec, opts)
+    path = Path(opts["path"]).expanduser() if "path" in opts else None
+    stamp = (name, split, str(path), *((path.stat().st_mtime_ns, path.stat().st_size) if path and path.is_file()
+                                       else ()), tuple(sorted(opts.items())))
+    if stamp not in _CHECKED:
+        _CHECKED[stamp] = len(load_dataset(name, split, **opts))
+    return _CHECKED[stamp]
 
 
 def _validate(name: str, split: str, source: str) -> None:
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)}")
+        raise UserError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)} (a file of your own: jsonl:<file>)")
     if split not in SPLITS[name]:
-        raise ValueError(f"dataset {name!r} has no split {split!r}; valid: {list(SPLITS[name])}")
+        raise UserError(f"dataset {name!r} has no split {split!r}; valid: {list(SPLITS[name])}")
     if source not in SOURCES[name]:
-        raise ValueError(f"dataset {name!r} has no source {source!r}; valid: {list(SOURCES[name])}")
+        raise UserError(f"dataset {name!r} has no source {source!r}; valid: {list(SOURCES[name])}")
 
 
 def load_dataset(name: str, split: str = "train", source: str = "local", limit: int | None = None, seed: int = 0,
                  shuffle: bool = False, **opts) -> list[Problem]:
-    """Problems of dataset `name`; with `shuffle`, a seeded permutation first; `limit` keeps the first n.
+    """Problems of dataset `name` (a registry name, or `jsonl:<file>`); with `shuffle`, a seeded permutation
+    first; `limit` keeps the first n.
 
-    opts: bigmath `levels` ('3_4_5' | '4_5' | ...), `max_prompt_chars` (1024); toy `n`, `levels`, `gen_seed`.
+    opts: bigmath `levels` ('3_4_5' | '4_5' | ...), `max_prompt_chars` (1024); toy `n`, `levels`, `gen_seed`;
+    jsonl `path`.
     """
+    name, opts = _resolve(name, opts)
     _validate(name, split, source)
     if name == "toy":
         opts = {"_seed": seed, **opts}
@@ -260,9 +412,15 @@ def _sha256(path: Path) -> str:
 def data_provenance(name: str, source: str = "local", split: str | None = None, **opts) -> dict:
     """Where `load_dataset(name, split, source, **opts)` data comes from, for run records: origin, files and their
     sha256, filters, and `stand_in` (non-null when a local substitute replaces the named dataset)."""
+    name, opts = _resolve(name, opts)
     split = split or SPLITS.get(name, ("train",))[0]
     _validate(name, split, source)
     info: dict = {"dataset": name, "source": source, "split": split, "stand_in": None, "filters": {}}
+    if name == "jsonl":
+        path = Path(opts["path"]).expanduser().resolve()
+        info["origin"] = "user file"
+        info["files"] = {str(path): hashlib.sha256(path.read_bytes()).hexdigest()}  # not cached: the user may edit it
+        return info
     if name == "toy":
         info["origin"] = "qerl.toy.generate_problems (synthetic, generated in-process)"
         info["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items()}

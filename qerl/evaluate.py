@@ -12,7 +12,10 @@ math-verify ``accuracy`` reward (answers in ``<answer>`` tags, ``\\boxed{}`` or 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,7 @@ import torch
 
 from qerl import data, rewards
 from qerl.config import TrainConfig, from_dict, load_config
+from qerl.errors import UserError
 from qerl.results import RunWriter, atomic_write_text
 from qerl.results import load_config as read_run_config
 from qerl.rollout import Sampler, seed_for
@@ -37,13 +41,14 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
         t0 = time.perf_counter()
         problems = data.load_dataset(name, "test", source="local" if name in ("toy",) else cfg.data.source,
                                      limit=e.limit, seed=cfg.seed)
-        correct, lengths, truncated, rows = [], [], [], []
+        correct, lengths, truncated, rows, cut = [], [], [], [], 0
         for i in range(0, len(problems), e.batch_prompts):
             batch = problems[i:i + e.batch_prompts]
             ro = sampler.generate([data.render_prompt(tok, p.prompt, cfg.data.prompt) for p in batch], e.n_samples,
                                   e.max_new_tokens, e.temperature, e.top_p, 0, seed=seed_for(cfg.seed, "eval", name, i),
                                   prompt_batch=0)
             answers = [p.answer for p in batch for _ in range(e.n_samples)]
+            cut += ro.stats.get("prompts_truncated", 0)
             sc = accuracy(ro.texts, answers)
             correct += sc
             lengths += ro.lengths.tolist()
@@ -52,6 +57,9 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
                 rows.append({"id": batch[j // e.n_samples].id, "sample": j % e.n_samples, "correct": s,
                              "length": int(ro.lengths[j]), "completion": text[:2000]})
         sampler.release()
+        if cut:  # once per set: the sampler keeps a long prompt's last tokens
+            print(f"[qerl] eval {name}: {cut} of {len(problems)} prompts were longer than {sampler.max_prompt_tokens} "
+                  f"tokens and kept only their last {sampler.max_prompt_tokens}")
         n = len(problems)
         per_run = torch.tensor(correct, dtype=torch.float64).view(n, e.n_samples).mean(0) if n else torch.zeros(1)
         out[name] = {
@@ -63,8 +71,14 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
             "data": data.data_provenance(name, "local" if name == "toy" else cfg.data.source),
         }
         if out_dir is not None:
-            atomic_write_text(Path(out_dir) / "eval" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            atomic_write_text(Path(out_dir) / "eval" / f"{_file_name(name)}.jsonl",
+                              "".join(json.dumps(r) + "\n" for r in rows))
     return out
+
+
+def _file_name(set_name: str) -> str:
+    """A file name for an eval set's per-sample records ('jsonl:/data/my set.jsonl' -> 'jsonl_data_my_set.jsonl')."""
+    return re.sub(r"[^\w.-]+", "_", set_name).strip("_")
 
 
 def run_base(cfg: TrainConfig) -> dict:
@@ -84,26 +98,60 @@ def run_base(cfg: TrainConfig) -> dict:
                                  "device": str(device), "model_source": source_provenance(cfg.model.source)})
 
 
+def _readable_file(path: Path, what: str, hint: str) -> None:
+    if not path.is_file():
+        raise UserError(f"{what} {path} not found: {hint}")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"{what} {path} is not readable (permissions)")
+
+
+def _trained_weights(run_dir: Path, cfg: TrainConfig) -> Path:
+    """The run's final weights (LoRA adapter, or the whole model for full fine-tuning), checked before any model is
+    built: the directory, the files, and that the safetensors header reads."""
+    from safetensors import safe_open
+
+    kind = "final_model" if cfg.full_finetune else "final_adapter"
+    weights = run_dir / "checkpoints" / kind
+    file = weights / ("model.safetensors" if cfg.full_finetune else "adapter_model.safetensors")
+    hint = "the run has not finished (train it again to resume it)" + \
+        (" or was trained before full fine-tuning runs saved their weights" if cfg.full_finetune else "")
+    _readable_file(file, "trained weights", hint)
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except Exception as e:  # a truncated or foreign file: say which
+        raise UserError(f"trained weights {file} are not a readable safetensors file ({e})") from None
+    return weights
+
+
 def evaluate_run(run_dir: str | Path, overrides: list[str] = ()) -> dict:
-    """Re-evaluate a trained run from its config and final adapter; merge into its summary."""
+    """Re-evaluate a trained run from its config and final weights (LoRA adapter, or the full model of a full
+    fine-tuning run); merge into its summary. Everything the run needs is checked before a model is built."""
+    import yaml
+
     from qerl.model import load_adapter
     from qerl.train import build_policy, resolve_device
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist")
+    _readable_file(run_dir / "config.yaml", "run config", f"{run_dir} is not a qerl run directory")
     raw = read_run_config(run_dir)
     for o in overrides:  # eval.* overrides only, e.g. eval.n_samples=8
-        key, _, val = o.partition("=")
-        if not key.startswith("eval."):
-            raise ValueError(f"only eval.* overrides apply to an existing run, got {o!r}")
-        import yaml
-
+        key, sep, val = o.partition("=")
+        if not key.startswith("eval.") or not sep:
+            raise UserError(f"only eval.* overrides (eval.key=value) apply to an existing run, got {o!r}")
         raw["eval"][key[5:]] = yaml.safe_load(val)
     cfg = from_dict(raw)
+    for s in cfg.eval.sets:  # a user eval file may have moved since training
+        if data.dataset_name(s) == "jsonl":
+            data.check_dataset(s, "test")
+    weights = _trained_weights(run_dir, cfg)
+    if cfg.full_finetune:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=str(weights)))
     policy, tok = build_policy(cfg, resolve_device(cfg.device))
-    adapter = run_dir / "checkpoints" / "final_adapter"
-    if not adapter.exists():
-        raise FileNotFoundError(f"{adapter} not found: the run has not finished (or was full fine-tuning)")
-    load_adapter(policy, adapter)
+    if not cfg.full_finetune:
+        load_adapter(policy, weights)
     ev = evaluate_policy(policy, tok, cfg, out_dir=run_dir)
     RunWriter(run_dir).write_summary({"eval": ev})
     return ev
@@ -113,13 +161,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("run_dir=")]
     rest = [a for a in argv if not a.startswith("run_dir=")]
-    if run_dirs:
-        ev = evaluate_run(run_dirs[0], rest)
-    else:
-        cfg = load_config(rest + ([] if any(a.startswith("run_name=") for a in rest) else
-                                  ["run_name=base-" + next((a.split("=", 1)[1] for a in rest
-                                                            if a.startswith("quant=")), "bf16")]))
-        ev = run_base(cfg)["eval"]
+    try:
+        if run_dirs:
+            ev = evaluate_run(run_dirs[0], rest)
+        else:
+            cfg = load_config(rest + ([] if any(a.startswith("run_name=") for a in rest) else
+                                      ["run_name=base-" + next((a.split("=", 1)[1] for a in rest
+                                                                if a.startswith("quant=")), "bf16")]))
+            ev = run_base(cfg)["eval"]
+    except UserError as e:  # a mistake the user must fix: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     for name, s in ev.items():
         print(f"{name}: pass@1 = {100 * s['pass@1']:.1f}% ({s['n_problems']} problems x {s['n_samples']} samples)")
 

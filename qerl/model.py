@@ -473,6 +473,22 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
         raise ValueError(f"no adapter tensors in {directory}")
 
 
+def save_full_model(model: nn.Module, tokenizer, directory: str | Path) -> Path:
+    """Write a fully fine-tuned policy as a plain Hugging Face checkpoint (config, safetensors, tokenizer), so that
+    ``load_policy(directory, full_finetune=True)`` (and ``AutoModelForCausalLM.from_pretrained``) reads it back.
+    Written beside and renamed into place: a crash never leaves a half-written model that looks complete."""
+    import shutil
+
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
 def save_quantized_base(model: nn.Module, directory: str | Path) -> Path:
     """Write the quantized base as a compressed-tensors checkpoint (nvfp4/mxfp4), loadable by vLLM/llm-compressor."""
     info = getattr(model, "qerl", {})

@@ -117,7 +117,12 @@ def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: f
     Returns (token (N,), log softmax(z/T)[token] (N,), entropy of softmax(z/T) (N,)). Sampling is the
     exponential race argmax_v p_v / E_v, E_v ~ Exp(1), which draws v with probability p_v and, unlike
     ``torch.multinomial``, needs no host synchronisation (so it can live inside a CUDA graph).
+    ``temperature=0`` is greedy decoding, the T -> 0 limit: the argmax, with log-prob 0 and entropy 0.
     """
+    if temperature == 0:
+        tok = z.argmax(-1)
+        zero = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+        return tok, zero, zero.clone()
     z = z / temperature
     logp_all = z.log_softmax(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)                                          # (N,)
@@ -397,7 +402,10 @@ class Sampler:
     # ------------------------------------------------------------------------------------------ public
     def encode(self, prompts: list[str] | list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Left-pad prompts to (B, Lp); prompts longer than ``max_prompt_tokens`` keep their last tokens."""
-        ids = [self.tok(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+        # verbose=False: the tokenizer would warn about its model_max_length ("indexing errors"), but the cut to
+        # max_prompt_tokens happens right here and is counted (stats["prompts_truncated"]); callers report it
+        ids = [self.tok(p, add_special_tokens=False, verbose=False)["input_ids"] if isinstance(p, str) else list(p)
+               for p in prompts]
         cut = sum(len(x) > self.max_prompt_tokens for x in ids)
         ids = [x[-self.max_prompt_tokens:] for x in ids]
         Lp = max(len(x) for x in ids)
@@ -416,8 +424,8 @@ class Sampler:
         """G = ``group_size`` samples for each prompt (strings, or token-id lists already chat-formatted).
 
         ``ignore_eos`` (benchmarks): every row runs to ``max_new_tokens`` (vLLM's ``ignore_eos``)."""
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (got {temperature}); use a small value for near-greedy")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
         if prompt_batch and len(prompts) > prompt_batch:
             parts = [self.generate(prompts[i:i + prompt_batch], group_size, max_new_tokens, temperature, top_p, top_k,
                                    None if seed is None else seed + i, 0, ignore_eos)

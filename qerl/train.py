@@ -30,8 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from qerl import algos, aqn, data, rewards
 from qerl.config import TrainConfig, load_config
+from qerl.errors import UserError
 from qerl.lora import LoraSpec, lora_modules, trainable_parameters
-from qerl.model import load_policy, save_adapter
+from qerl.model import load_policy, save_adapter, save_full_model
 from qerl.results import RunWriter
 from qerl.rollout import Rollout, Sampler, seed_for
 
@@ -194,7 +195,7 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     opt, sched = build_optimizer(params, cfg, n_updates)
     problems = data.load_dataset(cfg.data.train, "train", source=cfg.data.source, seed=cfg.seed,
                                  shuffle=cfg.data.train_size is not None, limit=cfg.data.train_size,
-                                 **({"levels": tuple(cfg.data.levels)} if cfg.data.levels else {}))
+                                 **cfg.data.load_options())
     render = lambda p: data.render_prompt(tok, p.prompt, cfg.data.prompt)  # noqa: E731
     stream = PromptStream(problems, cfg.batch_prompts, cfg.seed, render)
     score = rewards.combined(cfg.data.rewards, cfg.data.reward_weights)
@@ -242,12 +243,25 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     from qerl.evaluate import evaluate_policy
 
     ev = evaluate_policy(policy, tok, cfg)
-    if not cfg.full_finetune:
+    if cfg.full_finetune:  # every weight was trained: keep them all, so `qerl.evaluate run_dir=...` can reload them
+        save_full_model(policy, tok, cfg.run_dir / "checkpoints" / "final_model")
+    else:
         save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
     summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device)
+    _report_truncation(cfg, writer)
     summary = writer.write_summary(summary)
     writer.close()  # the run directory is free for the next writer (a crash frees it at exit)
     return summary
+
+
+def _report_truncation(cfg: TrainConfig, writer: RunWriter) -> None:
+    """One line per run when training prompts were cut (the per-step count is the metric `prompts_truncated`)."""
+    from qerl.results import read_jsonl
+
+    cut = sum(r.get("prompts_truncated") or 0 for r in read_jsonl(writer.metrics_path))
+    if cut:
+        print(f"[qerl] {cut} training prompts were longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens} "
+              f"and kept only their last {cfg.data.max_prompt_tokens} tokens (metric prompts_truncated, per step)")
 
 
 def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device) -> dict:
@@ -386,8 +400,7 @@ def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, devi
         "reward_first": sum(first) / len(first) if first else None,
         "reward_last": sum(last) / len(last) if last else None,
         "eval": ev, "wall_time_s": wall_s, "device": str(device),
-        "data": data.data_provenance(cfg.data.train, cfg.data.source,
-                                     **({"levels": tuple(cfg.data.levels)} if cfg.data.levels else {})),
+        "data": data.data_provenance(cfg.data.train, cfg.data.source, **cfg.data.load_options()),
         "model_source": source_provenance(cfg.model.source),  # what the base weights are (a GGUF's: dequantized)
     }
 
@@ -401,8 +414,12 @@ def _progress(cfg: TrainConfig, start: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
-    summary = run(cfg)
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else argv)
+        summary = run(cfg)
+    except UserError as e:  # a mistake the user must fix: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
           f"eval {({k: v.get('pass@1') for k, v in (summary.get('eval') or {}).items()})}")
 

@@ -8,6 +8,7 @@ import datasets
 import pytest
 
 from qerl import data as D
+from qerl.errors import UserError
 
 RAW = D.DATA_DIR
 
@@ -208,3 +209,91 @@ def test_toy_problems_come_from_qerl_toy():
     test = D.load_dataset("toy", "test", n=8, seed=5, levels=(1,))
     assert len(test) == 8 and {p.meta["level"] for p in test} == {1}
     assert D.data_provenance("toy", "local", n=8, levels=(1,))["options"] == {"n": 8, "levels": [1]}
+
+
+# --- every row is checked as it is read; errors name the file and line (or the hub row)
+
+
+def _write(path, *lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_user_jsonl_dataset_loads_and_records_its_file(tmp_path):
+    f = _write(tmp_path / "mine.jsonl", '{"prompt": "What is 2+3?", "answer": "5"}', "",
+               '{"prompt": "Half of 5?", "answer": 2.5, "id": "half", "topic": "fractions"}',
+               '{"prompt": "7*6?", "answer": 42.0}')
+    ps = D.load_dataset(f"jsonl:{f}", "test")
+    assert [(p.prompt, p.answer) for p in ps] == [("What is 2+3?", "5"), ("Half of 5?", "2.5"), ("7*6?", "42")]
+    assert ps[1].id == "jsonl/test/half" and ps[1].meta["topic"] == "fractions"
+    assert ps[2].meta["where"] == f"{f}:4"  # the blank line 2 is skipped, line numbers are the file's
+    assert D.load_dataset("jsonl", "train", path=f) == D.load_dataset(f"jsonl:{f}", "train")
+    prov = D.data_provenance(f"jsonl:{f}", split="test")
+    assert prov["files"] == {str(f.resolve()): hashlib.sha256(f.read_bytes()).hexdigest()}
+    assert prov["origin"] == "user file" and prov["split"] == "test"
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (['{"prompt": "2+3?", "answer": "5"}', '{"prompt": "x?" "answer": "1"}'],
+     ":2: not valid JSON (Expecting ',' delimiter at column 17)"),
+    (['{"prompt": "2+3?", "answer": "5"}', '{"question": "x?", "answer": "1"}'],
+     ":2: missing key 'prompt'; each row needs ['prompt', 'answer'], this one has ['answer', 'question']"),
+    (['{"prompt": "2+3?", "answer": ""}'], ":1: empty gold answer"),
+    (['{"prompt": "2+3?", "answer": "  "}'], ":1: empty gold answer"),
+    (['{"prompt": "", "answer": "1"}'], ":1: 'prompt' must be non-empty text"),
+    (['{"prompt": "2+3?", "answer": null}'], ":1: 'answer' must be text or a number"),
+    (['["2+3?", "5"]'], ":1: expected a JSON object"),
+    ([], "holds no problems"),
+])
+def test_user_jsonl_bad_rows_name_file_and_line(tmp_path, lines, needle):
+    f = _write(tmp_path / "mine.jsonl", *lines)
+    with pytest.raises(UserError) as e:
+        D.load_dataset(f"jsonl:{f}")
+    assert needle in str(e.value) and str(f) in str(e.value), str(e.value)
+
+
+def test_user_jsonl_missing_file_and_bytes_that_are_not_utf8(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        D.load_dataset(f"jsonl:{tmp_path / 'nope.jsonl'}")
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"prompt": "2+3?", "answer": "5"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(UserError, match=rf"{f}:2: not UTF-8"):
+        D.load_dataset(f"jsonl:{f}")
+
+
+def test_hub_rows_with_an_empty_answer_or_a_missing_key_are_named():
+    empty = datasets.Dataset.from_list([{"question": "Q1?", "answer": "a\n#### 3"}, {"question": "Q2?", "answer": "b\n#### "}])
+    with pytest.raises(UserError, match=r"openai/gsm8k row 1: empty gold answer"):
+        D.load_dataset("gsm8k", source="hub", hub_rows=empty)
+    missing = datasets.Dataset.from_list([{"problem": "P", "solution": "S"}])
+    with pytest.raises(UserError, match=r"HuggingFaceH4/MATH-500 row 0: missing key 'answer'"):
+        D.load_dataset("math500", "test", source="hub", hub_rows=missing)
+    no_hashes = datasets.Dataset.from_list([{"question": "Q?", "answer": "just 3"}])
+    with pytest.raises(UserError, match=r"openai/gsm8k row 0: GSM8K solution without '####'"):
+        D.load_dataset("gsm8k", source="hub", hub_rows=no_hashes)
+
+
+def test_jsonl_in_the_config_is_checked_before_a_run_directory_exists(tmp_path, capsys):
+    from qerl.config import from_dict, load_config
+    from qerl.train import main
+
+    good = _write(tmp_path / "train.jsonl", '{"prompt": "2+3?", "answer": 5}', '{"prompt": "4+4?", "answer": 8}')
+    cfg = load_config(["data=jsonl", f"data.path={good}", f"eval.sets=[toy,jsonl:{good}]"])
+    assert cfg.data.load_options() == {"path": str(good)} and cfg.eval.sets == ("toy", f"jsonl:{good}")
+    assert cfg.run_dir.name.endswith("-jsonl-train-s0")  # the file's name keeps two datasets' runs apart
+    moved = tmp_path / "moved.jsonl"
+    good.rename(moved)  # a recorded run re-reads its config without needing its training file
+    assert from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(UserError, match=r"data.path: .*train.jsonl' does not exist"):
+        load_config(["data=jsonl", f"data.path={good}"])
+    moved.rename(good)
+    bad = _write(tmp_path / "bad.jsonl", '{"prompt": "2+3?", "answer": 5}', '{"prompt": "x?", "answer": ""}')
+    out = tmp_path / "results"
+    for overrides in (["data=jsonl", f"data.path={bad}"], [f"eval.sets=[jsonl:{bad}]"],
+                      ["data.train=jsonl", f"data.path={good}"]):  # the toy preset's levels do not apply
+        with pytest.raises(SystemExit) as e:
+            main([*overrides, f"out_dir={out}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and (f"{bad}:2: empty gold answer" in err or "data.levels=null" in err), err
+        assert not out.exists()
