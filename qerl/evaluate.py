@@ -35,8 +35,8 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
     out = {}
     for name in sets or e.sets:
         t0 = time.perf_counter()
-        problems = data.load_dataset(name, "test", source="local" if name in ("toy",) else cfg.data.source,
-                                     limit=e.limit, seed=cfg.seed)
+        split, source = "test", "local" if name == "toy" else cfg.data.source  # recorded below as loaded here
+        problems = data.load_dataset(name, split, source=source, limit=e.limit, seed=cfg.seed)
         correct, lengths, truncated, rows = [], [], [], []
         for i in range(0, len(problems), e.batch_prompts):
             batch = problems[i:i + e.batch_prompts]
@@ -60,7 +60,7 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
             "n_problems": n, "n_samples": e.n_samples, "temperature": e.temperature, "top_p": e.top_p,
             "max_new_tokens": e.max_new_tokens, "mean_length": float(sum(lengths) / max(1, len(lengths))),
             "truncated_frac": float(sum(truncated) / max(1, len(truncated))), "time_s": time.perf_counter() - t0,
-            "data": data.data_provenance(name, "local" if name == "toy" else cfg.data.source),
+            "data": data.data_provenance(name, source, split),
         }
         if out_dir is not None:
             atomic_write_text(Path(out_dir) / "eval" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
