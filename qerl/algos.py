@@ -205,7 +205,10 @@ def token_logprobs_and_entropy(
 
 
 def _agg_token_mean(per_token, mask, max_len):
-    # DAPO token-level (TRL "bnpo"): Σ_{i,t} ℓ_{i,t} / Σ_i |o_i|
+    # DAPO token-level loss (the DAPO paper's, TRL "dapo"): Σ_{i,t} ℓ_{i,t} / Σ_i |o_i| over the whole optimizer
+    # minibatch. Over one call that is this call's tokens; train.py weights each micro-batch by its share of the
+    # minibatch's tokens, so the accumulated gradient is the minibatch token mean. TRL "bnpo" is not this: it takes
+    # each micro-batch's own token mean and averages those, which differs under gradient accumulation.
     return masked_sum(per_token, mask) / mask.sum().clamp(min=1).to(per_token.dtype)
 
 
@@ -216,9 +219,9 @@ def _agg_seq_mean(per_token, mask, max_len):
 
 
 def _agg_seq_sum_norm(per_token, mask, max_len):
-    # Dr. GRPO (TRL "dr_grpo"): Σ_{i,t} ℓ_{i,t} / (N · L_max), a constant normaliser with no length bias
-    L = per_token.shape[1] if max_len is None else max_len
-    return masked_sum(per_token, mask) / (per_token.shape[0] * L)
+    # Dr. GRPO (TRL "dr_grpo"): Σ_{i,t} ℓ_{i,t} / (N · L_max) with L_max the generation budget (max_new_tokens), a
+    # constant: no length bias, and the loss scale does not follow the longest completion of the step.
+    return masked_sum(per_token, mask) / (per_token.shape[0] * max_len)
 
 
 AGGREGATIONS = {"token_mean": _agg_token_mean, "seq_mean": _agg_seq_mean, "seq_sum_norm": _agg_seq_sum_norm}
@@ -249,8 +252,9 @@ def policy_loss(
     Per token: ρ = exp(logp − old_logp), ℓ = −min(ρ·A, clip(ρ, 1 − clip_low, 1 + clip_high)·A) [+ kl_coef·k3].
     logp (N, T) carries the gradient; old_logp (N, T) is π_θold (None: logp.detach(), i.e. on-policy, ρ = 1 but
     the gradient is A·∇logp, as TRL); adv (N,) or (N, T); mask (N, T) bool/0-1.
-    agg: "token_mean" (DAPO token-level, Σℓ / #tokens), "seq_mean" (GRPO, mean over sequences of the per-sequence
-    token mean), "seq_sum_norm" (Dr. GRPO, Σℓ / (N·max_len), max_len defaulting to T).
+    agg: "token_mean" (DAPO token-level, Σℓ / #tokens: TRL "dapo" once train.py weights micro-batches by tokens),
+    "seq_mean" (GRPO, mean over sequences of the per-sequence token mean), "seq_sum_norm" (Dr. GRPO, Σℓ / (N·max_len)
+    with max_len the constant generation budget, max_new_tokens; required, and at least T).
     Truncated IS (rollout/training mismatch fix): with behav_logp (N, T), the sampler's log-probs, the policy term
     is multiplied per token by w = min(exp(old_logp − behav_logp), tis_cap), detached; the KL term is not weighted.
     Stats (detached 0-d, token means over the mask): clip_low_frac (ρ < 1−clip_low with A < 0), clip_high_frac
@@ -265,6 +269,9 @@ def policy_loss(
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError("kl_coef != 0 needs ref_logp")
+    if agg == "seq_sum_norm" and (max_len is None or max_len < logp.shape[1]):
+        raise ValueError(f"seq_sum_norm (Dr. GRPO) divides by the generation budget max_len (max_new_tokens), which "
+                         f"must be given and at least the completion width T={logp.shape[1]}; got max_len={max_len}")
     if behav_logp is not None and (tis_cap is None or not tis_cap > 0):
         raise ValueError(f"truncated IS needs tis_cap > 0 (float('inf') for no cap), got {tis_cap}")
     m = mask.bool()  # (N, T)
@@ -300,6 +307,42 @@ def policy_loss(
         stats["ratio_mean"] = masked_mean(ratio.float(), m)
         stats["ratio_max"] = masked_max(ratio.float(), m)
     return loss, {k: v.detach().float() for k, v in stats.items()}
+
+
+# How a step's policy_loss stats, one dict per micro-batch (and per update), become one logged value. Every stat
+# not named here is a token mean over the mask, so it is weighted by the micro-batch's token count: the logged value
+# is the token mean over all the tokens the updates saw, whatever the micro-batch split. pg_loss is weighted like the
+# loss in backward (train.py's token share for token_mean, row share for seq_mean / seq_sum_norm), so it is the
+# minibatch objective that was optimised, averaged over the updates. ratio_max is a max.
+STAT_MERGE = {"pg_loss": "loss_weight", "ratio_max": "max"}
+
+
+def merge_loss_stats(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor | float, torch.Tensor | float]]
+                     ) -> dict[str, float]:
+    """Combine per-micro-batch policy_loss stats: parts = [(stats, n_tokens, loss_weight), ...] -> {name: float}.
+
+    n_tokens is the micro-batch's mask sum, loss_weight the factor its loss got in backward (see STAT_MERGE).
+    A weight total of 0 (no tokens at all) gives 0.0. One host sync per stat.
+    """
+    if not parts:
+        return {}
+    dev = next(iter(parts[0][0].values())).device
+
+    def col(xs) -> torch.Tensor:  # (M,) float64 on the stats' device
+        return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=dev) for x in xs])
+
+    tokens, weights = col(t for _, t, _ in parts), col(w for _, _, w in parts)
+    tiny = torch.finfo(torch.float64).tiny
+    out = {}
+    for k in parts[0][0]:
+        v = col(st[k] for st, _, _ in parts)  # (M,)
+        how = STAT_MERGE.get(k, "tokens")
+        if how == "max":
+            out[k] = v.max().item()
+        else:
+            w = weights if how == "loss_weight" else tokens
+            out[k] = ((v * w).sum() / w.sum().clamp(min=tiny)).item()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

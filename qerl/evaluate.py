@@ -39,10 +39,10 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
     out = {}
     for name in sets or e.sets:
         t0 = time.perf_counter()
+        split, source = "test", "local" if name == "toy" else cfg.data.source  # recorded below as loaded here
         # the training set's own test split is drawn like the training set (e.g. the same toy levels)
         levels = {"levels": tuple(cfg.data.levels)} if name == cfg.data.train and cfg.data.levels else {}
-        problems = data.load_dataset(name, "test", source="local" if name in ("toy",) else cfg.data.source,
-                                     limit=e.limit, seed=cfg.seed, **levels)
+        problems = data.load_dataset(name, split, source=source, limit=e.limit, seed=cfg.seed, **levels)
         correct, lengths, truncated, rows, cut = [], [], [], [], 0
         for i in range(0, len(problems), e.batch_prompts):
             batch = problems[i:i + e.batch_prompts]
@@ -70,7 +70,7 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
             "n_problems": n, "n_samples": e.n_samples, "temperature": e.temperature, "top_p": e.top_p,
             "max_new_tokens": e.max_new_tokens, "mean_length": float(sum(lengths) / max(1, len(lengths))),
             "truncated_frac": float(sum(truncated) / max(1, len(truncated))), "time_s": time.perf_counter() - t0,
-            "data": data.data_provenance(name, "local" if name == "toy" else cfg.data.source, **levels),
+            "data": data.data_provenance(name, source, split, **levels),
         }
         if out_dir is not None:
             atomic_write_text(Path(out_dir) / "eval" / f"{_file_name(name)}.jsonl",

@@ -21,6 +21,7 @@ it streams in and the dense BF16 model never exists in memory at once (a 32B NVF
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -42,8 +43,8 @@ from qerl.lora import (
     lora_modules,
     target_linear_names,
 )
+from qerl.quant import NonFiniteWeightError, get_format
 from qerl.quant import checkpoint as ct
-from qerl.quant import get_format
 
 # Exact Qwen2.5-*-Instruct shapes (config.json of each hub repo).
 _QWEN25 = dict(
@@ -271,6 +272,21 @@ def make_format(fmt: str, options: dict | None = None):
     raise ValueError(f"quantization options {sorted(opts)} do not apply to {fmt!r} (only mxfp4 takes scale_rule)")
 
 
+@contextlib.contextmanager
+def _naming_nonfinite(named: dict[str, torch.Tensor]):
+    """Re-raise a NonFiniteWeightError from quantizing ``named`` tensors with the name of the (first) bad one.
+
+    The format only sees a tensor; the name is known here. Finding it reads the tensors again, on the failure path only.
+    """
+    try:
+        yield
+    except NonFiniteWeightError as e:
+        for name, t in named.items():
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteWeightError.of(t, e.fmt, name) from None
+        raise NonFiniteWeightError(e.fmt, e.n_inf, e.n_nan, " / ".join(named)) from None  # overflowed the format
+
+
 def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: LoraSpec | None,
           targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, lora_dtype: torch.dtype,
           quant_options: dict | None = None) -> None:
@@ -291,7 +307,8 @@ def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: 
                 for group in FUSED_GROUPS:
                     grp = [f"{parent}.{g}" for g in group if f"{parent}.{g}" in dense]
                     if len(grp) > 1:
-                        gs = type(f).global_scale(*[dense[m] for m in grp])
+                        with _naming_nonfinite({f"{m}.weight": dense[m] for m in grp}):
+                            gs = type(f).global_scale(*[dense[m] for m in grp])
                         shared_gs.update({m: gs for m in grp})
         for name in members:
             meta = model.get_submodule(name)
@@ -303,7 +320,8 @@ def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: 
                      if key.startswith(prefix) and key[len(prefix):] not in ("weight", "bias")}
             else:
                 w = dense.pop(name)
-                q = f.quantize(w, global_scale=shared_gs[name]) if name in shared_gs else f.quantize(w)
+                with _naming_nonfinite({f"{name}.weight": w}):
+                    q = f.quantize(w, global_scale=shared_gs[name]) if name in shared_gs else f.quantize(w)
                 del w
             _set_module(model, name, QuantLoRALinear(fmt, q, k, n, bias, lora, lora_dtype))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

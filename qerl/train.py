@@ -352,7 +352,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                     algos.mismatch_stats(ro.logp, old_logp, ro.completion_mask).items()})
     t2 = time.perf_counter()
 
-    agg_stats: dict[str, list[float]] = {}
+    loss_stats = []  # (stats, n_tokens, loss weight) per micro-batch: merged by algos.merge_loss_stats
     grad_norms = []
     groups = n_rows // G
     per_mb = max(1, groups // a.minibatches)
@@ -369,18 +369,19 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                     logp, old_logp[rows], adv[rows], mask[rows], a.clip_low, a.clip_high, a.loss_agg,
                     ref_logp=None if ref_logp is None else ref_logp[rows], kl_coef=a.kl_coef,
                     behav_logp=ro.logp[rows] if a.tis_cap else None, tis_cap=a.tis_cap,
-                    max_len=ro.completion_ids.shape[1])
-                weight = (mask[rows].sum() / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb.numel()
+                    max_len=cfg.data.max_new_tokens)  # Dr. GRPO's constant normaliser, not this step's width
+                # the micro-batch's share of the minibatch loss: tokens for the token mean, rows for the others
+                n_tok = mask[rows].sum()
+                weight = (n_tok / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb.numel()
                 (loss * weight).backward()
-                for k, v in st.items():
-                    agg_stats.setdefault(k, []).append(v.item())
+                loss_stats.append((st, n_tok, weight))
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
             grad_norms.append(gn.item())
             opt.step()
             sched.step()
     policy.eval()
     t3 = time.perf_counter()
-    metrics.update({k: sum(v) / len(v) for k, v in agg_stats.items()})
+    metrics.update(algos.merge_loss_stats(loss_stats))
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), updates=len(grad_norms),
                    time_reward_s=t1 - t0 - t_roll, time_logprob_s=t2 - t1, time_update_s=t3 - t2,
                    time_step_s=t3 - t0, peak_mem_gib=peak_memory_gib(device))

@@ -99,8 +99,8 @@ def _ragged():
         ("token_mean", None, -0.15, [[-1.0 / 4, -1.1 / 4, -0.9 / 4], [2.4 / 4, 0, 0]]),
         # mean over rows of row means = (-3.0/3 + 2.4/1)/2; row 0 grads / (3*2), row 1 / (1*2)
         ("seq_mean", None, 0.7, [[-1.0 / 6, -1.1 / 6, -0.9 / 6], [2.4 / 2, 0, 0]]),
-        # Σℓ/(N·T) = -0.6/6
-        ("seq_sum_norm", None, -0.1, [[-1.0 / 6, -1.1 / 6, -0.9 / 6], [2.4 / 6, 0, 0]]),
+        # Σℓ/(N·L_max) with L_max = T = 3: -0.6/6
+        ("seq_sum_norm", 3, -0.1, [[-1.0 / 6, -1.1 / 6, -0.9 / 6], [2.4 / 6, 0, 0]]),
         # Σℓ/(N·L_max) with L_max = 5: -0.6/10
         ("seq_sum_norm", 5, -0.06, [[-1.0 / 10, -1.1 / 10, -0.9 / 10], [2.4 / 10, 0, 0]]),
     ],
@@ -113,6 +113,69 @@ def test_aggregation_on_ragged_mask(agg, max_len, want, grad):
     torch.testing.assert_close(logp.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     assert stats["clip_frac"].item() == 0.0
     assert stats["ratio_mean"].item() == pytest.approx((1.0 + 1.1 + 0.9 + 1.2) / 4)
+
+
+def test_dr_grpo_normaliser_is_the_generation_budget_not_the_width():
+    """Dr. GRPO divides by N·max_new_tokens, a constant: padding the same rows wider changes nothing, and the
+    width is never used as a fallback (it changes every step)."""
+    logp, old, adv, mask = _ragged()  # width T = 3
+    wide = torch.cat([logp.detach(), torch.full((2, 2), 1000.0, dtype=torch.float64)], 1).requires_grad_()  # T = 5
+    wide_mask = torch.cat([mask, torch.zeros(2, 2, dtype=mask.dtype)], 1)
+    loss3, _ = algos.policy_loss(logp, old, adv, mask, agg="seq_sum_norm", max_len=8)
+    loss5, _ = algos.policy_loss(wide, torch.zeros(2, 5, dtype=torch.float64), adv, wide_mask, agg="seq_sum_norm",
+                                 max_len=8)
+    for loss in (loss3, loss5):
+        assert loss.item() == pytest.approx(-0.6 / 16, abs=1e-15)  # Σℓ = -0.6, N·L = 2·8
+    loss5.backward()
+    torch.testing.assert_close(wide.grad, torch.tensor([[-1.0 / 16, -1.1 / 16, -0.9 / 16, 0, 0],
+                                                        [2.4 / 16, 0, 0, 0, 0]], dtype=torch.float64))
+    for bad in (None, 2):  # missing, or narrower than the completions it normalises
+        with pytest.raises(ValueError, match=rf"max_len \(max_new_tokens\).*width T=3; got max_len={bad}"):
+            algos.policy_loss(logp, old, adv, mask, agg="seq_sum_norm", max_len=bad)
+
+
+def test_merge_loss_stats_hand_computed():
+    # micro-batch a: 2 tokens, loss weight 0.25; b: 6 tokens, loss weight 0.75 (a token_mean minibatch of 8 tokens)
+    a = {"pg_loss": 1.0, "clip_frac": 0.5, "ratio_mean": 1.2, "ratio_max": 1.5}
+    b = {"pg_loss": -1.0, "clip_frac": 0.0, "ratio_mean": 1.0, "ratio_max": 2.0}
+    parts = [({k: torch.tensor(v) for k, v in a.items()}, torch.tensor(2), 0.25),
+             ({k: torch.tensor(v) for k, v in b.items()}, torch.tensor(6), 0.75)]
+    got = algos.merge_loss_stats(parts)
+    assert got["pg_loss"] == pytest.approx(0.25 * 1.0 + 0.75 * -1.0)  # -0.5; the unweighted mean would say 0
+    assert got["clip_frac"] == pytest.approx((0.5 * 2 + 0.0 * 6) / 8)  # 0.125, not 0.25
+    assert got["ratio_mean"] == pytest.approx((1.2 * 2 + 1.0 * 6) / 8)  # 1.05, not 1.1
+    assert got["ratio_max"] == pytest.approx(2.0)  # a max, not the mean 1.75
+    # two updates (ppo_epochs = 2), each a whole minibatch: pg_loss is the mean of the two objectives
+    twice = algos.merge_loss_stats(parts + [({**parts[0][0], "pg_loss": torch.tensor(3.0)}, torch.tensor(8), 1.0)])
+    assert twice["pg_loss"] == pytest.approx((-0.5 + 3.0) / 2)
+    assert twice["clip_frac"] == pytest.approx((0.5 * 2 + 0.5 * 8) / 16)
+    assert algos.merge_loss_stats([]) == {}
+
+
+@pytest.mark.parametrize("agg", sorted(algos.AGGREGATIONS))
+def test_merged_micro_batch_stats_equal_the_whole_batch(agg):
+    """Split a batch into uneven micro-batches the way train.py does: the merged stats are the whole batch's."""
+    g = torch.Generator().manual_seed(3)
+    N, T = 7, 6
+    old = torch.randn(N, T, generator=g, dtype=torch.float64)
+    logp = old + 0.4 * torch.randn(N, T, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    mask = torch.arange(T)[None, :] < torch.tensor([6, 1, 3, 0, 5, 2, 6])[:, None]  # ragged, one empty row
+    ref = torch.randn(N, T, generator=g, dtype=torch.float64)
+    behav = old + 0.3 * torch.randn(N, T, generator=g, dtype=torch.float64)
+    kw = dict(agg=agg, max_len=8, tis_cap=1.2)
+    _, whole = algos.policy_loss(logp, old, adv, mask, ref_logp=ref, behav_logp=behav, **kw)
+    parts = []
+    for rows in (slice(0, 4), slice(4, 6), slice(6, 7)):
+        _, st = algos.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], ref_logp=ref[rows],
+                                  behav_logp=behav[rows], **kw)
+        n_tok = mask[rows].sum()
+        n_rows = rows.stop - rows.start
+        parts.append((st, n_tok, n_tok / mask.sum() if agg == "token_mean" else n_rows / N))
+    merged = algos.merge_loss_stats(parts)
+    assert set(merged) == set(whole)
+    for k, v in whole.items():
+        assert merged[k] == pytest.approx(v.item(), rel=1e-6, abs=1e-7), k
 
 
 def test_bad_agg_lists_choices():

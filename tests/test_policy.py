@@ -184,6 +184,31 @@ def test_nvfp4_load_shares_global_scale_in_fused_groups(tmp_path):
     assert not torch.equal(attn.o_proj.weight_global_scale, attn.q_proj.weight_global_scale)
 
 
+def test_non_finite_checkpoint_weight_is_named(tmp_path):
+    """A checkpoint weight holding inf/NaN stops load_policy with the parameter's name (before: silently NaN/zeroed)."""
+    from safetensors.torch import load_file, save_file
+
+    from qerl.errors import UserError
+
+    base_dir, _ = hf_checkpoint(tmp_path)
+    path = base_dir / "model.safetensors"
+    good = load_file(str(path))
+    cases = [  # up_proj and k_proj share an NVFP4 global scale with gate_proj / q_proj, v_proj: the bad member is named
+        ("model.layers.1.mlp.up_proj.weight", (float("inf"), float("nan")), r"2 non-finite values \(1 inf, 1 nan\)"),
+        ("model.layers.0.self_attn.k_proj.weight", (float("-inf"),), r"1 non-finite value \(1 inf, 0 nan\)"),
+        ("model.layers.0.self_attn.o_proj.weight", (float("nan"),), r"1 non-finite value \(0 inf, 1 nan\)"),
+    ]
+    for name, bad, counts in cases:
+        sd = dict(good)
+        w = sd[name].clone()
+        w.view(-1)[torch.arange(len(bad)) * 7] = torch.tensor(bad)
+        sd[name] = w
+        save_file(sd, str(path), metadata={"format": "pt"})
+        for fmt in FMTS:
+            with pytest.raises(UserError, match=rf"^{name} has {counts}; cannot quantize to {fmt} "):
+                load_policy(str(base_dir), fmt, LoraSpec(rank=4), device="cpu")
+
+
 def test_resident_bytes_and_bad_inputs():
     sizes = {}
     for fmt in FMTS:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qerl.quant import FORMATS, MXFP4Format, NF4Format, NVFP4Format, get_format
+from qerl.errors import UserError
+from qerl.quant import FORMATS, MXFP4Format, NF4Format, NonFiniteWeightError, NVFP4Format, get_format
 from qerl.quant.fp4 import e2m1_encode, pack_nibbles, unpack_nibbles
 from qerl.quant.nf4 import to_bnb_quant_state
 
@@ -325,6 +326,44 @@ def test_nvfp4_fused_global_scale():
     gs = NVFP4Format.global_scale(wq, wk)
     assert torch.equal(gs, NVFP4Format.global_scale(torch.cat([wq, wk])))
     check_against_ct(wq.to(torch.bfloat16), "nvfp4", global_scale=NVFP4Format.global_scale(wq.bfloat16(), wk.bfloat16()))
+
+
+NON_FINITE_HANDLERS = {**FORMATS, **{f"mxfp4-{r}": MXFP4Format(r) for r in ("floor", "ceil", "rceil")},
+                       "nf4-no-double-quant": NF4Format(double_quant=False)}
+
+
+@pytest.mark.parametrize("handler", sorted(NON_FINITE_HANDLERS))
+def test_non_finite_weights_are_refused(handler):
+    f = NON_FINITE_HANDLERS[handler]
+    # Before: nvfp4 turned one inf into global scale 0 (all NaN), mxfp4 zeroed a NaN block, nf4 gave NaN codes.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bad, counts in [((float("inf"), float("-inf")), "2 inf, 0 nan"), ((float("nan"),) * 2, "0 inf, 2 nan"),
+                            ((float("inf"), float("nan")), "1 inf, 1 nan")]:
+            w = torch.randn(8, 128)
+            w[1, 3], w[6, 100] = bad
+            with pytest.raises(UserError, match=rf"^the weight has 2 non-finite values \({counts}\); "
+                                                           rf"cannot quantize to {f.name} "):
+                f.quantize(w.to(dtype))  # a UserError: entry points print it as one line
+
+
+def test_nvfp4_global_scale_refuses_non_finite_and_bad_given_scales():
+    w = torch.randn(16, 64)
+    bad = w.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(NonFiniteWeightError, match=r"1 non-finite value \(1 inf, 0 nan\); cannot quantize to nvfp4"):
+        NVFP4Format.global_scale(w, bad)  # before: 0, and every element of the group dequantized to NaN
+    for gs in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="global_scale must be one finite positive number"):
+            FORMATS["nvfp4"].quantize(w, global_scale=torch.tensor([gs]))
+    # an all-zero weight (g overflows to inf) still gets compressed-tensors' fallback g = 1
+    assert NVFP4Format.global_scale(torch.zeros(4, 16)).tolist() == [1.0]
+
+
+def test_bf16_refuses_float32_values_beyond_its_range():
+    w = torch.zeros(2, 4)
+    w[0, 0] = 3.4e38  # finite in float32, inf in bfloat16
+    with pytest.raises(NonFiniteWeightError, match=r"1 inf, 0 nan.*bf16"):
+        FORMATS["bf16"].quantize(w)
 
 
 def test_report_runs_small(tmp_path):

@@ -18,6 +18,9 @@ qerl, llm-compressor and vLLM without conversion:
   ``weight``, even element in the high nibble) + QuantState names ``absmax``, ``quant_map``, ``nested_absmax``,
   ``nested_quant_map``, ``nested_offset``, and ``weight_shape``; ``nf4.to_bnb_quant_state`` rebuilds bnb's state.
 * ``bf16``: ``weight`` (N, K) bfloat16.
+
+Every ``quantize`` raises ``NonFiniteWeightError`` (a ``UserError``) on a weight holding inf/NaN: no format can store
+them, and each would otherwise corrupt the tensor silently.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class QuantFormat(Protocol):
 
 # Imported after the Protocol so the format modules can be read on their own.
 from qerl.quant.bf16 import BF16Format  # noqa: E402
+from qerl.quant.finite import NonFiniteWeightError  # noqa: E402
 from qerl.quant.mxfp4 import MXFP4Format  # noqa: E402
 from qerl.quant.nf4 import NF4Format  # noqa: E402
 from qerl.quant.nvfp4 import NVFP4Format  # noqa: E402
@@ -63,4 +67,5 @@ def get_format(name: str) -> QuantFormat:
         raise ValueError(f"unknown weight format {name!r}; valid formats: {sorted(FORMATS)}") from None
 
 
-__all__ = ["FORMATS", "QuantFormat", "get_format", "BF16Format", "NF4Format", "MXFP4Format", "NVFP4Format"]
+__all__ = ["FORMATS", "QuantFormat", "NonFiniteWeightError", "get_format", "BF16Format", "NF4Format", "MXFP4Format",
+           "NVFP4Format"]

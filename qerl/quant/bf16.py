@@ -6,6 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
+from qerl.quant.finite import check_finite
+
 
 class BF16Format:
     """Handler that keeps the weight dense in bfloat16."""
@@ -20,11 +22,13 @@ class BF16Format:
 
     @torch.no_grad()
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{"weight": w (N, K) as bfloat16}."""
+        """{"weight": w (N, K) as bfloat16}; NonFiniteWeightError if it holds inf/NaN (or overflows bfloat16)."""
         if w.dim() != 2:
             raise ValueError(f"bf16 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
         self.check_shape(*w.shape)
-        return {"weight": w.detach().to(torch.bfloat16)}
+        out = w.detach().to(torch.bfloat16)
+        check_finite(out, self.name)  # on the result, so a float32 value beyond bfloat16's range is caught too
+        return {"weight": out}
 
     def dequantize(self, q: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The stored weight in ``dtype``."""

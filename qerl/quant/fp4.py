@@ -27,8 +27,10 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
     Round to nearest, ties to the even code, saturate at ±6. The sign bit is set for every
     ``x < 0``, also when the magnitude rounds to 0 (code 8, "-0"), exactly as compressed-tensors
-    does (its CPU path multiplies by ``sign(x)``, its Triton path tests ``x < 0``); ``-0.0`` and
-    NaN get code 0. Returns uint8 of ``x``'s shape.
+    does (its CPU path multiplies by ``sign(x)``, its Triton path tests ``x < 0``); ``-0.0`` gets code 0.
+    Non-finite input has no E2M1 value (NaN would become code 0, ±inf would saturate to ±6): the formats'
+    ``quantize`` rejects it first (``qerl.quant.finite``), so this element-wise encoder does not check again.
+    Returns uint8 of ``x``'s shape.
     """
     a = x.abs()
     mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)

@@ -13,7 +13,8 @@ Libraries differ only in how they pick the shared exponent e from the block's am
   avoids saturation.
 
 Biased exponents are clamped to [0, 254] (255 is E8M0's NaN); an all-zero block gets e = 0 (e = 127 for
-float16 weights under ``ct``, as compressed-tensors' float16 scale parameter gives).
+float16 weights under ``ct``, as compressed-tensors' float16 scale parameter gives). A weight holding inf/NaN
+raises ``NonFiniteWeightError`` (a NaN block would otherwise get e = 0 and be zeroed without a word).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qerl.quant.finite import check_finite
 from qerl.quant.fp4 import decode_packed, e2m1_encode, pack_nibbles
 
 E8M0_BIAS = 127
@@ -114,6 +116,7 @@ class MXFP4Format:
         self.check_shape(n, k)
         if not w.is_floating_point():
             raise ValueError(f"mxfp4 expects a floating-point weight, got {w.dtype}")
+        check_finite(w, self.name)
         cdt = torch.float64 if w.dtype == torch.float64 else torch.float32
         wg = w.detach().reshape(n, k // self.block, self.block).to(cdt)  # (N, G, 32), exact upcast
         amax = wg.abs().amax(dim=-1)  # (N, G)

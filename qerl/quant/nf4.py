@@ -15,6 +15,7 @@ them on CPU, bit for bit:
 Tensor names follow ``QuantState.as_dict(packed=True)`` (absmax, quant_map, nested_absmax,
 nested_quant_map, nested_offset) plus ``weight_packed`` (bnb's ``weight``, shape (N*K/2, 1)) and
 ``weight_shape``. :func:`to_bnb_quant_state` rebuilds a bitsandbytes ``QuantState`` for its kernels.
+A weight holding inf/NaN raises ``NonFiniteWeightError`` (bitsandbytes would give its block NaN codes silently).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+
+from qerl.quant.finite import check_finite
 
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -121,6 +124,7 @@ class NF4Format:
         self.check_shape(n, k)
         if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"nf4 supports bfloat16, float16 and float32 weights, got {w.dtype}")
+        check_finite(w, self.name)
         dev = w.device
         blocks = w.detach().reshape(-1, self.block).float()  # (NB, 64)
         absmax = blocks.abs().amax(dim=-1)  # (NB,)

@@ -4,13 +4,15 @@ Numerics are those of compressed-tensors 0.20 ``NVFP4A16`` as llm-compressor cal
 (memoryless min-max weight observer, round to nearest), reproduced op for op in the weight's dtype
 so the packed bytes and scales are bit-identical:
 
-* global scale  g = 448 * 6 / amax(|W|)  (computed as ``reciprocal(amax) * 2688`` in W's dtype,
-  amax clamped to the dtype's smallest normal, inf/nan -> 1), stored as float32 ``weight_global_scale``;
+* global scale  g = 448 * 6 / amax(|W|)  (computed as ``reciprocal(amax) * 2688`` in W's dtype, amax clamped
+  to the dtype's smallest normal; a g that overflows to inf, i.e. an all-zero or tiny weight, becomes 1, as
+  compressed-tensors' ``generate_gparam`` does), stored as float32 ``weight_global_scale``;
 * block scale   s_b = fp8_e4m3(g * (amax_b / 6)), with s_b == 0 replaced by 0.125;
 * elements      q = E2M1(W / (s_b / g)), ties to even, saturating at ±6.
 
 Dequantization (paper Eq. 6, compressed-tensors' convention that ``weight_global_scale`` divides):
     W_hat = q * (float(s_b) / g).
+A weight holding inf/NaN raises ``NonFiniteWeightError`` (one ``inf`` would make g = 0 and every element NaN).
 llm-compressor additionally shares one global scale over fused projections (q/k/v, gate/up);
 pass ``global_scale=NVFP4Format.global_scale(w_q, w_k, w_v)`` to reproduce that.
 """
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qerl.quant.finite import NonFiniteWeightError, check_finite
 from qerl.quant.fp4 import E2M1_MAX, decode_packed, e2m1_encode, pack_nibbles
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -43,12 +46,17 @@ class NVFP4Format:
 
     @staticmethod
     def global_scale(*weights: torch.Tensor) -> torch.Tensor:
-        """float32 (1,) per-tensor scale 448*6/amax over all ``weights`` (one for a fused q/k/v group)."""
+        """float32 (1,) per-tensor scale 448*6/amax over all ``weights`` (one for a fused q/k/v group).
+
+        Raises NonFiniteWeightError if any weight holds inf/NaN (amax is then non-finite: a free scalar check)."""
         amax = torch.stack([w.detach().abs().amax() for w in weights]).amax()
+        if not bool(torch.isfinite(amax)):
+            raise NonFiniteWeightError("nvfp4", sum(int(torch.isinf(w).sum()) for w in weights),
+                                       sum(int(torch.isnan(w).sum()) for w in weights))
         amax = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
         # compressed-tensors writes `448 * 6 / amax`; Python's float / Tensor is reciprocal() * float.
         gs = torch.reciprocal(amax) * (FP8_E4M3_MAX * E2M1_MAX)
-        gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+        gs = torch.nan_to_num(gs, posinf=1.0)  # amax is finite and >= tiny here: only overflow is left
         return gs.to(torch.float32).reshape(1)
 
     @torch.no_grad()
@@ -61,7 +69,13 @@ class NVFP4Format:
         w = w.detach()
         if not w.is_floating_point():
             raise ValueError(f"nvfp4 expects a floating-point weight, got {w.dtype}")
-        gs = self.global_scale(w) if global_scale is None else global_scale.to(torch.float32, copy=True)
+        check_finite(w, self.name)
+        if global_scale is None:
+            gs = self.global_scale(w)
+        else:
+            gs = global_scale.to(torch.float32, copy=True)
+            if gs.numel() != 1 or not bool(torch.isfinite(gs).all() & (gs > 0).all()):
+                raise ValueError(f"nvfp4 global_scale must be one finite positive number, got {global_scale}")
         gs = gs.reshape(1).to(w.device)
 
         wg = w.reshape(n, k // self.block, self.block)  # (N, G, 16)
