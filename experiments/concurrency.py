@@ -71,13 +71,13 @@ def write(lines: list[dict], out_dir: Path, scale: str, overrides) -> list[Path]
     atomic_write_text(out_dir / "concurrency.csv", buf.getvalue())
     first = lines[0]
     md = [f"# Runs at once on one device ({scale} scale)", "",
-          f"{first['rows']} identical runs of {first['steps']} steps (seeds 0..{first['rows'] - 1}) on "
+          f"Identical runs of {first['steps']} steps (seeds 0..rows-1) on "
           f"{first['gpu'] or first['device']}; overrides: `{' '.join(overrides) or 'none'}`. "
           "Wall = the whole batch, process start-up included; run time = a run's own wall time.", "",
-          "| workers | wall (s) | runs/min | gain vs 1 | run time, mean (s) |", "|---:|---:|---:|---:|---:|"]
+          "| workers | runs | wall (s) | runs/min | gain vs 1 | run time, mean (s) |", "|---:|---:|---:|---:|---:|---:|"]
     for ln in lines:
         gain = f"{ln['gain_vs_1']:.2f}x" if ln["gain_vs_1"] != "" else "-"
-        md.append(f"| {ln['workers']} | {ln['wall_s']:.1f} | {ln['runs_per_min']:.2f} | {gain} | "
+        md.append(f"| {ln['workers']} | {ln['rows']} | {ln['wall_s']:.1f} | {ln['runs_per_min']:.2f} | {gain} | "
                   f"{ln['mean_run_s']:.1f} |")
     atomic_write_text(out_dir / "concurrency.md", "\n".join(md) + "\n")
     return [out_dir / "concurrency.csv", out_dir / "concurrency.md"]
@@ -97,21 +97,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", default="smoke", choices=SCALES)
     p.add_argument("--workers", type=_counts, default=[1, 2, 4], help="comma-separated worker counts (default 1,2,4)")
-    p.add_argument("--rows", type=int, default=8, help="runs per batch (default 8)")
+    p.add_argument("--rows", type=int, default=8, help="runs per batch (default 8; 0: max(2, N) for N workers, so "
+                                                        "one-at-a-time costs two runs, not N)")
     p.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     p.add_argument("--root", default="results")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of every run")
     a = p.parse_args(argv)
-    if a.rows < 1 or a.steps < 1:
-        p.error(f"--rows {a.rows} / --steps {a.steps}: both must be >= 1")
+    if a.rows < 0 or a.steps < 1:
+        p.error(f"--rows {a.rows} / --steps {a.steps}: rows must be >= 0 (0: max(2, N)), steps >= 1")
     from qerl.config import ConfigError
 
     out_dir, lines = Path(a.root) / ARTIFACT / a.scale, []
     try:
         for n in a.workers:
-            lines.append(batch(a.scale, n, a.rows, a.steps, a.root, a.overrides))
+            lines.append(batch(a.scale, n, a.rows or max(2, n), a.steps, a.root, a.overrides))
             ln = lines[-1]
-            print(f"[{ARTIFACT}] {n} workers: {a.rows} runs in {ln['wall_s']:.1f} s = {ln['runs_per_min']:.2f} "
+            print(f"[{ARTIFACT}] {n} workers: {ln['rows']} runs in {ln['wall_s']:.1f} s = {ln['runs_per_min']:.2f} "
                   f"runs/min", flush=True)
             written = write(with_gain(lines), out_dir, a.scale, a.overrides)  # after each batch: a crash keeps it
     except (UserError, ConfigError, BatchFailed) as e:

