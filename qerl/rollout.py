@@ -252,8 +252,8 @@ class Sampler:
         for i, layer in enumerate(self._layers):
             a = layer.self_attn
             q, k, v = self._qkv(a, self._norm(layer.input_layernorm, h), rope)
-            s["kc"][i].index_copy_(2, slot, k)
-            s["vc"][i].index_copy_(2, slot, v)
+            s["kc"][i].index_copy_(2, slot, k.to(s["kc"][i].dtype))  # fp32 under autocast (full FT)
+            s["vc"][i].index_copy_(2, slot, v.to(s["vc"][i].dtype))
             kk, vv = s["kc"][i][:, :, :S], s["vc"][i][:, :, :S]    # (N, Hkv, S, d)
             qg = q.view(n, self.n_kv, g, self.head_dim)            # (N, Hkv, g, d)
             sc = torch.matmul(qg, kk.transpose(-1, -2))           # (N, Hkv, g, S)
