@@ -89,7 +89,9 @@ def line_band(ev: ER.Evidence, arm: str, lr, metric: str, smooth: int = 1) -> tu
 
 
 def _subtitle(ev: ER.Evidence, text: str) -> str:
-    return "\n".join([text, *ev.notes])
+    import textwrap
+
+    return "\n".join([text, *(line for n in ev.notes for line in textwrap.wrap(n, 110))])
 
 
 def _sources(ev: ER.Evidence, dirs) -> list[str]:

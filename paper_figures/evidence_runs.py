@@ -219,6 +219,9 @@ def load(root, scale: str) -> Evidence | None:
     """The evidence of one scale (finished runs only), or None when it has no evidence runs."""
     root = Path(root)
     df = evidence_runs(root, scale)
+    # the rollout-temperature calibration (experiments.evidence --stage calibrate) is part of the protocol
+    # (protocol.json), not a claim's run
+    df = df[_col(df, "sum.kind").astype(str) != "calibration"]
     if df.empty:
         return None
     arm = _col(df, "cfg.tags.arm").astype(str)
@@ -245,7 +248,7 @@ def load(root, scale: str) -> Evidence | None:
     m = R.metrics(runs["run_dir"])
     curves = {d: g.drop(columns="run_dir") for d, g in m.groupby("run_dir")} if len(m) else {}
     sets = sorted({c[len("sum.eval."):-len(".pass@1")] for c in tr.columns
-                   if c.startswith("sum.eval.") and c.endswith(".pass@1")})
+                   if c.startswith("sum.eval.") and c.endswith(".pass@1") and tr[c].notna().any()})
     by_dir = tr.set_index("run_dir")
     values = pd.DataFrame([_run_values(curves.get(d, pd.DataFrame()), by_dir.loc[d], sets) for d in runs["run_dir"]],
                           index=runs["run_dir"]) if len(runs) else pd.DataFrame()
