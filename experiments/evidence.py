@@ -112,12 +112,23 @@ def grid_rows(p: Protocol) -> list[tuple[Row, int]]:
     return [_row(arm, lr, p.seeds[0], "grid") for arm in ("bf16-full", *FORMAT_ARMS) for lr in p.grid(arm)]
 
 
-def main_rows(p: Protocol, best: dict[str, float], seeds) -> list[tuple[Row, int]]:
-    """Every format arm at the shared rate and at its best rate (Full: its best rate only), every seed."""
+RATES = ("both", "shared", "best")
+
+
+def main_rows(p: Protocol, best: dict[str, float] | None, seeds, rates: str = "both") -> list[tuple[Row, int]]:
+    """Every format arm at the shared rate and at its best rate (Full: its best rate only), every seed.
+
+    ``rates="shared"`` keeps only the shared-rate comparison (Full has no shared rate and is left out; ``best`` may
+    be None: no grid is needed), ``"best"`` only the best-rate one."""
     out, seen = [], set()
     for arm in ("bf16-full", *FORMAT_ARMS):
-        rates = [best[arm]] if arm == "bf16-full" else sorted({p.shared, best[arm]})
-        for lr in rates:
+        if rates == "shared":
+            arm_rates = [] if arm == "bf16-full" else [p.shared]
+        elif rates == "best" or arm == "bf16-full":
+            arm_rates = [best[arm]]
+        else:
+            arm_rates = sorted({p.shared, best[arm]})
+        for lr in arm_rates:
             for s in seeds:
                 if (arm, lr, s) not in seen:
                     seen.add((arm, lr, s))
@@ -297,16 +308,26 @@ def run_pairs(pairs: list[tuple[Row, int]], scale: str, extra, workers: int, dry
     return run_jobs(jobs, f"[{ARTIFACT}/{scale}]", workers, dry_run)
 
 
-def stage_pairs(stage: str, root: Path, scale: str, p: Protocol, seeds, dry_run: bool) -> list[tuple[Row, int]]:
+def stage_pairs(stage: str, root: Path, scale: str, p: Protocol, seeds, dry_run: bool,
+                rates: str = "both") -> list[tuple[Row, int]]:
     if stage == "calibrate":
         return calibration_rows(p)
     if stage == "entropy":
         return entropy_rows(p, seeds)
     if stage == "grid":
         return grid_rows(p)
+    if stage == "main" and rates == "shared":
+        return main_rows(p, None, seeds, rates)  # the shared rate was fixed before any run: no grid needed
     best = {a: p.shared for a in ARMS} if dry_run else best_rates(root, scale, p)
     _update_protocol(root, scale, best_lr=best)
-    return main_rows(p, best, seeds) if stage == "main" else aqn_rows(p, best, seeds)
+    return main_rows(p, best, seeds, rates) if stage == "main" else aqn_rows(p, best, seeds)
+
+
+def keep_arms(pairs: list[tuple[Row, int]], arms: tuple[str, ...] | None) -> list[tuple[Row, int]]:
+    """Only the runs of ``arms``, in the order given (the first start first when workers are fewer than runs)."""
+    if not arms:
+        return pairs
+    return [pr for a in arms for pr in pairs if pr[0].tags["arm"] == a]
 
 
 def main(argv=None) -> None:
@@ -316,7 +337,17 @@ def main(argv=None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--stage", default="all", help=f"all, or comma-separated stages among {list(STAGES)} (run in "
                                                    f"that order)")
+    ap.add_argument("--rates", default="both", help=f"main stage: {list(RATES)} (shared: the shared-rate comparison "
+                                                    f"only, which needs no finished grid)")
+    ap.add_argument("--arms", default=None, help="comma-separated arms to run, in this order (default: every arm of "
+                                                 "each stage)")
     args = ap.parse_args(argv)
+    if args.rates not in RATES:
+        raise UserError(f"--rates {args.rates!r}: valid choices are {list(RATES)}")
+    arms = tuple(a.strip() for a in args.arms.split(",")) if args.arms else None
+    known = {*ARMS, *(f"base-{f}" for f in FORMATS), "calib-bf16"}
+    if arms and (bad_arms := [a for a in arms if a not in known]):
+        raise UserError(f"--arms {args.arms!r}: unknown arm(s) {bad_arms}; valid: {sorted(known)}")
     wanted = STAGES if args.stage == "all" else tuple(x.strip() for x in args.stage.split(","))
     bad = [x for x in wanted if x not in STAGES]
     if bad:
@@ -336,7 +367,7 @@ def main(argv=None) -> None:
                 raise UserError(f"{_protocol_file(root, args.scale)} has no rollout_temperature: run --stage "
                                 f"calibrate first")
             extra.insert(1, f"rollout.temperature={doc.get('rollout_temperature', 1.0)}")
-        pairs = stage_pairs(stage, root, args.scale, p, seeds, args.dry_run)
+        pairs = keep_arms(stage_pairs(stage, root, args.scale, p, seeds, args.dry_run, args.rates), arms)
         print(f"[{ARTIFACT}/{args.scale}] stage {stage}: {len(pairs)} runs", flush=True)
         res = run_pairs(pairs, args.scale, extra, args.workers, args.dry_run)
         failed += res["failed"]

