@@ -30,7 +30,7 @@ class BatchFailed(RuntimeError):
     """A run of the batch failed: its wall clock measures nothing."""
 
 
-COLUMNS = ("workers", "rows", "steps", "wall_s", "runs_per_min", "gain_vs_1", "mean_run_s", "device", "gpu")
+COLUMNS = ("workers", "rows", "steps", "wall_s", "runs_per_min", "gain_vs_1", "mean_run_s", "device", "gpu", "measured")
 
 
 def batch(scale: str, workers: int, rows: int, steps: int, root: str, overrides=()) -> dict:
@@ -54,7 +54,35 @@ def batch(scale: str, workers: int, rows: int, steps: int, root: str, overrides=
     return dict(workers=workers, rows=rows, steps=steps, wall_s=round(wall, 2),
                 runs_per_min=round(rows / wall * 60, 3),
                 mean_run_s=round(sum(s.get("wall_time_s", 0.0) for s in summaries) / rows, 2),
-                device=summaries[0].get("device", ""), gpu=hw.get("gpu", ""))
+                device=summaries[0].get("device", ""), gpu=hw.get("gpu", ""),
+                measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def read_csv(path: Path) -> list[dict]:
+    """The batches a CSV holds (numbers parsed; ``measured`` empty where an older CSV lacks it)."""
+    if not path.exists():
+        return []
+    out = []
+    for r in csv.DictReader(io.StringIO(path.read_text())):
+        out.append(dict(workers=int(r["workers"]), rows=int(r["rows"]), steps=int(r["steps"]),
+                        wall_s=float(r["wall_s"]), runs_per_min=float(r["runs_per_min"]),
+                        mean_run_s=float(r["mean_run_s"]), device=r.get("device", ""), gpu=r.get("gpu", ""),
+                        measured=r.get("measured") or ""))
+    return out
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """``new`` batches plus the ``old`` ones of other worker counts (same steps and GPU only), by worker count.
+
+    Refuses to mix batches of different run lengths or devices: their runs per minute are not comparable."""
+    for o in old:
+        n = new[0] if new else o
+        if (o["steps"], o["gpu"] or o["device"]) != (n["steps"], n["gpu"] or n["device"]):
+            raise UserError(f"--merge: the CSV's {o['workers']}-worker batch ran {o['steps']} steps on "
+                            f"{o['gpu'] or o['device']!r}, this one {n['steps']} on {n['gpu'] or n['device']!r}; "
+                            f"measure both anew")
+    mine = {ln["workers"] for ln in new}
+    return sorted([o for o in old if o["workers"] not in mine] + list(new), key=lambda ln: ln["workers"])
 
 
 def with_gain(lines: list[dict]) -> list[dict]:
@@ -63,7 +91,7 @@ def with_gain(lines: list[dict]) -> list[dict]:
     return [dict(ln, gain_vs_1=round(ln["runs_per_min"] / one, 3) if one else "") for ln in lines]
 
 
-def write(lines: list[dict], out_dir: Path, scale: str, overrides) -> list[Path]:
+def write(lines: list[dict], out_dir: Path, scale: str, overrides, earlier: int = 0) -> list[Path]:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS)
     w.writeheader()
@@ -73,7 +101,10 @@ def write(lines: list[dict], out_dir: Path, scale: str, overrides) -> list[Path]
     md = [f"# Runs at once on one device ({scale} scale)", "",
           f"Identical runs of {first['steps']} steps (seeds 0..rows-1) on "
           f"{first['gpu'] or first['device']}; overrides: `{' '.join(overrides) or 'none'}`. "
-          "Wall = the whole batch, process start-up included; run time = a run's own wall time.", "",
+          "Wall = the whole batch, process start-up included; run time = a run's own wall time." +
+          (f" {earlier} batch(es) kept from an earlier invocation (`--merge`; the CSV's `measured` column says "
+           f"when each ran): the gain compares machines of the same kind, not the same machine." if earlier else ""),
+          "",
           "| workers | runs | wall (s) | runs/min | gain vs 1 | run time, mean (s) |", "|---:|---:|---:|---:|---:|---:|"]
     for ln in lines:
         gain = f"{ln['gain_vs_1']:.2f}x" if ln["gain_vs_1"] != "" else "-"
@@ -101,6 +132,8 @@ def main(argv=None) -> None:
                                                         "one-at-a-time costs two runs, not N)")
     p.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
     p.add_argument("--root", default="results")
+    p.add_argument("--merge", action="store_true", help="keep the CSV's batches of other worker counts (same steps "
+                                                        "and device; e.g. a one-at-a-time batch measured earlier)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides of every run")
     a = p.parse_args(argv)
     if a.rows < 0 or a.steps < 1:
@@ -108,13 +141,15 @@ def main(argv=None) -> None:
     from qerl.config import ConfigError
 
     out_dir, lines = Path(a.root) / ARTIFACT / a.scale, []
+    old = read_csv(out_dir / "concurrency.csv") if a.merge else []
     try:
         for n in a.workers:
             lines.append(batch(a.scale, n, a.rows or max(2, n), a.steps, a.root, a.overrides))
             ln = lines[-1]
             print(f"[{ARTIFACT}] {n} workers: {ln['rows']} runs in {ln['wall_s']:.1f} s = {ln['runs_per_min']:.2f} "
                   f"runs/min", flush=True)
-            written = write(with_gain(lines), out_dir, a.scale, a.overrides)  # after each batch: a crash keeps it
+            both = merge(old, lines)
+            written = write(with_gain(both), out_dir, a.scale, a.overrides, earlier=len(both) - len(lines))  # after each batch: a crash keeps it
     except (UserError, ConfigError, BatchFailed) as e:
         print(f"{ARTIFACT}: {e}", file=sys.stderr)
         sys.exit(1 if isinstance(e, BatchFailed) else 2)

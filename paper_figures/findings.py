@@ -122,12 +122,30 @@ def _welch_rows(ev: Evidence, claim: str, a: str, b: str, mode: str, lr_a, lr_b,
     return rows
 
 
+def grid_gaps(ev: Evidence, *arms: str) -> str:
+    """A note when an arm's best rate comes from a partial grid: the planned rates it has no finished run at."""
+    p, gaps = ev.protocol, []
+    for arm in dict.fromkeys(arms):
+        missing = [lr for lr in p.planned.get(arm, []) if lr not in p.grid.get(arm, {})]
+        if missing:
+            gaps.append(f"{arm} at {', '.join(fmt_lr(x) for x in missing)}")
+    return f"best rate provisional: no finished grid run of {'; '.join(gaps)}" if gaps else ""
+
+
 def _claim_b(ev: Evidence) -> list[dict]:
-    best, rows = ev.protocol.best, []
+    """Each pair at the shared rate and at each arm's best rate. Where both best rates are the shared rate, the
+    best-rate comparison is the same runs: one row, said in its note (not counted twice in the Holm correction)."""
+    best, shared, rows = ev.protocol.best, ev.protocol.shared, []
     for a, b, note in CLAIM_B:
+        gaps = grid_gaps(ev, a, b)
+        same = best.get(a) == best.get(b) == shared
         if "bf16-full" not in (a, b):  # BF16-Full has its own grid: no shared-rate comparison
-            rows += _welch_rows(ev, "b", a, b, "shared", ev.protocol.shared, ev.protocol.shared, note)
-        rows += _welch_rows(ev, "b", a, b, "best", best.get(a), best.get(b), note)
+            extra = "also each arm's best rate" if same else ""
+            rows += _welch_rows(ev, "b", a, b, "shared", shared, shared,
+                                "; ".join(x for x in (note, extra, gaps if same else "") if x))
+        if not same:
+            rows += _welch_rows(ev, "b", a, b, "best", best.get(a), best.get(b),
+                                "; ".join(x for x in (note, gaps) if x))
     return rows
 
 
@@ -146,7 +164,8 @@ def _claim_c(ev: Evidence) -> list[dict]:
     for a, b, note in CLAIM_C:
         rows += _welch_rows(ev, "c", a, b, "shared", ev.protocol.shared, ev.protocol.shared, note)
         lr_a, lr_b, why = c_best_rates(ev, a, b)
-        rows += _welch_rows(ev, "c", a, b, "best", lr_a, lr_b, "; ".join(x for x in (note, why) if x))
+        rows += _welch_rows(ev, "c", a, b, "best", lr_a, lr_b,
+                            "; ".join(x for x in (note, why, grid_gaps(ev, b)) if x))
     return rows
 
 

@@ -343,3 +343,23 @@ def test_evidence_modules_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(FD.__file__).resolve().parents[1])
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_partial_grid_and_best_equal_to_shared(tree, table):
+    """A best rate picked from a partial grid says so; where both arms' best rate is the shared one, the pair has
+    one row (the same runs), not a shared and a best row counted twice by Holm."""
+    import dataclasses
+
+    r = row(table, "NVFP4-LoRA − BF16-LoRA", "best")  # protocol.json plans nvfp4-lora at 3e-4: never run
+    assert "best rate provisional: no finished grid run of nvfp4-lora at 3e-4" in r["note"]
+    assert "provisional" not in row(table, "MXFP4-LoRA − BF16-LoRA", "best")["note"]
+    ev = ER.load(tree, SCALE)
+    best = dict(ev.protocol.best, **{"nvfp4-lora": SHARED, "bf16-lora": SHARED})
+    ev2 = dataclasses.replace(ev, protocol=dataclasses.replace(ev.protocol, best=best))
+    rows = pd.DataFrame(FD._claim_b(ev2))
+    pair = rows[rows["comparison"] == "NVFP4-LoRA − BF16-LoRA"]
+    assert set(pair["lr_mode"]) == {"shared"} and len(pair) == len(FD.run_metrics(ev2))
+    assert all("also each arm's best rate" in n for n in pair["note"])
+    assert set(rows[rows["comparison"] == "MXFP4-LoRA − BF16-LoRA"]["lr_mode"]) == {"shared"}  # MXFP4's best: 3e-5
+    assert set(rows[rows["comparison"] == "NVFP4-LoRA − BF16-Full"]["lr_mode"]) == {"best"}
+    assert set(pd.DataFrame(FD._claim_b(ev))["lr_mode"]) == {"shared", "best"}  # as run: the rates differ

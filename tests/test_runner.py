@@ -254,3 +254,28 @@ def test_concurrency_benchmark_on_cpu(tmp_path):
     assert float(lines[1]["gain_vs_1"]) == pytest.approx(float(lines[1]["runs_per_min"])
                                                          / float(lines[0]["runs_per_min"]), rel=1e-2)
     assert "| 2 |" in (out / "concurrency.md").read_text()
+
+
+def test_concurrency_merge_keeps_earlier_batches_and_refuses_mismatches(tmp_path):
+    """--merge: an earlier one-at-a-time batch (an older CSV without `measured`) joins a new 8-worker batch; the
+    gain is computed from the two; batches of other run lengths or devices are refused, naming both."""
+    from experiments import concurrency
+
+    out = tmp_path / "concurrency" / "small"
+    out.mkdir(parents=True)
+    (out / "concurrency.csv").write_text("workers,rows,steps,wall_s,runs_per_min,gain_vs_1,mean_run_s,device,gpu\n"
+                                         "1,2,10,120.0,1.0,1.0,38.0,cuda,H100\n")
+    old = concurrency.read_csv(out / "concurrency.csv")
+    new = [dict(workers=8, rows=8, steps=10, wall_s=100.0, runs_per_min=4.8, mean_run_s=80.0, device="cuda",
+                gpu="H100", measured="2026-11-23T21:20:00Z")]
+    lines = concurrency.with_gain(concurrency.merge(old, new))
+    assert [ln["workers"] for ln in lines] == [1, 8] and lines[0]["measured"] == ""
+    assert lines[1]["gain_vs_1"] == pytest.approx(4.8)
+    concurrency.write(lines, out, "small", [], earlier=1)
+    assert "1 batch(es) kept from an earlier invocation" in (out / "concurrency.md").read_text()
+    assert [r["gain_vs_1"] for r in csv.DictReader((out / "concurrency.csv").open())] == ["1.0", "4.8"]
+    assert concurrency.merge(old, [dict(new[0], workers=1)]) == [dict(new[0], workers=1)]  # re-measured: replaced
+    with pytest.raises(UserError, match=r"1-worker batch ran 10 steps on 'H100', this one 20 on 'H100'"):
+        concurrency.merge(old, [dict(new[0], steps=20)])
+    with pytest.raises(UserError, match=r"on 'H100', this one 10 on 'A100'"):
+        concurrency.merge(old, [dict(new[0], gpu="A100")])
