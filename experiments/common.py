@@ -392,7 +392,7 @@ def scale_model(scale: str, paper_key: str) -> tuple[str, ...]:
 
 #: At the one-GPU evidence scales an artifact is a view of the one evidence matrix (``experiments.evidence``), so a
 #: run that serves Table 1 and Fig. 4 is trained once: artifact -> the evidence stages it needs.
-EVIDENCE_STAGES = {"table1": "all", "fig4": "calibrate,entropy,grid,main", "fig8": "all", "fig9": "all",
+EVIDENCE_STAGES = {"table1": "all", "fig4": "calibrate,entropy,base,grid,main", "fig8": "all", "fig9": "all",
                    "fig16": "calibrate,grid", "fig17": "calibrate,grid"}
 
 

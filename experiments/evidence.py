@@ -20,7 +20,11 @@ at each rate of a small grid (seed 0); an arm's **best** rate is the one with th
 arm's best rate, with ``SEEDS`` seeds each. The AQN arms run at their base arm's best rate. ``protocol.json``
 records the grid, the shared rate, the chosen rates and how many settings were tried.
 
-Stages run in order (``--stage all``) and are resumable: finished runs are skipped, interrupted ones resume.
+"RL works" (the issue's precondition): ``heldout-<fmt>`` (stage ``base``) evaluates each untrained format on the
+held-out eval sets exactly as a trained run is evaluated at its end; BF16-LoRA's gain over it is compared with its
+seed-to-seed spread.
+
+Stages run in order (``--stage all``: calibrate, entropy, base, grid, main, aqn) and are resumable: finished runs are skipped, interrupted ones resume.
 ``paper_figures.findings`` turns the runs into the findings table (effect, 95% CI, verdict) and figures.
 """
 
@@ -79,7 +83,7 @@ PROTOCOLS = {
     "smoke": Protocol(lora_grid=(5e-4, 1e-3), full_grid=(1e-4,), shared=1e-3, seeds=(0, 1), n_prompts=16,
                       n_samples=2),
 }
-STAGES = ("calibrate", "entropy", "grid", "main", "aqn")
+STAGES = ("calibrate", "entropy", "base", "grid", "main", "aqn")
 RUNNERS["entropy"] = "experiments.evidence:run_entropy"
 
 
@@ -92,7 +96,7 @@ def _tags(arm: str, lr: float | None, stage: str) -> dict:
     if arm in ARMS:
         fmt = next(o.split("=", 1)[1] for o in ARMS[arm] if o.startswith("quant="))
         training = "full" if arm.endswith("full") else "lora"
-    else:  # base-<fmt> (claim a) / calib-bf16 (calibration): the untrained base
+    else:  # base-<fmt> (claim a) / heldout-<fmt> (held-out pass@1) / calib-bf16 (calibration): the untrained base
         fmt, training = arm.rsplit("-", 1)[1], "none"
     return dict(arm=arm, weights=fmt.upper(), training=training, aqn="yes" if "aqn" in arm else "no",
                 **({"lr": lr} if lr is not None else {}), stage=stage)
@@ -106,6 +110,13 @@ def _row(arm: str, lr: float, seed: int, stage: str) -> tuple[Row, int]:
 def entropy_rows(p: Protocol, seeds) -> list[tuple[Row, int]]:
     return [(Row(f"entropy-{f}", (f"quant={f}",), _tags(f"base-{f}", None, "entropy"),
                  runner="entropy"), s) for f in FORMATS for s in seeds]
+
+
+def base_rows(p: Protocol) -> list[tuple[Row, int]]:
+    """The untrained base in each format on the held-out eval sets (the trained runs' end-of-run evaluation, same
+    settings): what "RL raised held-out accuracy" is measured against. One seed (the samples vary, the model not)."""
+    return [(Row(f"heldout-{f}", (f"quant={f}",), _tags(f"heldout-{f}", None, "base"), runner="base"), p.seeds[0])
+            for f in FORMATS]
 
 
 def grid_rows(p: Protocol) -> list[tuple[Row, int]]:
@@ -314,6 +325,8 @@ def stage_pairs(stage: str, root: Path, scale: str, p: Protocol, seeds, dry_run:
         return calibration_rows(p)
     if stage == "entropy":
         return entropy_rows(p, seeds)
+    if stage == "base":
+        return base_rows(p)
     if stage == "grid":
         return grid_rows(p)
     if stage == "main" and rates == "shared":
@@ -345,7 +358,7 @@ def main(argv=None) -> None:
     if args.rates not in RATES:
         raise UserError(f"--rates {args.rates!r}: valid choices are {list(RATES)}")
     arms = tuple(a.strip() for a in args.arms.split(",")) if args.arms else None
-    known = {*ARMS, *(f"base-{f}" for f in FORMATS), "calib-bf16"}
+    known = {*ARMS, *(f"{k}-{f}" for k in ("base", "heldout") for f in FORMATS), "calib-bf16"}
     if arms and (bad_arms := [a for a in arms if a not in known]):
         raise UserError(f"--arms {args.arms!r}: unknown arm(s) {bad_arms}; valid: {sorted(known)}")
     wanted = STAGES if args.stage == "all" else tuple(x.strip() for x in args.stage.split(","))

@@ -95,6 +95,7 @@ class Evidence:
     unfinished: list[str]
     notes: list[str]
     eval_sets: list[str]
+    heldout: pd.DataFrame = field(default_factory=pd.DataFrame)  # untrained base on the eval sets: fmt, seed, set, pass@1
 
     def at(self, arm: str, lr) -> pd.DataFrame:
         """The finished runs of ``arm`` at rate ``lr`` (every seed), sorted by seed."""
@@ -215,6 +216,18 @@ def _run_values(curve: pd.DataFrame, row: pd.Series, sets: list[str]) -> dict:
     return out
 
 
+def _heldout(ho: pd.DataFrame) -> pd.DataFrame:
+    """One row per (untrained base run, eval set): ``run_dir, fmt, seed, set, pass@1``."""
+    rows = []
+    fmts, seeds = _col(ho, "cfg.quant.format").astype(str).str.lower(), _col(ho, "cfg.seed", 0)
+    for idx, r in ho.iterrows():
+        for c in ho.columns:
+            if c.startswith("sum.eval.") and c.endswith(".pass@1") and r[c] == r[c]:
+                rows.append({"run_dir": r["run_dir"], "fmt": fmts[idx], "seed": int(seeds[idx]),
+                             "set": c[len("sum.eval."):-len(".pass@1")], "pass@1": float(r[c])})
+    return pd.DataFrame(rows, columns=["run_dir", "fmt", "seed", "set", "pass@1"])
+
+
 def load(root, scale: str) -> Evidence | None:
     """The evidence of one scale (finished runs only), or None when it has no evidence runs."""
     root = Path(root)
@@ -226,10 +239,13 @@ def load(root, scale: str) -> Evidence | None:
         return None
     arm = _col(df, "cfg.tags.arm").astype(str)
     is_entropy = (_col(df, "sum.kind").astype(str) == "entropy") | arm.str.startswith("base-")
+    is_heldout = arm.str.startswith("heldout-") | (_col(df, "sum.trained").astype(str) == "False")
     unfinished = sorted(R.rel(d, root) for d in df.loc[~df["finished"], "run_dir"])
     notes = sorted({str(n) for n in _col(df, "sum.model_source.note").dropna() if str(n).strip()})
     df = df[df["finished"]]
-    ent, tr = df[is_entropy[df.index]], df[~is_entropy[df.index]]
+    ent, ho = df[is_entropy[df.index]], df[is_heldout[df.index] & ~is_entropy[df.index]]
+    tr = df[~is_entropy[df.index] & ~is_heldout[df.index]]
+    heldout = _heldout(ho)
     runs = pd.DataFrame({"run_dir": tr["run_dir"], "arm": _col(tr, "cfg.tags.arm").astype(str),
                          "lr": _col(tr, "cfg.optim.lr").map(lambda x: _lr_key(x) if x is not None else np.nan),
                          "seed": _col(tr, "cfg.seed", 0).astype(int)})
@@ -254,7 +270,7 @@ def load(root, scale: str) -> Evidence | None:
                           index=runs["run_dir"]) if len(runs) else pd.DataFrame()
     return Evidence(root=root, scale=scale, runs=runs, entropy=entropy.reset_index(drop=True), values=values,
                     curves=curves, protocol=_protocol(root, scale, runs, curves), unfinished=unfinished,
-                    notes=notes, eval_sets=sets)
+                    notes=notes, eval_sets=sets, heldout=heldout)
 
 
 # ------------------------------------------------------------------------------------------------ claim (a)

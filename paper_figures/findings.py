@@ -91,6 +91,49 @@ def learnability(ev: Evidence, fe: dict[str, FormatEntropy]) -> dict:
                 note=f"{'within' if inside else 'outside'} the {LEARNABLE[0]:.0%}–{LEARNABLE[1]:.0%} target")
 
 
+RL_ARMS = ("bf16-lora", "nf4-lora", "mxfp4-lora", "nvfp4-lora")
+
+
+def rl_works_rows(ev: Evidence) -> list[dict]:
+    """Does RL raise held-out accuracy? Each LoRA arm at the shared rate (every seed) against its own untrained base
+    in the same format (stage ``base``, evaluated like the trained runs' end-of-run evaluation), per eval set.
+
+    effect = mean over seeds of trained pass@1 − base pass@1, with the t interval over seeds (the base taken as
+    fixed); the issue's criterion is that the gain exceeds the seed-to-seed spread (``spread``: the seeds' sample
+    standard deviation). verdict: supported when the interval lies above 0 and the gain exceeds the spread,
+    contradicted when the interval lies below 0, else inconclusive."""
+    rows, shared = [], ev.protocol.shared
+    for arm in RL_ARMS:
+        fmt = arm.split("-")[0]
+        runs = ev.at(arm, shared)
+        for st in ev.eval_sets:
+            row = {"scale": ev.scale, "claim": "rl", "comparison": f"{LABELS[arm]} − {fmt.upper()} base",
+                   "a": arm, "b": f"heldout-{fmt}", "lr_mode": "shared", "lr_a": shared, "metric": f"pass@1 {st}",
+                   "n_a": len(runs)}
+            base = ev.heldout[(ev.heldout["fmt"] == fmt) & (ev.heldout["set"] == st)] if len(ev.heldout) else []
+            if runs.empty or len(base) == 0:
+                miss = [x for x, e in ((f"{arm} at lr {fmt_lr(shared)}", runs.empty),
+                                       (f"heldout-{fmt} on {st}", len(base) == 0)) if e]
+                rows.append(dict(row, verdict="not run", note="not run: no finished " + " nor ".join(miss)))
+                continue
+            b = float(base["pass@1"].mean())
+            va = ev.values.loc[runs["run_dir"], f"pass@1 {st}"].to_numpy(dtype=float)
+            ci = S.mean_ci(va - b, LEVEL)
+            spread = float(np.std(va, ddof=1)) if len(va) > 1 else math.nan
+            if ci.n < 2:
+                verdict, note = "inconclusive", "one seed: no interval, no spread"
+            elif ci.lo > 0 and ci.estimate > spread:
+                verdict, note = "supported", f"gain {ci.estimate:.3f} > seed spread (sd) {spread:.3f}"
+            elif ci.hi < 0:
+                verdict, note = "contradicted", f"seed spread (sd) {spread:.3f}"
+            else:
+                verdict, note = "inconclusive", f"gain {ci.estimate:.3f} vs seed spread (sd) {spread:.3f}"
+            rows.append(dict(row, mean_a=float(np.mean(va)), mean_b=b, effect=ci.estimate, ci_lo=ci.lo, ci_hi=ci.hi,
+                             n_a=ci.n, n_b=len(base), test="t interval over seeds (base fixed)", p=ci.p,
+                             verdict=verdict, note=note))
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ claims (b), (c)
 def run_metrics(ev: Evidence) -> list[str]:
     """The per-run metrics compared in claims (b) and (c)."""
@@ -172,7 +215,8 @@ def _claim_c(ev: Evidence) -> list[dict]:
 def findings_frame(ev: Evidence, fe: dict[str, FormatEntropy] | None = None) -> pd.DataFrame:
     """Every row of the findings (columns ``COLUMNS``), Holm-adjusted p within each claim."""
     fe = entropy_by_format(ev) if fe is None else fe
-    df = pd.DataFrame([learnability(ev, fe), *claim_a_rows(ev, fe), *_claim_b(ev), *_claim_c(ev)])
+    df = pd.DataFrame([learnability(ev, fe), *rl_works_rows(ev), *claim_a_rows(ev, fe), *_claim_b(ev),
+                       *_claim_c(ev)])
     df = df.reindex(columns=COLUMNS)
     df["p_holm"] = np.nan
     for claim in ("a", "b", "c"):
@@ -326,6 +370,15 @@ def findings_markdown(ev: Evidence, df: pd.DataFrame, fe: dict[str, FormatEntrop
                   f"{_n(learn['n_a'])} seeds; {learn['note']}.", ""]
     else:
         lines += [f"**Learnability.** {learn['note']}.", ""]
+    rl = df[df["claim"] == "rl"]
+    if len(rl):
+        lines += ["## RL works: held-out pass@1 after RL vs the untrained base (each LoRA arm at the shared rate)", "",
+                  "| comparison (A − B) | metric | A (trained) | B (base) | gain [95% CI] | seeds | verdict | note |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for _, r in rl.iterrows():
+            lines.append(f"| {r['comparison']} | {r['metric']} | {_num(r.get('mean_a'))} | {_num(r.get('mean_b'))} | "
+                         f"{_effect(r)} | {_n(r['n_a'])} | {_verdict(r['verdict'])} | {r['note']} |")
+        lines.append("")
     lines += _protocol_md(ev)
     for claim, text in CLAIMS.items():
         lines += [f"## Claim ({claim}): {text}", ""]

@@ -177,7 +177,11 @@ class Sampler:
     def _autocast(self):
         w = self.model.get_input_embeddings().weight
         if w.dtype == torch.float32 and self.device.type == "cuda":  # full fine-tuning keeps fp32 masters
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            # cache_enabled=False: with the cast cache on, a CUDA graph captured after the warm-up step reuses the
+            # warm-up's bf16 weight copies instead of capturing the casts, and replays read those copies' memory
+            # after the autocast context has freed it (the H100 bf16-full runs sampled 2-token garbage on most
+            # steps). PyTorch's CUDA-graph notes require cache_enabled=False under capture.
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
     def _norm(self, mod, h):

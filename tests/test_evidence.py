@@ -147,3 +147,10 @@ def test_entropy_runner_writes_per_prompt_rows(tmp_path):
     ids1 = [json.loads(x)["id"] for x in (tmp_path / "evidence" / "smoke" / "entropy-bf16-s1" / "entropy.jsonl")
             .read_text().splitlines()]
     assert ids1 == [r["id"] for r in rows]
+
+
+def test_base_stage_evaluates_each_untrained_format_once():
+    pairs = E.base_rows(P)
+    assert [(row.key, seed, row.runner) for row, seed in pairs] == [(f"heldout-{f}", 0, "base") for f in E.FORMATS]
+    assert all(row.tags["training"] == "none" and row.tags["stage"] == "base" for row, _ in pairs)
+    assert E.STAGES.index("base") < E.STAGES.index("grid")

@@ -363,3 +363,40 @@ def test_partial_grid_and_best_equal_to_shared(tree, table):
     assert set(rows[rows["comparison"] == "MXFP4-LoRA − BF16-LoRA"]["lr_mode"]) == {"shared"}  # MXFP4's best: 3e-5
     assert set(rows[rows["comparison"] == "NVFP4-LoRA − BF16-Full"]["lr_mode"]) == {"best"}
     assert set(pd.DataFrame(FD._claim_b(ev))["lr_mode"]) == {"shared", "best"}  # as run: the rates differ
+
+
+def write_heldout(root: Path, fmt: str, pass1: float, scale=SCALE) -> Path:
+    """An untrained base evaluated on the held-out set (experiments.evidence --stage base, runner qerl.evaluate)."""
+    d = root / "evidence" / scale / f"heldout-{fmt}-s0"
+    d.mkdir(parents=True)
+    cfg = {"scale": scale, "seed": 0, "experiment": f"evidence/{scale}", "quant": {"format": fmt},
+           "tags": {"table": "evidence", "arm": f"heldout-{fmt}", "training": "none", "stage": "base"}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (d / "summary.json").write_text(json.dumps({"finished": True, "trained": False, "steps": 0, "scale": scale,
+                                                "eval": {"toy": {"pass@1": pass1, "n_problems": 100}}}))
+    return d
+
+
+def test_rl_works_rows_against_the_untrained_base(tmp_path):
+    """BF16-LoRA gains 0.40 over its base with seed sd 0.02: supported (t interval by hand); NF4-LoRA's gain is
+    within its spread: inconclusive; MXFP4 has no base run: not run. Base runs are neither trained runs nor seeds."""
+    for seed, (bf, nf) in enumerate([(0.50, 0.12), (0.52, 0.20), (0.48, 0.04)]):
+        write_trained(tmp_path, "bf16-lora", SHARED, seed, np.full(STEPS, 0.4), evals={"toy": bf})
+        write_trained(tmp_path, "nf4-lora", SHARED, seed, np.full(STEPS, 0.4), evals={"toy": nf})
+        write_trained(tmp_path, "mxfp4-lora", SHARED, seed, np.full(STEPS, 0.4), evals={"toy": 0.3})
+    write_heldout(tmp_path, "bf16", 0.10)
+    write_heldout(tmp_path, "nf4", 0.10)
+    (tmp_path / "evidence" / SCALE / "protocol.json").write_text(json.dumps({"shared_lr": SHARED}))
+    ev = ER.load(tmp_path, SCALE)
+    assert len(ev.runs) == 9 and set(ev.heldout["fmt"]) == {"bf16", "nf4"}  # base runs are not trained runs
+    df = pd.DataFrame(FD.rl_works_rows(ev)).set_index("a")
+    bf = df.loc["bf16-lora"]
+    assert bf["effect"] == pytest.approx(0.40) and bf["mean_b"] == pytest.approx(0.10)
+    # sd 0.02, se 0.02/√3, t_{0.975,2} = 4.3027: half-width 0.04969
+    assert bf["ci_hi"] - bf["effect"] == pytest.approx(0.04969, rel=1e-3) and bf["verdict"] == "supported"
+    assert "seed spread (sd) 0.020" in bf["note"]
+    assert df.loc["nf4-lora", "verdict"] == "inconclusive"
+    assert df.loc["mxfp4-lora", "verdict"] == "not run" and "heldout-mxfp4 on toy" in df.loc["mxfp4-lora", "note"]
+    assert df.loc["nvfp4-lora", "verdict"] == "not run"
+    md = FD.findings(tmp_path, SCALE)[0]
+    assert "## RL works" in md and "| BF16-LoRA − BF16 base | pass@1 toy | 0.500 | 0.100 | +0.400" in md
