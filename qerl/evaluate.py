@@ -86,7 +86,8 @@ def _file_name(set_name: str) -> str:
 def run_base(cfg: TrainConfig) -> dict:
     """Evaluate the untrained (quantized) base model; one run directory with config, env and summary."""
     from qerl.model import source_provenance
-    from qerl.train import build_policy, resolve_device
+    from qerl.devices import resolve_device
+    from qerl.model import build_policy
 
     writer = RunWriter(cfg.run_dir, cfg.to_yaml())
     if writer.is_finished():
@@ -132,7 +133,8 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = ()) -> dict:
     import yaml
 
     from qerl.model import load_adapter
-    from qerl.train import build_policy, resolve_device
+    from qerl.devices import resolve_device
+    from qerl.model import build_policy
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -18,7 +18,6 @@ Works for Qwen2 and Llama decoder layouts (``model.model.layers[i].self_attn.{q,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import time
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl.devices import autocast_for
 from qerl.fastdecode import build_decode_plan
 from qerl.kernels import fused as fk
 from qerl.lora import lora_inference_cache
@@ -175,10 +175,7 @@ class Sampler:
         return torch.bfloat16 if (w.dtype == torch.float32 and self.device.type == "cuda") else w.dtype
 
     def _autocast(self):
-        w = self.model.get_input_embeddings().weight
-        if w.dtype == torch.float32 and self.device.type == "cuda":  # full fine-tuning keeps fp32 masters
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast_for(self.model, self.device)  # full fine-tuning keeps fp32 masters
 
     def _norm(self, mod, h):
         """RMSNorm of the policy's module, fused (F.rms_norm) when nothing hooks it (AQN per_forward does)."""

@@ -108,7 +108,7 @@ def heuristic(n: int, k: int, m: int, sms: int = 132) -> KernelConfig:
 
 def lookup(fmt: str, n: int, k: int, m: int, device_name: str = "", sms: int = 132) -> KernelConfig:
     """The tuned configuration for this layer shape and M (same device family), else :func:`heuristic`."""
-    return _lookup("mxfp4" if fmt.startswith("mxfp4") else fmt, n, k, m_bucket(m), device_name, sms)
+    return _lookup(fmt, n, k, m_bucket(m), device_name, sms)
 
 
 @functools.lru_cache(maxsize=4096)
