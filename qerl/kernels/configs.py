@@ -1,8 +1,8 @@
 """Launch configurations of the FP4 kernels: a measured table per layer shape and M bucket, and a fallback rule.
 
 A configuration is a handful of constexprs from a small set, so each one compiles once and a new shape or a
-new M inside a bucket never recompiles. ``TUNED`` is filled from ``python -m qerl.kernels.bench --tune``
-on the device named in ``TUNED_DEVICE`` (see NOTES.md); other devices and untuned shapes use ``heuristic``.
+new M inside a bucket never recompiles. ``TUNED`` is filled from ``python -m benchmarks.kernel_bench --tune``
+on the device named in ``TUNED_DEVICE`` (see benchmarks/NOTES.md); other devices and untuned shapes use ``heuristic``.
 """
 
 from __future__ import annotations
