@@ -176,7 +176,8 @@ def _interpreter_main() -> None:
         r = tl.arange(0, 256)
         tl.store(o_ptr + r, _scale_word(tl.load(s_ptr + r), FMT))
 
-    for fid, fmt in enumerate(FP4):
+    for fmt in FP4:
+        fid = qk._fp4_id(FORMATS[fmt])  # the kernels' FMT constant, from the format's scale type
         sb = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         words = torch.zeros(256, dtype=torch.int32)
         scale_word_kernel[(1,)](sb, words, fid)
