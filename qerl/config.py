@@ -392,7 +392,7 @@ def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
     """Check every value: types and ranges declared on the fields, registries of the modules that own them,
     and the constraints between values. Raises ``ConfigError`` naming the key, the value and what is valid.
     ``read_files``: also read every row of the user's data files (``data.path``, ``jsonl:<file>`` eval sets)."""
-    from qerl import aqn, data, rewards, quant
+    from qerl import aqn, data, quant, rewards
     from qerl.algos import AGGREGATIONS
 
     _check_fields(cfg)

@@ -7,8 +7,8 @@ import torch
 from conftest import perturb_lora_b
 
 from qerl.lora import LoraSpec, packed_state
-from qerl.quant import FORMATS
 from qerl.model import load_policy
+from qerl.quant import FORMATS
 from qerl.rollout import Sampler
 from qerl.train import completion_logprobs
 
