@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qerl.errors import UserError
+from qerl.quant import FORMATS
 
 SCALES = ("smoke", "toy", "small", "paper")
 
@@ -48,7 +49,7 @@ LR = {
 SEEDS = {"smoke": (0,), "toy": (0, 1, 2), "small": (0, 1, 2), "paper": (0,)}
 PAPER_MODELS = {"3b": "Qwen2.5-3B-Instruct", "7b": "Qwen2.5-7B-Instruct", "14b": "Qwen2.5-14B-Instruct",
                 "32b": "Qwen2.5-32B-Instruct"}
-WEIGHTS = {"bf16": "BF16", "nf4": "NF4", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
+WEIGHTS = {name: f.label for name, f in FORMATS.items()}  # format -> the label tables and figures show
 
 #: What a row runs: name -> "module:function", a function of the row's TrainConfig. Import paths, not functions,
 #: so nothing heavy is imported until a row runs, and a worker process can import the function by itself.
@@ -90,9 +91,10 @@ class Row:
                 f"seed={seed}", *self.overrides, *tags, *extra]
 
 
-def method_rows(model_key: str, scale: str, formats=("bf16", "nf4", "mxfp4", "nvfp4"), full: bool = True,
-                aqn: bool = True, base: tuple[str, ...] = ("bf16", "nf4", "mxfp4", "nvfp4")) -> list[Row]:
-    """The rows of Tables 1/2 for one model: untrained bases, Full, LoRA per format, NVFP4 + AQN."""
+def method_rows(model_key: str, scale: str, formats: tuple[str, ...] = tuple(FORMATS), full: bool = True,
+                aqn: bool = True, base: tuple[str, ...] = tuple(FORMATS)) -> list[Row]:
+    """The rows of Tables 1/2 for one model: untrained bases, Full, LoRA per format, NVFP4 + AQN. By default every
+    registered format (the paper's four and any added since, e.g. INT4) gets a base row and a LoRA row."""
     lr = LR[scale]
     paper = PAPER_MODELS[model_key]
     rows = [Row(f"{model_key}-{f}-base", (f"quant={f}",),

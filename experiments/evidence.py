@@ -198,9 +198,10 @@ def run_entropy(cfg) -> dict:
     import torch
 
     from qerl import data, rewards
+    from qerl.devices import resolve_device
+    from qerl.model import build_policy
     from qerl.results import RunWriter, atomic_write_text
     from qerl.rollout import Sampler, seed_for
-    from qerl.train import build_policy, resolve_device
 
     p = PROTOCOLS.get(cfg.scale, PROTOCOLS["small"])
     n_prompts, n_samples = int(cfg.tags.get("n_prompts", p.n_prompts)), int(cfg.tags.get("n_samples", p.n_samples))

@@ -195,10 +195,10 @@ Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1
 The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
 2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).
 {step_table(root)}
-## Decoder linears at decode size: the CUDA mma GEMV (`python -m qerl.kernels.cuda_bench`)
+## Decoder linears at decode size: the CUDA mma GEMV (`python -m benchmarks.cuda_bench`)
 The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
 {cuda}
-## Decoder linears per layer, all M (Triton kernels; `python -m qerl.kernels.bench`, before the CUDA GEMV)
+## Decoder linears per layer, all M (Triton kernels; `python -m benchmarks.kernel_bench`, before the CUDA GEMV)
 {layers}
 """
     return md
@@ -280,7 +280,7 @@ def main(argv=None) -> None:
         for args in STAGES[stage]:
             subprocess.run([sys.executable, "-m", "qerl.bench", *args, "--out", str(root)], check=False, env=env)
         if stage == "core":  # the decode-size kernels: BF16 vs Triton vs the CUDA mma GEMV, one run
-            subprocess.run([sys.executable, "-m", "qerl.kernels.cuda_bench", "--out", str(root)], check=False, env=env)
+            subprocess.run([sys.executable, "-m", "benchmarks.cuda_bench", "--out", str(root)], check=False, env=env)
     md = render(root)
     from qerl.results import atomic_write_text
 

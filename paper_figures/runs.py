@@ -27,7 +27,6 @@ import pandas as pd
 from qerl.results import load_metrics, load_runs
 
 KEYS = ("paper_model", "weights", "training", "aqn")
-WEIGHTS = ("BF16", "NF4", "MXFP4", "NVFP4")
 _NO_RUNS_COLUMNS = ["run_dir"]
 
 

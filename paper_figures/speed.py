@@ -212,7 +212,7 @@ def speed_layers(root="results", out_dir=None) -> list[Path]:
     df = pd.concat([d for _, d in found], ignore_index=True)
     df["model"] = df["model"].map(model_size) if "model" in df else ""
     df["weights"] = df["weights"].astype(str).str.upper() if "weights" in df else "?"
-    if "us" in df and "linear" in df:  # qerl.kernels.bench rows: one per linear -> decoder-layer sums
+    if "us" in df and "linear" in df:  # benchmarks.kernel_bench rows: one per linear -> decoder-layer sums
         keys = ["model", "weights", "m"] + (["direction"] if "direction" in df else [])
         lay = df.groupby(keys, as_index=False)["us"].sum()
         bf = lay[lay["weights"] == "BF16"].drop(columns="weights").rename(columns={"us": "bf16_us"})

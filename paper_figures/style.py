@@ -9,8 +9,11 @@ from pathlib import Path
 import seaborn as sns
 from matplotlib.figure import Figure
 
-# One colour per base format; full fine-tuning (BF16 weights, no LoRA) gets its own.
-FORMAT_COLORS = {"BF16": "#1f77b4", "NF4": "#ff7f0e", "MXFP4": "#9467bd", "NVFP4": "#2ca02c", "Full": "#404040"}
+# One colour per base format; full fine-tuning (BF16 weights, no LoRA) gets its own. The formats own their label and
+# colour (``qerl.quant.FORMATS[name].label / .color``); paper_figures imports no torch, so this is their copy, kept
+# equal to the registry by tests/test_layering.py (a new format adds its line here).
+FORMAT_COLORS = {"BF16": "#1f77b4", "NF4": "#ff7f0e", "MXFP4": "#9467bd", "NVFP4": "#2ca02c", "INT4": "#8c564b",
+                 "Full": "#404040"}
 # The paper's method names map onto formats: LoRA = BF16 base, QLoRA = NF4 base, QeRL = NVFP4 base (+AQN).
 METHOD_FORMAT = {"LoRA": "BF16", "QLoRA": "NF4", "QeRL": "NVFP4", "Full": "Full"}
 # AQN on/off: the same colour (the format), a different dash pattern.
@@ -18,7 +21,7 @@ AQN_DASHES = {"AQN off": "", "AQN on": (5, 2)}
 AQN_LINESTYLE = {False: "-", True: "--"}
 SCHEDULE_COLORS = {"exponential": "#d62728", "linear": "#1f77b4", "cosine": "#2ca02c", "logarithmic": "#9467bd",
                    "none": "#7f7f7f"}
-FORMAT_ORDER = ["Full", "BF16", "NF4", "MXFP4", "NVFP4"]
+FORMAT_ORDER = ["Full", "BF16", "NF4", "MXFP4", "NVFP4", "INT4"]
 
 
 def format_color(weights: str | None, full: bool = False) -> str:

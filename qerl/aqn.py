@@ -28,6 +28,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from qerl.arch import BLOCK_NORMS  # the per-block norms AQN perturbs (also read as aqn.BLOCK_NORMS)
+
 # ---------------------------------------------------------------------------------------------------------------------
 # schedules
 
@@ -122,9 +124,6 @@ def sigma_at(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # targets
-
-BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
-
 
 def _is_rmsnorm(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)

@@ -4,7 +4,7 @@
     python -m qerl.bench rollout --models 7b,14b --formats bf16,nf4,nvfp4 --batch 2,8 --prompt 256 --new 2048 \
                                  --ranks 32 [--rank-sweep 16,32,64]
     python -m qerl.bench step    --models 7b --formats bf16,nf4,nvfp4 --batch 8 --gc both --steps 3
-    python -m qerl.bench layers  ...   (per-layer kernels: qerl.kernels.bench)
+    python -m qerl.bench layers  ...   (per-layer kernels: benchmarks.kernel_bench)
 
 Models are the ``preset:qwen2.5-*`` shape presets (random weights, exact Qwen2.5-*-Instruct shapes): speed does
 not depend on the values, and nothing is downloaded. Methods are named as in the paper: LoRA = BF16 base +
@@ -28,10 +28,17 @@ import torch
 
 from qerl.lora import LoraSpec, lora_inference_cache, resident_weight_bytes
 from qerl.model import load_policy
+from qerl.quant import FORMATS, get_format
 from qerl.results import atomic_write_text, environment
 from qerl.rollout import Sampler
 
-METHOD = {"bf16": "LoRA", "nf4": "QLoRA", "nvfp4": "QeRL", "mxfp4": "MXFP4-LoRA"}
+#: The paper's method names of its three formats; any other format is "<label>-LoRA" (MXFP4-LoRA, INT4-LoRA).
+PAPER_METHOD = {"bf16": "LoRA", "nf4": "QLoRA", "nvfp4": "QeRL"}
+
+
+def method_name(fmt: str) -> str:
+    """The method a format's rows are reported under (the paper's name where it has one)."""
+    return PAPER_METHOD.get(fmt) or f"{get_format(fmt).label}-LoRA"
 PAPER_NAME = {"3b": "Qwen2.5-3B-Instruct", "7b": "Qwen2.5-7B-Instruct", "14b": "Qwen2.5-14B-Instruct",
               "32b": "Qwen2.5-32B-Instruct", "0.5b": "Qwen2.5-0.5B-Instruct", "1.5b": "Qwen2.5-1.5B-Instruct"}
 
@@ -86,7 +93,7 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
             _free()
             policy, _ = _policy(m, f, 32, device)
             b = resident_weight_bytes(policy)
-            rows.append(dict(bench="memory", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+            rows.append(dict(bench="memory", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
                              quantized_linears_gb=b["quantized_base"] / 1e9, other_frozen_gb=b["other_frozen"] / 1e9,
                              lora_gb=b["trainable"] / 1e9, model_size_gb=(b["quantized_base"] + b["other_frozen"]) / 1e9,
                              cuda_allocated_gb=torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None,
@@ -113,7 +120,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                 try:
                     policy, tok = _policy(m, f, r, device)
                 except torch.OutOfMemoryError as e:
-                    rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                    rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
                                      lora_rank=r, status=f"OOM at load: {e}"[:200], **_env()))
                     if sink:
                         sink(rows[-1])
@@ -138,7 +145,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                                 best = (tps, st)
                         tps, st = best
                         rows.append(dict(
-                            bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(), lora_rank=r,
+                            bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label, lora_rank=r,
                             batch_size=b, decode="fused" if st.get("fused_decode") else "unfused", prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
                             decode_tokens_per_s=b * (st["decode_steps"] - 1) / max(st["decode_s"], 1e-9),
                             prefill_s=st["prefill_s"], rollout_s=st["rollout_s"], generated_tokens=st["generated_tokens"],
@@ -147,7 +154,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                             peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
                             status="ok", **_env()))
                     except torch.OutOfMemoryError as e:
-                        rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                        rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
                                          lora_rank=r, batch_size=b, decode=dec, status=f"OOM: {e}"[:200], **_env()))
                     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                            if k in ("model", "method", "lora_rank", "batch_size", "decode", "tokens_per_s", "status",
@@ -192,7 +199,7 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
                     keep = metrics[1:] if len(metrics) > 1 else metrics  # step 1 includes graph capture
                     def mean(k, keep=keep):
                         return sum(r.get(k, 0.0) for r in keep) / len(keep) if keep else None
-                    rows.append(dict(bench="step", model=PAPER_NAME.get(m, m), method=METHOD[f], weights=f.upper(),
+                    rows.append(dict(bench="step", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
                                      batch_size=b, gc=use_gc, prompt_len="toy task (~60 tokens)",
                                      new_tokens=new_tokens,
                                      steps=len(metrics), step_s=mean("time_step_s"), rollout_s=mean("time_rollout_s"),
@@ -260,7 +267,7 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
                 print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
                       f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
                 for k, (us, n) in sorted(per.items(), key=lambda kv_: -kv_[1][0]):
-                    rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=f.upper(), batch_size=b,
+                    rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=get_format(f).label, batch_size=b,
                                      decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
                                      kernel=k[:120], kernel_us=us, calls=n, **_env()))
                     if us > 0.01 * total:
@@ -291,7 +298,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["memory", "rollout", "step", "layers", "profile"])
     p.add_argument("--models", default="7b")
-    p.add_argument("--formats", default="bf16,nf4,mxfp4,nvfp4")
+    p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--batch", default="2,8")
     p.add_argument("--ranks", default="32")
     p.add_argument("--prompt", type=int, default=256)
@@ -307,7 +314,7 @@ def main(argv=None) -> None:
                         "OOMed at load on 80 GB (memory the first left cached); auto = yes on CUDA")
     a, rest = p.parse_known_args(argv)
     if a.what == "layers":
-        from qerl.kernels import bench as kb
+        from benchmarks import kernel_bench as kb
 
         return kb.main(rest)
     models, fmts = a.models.split(","), a.formats.split(",")

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from qerl.arch import DEFAULT_TARGETS
 from qerl.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -93,7 +94,8 @@ class ModelCfg:
 @dataclass(frozen=True)
 class QuantCfg:
     format: str = "bf16"
-    scale_rule: str | None = None
+    options: dict = field(default_factory=dict)  # the format's constructor arguments (mxfp4: scale_rule), set in
+                                                 # its YAML; checked against the format by ``validate``
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class LoraCfg:
     rank: int = num(32, 0)
     alpha: float = num(32.0, 0)
     dropout: float = num(0.0, **UNIT)
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets: tuple[str, ...] = DEFAULT_TARGETS
     train_norms: bool = False
 
 
@@ -263,7 +265,7 @@ def _plain(x):
     return x
 
 
-_FREE = {"tags", "choices"}  # plain dicts, not dataclasses
+_FREE = {"tags", "choices", "options"}  # plain dicts, not dataclasses
 
 
 def _section(name: str):
@@ -390,21 +392,17 @@ def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
     """Check every value: types and ranges declared on the fields, registries of the modules that own them,
     and the constraints between values. Raises ``ConfigError`` naming the key, the value and what is valid.
     ``read_files``: also read every row of the user's data files (``data.path``, ``jsonl:<file>`` eval sets)."""
-    from qerl import aqn, data, rewards
+    from qerl import aqn, data, quant, rewards
     from qerl.algos import AGGREGATIONS
-    from qerl.lora import DEFAULT_TARGETS
-    from qerl.quant import FORMATS
 
     _check_fields(cfg)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device):
         _check("device", cfg.device, DEVICES)
-    _check("quant.format", cfg.quant.format, FORMATS)
-    if cfg.quant.scale_rule is not None:
-        from qerl.quant.mxfp4 import SCALE_RULES
-
-        if cfg.quant.format != "mxfp4":
-            raise ConfigError(f"quant.scale_rule applies to mxfp4 only (quant.format={cfg.quant.format!r})")
-        _check("quant.scale_rule", cfg.quant.scale_rule, SCALE_RULES)
+    _check("quant.format", cfg.quant.format, quant.FORMATS)
+    try:
+        quant.build(cfg.quant.format, cfg.quant.options)  # the format's constructor checks its own options
+    except UserError as e:
+        raise ConfigError(f"quant.options={cfg.quant.options!r}: {e}") from None
     _check("algo.loss_agg", cfg.algo.loss_agg, AGGREGATIONS)
     _check("aqn.schedule", cfg.aqn.schedule, aqn.SCHEDULES)
     _check("aqn.mode", cfg.aqn.mode, aqn.SIGMA_MODES)
@@ -530,4 +528,16 @@ def load_config(overrides: Sequence[str] = ()) -> TrainConfig:
 def from_dict(data: dict, read_files: bool = False) -> TrainConfig:
     """Rebuild a ``TrainConfig`` from ``to_dict()`` output (e.g. a run's config.yaml). The user's data files are
     not read unless asked: re-evaluating a run must not need its training file (callers check what they load)."""
-    return validate(_build(TrainConfig, dict(data), ""), read_files)
+    return validate(_build(TrainConfig, _upgrade(dict(data)), ""), read_files)
+
+
+def _upgrade(data: dict) -> dict:
+    """A config written before formats took their options as a mapping: ``quant.scale_rule`` (null or an mxfp4
+    rule) becomes ``quant.options.scale_rule``, so older run directories still load."""
+    q = data.get("quant")
+    if isinstance(q, dict) and "scale_rule" in q:
+        q = dict(q)
+        rule = q.pop("scale_rule")
+        q["options"] = dict(q.get("options") or {}, **({"scale_rule": rule} if rule is not None else {}))
+        data["quant"] = q
+    return data

@@ -1,7 +1,7 @@
 """Fused projections for the sampler: q|k|v and gate|up as one packed matmul each, LoRA included.
 
 vLLM and llm-compressor treat q/k/v and gate/up as one linear each (one NVFP4 global scale per group,
-``qerl.model.FUSED_GROUPS``). qerl keeps one ``QuantLoRALinear`` per projection (the training graph, PEFT
+``qerl.arch.FUSED_GROUPS``). qerl keeps one ``QuantLoRALinear`` per projection (the training graph, PEFT
 adapters and compressed-tensors checkpoints are per projection) but, at load time,
 :func:`fuse_projection_storage` places each group's packed tensors in one buffer, row block after row block,
 and leaves every module a view of its block. Nothing is copied twice and every module works as before; the
@@ -12,8 +12,8 @@ sampler's decode step (``qerl.rollout``) then reads a group as one weight:
 * :class:`FusedLinear` runs ``qmm`` once over the group, then its LoRA as ``x·[A_q;A_k;A_v]ᵀ`` and one
   ``addmm_`` with the block-diagonal, pre-scaled ``Bᵀ``: 3 launches instead of 3 per projection.
 
-Formats whose packing is per tensor (NF4: bitsandbytes' nested absmax blocks) are not concatenated; their
-``FusedLinear`` calls the modules one by one and concatenates the outputs.
+Formats whose packing is per tensor (``fmt.fusable`` False: NF4's nested absmax blocks, INT4's ``weight_shape``)
+are not concatenated; their ``FusedLinear`` calls the modules one by one and concatenates the outputs.
 """
 
 from __future__ import annotations
@@ -21,22 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qerl import kernels
+from qerl.arch import FUSED_GROUPS
 from qerl.kernels.fused import lora_a
 from qerl.lora import QuantLoRALinear
-
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
-_PARENTS = {"qkv": "self_attn", "gate_up": "mlp"}
-
-
-def _fusable_format(fmt: str) -> bool:
-    return fmt in ("bf16", "nvfp4", "mxfp4") or fmt.startswith("mxfp4-")
 
 
 def _row_tensors(mods: list[QuantLoRALinear]) -> tuple[list[str], list[str]] | None:
     """(names stacked by rows, names shared by value) of the group's packed tensors, or None if unfusable."""
     m0 = mods[0]
-    if not _fusable_format(m0.fmt) or any(m.fmt != m0.fmt or m._qnames != m0._qnames or
+    if not m0.fmt.fusable or any(m.fmt != m0.fmt or m._qnames != m0._qnames or
                                           m.in_features != m0.in_features for m in mods):
         return None
     rows, shared = [], []
@@ -66,7 +59,7 @@ def fuse_projection_storage(model: nn.Module) -> int:
     module keeps a view of its rows). Values are unchanged. Returns the number of groups fused."""
     fused = 0
     for parent in model.modules():
-        for names in GROUPS.values():
+        for _, names in FUSED_GROUPS.values():
             mods = [getattr(parent, n, None) for n in names]
             if not all(isinstance(m, QuantLoRALinear) for m in mods):
                 continue
@@ -174,7 +167,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: (M, K) -> (M, sum N)
         if self.q is None:
             return torch.cat([m(x) for m in self.mods], dim=-1)
-        y = kernels.qmm(x, self.fmt, self.q)
+        y = self.fmt.linear(x, self.q)
         if self.A is not None:
             y.addmm_(lora_a(x, self.A), self.Bt)
         if self.bias is not None and not self.defer_bias:
@@ -190,8 +183,8 @@ def build_decode_plan(model: nn.Module) -> list[dict[str, FusedLinear]] | None:
     plan = []
     for layer in model.model.layers:
         entry = {}
-        for key, names in GROUPS.items():
-            parent = getattr(layer, _PARENTS[key])
+        for key, (parent_name, names) in FUSED_GROUPS.items():
+            parent = getattr(layer, parent_name)
             mods = [getattr(parent, n, None) for n in names]
             if not all(isinstance(m, QuantLoRALinear) for m in mods):
                 return None

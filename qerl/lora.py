@@ -3,8 +3,9 @@
     y = x Ŵᵀ + b + (α/r) · dropout(x) Aᵀ Bᵀ        Ŵ = dequantize(packed), A: (r, K), B: (N, r)
 
 The base is stored only in its packed format (compressed-tensors / bitsandbytes tensors registered as
-buffers, so a state dict carries the checkpoint names). Ŵ is rebuilt inside every forward by
-``qerl.kernels.qmm`` and again in the backward by ``qerl.kernels.qmm_t`` (grad_input = grad_out · Ŵ):
+buffers, so a state dict carries the checkpoint names) beside the format object that owns it (``self.fmt``).
+Ŵ is rebuilt inside every forward by ``fmt.linear`` and again in the backward by ``fmt.linear_t``
+(grad_input = grad_out · Ŵ; the fast kernels of ``qerl.kernels`` are registered with their formats on import):
 no BF16 copy of a quantized weight outlives the matmul that needs it. The official QeRL code keeps the
 forward's dequantized weight alive for the backward, which costs a full BF16 copy per layer in flight.
 
@@ -22,14 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl import kernels
+import qerl.kernels  # noqa: F401  (registers the fast paths with the formats that own them)
+from qerl.arch import BLOCK_NORMS, DEFAULT_TARGETS
 from qerl.kernels.fused import lora_a
-from qerl.quant import get_format
-
-#: The seven projections QeRL adapts (paper Sec. 4.1; official `target_modules`).
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: The per-block RMSNorms the official scripts train with ``--ln True`` (and that AQN perturbs).
-BLOCK_NORMS = ("input_layernorm", "post_attention_layernorm")
+from qerl.quant import QuantFormat, get_format
 
 
 @dataclass(frozen=True)
@@ -61,29 +58,31 @@ class _FrozenBaseMatmul(torch.autograd.Function):
     """x Ŵᵀ with Ŵ frozen and rebuilt from packed storage in the forward and again in the backward."""
 
     @staticmethod
-    def forward(ctx, x, fmt: str, q: Mapping[str, torch.Tensor]):
+    def forward(ctx, x, fmt: QuantFormat, q: Mapping[str, torch.Tensor]):
         ctx.fmt, ctx.q = fmt, q  # references to the module's buffers: nothing new is kept alive
-        return kernels.qmm(x, fmt, q)
+        return fmt.linear(x, q)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x = kernels.qmm_t(grad_out, ctx.fmt, ctx.q) if ctx.needs_input_grad[0] else None
+        grad_x = ctx.fmt.linear_t(grad_out, ctx.q) if ctx.needs_input_grad[0] else None
         return grad_x, None, None
 
 
 class QuantLoRALinear(nn.Module):
-    """Frozen packed base (any of ``qerl.quant.FORMATS``) + trainable LoRA A/B.
+    """Frozen packed base (any format of ``qerl.quant.FORMATS``, or one built with options) + trainable LoRA A/B.
+
+    ``fmt`` is the format object (a registered name is looked up); the module calls it for every matmul.
 
     ``rank=0`` (``lora=None``) gives a frozen quantized linear with no adapter (base-model evaluation).
     LoRA weights are kept in ``lora_dtype`` (fp32 by default, as PEFT's k-bit preparation does) and cast to
     the activation dtype in the forward.
     """
 
-    def __init__(self, fmt: str, q: Mapping[str, torch.Tensor], in_features: int, out_features: int,
+    def __init__(self, fmt: QuantFormat | str, q: Mapping[str, torch.Tensor], in_features: int, out_features: int,
                  bias: torch.Tensor | None = None, lora: LoraSpec | None = None,
                  lora_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.fmt = get_format(fmt).name
+        self.fmt = get_format(fmt)
         self.in_features, self.out_features = in_features, out_features
         self._qnames = tuple(q)
         for name, t in q.items():
@@ -111,7 +110,7 @@ class QuantLoRALinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Ŵ as a dense (N, K) tensor (for export and tests; the forward never keeps it)."""
-        return get_format(self.fmt).dequantize(self.packed, dtype)
+        return self.fmt.dequantize(self.packed, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., K) -> (..., N)
         if self._lora_cache is not None and not torch.is_grad_enabled():
@@ -127,7 +126,7 @@ class QuantLoRALinear(nn.Module):
     def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
         """Rollout path (no grad, inside ``lora_inference_cache``): fewer kernels per call, same function —
         bias added in place, LoRA as x·Aᵀ then one in-place addmm with the pre-scaled, pre-cast (α/r)·Bᵀ."""
-        y = kernels.qmm(x, self.fmt, self.packed)                            # (..., N)
+        y = self.fmt.linear(x, self.packed)                                  # (..., N)
         if self.bias is not None:
             y.add_(self.bias.to(y.dtype))
         if self.rank:
@@ -139,7 +138,7 @@ class QuantLoRALinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt.name}, "
                 f"rank={self.rank}, scaling={self.scaling:g}, bias={self.bias is not None}")
 
 
@@ -178,7 +177,7 @@ def target_linear_names(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGE
     return names
 
 
-def quantize_linear(linear: nn.Linear, fmt: str, lora: LoraSpec | None,
+def quantize_linear(linear: nn.Linear, fmt: QuantFormat | str, lora: LoraSpec | None,
                     lora_dtype: torch.dtype = torch.float32) -> QuantLoRALinear:
     """Round-to-nearest quantize one ``nn.Linear`` into a ``QuantLoRALinear`` on the same device."""
     f = get_format(fmt)
@@ -186,10 +185,10 @@ def quantize_linear(linear: nn.Linear, fmt: str, lora: LoraSpec | None,
     f.check_shape(n, k)
     with torch.no_grad():
         q = f.quantize(linear.weight.detach())
-    return QuantLoRALinear(fmt, q, k, n, linear.bias, lora, lora_dtype)
+    return QuantLoRALinear(f, q, k, n, linear.bias, lora, lora_dtype)
 
 
-def swap_linears(model: nn.Module, fmt: str, lora: LoraSpec | None, train_norms: bool = False,
+def swap_linears(model: nn.Module, fmt: QuantFormat | str, lora: LoraSpec | None, train_norms: bool = False,
                  targets: Iterable[str] | None = None, lora_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Replace the target linears of a Qwen2/Llama causal LM by ``QuantLoRALinear`` (in place).
 

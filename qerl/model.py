@@ -32,10 +32,11 @@ import torch
 from torch import nn
 
 from qerl import gguf_file
+from qerl.arch import DEFAULT_TARGETS, FUSED_GROUPS
+from qerl.devices import resolve_device
 from qerl.errors import UserError
 from qerl.fastdecode import fuse_projection_storage
 from qerl.lora import (
-    DEFAULT_TARGETS,
     LoraSpec,
     QuantLoRALinear,
     _set_module,
@@ -43,7 +44,7 @@ from qerl.lora import (
     lora_modules,
     target_linear_names,
 )
-from qerl.quant import NonFiniteWeightError, get_format
+from qerl.quant import NonFiniteWeightError, QuantFormat, get_format
 from qerl.quant import checkpoint as ct
 
 # Exact Qwen2.5-*-Instruct shapes (config.json of each hub repo).
@@ -88,7 +89,7 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device("auto")
 
 
 # --------------------------------------------------------------------------------------------- sources
@@ -256,22 +257,6 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor, dtype: torch.d
     setattr(mod, attr, nn.Parameter(value.to(dtype), requires_grad=False))
 
 
-# Linears that share one input in vLLM / llm-compressor (fused qkv and gate_up): NVFP4 gives them one global scale.
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def make_format(fmt: str, options: dict | None = None):
-    """The format handler, with quantize-time options (e.g. ``{"scale_rule": "floor"}`` for mxfp4)."""
-    opts = {k: v for k, v in (options or {}).items() if v is not None}
-    if not opts:
-        return get_format(fmt)
-    if fmt == "mxfp4":
-        from qerl.quant.mxfp4 import MXFP4Format
-
-        return MXFP4Format(**opts)
-    raise ValueError(f"quantization options {sorted(opts)} do not apply to {fmt!r} (only mxfp4 takes scale_rule)")
-
-
 @contextlib.contextmanager
 def _naming_nonfinite(named: dict[str, torch.Tensor]):
     """Re-raise a NonFiniteWeightError from quantizing ``named`` tensors with the name of the (first) bad one.
@@ -287,10 +272,8 @@ def _naming_nonfinite(named: dict[str, torch.Tensor]):
         raise NonFiniteWeightError(e.fmt, e.n_inf, e.n_nan, " / ".join(named)) from None  # overflowed the format
 
 
-def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: LoraSpec | None,
-          targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, lora_dtype: torch.dtype,
-          quant_options: dict | None = None) -> None:
-    f = make_format(fmt, quant_options)
+def _fill(model: nn.Module, src: _Source, f: QuantFormat, ckpt_fmt: str | None, lora: LoraSpec | None,
+          targets: tuple[str, ...], device: torch.device, dtype: torch.dtype, lora_dtype: torch.dtype) -> None:
     names = target_linear_names(model, targets)
     by_parent: dict[str, list[str]] = {}
     for name in names:
@@ -303,12 +286,12 @@ def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: 
                 meta = model.get_submodule(name)
                 f.check_shape(meta.out_features, meta.in_features)
                 dense[name] = src.get(f"{name}.weight").to(device)
-            if fmt == "nvfp4":  # llm-compressor's fused global scales (qkv, gate_up), as vLLM reads them
-                for group in FUSED_GROUPS:
+            if getattr(f, "global_scale", None) is not None:  # a per-tensor scale (NVFP4): llm-compressor
+                for _, group in FUSED_GROUPS.values():       # shares it over q|k|v and gate|up, as vLLM reads it
                     grp = [f"{parent}.{g}" for g in group if f"{parent}.{g}" in dense]
                     if len(grp) > 1:
                         with _naming_nonfinite({f"{m}.weight": dense[m] for m in grp}):
-                            gs = type(f).global_scale(*[dense[m] for m in grp])
+                            gs = f.global_scale(*[dense[m] for m in grp])
                         shared_gs.update({m: gs for m in grp})
         for name in members:
             meta = model.get_submodule(name)
@@ -323,7 +306,7 @@ def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: 
                 with _naming_nonfinite({f"{name}.weight": w}):
                     q = f.quantize(w, global_scale=shared_gs[name]) if name in shared_gs else f.quantize(w)
                 del w
-            _set_module(model, name, QuantLoRALinear(fmt, q, k, n, bias, lora, lora_dtype))
+            _set_module(model, name, QuantLoRALinear(f, q, k, n, bias, lora, lora_dtype))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for pname, p in list(model.named_parameters()):
         if p.device.type != "meta":
@@ -339,6 +322,19 @@ def _fill(model: nn.Module, src: _Source, fmt: str, ckpt_fmt: str | None, lora: 
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"tensors left unloaded: {left[:5]}{'...' if len(left) > 5 else ''}")
+
+
+def build_policy(cfg, device: torch.device, base_only: bool = False):
+    """The policy of a ``TrainConfig`` (``base_only``: the frozen, possibly quantized base with no adapter, for
+    evaluation): the config turned into ``load_policy``'s flat arguments, the format built with its options."""
+    from qerl.quant import build
+
+    lora = None if cfg.full_finetune or base_only else LoraSpec(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
+                                                                cfg.lora.targets)
+    dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    return load_policy(cfg.model.source, build(cfg.quant.format, cfg.quant.options), lora,
+                       cfg.lora.train_norms and not base_only, device, dtype, cfg.model.tokenizer, cfg.seed,
+                       cfg.model.attn_implementation, full_finetune=cfg.full_finetune and not base_only)
 
 
 def load_tokenizer(directory: Path | None, tokenizer: str | None = None):
@@ -357,21 +353,21 @@ def load_tokenizer(directory: Path | None, tokenizer: str | None = None):
     return tok
 
 
-def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec(), train_norms: bool = False,
+def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | None = LoraSpec(), train_norms: bool = False,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                 tokenizer: str | None = None, seed: int = 0, attn_implementation: str = "sdpa",
-                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False,
-                quant_options: dict | None = None):
+                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False):
     """Build a policy and its tokenizer.
 
-    * ``fmt``: one of ``qerl.quant.FORMATS``; for a compressed-tensors checkpoint it must match the checkpoint's.
+    * ``fmt``: a format object (``qerl.quant.build(name, options)``) or the name of one of ``qerl.quant.FORMATS``;
+      for a compressed-tensors checkpoint it must match the checkpoint's.
     * ``lora=None`` with ``full_finetune=False``: a frozen (quantized) model for base-model evaluation.
-    * ``quant_options``: quantize-time options of the format (mxfp4 ``scale_rule``).
     * ``full_finetune=True``: the paper's "Full" baseline — plain ``nn.Linear`` layers, all parameters trainable
       in fp32 (run it under bf16 autocast on GPU); only ``fmt='bf16'``.
     Returns ``(model, tokenizer)``; ``model.qerl`` records how it was built.
     """
-    get_format(fmt)  # validates the name
+    f = get_format(fmt)  # a name is looked up (a UserError lists the valid ones)
+    fmt = f.name
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     kind, obj = resolve_source(source)
@@ -407,7 +403,7 @@ def load_policy(source: str, fmt: str = "bf16", lora: LoraSpec | None = LoraSpec
     if full_finetune:
         _fill_dense(model, src, device)
     else:
-        _fill(model, src, fmt, ckpt_fmt, lora, targets, device, dtype, lora_dtype, quant_options)
+        _fill(model, src, f, ckpt_fmt, lora, targets, device, dtype, lora_dtype)
         fuse_projection_storage(model)  # q|k|v and gate|up packed side by side: one matmul each in decode
         finalize_trainable(model, train_norms)
     model.eval()
@@ -508,11 +504,11 @@ def save_full_model(model: nn.Module, tokenizer, directory: str | Path) -> Path:
 
 
 def save_quantized_base(model: nn.Module, directory: str | Path) -> Path:
-    """Write the quantized base as a compressed-tensors checkpoint (nvfp4/mxfp4), loadable by vLLM/llm-compressor."""
+    """Write the quantized base as a compressed-tensors checkpoint (formats with a ``checkpoint`` scheme: nvfp4,
+    mxfp4, int4), loadable by vLLM/llm-compressor."""
     info = getattr(model, "qerl", {})
     fmt = info.get("fmt")
-    if fmt not in ("nvfp4", "mxfp4"):
-        raise ValueError(f"compressed-tensors export supports nvfp4 and mxfp4, this policy is {fmt!r}")
+    ct.check_exportable(fmt)
     quant = {name: {k: t.detach().cpu() for k, t in m.packed.items()} for name, m in lora_modules(model).items()}
     qnames = {f"{n}.{k}" for n, d in quant.items() for k in d}
     other = {}

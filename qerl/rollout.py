@@ -18,7 +18,6 @@ Works for Qwen2 and Llama decoder layouts (``model.model.layers[i].self_attn.{q,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import time
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qerl.devices import autocast_for
 from qerl.fastdecode import build_decode_plan
 from qerl.kernels import fused as fk
 from qerl.lora import lora_inference_cache
@@ -175,14 +175,11 @@ class Sampler:
         return torch.bfloat16 if (w.dtype == torch.float32 and self.device.type == "cuda") else w.dtype
 
     def _autocast(self):
-        w = self.model.get_input_embeddings().weight
-        if w.dtype == torch.float32 and self.device.type == "cuda":  # full fine-tuning keeps fp32 masters
-            # cache_enabled=False: with the cast cache on, a CUDA graph captured after the warm-up step reuses the
-            # warm-up's bf16 weight copies instead of capturing the casts, and replays read those copies' memory
-            # after the autocast context has freed it (the H100 bf16-full runs sampled 2-token garbage on most
-            # steps). PyTorch's CUDA-graph notes require cache_enabled=False under capture.
-            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
-        return contextlib.nullcontext()
+        # full fine-tuning keeps fp32 masters. cache_enabled=False: with the cast cache on, a CUDA graph captured
+        # after the warm-up step reuses the warm-up's bf16 weight copies instead of capturing the casts, and replays
+        # read those copies' memory after the autocast context has freed it (the H100 bf16-full runs sampled
+        # 2-token garbage on most steps). PyTorch's CUDA-graph notes require cache_enabled=False under capture.
+        return autocast_for(self.model, self.device, cache_enabled=False)
 
     def _norm(self, mod, h):
         """RMSNorm of the policy's module, fused (F.rms_norm) when nothing hooks it (AQN per_forward does)."""

@@ -30,31 +30,12 @@ from torch.utils.checkpoint import checkpoint
 
 from qerl import algos, aqn, data, rewards
 from qerl.config import TrainConfig, load_config
+from qerl.devices import autocast_for, resolve_device
 from qerl.errors import UserError
-from qerl.lora import LoraSpec, lora_modules, trainable_parameters
-from qerl.model import load_policy, save_adapter, save_full_model
+from qerl.lora import lora_modules, trainable_parameters
+from qerl.model import build_policy, save_adapter, save_full_model
 from qerl.results import RunWriter
 from qerl.rollout import Rollout, Sampler, seed_for
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name!r} was asked but CUDA is not available")
-    return dev
-
-
-def build_policy(cfg: TrainConfig, device: torch.device, base_only: bool = False):
-    """The policy of ``cfg`` (``base_only``: the frozen, possibly quantized base with no adapter, for evaluation)."""
-    lora = None if cfg.full_finetune or base_only else LoraSpec(cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout,
-                                                                cfg.lora.targets)
-    dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
-    return load_policy(cfg.model.source, cfg.quant.format, lora, cfg.lora.train_norms and not base_only, device,
-                       dtype, cfg.model.tokenizer, cfg.seed, cfg.model.attn_implementation,
-                       full_finetune=cfg.full_finetune and not base_only,
-                       quant_options={"scale_rule": cfg.quant.scale_rule} if cfg.quant.scale_rule else None)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, total_updates: int):
@@ -106,13 +87,6 @@ class PromptStream:
 
 
 # ------------------------------------------------------------------------------------------------- forward
-def _autocast(policy, device):
-    w = policy.get_input_embeddings().weight
-    if device.type == "cuda" and w.dtype == torch.float32:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def completion_logprobs(policy, ro: Rollout, rows: slice | torch.Tensor, temperature: float, with_entropy: bool,
                         chunk_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher-forced log π(o_t | q, o_<t) (and entropy) of completions ``rows`` under the training policy.
@@ -333,7 +307,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
     adv = algos.group_advantages(r, G, a.adv_std_norm, a.adv_eps)                      # (N,)
     micro = cfg.train.micro_batch
     temp = cfg.rollout.temperature
-    ac = _autocast(policy, device)
+    ac = autocast_for(policy, device)
 
     policy.train()
     with torch.no_grad(), ac:  # π_old, training-policy entropy, reference log-probs

@@ -22,7 +22,7 @@ core)
   $B memory --models 7b --formats bf16,nf4,mxfp4,nvfp4 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
   $B rollout --models 7b --formats nvfp4,bf16,mxfp4,nf4 --batch 8,2 --decode fused,unfused --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
   $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,unfused --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
-  python3 -m qerl.kernels.cuda_bench --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
+  python3 -m benchmarks.cuda_bench --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
 step)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats nvfp4,bf16,mxfp4,nf4 --batch 8 --gc both --steps 2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"

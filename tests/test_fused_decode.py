@@ -17,6 +17,7 @@ from qerl.fastdecode import FusedLinear, build_decode_plan, concat_rows, fuse_pr
 from qerl.kernels import fused as fk
 from qerl.lora import LoraSpec, lora_inference_cache, swap_linears
 from qerl.model import load_policy
+from qerl.quant import FORMATS
 from qerl.rollout import Sampler
 from qerl.train import completion_logprobs
 
@@ -179,7 +180,7 @@ def test_fused_kernels_compile_for_sm90():
 
 # ------------------------------------------------------------------------------------------ fused storage
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if FORMATS[f].fusable and 64 % (FORMATS[f].block or 1) == 0])
 def test_load_policy_fuses_storage_and_fused_linear_equals_members(fmt):
     torch.manual_seed(0)
     policy, _ = load_policy("preset:tiny", fmt, LoraSpec(rank=4), device="cpu")
@@ -231,7 +232,7 @@ def test_unfusable_groups_fall_back_to_member_calls():
                                                           m.model.layers[0].self_attn.k_proj.weight_global_scale)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nf4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if 64 % (FORMATS[f].block or 1) == 0])
 def test_fused_sampler_matches_teacher_forcing(fmt):
     torch.manual_seed(1)
     policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=4), train_norms=True, device="cpu")
@@ -257,7 +258,7 @@ def test_fused_sampler_matches_teacher_forcing(fmt):
         Sampler(policy, tok, 64, fused="yes")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if FORMATS[f].fusable and 64 % (FORMATS[f].block or 1) == 0])
 def test_fused_sampler_on_a_llama_stack(fmt):
     """Llama layout (no q/k/v bias), quantized by swap_linears: bf16/mxfp4 groups concatenate; nvfp4 per-linear
     global scales do not, so its groups run member by member — both match teacher forcing."""
@@ -326,7 +327,7 @@ def test_gpu_fused_kernels_bf16():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["bf16", "nf4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if 64 % (FORMATS[f].block or 1) == 0])
 def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt):
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from qerl import kernels as qk
 from qerl.kernels import configs
-from qerl.quant import FORMATS
+from qerl.quant import FORMATS, MXFP4Format
 
-FP4 = ("nvfp4", "mxfp4")
+FP4 = tuple(f for f in FORMATS if isinstance(FORMATS[f].kernels, qk.FP4Kernels))  # the Triton family
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -39,17 +39,17 @@ def _weight(n: int, k: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
 
 def test_dispatch_names_and_bad_format():
     x = torch.randn(3, 64)
-    on_cpu = {fmt: qk.backend_for(fmt, x) for fmt in ("bf16", "nf4", "nvfp4", "mxfp4", "mxfp4-floor")}
-    assert on_cpu == {"bf16": "dense", "nf4": "torch_reference", "nvfp4": "torch_reference",
-                      "mxfp4": "torch_reference", "mxfp4-floor": "torch_reference"}
+    on_cpu = {fmt: qk.backend_for(fmt, x) for fmt in FORMATS}
+    assert on_cpu == {f: "dense" if f == "bf16" else "torch_reference" for f in FORMATS}
+    assert qk.backend_for(MXFP4Format(scale_rule="floor"), x) == "torch_reference"  # a format object, options set
     assert not qk.supports("nvfp4", x)
     with pytest.raises(ValueError, match="valid formats"):
-        qk.backend_for("int4", x)
+        qk.backend_for("mxfp4-floor", x)  # options are constructor arguments, not name suffixes
     with pytest.raises(ValueError, match="valid formats"):
         qk.qmm(x, "fp8", {})
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nf4", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_cpu_paths_match_reference(fmt):
     g = torch.Generator().manual_seed(1)
     n, k = 48, 128
@@ -176,7 +176,8 @@ def _interpreter_main() -> None:
         r = tl.arange(0, 256)
         tl.store(o_ptr + r, _scale_word(tl.load(s_ptr + r), FMT))
 
-    for fid, fmt in enumerate(FP4):
+    for fmt in FP4:
+        fid = qk._fp4_id(FORMATS[fmt])  # the kernels' FMT constant, from the format's scale type
         sb = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         words = torch.zeros(256, dtype=torch.int32)
         scale_word_kernel[(1,)](sb, words, fid)
@@ -388,7 +389,7 @@ def test_gpu_nf4_bitsandbytes_and_dtypes():
     gen = torch.Generator().manual_seed(9)
     w = _weight(n, k, gen, "cuda")
     x = torch.randn(3, k, device="cuda")
-    for fmt in ("bf16", "nvfp4", "mxfp4", "nf4"):
+    for fmt in FORMATS:
         if fmt == "nf4":
             pytest.importorskip("bitsandbytes")
         q = FORMATS[fmt].quantize(w.bfloat16() if fmt == "bf16" else w)

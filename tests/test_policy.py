@@ -12,7 +12,7 @@ from qerl.lora import LoraSpec, QuantLoRALinear, lora_modules, packed_state, res
 from qerl.model import load_adapter, load_policy, save_adapter, save_quantized_base
 from qerl.quant import FORMATS
 
-FMTS = ["bf16", "nf4", "mxfp4", "nvfp4"]
+FMTS = [f for f in FORMATS if 64 % (FORMATS[f].block or 1) == 0]  # those the tiny models (K = 64) fit
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -66,7 +66,7 @@ def test_one_step_changes_every_lora_tensor_and_no_packed_byte(fmt):
         assert torch.equal(v, packed_before[k]), f"packed {k} changed"
 
 
-@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("fmt", sorted(FORMATS))  # K = 128: every format fits
 def test_input_gradient_matches_dequantized_dense_linear(fmt):
     """The custom backward (recompute Ŵ, grad_x = g Ŵ) equals autograd through a dense copy of Ŵ."""
     torch.manual_seed(0)
@@ -129,7 +129,7 @@ def test_loaded_bf16_policy_matches_transformers_and_peft_roundtrip(tmp_path):
         torch.testing.assert_close(fresh(input_ids=ids).logits, ours, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", [f for f in FMTS if FORMATS[f].checkpoint is not None])
 def test_compressed_tensors_checkpoint_roundtrip_through_load_policy(tmp_path, fmt):
     base_dir, _ = hf_checkpoint(tmp_path)
     policy, _ = load_policy(str(base_dir), fmt, None, device="cpu")

@@ -37,14 +37,18 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 
-PRESET = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+# Every registered format with a compressed-tensors scheme (nvfp4, mxfp4, int4, and any added later).
+CT_FORMATS_OF_QERL = sorted(n for n, f in FORMATS.items() if f.checkpoint is not None)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model(fmt: str = "nvfp4") -> torch.nn.Module:
+    """A 2-layer Qwen2 whose every K is a multiple of the format's block (hidden 64, or the block when larger)."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    hidden = max(64, FORMATS[fmt].block or 0)
+    cfg = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                                   num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
     # from_config(dtype=...) keeps the rotary buffers in float32, as from_pretrained does
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
@@ -90,12 +94,13 @@ def calibrate_like_llm_compressor(model) -> None:
         mod.quantization_status = QuantizationStatus.FROZEN
 
 
-@pytest.fixture(scope="module", params=["nvfp4", "mxfp4"])
+@pytest.fixture(scope="module", params=CT_FORMATS_OF_QERL)
 def ct_checkpoint(request, tmp_path_factory):
     fmt = request.param
-    model = tiny_model()
+    model = tiny_model(fmt)
     dense = {k: v.clone() for k, v in model.state_dict().items()}
-    qcfg = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(PRESET[fmt], ["Linear"])},
+    preset = FORMATS[fmt].checkpoint.preset
+    qcfg = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
                               ignore=["lm_head"])
     apply_quantization_config(model, qcfg, show_progress=False)
     calibrate_like_llm_compressor(model)
@@ -114,8 +119,8 @@ def load_with_compressed_tensors(directory):
                                                              dtype=torch.bfloat16).eval()
 
 
-def dense_model_from(weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model = tiny_model()
+def dense_model_from(weights: dict[str, torch.Tensor], fmt: str) -> torch.nn.Module:
+    model = tiny_model(fmt)
     model.load_state_dict(weights, strict=True)
     return model
 
@@ -138,10 +143,9 @@ def test_compressed_tensors_checkpoint_reads_back(ct_checkpoint):
     fmt, directory, dense = ct_checkpoint
     f = FORMATS[fmt]
     quant, rest = split_quantized_state_dict(load_safetensors_dir(directory))
-    names = linear_names(tiny_model())
+    names = linear_names(tiny_model(fmt))
     assert sorted(quant) == sorted(names)
-    assert all(sorted(q) == sorted({"nvfp4": ["weight_packed", "weight_scale", "weight_global_scale"],
-                                    "mxfp4": ["weight_packed", "weight_scale"]}[fmt]) for q in quant.values())
+    assert all(sorted(q) == sorted(f.checkpoint.tensors) for q in quant.values())
     assert "lm_head.weight" in rest and "model.layers.0.self_attn.q_proj.bias" in rest
 
     ref = load_with_compressed_tensors(directory)
@@ -159,13 +163,13 @@ def test_compressed_tensors_checkpoint_reads_back(ct_checkpoint):
         for key, t in q.items():
             assert torch.equal(mine[key].view(torch.uint8) if t.element_size() == 1 else mine[key],
                                t.view(torch.uint8) if t.element_size() == 1 else t), (name, key)
-    assert torch.equal(logits(dense_model_from(ours)), logits(ref))
+    assert torch.equal(logits(dense_model_from(ours, fmt)), logits(ref))
 
 
 def test_qerl_checkpoint_loads_in_compressed_tensors(ct_checkpoint, tmp_path):
     fmt, _, _ = ct_checkpoint
     f = FORMATS[fmt]
-    model = tiny_model()
+    model = tiny_model(fmt)
     sd = model.state_dict()
     names = linear_names(model)
     quant = {n: f.quantize(sd[f"{n}.weight"]) for n in names}
@@ -187,7 +191,7 @@ def test_qerl_checkpoint_loads_in_compressed_tensors(ct_checkpoint, tmp_path):
         w_hat = f.dequantize(quant[n], torch.bfloat16)
         assert torch.equal(w_hat.view(torch.int16), ref_sd[f"{n}.weight"].view(torch.int16)), n
         ours[f"{n}.weight"] = w_hat
-    assert torch.equal(logits(dense_model_from(ours)), logits(ref))
+    assert torch.equal(logits(dense_model_from(ours, fmt)), logits(ref))
 
 
 CT_FORMATS = {"W4A16": "pack-quantized", "W8A16": "pack-quantized", "FP8": "float-quantized",
@@ -201,7 +205,6 @@ def _preset_config(preset: str) -> dict:
 
 
 @pytest.mark.parametrize("preset, match", [
-    ("W4A16", r"unsupported compressed-tensors scheme.*num_bits=4, type='int'"),
     ("FP8", r"quantizes activations"),
     ("NVFP4", r"quantizes activations"),
     ("W8A16", r"unsupported compressed-tensors scheme.*num_bits=8"),
@@ -216,6 +219,11 @@ def test_detect_format_other_cases():
     assert detect_format({"model_type": "qwen2", "quantization_config": None}) is None
     assert detect_format(_preset_config("NVFP4A16")) == "nvfp4"
     assert detect_format(_preset_config("MXFP4A16")) == "mxfp4"
+    assert detect_format(_preset_config("W4A16")) == "int4"
+    asym = _preset_config("W4A16")  # the asymmetric variant stores zero points: not INT4 W4A16
+    asym["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    with pytest.raises(ValueError, match=r"unsupported compressed-tensors scheme.*symmetric=False"):
+        detect_format(asym)
     with pytest.raises(ValueError, match="'bitsandbytes'"):
         detect_format({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})
     frozen = _preset_config("NVFP4A16")

@@ -256,8 +256,8 @@ def test_nf4_dynamic_map_matches_bitsandbytes():
 # ------------------------------------------------------------------------------------------ all formats
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_roundtrip_error_within_bounds(fmt):
-    # relative Frobenius error of RTN on N(0, 1): ~0.09 (nvfp4), ~0.11 (mxfp4), ~0.09 (nf4), 0.002 (bf16)
-    bound = {"nvfp4": 0.11, "mxfp4": 0.14, "nf4": 0.11, "bf16": 0.004}[fmt]
+    # relative Frobenius error of RTN on N(0, 1): ~0.09 (nvfp4), ~0.11 (mxfp4), ~0.09 (nf4), ~0.11 (int4), 0.002 (bf16)
+    bound = {"nvfp4": 0.11, "mxfp4": 0.14, "nf4": 0.11, "int4": 0.13, "bf16": 0.004}[fmt]
     w = torch.randn(128, 512, generator=torch.Generator().manual_seed(4))
     f = get_format(fmt)
     for dtype in (torch.bfloat16, torch.float32):
@@ -282,8 +282,11 @@ def test_quantize_keeps_device_and_names():
                 "quant_map": (torch.float32, (16,)), "nested_absmax": (torch.float32, (1,)),
                 "nested_quant_map": (torch.float32, (256,)), "nested_offset": (torch.float32, ()),
                 "weight_shape": (torch.int64, (2,))},
+        "int4": {"weight_packed": (torch.int32, (32, 16)), "weight_scale": (torch.float32, (32, 1)),
+                 "weight_shape": (torch.int64, (2,))},
         "bf16": {"weight": (torch.bfloat16, (32, 128))},
     }
+    assert set(expect) == set(FORMATS)
     for fmt, names in expect.items():
         q = FORMATS[fmt].quantize(w)
         assert {k: (v.dtype, tuple(v.shape)) for k, v in q.items()} == names, fmt
@@ -298,9 +301,10 @@ def test_bits_per_weight():
     nb = n * k // 64
     assert FORMATS["nf4"].bits_per_weight(n, k) == pytest.approx(4 + 8 / 64 + (32 * -(-nb // 256) + 32) / (n * k))
     assert FORMATS["nf4"].bits_per_weight(n, k) == pytest.approx(4.127, abs=1e-3)  # QLoRA's number
+    assert FORMATS["int4"].bits_per_weight(n, k) == pytest.approx(4 + 16 / 128 + 128 / (n * k))
 
 
-@pytest.mark.parametrize("fmt, k", [("nvfp4", 24), ("mxfp4", 48), ("nf4", 96), ("nvfp4", 0)])
+@pytest.mark.parametrize("fmt, k", [("nvfp4", 24), ("mxfp4", 48), ("nf4", 96), ("int4", 64), ("nvfp4", 0)])
 def test_bad_shapes_raise(fmt, k):
     f = get_format(fmt)
     with pytest.raises(ValueError, match=rf"\(8, {k}\).*multiple of the block size {f.block}"):
@@ -313,10 +317,10 @@ def test_bad_shapes_raise(fmt, k):
 
 
 def test_get_format_lists_valid_names():
-    assert set(FORMATS) == {"bf16", "nf4", "mxfp4", "nvfp4"}
+    assert set(FORMATS) == {"bf16", "nf4", "mxfp4", "nvfp4", "int4"}
     assert all(FORMATS[n].name == n for n in FORMATS)
-    assert {n: FORMATS[n].block for n in FORMATS} == {"bf16": None, "nf4": 64, "mxfp4": 32, "nvfp4": 16}
-    with pytest.raises(ValueError, match=r"'fp8'.*\['bf16', 'mxfp4', 'nf4', 'nvfp4'\]"):
+    assert {n: FORMATS[n].block for n in FORMATS} == {"bf16": None, "nf4": 64, "mxfp4": 32, "nvfp4": 16, "int4": 128}
+    with pytest.raises(UserError, match=r"'fp8'.*\['bf16', 'int4', 'mxfp4', 'nf4', 'nvfp4'\]"):
         get_format("fp8")
 
 
@@ -372,7 +376,7 @@ def test_report_runs_small(tmp_path):
     text = report.build_report(rows=8, shapes={"q_proj": (64, 256), "down_proj": (64, 512)})
     table = [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| format")]
     rows = {(c[0], c[1]): c[2:] for c in ([x.strip() for x in ln.strip("|").split("|")] for ln in table)}
-    assert set(rows) == {("bf16", "-"), ("nf4", "-"), ("nvfp4", "-"), ("mxfp4", "ct (default)"),
+    assert set(rows) == {("bf16", "-"), ("nf4", "-"), ("nvfp4", "-"), ("int4", "-"), ("mxfp4", "ct (default)"),
                          ("mxfp4", "floor"), ("mxfp4", "ceil"), ("mxfp4", "rceil")}
     assert [rows[k][0] for k in [("bf16", "-"), ("mxfp4", "floor")]] == ["16.000", "4.250"]
     assert all(float(e) == 0.0 for e in rows[("bf16", "-")][1:])

@@ -1,7 +1,10 @@
-"""Fast matmuls against packed weights: ``qmm`` (x Wᵀ), ``qmm_t`` (g W), ``dequantize_into``.
+"""Fast paths for the formats that own them, registered on import: the FP4 family (NVFP4, MXFP4) shares one
+dispatcher (:class:`FP4Kernels`, given block size and scale type by the format); NF4 calls bitsandbytes
+(:class:`BnbKernels`). ``qerl.quant.base`` calls them from ``fmt.linear`` / ``fmt.linear_t``; a kernel that
+declines an input (CPU, no Triton) returns None and the format runs its reference (dequantize + matmul).
 
-Every format of ``qerl.quant.FORMATS`` goes through the same three functions; the path is picked by device,
-format and M (rows of x flattened) and named by :func:`backend_for`:
+``qmm`` (x Wᵀ), ``qmm_t`` (g W) and ``dequantize_into`` are the same calls by format (object or registered name);
+the path is picked by device, format and M (rows of x flattened) and named by :func:`backend_for`:
 
 =================  =======================================================================================
 ``cuda_gemv``      NVFP4/MXFP4, CUDA, BF16 x, M <= 16, N % 16 == 0, K % 64 == 0, when the hand-written CUDA
@@ -14,15 +17,15 @@ format and M (rows of x flattened) and named by :func:`backend_for`:
                    (``configs``/``tuned_h100``) measured it faster: Triton dequantization into a reusable
                    per-device buffer (or L2-sized row slices of it), then cuBLAS
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
-``dense``          BF16 weights: ``F.linear``
-``torch_reference`` CPU, no Triton: ``qerl.quant.FORMATS[fmt].dequantize`` then ``F.linear``
+``dense``          BF16 weights: ``F.linear`` (the BF16 format's reference)
+``torch_reference`` CPU, no Triton, or a format without kernels (INT4): ``fmt.dequantize`` then ``F.linear``
 =================  =======================================================================================
 
 The Triton kernels are CUDA-graph capturable (no host sync, allocations depend on shapes only, split-K
 counters reset by the kernel) once a weight has been seen eagerly: the first call on a weight runs
 :func:`prepare` (for MXFP4 one host sync to check the exponent range), cached per tensor. Call it at load
 time or run one eager step before capture. Small-M calls cost tens of µs of host time (dispatch + Triton
-launch), more than the GPU work: decode belongs in CUDA graphs. Measured speeds: ``NOTES.md``.
+launch), more than the GPU work: decode belongs in CUDA graphs. Measured speeds: ``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from qerl.kernels import configs
+from qerl.quant import MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
+from qerl.quant import base as _quant
 
 try:  # Triton is optional: CPU hosts without it use the reference path.
     import triton
@@ -46,8 +51,8 @@ except Exception:  # pragma: no cover - depends on the host
     triton, _k, HAS_TRITON = None, None, False
 
 BACKENDS = ("cuda_gemv", "triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
-_FP4 = {"nvfp4": 0, "mxfp4": 1}
-_GROUP = {0: 16, 1: 32}
+# The Triton/CUDA kernels' FMT switch: how a block scale byte decodes (E4M3 with an FP32 divisor, or E8M0).
+_SCALE_KIND_ID = {"e4m3": 0, "e8m0": 1}
 _COUNTER_SLOTS = 1 << 16
 
 
@@ -55,19 +60,13 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _fp4_id(fmt: str) -> int | None:
-    """0 for nvfp4, 1 for mxfp4 and its scale-rule variants (same packing), None otherwise."""
-    if fmt in _FP4:
-        return _FP4[fmt]
-    if fmt.startswith("mxfp4-"):
-        return 1
-    return None
-
-
-def _check_fmt(fmt: str) -> None:
-    if fmt in ("bf16", "nf4") or _fp4_id(fmt) is not None:
-        return
-    raise ValueError(f"unknown weight format {fmt!r}; valid formats: ['bf16', 'mxfp4', 'nf4', 'nvfp4']")
+def _fp4_id(fmt) -> int:
+    """The kernels' FMT constant of an FP4-family format, from the scale type the format declares."""
+    kind = getattr(fmt, "scale_kind", None)
+    if kind not in _SCALE_KIND_ID:
+        raise ValueError(f"{fmt!r} is not an FP4-family format (scale_kind {kind!r}; the FP4 kernels take "
+                         f"{sorted(_SCALE_KIND_ID)})")
+    return _SCALE_KIND_ID[kind]
 
 
 @dataclass
@@ -77,6 +76,7 @@ class PackedFP4:
     range conditions hold (see ``fp4_triton``)."""
 
     fmt_id: int
+    group: int  # elements per block scale (the format's block)
     n: int
     k: int
     packed: torch.Tensor  # (N, K/2) uint8
@@ -85,10 +85,6 @@ class PackedFP4:
     asm_ok: bool
     stamp: tuple
     scale32: torch.Tensor | None = None  # (N, K/G/4) int32 view of ``scale`` when K/G % 4 == 0
-
-    @property
-    def group(self) -> int:
-        return _GROUP[self.fmt_id]
 
 
 _PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -102,16 +98,15 @@ def _stamp(*ts: torch.Tensor | None) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in ts if t is not None)
 
 
-def prepare(fmt: str, q: Mapping[str, torch.Tensor]) -> PackedFP4:
+def prepare(fmt, q: Mapping[str, torch.Tensor]) -> PackedFP4:
     """Kernel view of an NVFP4/MXFP4 weight (cached per ``weight_packed`` tensor; re-checked if it changes).
 
     The fast inline-PTX decoder is exact for every NVFP4 weight; for MXFP4 it needs every E8M0 exponent
     <= 154 (scales <= 2^27), checked once here (one host sync; inside CUDA-graph capture the check is
     skipped and the always-exact pure decoder is used).
     """
+    fmt = get_format(fmt)
     fid = _fp4_id(fmt)
-    if fid is None:
-        raise ValueError(f"prepare() handles nvfp4 and mxfp4 weights, got {fmt!r}")
     packed, scale = q["weight_packed"], q["weight_scale"]
     gs = q.get("weight_global_scale") if fid == 0 else None
     stamp = _stamp(packed, scale, gs)
@@ -120,15 +115,15 @@ def prepare(fmt: str, q: Mapping[str, torch.Tensor]) -> PackedFP4:
         return hit
     n, kh = packed.shape
     k = 2 * kh
-    g = _GROUP[fid]
+    g = fmt.block
     if scale.shape != (n, k // g):
-        raise ValueError(f"{fmt}: weight_scale has shape {tuple(scale.shape)}, expected {(n, k // g)}")
+        raise ValueError(f"{fmt.name}: weight_scale has shape {tuple(scale.shape)}, expected {(n, k // g)}")
     s8 = scale.contiguous().view(torch.uint8)
     asm_ok = fid == 0  # every E4M3 byte has an exact scale word (normals, subnormals, zero)
     if fid == 1 and packed.is_cuda and not torch.cuda.is_current_stream_capturing():
         asm_ok = int(s8.max().item()) <= _k.MX_ASM_MAX_EXP if _k is not None else False
     s32 = s8.view(torch.int32) if (k // g) % 4 == 0 and s8.storage_offset() % 4 == 0 else None
-    pw = PackedFP4(fid, n, k, packed.contiguous(), s8,
+    pw = PackedFP4(fid, g, n, k, packed.contiguous(), s8,
                    None if gs is None else gs.reshape(1).to(torch.float32), asm_ok, stamp, s32)
     _PREPARED[packed] = pw
     return pw
@@ -148,6 +143,7 @@ def _device_info(dev: torch.device) -> tuple[str, int, int]:
 # ----------------------------------------------------------------------------------------- CUDA decode GEMV
 
 CUDA_GEMV_MAX_M = 16
+_CUDA_ENCODINGS = {(0, 16): "nvfp4", (1, 32): "mxfp4"}  # (scale kind id, block) -> cuda_fp4's encoding
 _CUDA: dict = {}
 _CUDA_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -173,7 +169,7 @@ def cuda_gemv_enabled(dev: torch.device) -> bool:
     return ok
 
 
-def _cuda_weight(fmt: str, q: Mapping[str, torch.Tensor]):
+def _cuda_weight(fmt, q: Mapping[str, torch.Tensor]):
     """The CUDA kernel's re-laid-out copy of this weight (cached per ``weight_packed`` tensor), or None when
     the format/shape is not supported or we are inside a CUDA-graph capture without a cached copy."""
     fid = _fp4_id(fmt)
@@ -186,8 +182,9 @@ def _cuda_weight(fmt: str, q: Mapping[str, torch.Tensor]):
     if torch.cuda.is_current_stream_capturing():
         return None
     from qerl.kernels import cuda_fp4
+    encoding = _CUDA_ENCODINGS.get((fid, fmt.block))  # the two block layouts the CUDA kernel implements
     try:
-        w = cuda_fp4.prepare("nvfp4" if fid == 0 else "mxfp4", packed, scale, gs)
+        w = None if encoding is None else cuda_fp4.prepare(encoding, packed, scale, gs)
     except ValueError:  # e.g. an MXFP4 exponent range the kernel's decode cannot represent exactly
         w = None
     _CUDA_PREPARED[packed] = (stamp, w)
@@ -213,25 +210,17 @@ def _nf4_on_gpu(x: torch.Tensor) -> bool:
     return True
 
 
-def backend_for(fmt: str, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None = None) -> str:
-    """Name of the path ``qmm(x, fmt, q)`` takes (one of ``BACKENDS``).
-
-    Without ``q`` the layer shape is unknown and the rule of ``configs`` by M alone is reported; with it,
-    the (tuned) configuration of that shape decides, exactly as in ``qmm``.
-    """
-    _check_fmt(fmt)
-    if fmt == "bf16":
-        return "dense"
-    if fmt == "nf4":
-        return "bnb" if _nf4_on_gpu(x) else "torch_reference"
+def _fp4_backend(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None) -> str | None:
+    """The FP4 path for x (None: the reference). Without ``q`` the layer shape is unknown and the rule of
+    ``configs`` by M alone is reported; with it, the (tuned) configuration of that shape decides, as in ``linear``."""
     if not (_triton_ok(x) and x.is_cuda):
-        return "torch_reference"
+        return None
     if x.dtype != torch.bfloat16:
         return "dequant_cublas"
     m = x.numel() // max(1, x.shape[-1])
     if q is not None:
         n, kh = q["weight_packed"].shape
-        hit = _CUDA_PREPARED.get(q["weight_packed"])  # a query: no re-layout here (qmm makes it on first use)
+        hit = _CUDA_PREPARED.get(q["weight_packed"])  # a query: no re-layout here (linear makes it on first use)
         if _cuda_gemv_ok(x, m, n, 2 * kh) and (hit is None or hit[1] is not None):
             return "cuda_gemv"
         cfg = kernel_config(fmt, n, 2 * kh, m, x.device)
@@ -240,21 +229,6 @@ def backend_for(fmt: str, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None 
     if cfg.kernel == "cublas":
         return "dequant_cublas"
     return "triton_gemv" if m <= configs.GEMV_MAX_M else "triton_gemm"
-
-
-def supports(fmt: str, x: torch.Tensor) -> bool:
-    """True when ``qmm(x, fmt, ·)`` runs on a GPU path (Triton, cuBLAS or bitsandbytes), not the reference."""
-    return backend_for(fmt, x) != "torch_reference"
-
-
-# ----------------------------------------------------------------------------------------- reference
-
-def _reference_weight(fmt: str, q: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    from qerl.quant import get_format
-    if fmt == "bf16":
-        return q["weight"].to(dtype)
-    name = "mxfp4" if fmt.startswith("mxfp4") else fmt
-    return get_format(name).dequantize(q, dtype)
 
 
 # ----------------------------------------------------------------------------------------- buffers
@@ -344,35 +318,21 @@ def _dequant_launch(pw: PackedFP4, out: torch.Tensor, bn: int = 32, bk: int = 25
     return out
 
 
-def kernel_config(fmt: str, n: int, k: int, m: int, device: torch.device) -> configs.KernelConfig:
+def kernel_config(fmt, n: int, k: int, m: int, device: torch.device) -> configs.KernelConfig:
     """The launch configuration the dispatcher uses for this layer shape and M on ``device``."""
     if device.type == "cuda":
         name, sms, _ = _device_info(device)
     else:
         name, sms = "", 132
-    return configs.lookup(fmt, n, k, m, name, sms)
+    return configs.lookup(get_format(fmt).name, n, k, m, name, sms)
 
 
-# ----------------------------------------------------------------------------------------- public API
+# ----------------------------------------------------------------------------------------- FP4 family
 
-def dequantize_into(fmt: str, q: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dense weight Ŵ (N, K) (Triton on GPU, the reference elsewhere).
-
-    With ``out=None`` the result lives in a reusable per-device BF16 workspace (one buffer per (device, dtype),
-    sized to the largest weight seen) and is valid until the next call on that device: use it at once.
-    ``out`` may be any float dtype; FP4 values are computed in float32 exactly as the reference does.
-    """
-    _check_fmt(fmt)
-    if _fp4_id(fmt) is None or not _triton_ok(q["weight_packed"] if "weight_packed" in q else q["weight"]):
-        dev = next(iter(q.values())).device
-        dtype = torch.bfloat16 if out is None else out.dtype
-        if fmt == "nf4" and dev.type == "cuda" and _nf4_on_gpu(q["weight_packed"]):
-            w = _bnb_dequant(q, dev)
-        else:
-            w = _reference_weight(fmt, q, dtype)
-        if out is None:
-            return w
-        return out.copy_(w)
+def _fp4_dequantize(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None) -> torch.Tensor | None:
+    """Ŵ by the Triton dequantization kernel (None off the GPU path). ``out=None``: the per-device BF16 workspace."""
+    if not _triton_ok(q["weight_packed"]):
+        return None
     pw = prepare(fmt, q)
     if out is None:
         out = _workspace(pw.packed.device, torch.bfloat16, pw.n * pw.k).view(pw.n, pw.k)
@@ -381,20 +341,14 @@ def dequantize_into(fmt: str, q: Mapping[str, torch.Tensor], out: torch.Tensor |
     return _dequant_launch(pw, out)
 
 
-def qmm(x: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """x (..., K) @ Ŵᵀ -> (..., N) in x's dtype, Ŵ (N, K) the weight stored in ``q`` (format ``fmt``)."""
-    backend = backend_for(fmt, x)
-    if backend == "dense":
-        w = q["weight"]
-        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
-    if backend == "torch_reference":
-        return F.linear(x, _reference_weight(fmt, q, x.dtype))
-    if backend == "bnb":
-        return _bnb_matmul(x, q)
+def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """x (..., K) @ Ŵᵀ on the GPU: CUDA GEMV, fused Triton GEMV/GEMM or dequantize + cuBLAS (None off the GPU)."""
+    if not (_triton_ok(x) and x.is_cuda):
+        return None
     pw = prepare(fmt, q)
     k = x.shape[-1]
     if k != pw.k:
-        raise ValueError(f"qmm: x has K={k}, the {fmt} weight is {(pw.n, pw.k)}")
+        raise ValueError(f"qmm: x has K={k}, the {fmt.name} weight is {(pw.n, pw.k)}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -416,7 +370,7 @@ def qmm(x: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tenso
     return out.reshape(*x.shape[:-1], pw.n)
 
 
-def _dequant_mm(x2: torch.Tensor, fmt: str, q, pw: PackedFP4, out: torch.Tensor, chunk: int) -> None:
+def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chunk: int) -> None:
     """out (M, N) = x2 @ Ŵᵀ by dequantize + cuBLAS; with ``chunk`` rows at a time, so each dequantized
     slice is still in L2 when cuBLAS reads it (for large M, where each slice's GEMM fills the GPU)."""
     if not chunk or chunk >= pw.n or x2.dtype != torch.bfloat16:
@@ -427,26 +381,37 @@ def _dequant_mm(x2: torch.Tensor, fmt: str, q, pw: PackedFP4, out: torch.Tensor,
     buf = _workspace(x2.device, torch.bfloat16, chunk * pw.k).view(chunk, pw.k)
     for n0 in range(0, pw.n, chunk):
         r = min(chunk, pw.n - n0)
-        part = PackedFP4(pw.fmt_id, r, pw.k, pw.packed[n0:n0 + r], pw.scale[n0:n0 + r], pw.gs, pw.asm_ok, pw.stamp)
+        part = PackedFP4(pw.fmt_id, pw.group, r, pw.k, pw.packed[n0:n0 + r], pw.scale[n0:n0 + r], pw.gs,
+                         pw.asm_ok, pw.stamp)
         _dequant_launch(part, buf[:r])
         torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
-def qmm_t(g: torch.Tensor, fmt: str, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """g (..., N) @ Ŵ -> (..., K) in g's dtype: the input gradient of ``qmm`` (dequantize + cuBLAS on GPU)."""
-    _check_fmt(fmt)
-    if fmt == "bf16":
-        w = q["weight"]
-        return torch.matmul(g, w if w.dtype == g.dtype else w.to(g.dtype))
-    if fmt == "nf4":
-        w = _bnb_dequant(q, g.device) if _nf4_on_gpu(g) else _reference_weight(fmt, q, g.dtype)
-        return torch.matmul(g, w.to(g.dtype))
+def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """g (..., N) @ Ŵ on the GPU: Triton dequantization + cuBLAS (None off the GPU)."""
     if not (_triton_ok(g) and g.is_cuda):
-        return torch.matmul(g, _reference_weight(fmt, q, g.dtype))
+        return None
     pw = prepare(fmt, q)
     out_buf = None if g.dtype == torch.bfloat16 else _workspace(g.device, g.dtype, pw.n * pw.k).view(pw.n, pw.k)
     w = dequantize_into(fmt, q, out_buf)
     return torch.matmul(g, w)
+
+
+class FP4Kernels:
+    """The FP4 family's fast paths (NVFP4, MXFP4, any format with ``scale_kind`` e4m3/e8m0 and a ``block``):
+    one dispatcher, parameterized by the format's block size and scale type."""
+
+    def backend(self, fmt, x, q=None):
+        return _fp4_backend(fmt, x, q)
+
+    def linear(self, fmt, x, q):
+        return _fp4_linear(fmt, x, q)
+
+    def linear_t(self, fmt, g, q):
+        return _fp4_linear_t(fmt, g, q)
+
+    def dequantize(self, fmt, q, out):
+        return _fp4_dequantize(fmt, q, out)
 
 
 # ----------------------------------------------------------------------------------------- NF4 (bitsandbytes)
@@ -476,5 +441,64 @@ def _bnb_matmul(x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return bnb.matmul_4bit(x, w.t(), quant_state=state)
 
 
+class BnbKernels:
+    """NF4 through bitsandbytes' own kernels on CUDA (gemv_4bit for one token, dequantize + matmul else)."""
+
+    def backend(self, fmt, x, q=None):
+        return "bnb" if _nf4_on_gpu(x) else None
+
+    def linear(self, fmt, x, q):
+        return _bnb_matmul(x, q) if _nf4_on_gpu(x) else None
+
+    def linear_t(self, fmt, g, q):
+        return torch.matmul(g, _bnb_dequant(q, g.device).to(g.dtype)) if _nf4_on_gpu(g) else None
+
+    def dequantize(self, fmt, q, out):
+        packed = q["weight_packed"]
+        if not (packed.is_cuda and _nf4_on_gpu(packed)):
+            return None
+        w = _bnb_dequant(q, packed.device)
+        return w if out is None else out.copy_(w)
+
+
+FP4 = FP4Kernels()
+BNB = BnbKernels()
+register_kernels(NVFP4Format, FP4)
+register_kernels(MXFP4Format, FP4)
+register_kernels(NF4Format, BNB)
+
+
+# ----------------------------------------------------------------------------------------- by format
+
+def backend_for(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None = None) -> str:
+    """Name of the path ``qmm(x, fmt, q)`` takes (one of ``BACKENDS``); ``fmt`` is a format or registered name."""
+    return _quant.backend(get_format(fmt), x, q)
+
+
+def supports(fmt, x: torch.Tensor) -> bool:
+    """True when ``qmm(x, fmt, ·)`` runs on a GPU path (Triton, cuBLAS or bitsandbytes), not the reference."""
+    return backend_for(fmt, x) != "torch_reference"
+
+
+def qmm(x: torch.Tensor, fmt, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """x (..., K) @ Ŵᵀ -> (..., N) in x's dtype: ``fmt.linear(x, q)``."""
+    return get_format(fmt).linear(x, q)
+
+
+def qmm_t(g: torch.Tensor, fmt, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """g (..., N) @ Ŵ -> (..., K) in g's dtype: ``fmt.linear_t(g, q)``."""
+    return get_format(fmt).linear_t(g, q)
+
+
+def dequantize_into(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense weight Ŵ (N, K) (Triton on GPU, the reference elsewhere).
+
+    With ``out=None`` on the FP4 GPU path the result lives in a reusable per-device BF16 workspace (one buffer per
+    (device, dtype), sized to the largest weight seen) and is valid until the next call on that device: use it at
+    once. ``out`` may be any float dtype; FP4 values are computed in float32 exactly as the reference does.
+    """
+    return _quant.dequantize_into(get_format(fmt), q, out)
+
+
 __all__ = ["cuda_gemv_enabled", "qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
-           "PackedFP4", "BACKENDS", "HAS_TRITON"]
+           "PackedFP4", "BACKENDS", "HAS_TRITON", "FP4Kernels", "BnbKernels"]

@@ -1,8 +1,8 @@
 """Launch configurations of the FP4 kernels: a measured table per layer shape and M bucket, and a fallback rule.
 
 A configuration is a handful of constexprs from a small set, so each one compiles once and a new shape or a
-new M inside a bucket never recompiles. ``TUNED`` is filled from ``python -m qerl.kernels.bench --tune``
-on the device named in ``TUNED_DEVICE`` (see NOTES.md); other devices and untuned shapes use ``heuristic``.
+new M inside a bucket never recompiles. ``TUNED`` is filled from ``python -m benchmarks.kernel_bench --tune``
+on the device named in ``TUNED_DEVICE`` (see benchmarks/NOTES.md); other devices and untuned shapes use ``heuristic``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def heuristic(n: int, k: int, m: int, sms: int = 132) -> KernelConfig:
 
 def lookup(fmt: str, n: int, k: int, m: int, device_name: str = "", sms: int = 132) -> KernelConfig:
     """The tuned configuration for this layer shape and M (same device family), else :func:`heuristic`."""
-    return _lookup("mxfp4" if fmt.startswith("mxfp4") else fmt, n, k, m_bucket(m), device_name, sms)
+    return _lookup(fmt, n, k, m_bucket(m), device_name, sms)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,8 +1,8 @@
-"""Kernel configurations measured on an NVIDIA H100 80GB HBM3 (``python -m qerl.kernels.bench --tune``).
+"""Kernel configurations measured on an NVIDIA H100 80GB HBM3 (``python -m benchmarks.kernel_bench --tune``).
 
 (fmt, N, K, M bucket) -> ``KernelConfig`` key, the fastest candidate per Qwen2.5 3B/7B/14B/32B decoder-linear
 shape and M (the M=16 winner serves buckets 2-16). Regenerate with the bench and paste its printed table;
-see NOTES.md for the run it came from.
+see benchmarks/NOTES.md for the run it came from.
 """
 
 TUNED_DEVICE = "H100"

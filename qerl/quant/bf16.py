@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qerl.quant import base
 from qerl.quant.finite import check_finite
 
 
@@ -14,6 +15,20 @@ class BF16Format:
 
     name = "bf16"
     block = None
+    label, color = "BF16", "#1f77b4"
+    checkpoint = None  # a dense checkpoint
+    fusable = True
+    reference_backend = "dense"  # the reference is the fast path: F.linear on the stored weight
+    kernels = None
+
+    def __repr__(self) -> str:
+        return "BF16Format()"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
 
     def check_shape(self, n: int, k: int) -> None:
         """Any positive (n, k) is fine."""
@@ -33,6 +48,14 @@ class BF16Format:
     def dequantize(self, q: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The stored weight in ``dtype``."""
         return q["weight"].to(dtype)
+
+    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
+        return base.linear(self, x, q)
+
+    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
+        return base.linear_t(self, g, q)
 
     def bits_per_weight(self, n: int, k: int) -> float:
         """16."""

@@ -1,9 +1,11 @@
-"""compressed-tensors checkpoint I/O for whole models (NVFP4A16 / MXFP4A16, what llm-compressor writes).
+"""compressed-tensors checkpoint I/O for whole models (what llm-compressor writes and vLLM serves).
 
 A checkpoint is a Hugging Face model directory whose ``config.json`` carries a ``quantization_config``
 block (:func:`quantization_config_for`) and whose safetensors hold, for every quantized Linear
-``<prefix>``, the packed tensors ``<prefix>.weight_packed`` / ``.weight_scale`` (/ ``.weight_global_scale``
-for NVFP4) instead of ``<prefix>.weight``; everything else (embeddings, norms, lm_head, biases) is dense.
+``<prefix>``, the packed tensors of its format (``fmt.checkpoint.tensors``: ``weight_packed``, ``weight_scale``,
+NVFP4's ``weight_global_scale``, INT4's ``weight_shape``) instead of ``<prefix>.weight``; everything else
+(embeddings, norms, lm_head, biases) is dense. Which formats have a checkpoint scheme, and what it is, the formats
+say (``qerl.quant.FORMATS[name].checkpoint``): NVFP4A16, MXFP4A16 and W4A16 today.
 """
 
 from __future__ import annotations
@@ -17,23 +19,33 @@ from typing import Any
 
 import torch
 
-# The packed tensors of one quantized module, per format (compressed-tensors' compression_param_names).
-PACKED_NAMES = {
-    "nvfp4": ("weight_packed", "weight_scale", "weight_global_scale"),
-    "mxfp4": ("weight_packed", "weight_scale"),
-}
-COMPRESSION_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
-# Tensor suffixes that belong to a quantized module (besides its dense bias).
-QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "input_global_scale")
+from qerl.errors import UserError
+from qerl.quant import FORMATS, CheckpointScheme
+
+# Tensor suffixes that belong to a quantized module (besides its dense bias): every registered scheme's, plus
+# what other compressed-tensors schemes write (so an unsupported checkpoint still splits cleanly).
+_OTHER_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "input_global_scale")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
-_WEIGHT_ARGS = {
-    # compressed-tensors' NVFP4A16 / MXFP4A16 presets as they serialize into config.json
-    "nvfp4": {"dynamic": False, "group_size": 16, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
-              "strategy": "tensor_group", "symmetric": True, "type": "float"},
-    "mxfp4": {"dynamic": False, "group_size": 32, "num_bits": 4, "scale_dtype": "torch.uint8",
-              "strategy": "group", "symmetric": True, "type": "float"},
-}
+
+def schemes() -> dict[str, CheckpointScheme]:
+    """{format name: its compressed-tensors scheme} for every registered format that has one."""
+    return {name: f.checkpoint for name, f in FORMATS.items() if f.checkpoint is not None}
+
+
+def quant_suffixes() -> tuple[str, ...]:
+    names = dict.fromkeys(_OTHER_SUFFIXES)
+    for s in schemes().values():
+        names.update(dict.fromkeys(s.tensors))
+    return tuple(names)
+
+
+def check_exportable(fmt: str) -> CheckpointScheme:
+    """The scheme of format ``fmt``; a UserError names it and the formats that have one when it has none."""
+    valid = sorted(schemes())
+    if fmt not in valid:
+        raise UserError(f"compressed-tensors export supports {valid}, not {fmt!r}")
+    return FORMATS[fmt].checkpoint
 
 
 def _ct_version() -> str:
@@ -44,22 +56,21 @@ def _ct_version() -> str:
 
 
 def quantization_config_for(fmt: str, ignore: list[str] | None = None, targets: list[str] | None = None) -> dict:
-    """The ``quantization_config`` block compressed-tensors 0.20 writes for an NVFP4A16 / MXFP4A16 model."""
-    if fmt not in COMPRESSION_FORMATS:
-        raise ValueError(f"no compressed-tensors checkpoint format for {fmt!r}; valid formats: {sorted(COMPRESSION_FORMATS)}")
+    """The ``quantization_config`` block compressed-tensors 0.20 writes for a model in format ``fmt``."""
+    scheme = check_exportable(fmt)
     ignore = ["lm_head"] if ignore is None else list(ignore)
     targets = ["Linear"] if targets is None else list(targets)
     return {
         "config_groups": {
             "group_0": {
-                "format": COMPRESSION_FORMATS[fmt],
+                "format": scheme.compression,
                 "input_activations": None,
                 "output_activations": None,
                 "targets": targets,
-                "weights": dict(_WEIGHT_ARGS[fmt]),
+                "weights": dict(scheme.weights),
             }
         },
-        "format": COMPRESSION_FORMATS[fmt],
+        "format": scheme.compression,
         "global_compression_ratio": None,
         "ignore": ignore,
         "kv_cache_scheme": None,
@@ -92,25 +103,21 @@ def _group_format(group: Mapping, default_format: str | None) -> str:
     weights = group.get("weights") or {}
     fmt = group.get("format") or default_format
     acts = group.get("input_activations")
-    is_fp4 = weights.get("num_bits") == 4 and str(weights.get("type")).lower() == "float"
-    strategy, gsize = str(weights.get("strategy")).lower(), weights.get("group_size")
+    known = ", ".join(f"{s.preset} ({s.compression}, group {s.weights.get('group_size')}, "
+                      f"{s.weights.get('strategy')})" for s in schemes().values())
     if acts:
         raise ValueError(
             f"unsupported compressed-tensors scheme ({_describe(weights, fmt, acts)}): it quantizes activations "
-            "too; qerl reads weight-only NVFP4A16 and MXFP4A16 checkpoints"
+            f"too; qerl reads weight-only checkpoints: {known}"
         )
-    if is_fp4 and gsize == 16 and strategy == "tensor_group" and fmt in (None, "nvfp4-pack-quantized"):
-        return "nvfp4"
-    if is_fp4 and gsize == 32 and strategy == "group" and fmt in (None, "mxfp4-pack-quantized"):
-        return "mxfp4"
-    raise ValueError(
-        f"unsupported compressed-tensors scheme ({_describe(weights, fmt, acts)}); qerl reads NVFP4A16 "
-        "(nvfp4-pack-quantized, group 16, tensor_group) and MXFP4A16 (mxfp4-pack-quantized, group 32)"
-    )
+    for name, scheme in schemes().items():
+        if scheme.matches(weights, fmt):
+            return name
+    raise ValueError(f"unsupported compressed-tensors scheme ({_describe(weights, fmt, acts)}); qerl reads {known}")
 
 
 def detect_format(config: Mapping | Any) -> str | None:
-    """'nvfp4' / 'mxfp4' for a compressed-tensors NVFP4A16 / MXFP4A16 config, None for an unquantized one.
+    """The format name of a compressed-tensors config (e.g. 'nvfp4' for NVFP4A16), None for an unquantized one.
 
     ``config`` is a model's config dict (with a ``quantization_config`` key) or the quantization config
     itself. Any other quantization (another method, scheme, activation quantization, an uncompressed
@@ -145,11 +152,12 @@ def split_quantized_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[
     A module counts as quantized when it has ``<prefix>.weight_packed``; its bias stays in ``rest``.
     """
     prefixes = {k[: -len(".weight_packed")] for k in state_dict if k.endswith(".weight_packed")}
+    suffixes = quant_suffixes()
     quant: dict[str, dict[str, torch.Tensor]] = {p: {} for p in prefixes}
     rest: dict[str, torch.Tensor] = {}
     for key, t in state_dict.items():
         prefix, _, suffix = key.rpartition(".")
-        if prefix in quant and suffix in QUANT_SUFFIXES:
+        if prefix in quant and suffix in suffixes:
             quant[prefix][suffix] = t
         else:
             rest[key] = t
@@ -202,16 +210,15 @@ def save_compressed(directory: str | os.PathLike, model_config_dict: Mapping, qu
     ``FORMATS[fmt].quantize``; ``other_tensors`` are the dense ones (embeddings, norms, lm_head, biases).
     ``ignore`` defaults to lm_head plus any dense 2-D non-embedding weight in ``other_tensors``.
     """
-    if fmt not in PACKED_NAMES:
-        raise ValueError(f"compressed-tensors export supports {sorted(PACKED_NAMES)}, not {fmt!r}")
+    names = check_exportable(fmt).tensors
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for prefix, q in quant_modules.items():
-        missing = [n for n in PACKED_NAMES[fmt] if n not in q]
+        missing = [n for n in names if n not in q]
         if missing:
             raise ValueError(f"module {prefix!r} lacks {missing} for {fmt} (has {sorted(q)})")
-        for name in PACKED_NAMES[fmt]:
+        for name in names:
             tensors[f"{prefix}.{name}"] = q[name]
     for name, t in other_tensors.items():
         if name in tensors:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qerl.quant import base
 from qerl.quant.finite import check_finite
 from qerl.quant.fp4 import decode_packed, e2m1_encode, pack_nibbles
 
@@ -83,6 +84,16 @@ class MXFP4Format:
 
     name = "mxfp4"
     block = 32
+    scale_kind = "e8m0"  # power-of-two block scales (the FP4 kernels read this)
+    label, color = "MXFP4", "#9467bd"
+    checkpoint = base.CheckpointScheme(
+        compression="mxfp4-pack-quantized", preset="MXFP4A16",
+        weights={"dynamic": False, "group_size": 32, "num_bits": 4, "scale_dtype": "torch.uint8",
+                 "strategy": "group", "symmetric": True, "type": "float"},
+        tensors=("weight_packed", "weight_scale"))
+    fusable = True
+    reference_backend = "torch_reference"
+    kernels = None  # qerl.kernels registers the FP4 dispatcher
 
     def __init__(self, scale_rule: str = "ct"):
         if scale_rule not in SCALE_RULES:
@@ -92,13 +103,15 @@ class MXFP4Format:
     def __repr__(self) -> str:
         return f"MXFP4Format(scale_rule={self.scale_rule!r})"
 
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.scale_rule == self.scale_rule
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.scale_rule))
+
     def check_shape(self, n: int, k: int) -> None:
         """Raise ValueError unless an (n, k) weight can be stored (K divisible by 32)."""
-        if n <= 0 or k <= 0 or k % self.block:
-            raise ValueError(
-                f"mxfp4 cannot quantize a weight of shape ({n}, {k}): the input dimension K={k} must be a "
-                f"positive multiple of the block size {self.block}"
-            )
+        base.check_block_shape(self, n, k)
 
     def shared_exponent(self, amax: torch.Tensor) -> torch.Tensor:
         """Biased E8M0 exponent (uint8) of each block from its amax (any float dtype), by this scale rule."""
@@ -140,6 +153,14 @@ class MXFP4Format:
         vals = decode_packed(packed).reshape(n, k // self.block, self.block)  # (N, G, 32)
         scale = _scale_lut(packed.device)[q["weight_scale"].long()]  # (N, G)
         return (vals * scale.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
+        return base.linear(self, x, q)
+
+    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
+        return base.linear_t(self, g, q)
 
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit elements + one 8-bit exponent per 32."""

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from qerl.quant import base
 from qerl.quant.finite import check_finite
 
 NF4_CODE = (
@@ -103,17 +104,27 @@ class NF4Format:
 
     name = "nf4"
     block = 64
+    label, color = "NF4", "#ff7f0e"
+    checkpoint = None  # bitsandbytes' own serialization, not a compressed-tensors scheme
+    fusable = False  # bnb's nested absmax blocks are per tensor: q|k|v cannot share one buffer
+    reference_backend = "torch_reference"
+    kernels = None  # qerl.kernels registers bitsandbytes' kernels
 
     def __init__(self, double_quant: bool = True):
         self.double_quant = double_quant
 
+    def __repr__(self) -> str:
+        return f"NF4Format(double_quant={self.double_quant!r})"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.double_quant == self.double_quant
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.double_quant))
+
     def check_shape(self, n: int, k: int) -> None:
         """Raise ValueError unless an (n, k) weight can be stored (K divisible by 64: blocks stay in a row)."""
-        if n <= 0 or k <= 0 or k % self.block:
-            raise ValueError(
-                f"nf4 cannot quantize a weight of shape ({n}, {k}): the input dimension K={k} must be a "
-                f"positive multiple of the block size {self.block}"
-            )
+        base.check_block_shape(self, n, k)
 
     @torch.no_grad()
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -167,6 +178,14 @@ class NF4Format:
         vals = F.embedding(packed.to(torch.int32), torch.stack(pairs, dim=-1))  # (N*K/2, 2)
         vals = vals.reshape(-1, self.block) * self.block_absmax(q).unsqueeze(-1)  # (NB, 64)
         return vals.reshape(n, k).to(dtype)
+
+    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
+        return base.linear(self, x, q)
+
+    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
+        return base.linear_t(self, g, q)
 
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit codes + uint8 absmax per 64 + float32 per 256 blocks (+ offset); code tables excluded."""

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import torch
 
+from qerl.quant import base
 from qerl.quant.finite import NonFiniteWeightError, check_finite
 from qerl.quant.fp4 import E2M1_MAX, decode_packed, e2m1_encode, pack_nibbles
 
@@ -35,14 +36,29 @@ class NVFP4Format:
 
     name = "nvfp4"
     block = 16
+    scale_kind = "e4m3"  # FP8 E4M3 block scales + an FP32 per-tensor divisor (the FP4 kernels read this)
+    label, color = "NVFP4", "#2ca02c"
+    checkpoint = base.CheckpointScheme(
+        compression="nvfp4-pack-quantized", preset="NVFP4A16",
+        weights={"dynamic": False, "group_size": 16, "num_bits": 4, "scale_dtype": "torch.float8_e4m3fn",
+                 "strategy": "tensor_group", "symmetric": True, "type": "float"},
+        tensors=("weight_packed", "weight_scale", "weight_global_scale"))
+    fusable = True
+    reference_backend = "torch_reference"
+    kernels = None  # qerl.kernels registers the FP4 dispatcher
+
+    def __repr__(self) -> str:
+        return "NVFP4Format()"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
 
     def check_shape(self, n: int, k: int) -> None:
         """Raise ValueError unless an (n, k) weight can be stored (K divisible by 16)."""
-        if n <= 0 or k <= 0 or k % self.block:
-            raise ValueError(
-                f"nvfp4 cannot quantize a weight of shape ({n}, {k}): the input dimension K={k} must be a "
-                f"positive multiple of the block size {self.block}"
-            )
+        base.check_block_shape(self, n, k)
 
     @staticmethod
     def global_scale(*weights: torch.Tensor) -> torch.Tensor:
@@ -103,6 +119,14 @@ class NVFP4Format:
         vals = decode_packed(packed).reshape(n, k // self.block, self.block)  # (N, G, 16) float32
         eff = q["weight_scale"].to(torch.float32) / q["weight_global_scale"].to(torch.float32)  # (N, G)
         return (vals * eff.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
+        return base.linear(self, x, q)
+
+    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
+        return base.linear_t(self, g, q)
 
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit elements + one 8-bit scale per 16 + one float32 per tensor."""

@@ -57,10 +57,15 @@ def relative_error(fmt, w: torch.Tensor) -> float:
 
 
 def _handlers() -> list[tuple[str, str, object]]:
-    rows = [("bf16", "-", FORMATS["bf16"]), ("nf4", "-", FORMATS["nf4"]), ("nvfp4", "-", FORMATS["nvfp4"])]
-    for rule in SCALE_RULES:
-        label = f"{rule} (default)" if rule == "ct" else rule
-        rows.append(("mxfp4", label, FORMATS["mxfp4"] if rule == "ct" else MXFP4Format(scale_rule=rule)))
+    """(format, MXFP4 rule, handler) for every registered format; MXFP4 once per shared-exponent rule."""
+    rows = []
+    for name, f in FORMATS.items():
+        if not isinstance(f, MXFP4Format):
+            rows.append((name, "-", f))
+            continue
+        for rule in SCALE_RULES:
+            label = f"{rule} (default)" if rule == f.scale_rule else rule
+            rows.append((name, label, f if rule == f.scale_rule else MXFP4Format(scale_rule=rule)))
     return rows
 
 
@@ -95,7 +100,7 @@ def build_report(rows: int | None = 512, shapes: dict[str, tuple[int, int]] | No
         f"Rows sampled ({'all rows' if rows is None else f'--rows {rows}'}; blocks run along K, so the error does not depend",
         f"on N): {sampled}. Seed {seed}.",
         "bits/weight counts every stored tensor (elements, block scales, NVFP4's per-tensor scale, NF4's nested",
-        "absmax and offset; NF4/MXFP4 code tables excluded). MXFP4 rules: ct = compressed-tensors 0.20 (default,",
+        "absmax and offset, INT4's bfloat16 scales and shape; NF4/MXFP4 code tables excluded). MXFP4 rules: ct = compressed-tensors 0.20 (default,",
         "significand >= 1.75 rounds the block max up), floor = OCP MX spec, ceil = 2^ceil(log2 amax)/4,",
         "rceil = smallest power of two with amax/scale <= 6. bf16 is the checkpoint itself (error 0 by construction).",
         "",

@@ -1,6 +1,6 @@
 """Compile kernel configurations for sm_90 ahead of time (no GPU needed) and report their resources.
 
-    python -m qerl.kernels.sass [--fmt nvfp4] [--configs KEY,KEY,...] [--asm 1] [--dump DIR]
+    python -m benchmarks.sass [--fmt nvfp4] [--configs KEY,KEY,...] [--asm 1] [--dump DIR]
 
 For each configuration: registers, spill stores/loads, stack, shared memory, and an instruction histogram of
 the SASS (matrix instructions HGMMA/HMMA, global loads by width, shared-memory traffic, conversions). Uses

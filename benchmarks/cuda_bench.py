@@ -1,6 +1,6 @@
 """Benchmark of the CUDA FP4 decode GEMV (``cuda_fp4``) against BF16 ``F.linear`` and the Triton path (``qmm``).
 
-    python -m qerl.kernels.cuda_bench --out DIR [--models 7b,14b,32b] [--m 1,2,4,8,16] [--sweep]
+    python -m benchmarks.cuda_bench --out DIR [--models 7b,14b,32b] [--m 1,2,4,8,16] [--sweep]
 
 The Triton path is ``qmm`` with ``QERL_CUDA_GEMV=0`` (its own CUDA-GEMV dispatch off). Timed exactly as
 ``bench.py`` does: per linear, one CUDA graph over rotating weight copies (>= 160 MB, so every
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from qerl.kernels import bench
+from benchmarks import kernel_bench as bench
 from qerl.kernels import cuda_fp4 as cf
 
 PATHS = ("bf16", "triton", "cuda", "cuda_pdl")
@@ -256,7 +256,7 @@ def _header(name: str, bw: float, attrs: dict, argv) -> str:
             f"torch {torch.__version__}, triton {triton.__version__}, nvcc: {_nvcc_version()}, python "
             f"{platform.python_version()}; device-to-device copy {bw / 1e12:.2f} TB/s (read+write). Kernel "
             f"registers/local bytes per (fmt, n8 tiles, unroll, strips per warp): {attrs}. Per linear: median over CUDA-graph "
-            f"replays over rotating weight copies (>= 160 MB). Command: `python -m qerl.kernels.cuda_bench "
+            f"replays over rotating weight copies (>= 160 MB). Command: `python -m benchmarks.cuda_bench "
             f"{' '.join(sys.argv[1:] if argv is None else argv)}`")
 
 

@@ -1,6 +1,6 @@
 """Per-layer benchmark of the decoder linears: each format's ``qmm`` (and ``qmm_t``) against BF16 cuBLAS.
 
-    python -m qerl.kernels.bench [--models 7b,14b,32b] [--m 1,2,...,2048] [--out results/speed] [--tune]
+    python -m benchmarks.kernel_bench [--models 7b,14b,32b] [--m 1,2,...,2048] [--out results/speed] [--tune]
 
 For the seven linears of one decoder layer of Qwen2.5-3B/7B/14B/32B (dims hard-coded below), per M: the
 median time of each linear, measured as CUDA-graph replays of the product over rotating weight copies
@@ -38,6 +38,20 @@ MODELS = {  # hidden, intermediate, heads, kv heads, head_dim
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 ROTATE_BYTES = 160 << 20
 MAX_COPIES = 160
+
+
+def _fp4(fmt: str) -> bool:
+    """True for a format served by the FP4 dispatcher (the fused Triton kernels and their tuning table)."""
+    from qerl.kernels import FP4Kernels
+    from qerl.quant import get_format
+
+    return isinstance(get_format(fmt).kernels, FP4Kernels)
+
+
+def fp4_formats() -> list[str]:
+    from qerl.quant import FORMATS
+
+    return [f for f in FORMATS if _fp4(f)]
 DEVICE = "cuda"  # the benchmark is for GPUs; tests may point it elsewhere
 
 
@@ -79,7 +93,7 @@ class _Weights:
         self.nbytes = sum(t.numel() * t.element_size() for t in q.values())
         reps = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / self.nbytes)))
         self.qs = [q] + [{kk: v.clone() for kk, v in q.items()} for _ in range(reps - 1)]
-        if fmt in ("nvfp4", "mxfp4"):
+        if _fp4(fmt):
             self.pws = [prepare(fmt, qq) for qq in self.qs]
 
 
@@ -341,7 +355,7 @@ def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
                         w = wts[(n, k)]
                         t = _time_fn(fmt, w, m, k, n, op, rep_ms)
                         xin = torch.empty(m, n if op == "bwd" else k, device=DEVICE, dtype=torch.bfloat16)
-                        if op == "fwd" or fmt not in ("nvfp4", "mxfp4"):
+                        if op == "fwd" or not _fp4(fmt):
                             backends.add(qk.backend_for(fmt, xin, w.qs[0]))
                         else:
                             backends.add("dequant_cublas")
@@ -373,7 +387,10 @@ def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
 
 def markdown(rows, header: str) -> str:
     layer = [r for r in rows if r["linear"] == "layer"]
-    fmts = [f for f in ("bf16", "nvfp4", "mxfp4", "nf4") if any(r["fmt"] == f for r in layer)]
+    from qerl.quant import FORMATS
+
+    seen = set(r["fmt"] for r in layer)
+    fmts = [f for f in FORMATS if f in seen] + sorted(seen - set(FORMATS))  # registry order: BF16 first
     out = [header, ""]
     for mdl in dict.fromkeys(r["model"] for r in layer):
         for op in ("fwd", "bwd"):
@@ -395,7 +412,7 @@ def markdown(rows, header: str) -> str:
                     sp = "" if f == "bf16" else f" ({r.get('speedup_vs_bf16', float('nan')):.2f}×)"
                     gsp = "" if f == "bf16" else f" ({r.get('graph_speedup_vs_bf16', float('nan')):.2f}×)"
                     cells.append(f"{r['us']:.1f}{sp} {r['TBps']:.2f} · {r['layer_graph_us']:.1f}{gsp}")
-                    if f == "nvfp4":
+                    if _fp4(f) and not be:  # the FP4 path's backend (the first FP4 column's)
                         be = r.get("backend", "")
                 out.append(f"| {m} | " + " | ".join(cells) + f" | {be} |")
             out.append("")
@@ -406,7 +423,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="3b,7b,14b,32b")
     ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)))
-    ap.add_argument("--fmts", default="bf16,nvfp4,mxfp4,nf4")
+    ap.add_argument("--fmts", default=None, help="comma-separated formats (default: every registered format)")
     ap.add_argument("--out", default="results/speed")
     ap.add_argument("--rep", type=float, default=20.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--tune", action="store_true", help="time candidate configurations first and use the best")
@@ -421,7 +438,7 @@ def main(argv=None) -> None:
                     help="only compile the tuning candidates in parallel (fills Triton's cache) and exit")
     a = ap.parse_args(argv)
     if a.precompile_only:
-        jobs = tune_jobs(a.tune_models.split(","), ["nvfp4", "mxfp4"], [int(v) for v in a.tune_m.split(",")])
+        jobs = tune_jobs(a.tune_models.split(","), fp4_formats(), [int(v) for v in a.tune_m.split(",")])
         t0 = time.time()
         failed = precompile(jobs, a.workers)
         print(f"[precompile] {len(jobs)} jobs in {time.time() - t0:.0f}s, {len(failed)} failed", flush=True)
@@ -431,7 +448,9 @@ def main(argv=None) -> None:
     import triton
 
     from qerl import kernels as qk
-    fmts = [f for f in a.fmts.split(",") if f]
+    from qerl.quant import FORMATS
+
+    fmts = [f for f in (a.fmts or ",".join(FORMATS)).split(",") if f]
     if "nf4" in fmts:
         try:
             import bitsandbytes  # noqa: F401
@@ -444,7 +463,7 @@ def main(argv=None) -> None:
     bw = copy_bandwidth()
     print(f"[bench] {name}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     if a.tune:
-        best = tune(a.tune_models.split(","), [f for f in fmts if f in ("nvfp4", "mxfp4")],
+        best = tune(a.tune_models.split(","), [f for f in fmts if _fp4(f)],
                     [int(v) for v in a.tune_m.split(",")], a.tune_rep,
                     os.path.join(a.out, f"layers_tune_{tag}.csv"), a.workers,
                     more_models=a.models.split(","), top=a.tune_top)
@@ -473,7 +492,7 @@ def main(argv=None) -> None:
               f"graph over consecutive layer copies. Dispatch table: "
               f"{'tuned in this run' if a.tune else 'qerl/kernels/configs.py'}; "
               f"FP4 dispatch M<= {qk.configs.GEMV_MAX_M} gemv-family, <= {qk.configs.GEMM_MAX_M} fused GEMM, "
-              f"else dequant+cuBLAS (table entries may override). Command: `python -m qerl.kernels.bench "
+              f"else dequant+cuBLAS (table entries may override). Command: `python -m benchmarks.kernel_bench "
               f"{' '.join(sys.argv[1:] if argv is None else argv)}`")
     md = markdown(rows, header)
     with open(os.path.join(a.out, f"layers_{tag}.md"), "w") as fh:
