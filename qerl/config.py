@@ -184,6 +184,7 @@ class TrainLoopCfg:
     keep_checkpoints: int = num(2, 0, why="0 keeps every checkpoint")
     eval_every: int = num(0, 0, why="0 evaluates only at the end")
     progress: bool = True
+    log_samples: bool = False  # samples.jsonl: per step, every group's prompt id, completions, rewards, advantages
 
 
 @dataclass(frozen=True)

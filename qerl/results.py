@@ -5,6 +5,7 @@ A run directory holds::
     config.yaml      the resolved configuration (what was actually run)
     env.json         git SHA and dirty diff, package versions, hardware, command line
     metrics.jsonl    one JSON object per optimizer step, appended and fsync'ed as the run goes
+    samples.jsonl    (train.log_samples) one line per step: its groups' completions, rewards, advantages
     summary.json     final numbers (evaluation, totals), written atomically
     checkpoints/     step_<N>/ (trainable state, optimizer, data position, sha256.json), newest kept; git-ignored
     .lock            held (flock) by the one process writing the directory; names its pid and host
@@ -54,7 +55,7 @@ from qerl.runfiles import (  # noqa: F401 (ResultsWarning: re-exported for reade
 )
 
 CONFIG, ENV, METRICS, SUMMARY, CKPTS = "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints"
-EVALS = "eval.jsonl"
+EVALS, SAMPLES = "eval.jsonl", "samples.jsonl"
 _STEP_DIR = re.compile(r"step_(\d+)")  # a finished checkpoint; step_N.tmp and moved-aside ones do not match
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "compressed-tensors", "triton", "math-verify",
              "optuna", "hydra-core", "numpy", "vllm", "qerl")
@@ -199,6 +200,10 @@ class RunWriter:
         """Append intermediate evaluation results (eval.jsonl), same crash-safety as metrics."""
         append_line(self.dir / EVALS, json.dumps({"step": step, **results}, default=jsonable) + "\n")
 
+    def log_samples(self, step: int, groups: list[dict]) -> None:
+        """Append one step's groups (samples.jsonl, one line per step; same crash-safety as metrics)."""
+        append_line(self.dir / SAMPLES, json.dumps({"step": step, "groups": groups}, default=jsonable) + "\n")
+
     def read_summary(self) -> dict | None:
         return read_summary(self.dir)
 
@@ -290,9 +295,10 @@ class RunWriter:
             warn(f"not resuming from {ck}: {why}; set it aside as {aside.name} and resuming from step {k}")
         metrics.warn_bad()
         _keep_steps_upto(metrics, k)
-        evals = scan_jsonl(self.dir / EVALS, steps=True)
-        evals.warn_bad()
-        _keep_steps_upto(evals, k)
+        for name in (EVALS, SAMPLES):
+            lines = scan_jsonl(self.dir / name, steps=True)
+            lines.warn_bad()
+            _keep_steps_upto(lines, k)
         for tmp in (self.dir / CKPTS).glob("step_*.tmp"):  # a save killed midway (we hold the lock: not in use)
             shutil.rmtree(tmp, ignore_errors=True)
         return k, state

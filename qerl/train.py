@@ -261,7 +261,13 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
 
     bar = _progress(cfg, start) if D.main else None
     for step in range(start + 1, cfg.train.steps + 1):
-        m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device, D)
+        record = [] if cfg.train.log_samples else None
+        m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device, D,
+                       record)
+        if record is not None:
+            groups = sorted(sum(D.all_gather_object(record), []), key=lambda g: g["group"])
+            if writer is not None:
+                writer.log_samples(step, groups)
         if writer is not None:
             writer.log(step, **m)
         if on_step is not None:
@@ -330,8 +336,10 @@ def _report_truncation(cfg: TrainConfig, writer: RunWriter) -> None:
 
 
 def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device,
-               D: dist.Dist | None = None) -> dict:
+               D: dist.Dist | None = None, record: list | None = None) -> dict:
     """One RL step (rollout, rewards, advantages, updates). Returns the metrics line (the same on every rank).
+    ``record``, if a list, receives one dict per group this rank trained on (its position in the step's group
+    order, problem id, completions, rewards, advantages): what ``train.log_samples`` writes.
 
     Under torchrun (``D.enabled``) this rank takes the groups i ≡ rank (mod W) of the step; its metrics are reduced
     from sums and counts over all ranks, and each update sums the ranks' gradients (see qerl.dist)."""
@@ -366,7 +374,8 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
     B = len(all_problems)
     mine = D.shard(B)                                   # this rank's global group indices (all of them on one)
     mine_t = torch.tensor(mine, dtype=torch.long, device=device)
-    ro, scored, r = rollout([all_problems[i] for i in mine], 0, mine)
+    probs = [all_problems[i] for i in mine]  # the problems of this rank's groups, in the order of ``pos``
+    ro, scored, r = rollout(probs, 0, mine)
     t_roll = time.perf_counter() - t0
     gen_tokens, roll_time = ro.stats["generated_tokens"], ro.stats["rollout_s"]
     # reward, reward_std, rewards/<fn>/mean|std, reward_errors (first sampling round, over every rank's groups)
@@ -378,6 +387,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
         keep = algos.dynamic_sampling_filter(r, G)
         keep_all = D.gather_keep(keep)                                 # (B,) every rank's verdicts, global order
         ros, rs = [ro.select_groups(keep)], [r.view(-1, G)[keep].reshape(-1)]
+        probs = [p for p, k in zip(probs, keep.tolist(), strict=True) if k]
         poss = [(keep_all.long().cumsum(0) - 1)[mine_t][keep]]
         kept = int(keep_all.sum())
         for k in range(1, a.max_refills + 1):
@@ -393,6 +403,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
             sel_all[idx] = True
             sel = sel_all[mine_t]
             ros.append(ro2.select_groups(sel))
+            probs += [extra[i] for i, k in zip(mine, sel.tolist(), strict=True) if k]
             rs.append(r2.view(-1, G)[sel].reshape(-1))
             poss.append(kept + (sel_all.long().cumsum(0) - 1)[mine_t][sel])
             kept += int(sel_all.sum())
@@ -425,6 +436,11 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                        peak_mem_gib=_max(D, peak_memory_gib(device)))
         return metrics
     adv = algos.group_advantages(r, G, a.adv_std_norm, a.adv_eps)                      # (N,)
+    if record is not None:
+        for j, (p, g) in enumerate(zip(probs, pos.tolist(), strict=True)):
+            rows = slice(j * G, (j + 1) * G)
+            record.append({"group": g, "id": p.id, "rewards": r[rows].tolist(), "advantages": adv[rows].tolist(),
+                           "completions": ro.texts[rows]})
     micro = cfg.train.micro_batch
     temp = cfg.rollout.temperature
     ac = _autocast(policy, device)
@@ -589,7 +605,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if rank == 0:
-            print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
+        print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
               f"eval {({k: v.get('pass@1') for k, v in (summary.get('eval') or {}).items()})}")
 
 
