@@ -14,6 +14,10 @@ One step (house rule 1: no trainer class, no callbacks):
 
 Every random draw of step s is seeded from (seed, s), so a run killed at any moment and resumed from its last
 checkpoint recomputes exactly the lines it lost (RunWriter.resume keeps the lines up to the checkpoint, no more).
+
+Under ``torchrun --nproc_per_node=W -m qerl.train ...`` each rank runs this loop on groups i ≡ rank (mod W) of
+every step; gradients and metrics are summed over ranks (``qerl.dist``); seeds gain the rank, unless
+``rollout.seed_scope=group`` makes them per group (then W does not change what is sampled).
 """
 
 from __future__ import annotations
@@ -431,16 +435,16 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                        prompts_truncated=ro.stats.get("prompts_truncated", 0),
                        time_rollout_s=t_roll)
         total_rows, total_tokens = n_rows, mask.sum()
-    if total_rows == 0 or total_tokens == 0:  # nothing to learn from (every group uniform, or all truncated)
-        metrics.update(skipped_update=1, time_step_s=_max(D, time.perf_counter() - t0),
-                       peak_mem_gib=_max(D, peak_memory_gib(device)))
-        return metrics
     adv = algos.group_advantages(r, G, a.adv_std_norm, a.adv_eps)                      # (N,)
     if record is not None:
         for j, (p, g) in enumerate(zip(probs, pos.tolist(), strict=True)):
             rows = slice(j * G, (j + 1) * G)
             record.append({"group": g, "id": p.id, "rewards": r[rows].tolist(), "advantages": adv[rows].tolist(),
-                           "completions": ro.texts[rows]})
+                           "completions": ro.texts[rows], "truncated": ro.truncated[rows].tolist()})
+    if total_rows == 0 or total_tokens == 0:  # nothing to learn from (every group uniform, or all truncated)
+        metrics.update(skipped_update=1, time_step_s=_max(D, time.perf_counter() - t0),
+                       peak_mem_gib=_max(D, peak_memory_gib(device)))
+        return metrics
     micro = cfg.train.micro_batch
     temp = cfg.rollout.temperature
     ac = _autocast(policy, device)

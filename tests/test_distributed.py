@@ -29,9 +29,10 @@ from qerl.results import read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-# The committed smoke model; 4 prompts x 4 samples per step, short answers, one held-out batch per rank.
-FAST = ["scale=smoke", "train.steps=1", "train.batch_size=16", "algo.group_size=4", "train.micro_batch=16",
-        "data.max_new_tokens=24", "eval.limit=4", "eval.n_samples=1", "eval.max_new_tokens=24", "eval.batch_prompts=2",
+# The committed smoke model; 4 prompts x 4 samples per step, 2 steps (at least one with an update), one held-out
+# batch per rank.
+FAST = ["scale=smoke", "train.steps=2", "train.batch_size=16", "algo.group_size=4", "train.micro_batch=16",
+        "data.max_new_tokens=48", "eval.limit=4", "eval.n_samples=1", "eval.max_new_tokens=24", "eval.batch_prompts=2",
         "algo.ppo_epochs=1", "train.progress=false", "optim.name=adamw", "rollout.seed_scope=group",
         "train.log_samples=true", "dist.timeout_s=30"]
 TIMING = ("time_", "peak_mem_gib", "rollout_tokens_per_s")
@@ -75,6 +76,7 @@ def trainable(run: Path) -> dict[str, torch.Tensor]:
 def assert_equivalent(one: Path, two: Path) -> None:
     ma, mb = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [r["step"] for r in ma] == [r["step"] for r in mb]
+    assert any(r.get("grad_norm") for r in ma), "no step updated the weights"
     for ra, rb in zip(ma, mb, strict=True):
         assert set(ra) == set(rb)
         for k in ra:
@@ -89,12 +91,14 @@ def assert_equivalent(one: Path, two: Path) -> None:
         assert a["groups"], "no groups were recorded"
         assert [g["group"] for g in a["groups"]] == list(range(len(a["groups"])))
         assert a["groups"] == b["groups"]
-    # the trained weights (LoRA A and B of every layer): the same update from the same global batch
+    # the trained weights (LoRA A and B of every layer): the same update from the same global batch. The gradient
+    # itself is compared through grad_norm above (rel 1e-4); Adam divides each element by its own RMS, so an element
+    # whose gradient is near 0 turns float-order noise into a visible share of a step: allow 1% of one step (lr 1e-3)
     wa, wb = trainable(one), trainable(two)
     assert wa.keys() == wb.keys()
     moved = 0
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
         moved += int(not torch.equal(wa[k], torch.zeros_like(wa[k])))
     assert moved, "no trainable weight moved"
     ea = json.loads((one / "env.json").read_text())["distributed"]
@@ -140,7 +144,7 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
 
 
 def test_a_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path):
-    extra = ("train.steps=4", "train.save_every=1", "eval.sets=[]")
+    extra = ("train.steps=4", "train.save_every=1", "eval.sets=[]", "data.max_new_tokens=24")
     cmd = command(2, tmp_path, "killed", extra)
     run = tmp_path / "dist" / "killed"
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
