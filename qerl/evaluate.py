@@ -181,12 +181,18 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = ()) -> dict:
     weights = _trained_weights(run_dir, cfg)
     if cfg.full_finetune:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=str(weights)))
-    policy, tok = build_policy(cfg, resolve_device(cfg.device))
-    if not cfg.full_finetune:
-        load_adapter(policy, weights)
-    ev = evaluate_policy(policy, tok, cfg, out_dir=run_dir)
-    RunWriter(run_dir).write_summary({"eval": ev})
-    return ev
+    D, device = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s)  # torchrun: eval batches shared out
+    try:
+        policy, tok = build_policy(cfg, device or resolve_device(cfg.device))
+        if not cfg.full_finetune:
+            load_adapter(policy, weights)
+        ev = evaluate_policy(policy, tok, cfg, out_dir=run_dir)
+        if D.main:
+            RunWriter(run_dir).write_summary({"eval": ev})
+        D.barrier()
+        return ev
+    finally:
+        dist.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,9 +207,12 @@ def main(argv: list[str] | None = None) -> None:
                                       ["run_name=base-" + next((a.split("=", 1)[1] for a in rest
                                                                 if a.startswith("quant=")), "bf16")]))
             ev = run_base(cfg)["eval"]
-    except UserError as e:  # a mistake the user must fix: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # a mistake the user must fix: one line, no traceback (from rank 0 under torchrun)
+        if dist.world_from_env()[0] == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if dist.world_from_env()[0] != 0:
+        return
     for name, s in ev.items():
         print(f"{name}: pass@1 = {100 * s['pass@1']:.1f}% ({s['n_problems']} problems x {s['n_samples']} samples)")
 

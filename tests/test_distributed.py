@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,11 +37,10 @@ FAST = ["scale=smoke", "train.steps=2", "train.batch_size=16", "algo.group_size=
         "algo.ppo_epochs=1", "train.progress=false", "optim.name=adamw", "rollout.seed_scope=group",
         "train.log_samples=true", "dist.timeout_s=30"]
 TIMING = ("time_", "peak_mem_gib", "rollout_tokens_per_s")
-# logged exactly the same by 1 and 2 ranks (the rollouts and rewards are the same; the rest is float sums whose
-# order depends on the split)
+# logged exactly the same by 1 and 2 ranks (the rollouts and rewards are the same; the rest are means whose float
+# sums depend on the split: one process takes a float32 mean of the lengths, ranks a float64 sum over ranks)
 EXACT = ("reward", "reward_std", "rewards/accuracy/mean", "rewards/accuracy/std", "reward_errors", "groups_kept",
-         "groups_sampled", "rollout_tokens", "response_length", "response_length_max", "truncated_frac",
-         "prompts_truncated", "sigma", "lr", "updates")
+         "groups_sampled", "rollout_tokens", "response_length_max", "prompts_truncated", "sigma", "lr", "updates")
 
 
 def free_port() -> int:
@@ -207,3 +207,61 @@ def test_device_cuda_on_a_cpu_machine_is_a_clear_launch_error(tmp_path):
     lines = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
     assert len(lines) == 1 and "device=cuda with 2 ranks on this node but 0 GPU(s) visible" in lines[0], \
         res.stderr[-3000:]
+
+
+def test_experiment_rows_run_on_nproc_ranks(tmp_path):
+    """``--nproc 2`` (Make ``NPROC=2``): each training or evaluation row is a torchrun job of 2 ranks; a runner that is
+    not data-parallel keeps one process."""
+    from experiments.common import RUNNERS, Row, compose, run_rows, worker_command
+
+    ov = tuple(o for o in FAST if not o.startswith(("train.log_samples", "train.steps"))) + ("train.steps=1",)
+    rows = [Row("a", ov), Row("base", ov, runner="base")]
+    jobs = compose("np", "smoke", rows, (0,), [f"out_dir={tmp_path}"])
+    for j in jobs:
+        cmd = worker_command(j, 1, nproc=2)
+        assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    RUNNERS["probe-single"] = "tests.test_distributed:free_port"  # any runner not known to be data-parallel
+    try:
+        one = compose("np", "smoke", [Row("p", ov, runner="probe-single")], (0,), [f"out_dir={tmp_path}"])[0]
+        assert worker_command(one, 1, nproc=2)[1:3] == ["-m", "experiments.worker"]
+    finally:
+        del RUNNERS["probe-single"]
+    res = run_rows("np", "smoke", rows, (0,), [f"out_dir={tmp_path}"], workers=1, nproc=2)
+    assert res["failed"] == [] and len(res["done"]) == 2, res
+    for key in ("a-s0", "base-s0"):
+        run = tmp_path / "np" / "smoke" / key
+        assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+        assert json.loads((run / "env.json").read_text())["distributed"]["world_size"] == 2
+    assert [r["step"] for r in read_jsonl(tmp_path / "np" / "smoke" / "a-s0" / "metrics.jsonl")] == [1]
+
+
+def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, silent) makes the others' next collective time out after
+    dist.timeout_s with an error, and torchrun takes the job down: never a silent hang."""
+    cmd = command(2, tmp_path, "hung", ("train.steps=50", "train.save_every=0", "eval.sets=[]",
+                                        "data.max_new_tokens=24", "dist.timeout_s=10"))
+    run = tmp_path / "dist" / "hung"
+    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = None
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_jsonl(run / "metrics.jsonl")) < 1 and p.poll() is None:
+            time.sleep(0.05)
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        victim = _rank_pid(p.pid, 1)
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.time()
+        out, _ = p.communicate(timeout=180)
+        waited = time.time() - t_stop
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+    # 10 s for the collective, then torchrun stops the job (it gives a stopped rank up to 30 s before SIGKILL)
+    assert waited < 10 + 30 + 20, f"the job took {waited:.0f} s to fail after a rank hung"
+    assert len(read_jsonl(run / "metrics.jsonl")) < 50
