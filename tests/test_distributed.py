@@ -209,23 +209,32 @@ def test_device_cuda_on_a_cpu_machine_is_a_clear_launch_error(tmp_path):
         res.stderr[-3000:]
 
 
-def test_experiment_rows_run_on_nproc_ranks(tmp_path):
+ROW = tuple(o for o in FAST if not o.startswith(("train.log_samples", "train.steps"))) + ("train.steps=1",)
+
+
+def test_nproc_launches_torchrun_for_data_parallel_runners(tmp_path):
     """``--nproc 2`` (Make ``NPROC=2``): each training or evaluation row is a torchrun job of 2 ranks; a runner that is
     not data-parallel keeps one process."""
-    from experiments.common import RUNNERS, Row, compose, run_rows, worker_command
+    from experiments.common import RUNNERS, Row, compose, worker_command
 
-    ov = tuple(o for o in FAST if not o.startswith(("train.log_samples", "train.steps"))) + ("train.steps=1",)
-    rows = [Row("a", ov), Row("base", ov, runner="base")]
+    rows = [Row("a", ROW), Row("base", ROW, runner="base")]
     jobs = compose("np", "smoke", rows, (0,), [f"out_dir={tmp_path}"])
     for j in jobs:
         cmd = worker_command(j, 1, nproc=2)
         assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
     RUNNERS["probe-single"] = "tests.test_distributed:free_port"  # any runner not known to be data-parallel
     try:
-        one = compose("np", "smoke", [Row("p", ov, runner="probe-single")], (0,), [f"out_dir={tmp_path}"])[0]
+        one = compose("np", "smoke", [Row("p", ROW, runner="probe-single")], (0,), [f"out_dir={tmp_path}"])[0]
         assert worker_command(one, 1, nproc=2)[1:3] == ["-m", "experiments.worker"]
     finally:
         del RUNNERS["probe-single"]
+
+
+@pytest.mark.slow  # two torchrun jobs: ~60 s on 2 cores
+def test_experiment_rows_run_on_nproc_ranks(tmp_path):
+    from experiments.common import Row, run_rows
+
+    rows = [Row("a", ROW), Row("base", ROW, runner="base")]
     res = run_rows("np", "smoke", rows, (0,), [f"out_dir={tmp_path}"], workers=1, nproc=2)
     assert res["failed"] == [] and len(res["done"]) == 2, res
     for key in ("a-s0", "base-s0"):
@@ -235,6 +244,7 @@ def test_experiment_rows_run_on_nproc_ranks(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "np" / "smoke" / "a-s0" / "metrics.jsonl")] == [1]
 
 
+@pytest.mark.slow  # ~70 s: the timeout, then torchrun's grace period for a rank that does not stop
 def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
     """A rank that stops answering (SIGSTOP: alive, silent) makes the others' next collective time out after
     dist.timeout_s with an error, and torchrun takes the job down: never a silent hang."""
