@@ -403,17 +403,22 @@ def parse_devices(text: str | None) -> list[str]:
     return devs
 
 
+def worker_envs(n: int, devices=(), environ=None) -> list[dict[str, str]]:
+    """The environments of ``n`` sweep workers: a share of the CPU cores each, and with ``devices`` worker i sees
+    only GPU ``devices[i % len(devices)]``."""
+    threads = max(1, (os.cpu_count() or 1) // n)
+    env = dict(os.environ if environ is None else environ, PYTHONUNBUFFERED="1")
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(k, str(threads))
+    return [dict(env, CUDA_VISIBLE_DEVICES=devices[i % len(devices)]) if devices else dict(env) for i in range(n)]
+
+
 def spawn_workers(args, n: int, storage_url: str, devices: list[str] = ()) -> int:
     """Start ``n`` worker processes on the study (each one is ``python -m sweeps.aqn --worker-tag i``); returns the
     first nonzero exit status. Their output is prefixed with ``[w<i>]``. With ``devices``, worker i sees only GPU
     ``devices[i % len(devices)]`` (CUDA_VISIBLE_DEVICES)."""
-    threads = max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(k, str(threads))
     procs = []
-    for i in range(n):
-        wenv = dict(env, CUDA_VISIBLE_DEVICES=devices[i % len(devices)]) if devices else env
+    for i, wenv in enumerate(worker_envs(n, devices)):
         cmd = [sys.executable, "-m", "sweeps.aqn", "--study", args.study, "--storage", storage_url,
                "--trials", str(args.trials), "--seed", str(args.seed), "--pruner", args.pruner,
                "--heartbeat", str(args.heartbeat), "--startup-trials", str(args.startup_trials),

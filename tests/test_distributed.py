@@ -275,3 +275,18 @@ def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
     # 10 s for the collective, then torchrun stops the job (it gives a stopped rank up to 30 s before SIGKILL)
     assert waited < 10 + 30 + 20, f"the job took {waited:.0f} s to fail after a rank hung"
     assert len(read_jsonl(run / "metrics.jsonl")) < 50
+
+
+def test_sweep_devices_give_each_worker_its_own_gpu():
+    from sweeps.aqn import parse_args, parse_devices, worker_envs
+
+    envs = worker_envs(3, ["0", "1"], environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "0"]
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in worker_envs(2, [], environ={}))
+    assert parse_args(["--study", "s", "--devices", "0,1,2"]).workers == 3  # one worker per device by default
+    assert parse_args(["--study", "s", "--devices", "0,1", "--workers", "4"]).workers == 4
+    with pytest.raises(UserError, match="--devices"):
+        parse_devices("0,,1")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU is visible"):
+            parse_devices("0,1")
