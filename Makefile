@@ -9,6 +9,8 @@ STUDY ?= aqn-$(SCALE)
 TRIALS ?= 8
 # Experiment rows run as worker processes, WORKERS at a time on one device (0: one after the other in-process).
 WORKERS ?= 1
+# Each row data-parallel on NPROC GPUs (torchrun --standalone --nproc_per_node NPROC); 1: one process per row.
+NPROC ?= 1
 SWEEP_WORKERS ?= 2
 CONCURRENCY ?= 1,2,4
 export PYTHONUNBUFFERED := 1
@@ -21,7 +23,8 @@ help:
 	@echo "make test                 run the CPU test suite (installs dependencies first)"
 	@echo "make reproduce-table2     Table 2 (DAPO, Big-Math) at SCALE=$(SCALE); also reproduce-table1"
 	@echo "make fig4 fig8 fig9 fig10 fig15 fig16  the ablation runs behind each figure, then the figure"
-	@echo "                          (WORKERS=$(WORKERS): rows run as processes, WORKERS at a time on one device)"
+	@echo "                          (WORKERS=$(WORKERS): rows run as processes, WORKERS at a time on one device;"
+	@echo "                          NPROC=$(NPROC): each row data-parallel on NPROC GPUs through torchrun)"
 	@echo "make evidence SCALE=small the claims matrix (entropy, formats, AQN; seeds, lr grid) on one GPU, then its"
 	@echo "                          findings table and figures (SCALE=small|toy; WORKERS=8 on an H100)"
 	@echo "make figures              regenerate every figure and table from results/ alone"
@@ -54,25 +57,25 @@ quant-report: deps
 	$(PY) -m qerl.quant.report --out results/quant/report.md
 
 reproduce-table1: deps
-	$(PY) -m experiments.table1 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+	$(PY) -m experiments.table1 --scale $(SCALE) --workers $(WORKERS) --nproc $(NPROC) $(ARGS)
 
 reproduce-table2: deps
-	$(PY) -m experiments.table2 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+	$(PY) -m experiments.table2 --scale $(SCALE) --workers $(WORKERS) --nproc $(NPROC) $(ARGS)
 
 fig4 fig5: deps
-	$(PY) -m experiments.fig4 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+	$(PY) -m experiments.fig4 --scale $(SCALE) --workers $(WORKERS) --nproc $(NPROC) $(ARGS)
 
 fig8 fig9 fig10: deps
-	$(PY) -m experiments.$@ --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+	$(PY) -m experiments.$@ --scale $(SCALE) --workers $(WORKERS) --nproc $(NPROC) $(ARGS)
 
 fig15: deps
 	$(PY) -m experiments.fig15
 
 fig16 fig17: deps
-	$(PY) -m experiments.fig16 --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+	$(PY) -m experiments.fig16 --scale $(SCALE) --workers $(WORKERS) --nproc $(NPROC) $(ARGS)
 
 evidence: deps
-	$(PY) -m experiments.evidence --scale $(SCALE) --workers $(WORKERS) $(ARGS)
+	$(PY) -m experiments.evidence --scale $(SCALE) --workers $(WORKERS) --nproc $(NPROC) $(ARGS)
 
 figures: deps
 	$(PY) -m paper_figures --root results

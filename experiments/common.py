@@ -6,7 +6,9 @@ interrupted one resumes from its checkpoint (``qerl.train.run`` does both), so r
 
 A row names what it runs (``Row.runner``, a key of ``RUNNERS``). ``--workers N`` (default 1) runs each row x seed
 as its own process (``experiments.worker``), at most N at a time on the same device; ``--workers 0`` runs them one
-after the other inside this process (for a debugger or a profiler).
+after the other inside this process (for a debugger or a profiler). ``--nproc P`` (``NPROC=`` in the Makefile,
+default 1) runs each row data-parallel on P GPUs: its worker is launched by ``torchrun --standalone
+--nproc_per_node P`` (runners that train or evaluate; others run as one process).
 
 Scales (``SCALE=`` in the Makefile):
 * ``smoke``: CPU, minutes. The committed toy smoke model stands in for every paper model and trains on the toy
@@ -55,6 +57,8 @@ WEIGHTS = {name: f.label for name, f in FORMATS.items()}  # format -> the label 
 #: so nothing heavy is imported until a row runs, and a worker process can import the function by itself.
 #: Another module registers its own: ``RUNNERS["entropy"] = "experiments.evidence:run_entropy"``.
 RUNNERS = {"train": "qerl.train:run", "base": "qerl.evaluate:run_base"}
+#: Runners that run data-parallel under torchrun (every rank calls them; rank 0 writes): ``--nproc`` applies to these.
+DISTRIBUTED_RUNNERS = {"qerl.train:run", "qerl.evaluate:run_base"}
 
 
 def runner_path(name: str, where: str = "") -> str:
@@ -149,23 +153,27 @@ def compose(artifact: str, scale: str, rows: list[Row], seeds, extra=()) -> list
 
 
 def run_rows(artifact: str, scale: str, rows: list[Row], seeds=None, extra=(), dry_run: bool = False,
-             workers: int = 1) -> dict:
+             workers: int = 1, nproc: int = 1) -> dict:
     """Run (or skip, or resume) every row x seed (see ``run_jobs``); returns ``{"configs", "done", "skipped",
     "failed"}``."""
     jobs = compose(artifact, scale, rows, SEEDS[scale] if seeds is None else seeds, extra)
-    return run_jobs(jobs, f"[{artifact}/{scale}]", workers, dry_run)
+    return run_jobs(jobs, f"[{artifact}/{scale}]", workers, dry_run, nproc)
 
 
-def run_jobs(jobs: list[Job], label: str, workers: int = 1, dry_run: bool = False) -> dict:
+def run_jobs(jobs: list[Job], label: str, workers: int = 1, dry_run: bool = False, nproc: int = 1) -> dict:
     """Run (or skip, or resume) composed jobs; ``done`` includes the skipped, already finished runs.
 
     ``workers >= 1``: each job runs in its own process (``python -m experiments.worker``), at most ``workers`` at a
     time, all on this machine's device; its output goes to ``<run_dir>/worker.log``. ``workers = 0``: one after the
     other inside this process. Either way a finished run is skipped without starting anything, and a failed one is
     reported without stopping the others; it resumes from its checkpoint the next time the matrix runs.
+    ``nproc > 1``: each training or evaluation job runs on ``nproc`` ranks (``torchrun``; needs ``workers >= 1``).
     """
     if workers < 0:
         raise UserError(f"workers={workers} is not valid; use 0 (in this process) or N >= 1 processes at a time")
+    if nproc < 1 or (nproc > 1 and workers == 0):
+        raise UserError(f"nproc={nproc} is not valid with workers={workers}; use nproc >= 1, and workers >= 1 when "
+                        f"nproc > 1 (each row is then a torchrun job)")
     log = _Log(label, len(jobs))
     res = {"configs": [(j.row, j.cfg) for j in jobs], "done": [], "skipped": [], "failed": []}
     todo = []
@@ -181,7 +189,7 @@ def run_jobs(jobs: list[Job], label: str, workers: int = 1, dry_run: bool = Fals
     if workers == 0:
         _run_in_process(todo, log, res)
     else:
-        _run_in_workers(todo, workers, log, res)
+        _run_in_workers(todo, workers, log, res, nproc=nproc)
     return res
 
 
@@ -222,14 +230,15 @@ WORKER_LOG = "worker.log"
 _ROOT = Path(__file__).resolve().parents[1]  # the checkout holding experiments/ (and qerl/)
 
 
-def worker_env(workers: int, environ=None) -> dict[str, str]:
+def worker_env(workers: int, environ=None, nproc: int = 1) -> dict[str, str]:
     """The environment of each of ``workers`` row processes sharing this machine: this process's (so
     CUDA_VISIBLE_DEVICES and everything else pass through) plus a fair share of the CPU cores for torch's threads
     (OMP_NUM_THREADS) and for the math-verify pool (QERL_REWARD_WORKERS; its own default, min(4, cores), times N
-    workers would oversubscribe the cores). A value the caller already set wins."""
+    workers would oversubscribe the cores); ``nproc`` ranks per row share their row's share. A value the caller
+    already set wins."""
     env = dict(os.environ if environ is None else environ)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // workers)
+    share = max(1, cores // (workers * nproc))
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(k, str(share))
     env.setdefault("QERL_REWARD_WORKERS", str(min(4, share)))
@@ -240,10 +249,21 @@ def worker_env(workers: int, environ=None) -> dict[str, str]:
     return env
 
 
-def worker_command(job: Job, workers: int) -> list[str]:
-    """``python -m experiments.worker``: the row's runner and overrides; ``--workers`` lands in env.json's argv."""
-    return [sys.executable, "-m", "experiments.worker", "--runner", job.runner, "--workers", str(workers),
-            "--parent-pid", str(os.getpid()), "--", *job.overrides]
+def job_nproc(job: Job, nproc: int) -> int:
+    """How many ranks ``job`` runs on: ``nproc`` for a runner that runs data-parallel, else 1."""
+    return nproc if job.runner in DISTRIBUTED_RUNNERS else 1
+
+
+def worker_command(job: Job, workers: int, nproc: int = 1) -> list[str]:
+    """``python -m experiments.worker``: the row's runner and overrides; ``--workers`` lands in env.json's argv.
+    With ``nproc > 1`` (and a data-parallel runner) the worker is launched on that many ranks by torchrun
+    (``--standalone``: a rendezvous on a free local port, so several rows can run at once)."""
+    cmd = ["-m", "experiments.worker", "--runner", job.runner, "--workers", str(workers),
+           "--parent-pid", str(os.getpid()), "--", *job.overrides]
+    n = job_nproc(job, nproc)
+    if n > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *cmd]
+    return [sys.executable, *cmd]
 
 
 @dataclass(eq=False)
@@ -254,14 +274,23 @@ class _Proc:
     t0: float
 
 
-def _spawn(job: Job, workers: int, env: dict) -> _Proc:
+def _term_with_parent() -> None:  # in the torchrun child before exec: SIGTERM when the runner dies, however it dies
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _spawn(job: Job, workers: int, env: dict, nproc: int = 1) -> _Proc:
     run_dir = Path(job.cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = worker_command(job, workers)
+    cmd = worker_command(job, workers, nproc)
     f = open(run_dir / WORKER_LOG, "a")  # appended: a resumed row keeps the story of its earlier attempts
     f.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {shlex.join(cmd)}\n")
     f.flush()
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env)
+    # torchrun (nproc > 1) stops its ranks on SIGTERM; the ranks die with torchrun (experiments.worker)
+    pre = _term_with_parent if job_nproc(job, nproc) > 1 and sys.platform.startswith("linux") else None
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=pre)
     return _Proc(job, p, f, time.perf_counter())
 
 
@@ -280,14 +309,14 @@ def _log_tail(path: Path, lines: int = 15) -> str:
     return ""
 
 
-def _run_in_workers(jobs: list[Job], workers: int, log: _Log, res: dict, poll_s: float = 0.2) -> None:
-    env = worker_env(workers)
+def _run_in_workers(jobs: list[Job], workers: int, log: _Log, res: dict, poll_s: float = 0.2, nproc: int = 1) -> None:
+    env = worker_env(workers, nproc=nproc)
     pending, running = list(reversed(jobs)), []
     try:
         with _sigterm_as_interrupt():
             while pending or running:
                 while pending and len(running) < workers:
-                    w = _spawn(pending.pop(), workers, env)
+                    w = _spawn(pending.pop(), workers, env, nproc)
                     running.append(w)
                     log(w.job, "start", f" ({w.job.row.runner}, pid {w.proc.pid}, log "
                                         f"{Path(w.job.cfg.run_dir) / WORKER_LOG})")
@@ -357,8 +386,21 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="run N rows at a time, each in its own process on the same device (default 1; 0: one after "
                         "the other inside this process). Each gets max(1, cores // N) torch threads and a "
                         "math-verify pool of min(4, cores // N) unless OMP_NUM_THREADS / QERL_REWARD_WORKERS are set")
+    p.add_argument("--nproc", type=_nproc_arg, default=1, metavar="P",
+                   help="run each row data-parallel on P ranks (torchrun --standalone --nproc_per_node P; one GPU "
+                        "per rank on CUDA, see CUDA_VISIBLE_DEVICES). Default 1: one process per row")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every row")
     return p
+
+
+def _nproc_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; use P >= 1 ranks per row")
+    return n
 
 
 def _workers_arg(text: str) -> int:
@@ -406,7 +448,8 @@ def _evidence_view(artifact: str, args) -> None:
                         f"(which serves {sorted(EVIDENCE_STAGES)} at scales {sorted(evidence.SCALES)}); use "
                         f"--scale smoke or paper")
     argv = ["--scale", args.scale, "--stage", EVIDENCE_STAGES[artifact], "--root", args.root,
-            "--workers", str(args.workers), *(["--seeds", args.seeds] if args.seeds else []),
+            "--workers", str(args.workers), "--nproc", str(args.nproc),
+            *(["--seeds", args.seeds] if args.seeds else []),
             *(["--dry-run"] if args.dry_run else []), *args.overrides]
     evidence.main(argv)
 
@@ -425,7 +468,7 @@ def artifact_main(artifact: str, rows_fn, doc: str, render, argv=None) -> None:
             sys.exit(2)
     try:
         res = run_rows(artifact, args.scale, rows_fn(args.scale), seeds_arg(args),
-                       [f"out_dir={args.root}", *args.overrides], args.dry_run, args.workers)
+                       [f"out_dir={args.root}", *args.overrides], args.dry_run, args.workers, args.nproc)
     except (UserError, ConfigError) as e:  # the user's to fix: one line, no traceback
         print(f"{artifact}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -309,7 +309,7 @@ def _update_protocol(root: Path, scale_: str, **fields) -> dict:
     return doc
 
 
-def run_pairs(pairs: list[tuple[Row, int]], scale: str, extra, workers: int, dry_run: bool) -> dict:
+def run_pairs(pairs: list[tuple[Row, int]], scale: str, extra, workers: int, dry_run: bool, nproc: int = 1) -> dict:
     """Run rows that are each tied to one seed (a stage's rows do not form a rows x seeds grid)."""
     from dataclasses import replace
 
@@ -317,7 +317,7 @@ def run_pairs(pairs: list[tuple[Row, int]], scale: str, extra, workers: int, dry
 
     jobs = [j for row, seed in pairs for j in compose(ARTIFACT, scale, [row], [seed], extra)]
     jobs = [replace(j, index=i) for i, j in enumerate(jobs, 1)]
-    return run_jobs(jobs, f"[{ARTIFACT}/{scale}]", workers, dry_run)
+    return run_jobs(jobs, f"[{ARTIFACT}/{scale}]", workers, dry_run, nproc)
 
 
 def stage_pairs(stage: str, root: Path, scale: str, p: Protocol, seeds, dry_run: bool,
@@ -383,7 +383,7 @@ def main(argv=None) -> None:
             extra.insert(1, f"rollout.temperature={doc.get('rollout_temperature', 1.0)}")
         pairs = keep_arms(stage_pairs(stage, root, args.scale, p, seeds, args.dry_run, args.rates), arms)
         print(f"[{ARTIFACT}/{args.scale}] stage {stage}: {len(pairs)} runs", flush=True)
-        res = run_pairs(pairs, args.scale, extra, args.workers, args.dry_run)
+        res = run_pairs(pairs, args.scale, extra, args.workers, args.dry_run, args.nproc)
         failed += res["failed"]
         if stage == "calibrate" and not args.dry_run:
             got = read_calibration(root, args.scale, p)

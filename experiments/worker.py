@@ -28,8 +28,20 @@ def die_with_parent(parent_pid: int | None) -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+    # under torchrun (NPROC > 1) the direct parent is torchrun, which itself dies with the runner: check the runner
+    alive = _alive(parent_pid) if "LOCAL_RANK" in os.environ else os.getppid() == parent_pid
+    if not alive:
         sys.exit(f"experiments.worker: the runner (pid {parent_pid}) is gone; not starting")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
               f"torch threads, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
         fn(cfg)
     except (UserError, ConfigError) as e:  # the row's mistake: one line (the runner prints the log's tail)
-        print(f"experiments.worker: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: once for the row, not once per rank
+            print(f"experiments.worker: {e}", file=sys.stderr)
         return 2
     return 0
 

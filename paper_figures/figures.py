@@ -151,7 +151,8 @@ def curves(name: str, root, experiments, y: Sequence[str], hue: Callable[[pd.Ser
                 ax.legend(loc="best", fontsize=8)
     fig.suptitle(f"{title}\n{exp}: {len(runs)} runs, {seeds_label(n_runs)} per line\n{BAND_NOTE}"
                  + (f", smoothed over {smooth} steps" if smooth and smooth > 1 else ""), fontsize=9)
-    sources = [R.rel(d, root) + ("" if f else "  (unfinished)") for d, f in zip(runs["run_dir"], runs["finished"], strict=True)]
+    sources = [R.rel(d, root) + R.gpus_note(w) + ("" if f else "  (unfinished)") for d, f, w in
+               zip(runs["run_dir"], runs["finished"], runs.get("sum.world_size", [None] * len(runs)), strict=True)]
     return save(fig, out_dir_for(root, out_dir), name, sources, note=f"experiment {exp}, paths relative to {root}")
 
 

@@ -144,6 +144,15 @@ def metrics(run_dirs: Iterable[str]) -> pd.DataFrame:
     return load_metrics(list(run_dirs))
 
 
+def gpus_note(world_size) -> str:
+    """`` [N GPUs]`` for a run trained data-parallel on N > 1 ranks (``summary.json``'s ``world_size``), else ''."""
+    try:
+        n = int(world_size)
+    except (TypeError, ValueError):  # a run from before world_size was recorded, or NaN: one process
+        return ""
+    return f" [{n} GPUs]" if n > 1 else ""
+
+
 def rel(path: str | Path, root: str | Path) -> str:
     """``path`` relative to ``root`` when it lies under it (for compact provenance)."""
     try:

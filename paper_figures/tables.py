@@ -147,7 +147,8 @@ def render_rows(runs: pd.DataFrame, paper: pd.DataFrame, benchmarks: list[str], 
                 base_mean[(key[0], c)] = mean
         seeds = sorted({str(s) for s in sub.get("cfg.seed", pd.Series(dtype=object)).dropna()})
         line.update(n_seeds=len(sub), seeds=",".join(seeds),
-                    runs=";".join(R.rel(d, root) for d in sub["run_dir"]) if len(sub) else "")
+                    runs=";".join(R.rel(d, root) + R.gpus_note(w) for d, w in
+                                  zip(sub["run_dir"], sub.get("sum.world_size", [None] * len(sub)), strict=True)))
         lines.append(line)
     for line in lines:
         for c in labels:
@@ -282,7 +283,9 @@ def to_markdown(table: pd.DataFrame, info: dict, title: str, scale: str, root: s
     parts += [f"- {n}" for n in _notes(info, scale, Path(root))] + ["", _md_table(header, rows), ""]
     if foot:
         parts += ["Runs behind each row (relative to the results root):", ""]
-        parts += [f"[{i}] " + ", ".join(f"`{d}`" for d in f.split(";")) + "  " for i, f in enumerate(foot, 1)]
+        parts += [f"[{i}] " + ", ".join(f"`{d}`" + (f" [{n}" if n else "") for d, _, n in
+                                        (x.partition(" [") for x in f.split(";"))) + "  "
+                  for i, f in enumerate(foot, 1)]
         parts.append("")
     return "\n".join(parts)
 

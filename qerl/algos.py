@@ -349,6 +349,27 @@ def merge_loss_stats(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor | f
 # sampler vs trainer
 
 
+_MISMATCH = {  # per-token functions of d = log π_sampler − log π_trainer whose token means mismatch_stats logs
+    "abs_diff_mean": lambda d: d.abs(),
+    "kl_k1": lambda d: d,
+    "kl_k2": lambda d: 0.5 * d * d,
+    "kl_k3": lambda d: torch.expm1(-d) + d,
+    "ratio_mean": lambda d: torch.exp(-d),
+}
+
+
+def mismatch_parts(
+    sampler_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The sums behind ``mismatch_stats``: ({name: Σ f(d) over the mask}, token count, max |d|), all 0-d float32;
+    data-parallel ranks add the sums and counts (and take the max) before dividing."""
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=sampler_logp.device)
+    d = torch.where(m, sampler_logp.detach().float() - trainer_logp.detach().float(), zero)  # (N, T)
+    sums = {k: masked_sum(f(d), m) for k, f in _MISMATCH.items()}
+    return sums, m.to(torch.float32).sum(), masked_max(d.abs(), m)
+
+
 def mismatch_stats(
     sampler_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
@@ -359,17 +380,10 @@ def mismatch_stats(
     abs_diff_max = max|d| and ratio_mean = E[π_trainer/π_sampler] (≈ 1 when both agree). Token means over mask;
     all (N, T) inputs; values are detached 0-d float32 tensors.
     """
-    m = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=sampler_logp.device)
-    d = torch.where(m, sampler_logp.detach().float() - trainer_logp.detach().float(), zero)  # (N, T)
-    return {
-        "abs_diff_mean": masked_mean(d.abs(), m),
-        "abs_diff_max": masked_max(d.abs(), m),
-        "kl_k1": masked_mean(d, m),
-        "kl_k2": masked_mean(0.5 * d * d, m),
-        "kl_k3": masked_mean(torch.expm1(-d) + d, m),
-        "ratio_mean": masked_mean(torch.exp(-d), m),
-    }
+    sums, count, dmax = mismatch_parts(sampler_logp, trainer_logp, mask)
+    out = {k: v / count.clamp(min=1.0) for k, v in sums.items()}  # masked_mean's Σ / max(Σm, 1)
+    return {"abs_diff_mean": out["abs_diff_mean"], "abs_diff_max": dmax,
+            **{k: out[k] for k in ("kl_k1", "kl_k2", "kl_k3", "ratio_mean")}}
 
 
 def entropy_mean(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -170,6 +170,10 @@ class RolloutCfg:
     top_k: int = num(0, 0, why="0 turns top-k off")
     cuda_graphs: Any = one_of("auto", True, False)
     prompt_batch: int = num(0, 0, why="0 prefills all of a step's prompts together")
+    # batch: one sampling stream per rollout batch (per rank under torchrun) and AQN noise per rank; group: one stream
+    # per group, seeded by its index in the step, and one AQN draw shared by all ranks, so a run samples the same
+    # completions whatever the number of ranks (and whatever rollout.prompt_batch)
+    seed_scope: str = one_of("batch", "group")
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ class TrainLoopCfg:
     keep_checkpoints: int = num(2, 0, why="0 keeps every checkpoint")
     eval_every: int = num(0, 0, why="0 evaluates only at the end")
     progress: bool = True
+    log_samples: bool = False  # samples.jsonl: per step, every group's prompt id, completions, rewards, advantages
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,14 @@ class OptimCfg:
     schedule: str = one_of("cosine", "constant", "linear")
     max_grad_norm: float = num(0.2, **POSITIVE, why="the gradient-norm clip limit; a negative one would turn "
                                                    "descent into ascent")
+
+
+@dataclass(frozen=True)
+class DistCfg:
+    """torch.distributed settings of a torchrun launch (unused by a one-process run)."""
+
+    backend: str = one_of("auto", "nccl", "gloo")  # auto: nccl on CUDA, gloo on the CPU
+    timeout_s: float = num(300.0, **POSITIVE, why="how long a collective waits for a dead or hung rank")
 
 
 @dataclass(frozen=True)
@@ -220,6 +233,7 @@ class TrainConfig:
     train: TrainLoopCfg = field(default_factory=TrainLoopCfg)
     optim: OptimCfg = field(default_factory=OptimCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    dist: DistCfg = field(default_factory=DistCfg)
     experiment: str = "default"
     run_name: str | None = None
     out_dir: str = "results"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from qerl import data, rewards
+from qerl import data, dist, rewards
 from qerl.config import TrainConfig, from_dict, load_config
 from qerl.errors import UserError
 from qerl.results import RunWriter, atomic_write_text
@@ -34,6 +34,7 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
                     out_dir: Path | None = None) -> dict:
     """pass@1 over ``cfg.eval.n_samples`` samples per problem on each eval set. Returns {set: stats}."""
     e = cfg.eval
+    D = dist.current()  # under torchrun: batch j of a set runs on rank j % W (its seed is the batch's, not the rank's)
     sampler = sampler or Sampler(policy, tok, max(cfg.data.max_prompt_tokens, 1024), cfg.rollout.cuda_graphs)
     accuracy = rewards.get_reward("accuracy")
     out = {}
@@ -44,7 +45,12 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
         levels = {"levels": tuple(cfg.data.levels)} if name == cfg.data.train and cfg.data.levels else {}
         problems = data.load_dataset(name, split, source=source, limit=e.limit, seed=cfg.seed, **levels)
         correct, lengths, truncated, rows, cut = [], [], [], [], 0
-        for i in range(0, len(problems), e.batch_prompts):
+        per_batch = []  # this rank's (correct, lengths, truncated, rows) per batch, gathered to every rank below
+        for j, i in enumerate(range(0, len(problems), e.batch_prompts)):
+            if j % D.world != D.rank:
+                continue
+            correct, lengths, truncated, rows = [], [], [], []
+            per_batch.append((j, correct, lengths, truncated, rows))
             batch = problems[i:i + e.batch_prompts]
             ro = sampler.generate([data.render_prompt(tok, p.prompt, cfg.data.prompt) for p in batch], e.n_samples,
                                   e.max_new_tokens, e.temperature, e.top_p, 0, seed=seed_for(cfg.seed, "eval", name, i),
@@ -55,11 +61,18 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
             correct += sc
             lengths += ro.lengths.tolist()
             truncated += ro.truncated.tolist()
-            for j, (text, s) in enumerate(zip(ro.texts, sc, strict=True)):
-                rows.append({"id": batch[j // e.n_samples].id, "sample": j % e.n_samples, "correct": s,
-                             "length": int(ro.lengths[j]), "completion": text[:2000]})
+            for q, (text, s) in enumerate(zip(ro.texts, sc, strict=True)):
+                rows.append({"id": batch[q // e.n_samples].id, "sample": q % e.n_samples, "correct": s,
+                             "length": int(ro.lengths[q]), "completion": text[:2000]})
         sampler.release()
-        if cut:  # once per set: the sampler keeps a long prompt's last tokens
+        correct, lengths, truncated, rows = [], [], [], []
+        for _, c, ln, tr, rw in sorted(sum(D.all_gather_object(per_batch), []), key=lambda b: b[0]):
+            correct += c  # the batches in order, from every rank
+            lengths += ln
+            truncated += tr
+            rows += rw
+        cut = int(sum(D.all_sum([cut])))
+        if cut and D.main:  # once per set: the sampler keeps a long prompt's last tokens
             print(f"[qerl] eval {name}: {cut} of {len(problems)} prompts were longer than {sampler.max_prompt_tokens} "
                   f"tokens and kept only their last {sampler.max_prompt_tokens}")
         n = len(problems)
@@ -72,7 +85,7 @@ def evaluate_policy(policy, tok, cfg: TrainConfig, sampler: Sampler | None = Non
             "truncated_frac": float(sum(truncated) / max(1, len(truncated))), "time_s": time.perf_counter() - t0,
             "data": data.data_provenance(name, source, split, **levels),
         }
-        if out_dir is not None:
+        if out_dir is not None and D.main:
             atomic_write_text(Path(out_dir) / "eval" / f"{_file_name(name)}.jsonl",
                               "".join(json.dumps(r) + "\n" for r in rows))
     return out
@@ -84,20 +97,37 @@ def _file_name(set_name: str) -> str:
 
 
 def run_base(cfg: TrainConfig) -> dict:
-    """Evaluate the untrained (quantized) base model; one run directory with config, env and summary."""
+    """Evaluate the untrained (quantized) base model; one run directory with config, env and summary.
+    Under torchrun the eval batches are shared by the ranks and rank 0 writes the directory."""
     from qerl.devices import resolve_device
     from qerl.model import build_policy, source_provenance
 
-    writer = RunWriter(cfg.run_dir, cfg.to_yaml())
-    if writer.is_finished():
-        return json.loads((cfg.run_dir / "summary.json").read_text())
-    device = resolve_device(cfg.device)
-    t0 = time.perf_counter()
-    policy, tok = build_policy(cfg, device, base_only=True)
-    ev = evaluate_policy(policy, tok, cfg, out_dir=cfg.run_dir)
-    return writer.write_summary({"finished": True, "trained": False, "steps": 0, "scale": cfg.scale,
-                                 "experiment": cfg.experiment, "eval": ev, "wall_time_s": time.perf_counter() - t0,
-                                 "device": str(device), "model_source": source_provenance(cfg.model.source)})
+    D, device = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s)  # no training batch to split
+    try:
+        device = device or resolve_device(cfg.device)
+        devices = D.all_gather_object(D.describe_device(device))
+        box = {}
+
+        def open_main():
+            box["w"] = RunWriter(cfg.run_dir, cfg.to_yaml(), env_extra={"distributed": {
+                "world_size": D.world, "backend": D.backend, "devices": devices}})
+            return json.loads((cfg.run_dir / "summary.json").read_text()) if box["w"].is_finished() else None
+
+        done = D.on_main(open_main)
+        if done is not None:
+            return done
+        t0 = time.perf_counter()
+        policy, tok = build_policy(cfg, device, base_only=True)
+        ev = evaluate_policy(policy, tok, cfg, out_dir=cfg.run_dir)
+        summary = None
+        if D.main:
+            summary = box["w"].write_summary({
+                "finished": True, "trained": False, "steps": 0, "scale": cfg.scale, "experiment": cfg.experiment,
+                "eval": ev, "wall_time_s": time.perf_counter() - t0, "device": str(device), "world_size": D.world,
+                "model_source": source_provenance(cfg.model.source)})
+        return D.broadcast_object(summary)
+    finally:
+        dist.shutdown()
 
 
 def _readable_file(path: Path, what: str, hint: str) -> None:
@@ -151,12 +181,18 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = ()) -> dict:
     weights = _trained_weights(run_dir, cfg)
     if cfg.full_finetune:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=str(weights)))
-    policy, tok = build_policy(cfg, resolve_device(cfg.device))
-    if not cfg.full_finetune:
-        load_adapter(policy, weights)
-    ev = evaluate_policy(policy, tok, cfg, out_dir=run_dir)
-    RunWriter(run_dir).write_summary({"eval": ev})
-    return ev
+    D, device = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s)  # torchrun: eval batches shared out
+    try:
+        policy, tok = build_policy(cfg, device or resolve_device(cfg.device))
+        if not cfg.full_finetune:
+            load_adapter(policy, weights)
+        ev = evaluate_policy(policy, tok, cfg, out_dir=run_dir)
+        if D.main:
+            RunWriter(run_dir).write_summary({"eval": ev})
+        D.barrier()
+        return ev
+    finally:
+        dist.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,9 +207,12 @@ def main(argv: list[str] | None = None) -> None:
                                       ["run_name=base-" + next((a.split("=", 1)[1] for a in rest
                                                                 if a.startswith("quant=")), "bf16")]))
             ev = run_base(cfg)["eval"]
-    except UserError as e:  # a mistake the user must fix: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # a mistake the user must fix: one line, no traceback (from rank 0 under torchrun)
+        if dist.world_from_env()[0] == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if dist.world_from_env()[0] != 0:
+        return
     for name, s in ev.items():
         print(f"{name}: pass@1 = {100 * s['pass@1']:.1f}% ({s['n_problems']} problems x {s['n_samples']} samples)")
 

@@ -5,6 +5,7 @@ A run directory holds::
     config.yaml      the resolved configuration (what was actually run)
     env.json         git SHA and dirty diff, package versions, hardware, command line
     metrics.jsonl    one JSON object per optimizer step, appended and fsync'ed as the run goes
+    samples.jsonl    (train.log_samples) one line per step: its groups' completions, rewards, advantages
     summary.json     final numbers (evaluation, totals), written atomically
     checkpoints/     step_<N>/ (trainable state, optimizer, data position, sha256.json), newest kept; git-ignored
     .lock            held (flock) by the one process writing the directory; names its pid and host
@@ -54,7 +55,7 @@ from qerl.runfiles import (  # noqa: F401 (ResultsWarning: re-exported for reade
 )
 
 CONFIG, ENV, METRICS, SUMMARY, CKPTS = "config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoints"
-EVALS = "eval.jsonl"
+EVALS, SAMPLES = "eval.jsonl", "samples.jsonl"
 _STEP_DIR = re.compile(r"step_(\d+)")  # a finished checkpoint; step_N.tmp and moved-aside ones do not match
 _PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "compressed-tensors", "triton", "math-verify",
              "optuna", "hydra-core", "numpy", "vllm", "qerl")
@@ -152,8 +153,10 @@ class RunWriter:
       file's name and leaves no temporary file behind.
     """
 
-    def __init__(self, run_dir: str | Path, config_yaml: str | None = None, keep_checkpoints: int = 2):
+    def __init__(self, run_dir: str | Path, config_yaml: str | None = None, keep_checkpoints: int = 2,
+                 env_extra: dict | None = None):
         self.dir = Path(run_dir)
+        self.resumed_from: Path | None = None  # the checkpoint ``resume`` chose
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_dir(self.dir)  # before anything is written: a second process stops here
         self.keep = keep_checkpoints
@@ -162,7 +165,7 @@ class RunWriter:
             if old.exists() and old.read_text() != config_yaml:
                 atomic_write_text(self.dir / "config.previous.yaml", old.read_text())
             atomic_write_text(old, config_yaml)
-            env = environment()
+            env = {**environment(), **(env_extra or {})}
             if (self.dir / ENV).exists():  # a resumed run keeps its first env.json; each resume is appended
                 append_line(self.dir / "env.resumes.jsonl", json.dumps(env, default=jsonable) + "\n")
             else:
@@ -196,6 +199,10 @@ class RunWriter:
     def log_eval(self, step: int, results: dict) -> None:
         """Append intermediate evaluation results (eval.jsonl), same crash-safety as metrics."""
         append_line(self.dir / EVALS, json.dumps({"step": step, **results}, default=jsonable) + "\n")
+
+    def log_samples(self, step: int, groups: list[dict]) -> None:
+        """Append one step's groups (samples.jsonl, one line per step; same crash-safety as metrics)."""
+        append_line(self.dir / SAMPLES, json.dumps({"step": step, "groups": groups}, default=jsonable) + "\n")
 
     def read_summary(self) -> dict | None:
         return read_summary(self.dir)
@@ -255,12 +262,13 @@ class RunWriter:
         done = [p for p in self.checkpoints() if (p / "state.pt").exists()]
         return done[-1] if done else None
 
-    def resume(self, map_location=None) -> tuple[int, dict | None]:
+    def resume(self, map_location=None, load: bool = True) -> tuple[int, dict | None]:
         """Where this run continues: ``(k, state)`` of the newest checkpoint that is intact and whose steps
         1..k metrics.jsonl holds exactly once, or ``(0, None)`` for a fresh start. Newer checkpoints that fail
         either test are set aside (``step_N.corrupt-<time>`` / ``step_N.unused-<time>``) with a warning; when
         every checkpoint fails, a ``UserError`` names each and why, and nothing is changed. Then metrics.jsonl
-        and eval.jsonl keep exactly their lines of steps 1..k."""
+        and eval.jsonl keep exactly their lines of steps 1..k. ``load=False``: choose (``self.resumed_from``) and
+        cut back, but return no state (the caller loads it, e.g. every rank of a torchrun job)."""
         metrics = scan_jsonl(self.metrics_path, steps=True)
         skipped, chosen = [], None
         for ck in reversed(self.checkpoints()):
@@ -280,15 +288,17 @@ class RunWriter:
                                                                       by_why.items())
                             + f". {hint.capitalize()}, or move {self.dir / CKPTS} aside to train again from step 0")
         k = _step_of(chosen) if chosen is not None else 0
-        state = _load_state(chosen, map_location) if chosen is not None else None
+        self.resumed_from = chosen
+        state = _load_state(chosen, map_location) if chosen is not None and load else None
         for ck, kind, why in skipped:
             aside = set_aside(ck, kind)
             warn(f"not resuming from {ck}: {why}; set it aside as {aside.name} and resuming from step {k}")
         metrics.warn_bad()
         _keep_steps_upto(metrics, k)
-        evals = scan_jsonl(self.dir / EVALS, steps=True)
-        evals.warn_bad()
-        _keep_steps_upto(evals, k)
+        for name in (EVALS, SAMPLES):
+            lines = scan_jsonl(self.dir / name, steps=True)
+            lines.warn_bad()
+            _keep_steps_upto(lines, k)
         for tmp in (self.dir / CKPTS).glob("step_*.tmp"):  # a save killed midway (we hold the lock: not in use)
             shutil.rmtree(tmp, ignore_errors=True)
         return k, state
@@ -296,6 +306,11 @@ class RunWriter:
 
 def _step_of(ck: Path) -> int:
     return int(_STEP_DIR.fullmatch(ck.name).group(1))
+
+
+def load_checkpoint(ck: str | Path, map_location=None) -> dict:
+    """The state of checkpoint directory ``ck`` (as ``RunWriter.resume`` loads it)."""
+    return _load_state(Path(ck), map_location)
 
 
 def _load_state(ck: Path, map_location) -> dict:

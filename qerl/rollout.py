@@ -118,6 +118,7 @@ def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: f
     exponential race argmax_v p_v / E_v, E_v ~ Exp(1), which draws v with probability p_v and, unlike
     ``torch.multinomial``, needs no host synchronisation (so it can live inside a CUDA graph).
     ``temperature=0`` is greedy decoding, the T -> 0 limit: the argmax, with log-prob 0 and entropy 0.
+    ``gen`` may be a list of generators, one per equal block of rows (per-group seeding).
     """
     if temperature == 0:
         tok = z.argmax(-1)
@@ -127,7 +128,12 @@ def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: f
     logp_all = z.log_softmax(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)                                          # (N,)
     zf = filter_logits(z, top_k, top_p) if (top_k or top_p < 1.0) else z
-    noise = torch.empty_like(zf).exponential_(generator=gen)
+    if isinstance(gen, (list, tuple)):  # one generator per block of rows (a group): its draws do not depend on
+        n = zf.shape[0] // len(gen)     # the other rows of the batch
+        noise = torch.cat([torch.empty((n, zf.shape[1]), dtype=zf.dtype, device=zf.device).exponential_(generator=g)
+                           for g in gen])
+    else:
+        noise = torch.empty_like(zf).exponential_(generator=gen)
     tok = (zf.softmax(-1) / noise).argmax(-1)
     return tok, logp_all.gather(1, tok[:, None]).squeeze(1), ent
 
@@ -308,7 +314,7 @@ class Sampler:
 
     def _sample_into(self, s, z):
         """Sample the next token from logits z (N, V); record log-prob and entropy at column t."""
-        tok, lp, ent = sample_from_logits(z, s["temperature"], s["top_k"], s["top_p"], s["gen"])
+        tok, lp, ent = sample_from_logits(z, s["temperature"], s["top_k"], s["top_p"], s["gens"] or s["gen"])
         alive = ~s["finished"]
         tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
         s["tok"].copy_(tok)
@@ -337,7 +343,8 @@ class Sampler:
             for k, v in backup.items():
                 tensors[k].copy_(v)
             g = torch.cuda.CUDAGraph()
-            g.register_generator_state(s["gen"])
+            for gen in s["gens"] or [s["gen"]]:
+                g.register_generator_state(gen)
             try:
                 with torch.cuda.graph(g, pool=s["pool"]):
                     self._decode_step(s, S)
@@ -355,9 +362,11 @@ class Sampler:
         graphs[S].replay()
 
     def _state(self, N: int, Lp: int, max_new: int, temperature: float, top_p: float, top_k: int,
-               ignore_eos: bool = False, plan=None) -> dict:
-        """Static buffers for one shape; kept across calls so captured CUDA graphs are replayed, not re-captured."""
-        key = (N, Lp, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos), plan is not None)
+               ignore_eos: bool = False, plan=None, groups: int = 0) -> dict:
+        """Static buffers for one shape; kept across calls so captured CUDA graphs are replayed, not re-captured.
+        ``groups`` > 0: one sampling generator per group (``gens``) instead of one for the batch (``gen``)."""
+        key = (N, Lp, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos), plan is not None,
+               groups)
         if self._static is not None and self._static["key"] == key:
             return self._static
         self._static = None  # free the old cache and graphs first
@@ -367,7 +376,8 @@ class Sampler:
             key=key, plan=plan, graphs={}, pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
             kc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             vc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
-            gen=torch.Generator(device=dev), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+            gen=torch.Generator(device=dev), gens=[torch.Generator(device=dev) for _ in range(groups)],
+            temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
             eos=self.eos_ids if not ignore_eos else torch.full((1,), -1, dtype=torch.long, device=dev),
             Lp=torch.tensor([Lp], device=dev), t=torch.zeros(1, dtype=torch.long, device=dev),
             prompt_len=torch.zeros(N, dtype=torch.long, device=dev), tok=torch.zeros(N, dtype=torch.long, device=dev),
@@ -424,12 +434,18 @@ class Sampler:
                  ignore_eos: bool = False) -> Rollout:
         """G = ``group_size`` samples for each prompt (strings, or token-id lists already chat-formatted).
 
+        ``seed``: one int seeds the batch's sampling stream; a list of ints (one per prompt) seeds each group's own
+        stream, so a group's completions do not depend on the other prompts of the batch (or its split).
         ``ignore_eos`` (benchmarks): every row runs to ``max_new_tokens`` (vLLM's ``ignore_eos``)."""
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        per_group = isinstance(seed, (list, tuple))
+        if per_group and len(seed) != len(prompts):
+            raise ValueError(f"seed is a list of {len(seed)} per-group seeds for {len(prompts)} prompts")
         if prompt_batch and len(prompts) > prompt_batch:
             parts = [self.generate(prompts[i:i + prompt_batch], group_size, max_new_tokens, temperature, top_p, top_k,
-                                   None if seed is None else seed + i, 0, ignore_eos)
+                                   seed[i:i + prompt_batch] if per_group else None if seed is None else seed + i, 0,
+                                   ignore_eos)
                      for i in range(0, len(prompts), prompt_batch)]
             return Rollout.cat(parts, self.pad_id)
         was_training = self.model.training
@@ -446,8 +462,14 @@ class Sampler:
         ids, mask, cut = self.encode(prompts)
         B, Lp = ids.shape
         N, S_max = B * G, Lp + max_new
-        s = self._state(N, Lp, max_new, temperature, top_p, top_k, ignore_eos, self._decode_plan())
-        s["gen"].manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        per_group = isinstance(seed, (list, tuple))
+        s = self._state(N, Lp, max_new, temperature, top_p, top_k, ignore_eos, self._decode_plan(),
+                        B if per_group else 0)
+        if per_group:
+            for g, sd in zip(s["gens"], seed, strict=True):
+                g.manual_seed(int(sd))
+        else:
+            s["gen"].manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         rep_mask = mask.repeat_interleave(G, 0)
         s["t"].zero_()
         s["prompt_len"].copy_(rep_mask.sum(1))

@@ -14,6 +14,10 @@ One step (house rule 1: no trainer class, no callbacks):
 
 Every random draw of step s is seeded from (seed, s), so a run killed at any moment and resumed from its last
 checkpoint recomputes exactly the lines it lost (RunWriter.resume keeps the lines up to the checkpoint, no more).
+
+Under ``torchrun --nproc_per_node=W -m qerl.train ...`` each rank runs this loop on groups i ≡ rank (mod W) of
+every step; gradients and metrics are summed over ranks (``qerl.dist``); seeds gain the rank, unless
+``rollout.seed_scope=group`` makes them per group (then W does not change what is sampled).
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import platform
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from qerl import algos, aqn, data, rewards
+from qerl import algos, aqn, data, dist, rewards
 from qerl.config import TrainConfig, load_config
 from qerl.devices import autocast_for, resolve_device
 from qerl.errors import UserError
@@ -149,22 +155,61 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
 
     ``on_step(step, metrics)``, if given, is called after each logged step (an Optuna objective reports
     intermediate values there and may raise ``optuna.TrialPruned`` to stop the run).
+    Under torchrun (``WORLD_SIZE`` > 1) every rank runs this; rank 0 alone writes the run directory (see qerl.dist).
     """
-    writer = RunWriter(cfg.run_dir, cfg.to_yaml(), cfg.train.keep_checkpoints)
-    if writer.is_finished():
-        print(f"[qerl] {cfg.run_dir} already finished; skipping")
-        writer.close()
-        return writer.read_summary()
-    device = resolve_device(cfg.device)
+    D, dev = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s, cfg.batch_prompts, cfg.algo.group_size,
+                        cfg.train.batch_size)
+    try:
+        return _run(cfg, on_step, D, dev)
+    finally:
+        dist.shutdown()
+
+
+def _open_writer(cfg: TrainConfig, D: dist.Dist, devices: list[str]) -> tuple[RunWriter | None, dict | None]:
+    """Rank 0's RunWriter (None elsewhere) and, when the run is already finished, its summary (on every rank)."""
+    extra = {"distributed": {"world_size": D.world, "backend": D.backend, "devices": devices}}
+
+    def open_main():
+        w = RunWriter(cfg.run_dir, cfg.to_yaml(), cfg.train.keep_checkpoints, env_extra=extra)
+        if w.is_finished():
+            w.close()
+            return w, w.read_summary()
+        return w, None
+
+    if not D.enabled:
+        return open_main()
+    box = {}
+
+    def shared():
+        box["w"], summary = open_main()
+        return summary
+    summary = D.on_main(shared)
+    return box.get("w"), summary
+
+
+def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
+    device = device or resolve_device(cfg.device)
+    devices = D.all_gather_object(D.describe_device(device))
+    writer, finished = _open_writer(cfg, D, devices)
+    if finished is not None:
+        if D.main:
+            print(f"[qerl] {cfg.run_dir} already finished; skipping")
+        return finished
     # The checkpoint to continue from (newest intact one whose steps metrics.jsonl covers; metrics cut back to it),
-    # chosen before the model is built so that a run which cannot resume says so at once.
-    start, state = writer.resume(map_location=device)
+    # chosen before the model is built so that a run which cannot resume says so at once. Rank 0 chooses (and cuts
+    # the metrics back); every rank loads the same checkpoint.
+    if D.enabled:
+        start, ck = D.on_main(lambda: _resume_point(writer))
+        state = load_checkpoint_state(ck, device) if ck is not None else None
+    else:
+        start, state = writer.resume(map_location=device)
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
     policy, tok = build_policy(cfg, device)
     if cfg.train.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = list(trainable_parameters(policy).values())
+    D.broadcast_params(params)  # the seeded init is the same on every rank; this makes sure
     n_updates = cfg.train.steps * cfg.algo.updates_per_rollout
     opt, sched = build_optimizer(params, cfg, n_updates)
     problems = data.load_dataset(cfg.data.train, "train", source=cfg.data.source, seed=cfg.seed,
@@ -188,28 +233,39 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         del state
-        print(f"[qerl] resuming {cfg.run_dir} from step {start}")
+        if D.main:
+            print(f"[qerl] resuming {cfg.run_dir} from step {start}"
+                  + (f" on {D.world} ranks" if D.enabled else ""))
 
-    bar = _progress(cfg, start)
+    bar = _progress(cfg, start) if D.main else None
     for step in range(start + 1, cfg.train.steps + 1):
-        m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device)
-        writer.log(step, **m)
+        record = [] if cfg.train.log_samples else None
+        m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device, D,
+                       record)
+        if record is not None:
+            groups = sorted(sum(D.all_gather_object(record), []), key=lambda g: g["group"])
+            if writer is not None:
+                writer.log_samples(step, groups)
+        if writer is not None:
+            writer.log(step, **m)
         if on_step is not None:
             on_step(step, m)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.3f}", tok_s=f"{m['rollout_tokens_per_s']:.0f}",
                             sigma=f"{m['sigma']:.1e}")
-        if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+        if ((cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps) and D.main:
             writer.save_checkpoint(step, {
                 "step": step, "trainable": {k: v.detach().cpu() for k, v in trainable_parameters(policy).items()},
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "data_position": step * stream.batch,
-                "rng": {"torch": torch.get_rng_state()}})
+                "rng": {"torch": torch.get_rng_state()}, "world_size": D.world})
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             from qerl.evaluate import evaluate_policy
 
             sampler.release()  # evaluation builds its own sampler (eval prompts may be longer than training's)
-            writer.log_eval(step, evaluate_policy(policy, tok, cfg))
+            ev = evaluate_policy(policy, tok, cfg)
+            if writer is not None:
+                writer.log_eval(step, ev)
     if bar is not None:
         bar.close()
     sampler.release()
@@ -217,15 +273,34 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     from qerl.evaluate import evaluate_policy
 
     ev = evaluate_policy(policy, tok, cfg)
-    if cfg.full_finetune:  # every weight was trained: keep them all, so `qerl.evaluate run_dir=...` can reload them
-        save_full_model(policy, tok, cfg.run_dir / "checkpoints" / "final_model")
-    else:
-        save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
-    summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device)
-    _report_truncation(cfg, writer)
-    summary = writer.write_summary(summary)
-    writer.close()  # the run directory is free for the next writer (a crash frees it at exit)
-    return summary
+    summary = None
+    if D.main:
+        if cfg.full_finetune:  # every weight was trained: keep them all, so `qerl.evaluate run_dir=...` reloads them
+            save_full_model(policy, tok, cfg.run_dir / "checkpoints" / "final_model")
+        else:
+            save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
+        summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device, D.world)
+        _report_truncation(cfg, writer)
+        summary = writer.write_summary(summary)
+        writer.close()  # the run directory is free for the next writer (a crash frees it at exit)
+    return D.broadcast_object(summary)  # every rank returns the summary; rank 0 has written it
+
+
+def _resume_point(writer: RunWriter) -> tuple[int, str | None]:
+    """(step, checkpoint path) to continue from, chosen (and metrics cut back) by rank 0; the state is not loaded
+    here (each rank loads it onto its own device)."""
+    start, _ = writer.resume(load=False)
+    return start, (str(writer.resumed_from) if writer.resumed_from is not None else None)
+
+
+def load_checkpoint_state(ck: str, device) -> dict:
+    from qerl.results import load_checkpoint
+
+    path = Path(ck)
+    if not (path / "state.pt").exists():
+        raise UserError(f"checkpoint {path} chosen by rank 0 is not visible on {platform.node()}; a multi-node run "
+                        f"needs out_dir on a filesystem every node shares")
+    return load_checkpoint(path, device)
 
 
 def _report_truncation(cfg: TrainConfig, writer: RunWriter) -> None:
@@ -238,55 +313,83 @@ def _report_truncation(cfg: TrainConfig, writer: RunWriter) -> None:
               f"and kept only their last {cfg.data.max_prompt_tokens} tokens (metric prompts_truncated, per step)")
 
 
-def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device) -> dict:
-    """One RL step (rollout, rewards, advantages, updates). Returns the metrics line."""
+def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device,
+               D: dist.Dist | None = None, record: list | None = None) -> dict:
+    """One RL step (rollout, rewards, advantages, updates). Returns the metrics line (the same on every rank).
+    ``record``, if a list, receives one dict per group this rank trained on (its position in the step's group
+    order, problem id, completions, rewards, advantages): what ``train.log_samples`` writes.
+
+    Under torchrun (``D.enabled``) this rank takes the groups i ≡ rank (mod W) of the step; its metrics are reduced
+    from sums and counts over all ranks, and each update sums the ranks' gradients (see qerl.dist)."""
+    D = D or dist.Dist()
     a, G = cfg.algo, cfg.algo.group_size
-    torch.manual_seed(seed_for(cfg.seed, "step", step))  # dropout and anything else global
+    per_group = cfg.rollout.seed_scope == "group"
+    rk = (D.rank,) if D.enabled else ()               # seeds of per-rank streams: a function of (seed, step, rank)
+    stream_rk = () if per_group else rk               # group scope: nothing sampled depends on the rank
+    torch.manual_seed(seed_for(cfg.seed, "step", step, *rk))  # dropout and anything else global
     t0 = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sigma = aqn.sigma_at(step, cfg.train.steps, cfg.aqn.sigma_start, cfg.aqn.sigma_end, cfg.aqn.stages,
                          cfg.aqn.schedule, cfg.aqn.mode) if cfg.aqn.enabled else 0.0
 
-    def rollout(problems: list[data.Problem], k: int) -> tuple[Rollout, rewards.RewardOutput, torch.Tensor]:
-        gen = torch.Generator(device=device).manual_seed(seed_for(cfg.seed, "aqn", step, k))
+    def rollout(problems: list[data.Problem], k: int, gidx: list[int]
+                ) -> tuple[Rollout, rewards.RewardOutput, torch.Tensor]:
+        gen = torch.Generator(device=device).manual_seed(seed_for(cfg.seed, "aqn", step, k, *stream_rk))
         ctx = aqn.noise(noise_targets, sigma, generator=gen, mode=cfg.aqn.draw) if noise_targets and sigma > 0 \
             else contextlib.nullcontext()
+        seed = [seed_for(cfg.seed, "sample", step, k, i) for i in gidx] if per_group \
+            else seed_for(cfg.seed, "sample", step, k, *stream_rk)
         with ctx:
             ro = sampler.generate([stream.render(p) for p in problems], G, cfg.data.max_new_tokens,
                                   cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k,
-                                  seed=seed_for(cfg.seed, "sample", step, k), prompt_batch=cfg.rollout.prompt_batch)
+                                  seed=seed, prompt_batch=cfg.rollout.prompt_batch)
         answers = [p.answer for p in problems for _ in range(G)]
         out = score(ro.texts, answers)
         return ro, out, torch.tensor(out.total, dtype=torch.float32, device=device)
 
-    problems = stream.at(step)
-    ro, scored, r = rollout(problems, 0)
+    all_problems = stream.at(step)
+    B = len(all_problems)
+    mine = D.shard(B)                                   # this rank's global group indices (all of them on one)
+    mine_t = torch.tensor(mine, dtype=torch.long, device=device)
+    probs = [all_problems[i] for i in mine]  # the problems of this rank's groups, in the order of ``pos``
+    ro, scored, r = rollout(probs, 0, mine)
     t_roll = time.perf_counter() - t0
     gen_tokens, roll_time = ro.stats["generated_tokens"], ro.stats["rollout_s"]
-    stats_all = scored.metrics()  # reward, reward_std, rewards/<fn>/mean|std, reward_errors (first sampling round)
-    groups_total = len(problems)
+    # reward, reward_std, rewards/<fn>/mean|std, reward_errors (first sampling round, over every rank's groups)
+    stats_all = (_gather_scores(D, scored, G) if D.enabled else scored).metrics()
+    groups_total = B
+    pos = mine_t   # (b,) each local group's position in the step's global group order (what minibatches slice)
+    n_groups = B   # groups in that order, over all ranks
     if a.dynamic_sampling:
         keep = algos.dynamic_sampling_filter(r, G)
+        keep_all = D.gather_keep(keep)                                 # (B,) every rank's verdicts, global order
         ros, rs = [ro.select_groups(keep)], [r.view(-1, G)[keep].reshape(-1)]
-        kept = int(keep.sum())
+        probs = [p for p, k in zip(probs, keep.tolist(), strict=True) if k]
+        poss = [(keep_all.long().cumsum(0) - 1)[mine_t][keep]]
+        kept = int(keep_all.sum())
         for k in range(1, a.max_refills + 1):
-            if kept >= len(problems):
+            if kept >= B:
                 break
-            extra = stream.extra(step, k, len(problems))
-            ro2, _, r2 = rollout(extra, k)
+            extra = stream.extra(step, k, B)  # the same draw on every rank; each samples its share of it
+            ro2, _, r2 = rollout([extra[i] for i in mine], k, mine)
             gen_tokens += ro2.stats["generated_tokens"]
             roll_time += ro2.stats["rollout_s"]
-            keep2 = algos.dynamic_sampling_filter(r2, G)
-            idx, _ = algos.select_groups(keep2, len(problems) - kept)
-            sel = torch.zeros_like(keep2)
-            sel[idx] = True
+            keep2_all = D.gather_keep(algos.dynamic_sampling_filter(r2, G))
+            idx, _ = algos.select_groups(keep2_all, B - kept)       # the first groups that fill the batch, globally
+            sel_all = torch.zeros_like(keep2_all)
+            sel_all[idx] = True
+            sel = sel_all[mine_t]
             ros.append(ro2.select_groups(sel))
+            probs += [extra[i] for i, k in zip(mine, sel.tolist(), strict=True) if k]
             rs.append(r2.view(-1, G)[sel].reshape(-1))
-            kept += int(sel.sum())
-            groups_total += len(extra)
+            poss.append(kept + (sel_all.long().cumsum(0) - 1)[mine_t][sel])
+            kept += int(sel_all.sum())
+            groups_total += B
         ro = Rollout.cat(ros, sampler.pad_id)
         r = torch.cat(rs)
+        pos = torch.cat(poss)
+        n_groups = kept
         stats_all["groups_kept"] = kept
         stats_all["groups_sampled"] = groups_total
     n_rows = r.numel()
@@ -294,17 +397,28 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
     metrics = dict(stats_all, sigma=sigma, lr=sched.get_last_lr()[0])
     mask = algos.truncation_mask(ro.completion_mask, ro.truncated, a.mask_truncated)   # (N, Tc)
     lengths = ro.completion_mask.sum(1).float()
-    metrics.update(response_length=lengths.mean().item() if n_rows else 0.0,
-                   response_length_max=lengths.max().item() if n_rows else 0.0,
-                   truncated_frac=ro.truncated.float().mean().item() if n_rows else 0.0,
-                   sampling_entropy=algos.entropy_mean(ro.entropy, ro.completion_mask).item() if n_rows else 0.0,
-                   rollout_tokens=gen_tokens, rollout_tokens_per_s=gen_tokens / max(roll_time, 1e-9),
-                   prompts_truncated=ro.stats.get("prompts_truncated", 0),
-                   time_rollout_s=t_roll)
-    if n_rows == 0 or mask.sum() == 0:  # nothing to learn from (every group uniform, or all truncated)
-        metrics.update(skipped_update=1, time_step_s=time.perf_counter() - t0, peak_mem_gib=peak_memory_gib(device))
-        return metrics
+    if D.enabled:
+        metrics.update(_rollout_metrics(D, ro, lengths, gen_tokens, roll_time, t_roll))
+        total_rows, total_tokens = D.all_sum([n_rows, mask.sum().item()])
+    else:
+        metrics.update(response_length=lengths.mean().item() if n_rows else 0.0,
+                       response_length_max=lengths.max().item() if n_rows else 0.0,
+                       truncated_frac=ro.truncated.float().mean().item() if n_rows else 0.0,
+                       sampling_entropy=algos.entropy_mean(ro.entropy, ro.completion_mask).item() if n_rows else 0.0,
+                       rollout_tokens=gen_tokens, rollout_tokens_per_s=gen_tokens / max(roll_time, 1e-9),
+                       prompts_truncated=ro.stats.get("prompts_truncated", 0),
+                       time_rollout_s=t_roll)
+        total_rows, total_tokens = n_rows, mask.sum()
     adv = algos.group_advantages(r, G, a.adv_std_norm, a.adv_eps)                      # (N,)
+    if record is not None:
+        for j, (p, g) in enumerate(zip(probs, pos.tolist(), strict=True)):
+            rows = slice(j * G, (j + 1) * G)
+            record.append({"group": g, "id": p.id, "rewards": r[rows].tolist(), "advantages": adv[rows].tolist(),
+                           "completions": ro.texts[rows], "truncated": ro.truncated[rows].tolist()})
+    if total_rows == 0 or total_tokens == 0:  # nothing to learn from (every group uniform, or all truncated)
+        metrics.update(skipped_update=1, time_step_s=_max(D, time.perf_counter() - t0),
+                       peak_mem_gib=_max(D, peak_memory_gib(device)))
+        return metrics
     micro = cfg.train.micro_batch
     temp = cfg.rollout.temperature
     ac = autocast_for(policy, device)
@@ -319,21 +433,34 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
             if a.kl_coef > 0:
                 with adapters_disabled(policy):
                     refs.append(completion_logprobs(policy, ro, rows, temp, False)[0])
-        old_logp, train_ent = torch.cat(olds), torch.cat(ents)
+        # a rank may hold no rows of this step (dynamic sampling kept none of its groups)
+        old_logp = torch.cat(olds) if olds else torch.zeros_like(ro.logp)
+        train_ent = torch.cat(ents) if ents else torch.zeros_like(ro.logp)
         ref_logp = torch.cat(refs) if refs else None
-    metrics["entropy"] = algos.entropy_mean(train_ent, ro.completion_mask).item()
-    metrics.update({f"mismatch/{k}": v.item() for k, v in
-                    algos.mismatch_stats(ro.logp, old_logp, ro.completion_mask).items()})
+    if D.enabled:
+        metrics.update(_policy_metrics(D, ro, old_logp, train_ent))
+    else:
+        metrics["entropy"] = algos.entropy_mean(train_ent, ro.completion_mask).item()
+        metrics.update({f"mismatch/{k}": v.item() for k, v in
+                        algos.mismatch_stats(ro.logp, old_logp, ro.completion_mask).items()})
     t2 = time.perf_counter()
 
     loss_stats = []  # (stats, n_tokens, loss weight) per micro-batch: merged by algos.merge_loss_stats
     grad_norms = []
-    groups = n_rows // G
-    per_mb = max(1, groups // a.minibatches)
+    per_mb = max(1, n_groups // a.minibatches)
     for _ in range(a.ppo_epochs):
-        for g0 in range(0, groups, per_mb):
-            mb = torch.arange(g0 * G, min(groups, g0 + per_mb) * G, device=device)
-            mb_tokens = mask[mb].sum().clamp(min=1)
+        for g0 in range(0, n_groups, per_mb):
+            g1 = min(n_groups, g0 + per_mb)
+            if D.enabled:  # this rank's groups of the global minibatch [g0, g1); token and row counts are global
+                here = ((pos >= g0) & (pos < g1)).nonzero().squeeze(1)
+                mb = algos.group_rows(here, G)
+                tok_all, rows_all = D.all_sum([mask[mb].sum().item(), mb.numel()])
+                mb_tokens = torch.tensor(int(tok_all), device=device).clamp(min=1)
+                mb_rows = int(rows_all)
+            else:
+                mb = torch.arange(g0 * G, g1 * G, device=device)
+                mb_tokens = mask[mb].sum().clamp(min=1)
+                mb_rows = mb.numel()
             opt.zero_grad(set_to_none=True)
             for i in range(0, mb.numel(), micro):
                 rows = mb[i:i + micro]
@@ -346,23 +473,81 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                     max_len=cfg.data.max_new_tokens)  # Dr. GRPO's constant normaliser, not this step's width
                 # the micro-batch's share of the minibatch loss: tokens for the token mean, rows for the others
                 n_tok = mask[rows].sum()
-                weight = (n_tok / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb.numel()
+                weight = (n_tok / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb_rows
                 (loss * weight).backward()
                 loss_stats.append((st, n_tok, weight))
+            D.all_reduce_grads(params)  # Σ over ranks of globally weighted losses: the one-process gradient
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
             grad_norms.append(gn.item())
             opt.step()
             sched.step()
     policy.eval()
     t3 = time.perf_counter()
+    if D.enabled:
+        loss_stats = _gather_loss_stats(D, loss_stats)
     metrics.update(algos.merge_loss_stats(loss_stats))
+    t_reward, t_logprob, t_update, t_step, mem = _max(D, t1 - t0 - t_roll, t2 - t1, t3 - t2, t3 - t0,
+                                                     peak_memory_gib(device))
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), updates=len(grad_norms),
-                   time_reward_s=t1 - t0 - t_roll, time_logprob_s=t2 - t1, time_update_s=t3 - t2,
-                   time_step_s=t3 - t0, peak_mem_gib=peak_memory_gib(device))
+                   time_reward_s=t_reward, time_logprob_s=t_logprob, time_update_s=t_update,
+                   time_step_s=t_step, peak_mem_gib=mem)
     return metrics
 
 
-def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, device) -> dict:
+# ------------------------------------------------------------------------------------------------- rank reductions
+def _max(D: dist.Dist, *values: float):
+    """The slowest rank's time / the largest rank's memory (one value, or a tuple for several)."""
+    out = D.all_max(list(values))
+    return out[0] if len(values) == 1 else tuple(out)
+
+
+def _gather_scores(D: dist.Dist, scored: rewards.RewardOutput, G: int) -> rewards.RewardOutput:
+    """Every rank's scores in the step's global group order (so the logged means and stds are the one-process
+    ones), counters summed."""
+    stats: dict[str, float] = {}
+    for part in D.all_gather_object(dict(scored.stats)):
+        for k, v in part.items():
+            stats[k] = stats.get(k, 0) + v
+    return rewards.RewardOutput(D.gather_groups(scored.total, G),
+                                {k: D.gather_groups(v, G) for k, v in scored.per_function.items()}, stats)
+
+
+def _rollout_metrics(D: dist.Dist, ro: Rollout, lengths, gen_tokens, roll_time, t_roll) -> dict:
+    """The rollout part of a metrics line from sums and counts over ranks (token means weight every token once)."""
+    cm = ro.completion_mask
+    n, len_sum, trunc, ent_sum, n_tok, tokens, cut = D.all_sum([
+        lengths.numel(), lengths.sum().item(), ro.truncated.sum().item(),
+        algos.masked_sum(ro.entropy.float(), cm).item(), cm.sum().item(), gen_tokens,
+        ro.stats.get("prompts_truncated", 0)])
+    len_max, roll_s, t_roll = D.all_max([lengths.max().item() if lengths.numel() else 0.0, roll_time, t_roll])
+    return dict(response_length=len_sum / n if n else 0.0, response_length_max=len_max,
+                truncated_frac=trunc / n if n else 0.0, sampling_entropy=ent_sum / max(n_tok, 1.0) if n else 0.0,
+                rollout_tokens=int(tokens), rollout_tokens_per_s=tokens / max(roll_s, 1e-9),
+                prompts_truncated=int(cut), time_rollout_s=t_roll)
+
+
+def _policy_metrics(D: dist.Dist, ro: Rollout, old_logp, train_ent) -> dict:
+    """Training-policy entropy and sampler/trainer mismatch as token means over every rank's tokens."""
+    cm = ro.completion_mask
+    sums, count, dmax = algos.mismatch_parts(ro.logp, old_logp, cm)
+    names = list(sums)
+    tot = D.all_sum([algos.masked_sum(train_ent.float(), cm).item(), count.item(), *(sums[k].item() for k in names)])
+    n = max(tot[1], 1.0)
+    out = {"entropy": tot[0] / n, "mismatch/abs_diff_max": D.all_max([dmax.item()])[0]}
+    out.update({f"mismatch/{k}": v / n for k, v in zip(names, tot[2:], strict=True)})
+    return out
+
+
+def _gather_loss_stats(D: dist.Dist, parts: list) -> list:
+    """Every rank's (stats, tokens, loss weight) per micro-batch, for ``algos.merge_loss_stats``."""
+    mine = [({k: float(v) for k, v in st.items()}, float(n), float(w)) for st, n, w in parts]
+    out = []
+    for rank_parts in D.all_gather_object(mine):
+        out += [({k: torch.tensor(v) for k, v in st.items()}, n, w) for st, n, w in rank_parts]
+    return out
+
+
+def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, device, world_size: int = 1) -> dict:
     from qerl.model import source_provenance
     from qerl.results import read_jsonl
 
@@ -374,7 +559,7 @@ def summarize(cfg: TrainConfig, writer: RunWriter, ev: dict, wall_s: float, devi
         "finished": True, "steps": len(rows), "scale": cfg.scale, "experiment": cfg.experiment,
         "reward_first": sum(first) / len(first) if first else None,
         "reward_last": sum(last) / len(last) if last else None,
-        "eval": ev, "wall_time_s": wall_s, "device": str(device),
+        "eval": ev, "wall_time_s": wall_s, "device": str(device), "world_size": world_size,
         "data": data.data_provenance(cfg.data.train, cfg.data.source, **cfg.data.load_options()),
         "model_source": source_provenance(cfg.model.source),  # what the base weights are (a GGUF's: dequantized)
     }
@@ -389,14 +574,17 @@ def _progress(cfg: TrainConfig, start: int):
 
 
 def main(argv: list[str] | None = None) -> None:
+    rank = dist.world_from_env()[0]
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv)
         summary = run(cfg)
-    except UserError as e:  # a mistake the user must fix: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except UserError as e:  # a mistake the user must fix: one line, no traceback (once per job, from rank 0)
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
-          f"eval {({k: v.get('pass@1') for k, v in (summary.get('eval') or {}).items()})}")
+    if rank == 0:
+        print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
+              f"eval {({k: v.get('pass@1') for k, v in (summary.get('eval') or {}).items()})}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ identical in every trial) stops trials below the median of the others at the sam
 
 Storage: ``sqlite:///<out_dir>/sweeps/<study>.db`` (busy timeout, WAL journal) unless ``--storage URL``; with an RDB
 URL (``postgresql://…``) the same command on several machines works on one study (give each its own ``--seed``).
+GPUs: ``--devices 0,1,2,3`` gives worker i its own GPU ``i mod 4`` (CUDA_VISIBLE_DEVICES; ``--workers`` defaults to
+one per device). A trial itself runs on one process (multi-GPU trials are not wired).
 Every trial sends a heartbeat; a trial whose heartbeat is older than 3 × ``--heartbeat`` seconds (its worker was
 killed) is failed and re-enqueued with the same parameters, and the retry resumes its run directory from the last
 checkpoint. Ctrl-C / SIGTERM does the same at once.
@@ -382,20 +384,46 @@ def _die_with_parent() -> None:  # Linux: a worker is SIGKILLed when the invokin
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def spawn_workers(args, n: int, storage_url: str) -> int:
-    """Start ``n`` worker processes on the study (each one is ``python -m sweeps.aqn --worker-tag i``); returns the
-    first nonzero exit status. Their output is prefixed with ``[w<i>]``."""
+def parse_devices(text: str | None) -> list[str]:
+    """``--devices 0,1,3`` -> ['0', '1', '3'], checked against the GPUs this process sees."""
+    if text is None:
+        return []
+    devs = [d.strip() for d in text.split(",")]
+    if not all(devs):
+        raise UserError(f"--devices {text!r}: give comma-separated GPU indices, e.g. --devices 0,1,2,3")
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    valid = [str(i) for i in range(count)]
+    bad = [d for d in devs if d.isdigit() and d not in valid]
+    if count == 0 or bad:
+        raise UserError(f"--devices {text!r}: " + (f"no GPU {bad} here; valid: {valid}" if count else
+                                                  "no CUDA GPU is visible here (CUDA_VISIBLE_DEVICES="
+                                                  f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})"))
+    return devs
+
+
+def worker_envs(n: int, devices=(), environ=None) -> list[dict[str, str]]:
+    """The environments of ``n`` sweep workers: a share of the CPU cores each, and with ``devices`` worker i sees
+    only GPU ``devices[i % len(devices)]``."""
     threads = max(1, (os.cpu_count() or 1) // n)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ if environ is None else environ, PYTHONUNBUFFERED="1")
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(k, str(threads))
+    return [dict(env, CUDA_VISIBLE_DEVICES=devices[i % len(devices)]) if devices else dict(env) for i in range(n)]
+
+
+def spawn_workers(args, n: int, storage_url: str, devices: list[str] = ()) -> int:
+    """Start ``n`` worker processes on the study (each one is ``python -m sweeps.aqn --worker-tag i``); returns the
+    first nonzero exit status. Their output is prefixed with ``[w<i>]``. With ``devices``, worker i sees only GPU
+    ``devices[i % len(devices)]`` (CUDA_VISIBLE_DEVICES)."""
     procs = []
-    for i in range(n):
+    for i, wenv in enumerate(worker_envs(n, devices)):
         cmd = [sys.executable, "-m", "sweeps.aqn", "--study", args.study, "--storage", storage_url,
                "--trials", str(args.trials), "--seed", str(args.seed), "--pruner", args.pruner,
                "--heartbeat", str(args.heartbeat), "--startup-trials", str(args.startup_trials),
                "--worker-tag", f"{args.worker_tag}.{i}" if args.worker_tag else str(i), "--no-report"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        procs.append(subprocess.Popen(cmd, env=wenv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       preexec_fn=_die_with_parent if sys.platform == "linux" else None))
 
     def pump(i, p):
@@ -424,7 +452,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--study", required=True, help="study name (also the folder results/sweeps/<study>/)")
     p.add_argument("--trials", type=int, default=None, help="finished trials the study should hold (default: the "
                    "stored value, else 16)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes on this machine")
+    p.add_argument("--workers", type=int, default=None, help="worker processes on this machine (default: one per "
+                   "--devices entry, else 1)")
+    p.add_argument("--devices", default=None, help="comma-separated GPU indices: worker i runs on GPU i mod their "
+                   "number (CUDA_VISIBLE_DEVICES), e.g. --devices 0,1,2,3")
     p.add_argument("--storage", default=None, help="RDB URL (default sqlite:///<out_dir>/sweeps/<study>.db)")
     p.add_argument("--scale", choices=("smoke", "toy", "paper"), default=None, help="default: stored, else smoke")
     p.add_argument("--objective", choices=OBJECTIVES, default=None, help="default: stored, else val_acc")
@@ -438,6 +469,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="only (re)write trials.csv, trials.md and the plots")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the training config for every trial")
     a = p.parse_args(argv)
+    if a.workers is None:
+        a.workers = len(a.devices.split(",")) if a.devices else 1
     if a.workers < 1 or (a.trials is not None and a.trials < 1):
         p.error("--workers and --trials must be >= 1")
     return a
@@ -451,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     for h in logging.getLogger("optuna").handlers:  # records of optuna's child loggers reach these handlers
         h.addFilter(_NoVoidTraceback())
     args = parse_args(argv)
+    devices = parse_devices(args.devices)  # before anything is opened: a bad GPU list is the user's to fix
     out_dir = next((o.split("=", 1)[1] for o in args.overrides if _key(o) == "out_dir"), "results")
     url = args.storage or default_storage(out_dir, args.study)
     storage = make_storage(url, args.heartbeat)
@@ -481,8 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         signal.signal(signal.SIGTERM, _sigterm_to_interrupt)  # like Ctrl-C: running trials are re-enqueued
         if args.workers > 1:
-            code = spawn_workers(args, args.workers, url)
+            code = spawn_workers(args, args.workers, url, devices)
         else:
+            if devices:  # this process is the one worker (CUDA is not initialised yet)
+                os.environ["CUDA_VISIBLE_DEVICES"] = devices[0]
             Worker(sweep, study, args.trials, args.seed, args.worker_tag or "0",
                    poll_s=min(5.0, args.heartbeat), startup_trials=args.startup_trials).run()
     except KeyboardInterrupt:

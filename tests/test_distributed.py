@@ -1,0 +1,292 @@
+"""Data-parallel training under torchrun (CPU, gloo): real processes, no mocks.
+
+* 2 ranks = 1 rank with the same global batch: the same rewards and advantages for every completion (per-group
+  sampling seeds, ``rollout.seed_scope=group``), the same LoRA weights after the updates to float tolerance, also
+  with gradient accumulation (several micro-batches and minibatches) and with DAPO's dynamic sampling;
+* a rank killed mid-run takes the job down within the process-group timeout, and the rerun resumes with no gap and
+  no duplicate in metrics.jsonl;
+* bad launches (a world size that does not divide the step's groups, device=cuda without a GPU per rank) fail with
+  one clear line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl.dist import check_launch
+from qerl.errors import UserError
+from qerl.results import read_jsonl
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+# The committed smoke model; 4 prompts x 4 samples per step, 2 steps (at least one with an update), one held-out
+# batch per rank.
+FAST = ["scale=smoke", "train.steps=2", "train.batch_size=16", "algo.group_size=4", "train.micro_batch=16",
+        "data.max_new_tokens=48", "eval.limit=4", "eval.n_samples=1", "eval.max_new_tokens=24", "eval.batch_prompts=2",
+        "algo.ppo_epochs=1", "train.progress=false", "optim.name=adamw", "rollout.seed_scope=group",
+        "train.log_samples=true", "dist.timeout_s=30"]
+TIMING = ("time_", "peak_mem_gib", "rollout_tokens_per_s")
+# logged exactly the same by 1 and 2 ranks (the rollouts and rewards are the same; the rest are means whose float
+# sums depend on the split: one process takes a float32 mean of the lengths, ranks a float64 sum over ranks)
+EXACT = ("reward", "reward_std", "rewards/accuracy/mean", "rewards/accuracy/std", "reward_errors", "groups_kept",
+         "groups_sampled", "rollout_tokens", "response_length_max", "prompts_truncated", "sigma", "lr", "updates")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(nproc: int, out: Path, name: str, extra=()) -> list[str]:
+    args = ["-m", "qerl.train", *FAST, f"out_dir={out}", "experiment=dist", f"run_name={name}", *extra]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), *args]
+
+
+def env() -> dict:
+    # one torch thread per rank (CI has 2 cores); single-threaded reductions also keep 1 and 2 ranks comparable
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", QERL_REWARD_WORKERS="1", PYTHONUNBUFFERED="1")
+
+
+def train(nproc: int, out: Path, name: str, extra=()) -> Path:
+    res = subprocess.run(command(nproc, out, name, extra), env=env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return out / "dist" / name
+
+
+def trainable(run: Path) -> dict[str, torch.Tensor]:
+    ck = sorted((run / "checkpoints").glob("step_*"))[-1]
+    return torch.load(ck / "state.pt", weights_only=False)["trainable"]
+
+
+def assert_equivalent(one: Path, two: Path) -> None:
+    ma, mb = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in ma] == [r["step"] for r in mb]
+    assert any(r.get("grad_norm") for r in ma), "no step updated the weights"
+    for ra, rb in zip(ma, mb, strict=True):
+        assert set(ra) == set(rb)
+        for k in ra:
+            if k in EXACT:
+                assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
+            elif not k.startswith(TIMING):
+                assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (ra["step"], k, ra[k], rb[k])
+    # every completion, its reward and its advantage, in the step's group order
+    sa, sb = read_jsonl(one / "samples.jsonl"), read_jsonl(two / "samples.jsonl")
+    assert [s["step"] for s in sa] == [s["step"] for s in sb] == [r["step"] for r in ma]
+    for a, b in zip(sa, sb, strict=True):
+        assert a["groups"], "no groups were recorded"
+        assert [g["group"] for g in a["groups"]] == list(range(len(a["groups"])))
+        assert a["groups"] == b["groups"]
+    # the trained weights (LoRA A and B of every layer): the same update from the same global batch. The gradient
+    # itself is compared through grad_norm above (rel 1e-4); Adam divides each element by its own RMS, so an element
+    # whose gradient is near 0 turns float-order noise into a visible share of a step: allow 1% of one step (lr 1e-3)
+    wa, wb = trainable(one), trainable(two)
+    assert wa.keys() == wb.keys()
+    moved = 0
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        moved += int(not torch.equal(wa[k], torch.zeros_like(wa[k])))
+    assert moved, "no trainable weight moved"
+    ea = json.loads((one / "env.json").read_text())["distributed"]
+    eb = json.loads((two / "env.json").read_text())["distributed"]
+    assert (ea["world_size"], eb["world_size"], eb["backend"], len(eb["devices"])) == (1, 2, "gloo", 2)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert (sa["world_size"], sb["world_size"]) == (1, 2)
+    assert sa["eval"]["toy"]["pass@1"] == sb["eval"]["toy"]["pass@1"]  # eval batches sharded, same samples
+
+
+@pytest.mark.parametrize("case,extra", [
+    ("grpo", ()),
+    # gradient accumulation: 4 micro-batches per minibatch, 2 minibatches x 2 epochs = 4 updates
+    ("accum", ("train.micro_batch=4", "algo.minibatches=2", "algo.ppo_epochs=2", "train.batch_size=32")),
+    # DAPO: dynamic sampling drops uniform groups and refills from fresh draws, the same groups on 1 or 2 ranks
+    ("dapo", ("algo=dapo", "algo.group_size=4", "algo.max_refills=2", "train.micro_batch=8")),
+])
+def test_two_ranks_train_like_one_with_the_same_global_batch(tmp_path, case, extra):
+    one = train(1, tmp_path, f"{case}-1", extra)
+    two = train(2, tmp_path, f"{case}-2", extra)
+    assert_equivalent(one, two)
+    if case == "dapo":
+        m = read_jsonl(one / "metrics.jsonl")[0]
+        assert m["groups_sampled"] > 4, "the refill path was not exercised"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
+    for pid in _children(torchrun_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def test_a_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path):
+    extra = ("train.steps=4", "train.save_every=1", "eval.sets=[]", "data.max_new_tokens=24")
+    cmd = command(2, tmp_path, "killed", extra)
+    run = tmp_path / "dist" / "killed"
+    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_jsonl(run / "metrics.jsonl")) < 2 and p.poll() is None:
+            time.sleep(0.05)
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        victim = _rank_pid(p.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.time()
+        out, _ = p.communicate(timeout=120)
+        waited = time.time() - t_kill
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0, out[-3000:]
+    assert waited < 30 + 15, f"the job took {waited:.0f} s to fail after a rank was killed"  # dist.timeout_s=30
+    assert not (run / "summary.json").exists()
+    lines = len(read_jsonl(run / "metrics.jsonl"))
+    assert 2 <= lines < 4
+    res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resuming" in res.stdout
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # no gap, no duplicate
+    assert [s["step"] for s in read_jsonl(run / "samples.jsonl")] == [1, 2, 3, 4]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+
+
+def test_world_size_must_divide_the_groups_of_a_step(tmp_path):
+    # 12 completions / 4 per group = 3 groups: 2 ranks cannot share them evenly
+    res = subprocess.run(command(2, tmp_path, "bad", ("train.batch_size=12",)), env=env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, res.stderr[-3000:]  # once for the job (rank 0), not once per rank
+    assert "world size 2 does not divide the 3 prompts (groups)" in lines[0]
+    assert "[1, 3]" in lines[0] and "multiple of 8" in lines[0]
+    assert not (tmp_path / "dist" / "bad").exists()  # nothing was started
+
+
+def test_device_cuda_needs_a_gpu_per_local_rank():
+    with pytest.raises(UserError, match=r"device=cuda with 4 ranks on this node but 2 GPU\(s\) visible.*"
+                                        r"--nproc_per_node <= 2"):
+        check_launch(8, 4, 32, "cuda", world=8, local_world=4, cuda_count=2)
+    with pytest.raises(UserError, match=r"device='cuda:1' puts every rank on one GPU"):
+        check_launch(8, 4, 32, "cuda:1", world=2, local_world=2, cuda_count=2)
+    check_launch(8, 4, 32, "cuda", world=8, local_world=4, cuda_count=4)  # fits
+    check_launch(8, 4, 32, "cpu", world=8, local_world=8, cuda_count=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's message")
+def test_device_cuda_on_a_cpu_machine_is_a_clear_launch_error(tmp_path):
+    res = subprocess.run(command(2, tmp_path, "nogpu", ("device=cuda",)), env=env(), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and "device=cuda with 2 ranks on this node but 0 GPU(s) visible" in lines[0], \
+        res.stderr[-3000:]
+
+
+ROW = tuple(o for o in FAST if not o.startswith(("train.log_samples", "train.steps"))) + ("train.steps=1",)
+
+
+def test_nproc_launches_torchrun_for_data_parallel_runners(tmp_path):
+    """``--nproc 2`` (Make ``NPROC=2``): each training or evaluation row is a torchrun job of 2 ranks; a runner that is
+    not data-parallel keeps one process."""
+    from experiments.common import RUNNERS, Row, compose, worker_command
+
+    rows = [Row("a", ROW), Row("base", ROW, runner="base")]
+    jobs = compose("np", "smoke", rows, (0,), [f"out_dir={tmp_path}"])
+    for j in jobs:
+        cmd = worker_command(j, 1, nproc=2)
+        assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"]
+    RUNNERS["probe-single"] = "tests.test_distributed:free_port"  # any runner not known to be data-parallel
+    try:
+        one = compose("np", "smoke", [Row("p", ROW, runner="probe-single")], (0,), [f"out_dir={tmp_path}"])[0]
+        assert worker_command(one, 1, nproc=2)[1:3] == ["-m", "experiments.worker"]
+    finally:
+        del RUNNERS["probe-single"]
+
+
+@pytest.mark.slow  # two torchrun jobs: ~60 s on 2 cores
+def test_experiment_rows_run_on_nproc_ranks(tmp_path):
+    from experiments.common import Row, run_rows
+
+    rows = [Row("a", ROW), Row("base", ROW, runner="base")]
+    res = run_rows("np", "smoke", rows, (0,), [f"out_dir={tmp_path}"], workers=1, nproc=2)
+    assert res["failed"] == [] and len(res["done"]) == 2, res
+    for key in ("a-s0", "base-s0"):
+        run = tmp_path / "np" / "smoke" / key
+        assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+        assert json.loads((run / "env.json").read_text())["distributed"]["world_size"] == 2
+    assert [r["step"] for r in read_jsonl(tmp_path / "np" / "smoke" / "a-s0" / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.slow  # ~70 s: the timeout, then torchrun's grace period for a rank that does not stop
+def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, silent) makes the others' next collective time out after
+    dist.timeout_s with an error, and torchrun takes the job down: never a silent hang."""
+    cmd = command(2, tmp_path, "hung", ("train.steps=50", "train.save_every=0", "eval.sets=[]",
+                                        "data.max_new_tokens=24", "dist.timeout_s=10"))
+    run = tmp_path / "dist" / "hung"
+    p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = None
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_jsonl(run / "metrics.jsonl")) < 1 and p.poll() is None:
+            time.sleep(0.05)
+        assert p.poll() is None, p.stdout.read()[-3000:]
+        victim = _rank_pid(p.pid, 1)
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.time()
+        out, _ = p.communicate(timeout=180)
+        waited = time.time() - t_stop
+    finally:
+        if victim is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert "timed out" in out.lower() or "timeout" in out.lower(), out[-3000:]
+    # 10 s for the collective, then torchrun stops the job (it gives a stopped rank up to 30 s before SIGKILL)
+    assert waited < 10 + 30 + 20, f"the job took {waited:.0f} s to fail after a rank hung"
+    assert len(read_jsonl(run / "metrics.jsonl")) < 50
+
+
+def test_sweep_devices_give_each_worker_its_own_gpu():
+    from sweeps.aqn import parse_args, parse_devices, worker_envs
+
+    envs = worker_envs(3, ["0", "1"], environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "0"]
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in worker_envs(2, [], environ={}))
+    assert parse_args(["--study", "s", "--devices", "0,1,2"]).workers == 3  # one worker per device by default
+    assert parse_args(["--study", "s", "--devices", "0,1", "--workers", "4"]).workers == 4
+    with pytest.raises(UserError, match="--devices"):
+        parse_devices("0,,1")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU is visible"):
+            parse_devices("0,1")
