@@ -123,6 +123,34 @@ def dequantize_into(fmt: QuantFormat, q: Mapping[str, torch.Tensor], out: torch.
     return w if out is None else out.copy_(w)
 
 
+class FormatBase:
+    """What the format classes share: identity by class and constructor options (``options`` names them), the
+    block-shape check, and the shape checks of a weight about to be quantized."""
+
+    options: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{o}={getattr(self, o)!r}' for o in self.options)})"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and all(getattr(other, o) == getattr(self, o) for o in self.options)
+
+    def __hash__(self) -> int:
+        return hash((type(self), *(getattr(self, o) for o in self.options)))
+
+    def check_shape(self, n: int, k: int) -> None:
+        """Raise ValueError unless an (n, k) weight can be stored (non-empty, K a multiple of the block)."""
+        check_block_shape(self, n, k)
+
+    def checked_shape(self, w: torch.Tensor) -> tuple[int, int]:
+        """(N, K) of a weight to quantize; ValueError unless it is 2-D and ``check_shape`` accepts it."""
+        if w.dim() != 2:
+            raise ValueError(f"{self.name} expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
+        n, k = w.shape
+        self.check_shape(n, k)
+        return n, k
+
+
 def check_block_shape(fmt: QuantFormat, n: int, k: int) -> None:
     """Raise ValueError unless an (n, k) weight fits ``fmt``: non-empty, K a multiple of its block."""
     if n <= 0 or k <= 0 or (fmt.block and k % fmt.block):

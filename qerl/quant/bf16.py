@@ -10,7 +10,7 @@ from qerl.quant import base
 from qerl.quant.finite import check_finite
 
 
-class BF16Format:
+class BF16Format(base.FormatBase):
     """Handler that keeps the weight dense in bfloat16."""
 
     name = "bf16"
@@ -21,14 +21,6 @@ class BF16Format:
     reference_backend = "dense"  # the reference is the fast path: F.linear on the stored weight
     kernels = None
 
-    def __repr__(self) -> str:
-        return "BF16Format()"
-
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
 
     def check_shape(self, n: int, k: int) -> None:
         """Any positive (n, k) is fine."""
@@ -38,9 +30,7 @@ class BF16Format:
     @torch.no_grad()
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """{"weight": w (N, K) as bfloat16}; NonFiniteWeightError if it holds inf/NaN (or overflows bfloat16)."""
-        if w.dim() != 2:
-            raise ValueError(f"bf16 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
-        self.check_shape(*w.shape)
+        self.checked_shape(w)
         out = w.detach().to(torch.bfloat16)
         check_finite(out, self.name)  # on the result, so a float32 value beyond bfloat16's range is caught too
         return {"weight": out}

@@ -47,7 +47,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (u.reshape(n, w * _PER_WORD) + Q_MIN).to(torch.int8)
 
 
-class INT4Format:
+class INT4Format(base.FormatBase):
     """Handler for INT4 W4A16 (symmetric, group 128) weights in the compressed-tensors ``pack-quantized`` layout."""
 
     name = "int4"
@@ -62,27 +62,13 @@ class INT4Format:
     reference_backend = "torch_reference"
     kernels = None  # no fast kernel yet: dequantize + matmul everywhere
 
-    def __repr__(self) -> str:
-        return "INT4Format()"
 
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
-
-    def check_shape(self, n: int, k: int) -> None:
-        """Raise ValueError unless an (n, k) weight can be stored (K divisible by 128)."""
-        base.check_block_shape(self, n, k)
 
     @torch.no_grad()
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Quantize w (N, K) -> {weight_packed int32 (N, K/8), weight_scale (N, K/128) in w's dtype,
         weight_shape int64 (2,)}."""
-        if w.dim() != 2:
-            raise ValueError(f"int4 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
-        n, k = w.shape
-        self.check_shape(n, k)
+        n, k = self.checked_shape(w)
         if not w.is_floating_point():
             raise ValueError(f"int4 expects a floating-point weight, got {w.dtype}")
         check_finite(w, self.name)

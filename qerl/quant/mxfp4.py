@@ -75,7 +75,7 @@ def _scale_lut(device: torch.device) -> torch.Tensor:
     return lut
 
 
-class MXFP4Format:
+class MXFP4Format(base.FormatBase):
     """Handler for MXFP4 weights in the compressed-tensors ``mxfp4-pack-quantized`` layout.
 
     ``scale_rule`` only changes how ``quantize`` picks exponents; the stored layout and ``dequantize`` are the
@@ -95,23 +95,14 @@ class MXFP4Format:
     reference_backend = "torch_reference"
     kernels = None  # qerl.kernels registers the FP4 dispatcher
 
+    options = ("scale_rule",)
+
     def __init__(self, scale_rule: str = "ct"):
         if scale_rule not in SCALE_RULES:
             raise ValueError(f"unknown MXFP4 scale_rule {scale_rule!r}; valid rules: {sorted(SCALE_RULES)}")
         self.scale_rule = scale_rule
 
-    def __repr__(self) -> str:
-        return f"MXFP4Format(scale_rule={self.scale_rule!r})"
 
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self) and other.scale_rule == self.scale_rule
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.scale_rule))
-
-    def check_shape(self, n: int, k: int) -> None:
-        """Raise ValueError unless an (n, k) weight can be stored (K divisible by 32)."""
-        base.check_block_shape(self, n, k)
 
     def shared_exponent(self, amax: torch.Tensor) -> torch.Tensor:
         """Biased E8M0 exponent (uint8) of each block from its amax (any float dtype), by this scale rule."""
@@ -123,10 +114,7 @@ class MXFP4Format:
     @torch.no_grad()
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Quantize w (N, K) -> {weight_packed uint8 (N, K/2), weight_scale uint8 E8M0 (N, K/32)}."""
-        if w.dim() != 2:
-            raise ValueError(f"mxfp4 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
-        n, k = w.shape
-        self.check_shape(n, k)
+        n, k = self.checked_shape(w)
         if not w.is_floating_point():
             raise ValueError(f"mxfp4 expects a floating-point weight, got {w.dtype}")
         check_finite(w, self.name)

@@ -99,7 +99,7 @@ def _quantize_dynamic(x: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, to
     return q.reshape(-1)[:n], absmax
 
 
-class NF4Format:
+class NF4Format(base.FormatBase):
     """Handler for bitsandbytes NF4 (blocksize 64, double quantization on by default)."""
 
     name = "nf4"
@@ -110,29 +110,17 @@ class NF4Format:
     reference_backend = "torch_reference"
     kernels = None  # qerl.kernels registers bitsandbytes' kernels
 
+    options = ("double_quant",)
+
     def __init__(self, double_quant: bool = True):
         self.double_quant = double_quant
 
-    def __repr__(self) -> str:
-        return f"NF4Format(double_quant={self.double_quant!r})"
 
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self) and other.double_quant == self.double_quant
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.double_quant))
-
-    def check_shape(self, n: int, k: int) -> None:
-        """Raise ValueError unless an (n, k) weight can be stored (K divisible by 64: blocks stay in a row)."""
-        base.check_block_shape(self, n, k)
 
     @torch.no_grad()
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Quantize w (N, K) to NF4 tensors named after bitsandbytes' QuantState serialization."""
-        if w.dim() != 2:
-            raise ValueError(f"nf4 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
-        n, k = w.shape
-        self.check_shape(n, k)
+        n, k = self.checked_shape(w)
         if w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"nf4 supports bfloat16, float16 and float32 weights, got {w.dtype}")
         check_finite(w, self.name)

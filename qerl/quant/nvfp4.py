@@ -31,7 +31,7 @@ FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 ZERO_SCALE_EPS = 0.125  # compressed-tensors' replacement for a block scale that rounds to 0 in E4M3
 
 
-class NVFP4Format:
+class NVFP4Format(base.FormatBase):
     """Handler for NVFP4 weights in the compressed-tensors ``nvfp4-pack-quantized`` layout."""
 
     name = "nvfp4"
@@ -47,18 +47,7 @@ class NVFP4Format:
     reference_backend = "torch_reference"
     kernels = None  # qerl.kernels registers the FP4 dispatcher
 
-    def __repr__(self) -> str:
-        return "NVFP4Format()"
 
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
-
-    def check_shape(self, n: int, k: int) -> None:
-        """Raise ValueError unless an (n, k) weight can be stored (K divisible by 16)."""
-        base.check_block_shape(self, n, k)
 
     @staticmethod
     def global_scale(*weights: torch.Tensor) -> torch.Tensor:
@@ -78,10 +67,7 @@ class NVFP4Format:
     @torch.no_grad()
     def quantize(self, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Quantize w (N, K) -> {weight_packed uint8 (N, K/2), weight_scale e4m3 (N, K/16), weight_global_scale f32 (1,)}."""
-        if w.dim() != 2:
-            raise ValueError(f"nvfp4 expects a 2-D weight (N, K), got shape {tuple(w.shape)}")
-        n, k = w.shape
-        self.check_shape(n, k)
+        n, k = self.checked_shape(w)
         w = w.detach()
         if not w.is_floating_point():
             raise ValueError(f"nvfp4 expects a floating-point weight, got {w.dtype}")
