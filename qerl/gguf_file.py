@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from qerl.errors import UserError
+from qerl.runfiles import sha256_file
 
 ARCHITECTURES = ("llama", "qwen2")  # the module trees load_policy fills (LlamaForCausalLM, Qwen2ForCausalLM)
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # stored as they are: not a quantization
@@ -202,14 +203,6 @@ def load_tokenizer(path: Path):
 
 
 # --------------------------------------------------------------------------------------------- provenance
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _describe(path: Path) -> dict:
     r = reader(path)
     types = collections.Counter(t.tensor_type.name for t in r.tensors)
@@ -218,7 +211,7 @@ def _describe(path: Path) -> dict:
     listing = ", ".join(f"{k} x{n}" for k, n in types.most_common())
     what = f"the dequantized {main} values" if quantized else f"the {main} values"
     return {
-        "file": path.name, "path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": _sha256(path),
+        "file": path.name, "path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": sha256_file(path),
         "architecture": _str_field(r, "general.architecture"), "name": _str_field(r, "general.name"),
         "weights_type": main, "tensor_types": dict(types.most_common()),
         "note": f"the 'BF16' weights of this model are {what} of {path.name} ({listing}), "
