@@ -3,8 +3,9 @@
     python -m experiments.speed --run core|step|large|small   # on a CUDA host: the benchmark stages (qerl.bench)
     python -m experiments.speed                               # anywhere: render results/speed/speed.md from CSVs
     python -m experiments.speed --merge OUT --name h100_run5  # keep a GPU session's CSVs under raw/ and merge
+    python -m experiments.speed --run scaling                 # on a multi-GPU host: data-parallel steps, 1/2/4 GPUs
 
-Rendering reads only ``results/speed/{memory,rollout,step}.csv`` (written by ``qerl.bench``) and the paper's
+Rendering reads only ``results/speed/{memory,rollout,step,scaling}.csv`` (written by ``qerl.bench``) and the paper's
 numbers (``paper_figures/paper/*.csv``); ratios are always ours against our own BF16-LoRA in the same run
 (same git SHA and device), never against the paper's. Paper numbers come from vLLM 0.10.1 (Marlin FP4 kernel);
 ours from qerl's own sampler and Triton kernels.
@@ -27,6 +28,9 @@ STAGES = {
     "step": [["step", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8", "--gc", "both"],
              ["step", "--models", "32b", "--formats", "nvfp4,bf16", "--batch", "8", "--gc", "on"]],
     "large": [["rollout", "--models", "14b,32b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"]],
+    # issue 13: the same global batch (128 completions = 16 prompts x G 8, 1024 new tokens) on 1, 2 and 4 GPUs
+    "scaling": [["scaling", "--models", "7b", "--formats", "nvfp4,bf16", "--nproc", "1,2,4", "--batch", "128",
+                 "--group", "8", "--micro", "8", "--new", "1024", "--gc", "on", "--steps", "3"]],
     "small": [["rollout", "--models", "3b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"],
               ["rollout", "--models", "7b", "--formats", "nvfp4,bf16", "--batch", "2", "--ranks", "16,64"]],
 }
@@ -161,6 +165,61 @@ def step_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCALE_KEYS = ["model", "weights", "global_batch", "group_size", "micro_batch", "gc", "new_tokens"]
+
+
+def scaling_rows(d: pd.DataFrame) -> list[dict]:
+    """Each scaling row with its efficiency against the one-GPU row of the same configuration (model, format,
+    global batch, group, micro-batch, GC, lengths), measured in the same session: per-GPU throughput
+    (generated tokens per second of step / GPUs) over the one-GPU throughput, and each phase's speed-up."""
+    out = []
+    ok = d[d.status == "ok"]
+    for _, r in d.iterrows():
+        row = r.to_dict()
+        same = ok
+        for k in SCALE_KEYS:
+            same = same[same[k].astype(str) == str(r[k])]
+        one = same[same.world_size == 1]
+        w = int(r["world_size"])
+        if r["status"] == "ok" and len(one):
+            o = one.iloc[0]
+            row["efficiency"] = r["tokens_per_s"] / w / o["tokens_per_s"]
+            row["cross_run"] = str(o.get("run", "")) != str(r.get("run", ""))
+            for ph in ("rollout", "logprob", "update"):
+                row[f"{ph}_speedup"] = o[f"{ph}_s"] / r[f"{ph}_s"] if r[f"{ph}_s"] else None
+        row["comm_share"] = (r["comm_s"] / r["step_s"]) if r["status"] == "ok" and r["step_s"] else None
+        out.append(row)
+    return out
+
+
+def scaling_table(root: Path) -> str:
+    d = _read(root, "scaling.csv")
+    if d is None:
+        return "_no scaling.csv (python -m experiments.speed --run scaling on a multi-GPU host)_\n"
+    lines = ["| model | method | GPUs | completions/GPU | status | s/step | rollout s | log-prob s | update s | "
+             "all-reduce s (% of step) | tokens/s | tokens/s/GPU | efficiency | rollout × | log-prob × | update × | "
+             "peak GB/GPU | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in scaling_rows(d):
+        ok = r["status"] == "ok"
+        w = int(r["world_size"])
+        eff = r.get("efficiency")
+        cell = (lambda k, nd=1: _fmt(r.get(k), nd) if ok else "—")
+        sha = r.get("git_sha", "")
+        share = r.get("comm_share")
+        comm = f"{_fmt(r['comm_s'], 3)} ({100 * share:.1f}%)" if ok and share is not None else "—"
+        lines.append(
+            f"| {r['model']} | {r['method']} | {w} | {_fmt(r.get('per_gpu_batch'), 0) if ok else '—'} | "
+            f"{'ok' if ok else str(r['status'])[:60]} | {cell('step_s')} | {cell('rollout_s')} | "
+            f"{cell('logprob_s', 2)} | {cell('update_s', 2)} | "
+            f"{comm} | "
+            f"{cell('tokens_per_s', 0)} | {_fmt(r['tokens_per_s'] / w, 0) if ok else '—'} | "
+            f"{(f'{100 * eff:.0f}%' + ('†' if r.get('cross_run') else '')) if eff is not None else '—'} | "
+            f"{_fmt(r.get('rollout_speedup'), 2)} | {_fmt(r.get('logprob_speedup'), 2)} | "
+            f"{_fmt(r.get('update_speedup'), 2)} | {cell('peak_mem_gb')} | "
+            f"{r.get('run', '')} ({sha if sha == sha else ''}) |")
+    return "\n".join(lines) + "\n"
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
@@ -195,6 +254,14 @@ Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1
 The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
 2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).
 {step_table(root)}
+## Data-parallel GRPO steps on several GPUs (issue 13; `python -m experiments.speed --run scaling`)
+The same global batch on 1, 2 and 4 GPUs of one host: 128 completions per step (16 prompts × G 8, whole groups per
+rank), 1024 new tokens, micro-batches of 8, gradient checkpointing, GRPO, LoRA rank 32, `torchrun` with NCCL
+(NVLink multicast off). Times are the slowest rank's, averaged over the steps after the first (CUDA-graph capture);
+"all-reduce" is the LoRA gradient exchange inside the update, timed between device synchronisations. Efficiency =
+tokens/s per GPU ÷ the one-GPU row's tokens/s (the same configuration in the same session; † = another session);
+"×" columns are each phase's speed-up over one GPU (ideal = the number of GPUs). Device and GPUs: see `run` / raw/.
+{scaling_table(root)}
 ## Decoder linears at decode size: the CUDA mma GEMV (`python -m benchmarks.cuda_bench`)
 The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
 {cuda}
@@ -204,7 +271,8 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
     return md
 
 
-IDENT = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode")
+IDENT = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode",
+         "world_size", "global_batch", "group_size", "micro_batch")
 
 
 def _ident(df: pd.DataFrame, keys: list[str]) -> list[tuple]:
@@ -235,7 +303,7 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         if f.is_file() and f.suffix in (".csv", ".json", ".log", ".txt", ".md"):
             shutil.copy2(f, dst / f.name)
     for f in sorted(dst.glob("*.csv")):
-        if f.name not in ("memory.csv", "rollout.csv", "step.csv"):
+        if f.name not in ("memory.csv", "rollout.csv", "step.csv", "scaling.csv"):
             continue
         new = pd.read_csv(f)
         new["run"] = name

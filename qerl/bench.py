@@ -5,6 +5,8 @@
                                  --ranks 32 [--rank-sweep 16,32,64]
     python -m qerl.bench step    --models 7b --formats bf16,nf4,nvfp4 --batch 8 --gc both --steps 3
     python -m qerl.bench layers  ...   (per-layer kernels: benchmarks.kernel_bench)
+    python -m qerl.bench scaling --models 7b --formats nvfp4,bf16 --nproc 1,2,4 --batch 128 --group 8 --new 1024 \
+                                 --micro 8 --gc on --steps 3      (data-parallel GRPO steps under torchrun)
 
 Models are the ``preset:qwen2.5-*`` shape presets (random weights, exact Qwen2.5-*-Instruct shapes): speed does
 not depend on the values, and nothing is downloaded. Methods are named as in the paper: LoRA = BF16 base +
@@ -57,7 +59,13 @@ def _free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _write_csv(rows: list[dict], path: Path) -> None:
+#: The columns that identify a row of a benchmark CSV (a new row replaces an old one with the same values).
+IDENT = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode")
+SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
+                 "new_tokens")
+
+
+def _write_csv(rows: list[dict], path: Path, ident: tuple[str, ...] = IDENT) -> None:
     if not rows:
         return
     keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -66,7 +74,6 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         with open(path) as f:
             old = list(csv.DictReader(f))
         keys = list(dict.fromkeys(list(old[0].keys()) + keys)) if old else keys
-    ident = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode")
     new_ids = {tuple(str(r.get(k, "")) for k in ident) for r in rows}
     merged = [r for r in old if tuple(str(r.get(k, "")) for k in ident) not in new_ids] + rows
     buf = io.StringIO()
@@ -213,6 +220,116 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
     return rows
 
 
+def scaling_overrides(model: str, fmt: str, world: int, batch: int, group: int, micro: int, use_gc: bool,
+                      steps: int, prompt_len: int, new_tokens: int, device: str, out_root: Path) -> list[str]:
+    """The ``qerl.train`` overrides of one scaling run: GRPO on the shape preset, ``batch`` completions per step in
+    groups of ``group`` (whole groups per rank), ``micro`` completions per forward/backward, no evaluation."""
+    gc_ = "gc" if use_gc else "nogc"
+    return ["model=tiny" if model == "tiny" else f"model=preset-{model}", f"quant={fmt}", "lora=r32", "algo=grpo",
+            "algo.ppo_epochs=1", "algo.minibatches=1", "algo.mask_truncated=false", f"algo.group_size={group}",
+            f"train.batch_size={batch}", f"train.micro_batch={micro}", f"train.steps={steps}", "train.save_every=0",
+            "train.progress=false", f"train.gradient_checkpointing={str(use_gc).lower()}", "data=toy",
+            f"data.max_new_tokens={new_tokens}", f"data.max_prompt_tokens={prompt_len}", "eval.sets=[]", "aqn=off",
+            "scale=smoke", f"device={device}", "dist.timeout_s=900", f"out_dir={out_root}", "experiment=scaling",
+            f"run_name={model}-{fmt}-b{batch}-g{group}-w{world}-{gc_}"]
+
+
+def scaling_command(world: int, overrides: list[str]) -> list[str]:
+    """``python -m qerl.train`` for one process, ``torchrun --standalone --nproc_per_node W`` for several."""
+    import sys
+
+    train = ["-m", "qerl.train", *overrides]
+    if world == 1:
+        return [sys.executable, *train]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *train]
+
+
+def scaling_row(metrics: list[dict], model: str, fmt: str, world: int, batch: int, group: int, micro: int,
+                use_gc: bool, new_tokens: int) -> dict:
+    """One scaling CSV row from a run's metrics lines. The first step (CUDA-graph capture, autotuning) is left out
+    when there are more; times are the slowest rank's, memory the largest rank's (qerl.train logs them so)."""
+    keep = metrics[1:] if len(metrics) > 1 else metrics
+
+    def mean(k):
+        vals = [r[k] for r in keep if r.get(k) is not None]
+        return sum(vals) / len(vals) if vals else None
+    step_s, tokens = mean("time_step_s"), mean("rollout_tokens")
+    return dict(bench="scaling", model=PAPER_NAME.get(model, model), method=method_name(fmt),
+                weights=get_format(fmt).label, world_size=world, global_batch=batch, group_size=group,
+                per_gpu_batch=batch // world, micro_batch=micro, gc=use_gc, prompt_len="toy task (~60 tokens)",
+                new_tokens=new_tokens, steps=len(metrics), timed_steps=len(keep), step_s=step_s,
+                rollout_s=mean("time_rollout_s"), reward_s=mean("time_reward_s"), logprob_s=mean("time_logprob_s"),
+                update_s=mean("time_update_s"), comm_s=mean("time_comm_s"), rollout_tokens=tokens,
+                tokens_per_s=(tokens / step_s) if tokens and step_s else None,
+                rollout_tokens_per_s=mean("rollout_tokens_per_s"),
+                peak_mem_gb=max((r.get("peak_mem_gib", 0) for r in metrics), default=None))
+
+
+def bench_scaling(models, formats, nprocs, batch: int, group: int, micro: int, use_gc: bool, steps: int,
+                  prompt_len: int, new_tokens: int, device: str, out_root: Path, sink=None) -> list[dict]:
+    """Data-parallel GRPO steps on 1, 2, 4 ... ranks with the same global batch (issue 13): each configuration is
+    a ``qerl.train`` job (``torchrun`` for several ranks) whose metrics give time per step split into rollout /
+    reward / log-probs / update, the gradient all-reduce inside the update (``comm_s``), generated tokens per
+    second of step, and peak memory per GPU. A world size that needs more GPUs than are visible, or that does not
+    divide the step's groups, is recorded with its reason and skipped."""
+    import os
+    import subprocess
+
+    from qerl.results import read_jsonl
+
+    rows = []
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    env = dict(os.environ)
+    # NVLink multicast stays off (a program that uses it can take a shared host's GPUs down)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for m in models:
+        for f in formats:
+            for w in nprocs:
+                over = scaling_overrides(m, f, w, batch, group, micro, use_gc, steps, prompt_len, new_tokens, device,
+                                         out_root)
+                run_dir = out_root / "scaling" / over[-1].split("=", 1)[1]
+                base = dict(bench="scaling", model=PAPER_NAME.get(m, m), method=method_name(f),
+                            weights=get_format(f).label, world_size=w, global_batch=batch, group_size=group,
+                            micro_batch=micro, gc=use_gc, new_tokens=new_tokens)
+                why = None
+                if device.startswith("cuda") and w > visible:
+                    why = f"skipped: needs {w} GPUs, {visible} visible"
+                elif (batch // group) % w or batch % group:
+                    why = f"skipped: {batch // group} groups of {group} do not split over {w} ranks"
+                if why:
+                    rows.append(dict(base, status=why, **_env()))
+                else:
+                    if run_dir.exists():  # a fresh measurement, never a resumed one
+                        import shutil
+
+                        shutil.rmtree(run_dir)
+                    run_dir.parent.mkdir(parents=True, exist_ok=True)
+                    log = run_dir.parent / f"{run_dir.name}.log"
+                    t0 = time.perf_counter()
+                    with open(log, "w") as fh:
+                        rc = subprocess.run(scaling_command(w, over), env=env, stdout=fh, stderr=subprocess.STDOUT
+                                            ).returncode
+                    wall = time.perf_counter() - t0
+                    text = log.read_text(errors="replace")
+                    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+                    if rc == 0 and metrics:
+                        status = "ok"
+                    elif "OutOfMemoryError" in text or "out of memory" in text:
+                        status = "OOM"
+                    else:
+                        last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [""]
+                        status = f"failed (exit {rc}): {last[0][:160]}"
+                    row = scaling_row(metrics, m, f, w, batch, group, micro, use_gc, new_tokens) if metrics else base
+                    rows.append(dict(row, status=status, wall_s=wall, **_env()))
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                       if k in ("model", "weights", "world_size", "step_s", "rollout_s", "logprob_s", "update_s",
+                                "comm_s", "tokens_per_s", "peak_mem_gb", "status")}, flush=True)
+                if sink:
+                    sink(rows[-1])
+    return rows
+
+
 def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused", "unfused"), steps: int = 8,
                   kv: int = 1024, sink=None) -> list[dict]:
     """Where a decode step's GPU time goes: the CUDA kernels of ``steps`` eager decode steps (torch.profiler,
@@ -296,7 +413,7 @@ def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["memory", "rollout", "step", "layers", "profile"])
+    p.add_argument("what", choices=["memory", "rollout", "step", "layers", "profile", "scaling"])
     p.add_argument("--models", default="7b")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--batch", default="2,8")
@@ -306,6 +423,9 @@ def main(argv=None) -> None:
     p.add_argument("--gc", default="both", choices=["on", "off", "both"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--nproc", default="1,2", help="scaling: world sizes (GPUs, or CPU ranks with --device cpu)")
+    p.add_argument("--group", type=int, default=8, help="scaling: completions per prompt (GRPO group size)")
+    p.add_argument("--micro", type=int, default=8, help="scaling: completions per forward/backward")
     p.add_argument("--decode", default="fused", help="rollout: fused,unfused (the sampler's decode step)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
@@ -340,6 +460,15 @@ def main(argv=None) -> None:
     elif a.what == "rollout":
         bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats, sink("rollout.csv"),
                       tuple(a.decode.split(",")))
+    elif a.what == "scaling":
+        if a.gc == "both":
+            p.error("scaling: choose --gc on or --gc off")
+        nprocs = [int(x) for x in a.nproc.split(",")]
+        if len(batches) != 1 or any(n < 1 for n in nprocs):
+            p.error(f"scaling: one --batch (the global batch) and world sizes >= 1; got --batch {a.batch} "
+                    f"--nproc {a.nproc}")
+        bench_scaling(models, fmts, nprocs, batches[0], a.group, a.micro, a.gc == "on", a.steps, a.prompt, a.new,
+                      a.device, out / "runs", lambda row: _write_csv([row], out / "scaling.csv", SCALING_IDENT))
     else:
         gcs = {"on": [True], "off": [False], "both": [False, True]}[a.gc]
         bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs", sink("step.csv"))

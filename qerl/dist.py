@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import socket
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -128,11 +129,19 @@ class Dist:
             raise UserError(val)
         return val
 
-    def all_reduce_grads(self, params: list[torch.nn.Parameter], bucket_elems: int = 1 << 25) -> None:
+    def all_reduce_grads(self, params: list[torch.nn.Parameter], bucket_elems: int = 1 << 25) -> float:
         """Sum the gradients of ``params`` over ranks, in float32 buckets (a missing gradient counts as zero).
-        The loss weights are global shares already, so the sum is the one-process gradient."""
+        The loss weights are global shares already, so the sum is the one-process gradient.
+
+        Returns the seconds the exchange took (0.0 in a one-process run): on a GPU the device is synchronized
+        before (the backward pass is done) and after (the sums have landed), so the figure is the communication
+        alone, not the backward pass it would otherwise wait for."""
         if not self.enabled:
-            return
+            return 0.0
+        cuda = [p.device for p in params[:1] if p.device.type == "cuda"]
+        if cuda:
+            torch.cuda.synchronize(cuda[0])
+        t0 = time.perf_counter()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -151,6 +160,9 @@ class Dist:
                     q.grad.copy_(flat[i:i + q.numel()].view_as(q.grad))
                     i += q.numel()
                 bucket, size = [], 0
+        if cuda:
+            torch.cuda.synchronize(cuda[0])
+        return time.perf_counter() - t0
 
     def broadcast_params(self, params: list[torch.nn.Parameter]) -> None:
         """Rank 0's values of ``params`` on every rank (the seeded init is the same everywhere; this makes sure)."""

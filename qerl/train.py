@@ -447,6 +447,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
 
     loss_stats = []  # (stats, n_tokens, loss weight) per micro-batch: merged by algos.merge_loss_stats
     grad_norms = []
+    t_comm = 0.0     # seconds in the gradient all-reduce (part of the update time)
     per_mb = max(1, n_groups // a.minibatches)
     for _ in range(a.ppo_epochs):
         for g0 in range(0, n_groups, per_mb):
@@ -476,7 +477,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                 weight = (n_tok / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb_rows
                 (loss * weight).backward()
                 loss_stats.append((st, n_tok, weight))
-            D.all_reduce_grads(params)  # Σ over ranks of globally weighted losses: the one-process gradient
+            t_comm += D.all_reduce_grads(params)  # Σ over ranks of globally weighted losses: the one-process gradient
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
             grad_norms.append(gn.item())
             opt.step()
@@ -486,11 +487,11 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
     if D.enabled:
         loss_stats = _gather_loss_stats(D, loss_stats)
     metrics.update(algos.merge_loss_stats(loss_stats))
-    t_reward, t_logprob, t_update, t_step, mem = _max(D, t1 - t0 - t_roll, t2 - t1, t3 - t2, t3 - t0,
-                                                     peak_memory_gib(device))
+    t_reward, t_logprob, t_update, t_comm, t_step, mem = _max(D, t1 - t0 - t_roll, t2 - t1, t3 - t2, t_comm,
+                                                             t3 - t0, peak_memory_gib(device))
     metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), updates=len(grad_norms),
                    time_reward_s=t_reward, time_logprob_s=t_logprob, time_update_s=t_update,
-                   time_step_s=t_step, peak_mem_gib=mem)
+                   time_comm_s=t_comm, time_step_s=t_step, peak_mem_gib=mem)
     return metrics
 
 

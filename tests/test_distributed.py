@@ -101,6 +101,10 @@ def assert_equivalent(one: Path, two: Path) -> None:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
         moved += int(not torch.equal(wa[k], torch.zeros_like(wa[k])))
     assert moved, "no trainable weight moved"
+    # the gradient exchange is timed: nothing to exchange on one rank, a measured time on two
+    assert all(r["time_comm_s"] == 0 for r in ma)
+    assert all(r["time_comm_s"] > 0 for r in mb if r.get("grad_norm") is not None)
+    assert all(r["time_comm_s"] <= r["time_update_s"] for r in mb if r.get("grad_norm") is not None)
     ea = json.loads((one / "env.json").read_text())["distributed"]
     eb = json.loads((two / "env.json").read_text())["distributed"]
     assert (ea["world_size"], eb["world_size"], eb["backend"], len(eb["devices"])) == (1, 2, "gloo", 2)
@@ -290,3 +294,91 @@ def test_sweep_devices_give_each_worker_its_own_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="no CUDA GPU is visible"):
             parse_devices("0,1")
+
+
+def test_scaling_benchmark_runs_one_and_two_ranks_with_the_same_global_batch(tmp_path):
+    """``qerl.bench scaling`` (issue 13's measurement) on the CPU: a one-process and a two-rank run of the same
+    global batch, each split into phases with the all-reduce timed, and a world size that cannot split the groups
+    recorded as skipped; the speed report turns the rows into an efficiency against the one-rank row."""
+    import pandas as pd
+
+    from experiments.speed import scaling_rows, scaling_table
+
+    res = subprocess.run([sys.executable, "-m", "qerl.bench", "scaling", "--models", "tiny", "--formats", "nvfp4",
+                          "--nproc", "1,2,3", "--batch", "8", "--group", "4", "--micro", "4", "--new", "16",
+                          "--prompt", "64", "--steps", "2", "--gc", "off", "--device", "cpu", "--out", str(tmp_path)],
+                         env=env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    d = pd.read_csv(tmp_path / "scaling.csv")
+    assert list(d.world_size) == [1, 2, 3]
+    assert list(d.status[:2]) == ["ok", "ok"] and d.status[2].startswith("skipped: 2 groups of 4")
+    one, two = d.iloc[0], d.iloc[1]
+    assert (one.per_gpu_batch, two.per_gpu_batch, one.global_batch, two.global_batch) == (8, 4, 8, 8)
+    assert one.comm_s == 0 and 0 < two.comm_s <= two.update_s
+    for r in (one, two):
+        assert r.timed_steps == 1 and r.steps == 2  # the first (warm-up) step is left out
+        assert r.rollout_s + r.logprob_s + r.update_s <= r.step_s + 1e-6
+        assert r.tokens_per_s == pytest.approx(r.rollout_tokens / r.step_s)
+    rows = scaling_rows(d)
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["efficiency"] == pytest.approx(two.tokens_per_s / 2 / one.tokens_per_s)
+    assert "efficiency" not in rows[2]
+    assert "skipped" in scaling_table(tmp_path)
+    env_dist = json.loads((tmp_path / "runs" / "scaling" / "tiny-nvfp4-b8-g4-w2-nogc" / "env.json").read_text())
+    assert env_dist["distributed"]["world_size"] == 2
+
+
+# ------------------------------------------------------------------------------------------ two GPUs, NCCL
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs 2 CUDA GPUs")
+
+ALL_REDUCE_PROBE = """
+import json, os, sys, torch
+from qerl import dist
+D, dev = dist.setup("cuda", "auto", 60)
+g = torch.Generator().manual_seed(0)
+sizes = [3, 1000, 70000, 5]
+params = [torch.nn.Parameter(torch.zeros(n, device=dev)) for n in sizes]
+for i, p in enumerate(params):
+    if not (D.rank == 1 and i == 3):  # a parameter without a gradient on one rank counts as zero there
+        p.grad = (D.rank + 1) * torch.arange(p.numel(), dtype=torch.float32, device=dev) + i
+secs = D.all_reduce_grads(params, bucket_elems=1024)  # several buckets
+expect = [3 * torch.arange(n, dtype=torch.float32) + 2 * i for i, n in enumerate(sizes)]
+expect[3] = torch.arange(5, dtype=torch.float32) + 3  # rank 0's only
+ok = all(torch.equal(p.grad.cpu(), e) for p, e in zip(params, expect))
+out = {"rank": D.rank, "ok": ok, "secs": secs, "backend": D.backend, "device": str(dev)}
+open(os.path.join(sys.argv[1], f"rank{D.rank}.json"), "w").write(json.dumps(out))
+dist.shutdown()
+"""
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_nccl_gradient_all_reduce_sums_over_two_gpus(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(ALL_REDUCE_PROBE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           str(tmp_path)]
+    res = subprocess.run(cmd, env=dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["device"] for g in got] == ["cuda:0", "cuda:1"]
+    assert all(g["ok"] and g["backend"] == "nccl" and g["secs"] > 0 for g in got), got
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_two_gpus_train_with_nccl(tmp_path):
+    """The smoke run on 2 GPUs (NCCL) next to 1 GPU: both finish with the same steps and metric names, the
+    2-GPU one on cuda:0 and cuda:1 with its gradient exchange timed. (Bit-equality is the CPU test's: on GPUs
+    the per-rank batch changes which matmul kernels run, so sampled tokens may differ after the first.)"""
+    extra = ("device=cuda",)
+    one = train(1, tmp_path, "gpu-1", extra)
+    two = train(2, tmp_path, "gpu-2", extra)
+    ma, mb = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == [1, 2]
+    assert set(ma[0]) == set(mb[0])
+    assert all(r["time_comm_s"] > 0 for r in mb if r.get("grad_norm") is not None)
+    e = json.loads((two / "env.json").read_text())["distributed"]
+    assert (e["world_size"], e["backend"]) == (2, "nccl") and len(e["devices"]) == 2

