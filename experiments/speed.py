@@ -203,7 +203,7 @@ def scaling_table(root: Path) -> str:
         ok = r["status"] == "ok"
         w = int(r["world_size"])
         eff = r.get("efficiency")
-        cell = (lambda k, nd=1: _fmt(r.get(k), nd) if ok else "—")
+        cell = (lambda k, nd=1, r=r, ok=ok: _fmt(r.get(k), nd) if ok else "—")
         sha = r.get("git_sha", "")
         share = r.get("comm_share")
         comm = f"{_fmt(r['comm_s'], 3)} ({100 * share:.1f}%)" if ok and share is not None else "—"
