@@ -187,6 +187,8 @@ class TrainLoopCfg:
     eval_every: int = num(0, 0, why="0 evaluates only at the end")
     progress: bool = True
     log_samples: bool = False  # samples.jsonl: per step, every group's prompt id, completions, rewards, advantages
+    max_nonfinite_steps: int = num(5, 0, why="a run stops after this many steps in a row whose every update had a "
+                                               "NaN/inf gradient (those updates are skipped); 0 never stops")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ class UserError(ValueError):
     """A mistake in the user's input; its message is the whole explanation (no traceback is shown)."""
 
 
+class TrainingDiverged(RuntimeError):
+    """A run whose gradients stayed NaN/inf for ``train.max_nonfinite_steps`` steps in a row (its finished steps are
+    logged; the weights are those before the first skipped update)."""
+
+
 def cli_main(fn, argv: list[str] | None = None) -> None:
     """Run an entry point's ``fn(argv)`` and exit with its status (``None`` counts as 0); a ``UserError`` is printed
     as one line, ``<module>: error: <message>``, to stderr, and the exit status is 2 (no traceback).

@@ -37,19 +37,34 @@ from torch.utils.checkpoint import checkpoint
 from qerl import algos, aqn, data, dist, rewards
 from qerl.config import TrainConfig, load_config
 from qerl.devices import autocast_for, resolve_device
-from qerl.errors import UserError
+from qerl.errors import TrainingDiverged, UserError
 from qerl.lora import lora_modules, trainable_parameters
 from qerl.model import build_policy, save_adapter, save_full_model
 from qerl.results import RunWriter
 from qerl.rollout import Rollout, Sampler, seed_for
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, total_updates: int):
+def build_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, total_updates: int,
+                    keep_32bit: list[torch.nn.Parameter] = ()):
+    """AdamW (or bitsandbytes' 8-bit AdamW) and its warmup + decay schedule.
+
+    ``keep_32bit``: parameters whose 8-bit AdamW state is kept in float32 instead — the trained embedding tables,
+    as Hugging Face's Trainer does for ``adamw_bnb_8bit`` (the paper's optimizer): 8-bit moments of a large, sparsely
+    updated embedding are unstable. Only full fine-tuning trains an embedding; LoRA runs are unaffected."""
     o = cfg.optim
     if o.name == "adamw8bit":
         import bitsandbytes as bnb
 
-        opt = bnb.optim.AdamW8bit(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        keep = {id(p) for p in keep_32bit}
+
+        class AdamW8bit(bnb.optim.AdamW8bit):  # per-parameter 32-bit state without bnb's process-global manager
+            def get_config(self, gindex, pindex, group):
+                config = super().get_config(gindex, pindex, group)
+                if id(self.param_groups[gindex]["params"][pindex]) in keep:
+                    config["optim_bits"] = 32
+                return config
+
+        opt = AdamW8bit(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     warm = int(round(o.warmup_ratio * total_updates))
@@ -211,7 +226,8 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
     params = list(trainable_parameters(policy).values())
     D.broadcast_params(params)  # the seeded init is the same on every rank; this makes sure
     n_updates = cfg.train.steps * cfg.algo.updates_per_rollout
-    opt, sched = build_optimizer(params, cfg, n_updates)
+    embeddings = [m.weight for m in policy.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
+    opt, sched = build_optimizer(params, cfg, n_updates, keep_32bit=embeddings)
     problems = data.load_dataset(cfg.data.train, "train", source=cfg.data.source, seed=cfg.seed,
                                  shuffle=cfg.data.train_size is not None, limit=cfg.data.train_size,
                                  **cfg.data.load_options())
@@ -238,6 +254,7 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
                   + (f" on {D.world} ranks" if D.enabled else ""))
 
     bar = _progress(cfg, start) if D.main else None
+    streak = 0  # consecutive steps whose every update was skipped (non-finite gradient)
     for step in range(start + 1, cfg.train.steps + 1):
         record = [] if cfg.train.log_samples else None
         m = train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, opt, sched, params, device, D,
@@ -248,6 +265,12 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
                 writer.log_samples(step, groups)
         if writer is not None:
             writer.log(step, **m)
+        streak = streak + 1 if m.get("nonfinite_updates") and not m.get("updates") else 0
+        if cfg.train.max_nonfinite_steps and streak >= cfg.train.max_nonfinite_steps:
+            raise TrainingDiverged(
+                f"{streak} steps in a row had only non-finite (NaN/inf) gradients (steps {step - streak + 1}-{step}); "
+                f"their updates were skipped and the weights are those of step {step - streak}. Stopping "
+                f"(train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); metrics.jsonl holds every step so far")
         if on_step is not None:
             on_step(step, m)
         if bar is not None:
@@ -448,6 +471,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
     loss_stats = []  # (stats, n_tokens, loss weight) per micro-batch: merged by algos.merge_loss_stats
     grad_norms = []
     t_comm = 0.0     # seconds in the gradient all-reduce (part of the update time)
+    nonfinite = 0    # updates skipped because the gradient norm was NaN or inf
     per_mb = max(1, n_groups // a.minibatches)
     for _ in range(a.ppo_epochs):
         for g0 in range(0, n_groups, per_mb):
@@ -478,9 +502,13 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                 (loss * weight).backward()
                 loss_stats.append((st, n_tok, weight))
             t_comm += D.all_reduce_grads(params)  # Σ over ranks of globally weighted losses: the one-process gradient
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            grad_norms.append(gn.item())
-            opt.step()
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm).item()
+            if math.isfinite(gn):
+                grad_norms.append(gn)
+                opt.step()
+            else:  # a NaN/inf gradient would turn every weight it touches into NaN: skip this update (every rank
+                nonfinite += 1  # sees the same all-reduced norm, so all skip it together)
+                opt.zero_grad(set_to_none=True)
             sched.step()
     policy.eval()
     t3 = time.perf_counter()
@@ -489,7 +517,8 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
     metrics.update(algos.merge_loss_stats(loss_stats))
     t_reward, t_logprob, t_update, t_comm, t_step, mem = _max(D, t1 - t0 - t_roll, t2 - t1, t3 - t2, t_comm,
                                                              t3 - t0, peak_memory_gib(device))
-    metrics.update(grad_norm=sum(grad_norms) / len(grad_norms), updates=len(grad_norms),
+    metrics.update(grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+                   updates=len(grad_norms), nonfinite_updates=nonfinite,
                    time_reward_s=t_reward, time_logprob_s=t_logprob, time_update_s=t_update,
                    time_comm_s=t_comm, time_step_s=t_step, peak_mem_gib=mem)
     return metrics

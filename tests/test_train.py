@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from qerl.config import load_config
 from qerl.results import read_jsonl
@@ -105,3 +106,73 @@ def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
     for ra, rb in zip(ref, rows, strict=True):
         for k in SAME:
             assert ra.get(k) == rb.get(k), (ra["step"], k, ra.get(k), rb.get(k))
+
+
+def _poisoned_build_policy(poison: dict):
+    """qerl.train's own build_policy, with a gradient hook that turns the first LoRA-B gradient into NaN while
+    ``poison["on"]`` (fault injection: a real NaN gradient is not reproducible at smoke scale)."""
+    import qerl.train as T
+
+    real = T.build_policy
+
+    def build(cfg, device, **kw):
+        policy, tok = real(cfg, device, **kw)
+        p = next(p for n, p in policy.named_parameters() if p.requires_grad and "lora_B" in n)
+        p.register_hook(lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
+        return policy, tok
+    return build
+
+
+def test_a_nonfinite_gradient_skips_the_update_and_keeps_the_weights(tmp_path, monkeypatch):
+    """A NaN gradient used to go through clip_grad_norm_ into the optimizer and make every weight NaN (the small
+    scale's BF16-Full runs emitted one token from then on). Now that update is skipped and counted; the next
+    step trains normally."""
+    import qerl.train as T
+
+    poison = {"on": True}
+    monkeypatch.setattr(T, "build_policy", _poisoned_build_policy(poison))
+    cfg = load_config([*FAST, "train.steps=2", "train.save_every=1", "eval.sets=[]", f"out_dir={tmp_path}",
+                       "quant=nvfp4", "aqn=off", "optim.name=adamw8bit"])
+
+    def on_step(step, m):
+        poison["on"] = False  # only step 1's gradients are NaN
+    T.run(cfg, on_step=on_step)
+    m1, m2 = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    assert (m1["nonfinite_updates"], m1["updates"], m1["grad_norm"]) == (1, 0, None)  # NaN is logged as null
+    assert (m2["nonfinite_updates"], m2["updates"]) == (0, 1) and m2["grad_norm"] > 0
+    after1 = torch.load(cfg.run_dir / "checkpoints" / "step_0000001" / "state.pt", weights_only=False)["trainable"]
+    after2 = torch.load(cfg.run_dir / "checkpoints" / "step_0000002" / "state.pt", weights_only=False)["trainable"]
+    b = [k for k in after1 if "lora_B" in k]
+    assert b and all(torch.equal(after1[k], torch.zeros_like(after1[k])) for k in b)  # untouched (B starts at 0)
+    assert all(torch.isfinite(v).all() for v in after2.values())
+    assert any(not torch.equal(after2[k], after1[k]) for k in b)  # step 2 did update
+
+
+def test_a_run_whose_gradients_stay_nonfinite_stops_with_its_steps_logged(tmp_path, monkeypatch):
+    import qerl.train as T
+    from qerl.errors import TrainingDiverged
+
+    monkeypatch.setattr(T, "build_policy", _poisoned_build_policy({"on": True}))
+    cfg = load_config([*FAST, "train.steps=6", "train.max_nonfinite_steps=2", "eval.sets=[]", f"out_dir={tmp_path}",
+                       "quant=bf16", "aqn=off"])
+    with pytest.raises(TrainingDiverged, match=r"2 steps in a row .*\(steps 1-2\)"):
+        T.run(cfg)
+    assert [r["step"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_8bit_adamw_keeps_the_trained_embedding_state_in_float32():
+    """Full fine-tuning trains the embedding: its AdamW-8bit moments stay float32 (as Hugging Face's Trainer does
+    for adamw_bnb_8bit); every other large parameter keeps 8-bit state."""
+    from qerl.train import build_optimizer
+
+    cfg = load_config(["scale=smoke", "optim.name=adamw8bit"])
+    emb, lin = torch.nn.Embedding(5000, 8), torch.nn.Linear(8, 5000, bias=False)
+    params = [emb.weight, lin.weight]
+    opt, _ = build_optimizer(params, cfg, 10, keep_32bit=[emb.weight])
+    (emb.weight.sum() + lin.weight.square().sum()).backward()
+    opt.step()
+    assert opt.state[emb.weight]["state1"].dtype == torch.float32
+    assert opt.state[lin.weight]["state1"].dtype == torch.uint8
+    opt2, _ = build_optimizer(params, cfg, 10)  # without keep_32bit: no process-global leftovers
+    opt2.step()
+    assert opt2.state[emb.weight]["state1"].dtype == torch.uint8
