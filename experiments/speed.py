@@ -196,6 +196,8 @@ def scaling_table(root: Path) -> str:
     d = _read(root, "scaling.csv")
     if d is None:
         return "_no scaling.csv (python -m experiments.speed --run scaling on a multi-GPU host)_\n"
+    devs = sorted({f"{r.get('run', '')}: {r['device']}" for _, r in d.iterrows() if isinstance(r.get("device"), str)})
+    head = f"Devices: {'; '.join(devs)}.\n\n" if devs else ""
     lines = ["| model | method | GPUs | completions/GPU | status | s/step | rollout s | log-prob s | update s | "
              "all-reduce s (% of step) | tokens/s | tokens/s/GPU | efficiency | rollout × | log-prob × | update × | "
              "peak GB/GPU | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -217,7 +219,7 @@ def scaling_table(root: Path) -> str:
             f"{_fmt(r.get('rollout_speedup'), 2)} | {_fmt(r.get('logprob_speedup'), 2)} | "
             f"{_fmt(r.get('update_speedup'), 2)} | {cell('peak_mem_gb')} | "
             f"{r.get('run', '')} ({sha if sha == sha else ''}) |")
-    return "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n"
 
 
 def render(root: Path) -> str:
@@ -260,7 +262,7 @@ rank), 1024 new tokens, micro-batches of 8, gradient checkpointing, GRPO, LoRA r
 (NVLink multicast off). Times are the slowest rank's, averaged over the steps after the first (CUDA-graph capture);
 "all-reduce" is the LoRA gradient exchange inside the update, timed between device synchronisations. Efficiency =
 tokens/s per GPU ÷ the one-GPU row's tokens/s (the same configuration in the same session; † = another session);
-"×" columns are each phase's speed-up over one GPU (ideal = the number of GPUs). Device and GPUs: see `run` / raw/.
+"×" columns are each phase's speed-up over one GPU (ideal = the number of GPUs).
 {scaling_table(root)}
 ## Decoder linears at decode size: the CUDA mma GEMV (`python -m benchmarks.cuda_bench`)
 The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
