@@ -51,8 +51,8 @@ def ct_reference(w: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = 
 
 def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str):
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    ai = a.view(torch.uint8) if a.element_size() == 1 else a.view({2: torch.int16, 4: torch.int32}[a.element_size()])
-    bi = b.view(torch.uint8) if b.element_size() == 1 else b.view({2: torch.int16, 4: torch.int32}[b.element_size()])
+    # compared as raw bytes, whatever the dtype (NF4's and INT4's int64 weight_shape included)
+    ai, bi = (t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
     bad = (ai != bi).nonzero()
     assert bad.numel() == 0, f"{what}: {len(bad)} differing elements, first at {bad[0].tolist()}"
 
