@@ -25,8 +25,10 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -141,6 +143,34 @@ def _keep_steps_upto(lines: JsonLines, k: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the writer
+@contextlib.contextmanager
+def signals_deferred(signums=(signal.SIGINT, signal.SIGTERM)):
+    """Hold SIGINT/SIGTERM until the block is done, then deliver the first one to the handler that was in place.
+
+    A checkpoint write interrupted half-way (a sweep's SIGTERM handler raising inside ``torch.save``'s C++ writer
+    surfaced as ``RuntimeError: unexpected pos``, not as the interrupt) is worth less than one finished a moment
+    later. Only the main thread can set handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[tuple[int, Any]] = []
+    old = {s: signal.getsignal(s) for s in signums}
+    for s in signums:
+        signal.signal(s, lambda signum, frame: got.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            signum, frame = got[0]
+            handler = old[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+
 class RunWriter:
     """Owns one run directory (holding its lock until ``close()`` or process exit). Safe against being killed
     at any instruction:
@@ -238,7 +268,7 @@ class RunWriter:
         final = self.checkpoint_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        with writing(final, tmp):
+        with signals_deferred(), writing(final, tmp):
             tmp.mkdir(parents=True)
             with open(tmp / "state.pt", "wb") as f:  # a file object: a failed write keeps its OSError (errno)
                 torch.save(state, f)

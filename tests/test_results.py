@@ -331,3 +331,32 @@ def test_cli_main_prints_a_user_error_as_one_line_and_exits_2(capsys):
     assert e.value.code == 3
     with pytest.raises(KeyError):
         cli_main(main, ["bug"])
+
+
+def test_a_signal_during_a_checkpoint_write_arrives_after_it(tmp_path):
+    """A sweep turns SIGTERM into KeyboardInterrupt; arriving in the middle of a checkpoint write it used to leave
+    no checkpoint (and, inside torch.save, a RuntimeError instead of the interrupt). Now the write finishes and the
+    interrupt is raised right after it."""
+    import signal
+
+    import torch
+
+    from qerl.results import RunWriter
+
+    def to_interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, to_interrupt)
+    try:
+        w = RunWriter(tmp_path / "run", "{}\n")
+        with pytest.raises(KeyboardInterrupt):
+            w.save_checkpoint(1, {"x": torch.arange(10)},
+                              extra_files={"mid.txt": lambda p: (os.kill(os.getpid(), signal.SIGTERM),
+                                                                  p.write_text("written after the signal"))})
+        assert signal.getsignal(signal.SIGTERM) is to_interrupt  # the handler is back
+        ck = tmp_path / "run" / "checkpoints" / "step_0000001"
+        assert (ck / "mid.txt").read_text() == "written after the signal"
+        assert torch.equal(torch.load(ck / "state.pt")["x"], torch.arange(10))
+        w.close()
+    finally:
+        signal.signal(signal.SIGTERM, old)
