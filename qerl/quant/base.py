@@ -124,8 +124,9 @@ def dequantize_into(fmt: QuantFormat, q: Mapping[str, torch.Tensor], out: torch.
 
 
 class FormatBase:
-    """What the format classes share: identity by class and constructor options (``options`` names them), the
-    block-shape check, and the shape checks of a weight about to be quantized."""
+    """What the format classes share: identity by class and constructor options (``options`` names them),
+    ``linear``/``linear_t`` through the registered kernels (else the reference), the block-shape check, and the
+    shape checks of a weight about to be quantized."""
 
     options: tuple[str, ...] = ()
 
@@ -137,6 +138,14 @@ class FormatBase:
 
     def __hash__(self) -> int:
         return hash((type(self), *(getattr(self, o) for o in self.options)))
+
+    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
+        return linear(self, x, q)
+
+    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
+        return linear_t(self, g, q)
 
     def check_shape(self, n: int, k: int) -> None:
         """Raise ValueError unless an (n, k) weight can be stored (non-empty, K a multiple of the block)."""

@@ -39,14 +39,6 @@ class BF16Format(base.FormatBase):
         """The stored weight in ``dtype``."""
         return q["weight"].to(dtype)
 
-    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
-        return base.linear(self, x, q)
-
-    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
-        return base.linear_t(self, g, q)
-
     def bits_per_weight(self, n: int, k: int) -> float:
         """16."""
         return 16.0

@@ -95,14 +95,6 @@ class INT4Format(base.FormatBase):
         vals = unpack_int4(packed).to(cdt).reshape(n, k // self.block, self.block)  # (N, G, 128)
         return (vals * scale.to(cdt).unsqueeze(-1)).reshape(n, k).to(dtype)
 
-    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """x (..., K) @ Ŵᵀ (reference: dequantize + matmul)."""
-        return base.linear(self, x, q)
-
-    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
-        return base.linear_t(self, g, q)
-
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit elements + one 16-bit scale per 128 (a bfloat16 checkpoint's) + the int64 (2,) shape."""
         return (4.0 * n * k + 16.0 * n * (k // self.block) + 128.0) / (n * k)

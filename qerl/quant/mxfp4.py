@@ -142,14 +142,6 @@ class MXFP4Format(base.FormatBase):
         scale = _scale_lut(packed.device)[q["weight_scale"].long()]  # (N, G)
         return (vals * scale.unsqueeze(-1)).reshape(n, k).to(dtype)
 
-    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
-        return base.linear(self, x, q)
-
-    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
-        return base.linear_t(self, g, q)
-
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit elements + one 8-bit exponent per 32."""
         return (4.0 * n * k + 8.0 * n * (k // self.block)) / (n * k)

@@ -167,14 +167,6 @@ class NF4Format(base.FormatBase):
         vals = vals.reshape(-1, self.block) * self.block_absmax(q).unsqueeze(-1)  # (NB, 64)
         return vals.reshape(n, k).to(dtype)
 
-    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
-        return base.linear(self, x, q)
-
-    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
-        return base.linear_t(self, g, q)
-
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit codes + uint8 absmax per 64 + float32 per 256 blocks (+ offset); code tables excluded."""
         nb = n * k // self.block

@@ -106,14 +106,6 @@ class NVFP4Format(base.FormatBase):
         eff = q["weight_scale"].to(torch.float32) / q["weight_global_scale"].to(torch.float32)  # (N, G)
         return (vals * eff.unsqueeze(-1)).reshape(n, k).to(dtype)
 
-    def linear(self, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """x (..., K) @ Ŵᵀ (registered kernels, else the reference: dequantize + matmul)."""
-        return base.linear(self, x, q)
-
-    def linear_t(self, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """g (..., N) @ Ŵ, the input gradient of ``linear``."""
-        return base.linear_t(self, g, q)
-
     def bits_per_weight(self, n: int, k: int) -> float:
         """4-bit elements + one 8-bit scale per 16 + one float32 per tensor."""
         return (4.0 * n * k + 8.0 * n * (k // self.block) + 32.0) / (n * k)
