@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from qerl.bench import IDENT as BENCH_IDENT
+from qerl.bench import SCALING_IDENT
+
 STAGES = {
     "core": [["memory", "--models", "7b", "--formats", "bf16,nf4,mxfp4,nvfp4"],
              ["rollout", "--models", "7b", "--formats", "nvfp4,bf16,mxfp4,nf4", "--batch", "8,2"],
@@ -273,8 +276,8 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
     return md
 
 
-IDENT = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode",
-         "world_size", "global_batch", "group_size", "micro_batch")
+#: a merged row replaces an older one with the same values of these (qerl.bench's identities, every benchmark's)
+IDENT = tuple(dict.fromkeys(BENCH_IDENT + SCALING_IDENT))
 
 
 def _ident(df: pd.DataFrame, keys: list[str]) -> list[tuple]:

@@ -244,22 +244,19 @@ def scaling_command(world: int, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *train]
 
 
-def scaling_row(metrics: list[dict], model: str, fmt: str, world: int, batch: int, group: int, micro: int,
-                use_gc: bool, new_tokens: int) -> dict:
-    """One scaling CSV row from a run's metrics lines. The first step (CUDA-graph capture, autotuning) is left out
-    when there are more; times are the slowest rank's, memory the largest rank's (qerl.train logs them so)."""
+def scaling_measures(metrics: list[dict]) -> dict:
+    """The measured columns of a scaling row from a run's metrics lines. The first step (CUDA-graph capture,
+    autotuning) is left out when there are more; times are the slowest rank's, memory the largest rank's (qerl.train
+    logs them so)."""
     keep = metrics[1:] if len(metrics) > 1 else metrics
 
     def mean(k):
         vals = [r[k] for r in keep if r.get(k) is not None]
         return sum(vals) / len(vals) if vals else None
     step_s, tokens = mean("time_step_s"), mean("rollout_tokens")
-    return dict(bench="scaling", model=PAPER_NAME.get(model, model), method=method_name(fmt),
-                weights=get_format(fmt).label, world_size=world, global_batch=batch, group_size=group,
-                per_gpu_batch=batch // world, micro_batch=micro, gc=use_gc, prompt_len="toy task (~60 tokens)",
-                new_tokens=new_tokens, steps=len(metrics), timed_steps=len(keep), step_s=step_s,
-                rollout_s=mean("time_rollout_s"), reward_s=mean("time_reward_s"), logprob_s=mean("time_logprob_s"),
-                update_s=mean("time_update_s"), comm_s=mean("time_comm_s"), rollout_tokens=tokens,
+    return dict(steps=len(metrics), timed_steps=len(keep), step_s=step_s, rollout_s=mean("time_rollout_s"),
+                reward_s=mean("time_reward_s"), logprob_s=mean("time_logprob_s"), update_s=mean("time_update_s"),
+                comm_s=mean("time_comm_s"), rollout_tokens=tokens,
                 tokens_per_s=(tokens / step_s) if tokens and step_s else None,
                 rollout_tokens_per_s=mean("rollout_tokens_per_s"),
                 peak_mem_gb=max((r.get("peak_mem_gib", 0) for r in metrics), default=None))
@@ -291,7 +288,8 @@ def bench_scaling(models, formats, nprocs, batch: int, group: int, micro: int, u
                 run_dir = out_root / "scaling" / over[-1].split("=", 1)[1]
                 base = dict(bench="scaling", model=PAPER_NAME.get(m, m), method=method_name(f),
                             weights=get_format(f).label, world_size=w, global_batch=batch, group_size=group,
-                            micro_batch=micro, gc=use_gc, new_tokens=new_tokens)
+                            per_gpu_batch=batch // w, micro_batch=micro, gc=use_gc,
+                            prompt_len="toy task (~60 tokens)", new_tokens=new_tokens)
                 why = None
                 if device.startswith("cuda") and w > visible:
                     why = f"skipped: needs {w} GPUs, {visible} visible"
@@ -320,8 +318,8 @@ def bench_scaling(models, formats, nprocs, batch: int, group: int, micro: int, u
                     else:
                         last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [""]
                         status = f"failed (exit {rc}): {last[0][:160]}"
-                    row = scaling_row(metrics, m, f, w, batch, group, micro, use_gc, new_tokens) if metrics else base
-                    rows.append(dict(row, status=status, wall_s=wall, **_env()))
+                    rows.append(dict(base, **(scaling_measures(metrics) if metrics else {}), status=status,
+                                     wall_s=wall, **_env()))
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
                        if k in ("model", "weights", "world_size", "step_s", "rollout_s", "logprob_s", "update_s",
                                 "comm_s", "tokens_per_s", "peak_mem_gb", "status")}, flush=True)

@@ -22,7 +22,7 @@
 set -uo pipefail
 SMOL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 SMOL_SIZE=92871040
-RES=/root/res
+RES=${QERL_GPU_RES:-/root/res}  # where the runs and logs go (scripts/multigpu_gpu.sh sets its own)
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE=/root/cache HF_HUB_OFFLINE=1
 mkdir -p /root/parts "$RES"
 
@@ -86,7 +86,7 @@ wait)
   ;;
 pack)
   [ -n "${OUT:-}" ] || { echo "OUT is not set"; exit 1; }
-  tar -czf - -C $RES --exclude=checkpoints --exclude='*.lock' . | split -b 15M - "$OUT/evidence.tgz."
+  tar -czf - -C $RES --exclude=checkpoints --exclude='*.lock' . | split -b 15M - "$OUT/${PACK_NAME:-evidence}.tgz."
   ls -la "$OUT"
   ;;
 *)

@@ -130,9 +130,7 @@ wait)
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
 pack)
-  [ -n "${OUT:-}" ] || { echo "OUT is not set"; exit 1; }
-  tar -czf - -C $RES --exclude=checkpoints --exclude='*.lock' . | split -b 15M - "$OUT/res13.tgz."
-  ls -la "$OUT"
+  QERL_GPU_RES=$RES PACK_NAME=res13 bash scripts/evidence_gpu.sh pack
   ;;
 *)
   sed -n 2,20p "$0"; exit 2 ;;

@@ -136,6 +136,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _rank_after(p: subprocess.Popen, run: Path, lines: int, rank: int = 1) -> int | None:
+    """Wait (up to 300 s) until the running job has logged ``lines`` metrics lines; the pid of its ``rank``."""
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_jsonl(run / "metrics.jsonl")) < lines and p.poll() is None:
+        time.sleep(0.05)
+    assert p.poll() is None, p.stdout.read()[-3000:]
+    return _rank_pid(p.pid, rank)
+
+
 def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
     for pid in _children(torchrun_pid):
         try:
@@ -153,11 +162,7 @@ def test_a_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path):
     run = tmp_path / "dist" / "killed"
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and len(read_jsonl(run / "metrics.jsonl")) < 2 and p.poll() is None:
-            time.sleep(0.05)
-        assert p.poll() is None, p.stdout.read()[-3000:]
-        victim = _rank_pid(p.pid, 1)
+        victim = _rank_after(p, run, lines=2)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         t_kill = time.time()
@@ -258,11 +263,7 @@ def test_a_hung_rank_fails_the_job_within_the_timeout(tmp_path):
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     victim = None
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and len(read_jsonl(run / "metrics.jsonl")) < 1 and p.poll() is None:
-            time.sleep(0.05)
-        assert p.poll() is None, p.stdout.read()[-3000:]
-        victim = _rank_pid(p.pid, 1)
+        victim = _rank_after(p, run, lines=1)
         os.kill(victim, signal.SIGSTOP)
         t_stop = time.time()
         out, _ = p.communicate(timeout=180)
