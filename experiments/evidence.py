@@ -31,6 +31,7 @@ Stages run in order (``--stage all``: calibrate, entropy, base, grid, main, aqn)
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,10 +153,11 @@ def aqn_rows(p: Protocol, best: dict[str, float], seeds) -> list[tuple[Row, int]
 
 
 # ------------------------------------------------------------------------------------------------ lr selection
-def best_rates(root: Path, scale: str, p: Protocol) -> dict[str, float]:
+def best_rates(root: Path, scale: str, p: Protocol, arms=None) -> dict[str, float]:
     """Each (b) arm's best grid rate: the highest mean training reward of its seed-0 grid run (ties: lower rate).
 
-    Raises if a grid run is missing or unfinished: the main stage must not start on a partial grid."""
+    ``arms``: only these (b) arms (default: all); the others' grids need not be finished. Raises if a grid run of a
+    wanted arm is missing or unfinished: the main stage must not start on a partial grid."""
     import pandas as pd
 
     from paper_figures.evidence_runs import best_lr
@@ -163,7 +165,7 @@ def best_rates(root: Path, scale: str, p: Protocol) -> dict[str, float]:
 
     out_dir = root / ARTIFACT / scale
     best = {}
-    for arm in ("bf16-full", *FORMAT_ARMS):
+    for arm in (a for a in ("bf16-full", *FORMAT_ARMS) if arms is None or a in arms):
         runs = {lr: out_dir / run_key(arm, lr, p.seeds[0]) for lr in p.grid(arm)}
         missing = [str(d) for d in runs.values() if not (d / "summary.json").exists()]
         if missing:
@@ -305,7 +307,9 @@ def _update_protocol(root: Path, scale_: str, **fields) -> dict:
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.update(fields)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # several evidence processes may share one root
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
     return doc
 
 
@@ -321,7 +325,9 @@ def run_pairs(pairs: list[tuple[Row, int]], scale: str, extra, workers: int, dry
 
 
 def stage_pairs(stage: str, root: Path, scale: str, p: Protocol, seeds, dry_run: bool,
-                rates: str = "both") -> list[tuple[Row, int]]:
+                rates: str = "both", arms: tuple[str, ...] | None = None) -> list[tuple[Row, int]]:
+    """A stage's (row, seed) pairs. With ``arms``, the main and aqn stages need only those arms' best rates (an AQN
+    arm's: its base arm's), so e.g. the AQN schedules can start while BF16-Full's grid is still running."""
     if stage == "calibrate":
         return calibration_rows(p)
     if stage == "entropy":
@@ -332,8 +338,16 @@ def stage_pairs(stage: str, root: Path, scale: str, p: Protocol, seeds, dry_run:
         return grid_rows(p)
     if stage == "main" and rates == "shared":
         return main_rows(p, None, seeds, rates)  # the shared rate was fixed before any run: no grid needed
-    best = {a: p.shared for a in ARMS} if dry_run else best_rates(root, scale, p)
-    _update_protocol(root, scale, best_lr=best)
+    needed = None if arms is None else {AQN_BASE.get(a, a) for a in arms}
+    if dry_run:
+        best = {a: p.shared for a in ARMS}
+    else:
+        best = best_rates(root, scale, p, needed)
+        old = json.loads(_protocol_file(root, scale).read_text()).get("best_lr", {}) \
+            if _protocol_file(root, scale).exists() else {}
+        _update_protocol(root, scale, best_lr={**old, **best})
+    if needed is not None:  # the rows of the other arms are dropped by keep_arms; give them a placeholder rate
+        best = {a: best.get(a, p.shared) for a in ARMS}
     return main_rows(p, best, seeds, rates) if stage == "main" else aqn_rows(p, best, seeds)
 
 
@@ -381,7 +395,7 @@ def main(argv=None) -> None:
                 raise UserError(f"{_protocol_file(root, args.scale)} has no rollout_temperature: run --stage "
                                 f"calibrate first")
             extra.insert(1, f"rollout.temperature={doc.get('rollout_temperature', 1.0)}")
-        pairs = keep_arms(stage_pairs(stage, root, args.scale, p, seeds, args.dry_run, args.rates), arms)
+        pairs = keep_arms(stage_pairs(stage, root, args.scale, p, seeds, args.dry_run, args.rates, arms), arms)
         print(f"[{ARTIFACT}/{args.scale}] stage {stage}: {len(pairs)} runs", flush=True)
         res = run_pairs(pairs, args.scale, extra, args.workers, args.dry_run, args.nproc)
         failed += res["failed"]

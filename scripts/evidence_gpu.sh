@@ -6,9 +6,11 @@
 #                                               (.pa/.pb/.pc, see below) kept in /root/parts; once all are there, the
 #                                               wheel is joined, its sha256 checked and installed (--no-deps)
 #   scripts/evidence_gpu.sh mps                 start CUDA MPS if it works here (then `start` uses it)
-#   scripts/evidence_gpu.sh start SCALE W ARGS  copy the checkout to /root/qerl and start, in the background (setsid:
-#                                               it outlives the command while the machine is held), the concurrency
-#                                               benchmark and then `experiments.evidence --scale SCALE --workers W ARGS`
+#   scripts/evidence_gpu.sh start SCALE W ARGS  copy the checkout to /root/qerl-$TAG and start, in the background
+#                                               (setsid: it outlives the command while the machine is held), the
+#                                               concurrency benchmark and then `experiments.evidence --scale SCALE
+#                                               --workers W ARGS` (TAG: default SCALE; starts with different TAGs run
+#                                               side by side; at toy scale the toy model is pretrained first)
 #   scripts/evidence_gpu.sh wait SECONDS        wait up to SECONDS (less if the background job ends), print progress
 #   scripts/evidence_gpu.sh pack                results without checkpoints -> $OUT/evidence.tgz.* (15 MB pieces)
 #
@@ -60,21 +62,30 @@ mps)  # CUDA MPS lets the workers' small kernels share the SMs instead of time-s
   fi
   ;;
 start)
+  # several `start`s may run at once (e.g. the small scale's AQN schedules beside its BF16-Full grid, and the toy
+  # scale): each gets its own copy of the checkout and its own log, named by TAG (default: the scale)
   scale=$2 workers=$3; shift 3
+  tag=${TAG:-$scale}
   [ -f /root/mps-on ] && export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  rm -rf /root/qerl && mkdir -p /root/qerl
-  tar --exclude="./.p[a-z]" --exclude=./.whl -cf - . | tar -xf - -C /root/qerl
-  cd /root/qerl || exit 1
+  tree=/root/qerl-$tag
+  rm -rf $tree && mkdir -p $tree
+  tar --exclude="./.p[a-z]" --exclude=./.whl --exclude=./results -cf - . | tar -xf - -C $tree
+  mkdir -p $tree/results && cp -r results/evidence $tree/results/ 2>/dev/null
+  cd $tree || exit 1
   # the concurrency measurement first (one at a time vs W at a time), then the matrix; both resumable/skipping
   mkdir -p $RES/evidence/$scale
   [ -f results/evidence/$scale/protocol.json ] && [ ! -f $RES/evidence/$scale/protocol.json ] \
     && cp results/evidence/$scale/protocol.json $RES/evidence/$scale/  # the calibrated temperature, the chosen rates
-  conc="python3 -m experiments.concurrency"; [ "${CONCURRENCY:-1}" = 0 ] && conc="true"
-  setsid nohup bash -c "$conc --scale $scale --workers 1,$workers --rows 0 --steps 10 \
-      --root $RES eval.limit=32 > $RES/concurrency.log 2>&1; \
-    python3 -m experiments.evidence --scale $scale --workers $workers --root $RES $* > $RES/evidence-$scale.log 2>&1; \
-    echo EXIT \$? >> $RES/evidence-$scale.log" > /dev/null 2>&1 < /dev/null &
-  echo "started ($scale, $workers workers): logs in $RES"
+  conc="python3 -m experiments.concurrency --scale $scale --workers 1,$workers --rows 0 --steps 10 --root $RES \
+    eval.limit=32 > $RES/concurrency.log 2>&1"
+  [ "${CONCURRENCY:-1}" = 0 ] && conc="true"
+  # the toy model is pretrained once here (on the GPU), before W workers would each start pretraining it
+  pre="true"; [ "$scale" = toy ] && pre="python3 -c 'from qerl.model import resolve_source; resolve_source(\"toy:toy\")' \
+    > $RES/pretrain-toy.log 2>&1"
+  setsid nohup bash -c "$pre; $conc; \
+    python3 -m experiments.evidence --scale $scale --workers $workers --root $RES $* > $RES/evidence-$tag.log 2>&1; \
+    echo EXIT \$? >> $RES/evidence-$tag.log" > /dev/null 2>&1 < /dev/null &
+  echo "started ($scale, $workers workers, tag $tag): logs in $RES"
   ;;
 wait)
   end=$((SECONDS + ${2:-60}))

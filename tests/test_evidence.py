@@ -109,6 +109,26 @@ def test_best_rates_use_training_reward_only(tmp_path):
     assert best["nvfp4-lora"] == 2e-4 and best["bf16-full"] == 1e-5
 
 
+def test_aqn_schedules_need_only_their_base_arms_grid(tmp_path):
+    """--arms of the NVFP4 AQN schedules: only NVFP4-LoRA's grid must be finished (BF16-Full's may still run); the
+    best rate found is merged into protocol.json's best_lr next to what an earlier stage wrote."""
+    p = E.Protocol(lora_grid=(1e-4, 2e-4), full_grid=(1e-5,), shared=1e-4, seeds=(0, 1))
+    for lr in p.grid("nvfp4-lora"):
+        d = tmp_path / "evidence" / "small" / E.run_key("nvfp4-lora", lr, 0)
+        d.mkdir(parents=True)
+        lines = [json.dumps({"step": s, "reward": 0.6 if lr == 2e-4 else 0.3}) for s in range(1, 5)]
+        (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        (d / "summary.json").write_text(json.dumps({"finished": True}))
+    E._update_protocol(tmp_path, "small", best_lr={"mxfp4-lora": 1e-4})
+    arms = tuple(f"nvfp4-lora-aqn-{s}" for s in E.SCHEDULES)
+    pairs = E.keep_arms(E.stage_pairs("aqn", tmp_path, "small", p, (0, 1), False, "both", arms), arms)
+    assert sorted(_keys(pairs)) == sorted(f"{a}-lr0.0002-s{s}" for a in arms for s in (0, 1))
+    doc = json.loads((tmp_path / "evidence" / "small" / "protocol.json").read_text())
+    assert doc["best_lr"] == {"mxfp4-lora": 1e-4, "nvfp4-lora": 2e-4}
+    with pytest.raises(UserError, match="grid is not finished"):  # BF16-Full's grid is still needed for its arm
+        E.stage_pairs("main", tmp_path, "small", p, (0,), False, "best", ("bf16-full",))
+
+
 def test_unknown_stage_is_named(tmp_path):
     with pytest.raises(UserError, match=r"unknown stage\(s\) \['gird'\]"):
         E.main(["--scale", "small", "--stage", "gird", "--root", str(tmp_path)])
