@@ -227,18 +227,27 @@ def findings_frame(ev: Evidence, fe: dict[str, FormatEntropy] | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def _num(x, signed: bool = False) -> str:
+def _num(x, signed: bool = False, digits: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "—"
-    x = round(float(x), 3) + 0.0  # no "-0.000"
-    return f"{x:+.3f}" if signed else f"{x:.3f}"
+    x = round(float(x), digits) + 0.0  # no "-0.000"
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _digits(lo: float, hi: float) -> int:
+    """Decimals that resolve an interval: 3, or more when it is narrower than 0.01 (a tiny but nonzero effect must
+    not print as "+0.000 [+0.000, +0.000]"), at most 6."""
+    width = abs(hi - lo)
+    return 3 if not width or width >= 0.01 else min(6, 1 - math.floor(math.log10(width)))
 
 
 def _effect(r: pd.Series) -> str:
     if r["verdict"] == "not run":
         return "—"
-    ci = f" [{_num(r['ci_lo'], True)}, {_num(r['ci_hi'], True)}]" if r["ci_lo"] == r["ci_lo"] else " [no interval]"
-    return _num(r["effect"], True) + ci
+    if r["ci_lo"] != r["ci_lo"]:
+        return _num(r["effect"], True) + " [no interval]"
+    d = _digits(r["ci_lo"], r["ci_hi"])
+    return f"{_num(r['effect'], True, d)} [{_num(r['ci_lo'], True, d)}, {_num(r['ci_hi'], True, d)}]"
 
 
 def _p(x) -> str:

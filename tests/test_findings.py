@@ -400,3 +400,17 @@ def test_rl_works_rows_against_the_untrained_base(tmp_path):
     assert df.loc["nvfp4-lora", "verdict"] == "not run"
     md = FD.findings(tmp_path, SCALE)[0]
     assert "## RL works" in md and "| BF16-LoRA − BF16 base | pass@1 toy | 0.500 | 0.100 | +0.400" in md
+
+
+def test_tiny_effects_print_with_the_decimals_their_interval_needs():
+    """A real but tiny effect (the toy model's entropy gap is ~2e-4) must not print as "+0.000 [+0.000, +0.000]"."""
+    import pandas as pd
+
+    from paper_figures import findings as F
+
+    tiny = pd.Series({"verdict": "supported", "effect": 0.00023, "ci_lo": 0.00011, "ci_hi": 0.00035})
+    assert F._effect(tiny) == "+0.00023 [+0.00011, +0.00035]"
+    usual = pd.Series({"verdict": "contradicted", "effect": -0.117, "ci_lo": -0.208, "ci_hi": -0.025})
+    assert F._effect(usual) == "-0.117 [-0.208, -0.025]"
+    assert F._effect(pd.Series({"verdict": "inconclusive", "effect": 0.1, "ci_lo": float("nan"),
+                                "ci_hi": float("nan")})) == "+0.100 [no interval]"
