@@ -18,6 +18,8 @@
 #   scripts/multigpu_gpu.sh tests          background: pytest -m gpu (this checkout), log in /root/res13
 #   scripts/multigpu_gpu.sh wait SECONDS   wait up to SECONDS while a background job runs; print progress
 #   scripts/multigpu_gpu.sh pack           /root/res13 without checkpoints -> $OUT/res13.tgz.* (15 MB pieces)
+# Back here, unpack into DIR and compare the curves: python -m paper_figures.scaling_curves --one DIR/c1 --two DIR/c2
+#   --scale $SCALE --arm nvfp4-lora --out results  (-> results/speed/scaling_curves_$SCALE.md and its figure)
 #
 # The host's NVLink multicast must stay off (KINDS.md): the variables below are exported for every process.
 set -uo pipefail
