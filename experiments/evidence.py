@@ -24,7 +24,8 @@ records the grid, the shared rate, the chosen rates and how many settings were t
 held-out eval sets exactly as a trained run is evaluated at its end; BF16-LoRA's gain over it is compared with its
 seed-to-seed spread.
 
-Stages run in order (``--stage all``: calibrate, entropy, base, grid, main, aqn) and are resumable: finished runs are skipped, interrupted ones resume.
+Stages run in three waves (``--stage all``: calibrate; then grid, entropy and base together; then main and aqn together:
+each wave needs only what the earlier ones chose) and are resumable: finished runs are skipped, interrupted ones resume.
 ``paper_figures.findings`` turns the runs into the findings table (effect, 95% CI, verdict) and figures.
 """
 
@@ -85,6 +86,10 @@ PROTOCOLS = {
                       n_samples=2),
 }
 STAGES = ("calibrate", "entropy", "base", "grid", "main", "aqn")
+#: Stages that depend only on earlier waves share one pool of workers (no idle workers at a stage's tail): entropy,
+#: base and grid need only the calibrated temperature; main and aqn only the grid's best rates.
+#: Within a wave the longest runs start first (the grid's trainings before the untrained evaluations).
+WAVES = (("calibrate",), ("grid", "entropy", "base"), ("main", "aqn"))
 RUNNERS["entropy"] = "experiments.evidence:run_entropy"
 
 
@@ -387,19 +392,25 @@ def main(argv=None) -> None:
     root = Path(args.root)
     _update_protocol(root, args.scale, **protocol_fields(args.scale, p))
     failed = []
-    for stage in (s for s in STAGES if s in wanted):
+    for wave in WAVES:
+        stages = [st for st in wave if st in wanted]
+        if not stages:
+            continue
         extra = [f"out_dir={args.root}", *args.overrides]
-        if stage != "calibrate":
+        if stages != ["calibrate"]:
             doc = json.loads(_protocol_file(root, args.scale).read_text())
             if "rollout_temperature" not in doc and not args.dry_run:
                 raise UserError(f"{_protocol_file(root, args.scale)} has no rollout_temperature: run --stage "
                                 f"calibrate first")
             extra.insert(1, f"rollout.temperature={doc.get('rollout_temperature', 1.0)}")
-        pairs = keep_arms(stage_pairs(stage, root, args.scale, p, seeds, args.dry_run, args.rates, arms), arms)
-        print(f"[{ARTIFACT}/{args.scale}] stage {stage}: {len(pairs)} runs", flush=True)
+        pairs = []
+        for stage in stages:
+            got = keep_arms(stage_pairs(stage, root, args.scale, p, seeds, args.dry_run, args.rates, arms), arms)
+            print(f"[{ARTIFACT}/{args.scale}] stage {stage}: {len(got)} runs", flush=True)
+            pairs += got
         res = run_pairs(pairs, args.scale, extra, args.workers, args.dry_run, args.nproc)
         failed += res["failed"]
-        if stage == "calibrate" and not args.dry_run:
+        if stages == ["calibrate"] and not args.dry_run:
             got = read_calibration(root, args.scale, p)
             if got:
                 t, why = choose_temperature(got)
@@ -407,7 +418,7 @@ def main(argv=None) -> None:
                                  rollout_temperature=t, temperature_choice=why)
                 print(f"[{ARTIFACT}/{args.scale}] rollout temperature {t:g}: {why}", flush=True)
         if res["failed"]:
-            break  # a later stage builds on this one
+            break  # a later wave builds on this one
     if not args.dry_run:
         from paper_figures import evidence as figs
         from paper_figures import findings

@@ -4,6 +4,7 @@ makes) and the claim-(a) runner on the CPU smoke model."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -127,6 +128,17 @@ def test_aqn_schedules_need_only_their_base_arms_grid(tmp_path):
     assert doc["best_lr"] == {"mxfp4-lora": 1e-4, "nvfp4-lora": 2e-4}
     with pytest.raises(UserError, match="grid is not finished"):  # BF16-Full's grid is still needed for its arm
         E.stage_pairs("main", tmp_path, "small", p, (0,), False, "best", ("bf16-full",))
+
+
+def test_stages_that_need_only_earlier_choices_share_one_pool(tmp_path, capsys):
+    """--stage all plans three waves: calibrate; grid + entropy + base (grid first: the longest runs start first);
+    main + aqn. A wave's runs are one job list, so no worker idles at a stage's tail."""
+    E.main(["--scale", "smoke", "--dry-run", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    n = {st: int(re.search(rf"stage {st}: (\d+) runs", out).group(1)) for st in E.STAGES}
+    totals = [int(t) for t in re.findall(r"plan 1/(\d+) ", out)]
+    assert totals == [n["calibrate"], n["grid"] + n["entropy"] + n["base"], n["main"] + n["aqn"]]
+    assert out.index("stage grid") < out.index("stage entropy")
 
 
 def test_unknown_stage_is_named(tmp_path):
