@@ -225,6 +225,23 @@ def scaling_table(root: Path) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def curves_table(root: Path) -> str:
+    """The 1-GPU vs N-GPU reward-curve comparisons (``scaling_curves.csv``, written by
+    ``python -m paper_figures.scaling_curves``): per scale and arm, each metric's N-GPU − 1-GPU effect and verdict."""
+    d = _read(root, "scaling_curves.csv")
+    if d is None:
+        return ("_no scaling_curves.csv (python -m paper_figures.scaling_curves --one ROOT1 --two ROOT2 --scale "
+                "SCALE)_\n")
+    lines = ["| scale | arm | lr | GPUs | seeds | steps | metric | 1 GPU mean (sd) | N GPUs mean (sd) | "
+             "effect [95% CI] | verdict | overall |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for _, r in d.iterrows():
+        lines.append(f"| {r['scale']} | {r['arm']} | {r['lr']:g} | {int(r['world_size'])} | {r['seeds']} | "
+                     f"{int(r['steps'])} | {r['metric']} | {_fmt(r['mean_one'], 3)} ({_fmt(r['sd_one'], 3)}) | "
+                     f"{_fmt(r['mean_many'], 3)} ({_fmt(r['sd_many'], 3)}) | {_fmt(r['effect'], 3)} "
+                     f"[{_fmt(r['ci_lo'], 3)}, {_fmt(r['ci_hi'], 3)}] | {r['verdict']} | {r['overall']} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
@@ -267,6 +284,12 @@ rank), 1024 new tokens, micro-batches of 8, gradient checkpointing, GRPO, LoRA r
 tokens/s per GPU ÷ the one-GPU row's tokens/s (the same configuration in the same session; † = another session);
 "×" columns are each phase's speed-up over one GPU (ideal = the number of GPUs).
 {scaling_table(root)}
+### Reward curves on 1 vs N GPUs (issue 13; `python -m paper_figures.scaling_curves`)
+A short evidence run (one arm at the shared rate, the same seeds and global batch) on one GPU and data-parallel
+on N. Effect = N GPUs − 1 GPU, Welch 95% interval over seeds; a metric matches when the interval contains 0 and the
+effect is within the seed-to-seed sd, differs when the interval excludes 0 (details, per-step bands and hardware:
+`scaling_curves_<scale>.md`; figure: `results/figures/scaling_curves_<scale>.png`).
+{curves_table(root)}
 ## Decoder linears at decode size: the CUDA mma GEMV (`python -m benchmarks.cuda_bench`)
 The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
 {cuda}

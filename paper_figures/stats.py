@@ -43,8 +43,9 @@ def _check_level(level: float) -> float:
 
 def _t_interval(est: float, se: float, df: float, level: float) -> tuple[float, float, float]:
     """(lo, hi, p) of ``est ± t_{(1+level)/2, df} · se``; NaN when df or se is undefined. A zero standard error
-    (every value equal) gives the degenerate interval [est, est] and p = 0 unless est = 0 (then 1)."""
-    if not (np.isfinite(se) and np.isfinite(df) and df > 0):
+    (every value equal) gives the degenerate interval [est, est] and p = 0 unless est = 0 (then 1); its df may be
+    infinite (Welch's df of two zero variances)."""
+    if not (np.isfinite(se) and not np.isnan(df) and df > 0):
         return np.nan, np.nan, np.nan
     if se == 0:
         return est, est, (1.0 if est == 0 else 0.0)

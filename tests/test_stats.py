@@ -55,6 +55,12 @@ def test_welch_diff_ci_by_hand():
     # one run on a side: no variance there, so no interval (but the difference of means is still given)
     ci = S.welch_diff_ci([1.0], [2, 3, 4])
     assert ci.estimate == pytest.approx(-2.0) and math.isnan(ci.lo) and math.isnan(ci.p)
+    # every value equal on both sides (e.g. a held-out pass@1 of 0 in every seed): zero standard error, so the
+    # zero-width interval at the difference, as for one sample (not "no interval")
+    same = S.welch_diff_ci([0.0, 0.0, 0.0], [0.0, 0.0])
+    assert (same.estimate, same.lo, same.hi, same.p) == (0.0, 0.0, 0.0, 1.0)
+    apart = S.welch_diff_ci([0.5, 0.5], [0.4, 0.4])
+    assert (apart.lo, apart.hi) == (pytest.approx(0.1), pytest.approx(0.1)) and apart.p == 0.0
 
 
 def test_paired_diff_ci_by_hand():
