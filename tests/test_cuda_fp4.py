@@ -149,6 +149,59 @@ def test_pick_config_one_wave():
             assert splits == 1 or -(-s // (per * sw)) <= occ(splits * per, splits) * 132
 
 
+def test_gemm_config_validation():
+    assert cf.check_gemm_config((8, 1, 4, 2), s=224, c=56) == (8, 1, 4, 2)
+    for bad, why in [((3, 1, 4, 1), "nt in"), ((8, 3, 4, 1), "sw in"), ((8, 1, 4, 4), "r \\* ks <= 8"),
+                     ((8, 1, 0, 1), "r >= 1"), ((8, 1, 1, 9), "ks <= C"), ((8, 1, 1), "must be")]:
+        with pytest.raises(ValueError, match=why if why != "must be" else "must be \\(nt, sw, r, ks\\)"):
+            cf.check_gemm_config(bad, s=224, c=8)
+    w = _prep("nvfp4", _quant("nvfp4", 32, 128, seed=1))
+    with pytest.raises(ValueError, match="CUDA"):
+        cf.gemm(torch.randn(32, 128).bfloat16(), w)
+
+
+@pytest.mark.parametrize("s,c", [(224, 56), (32, 56), (1184, 56), (224, 296), (2, 1), (9504, 56)])
+@pytest.mark.parametrize("m", [17, 24, 32, 33, 64, 100, 256, 512, 4096])
+def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
+    nt, sw, r, ks = cfg = cf.pick_gemm_config(s, c, m, sms=132)
+    assert cf.check_gemm_config(cfg, s, c) == cfg
+    assert 8 * nt >= min(m, 64) and (nt == 8 or 8 * nt >= m)  # one tile covers M up to 64 tokens
+    ctas = -(-m // (8 * nt)) * -(-s // (r * sw))
+    # split-K only while the grid has fewer warps than ~2 CTAs per SM, and never more groups than chunks
+    assert ks == 1 or (ks <= c and (ks - 1) * ctas < 2 * 132)
+
+
+def test_tuned_gemm_table(tmp_path, monkeypatch):
+    import json
+    monkeypatch.setattr(cf, "_GEMM_TABLE_DIR", tmp_path)
+    entries = [dict(fmt="nvfp4", N=3584, K=3584, M=m, config=[8, 1, 2, ks], us=1.0, prev_us=2.0, wins=wins)
+               for m, ks, wins in [(64, 2, True), (24, 4, True), (512, 1, False)]]
+    cf._table_path("NVIDIA H100 80GB HBM3").write_text(json.dumps({"device": "x", "entries": entries}))
+    assert cf._table_path("NVIDIA H100 80GB HBM3").name == "cuda_gemm_nvidia_h100_80gb_hbm3.json"
+    name = "NVIDIA H100 80GB HBM3"
+    cf._STATE.pop(("table", name), None)
+    try:
+        assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 17, name) == ((8, 1, 2, 4), True)  # smallest M >= 17: 24
+        assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 64, name) == ((8, 1, 2, 2), True)
+        assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 100, name) == ((8, 1, 2, 1), False)  # next: 512
+        assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 4096, name) == ((8, 1, 2, 1), False)  # above all: largest
+        assert cf.tuned_gemm_config("mxfp4", 3584, 3584, 64, name) is None
+        assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 64, "other GPU") is None
+    finally:
+        cf._STATE.pop(("table", name), None)
+
+
+def test_installed_gemm_tables_are_valid():
+    """Every table shipped under qerl/kernels/tuned/ parses and holds only valid configs of its shapes."""
+    import json
+    for path in sorted(cf._GEMM_TABLE_DIR.glob("cuda_gemm_*.json")):
+        doc = json.loads(path.read_text())
+        assert doc["entries"], path
+        for e in doc["entries"]:
+            assert e["fmt"] in FP4 and e["M"] > 16 and isinstance(e["wins"], bool)
+            assert cf.check_gemm_config(e["config"], e["N"] // 16, e["K"] // 64) == tuple(e["config"])
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -234,3 +287,71 @@ def test_gpu_cuda_graph_replay(fmt):
             assert torch.equal(y, ref)
             assert torch.equal(y2, cf.gemv(ref[:, :k].contiguous(), w))
 
+
+
+GEMM_MS = (17, 24, 31, 32, 33, 64, 100, 128, 256, 512, 1000, 4096)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemm_matches_reference(fmt):
+    """The M > 16 kernel at its default configuration over the Qwen2.5 3B-32B shapes and M = 17..4096."""
+    assert cf.available(), cf.build_error()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for i, (n, k) in enumerate(SHAPES):
+        q = _quant(fmt, n, k, seed=200 + i, device="cuda")
+        w = _prep(fmt, q)
+        for m in GEMM_MS if n * k <= 4096 * 4096 else (17, 64, 300):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            y = cf.gemm(x, w, out=out)
+            assert y.data_ptr() == out.data_ptr()
+            _check(y, x, fmt, q, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemm_every_config_and_layout(fmt):
+    n, k = 112, 1536  # 7 strips, 24 chunks: partial strip groups, uneven K splits, partial token tiles
+    q = _quant(fmt, n, k, seed=6, device="cuda")
+    w = _prep(fmt, q)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    cfgs = [(nt, sw, r, ks) for nt in cf.GEMM_NT for sw in cf.GEMM_SW for r in (1, 2, 3, 4, 8)
+            for ks in (1, 2, 3, 5, 8) if r * ks <= cf.GEMM_MAX_WARPS]
+    for m in (1, 17, 40, 129):
+        xb = torch.randn(m, k + 8, device="cuda", generator=g).bfloat16()
+        for x in (xb[:, :k], xb[:, 8:k + 8], xb[:, 4:k + 4]):  # strided rows; misaligned start (copied)
+            emu = cf.emulate(x.contiguous(), w)
+            for cfg in cfgs:
+                _check(cf.gemm(x, w, config=cfg), x.contiguous(), fmt, q, w, emu)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
+    from qerl import kernels as qk
+    n, k = 3584, 3584
+    q = _quant(fmt, n, k, seed=19, device="cuda")
+    w = _prep(fmt, q)
+    for m in (24, 64, 256):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        cf.gemm(x, w)  # config + build outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = cf.gemm(x, w)
+        for _ in range(2):
+            x.copy_(torch.randn(m, k, device="cuda").bfloat16())
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, cf.gemm(x, w))
+        # the dispatcher: forced on, it takes this path (same bits); off, the previous path (same values)
+        monkeypatch.setenv("QERL_CUDA_GEMM", "1")
+        assert qk.backend_for(fmt, x, q) == "cuda_gemm"
+        assert torch.equal(qk.qmm(x, fmt, q), cf.gemm(x, qk._cuda_weight(qk.get_format(fmt), q)))
+        monkeypatch.setenv("QERL_CUDA_GEMM", "0")
+        assert qk.backend_for(fmt, x, q) in ("triton_gemm", "dequant_cublas")
+        _check(qk.qmm(x, fmt, q), x, fmt, q, w)
+        monkeypatch.delenv("QERL_CUDA_GEMM")

@@ -10,6 +10,9 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 ``cuda_gemv``      NVFP4/MXFP4, CUDA, BF16 x, M <= 16, N % 16 == 0, K % 64 == 0, when the hand-written CUDA
                    kernel builds (``qerl.kernels.cuda_fp4``; ``QERL_CUDA_GEMV=0`` turns it off): weights
                    re-laid out once into mma fragments (a second copy, same size as the packed weight)
+``cuda_gemm``      NVFP4/MXFP4, CUDA, BF16 x, M > 16 where the device's tuned table measured it fastest (untuned:
+                   M <= 256; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
+                   tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
@@ -50,7 +53,7 @@ try:  # Triton is optional: CPU hosts without it use the reference path.
 except Exception:  # pragma: no cover - depends on the host
     triton, _k, HAS_TRITON = None, None, False
 
-BACKENDS = ("cuda_gemv", "triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
+BACKENDS = ("cuda_gemv", "cuda_gemm", "triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
 # The Triton/CUDA kernels' FMT switch: how a block scale byte decodes (E4M3 with an FP32 divisor, or E8M0).
 _SCALE_KIND_ID = {"e4m3": 0, "e8m0": 1}
 _COUNTER_SLOTS = 1 << 16
@@ -143,6 +146,7 @@ def _device_info(dev: torch.device) -> tuple[str, int, int]:
 # ----------------------------------------------------------------------------------------- CUDA decode GEMV
 
 CUDA_GEMV_MAX_M = 16
+CUDA_GEMM_DEFAULT_MAX_M = 256  # the CUDA GEMM's range on shapes/devices without a tuned table
 _CUDA_ENCODINGS = {(0, 16): "nvfp4", (1, 32): "mxfp4"}  # (scale kind id, block) -> cuda_fp4's encoding
 _CUDA: dict = {}
 _CUDA_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -196,6 +200,26 @@ def _cuda_gemv_ok(x: torch.Tensor, m: int, n: int, k: int) -> bool:
             and cuda_gemv_enabled(x.device))
 
 
+def cuda_gemm_choice(fmt, n: int, k: int, m: int, dev: torch.device) -> bool:
+    """True when the CUDA FP4 GEMM (``cuda_fp4.gemm``) serves this (format, shape, M > 16) on ``dev``:
+    ``QERL_CUDA_GEMM=1`` forces it (where it can run), ``0`` turns it off; by default the device's tuned table
+    (measured crossover against the Triton / dequantize + cuBLAS paths, ``qerl/kernels/tuned/``) decides, and an
+    untuned shape or device uses it for M <= ``CUDA_GEMM_DEFAULT_MAX_M``."""
+    mode = os.environ.get("QERL_CUDA_GEMM", "auto")
+    if mode == "0" or m <= CUDA_GEMV_MAX_M or n % 16 or k % 64 or not cuda_gemv_enabled(dev):
+        return False
+    if mode == "1":
+        return True
+    from qerl.kernels import cuda_fp4
+    encoding = _CUDA_ENCODINGS.get((_fp4_id(fmt), get_format(fmt).block))
+    if encoding is None:
+        return False
+    hit = cuda_fp4.tuned_gemm_config(encoding, n, k, m, _device_info(dev)[0])
+    if hit is None:
+        return m <= CUDA_GEMM_DEFAULT_MAX_M
+    return hit[1]
+
+
 def _triton_ok(x: torch.Tensor) -> bool:
     return HAS_TRITON and ((x.is_cuda and torch.cuda.is_available()) or _interpret())
 
@@ -221,8 +245,11 @@ def _fp4_backend(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None) -> 
     if q is not None:
         n, kh = q["weight_packed"].shape
         hit = _CUDA_PREPARED.get(q["weight_packed"])  # a query: no re-layout here (linear makes it on first use)
-        if _cuda_gemv_ok(x, m, n, 2 * kh) and (hit is None or hit[1] is not None):
-            return "cuda_gemv"
+        if (hit is None or hit[1] is not None) and x.dtype == torch.bfloat16:
+            if _cuda_gemv_ok(x, m, n, 2 * kh):
+                return "cuda_gemv"
+            if cuda_gemm_choice(fmt, n, 2 * kh, m, x.device):
+                return "cuda_gemm"
         cfg = kernel_config(fmt, n, 2 * kh, m, x.device)
     else:
         cfg = configs.heuristic(1, x.shape[-1], m)
@@ -362,6 +389,12 @@ def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Te
             from qerl.kernels import cuda_fp4
             cuda_fp4.gemv(x2, w, out)
             return out.reshape(*x.shape[:-1], pw.n)
+    elif x2.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, pw.n, pw.k, m, x.device):
+        w = _cuda_weight(fmt, q)
+        if w is not None:
+            from qerl.kernels import cuda_fp4
+            cuda_fp4.gemm(x2, w, out)
+            return out.reshape(*x.shape[:-1], pw.n)
     cfg = kernel_config(fmt, pw.n, pw.k, m, x.device) if x.dtype == torch.bfloat16 else None
     if cfg is None or cfg.kernel == "cublas":
         _dequant_mm(x2, fmt, q, pw, out, cfg.chunk if cfg is not None else 0)
@@ -500,5 +533,5 @@ def dequantize_into(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None
     return _quant.dequantize_into(get_format(fmt), q, out)
 
 
-__all__ = ["cuda_gemv_enabled", "qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
+__all__ = ["cuda_gemv_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
            "PackedFP4", "BACKENDS", "HAS_TRITON", "FP4Kernels", "BnbKernels"]

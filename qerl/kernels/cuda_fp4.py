@@ -228,10 +228,13 @@ extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int,
                          int, int, int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_occupancy(int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
+extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
+                         int, int, int, int, int, int, int, void*);
+extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
+extern "C" int qfp4_gemm_attributes(int, int, int, int*, int*);
 
-void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
-          double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-          bool pdl) {
+static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
+                           const torch::Tensor& out) {
   TORCH_CHECK(x.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out must be bf16");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qw.dim() == 4 && sc.dim() == 3, "bad ranks");
@@ -240,6 +243,13 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && out.stride(1) == 1, "x/out layout");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
   TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
+}
+
+void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
+          double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
+          bool pdl) {
+  check_operands(x, qw, sc, out);
+  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
@@ -249,6 +259,30 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
+}
+
+void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
+          double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks) {
+  check_operands(x, qw, sc, out);
+  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
+  const int err = qfp4_gemm(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
+                            (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)nt,
+                            (int)sw, (int)r, (int)ks,
+                            (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(err == 0, "qfp4_gemm: ", err == -1 ? "unsupported configuration"
+                                                  : cudaGetErrorString((cudaError_t)err));
+}
+
+int64_t gemm_occupancy(int64_t fmt, int64_t nt, int64_t sw, int64_t r, int64_t ks) {
+  return qfp4_gemm_occupancy((int)fmt, (int)nt, (int)sw, (int)r, (int)ks);
+}
+
+std::vector<int64_t> gemm_attributes(int64_t fmt, int64_t nt, int64_t sw) {
+  int regs = -1, local = -1;
+  qfp4_gemm_attributes((int)fmt, (int)nt, (int)sw, &regs, &local);
+  return {regs, local};
 }
 
 int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t warps, int64_t splits) {
@@ -265,10 +299,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
   m.def("occupancy", &occupancy);
   m.def("attributes", &attributes);
+  m.def("gemm", &gemm);
+  m.def("gemm_occupancy", &gemm_occupancy);
+  m.def("gemm_attributes", &gemm_attributes);
 }
 """
 
-_CU = Path(__file__).with_name("csrc") / "fp4_mma_gemv.cu"
+_CSRC = Path(__file__).with_name("csrc")
+_CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu")
+_HEADERS = (_CSRC / "fp4_mma_common.cuh",)
 _STATE: dict = {}
 
 
@@ -288,7 +327,7 @@ def _ext():
         raise RuntimeError(_STATE["error"])
     from torch.utils.cpp_extension import load
     flags = ["-O3", *_arch_flags()]
-    src = _CU.read_text()
+    src = "".join(p.read_text() for p in (*_CU, *_HEADERS))
     tag = hashlib.sha1((src + _BINDING + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     name = f"qerl_fp4_mma_{tag}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
@@ -300,7 +339,8 @@ def _ext():
         with open(cpp, "w") as fh:
             fh.write(_BINDING)
     try:
-        mod = load(name=name, sources=[cpp, str(_CU)], extra_cflags=["-O3"], extra_cuda_cflags=flags,
+        mod = load(name=name, sources=[cpp, *map(str, _CU)], extra_cflags=["-O3"],
+                   extra_cuda_cflags=[*flags, f"-I{_CSRC}"],
                    build_directory=bdir, verbose=os.environ.get("QERL_KERNELS_VERBOSE") == "1")
     except Exception as e:  # compiler missing or build failure: remembered, reported by available()
         _STATE["error"] = f"{type(e).__name__}: {e}"
@@ -405,5 +445,124 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     return out
 
 
+# ----------------------------------------------------------------------------------------- GEMM (M > 16)
+
+GEMM_NT = (2, 4, 8)  # n8 token tiles per CTA: 16, 32, 64 tokens
+GEMM_SW = (1, 2)  # strips of 16 weight rows per warp
+GEMM_MAX_WARPS = 8
+_GEMM_TABLE_DIR = Path(__file__).with_name("tuned")
+
+
+def gemm_kernel_attributes(fmt: str, nt: int, sw: int) -> tuple[int, int]:
+    """(registers, local-memory bytes) per thread of the GEMM variant (n8 token tiles, strips per warp)."""
+    _check_fmt(fmt)
+    r = _ext().gemm_attributes(0 if fmt == "nvfp4" else 1, nt, sw)
+    return int(r[0]), int(r[1])
+
+
+def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
+    """Validate ``(nt, sw, r, ks)`` = (n8 token tiles per CTA, strips per warp, warps per split-K group, split-K
+    groups) for a weight of S strips and C chunks; returns it as a tuple of ints."""
+    try:
+        nt, sw, r, ks = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
+    if nt not in GEMM_NT or sw not in GEMM_SW or r < 1 or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c:
+        raise ValueError(f"GEMM config {config!r} invalid for S={s} strips, C={c} chunks: nt in {list(GEMM_NT)}, "
+                         f"sw in {list(GEMM_SW)}, r >= 1, 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}")
+    return nt, sw, r, ks
+
+
+def pick_gemm_config(s: int, c: int, m: int, sms: int) -> tuple[int, int, int, int]:
+    """Heuristic (nt, sw, r, ks) for S strips, C chunks and M tokens on ``sms`` SMs, used where the tuned table
+    (:func:`tuned_gemm_config`) has no entry: 64-token tiles from M > 32 (the decode of a weight chunk is shared by
+    NT MMAs), 4 warps along the strips, and split-K inside the CTA until about two CTAs' worth of warps per SM."""
+    nt = 2 if m <= 16 else 4 if m <= 32 else 8
+    tiles = math.ceil(m / (8 * nt))
+    r, sw = 4, 1
+    ctas = tiles * math.ceil(s / (r * sw))
+    ks = max(1, min(GEMM_MAX_WARPS // r, c, math.ceil(2 * sms / max(1, ctas))))
+    return nt, sw, r, ks
+
+
+def _table_path(device_name: str) -> Path:
+    slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
+    return _GEMM_TABLE_DIR / f"cuda_gemm_{slug}.json"
+
+
+def load_gemm_table(device_name: str) -> dict:
+    """The tuned GEMM table of a device (``qerl/kernels/tuned/cuda_gemm_<device>.json``, written by
+    ``python -m benchmarks.cuda_bench --gemm-sweep``), as {(fmt, N, K): [(M, config, wins), ...]} sorted by M;
+    {} when the device has none. ``wins``: the CUDA GEMM beat the other FP4 paths at that M in the sweep."""
+    key = ("table", device_name)
+    if key in _STATE:
+        return _STATE[key]
+    path = _table_path(device_name)
+    table: dict = {}
+    if path.exists():
+        import json
+        for e in json.loads(path.read_text())["entries"]:
+            table.setdefault((e["fmt"], e["N"], e["K"]), []).append((e["M"], tuple(e["config"]), bool(e["wins"])))
+        for v in table.values():
+            v.sort()
+    _STATE[key] = table
+    return table
+
+
+def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tuple[tuple, bool] | None:
+    """(config, wins) measured for the smallest tuned M >= m of this (fmt, N, K) on the device (the largest
+    tuned M when m is above all), or None when the shape was not tuned."""
+    rows = load_gemm_table(device_name).get((fmt, n, k))
+    if not rows:
+        return None
+    for mm, cfg, wins in rows:
+        if mm >= m:
+            return cfg, wins
+    return rows[-1][1], rows[-1][2]
+
+
+def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable, no
+    allocation but ``out``), on the same re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many
+    sequences, prefill); ``config`` = (nt, sw, r, ks) overrides the tuned table / heuristic."""
+    if not x.is_cuda or not w.qweight.is_cuda:
+        raise ValueError("gemm needs CUDA tensors (use emulate() elsewhere)")
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"gemm: x must be a 2-D bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if m < 1:
+        raise ValueError(f"gemm needs M >= 1 rows, got M={m}")
+    if k != w.k:
+        raise ValueError(f"gemm: x has K={k}, the weight is {(w.n, w.k)}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
+    elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"gemm: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    s, c = w.n // 16, w.k // 64
+    if config is None:
+        config = _gemm_config(w, m, x.device)
+    nt, sw, r, ks = check_gemm_config(config, s, c)
+    gs = w.global_scale if w.global_scale is not None else w.qweight
+    _ext().gemm(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword, nt, sw, r, ks)
+    return out
+
+
+def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int, int]:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = ("gemm", idx, w.fmt, w.n, w.k, m)
+    cfg = _STATE.get(key)
+    if cfg is None:
+        props = torch.cuda.get_device_properties(idx)
+        hit = tuned_gemm_config(w.fmt, w.n, w.k, m, props.name)
+        cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count)
+        _STATE[key] = cfg
+    return cfg
+
+
 __all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
-           "pack_words", "build_error", "kernel_attributes"]
+           "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
+           "tuned_gemm_config", "load_gemm_table", "gemm_kernel_attributes"]

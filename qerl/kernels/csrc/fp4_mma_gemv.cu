@@ -21,79 +21,13 @@
 // Split-K inside the CTA: each strip is worked on by `splits` warps (contiguous K ranges), partial sums are
 // reduced through shared memory, so one launch, no workspace, no atomics: CUDA-graph capturable.
 
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-#include <cuda_runtime.h>
-#include <cstdint>
+#include "fp4_mma_common.cuh"
 
 namespace qfp4 {
 
-constexpr uint32_t kMask = 0x81C081C0u;
-constexpr uint32_t kRest = 0x001B001Bu;
-constexpr uint32_t kSpread = (1u << 3) + (1u << 8) + (1u << 14);
 // Warps per CTA at most: 16 while a warp keeps <= 4 chunk loads per batch (<= 128 registers), else 8.
 template <int U, int SW>
 constexpr int max_warps() { return U * SW >= 8 ? 8 : 16; }
-
-__device__ __forceinline__ uint32_t rotr(uint32_t w, int s) { return __funnelshift_r(w, w, s); }
-
-__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
-  uint32_t d;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-#else
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-#endif
-  return d;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Weights: streamed once, keep them out of L1 (x lives there).
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t ld_stream_u16(const uint16_t* p) {
-  unsigned short r;
-  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
-  return r;
-}
-
-// Activations: a coherent load (not ld.global.nc), issued only after griddepcontrol.wait: under programmatic
-// dependent launch x is written by the previous grid while this one is already running, and the
-// non-coherent path may then return stale lines.
-__device__ __forceinline__ uint4 ld_x(const __nv_bfloat16* p) {
-  uint4 r;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  return r;
-}
-
-// Scale words of rows g (sg) and g+8 (sg8), both halves equal, from the lane's 16-bit scale pair.
-template <int FMT>
-__device__ __forceinline__ void scale_words(uint32_t s16, uint32_t bword, uint32_t& sg, uint32_t& sg8) {
-  if constexpr (FMT == 0) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(s16), __NV_E4M3);
-    const uint32_t h2 = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-    uint32_t t = ((h2 >> 3) & 0x0FFF0FFFu) + bword;  // exponent 15-biased -> 127-biased + B
-    t |= h2 & 0x80008000u;
-    sg = __byte_perm(t, 0u, 0x1010);
-    sg8 = __byte_perm(t, 0u, 0x3232);
-  } else {
-    sg = __byte_perm(s16, 0u, 0x4040) * 128u + bword;
-    sg8 = __byte_perm(s16, 0u, 0x4141) * 128u + bword;
-  }
-}
 
 template <int NT>
 struct XFrag {
@@ -124,14 +58,11 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
   const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t v = ws[j];
-    const uint32_t a0 = bmul2(v & kMask, sg);
-    const uint32_t a1 = bmul2(rotr(v, 3) & kMask, sg8);
-    const uint32_t a2 = bmul2(rotr(v, 6) & kMask, sg);
-    const uint32_t a3 = bmul2(((v & kRest) * kSpread) & kMask, sg8);
+    uint32_t a[4];
+    decode_word(ws[j], sg, sg8, a);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
-      mma_bf16(acc[j % A2][nt], a0, a1, a2, a3, xf.r[nt][2 * j], xf.r[nt][2 * j + 1]);
+      mma_bf16(acc[j % A2][nt], a[0], a[1], a[2], a[3], xf.r[nt][2 * j], xf.r[nt][2 * j + 1]);
   }
 }
 

@@ -1,0 +1,281 @@
+// W4A16 GEMM for NVFP4 / MXFP4 weights at M = 17 .. a few hundred tokens (rollouts of 32-256 sequences, short
+// prefills) on tensor cores (mma.sync m16n8k16, bf16 in, fp32 acc), over the SAME re-laid-out weights as the decode
+// GEMV (fp4_mma_gemv.cu): one resident layout for both.
+//
+// out (M, N) = x (M, K) @ W^T. A CTA is KS groups of R warps. Warp w of a group owns SW strips of 16 weight rows
+// (the MMA's M); the CTA owns TM = 8 * NT tokens (the MMA's N: NT n8 tiles); each group owns a contiguous range of
+// the K chunks (split-K inside the CTA, partial sums reduced through shared memory at the end: one launch, no
+// workspace, CUDA-graph capturable).
+//  * Tokens: chunk by chunk (TM tokens x 64 k, bf16) into shared memory by a kStages-deep cp.async pipeline per
+//    group; 16-byte unit u of token row r is stored at unit u ^ (r & 7), so a quarter warp's 128-bit fragment reads
+//    (rows g, g+1; units 2t, 2t+1) hit 8 distinct units: no bank conflicts. Rows >= M are zero-filled.
+//  * Weights: streamed from global memory into registers (one batch of kU chunks ahead, as in the GEMV), decoded once
+//    per chunk into the 16 A registers of the chunk's 4 MMA steps and reused by NT MMAs each: the decode cost per
+//    MMA is 1/NT of the GEMV's.
+//  * Lane (g, t) of n8 tile nt reads token row 8 nt + g, k = 64 c + 16 t + 0..15: its B registers of the 4 MMA
+//    steps, the same K permutation as the A fragments (see fp4_mma_gemv.cu).
+// Grid: x = token tiles (fastest, so CTAs in flight together share a strip group's weights through L2),
+// y = strip groups of R * SW strips.
+
+#include "fp4_mma_common.cuh"
+
+namespace qfp4 {
+
+constexpr int kStages = 3;
+constexpr int kU = 2;
+constexpr int kGemmMaxWarps = 8;
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Barrier of one split-K group (ids 1..KS; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int FMT, int NT, int SW>
+__global__ void __launch_bounds__(kGemmMaxWarps * 32)
+fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
+                int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
+                uint32_t bword, int M, int S, int C, int R, int KS) {
+  constexpr int TM = 8 * NT;
+  constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
+  constexpr int STAGE = TM * 128;         // bytes of one staged chunk of tokens
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int grp = warp / R, wr = warp - grp * R;
+  const int gthreads = R * 32, gtid = threadIdx.x - grp * gthreads;
+  const int tok0 = blockIdx.x * TM;
+  const int strip0 = (blockIdx.y * R + wr) * SW;
+  const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
+  const int n = c1 - c0;  // chunks of this group (>= 1: the caller keeps KS <= C)
+  unsigned char* xs = smem + grp * kStages * STAGE;
+  const uint32_t xs_s = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+
+  float acc[SW][NT][4];
+#pragma unroll
+  for (int i = 0; i < SW; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+
+  const uint4* wq[SW];
+  const uint16_t* sq[SW];
+#pragma unroll
+  for (int i = 0; i < SW; ++i) {
+    const int st = max(0, min(strip0 + i, S - 1));  // strips past S compute garbage that is never stored
+    wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
+    sq[i] = sc + ((size_t)st * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
+  }
+
+  // cp.async of chunk idx (relative to c0) into stage idx % kStages; always one commit group (maybe empty), so
+  // wait_group<kStages - 2> at chunk idx means "chunk idx has landed" for this thread's copies.
+  auto stage_x = [&](int idx) {
+    if (idx < n) {
+      const uint32_t dst = xs_s + (idx % kStages) * STAGE;
+      const __nv_bfloat16* src = x + 64 * (size_t)(c0 + idx);
+      for (int e = gtid; e < TM * 8; e += gthreads) {
+        const int r = e >> 3, u = e & 7;
+        const bool v = tok0 + r < M;
+        cp_async16(dst + r * 128 + ((u ^ (r & 7)) << 4), src + (size_t)(v ? tok0 + r : 0) * ldx + 8 * u, v);
+      }
+    }
+    cp_async_commit();
+  };
+
+  uint4 wa[kU][SW], wb[kU][SW];
+  uint32_t sa[kU][SW], sb[kU][SW];
+  auto load_batch = [&](uint4 (&w)[kU][SW], uint32_t (&s)[kU][SW], int cnt) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (u < cnt) {
+#pragma unroll
+        for (int i = 0; i < SW; ++i) {
+          w[u][i] = ld_stream(wq[i] + u * 32);
+          s[u][i] = ld_stream_u16(sq[i] + u * SL);
+        }
+      }
+    }
+  };
+  auto advance = [&]() {
+#pragma unroll
+    for (int i = 0; i < SW; ++i) {
+      wq[i] += kU * 32;
+      sq[i] += kU * SL;
+    }
+  };
+  // Chunks idx .. idx + kU - 1 of a batch (those < n).
+  auto compute_batch = [&](const uint4 (&w)[kU][SW], const uint32_t (&s)[kU][SW], int idx) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (idx + u < n) {
+        cp_async_wait<kStages - 2>();
+        group_sync(1 + grp, gthreads);  // chunk idx + u visible to the group; stage (idx + u - 1) free again
+        stage_x(idx + u + kStages - 1);
+        uint32_t a[SW][4][4];
+#pragma unroll
+        for (int i = 0; i < SW; ++i) {
+          uint32_t sg, sg8;
+          scale_words<FMT>(s[u][i], bword, sg, sg8);
+          decode_word(w[u][i].x, sg, sg8, a[i][0]);
+          decode_word(w[u][i].y, sg, sg8, a[i][1]);
+          decode_word(w[u][i].z, sg, sg8, a[i][2]);
+          decode_word(w[u][i].w, sg, sg8, a[i][3]);
+        }
+        const unsigned char* base = xs + ((idx + u) % kStages) * STAGE + g * 128;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const unsigned char* row = base + nt * 8 * 128;  // token row 8 nt + g; (row & 7) == g
+          const uint4 lo = *reinterpret_cast<const uint4*>(row + (((2 * t) ^ g) << 4));
+          const uint4 hi = *reinterpret_cast<const uint4*>(row + (((2 * t + 1) ^ g) << 4));
+          const uint32_t b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < SW; ++i)
+              mma_bf16(acc[i][nt], a[i][j][0], a[i][j][1], a[i][j][2], a[i][j][3], b[2 * j], b[2 * j + 1]);
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) stage_x(st);
+  int left = n;  // chunks not yet computed
+  int idx = 0;
+  load_batch(wa, sa, left);
+  while (left > 0) {
+    advance();
+    load_batch(wb, sb, left - kU);
+    compute_batch(wa, sa, idx);
+    idx += kU;
+    left -= kU;
+    if (left <= 0) break;
+    advance();
+    load_batch(wa, sa, left - kU);
+    compute_batch(wb, sb, idx);
+    idx += kU;
+    left -= kU;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every group done with its stages: shared memory is free for the reduction
+
+  if (KS > 1) {
+    float4* red = reinterpret_cast<float4*>(smem);
+    if (grp > 0) {
+#pragma unroll
+      for (int i = 0; i < SW; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          red[((((grp - 1) * R + wr) * SW + i) * NT + nt) * 32 + lane] =
+              make_float4(acc[i][nt][0], acc[i][nt][1], acc[i][nt][2], acc[i][nt][3]);
+    }
+    __syncthreads();
+    if (grp > 0) return;
+    for (int sp = 1; sp < KS; ++sp) {
+#pragma unroll
+      for (int i = 0; i < SW; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float4 v = red[((((sp - 1) * R + wr) * SW + i) * NT + nt) * 32 + lane];
+          acc[i][nt][0] += v.x;
+          acc[i][nt][1] += v.y;
+          acc[i][nt][2] += v.z;
+          acc[i][nt][3] += v.w;
+        }
+    }
+  }
+  float mult = out_mult;
+  if (FMT == 0) mult = out_mult / __ldg(gs);
+#pragma unroll
+  for (int i = 0; i < SW; ++i) {
+    if (strip0 + i >= S) continue;
+    const int n0 = (strip0 + i) * 16;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = tok0 + nt * 8 + 2 * t;
+      if (tok < M) {
+        out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[i][nt][0] * mult);
+        out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][nt][2] * mult);
+      }
+      if (tok + 1 < M) {
+        out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[i][nt][1] * mult);
+        out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][nt][3] * mult);
+      }
+    }
+  }
+}
+
+template <int FMT, int NT, int SW>
+const void* gemm_ptr() {
+  return reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW>);
+}
+
+// Compiled variants: NT in {2, 4, 8} n8 token tiles (16, 32, 64 tokens per CTA), SW in {1, 2} strips per warp.
+template <int FMT>
+const void* pick_gemm_fmt(int nt, int sw) {
+  if (sw == 1) return nt == 2 ? gemm_ptr<FMT, 2, 1>() : nt == 4 ? gemm_ptr<FMT, 4, 1>()
+                    : nt == 8 ? gemm_ptr<FMT, 8, 1>() : nullptr;
+  if (sw == 2) return nt == 2 ? gemm_ptr<FMT, 2, 2>() : nt == 4 ? gemm_ptr<FMT, 4, 2>()
+                    : nt == 8 ? gemm_ptr<FMT, 8, 2>() : nullptr;
+  return nullptr;
+}
+
+const void* pick_gemm(int fmt, int nt, int sw) {
+  return fmt == 0 ? pick_gemm_fmt<0>(nt, sw) : fmt == 1 ? pick_gemm_fmt<1>(nt, sw) : nullptr;
+}
+
+size_t gemm_smem(int nt, int sw, int r, int ks) {
+  const size_t pipe = (size_t)ks * kStages * 8 * nt * 128;
+  const size_t red = (size_t)(ks - 1) * r * sw * nt * 32 * 16;
+  return pipe > red ? pipe : red;
+}
+
+}  // namespace qfp4
+
+// out (M, N) <- x (M, K) @ W^T for any M >= 1; same weight tensors as qfp4_gemv. nt: n8 token tiles per CTA,
+// sw: strips per warp, r: warps per split-K group, ks: split-K groups (r * ks <= 8, ks <= C).
+// Returns a cudaError_t (0 = success), -1 = unsupported variant / configuration.
+extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
+                         float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
+                         void* stream) {
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw);
+  if (fn == nullptr || M < 1 || S < 1 || r < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C) return -1;
+  const size_t smem = qfp4::gemm_smem(nt, sw, r, ks);
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  const int tm = 8 * nt, per = r * sw;
+  const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per));
+  if (grid.y > 65535u) return -1;
+  void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&r, (void*)&ks};
+  return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(r * ks * 32)), args, smem, (cudaStream_t)stream);
+}
+
+// Max resident CTAs per SM of one GEMM variant and launch shape (-1: unsupported).
+extern "C" int qfp4_gemm_occupancy(int fmt, int nt, int sw, int r, int ks) {
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw);
+  if (fn == nullptr) return -1;
+  const size_t smem = qfp4::gemm_smem(nt, sw, r, ks);
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))
+    return -1;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, r * ks * 32, smem)) return -1;
+  return blocks;
+}
+
+// Registers and local-memory bytes per thread of one GEMM variant (-1 on error).
+extern "C" int qfp4_gemm_attributes(int fmt, int nt, int sw, int* regs, int* local_bytes) {
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw);
+  cudaFuncAttributes a;
+  if (fn == nullptr || cudaFuncGetAttributes(&a, fn)) return -1;
+  *regs = a.numRegs;
+  *local_bytes = (int)a.localSizeBytes;
+  return 0;
+}
