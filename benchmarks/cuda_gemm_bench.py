@@ -56,13 +56,15 @@ class _env:
 def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     """Candidate (nt, sw, r, ks) for S strips, C chunks, M tokens: the two token-tile widths that suit M, every
     split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks)."""
-    nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8)
+    nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8) if m <= 64 else (8, 16)
     out = []
     for nt in nts:
         for sw in cf.GEMM_SW:
             for r in (1, 2, 4, 8):
                 for ks in (1, 2, 4, 8):
-                    if r * ks > cf.GEMM_MAX_WARPS or ks > c or (ks > 1 and c // ks < 4) or (sw == 2 and r == 8):
+                    if ((ks > 1 and c // ks < 4) or (sw == 2 and r == 8)
+                            or (nt == 16 and sw != 1) or cf.gemm_smem_bytes(nt, sw, r, ks) > cf.GEMM_SMEM_MAX
+                            or r * ks > cf.GEMM_MAX_WARPS or ks > c):
                         continue
                     out.append((nt, sw, r, ks))
     return out
@@ -181,7 +183,7 @@ def markdown(rows: list[dict], header: str) -> str:
 def _header(name: str, argv) -> str:
     import triton
     attrs = {(f, nt, sw): cf.gemm_kernel_attributes(f, nt, sw) for f in cf.FORMATS for nt in cf.GEMM_NT
-             for sw in cf.GEMM_SW}
+             for sw in cf.GEMM_SW if nt != 16 or sw == 1}
     return (f"## CUDA FP4 GEMM (M > 16) vs BF16 cuBLAS and the previous FP4 path: {name}\n\n"
             f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}. "
             f"Registers/local bytes per (fmt, n8 tiles, strips per warp): {attrs}. Per linear: median over CUDA-graph "

@@ -447,9 +447,18 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
 
 # ----------------------------------------------------------------------------------------- GEMM (M > 16)
 
-GEMM_NT = (2, 4, 8)  # n8 token tiles per CTA: 16, 32, 64 tokens
+GEMM_NT = (2, 4, 8, 16)  # n8 token tiles per CTA: 16, 32, 64, 128 tokens (16: one strip per warp only)
 GEMM_SW = (1, 2)  # strips of 16 weight rows per warp
 GEMM_MAX_WARPS = 8
+GEMM_STAGES = 4  # csrc/fp4_mma_gemm.cu kStages
+GEMM_SMEM_MAX = 227 * 1024  # opt-in dynamic shared memory per CTA (sm_90)
+
+
+def gemm_smem_bytes(nt: int, sw: int, r: int, ks: int) -> int:
+    """Dynamic shared memory of a GEMM launch (as ``gemm_smem`` in the kernel source): ks groups x GEMM_STAGES stages
+    of (8 nt tokens x 128 B + r sw strips x (512 B weights + 64 B scales)), or the split-K reduction if larger."""
+    pipe = ks * GEMM_STAGES * (8 * nt * 128 + r * sw * (512 + 64))
+    return max(pipe, (ks - 1) * r * sw * nt * 32 * 16)
 _GEMM_TABLE_DIR = Path(__file__).with_name("tuned")
 
 
@@ -467,9 +476,11 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
-    if nt not in GEMM_NT or sw not in GEMM_SW or r < 1 or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c:
+    if (nt not in GEMM_NT or sw not in GEMM_SW or (nt == 16 and sw != 1) or r < 1 or ks < 1
+            or r * ks > GEMM_MAX_WARPS or ks > c or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
         raise ValueError(f"GEMM config {config!r} invalid for S={s} strips, C={c} chunks: nt in {list(GEMM_NT)}, "
-                         f"sw in {list(GEMM_SW)}, r >= 1, 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}")
+                         f"sw in {list(GEMM_SW)} (sw 1 for nt 16), r >= 1, 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, "
+                         f"shared memory <= {GEMM_SMEM_MAX} B")
     return nt, sw, r, ks
 
 
@@ -565,4 +576,4 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
 
 __all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
-           "tuned_gemm_config", "load_gemm_table", "gemm_kernel_attributes"]
+           "tuned_gemm_config", "load_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes"]

@@ -7,11 +7,12 @@
 // the K chunks (split-K inside the CTA, partial sums reduced through shared memory at the end: one launch, no
 // workspace, CUDA-graph capturable).
 //  * Tokens: chunk by chunk (TM tokens x 64 k, bf16) into shared memory by a kStages-deep cp.async pipeline per
-//    group; 16-byte unit u of token row r is stored at unit u ^ (r & 7), so a quarter warp's 128-bit fragment reads
+//    group (one stage: tokens, then the group's weight words and scale pairs, ``stage_bytes``); 16-byte unit u of token row r is stored at unit u ^ (r & 7), so a quarter warp's 128-bit fragment reads
 //    (rows g, g+1; units 2t, 2t+1) hit 8 distinct units: no bank conflicts. Rows >= M are zero-filled.
-//  * Weights: streamed from global memory into registers (one batch of kU chunks ahead, as in the GEMV), decoded once
-//    per chunk into the 16 A registers of the chunk's 4 MMA steps and reused by NT MMAs each: the decode cost per
-//    MMA is 1/NT of the GEMV's.
+//  * Weights and scales go through the same pipeline (each lane copies its own 16-byte word per strip; 64 bytes of
+//    scale pairs per strip), so kStages - 1 chunks of weights, scales and tokens are in flight per group; a chunk's
+//    weights are decoded once into the 16 A registers of its 4 MMA steps and reused by NT MMAs each: the decode cost
+//    per MMA is 1/NT of the GEMV's.
 //  * Lane (g, t) of n8 tile nt reads token row 8 nt + g, k = 64 c + 16 t + 0..15: its B registers of the 4 MMA
 //    steps, the same K permutation as the A fragments (see fp4_mma_gemv.cu).
 // Grid: x = token tiles (fastest, so CTAs in flight together share a strip group's weights through L2),
@@ -21,9 +22,9 @@
 
 namespace qfp4 {
 
-constexpr int kStages = 3;
-constexpr int kU = 2;
+constexpr int kStages = 4;
 constexpr int kGemmMaxWarps = 8;
+constexpr int kSmemMax = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
@@ -37,6 +38,10 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Bytes of one pipeline stage of a group: TM x 64 tokens (bf16), then per strip of the group its 32 lanes' 16-byte
+// weight words (512 B) and its scale pairs (64 B: 32 for NVFP4, 16 used for MXFP4).
+__host__ __device__ constexpr int stage_bytes(int nt, int strips) { return 8 * nt * 128 + strips * (512 + 64); }
+
 template <int FMT, int NT, int SW>
 __global__ void __launch_bounds__(kGemmMaxWarps * 32)
 fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
@@ -44,7 +49,7 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
                 uint32_t bword, int M, int S, int C, int R, int KS) {
   constexpr int TM = 8 * NT;
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
-  constexpr int STAGE = TM * 128;         // bytes of one staged chunk of tokens
+  constexpr int XB = TM * 128;            // bytes of one staged chunk of tokens
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -54,8 +59,11 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   const int strip0 = (blockIdx.y * R + wr) * SW;
   const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
   const int n = c1 - c0;  // chunks of this group (>= 1: the caller keeps KS <= C)
-  unsigned char* xs = smem + grp * kStages * STAGE;
-  const uint32_t xs_s = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+  const int SB = stage_bytes(NT, R * SW);
+  unsigned char* gs_base = smem + grp * kStages * SB;
+  const uint32_t gs_s = static_cast<uint32_t>(__cvta_generic_to_shared(gs_base));
+  const int my_w = XB + (wr * SW) * 512;            // this warp's weight words inside a stage
+  const int my_s = XB + R * SW * 512 + (wr * SW) * 64;  // and its scale pairs
 
   float acc[SW][NT][4];
 #pragma unroll
@@ -69,97 +77,62 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   for (int i = 0; i < SW; ++i) {
     const int st = max(0, min(strip0 + i, S - 1));  // strips past S compute garbage that is never stored
     wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
-    sq[i] = sc + ((size_t)st * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
+    sq[i] = sc + ((size_t)st * C + c0) * SL;
   }
 
-  // cp.async of chunk idx (relative to c0) into stage idx % kStages; always one commit group (maybe empty), so
-  // wait_group<kStages - 2> at chunk idx means "chunk idx has landed" for this thread's copies.
-  auto stage_x = [&](int idx) {
+  // cp.async of chunk idx (relative to c0) into stage idx % kStages: the group's tokens (all its threads), each
+  // lane's own weight word per strip, the strip's scale pairs (lanes 0..SL/8-1, 16 bytes each). Always one commit
+  // group (maybe empty), so wait_group<kStages - 2> at chunk idx means "chunk idx has landed" for this thread.
+  auto stage = [&](int idx) {
     if (idx < n) {
-      const uint32_t dst = xs_s + (idx % kStages) * STAGE;
+      const uint32_t dst = gs_s + (idx % kStages) * SB;
       const __nv_bfloat16* src = x + 64 * (size_t)(c0 + idx);
       for (int e = gtid; e < TM * 8; e += gthreads) {
         const int r = e >> 3, u = e & 7;
         const bool v = tok0 + r < M;
         cp_async16(dst + r * 128 + ((u ^ (r & 7)) << 4), src + (size_t)(v ? tok0 + r : 0) * ldx + 8 * u, v);
       }
+#pragma unroll
+      for (int i = 0; i < SW; ++i) {
+        cp_async16(dst + my_w + i * 512 + lane * 16, wq[i] + (size_t)idx * 32, true);
+        if (lane < SL / 8) cp_async16(dst + my_s + i * 64 + lane * 16, sq[i] + (size_t)idx * SL + lane * 8, true);
+      }
     }
     cp_async_commit();
   };
 
-  uint4 wa[kU][SW], wb[kU][SW];
-  uint32_t sa[kU][SW], sb[kU][SW];
-  auto load_batch = [&](uint4 (&w)[kU][SW], uint32_t (&s)[kU][SW], int cnt) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (u < cnt) {
-#pragma unroll
-        for (int i = 0; i < SW; ++i) {
-          w[u][i] = ld_stream(wq[i] + u * 32);
-          s[u][i] = ld_stream_u16(sq[i] + u * SL);
-        }
-      }
-    }
-  };
-  auto advance = [&]() {
+  for (int st = 0; st < kStages - 1; ++st) stage(st);
+  for (int idx = 0; idx < n; ++idx) {
+    cp_async_wait<kStages - 2>();
+    group_sync(1 + grp, gthreads);  // chunk idx visible to the group; stage (idx - 1) % kStages free again
+    stage(idx + kStages - 1);
+    const unsigned char* sb = gs_base + (idx % kStages) * SB;
+    uint32_t a[SW][4][4];
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
-      wq[i] += kU * 32;
-      sq[i] += kU * SL;
+      const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + i * 512 + lane * 16);
+      const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + i * 64 + 2 * (FMT == 0 ? lane : lane >> 1));
+      uint32_t sg, sg8;
+      scale_words<FMT>(s16, bword, sg, sg8);
+      decode_word(w.x, sg, sg8, a[i][0]);
+      decode_word(w.y, sg, sg8, a[i][1]);
+      decode_word(w.z, sg, sg8, a[i][2]);
+      decode_word(w.w, sg, sg8, a[i][3]);
     }
-  };
-  // Chunks idx .. idx + kU - 1 of a batch (those < n).
-  auto compute_batch = [&](const uint4 (&w)[kU][SW], const uint32_t (&s)[kU][SW], int idx) {
+    const unsigned char* base = sb + g * 128;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (idx + u < n) {
-        cp_async_wait<kStages - 2>();
-        group_sync(1 + grp, gthreads);  // chunk idx + u visible to the group; stage (idx + u - 1) free again
-        stage_x(idx + u + kStages - 1);
-        uint32_t a[SW][4][4];
+    for (int nt = 0; nt < NT; ++nt) {
+      const unsigned char* row = base + nt * 8 * 128;  // token row 8 nt + g; (row & 7) == g
+      const uint4 lo = *reinterpret_cast<const uint4*>(row + (((2 * t) ^ g) << 4));
+      const uint4 hi = *reinterpret_cast<const uint4*>(row + (((2 * t + 1) ^ g) << 4));
+      const uint32_t b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-        for (int i = 0; i < SW; ++i) {
-          uint32_t sg, sg8;
-          scale_words<FMT>(s[u][i], bword, sg, sg8);
-          decode_word(w[u][i].x, sg, sg8, a[i][0]);
-          decode_word(w[u][i].y, sg, sg8, a[i][1]);
-          decode_word(w[u][i].z, sg, sg8, a[i][2]);
-          decode_word(w[u][i].w, sg, sg8, a[i][3]);
-        }
-        const unsigned char* base = xs + ((idx + u) % kStages) * STAGE + g * 128;
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const unsigned char* row = base + nt * 8 * 128;  // token row 8 nt + g; (row & 7) == g
-          const uint4 lo = *reinterpret_cast<const uint4*>(row + (((2 * t) ^ g) << 4));
-          const uint4 hi = *reinterpret_cast<const uint4*>(row + (((2 * t + 1) ^ g) << 4));
-          const uint32_t b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int i = 0; i < SW; ++i)
-              mma_bf16(acc[i][nt], a[i][j][0], a[i][j][1], a[i][j][2], a[i][j][3], b[2 * j], b[2 * j + 1]);
-        }
-      }
+        for (int i = 0; i < SW; ++i)
+          mma_bf16(acc[i][nt], a[i][j][0], a[i][j][1], a[i][j][2], a[i][j][3], b[2 * j], b[2 * j + 1]);
     }
-  };
-
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) stage_x(st);
-  int left = n;  // chunks not yet computed
-  int idx = 0;
-  load_batch(wa, sa, left);
-  while (left > 0) {
-    advance();
-    load_batch(wb, sb, left - kU);
-    compute_batch(wa, sa, idx);
-    idx += kU;
-    left -= kU;
-    if (left <= 0) break;
-    advance();
-    load_batch(wa, sa, left - kU);
-    compute_batch(wb, sb, idx);
-    idx += kU;
-    left -= kU;
   }
   cp_async_wait<0>();
   __syncthreads();  // every group done with its stages: shared memory is free for the reduction
@@ -215,11 +188,12 @@ const void* gemm_ptr() {
   return reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW>);
 }
 
-// Compiled variants: NT in {2, 4, 8} n8 token tiles (16, 32, 64 tokens per CTA), SW in {1, 2} strips per warp.
+// Compiled variants: NT in {2, 4, 8} n8 token tiles (16, 32, 64 tokens per CTA) with SW in {1, 2} strips per warp,
+// and NT = 16 (128 tokens) with SW = 1.
 template <int FMT>
 const void* pick_gemm_fmt(int nt, int sw) {
   if (sw == 1) return nt == 2 ? gemm_ptr<FMT, 2, 1>() : nt == 4 ? gemm_ptr<FMT, 4, 1>()
-                    : nt == 8 ? gemm_ptr<FMT, 8, 1>() : nullptr;
+                    : nt == 8 ? gemm_ptr<FMT, 8, 1>() : nt == 16 ? gemm_ptr<FMT, 16, 1>() : nullptr;
   if (sw == 2) return nt == 2 ? gemm_ptr<FMT, 2, 2>() : nt == 4 ? gemm_ptr<FMT, 4, 2>()
                     : nt == 8 ? gemm_ptr<FMT, 8, 2>() : nullptr;
   return nullptr;
@@ -230,7 +204,7 @@ const void* pick_gemm(int fmt, int nt, int sw) {
 }
 
 size_t gemm_smem(int nt, int sw, int r, int ks) {
-  const size_t pipe = (size_t)ks * kStages * 8 * nt * 128;
+  const size_t pipe = (size_t)ks * kStages * stage_bytes(nt, r * sw);
   const size_t red = (size_t)(ks - 1) * r * sw * nt * 32 * 16;
   return pipe > red ? pipe : red;
 }
@@ -246,6 +220,7 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
   const void* fn = qfp4::pick_gemm(fmt, nt, sw);
   if (fn == nullptr || M < 1 || S < 1 || r < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C) return -1;
   const size_t smem = qfp4::gemm_smem(nt, sw, r, ks);
+  if (smem > (size_t)qfp4::kSmemMax) return -1;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
