@@ -154,7 +154,7 @@ def test_gemm_config_validation():
     assert cf.check_gemm_config((8, 2, 8, 1, 7), s=224, c=56) == (8, 2, 8, 1, 7)
     assert cf.gemm_smem_bytes(16, 1, 1, 4) > cf.GEMM_SMEM_MAX >= cf.gemm_smem_bytes(16, 1, 1, 2)
     for bad, why in [((3, 1, 4, 1), "nt in"), ((8, 3, 4, 1), "sw in"), ((8, 1, 4, 4), "r \\* ks <= 8"),
-                     ((8, 1, 0, 1), "r >= 1"), ((8, 1, 1, 9), "ks \\\\* kz <= C"), ((8, 1, 1), "must be"),
+                     ((8, 1, 0, 1), "r >= 1"), ((8, 1, 1, 9), "ks \\* kz <= C"), ((8, 1, 1), "must be"),
                      ((16, 2, 1, 1), "sw 1 for nt 16"), ((16, 1, 1, 4), "shared memory"),
                      ((8, 1, 1, 2, 5), "ks \\* kz <= C"), ((8, 1, 1, 1, 0), "kz >= 1")]:
         with pytest.raises(ValueError, match=why if why != "must be" else "must be \\(nt, sw, r, ks, kz\\)"):
