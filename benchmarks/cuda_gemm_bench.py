@@ -54,20 +54,19 @@ class _env:
 
 
 def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
-    """Candidate (nt, sw, r, ks, kz) for S strips, C chunks, M tokens: the two token-tile widths that suit M, every
-    split of at most 8 warps into r along the strips x ks along K inside the CTA, and split-K over 1-8 CTAs (each
-    K range >= 4 chunks)."""
+    """Candidate (nt, sw, r, ks) for S strips, C chunks, M tokens: the two token-tile widths that suit M, every
+    split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks)."""
     nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8) if m <= 64 else (8, 16)
     out = []
     for nt in nts:
         for sw in cf.GEMM_SW:
-            for r in (2, 4, 8):
-                for ks in (1, 2, 4):
-                    for kz in (1, 2, 4, 8):
-                        if (c // (ks * kz) < 4 or (nt == 16 and sw != 1) or r * ks > cf.GEMM_MAX_WARPS
-                                or cf.gemm_smem_bytes(nt, sw, r, ks) > cf.GEMM_SMEM_MAX):
-                            continue
-                        out.append((nt, sw, r, ks, kz))
+            for r in (1, 2, 4, 8):
+                for ks in (1, 2, 4, 8):
+                    if ((ks > 1 and c // ks < 4) or (sw == 2 and r == 8)
+                            or (nt == 16 and sw != 1) or cf.gemm_smem_bytes(nt, sw, r, ks) > cf.GEMM_SMEM_MAX
+                            or r * ks > cf.GEMM_MAX_WARPS or ks > c):
+                        continue
+                    out.append((nt, sw, r, ks))
     return out
 
 

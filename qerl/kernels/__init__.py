@@ -11,7 +11,7 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    kernel builds (``qerl.kernels.cuda_fp4``; ``QERL_CUDA_GEMV=0`` turns it off): weights
                    re-laid out once into mma fragments (a second copy, same size as the packed weight)
 ``cuda_gemm``      NVFP4/MXFP4, CUDA, BF16 x, M > 16 where the device's tuned table measured it fastest (untuned:
-                   M <= 256; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
+                   M <= 192; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
                    tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
@@ -146,7 +146,7 @@ def _device_info(dev: torch.device) -> tuple[str, int, int]:
 # ----------------------------------------------------------------------------------------- CUDA decode GEMV
 
 CUDA_GEMV_MAX_M = 16
-CUDA_GEMM_DEFAULT_MAX_M = 256  # the CUDA GEMM's range on shapes/devices without a tuned table
+CUDA_GEMM_DEFAULT_MAX_M = 192  # the CUDA GEMM's range on shapes/devices without a tuned table (7B H100 crossover)
 _CUDA_ENCODINGS = {(0, 16): "nvfp4", (1, 32): "mxfp4"}  # (scale kind id, block) -> cuda_fp4's encoding
 _CUDA: dict = {}
 _CUDA_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -229,7 +229,7 @@ extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int,
 extern "C" int qfp4_occupancy(int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
-                         int, int, int, int, int, int, int, float*, int*, int, void*);
+                         int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int*, int*);
 
@@ -262,24 +262,14 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
 }
 
 void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
-          double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks, torch::Tensor ws,
-          torch::Tensor cnt, int64_t kz) {
+          double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
-  float* wsp = nullptr;
-  int* cp = nullptr;
-  if (kz > 1) {
-    TORCH_CHECK(ws.is_cuda() && ws.scalar_type() == at::kFloat && ws.is_contiguous() &&
-                ws.numel() >= kz * M * out.stride(0), "ws must be contiguous fp32 (kz, M, ldo)");
-    TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt, "cnt must be int32 on CUDA");
-    wsp = ws.data_ptr<float>();
-    cp = cnt.data_ptr<int>();
-  }
   const int err = qfp4_gemm(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)nt,
-                            (int)sw, (int)r, (int)ks, wsp, cp, (int)kz,
+                            (int)sw, (int)r, (int)ks,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemm: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
@@ -461,7 +451,7 @@ GEMM_NT = (2, 4, 8, 16)  # n8 token tiles per CTA: 16, 32, 64, 128 tokens (16: o
 GEMM_SW = (1, 2)  # strips of 16 weight rows per warp
 GEMM_MAX_WARPS = 8
 GEMM_STAGES = 4  # csrc/fp4_mma_gemm.cu kStages
-GEMM_SMEM_MAX = 226 * 1024  # opt-in dynamic shared memory per CTA (sm_90: 227 KB, less the kernel's static bytes)
+GEMM_SMEM_MAX = 227 * 1024  # opt-in dynamic shared memory per CTA (sm_90)
 
 
 def gemm_smem_bytes(nt: int, sw: int, r: int, ks: int) -> int:
@@ -479,36 +469,31 @@ def gemm_kernel_attributes(fmt: str, nt: int, sw: int) -> tuple[int, int]:
     return int(r[0]), int(r[1])
 
 
-def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int, int]:
-    """Validate ``(nt, sw, r, ks, kz)`` = (n8 token tiles per CTA, strips per warp, warps per split-K group, split-K
-    groups inside the CTA, split-K over CTAs) for a weight of S strips and C chunks; returns it as a tuple of ints.
-    A 4-tuple means kz = 1."""
+def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
+    """Validate ``(nt, sw, r, ks)`` = (n8 token tiles per CTA, strips per warp, warps per split-K group, split-K
+    groups) for a weight of S strips and C chunks; returns it as a tuple of ints."""
     try:
-        vals = [int(v) for v in config]
-        if len(vals) == 4:
-            vals.append(1)
-        nt, sw, r, ks, kz = vals
+        nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
-        raise ValueError(f"GEMM config must be (nt, sw, r, ks, kz), got {config!r}") from None
-    if (nt not in GEMM_NT or sw not in GEMM_SW or (nt == 16 and sw != 1) or r < 1 or ks < 1 or kz < 1
-            or r * ks > GEMM_MAX_WARPS or ks * kz > c or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
+        raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
+    if (nt not in GEMM_NT or sw not in GEMM_SW or (nt == 16 and sw != 1) or r < 1 or ks < 1
+            or r * ks > GEMM_MAX_WARPS or ks > c or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
         raise ValueError(f"GEMM config {config!r} invalid for S={s} strips, C={c} chunks: nt in {list(GEMM_NT)}, "
-                         f"sw in {list(GEMM_SW)} (sw 1 for nt 16), r >= 1, ks >= 1, kz >= 1, ks * kz <= C, "
-                         f"r * ks <= {GEMM_MAX_WARPS}, shared memory <= {GEMM_SMEM_MAX} B")
-    return nt, sw, r, ks, kz
+                         f"sw in {list(GEMM_SW)} (sw 1 for nt 16), r >= 1, 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, "
+                         f"shared memory <= {GEMM_SMEM_MAX} B")
+    return nt, sw, r, ks
 
 
-def pick_gemm_config(s: int, c: int, m: int, sms: int) -> tuple[int, int, int, int, int]:
-    """Heuristic (nt, sw, r, ks, kz) for S strips, C chunks and M tokens on ``sms`` SMs, used where the tuned table
-    (:func:`tuned_gemm_config`) has no entry: token tiles of 32 (M <= 32) or 64, CTAs of 8 warps x 2 strips (256 weight
-    rows: every token tile read from L2 once per 256 rows; smaller CTAs made that traffic the limit), then split-K over
-    CTAs (kz) until about two CTAs per SM, each keeping >= 4 chunks."""
+def pick_gemm_config(s: int, c: int, m: int, sms: int) -> tuple[int, int, int, int]:
+    """Heuristic (nt, sw, r, ks) for S strips, C chunks and M tokens on ``sms`` SMs, used where the tuned table
+    (:func:`tuned_gemm_config`) has no entry: 64-token tiles from M > 32 (the decode of a weight chunk is shared by
+    NT MMAs), 4 warps along the strips, and split-K inside the CTA until about two CTAs' worth of warps per SM."""
     nt = 2 if m <= 16 else 4 if m <= 32 else 8
     tiles = math.ceil(m / (8 * nt))
-    sw, r = (2, 8) if s >= 32 else (1, max(1, min(8, s)))
+    r, sw = 4, 1
     ctas = tiles * math.ceil(s / (r * sw))
-    kz = max(1, min(c // 4, math.ceil(2 * sms / max(1, ctas))))
-    return nt, sw, r, 1, kz
+    ks = max(1, min(GEMM_MAX_WARPS // r, c, math.ceil(2 * sms / max(1, ctas))))
+    return nt, sw, r, ks
 
 
 def _table_path(device_name: str) -> Path:
@@ -548,11 +533,10 @@ def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tup
 
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
-         config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable; allocates
-    only ``out`` and, for split-K over CTAs, an fp32 scratch of kz x M x N from the caching allocator), on the same
-    re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
-    (nt, sw, r, ks, kz) overrides the tuned table / heuristic."""
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable, no
+    allocation but ``out``), on the same re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many
+    sequences, prefill); ``config`` = (nt, sw, r, ks) overrides the tuned table / heuristic."""
     if not x.is_cuda or not w.qweight.is_cuda:
         raise ValueError("gemm needs CUDA tensors (use emulate() elsewhere)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -572,23 +556,13 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     s, c = w.n // 16, w.k // 64
     if config is None:
         config = _gemm_config(w, m, x.device)
-    nt, sw, r, ks, kz = check_gemm_config(config, s, c)
+    nt, sw, r, ks = check_gemm_config(config, s, c)
     gs = w.global_scale if w.global_scale is not None else w.qweight
-    if kz > 1:
-        from qerl.kernels import _COUNTER_SLOTS, _counters
-        tiles = math.ceil(m / (8 * nt)) * math.ceil(s / (r * sw))
-        if tiles > _COUNTER_SLOTS:
-            raise ValueError(f"gemm: split-K over CTAs with {tiles} tiles exceeds {_COUNTER_SLOTS} counters")
-        ws = torch.empty((kz, m, out.stride(0)), device=x.device, dtype=torch.float32)
-        cnt = _counters(x.device)
-    else:
-        ws = cnt = out
-    _ext().gemm(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword, nt, sw, r, ks,
-                ws, cnt, kz)
+    _ext().gemm(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword, nt, sw, r, ks)
     return out
 
 
-def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, ...]:
+def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     key = ("gemm", idx, w.fmt, w.n, w.k, m)
     cfg = _STATE.get(key)

@@ -16,8 +16,7 @@
 //  * Lane (g, t) of n8 tile nt reads token row 8 nt + g, k = 64 c + 16 t + 0..15: its B registers of the 4 MMA
 //    steps, the same K permutation as the A fragments (see fp4_mma_gemv.cu).
 // Grid: x = token tiles (fastest, so CTAs in flight together share a strip group's weights through L2),
-// y = strip groups of R * SW strips, z = split-K over CTAs (KZ): the CTA's rows R * SW * 16 set how often the tokens
-// are re-read from L2 (the measured limit of small tiles), KZ keeps enough CTAs in flight when the tiles are large.
+// y = strip groups of R * SW strips.
 
 #include "fp4_mma_common.cuh"
 
@@ -25,7 +24,7 @@ namespace qfp4 {
 
 constexpr int kStages = 4;
 constexpr int kGemmMaxWarps = 8;
-constexpr int kSmemMax = 226 * 1024;  // opt-in dynamic shared memory per CTA on sm_90 (227 KB) less static
+constexpr int kSmemMax = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
@@ -47,8 +46,7 @@ template <int FMT, int NT, int SW>
 __global__ void __launch_bounds__(kGemmMaxWarps * 32)
 fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
                 int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                uint32_t bword, int M, int S, int C, int R, int KS, float* __restrict__ ws, int* __restrict__ cnt,
-                int KZ) {
+                uint32_t bword, int M, int S, int C, int R, int KS) {
   constexpr int TM = 8 * NT;
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = TM * 128;            // bytes of one staged chunk of tokens
@@ -59,11 +57,8 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   const int gthreads = R * 32, gtid = threadIdx.x - grp * gthreads;
   const int tok0 = blockIdx.x * TM;
   const int strip0 = (blockIdx.y * R + wr) * SW;
-  // K chunks: CTA z of KZ (grid z) owns [zlo, zhi); group grp of KS owns its share of that (the caller keeps
-  // KS * KZ <= C, so every group has >= 1 chunk)
-  const int zlo = (int)((long long)blockIdx.z * C / KZ), zc = (int)((long long)(blockIdx.z + 1) * C / KZ) - zlo;
-  const int c0 = zlo + (int)((long long)grp * zc / KS), c1 = zlo + (int)((long long)(grp + 1) * zc / KS);
-  const int n = c1 - c0;
+  const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
+  const int n = c1 - c0;  // chunks of this group (>= 1: the caller keeps KS <= C)
   const int SB = stage_bytes(NT, R * SW);
   unsigned char* gs_base = smem + grp * kStages * SB;
   const uint32_t gs_s = static_cast<uint32_t>(__cvta_generic_to_shared(gs_base));
@@ -125,29 +120,18 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
       decode_word(w.z, sg, sg8, a[i][2]);
       decode_word(w.w, sg, sg8, a[i][3]);
     }
-    // B fragments of NB token tiles at a time; the MMAs then go step j outer, tile and strip inner, so consecutive
-    // HMMAs feed NB * SW independent accumulators (tile-by-tile order made chains of 4 dependent HMMAs).
-    constexpr int NB = NT < 4 ? NT : 4;
     const unsigned char* base = sb + g * 128;
 #pragma unroll
-    for (int n0 = 0; n0 < NT; n0 += NB) {
-      uint32_t b[NB][8];
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        const unsigned char* row = base + (n0 + nb) * 8 * 128;  // token row 8 nt + g; (row & 7) == g
-        const uint4 lo = *reinterpret_cast<const uint4*>(row + (((2 * t) ^ g) << 4));
-        const uint4 hi = *reinterpret_cast<const uint4*>(row + (((2 * t + 1) ^ g) << 4));
-        b[nb][0] = lo.x; b[nb][1] = lo.y; b[nb][2] = lo.z; b[nb][3] = lo.w;
-        b[nb][4] = hi.x; b[nb][5] = hi.y; b[nb][6] = hi.z; b[nb][7] = hi.w;
-      }
+    for (int nt = 0; nt < NT; ++nt) {
+      const unsigned char* row = base + nt * 8 * 128;  // token row 8 nt + g; (row & 7) == g
+      const uint4 lo = *reinterpret_cast<const uint4*>(row + (((2 * t) ^ g) << 4));
+      const uint4 hi = *reinterpret_cast<const uint4*>(row + (((2 * t + 1) ^ g) << 4));
+      const uint32_t b[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-          for (int i = 0; i < SW; ++i)
-            mma_bf16(acc[i][n0 + nb], a[i][j][0], a[i][j][1], a[i][j][2], a[i][j][3], b[nb][2 * j],
-                     b[nb][2 * j + 1]);
+        for (int i = 0; i < SW; ++i)
+          mma_bf16(acc[i][nt], a[i][j][0], a[i][j][1], a[i][j][2], a[i][j][3], b[2 * j], b[2 * j + 1]);
     }
   }
   cp_async_wait<0>();
@@ -177,60 +161,6 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
           acc[i][nt][3] += v.w;
         }
     }
-  }
-  if (KZ > 1) {
-    // split-K over CTAs: every CTA stores its fp32 partial tile into ws[z]; the last CTA of the tile to finish
-    // (counter) adds the others' partials to its own and writes the output, then resets the counter to 0 (so the
-    // counters stay zero between launches: CUDA-graph safe, no memset).
-    __shared__ int s_last;
-    const size_t plane = (size_t)M * ldo;
-    float* wz = ws + blockIdx.z * plane;
-#pragma unroll
-    for (int i = 0; i < SW; ++i) {
-      if (strip0 + i >= S) continue;
-      const int n0 = (strip0 + i) * 16;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int tok = tok0 + nt * 8 + 2 * t;
-        if (tok < M) {
-          __stcg(wz + (size_t)tok * ldo + n0 + g, acc[i][nt][0]);
-          __stcg(wz + (size_t)tok * ldo + n0 + g + 8, acc[i][nt][2]);
-        }
-        if (tok + 1 < M) {
-          __stcg(wz + (size_t)(tok + 1) * ldo + n0 + g, acc[i][nt][1]);
-          __stcg(wz + (size_t)(tok + 1) * ldo + n0 + g + 8, acc[i][nt][3]);
-        }
-      }
-    }
-    __threadfence();
-    group_sync(1, gthreads);  // only group 0 is left
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    if (gtid == 0) s_last = atomicAdd(cnt + tile, 1) == KZ - 1;
-    group_sync(1, gthreads);
-    if (!s_last) return;
-    __threadfence();
-    for (int z = 0; z < KZ; ++z) {
-      if (z == (int)blockIdx.z) continue;
-      const float* wo = ws + z * plane;
-#pragma unroll
-      for (int i = 0; i < SW; ++i) {
-        if (strip0 + i >= S) continue;
-        const int n0 = (strip0 + i) * 16;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int tok = tok0 + nt * 8 + 2 * t;
-          if (tok < M) {
-            acc[i][nt][0] += __ldcg(wo + (size_t)tok * ldo + n0 + g);
-            acc[i][nt][2] += __ldcg(wo + (size_t)tok * ldo + n0 + g + 8);
-          }
-          if (tok + 1 < M) {
-            acc[i][nt][1] += __ldcg(wo + (size_t)(tok + 1) * ldo + n0 + g);
-            acc[i][nt][3] += __ldcg(wo + (size_t)(tok + 1) * ldo + n0 + g + 8);
-          }
-        }
-      }
-    }
-    if (gtid == 0) cnt[tile] = 0;
   }
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
@@ -282,17 +212,13 @@ size_t gemm_smem(int nt, int sw, int r, int ks) {
 }  // namespace qfp4
 
 // out (M, N) <- x (M, K) @ W^T for any M >= 1; same weight tensors as qfp4_gemv. nt: n8 token tiles per CTA,
-// sw: strips per warp, r: warps per split-K group, ks: split-K groups inside the CTA (r * ks <= 8), kz: split-K over
-// CTAs (grid z; ks * kz <= C); kz > 1 needs ws (kz, M, ldo) fp32 scratch and cnt: zeroed int counters, one per
-// (token tile, strip group), which the kernel leaves zero.
+// sw: strips per warp, r: warps per split-K group, ks: split-K groups (r * ks <= 8, ks <= C).
 // Returns a cudaError_t (0 = success), -1 = unsupported variant / configuration.
 extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                          float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
-                         float* ws, int* cnt, int kz, void* stream) {
+                         void* stream) {
   const void* fn = qfp4::pick_gemm(fmt, nt, sw);
-  if (fn == nullptr || M < 1 || S < 1 || r < 1 || ks < 1 || kz < 1 || kz > 65535 || r * ks > qfp4::kGemmMaxWarps ||
-      (long long)ks * kz > C || (kz > 1 && (ws == nullptr || cnt == nullptr)))
-    return -1;
+  if (fn == nullptr || M < 1 || S < 1 || r < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C) return -1;
   const size_t smem = qfp4::gemm_smem(nt, sw, r, ks);
   if (smem > (size_t)qfp4::kSmemMax) return -1;
   if (smem > 48 * 1024) {
@@ -300,11 +226,10 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
     if (e != cudaSuccess) return (int)e;
   }
   const int tm = 8 * nt, per = r * sw;
-  const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per), (unsigned)kz);
+  const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per));
   if (grid.y > 65535u) return -1;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&r, (void*)&ks,
-                  (void*)&ws, (void*)&cnt, (void*)&kz};
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&r, (void*)&ks};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(r * ks * 32)), args, smem, (cudaStream_t)stream);
 }
 
