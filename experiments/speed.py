@@ -242,6 +242,26 @@ def curves_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
+    """Rollouts at GRPO batch sizes (32-256 sequences) with the CUDA FP4 GEMM on (``QERL_CUDA_GEMM`` unset) and off
+    (``=0``): ``raw/<run>/rollout_gemm_{auto,0}.csv``. The BF16-LoRA baseline is the ``0`` process's (the ``auto``
+    process measured BF16 first, with warm-up in its first row)."""
+    on, off = _read(root / "raw" / run, "rollout_gemm_auto.csv"), _read(root / "raw" / run, "rollout_gemm_0.csv")
+    if on is None or off is None:
+        return "_not measured_\n"
+    rows = ["| model | sequences | BF16-LoRA tok/s | NVFP4, CUDA GEMM on | × BF16-LoRA | NVFP4, GEMM off (before) | "
+            "× BF16-LoRA |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for (model, batch), g in off.groupby(["model", "batch_size"], sort=True):
+        base = g[g.weights == "BF16"].tokens_per_s
+        q_off = g[g.weights == "NVFP4"].tokens_per_s
+        q_on = on[(on.model == model) & (on.batch_size == batch) & (on.weights == "NVFP4")].tokens_per_s
+        if base.empty or q_off.empty or q_on.empty:
+            continue
+        b, a, o = float(base.iloc[0]), float(q_on.iloc[0]), float(q_off.iloc[0])
+        rows.append(f"| {model} | {batch} | {b:.0f} | {a:.0f} | {a / b:.2f} | {o:.0f} | {o / b:.2f} |")
+    return "\n".join(rows) + "\n"
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
@@ -250,6 +270,7 @@ def render(root: Path) -> str:
     dev = "NVIDIA H100 80GB HBM3" if "H100" in env else "see raw/*/env.json"
     layers = (root / "layers_h100.md").read_text() if (root / "layers_h100.md").exists() else "_no layer table_\n"
     cuda = (root / "cuda_fp4_h100.md").read_text() if (root / "cuda_fp4_h100.md").exists() else "_no CUDA GEMV table_\n"
+    gemm = (root / "cuda_gemm_h100.md").read_text() if (root / "cuda_gemm_h100.md").exists() else "_no CUDA GEMM table_\n"
     md = f"""# Speed and memory (ours beside the paper's)
 
 Device: {dev}, torch 2.11 (CUDA 13), triton 3.6. Shape presets with random weights (exact Qwen2.5-*-Instruct
@@ -293,6 +314,11 @@ effect is within the seed-to-seed sd, differs when the interval excludes 0 (deta
 ## Decoder linears at decode size: the CUDA mma GEMV (`python -m benchmarks.cuda_bench`)
 The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
 {cuda}
+## Decoder linears at GRPO batch sizes (M > 16): the CUDA mma GEMM (`python -m benchmarks.cuda_gemm_bench`)
+Issue 10. The same re-laid-out weights as the GEMV, tokens staged in shared memory; `prev` is the path before it.
+{gemm}
+### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 32,64,128`)
+{batch_rollout_table(root)}
 ## Decoder linears per layer, all M (Triton kernels; `python -m benchmarks.kernel_bench`, before the CUDA GEMV)
 {layers}
 """

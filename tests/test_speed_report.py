@@ -86,3 +86,20 @@ def test_bench_profile_runs_on_cpu(tmp_path):
         assert abs(sum(r["kernel_us"] for r in sub) - sub[0]["kernels_us"]) < 1e-6 * sub[0]["kernels_us"] + 1e-9
     with pytest.raises(ValueError, match="steps must be"):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=50)
+
+
+def test_batch_rollout_table_gemm_on_and_off(tmp_path):
+    """Ratios against the GEMM-off process's BF16-LoRA row (the 'auto' process's BF16 is not used), per batch."""
+    raw = tmp_path / "raw" / "run"
+    raw.mkdir(parents=True)
+    cols = ["model", "weights", "batch_size", "tokens_per_s"]
+    on = [("7B", "BF16", 64, 999.0), ("7B", "NVFP4", 64, 1500.0), ("7B", "NVFP4", 128, 1800.0)]
+    off = [("7B", "BF16", 64, 1000.0), ("7B", "NVFP4", 64, 800.0), ("7B", "BF16", 128, 2000.0),
+           ("7B", "NVFP4", 128, 1400.0), ("7B", "BF16", 256, 3000.0)]
+    pd.DataFrame(on, columns=cols).to_csv(raw / "rollout_gemm_auto.csv", index=False)
+    pd.DataFrame(off, columns=cols).to_csv(raw / "rollout_gemm_0.csv", index=False)
+    rows = speed.batch_rollout_table(tmp_path, "run").splitlines()
+    assert rows[2] == "| 7B | 64 | 1000 | 1500 | 1.50 | 800 | 0.80 |"
+    assert rows[3] == "| 7B | 128 | 2000 | 1800 | 0.90 | 1400 | 0.70 |"
+    assert len(rows) == 4  # batch 256 has no NVFP4 rows: left out
+    assert speed.batch_rollout_table(tmp_path, "missing").startswith("_not measured_")
