@@ -210,6 +210,7 @@ class DistCfg:
 
     backend: str = one_of("auto", "nccl", "gloo")  # auto: nccl on CUDA, gloo on the CPU
     timeout_s: float = num(300.0, **POSITIVE, why="how long a collective waits for a dead or hung rank")
+    fsdp: bool = False  # full fine-tuning: FSDP2 shards gradients and optimizer state over the ranks (qerl.dist)
 
 
 @dataclass(frozen=True)
@@ -439,6 +440,16 @@ def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
                           f"got {cfg.quant.format!r}")
     if cfg.full_finetune and cfg.lora.train_norms:
         raise ConfigError("lora.train_norms needs a LoRA run (full fine-tuning trains every weight anyway)")
+    if cfg.dist.fsdp:
+        if not cfg.full_finetune:
+            raise ConfigError("dist.fsdp=true shards a full fine-tuning run (lora=none); a LoRA run all-reduces only "
+                              "its adapter, which needs no sharding: set dist.fsdp=false")
+        if cfg.optim.name != "adamw":
+            raise ConfigError(f"dist.fsdp=true needs optim.name=adamw (torch's AdamW works on sharded DTensor "
+                              f"parameters; bitsandbytes' 8-bit AdamW does not), got optim.name={cfg.optim.name!r}")
+        if cfg.aqn.enabled:
+            raise ConfigError("dist.fsdp=true with AQN is not supported (AQN perturbs RMSNorm weights that FSDP keeps "
+                              "sharded); AQN is a QeRL (quantized LoRA) technique: set aqn=none")
     if cfg.lora.enabled:
         if cfg.lora.rank < 1 or cfg.lora.alpha <= 0 or not cfg.lora.targets:
             raise ConfigError(f"a LoRA run (lora.enabled=true) needs lora.rank >= 1, lora.alpha > 0 and at least one "

@@ -11,6 +11,20 @@ by its share of the *global* minibatch (tokens or rows), so one update equals th
 global batch. Metrics are reduced from sums and counts over every rank (``all_*``: every rank gets the same value),
 and only rank 0 writes the run directory.
 
+**FSDP2 for full fine-tuning** (``dist.fsdp=true``, with ``lora=none``): when every weight is trained, replicating
+the weights, their gradients and the AdamW moments on every rank (what the all-reduce path does) costs ~16 bytes
+per parameter per GPU. ``shard_model`` applies PyTorch's own FSDP2 (``torch.distributed.fsdp.fully_shard``, per
+decoder layer, then the root), so gradients and optimizer state are sharded over the ranks (each holds 1/W) and the
+backward reduce-scatters the gradients (summed, not averaged: the loss weights are global shares already, as above).
+Rollouts, old/reference log-probs and evaluation run inside ``unsharded(model)``: the full weights are gathered once
+and kept for the whole phase (no collective inside a forward, so ranks may decode different numbers of tokens and
+CUDA graphs / the fused decode are off), then freed before the update. So the peak holds the full BF16 weights once
+per rank plus the sharded training state: FSDP saves the gradients and optimizer moments, not the weights. Every
+update step runs the same number of forward/backward passes on every rank (a rank with fewer rows pads with
+zero-weight passes), which FSDP's collectives need.
+
+    torchrun --nproc_per_node=8 -m qerl.train lora=none quant=bf16 optim.name=adamw dist.fsdp=true ...
+
 The process group gets a timeout (``dist.timeout_s``): a rank that dies or hangs makes the others fail within it
 with an error naming the collective, instead of waiting forever (torchrun then stops the job).
 A one-process run (no ``WORLD_SIZE`` > 1 in the environment) never touches ``torch.distributed``.
@@ -188,6 +202,108 @@ class Dist:
 
 
 _CURRENT = Dist()
+
+
+# ----------------------------------------------------------------------------------------- FSDP2 (full fine-tuning)
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (``model.model.layers``: Llama, Qwen2, the toy model)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or len(layers) == 0:
+        raise UserError(f"dist.fsdp=true shards a model by its decoder layers (model.model.layers); "
+                        f"{type(model).__name__} has none")
+    return list(layers)
+
+
+def shard_model(model: torch.nn.Module, forward_methods: dict | None = None) -> list[torch.nn.Module]:
+    """Apply FSDP2 to ``model`` in place: each decoder layer, then the root (embeddings, final norm, LM head). Every
+    FSDP module reduce-scatters gradient *sums* (divide factor 1, sum-only collectives, as gloo also needs). Returns
+    the FSDP modules, root last. Parameters become DTensors sharded on dim 0 over the default process group.
+
+    ``forward_methods``: name -> function(model, ...) bound to the model under that name and registered as FSDP
+    forward methods (``register_fsdp_forward_method``): code that runs the model other than through ``forward``
+    (e.g. the inner model and then the LM head on chunks) gets the root's unshard and gradient hooks that way."""
+    import types
+
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    mods = []
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+        mods.append(layer)
+    fully_shard(model)
+    mods.append(model)
+    for m in mods:
+        m.set_gradient_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    for name, fn in (forward_methods or {}).items():
+        setattr(model, name, types.MethodType(fn, model))
+        register_fsdp_forward_method(model, name)
+    return mods
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)
+
+
+class unsharded:
+    """``with unsharded(model):`` every FSDP module's full parameters gathered once and kept (no reshard after a
+    forward, so no collective runs inside one); resharded on exit. A no-op for a model that is not sharded."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.mods: list = []
+
+    def __enter__(self):
+        if is_sharded(self.model):
+            from torch.distributed.fsdp import FSDPModule
+            self.mods = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+            self.model.set_reshard_after_forward(False)
+            for m in self.mods:
+                m.unshard()
+        return self.model
+
+    def __exit__(self, *exc):
+        for m in self.mods:
+            m.reshard()
+            m.set_reshard_after_forward(m is not self.model, recurse=False)  # fully_shard's defaults (root: False)
+        self.mods = []
+        return False
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """(model state, optimizer state) as full CPU tensors on rank 0 ({} elsewhere) from an FSDP model; a collective:
+    every rank must call it. The optimizer state is keyed by parameter names (``get_optimizer_state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
+    return msd, osd
+
+
+def load_full_state(model: torch.nn.Module, model_state: dict, optimizer=None, optim_state: dict | None = None) -> None:
+    """Shard full (unsharded) model / optimizer states, present on every rank, into an FSDP model and optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, model_state, options=opts)
+    if optimizer is not None and optim_state is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
 
 
 def current() -> Dist:

@@ -487,16 +487,20 @@ def load_adapter(model: nn.Module, directory: str | Path) -> None:
         raise ValueError(f"no adapter tensors in {directory}")
 
 
-def save_full_model(model: nn.Module, tokenizer, directory: str | Path) -> Path:
+def save_full_model(model: nn.Module, tokenizer, directory: str | Path, state_dict: dict | None = None) -> Path:
     """Write a fully fine-tuned policy as a plain Hugging Face checkpoint (config, safetensors, tokenizer), so that
     ``load_policy(directory, full_finetune=True)`` (and ``AutoModelForCausalLM.from_pretrained``) reads it back.
+    ``state_dict``: the weights to write instead of the model's own (the gathered full state of an FSDP model).
     Written beside and renamed into place: a crash never leaves a half-written model that looks complete."""
     import shutil
 
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if state_dict is not None:
+        model.save_pretrained(tmp, state_dict=state_dict)
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)

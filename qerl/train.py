@@ -114,8 +114,16 @@ def completion_logprobs(policy, ro: Rollout, rows: slice | torch.Tensor, tempera
 
     Left-padded prompt + completion go through the HF forward (with gradient checkpointing if enabled); the
     vocabulary projection runs in chunks of ``chunk_tokens`` positions under activation checkpointing, so the
-    (rows, T, V) logits never exist at once.
+    (rows, T, V) logits never exist at once. Under FSDP (``dist.fsdp``) the same computation runs as the sharded
+    root's registered forward method (``qerl.dist.shard_model``), so its parameters are gathered and its gradients
+    reduce-scattered as in a root forward.
     """
+    if dist.is_sharded(policy):
+        return policy.qerl_completion_logprobs(ro, rows, temperature, with_entropy, chunk_tokens)
+    return _completion_logprobs(policy, ro, rows, temperature, with_entropy, chunk_tokens)
+
+
+def _completion_logprobs(policy, ro: Rollout, rows, temperature: float, with_entropy: bool, chunk_tokens: int):
     pi, pm = ro.prompt_ids[rows], ro.prompt_mask[rows]
     ci, cm = ro.completion_ids[rows], ro.completion_mask[rows]
     ids = torch.cat([pi, ci], 1)                                         # (n, Lp+Tc)
@@ -182,7 +190,8 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
 
 def _open_writer(cfg: TrainConfig, D: dist.Dist, devices: list[str]) -> tuple[RunWriter | None, dict | None]:
     """Rank 0's RunWriter (None elsewhere) and, when the run is already finished, its summary (on every rank)."""
-    extra = {"distributed": {"world_size": D.world, "backend": D.backend, "devices": devices}}
+    extra = {"distributed": {"world_size": D.world, "backend": D.backend, "devices": devices,
+                             "sharding": "fsdp2" if cfg.dist.fsdp else "none"}}
 
     def open_main():
         w = RunWriter(cfg.run_dir, cfg.to_yaml(), cfg.train.keep_checkpoints, env_extra=extra)
@@ -203,6 +212,10 @@ def _open_writer(cfg: TrainConfig, D: dist.Dist, devices: list[str]) -> tuple[Ru
 
 
 def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
+    fsdp = cfg.dist.fsdp
+    if fsdp and not D.enabled:
+        raise UserError("dist.fsdp=true shards the training state over torchrun ranks; launch with "
+                        "`torchrun --nproc_per_node=N -m qerl.train ...` (N >= 2) or set dist.fsdp=false")
     device = device or resolve_device(cfg.device)
     devices = D.all_gather_object(D.describe_device(device))
     writer, finished = _open_writer(cfg, D, devices)
@@ -225,6 +238,10 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = list(trainable_parameters(policy).values())
     D.broadcast_params(params)  # the seeded init is the same on every rank; this makes sure
+    if fsdp:  # full fine-tuning, gradients and optimizer state sharded over the ranks (qerl.dist)
+        dist.shard_model(policy, forward_methods={"qerl_completion_logprobs": _completion_logprobs})
+        params = list(trainable_parameters(policy).values())
+    trained_names = set(trainable_parameters(policy))
     n_updates = cfg.train.steps * cfg.algo.updates_per_rollout
     embeddings = [m.weight for m in policy.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
     opt, sched = build_optimizer(params, cfg, n_updates, keep_32bit=embeddings)
@@ -238,10 +255,24 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
         rewards.get_pool().start(wait=True)  # math-verify workers up before step 1's timer starts
     # per_forward AQN redraws noise in forward pre-hooks, which a CUDA-graph replay would not run: decode eagerly.
     graphs = False if (cfg.aqn.enabled and cfg.aqn.draw == "per_forward") else cfg.rollout.cuda_graphs
-    sampler = Sampler(policy, tok, cfg.data.max_prompt_tokens, graphs)
+    if fsdp:  # decode with the plain step: no CUDA graphs or packed q|k|v views over FSDP-managed parameters
+        graphs = False
+    sampler = Sampler(policy, tok, cfg.data.max_prompt_tokens, graphs, fused=False if fsdp else "auto")
     noise_targets = aqn.find_noise_targets(policy, cfg.aqn.include_final_norm) if cfg.aqn.enabled else None
 
-    if state is not None:
+    if state is not None and fsdp:
+        if not state.get("fsdp"):
+            raise UserError(f"{cfg.run_dir}: its checkpoint was written without dist.fsdp; resume it with the "
+                            f"setting it was started with")
+        dist.load_full_state(policy, state["trainable"], opt, state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        del state
+        if D.main:
+            print(f"[qerl] resuming {cfg.run_dir} from step {start} on {D.world} ranks (FSDP)")
+    elif state is not None:
+        if state.get("fsdp"):
+            raise UserError(f"{cfg.run_dir}: its checkpoint was written with dist.fsdp=true; resume it with "
+                            f"dist.fsdp=true under torchrun")
         with torch.no_grad():
             named = trainable_parameters(policy)
             for k, v in state["trainable"].items():
@@ -277,16 +308,24 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward']:.3f}", tok_s=f"{m['rollout_tokens_per_s']:.0f}",
                             sigma=f"{m['sigma']:.1e}")
-        if ((cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps) and D.main:
-            writer.save_checkpoint(step, {
-                "step": step, "trainable": {k: v.detach().cpu() for k, v in trainable_parameters(policy).items()},
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "data_position": step * stream.batch,
-                "rng": {"torch": torch.get_rng_state()}, "world_size": D.world})
+        if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+            if fsdp:  # a collective: every rank gathers, rank 0 receives the full tensors
+                full, optim_state = dist.full_state(policy, opt)
+                weights = {k: v for k, v in full.items() if k in trained_names}
+            elif D.main:
+                weights = {k: v.detach().cpu() for k, v in trainable_parameters(policy).items()}
+                optim_state = opt.state_dict()
+            if D.main:
+                writer.save_checkpoint(step, {
+                    "step": step, "trainable": weights, "optimizer": optim_state, "scheduler": sched.state_dict(),
+                    "data_position": step * stream.batch, "rng": {"torch": torch.get_rng_state()},
+                    "world_size": D.world, "fsdp": fsdp})
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
             from qerl.evaluate import evaluate_policy
 
             sampler.release()  # evaluation builds its own sampler (eval prompts may be longer than training's)
-            ev = evaluate_policy(policy, tok, cfg)
+            with dist.unsharded(policy):
+                ev = evaluate_policy(policy, tok, cfg)
             if writer is not None:
                 writer.log_eval(step, ev)
     if bar is not None:
@@ -295,11 +334,13 @@ def _run(cfg: TrainConfig, on_step, D: dist.Dist, device) -> dict:
 
     from qerl.evaluate import evaluate_policy
 
-    ev = evaluate_policy(policy, tok, cfg)
+    with dist.unsharded(policy):
+        ev = evaluate_policy(policy, tok, cfg)
+    full = dist.full_state(policy)[0] if fsdp else None  # a collective (every rank); the tensors land on rank 0
     summary = None
     if D.main:
         if cfg.full_finetune:  # every weight was trained: keep them all, so `qerl.evaluate run_dir=...` reloads them
-            save_full_model(policy, tok, cfg.run_dir / "checkpoints" / "final_model")
+            save_full_model(policy, tok, cfg.run_dir / "checkpoints" / "final_model", state_dict=full)
         else:
             save_adapter(policy, cfg.run_dir / "checkpoints" / "final_adapter", cfg.model.source)
         summary = summarize(cfg, writer, ev, time.perf_counter() - t_start, device, D.world)
@@ -371,6 +412,10 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
         out = score(ro.texts, answers)
         return ro, out, torch.tensor(out.total, dtype=torch.float32, device=device)
 
+    fsdp = dist.is_sharded(policy)
+    # FSDP: the full weights stay gathered from the first rollout to the last no-grad log-prob pass (qerl.dist)
+    gathered = contextlib.ExitStack()
+    gathered.enter_context(dist.unsharded(policy))
     all_problems = stream.at(step)
     B = len(all_problems)
     mine = D.shard(B)                                   # this rank's global group indices (all of them on one)
@@ -439,6 +484,7 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
             record.append({"group": g, "id": p.id, "rewards": r[rows].tolist(), "advantages": adv[rows].tolist(),
                            "completions": ro.texts[rows], "truncated": ro.truncated[rows].tolist()})
     if total_rows == 0 or total_tokens == 0:  # nothing to learn from (every group uniform, or all truncated)
+        gathered.close()
         metrics.update(skipped_update=1, time_step_s=_max(D, time.perf_counter() - t0),
                        peak_mem_gib=_max(D, peak_memory_gib(device)))
         return metrics
@@ -457,6 +503,8 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                 with adapters_disabled(policy):
                     refs.append(completion_logprobs(policy, ro, rows, temp, False)[0])
         # a rank may hold no rows of this step (dynamic sampling kept none of its groups)
+    gathered.close()  # FSDP: back to shards before the update's forward/backward passes
+    with torch.no_grad():
         old_logp = torch.cat(olds) if olds else torch.zeros_like(ro.logp)
         train_ent = torch.cat(ents) if ents else torch.zeros_like(ro.logp)
         ref_logp = torch.cat(refs) if refs else None
@@ -487,8 +535,14 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                 mb_tokens = mask[mb].sum().clamp(min=1)
                 mb_rows = mb.numel()
             opt.zero_grad(set_to_none=True)
-            for i in range(0, mb.numel(), micro):
-                rows = mb[i:i + micro]
+            n_micro = -(-mb.numel() // micro)
+            # FSDP: every rank runs as many forward/backward passes as the busiest one (collectives in every pass)
+            passes = int(D.all_max([n_micro])[0]) if fsdp else n_micro
+            for j in range(passes):
+                if j >= n_micro:
+                    _idle_pass(policy, ac, device)
+                    continue
+                rows = mb[j * micro:(j + 1) * micro]
                 with ac:
                     logp, _ = completion_logprobs(policy, ro, rows, temp, False)
                 loss, st = algos.policy_loss(
@@ -501,8 +555,10 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                 weight = (n_tok / mb_tokens) if a.loss_agg == "token_mean" else rows.numel() / mb_rows
                 (loss * weight).backward()
                 loss_stats.append((st, n_tok, weight))
-            t_comm += D.all_reduce_grads(params)  # Σ over ranks of globally weighted losses: the one-process gradient
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm).item()
+            if not fsdp:  # (FSDP reduce-scattered the sums during the backward passes)
+                t_comm += D.all_reduce_grads(params)  # Σ over ranks of globally weighted losses: one-process gradient
+            gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            gn = (gn.full_tensor() if hasattr(gn, "full_tensor") else gn).item()  # FSDP: the norm over all shards
             if math.isfinite(gn):
                 grad_norms.append(gn)
                 opt.step()
@@ -522,6 +578,14 @@ def train_step(cfg, step, policy, tok, sampler, stream, score, noise_targets, op
                    time_reward_s=t_reward, time_logprob_s=t_logprob, time_update_s=t_update,
                    time_comm_s=t_comm, time_step_s=t_step, peak_mem_gib=mem)
     return metrics
+
+
+def _idle_pass(policy, ac, device) -> None:
+    """A forward/backward pass that adds nothing to any gradient (loss 0 on one token): under FSDP a rank with fewer
+    rows than the others runs it so that every rank takes part in the same all-gathers and reduce-scatters."""
+    with ac:
+        out = policy(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device))
+    (out.logits.float().sum() * 0.0).backward()
 
 
 # ------------------------------------------------------------------------------------------------- rank reductions

@@ -73,7 +73,7 @@ def trainable(run: Path) -> dict[str, torch.Tensor]:
     return torch.load(ck / "state.pt", weights_only=False)["trainable"]
 
 
-def assert_equivalent(one: Path, two: Path) -> None:
+def assert_equivalent(one: Path, two: Path, fsdp: bool = False) -> None:
     ma, mb = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [r["step"] for r in ma] == [r["step"] for r in mb]
     assert any(r.get("grad_norm") for r in ma), "no step updated the weights"
@@ -99,17 +99,28 @@ def assert_equivalent(one: Path, two: Path) -> None:
     wa, wb = trainable(one), trainable(two)
     assert wa.keys() == wb.keys()
     moved = 0
+    far = total = 0
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+        if fsdp:  # every weight (~50x the LoRA elements): the near-zero-gradient tail is longer; none beyond 5% of a
+            # step, at most 0.1% of the elements beyond 1%
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+            far += int(((wb[k] - wa[k]).abs() > 1e-5 + 1e-4 * wa[k].abs()).sum())
+            total += wa[k].numel()
+        else:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
         moved += int(not torch.equal(wa[k], torch.zeros_like(wa[k])))
+    assert far <= 1e-3 * total, f"{far} of {total} weights differ by more than 1% of one step"
     assert moved, "no trainable weight moved"
-    # the gradient exchange is timed: nothing to exchange on one rank, a measured time on two
+    # the gradient exchange is timed: nothing to exchange on one rank, a measured time on two (FSDP reduce-scatters
+    # inside the backward: not timed apart, 0)
     assert all(r["time_comm_s"] == 0 for r in ma)
-    assert all(r["time_comm_s"] > 0 for r in mb if r.get("grad_norm") is not None)
-    assert all(r["time_comm_s"] <= r["time_update_s"] for r in mb if r.get("grad_norm") is not None)
+    if not fsdp:
+        assert all(r["time_comm_s"] > 0 for r in mb if r.get("grad_norm") is not None)
+        assert all(r["time_comm_s"] <= r["time_update_s"] for r in mb if r.get("grad_norm") is not None)
     ea = json.loads((one / "env.json").read_text())["distributed"]
     eb = json.loads((two / "env.json").read_text())["distributed"]
     assert (ea["world_size"], eb["world_size"], eb["backend"], len(eb["devices"])) == (1, 2, "gloo", 2)
+    assert (ea["sharding"], eb["sharding"]) == ("none", "fsdp2" if fsdp else "none")
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (one, two))
     assert (sa["world_size"], sb["world_size"]) == (1, 2)
     assert sa["eval"]["toy"]["pass@1"] == sb["eval"]["toy"]["pass@1"]  # eval batches sharded, same samples
@@ -129,6 +140,44 @@ def test_two_ranks_train_like_one_with_the_same_global_batch(tmp_path, case, ext
     if case == "dapo":
         m = read_jsonl(one / "metrics.jsonl")[0]
         assert m["groups_sampled"] > 4, "the refill path was not exercised"
+
+
+FULL = ("lora=none", "quant=bf16")
+
+
+@pytest.mark.parametrize("case,extra", [
+    ("grpo", ()),
+    # DAPO keeps different numbers of groups per rank, micro-batches of 4 rows: ranks with fewer rows run zero-weight
+    # passes to keep FSDP's collectives in step; two minibatches accumulate gradients
+    ("dapo-accum", ("algo=dapo", "algo.max_refills=2", "train.micro_batch=4", "algo.minibatches=2")),
+])
+def test_fsdp_full_finetuning_on_two_ranks_equals_one_process(tmp_path, case, extra):
+    """dist.fsdp=true (FSDP2: gradients and optimizer state sharded) trains every weight like one process does."""
+    one = train(1, tmp_path, f"full-{case}-1", (*FULL, *extra))
+    two = train(2, tmp_path, f"fsdp-{case}-2", (*FULL, *extra, "dist.fsdp=true"))
+    assert_equivalent(one, two, fsdp=True)
+    wa, wb = trainable(one), trainable(two)
+    assert wa.keys() == wb.keys() and any("embed_tokens" in k for k in wb) and len(wb) > 10  # every weight, gathered full, in the checkpoint
+    # the final model (HF safetensors, written from the gathered state) loads and matches the one-process model
+    from safetensors.torch import load_file
+    fa, fb = (load_file(d / "checkpoints" / "final_model" / "model.safetensors") for d in (one, two))
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        torch.testing.assert_close(fb[k].float(), fa[k].float(), rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_fsdp_config_errors(tmp_path):
+    from qerl.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="dist.fsdp=true shards a full fine-tuning run"):
+        load_config(["scale=smoke", "dist.fsdp=true"])
+    with pytest.raises(ConfigError, match="needs optim.name=adamw"):
+        load_config(["scale=smoke", *FULL, "optim.name=adamw8bit", "dist.fsdp=true"])
+    with pytest.raises(ConfigError, match="AQN"):
+        load_config(["scale=smoke", *FULL, "optim.name=adamw", "aqn=paper", "dist.fsdp=true"])
+    # one process: FSDP needs torchrun ranks
+    res = subprocess.run(command(1, tmp_path, "solo", (*FULL, "dist.fsdp=true")), env=env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode != 0 and "dist.fsdp=true shards the training state over torchrun ranks" in res.stderr
 
 
 def _children(pid: int) -> list[int]:
@@ -158,8 +207,10 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
     return None
 
 
-def test_a_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path):
-    extra = ("train.steps=4", "train.save_every=1", "eval.sets=[]", "data.max_new_tokens=24")
+@pytest.mark.parametrize("mode", ["lora", "fsdp"])
+def test_a_killed_rank_fails_the_job_and_the_rerun_resumes(tmp_path, mode):
+    extra = ("train.steps=4", "train.save_every=1", "eval.sets=[]", "data.max_new_tokens=24",
+             *((*FULL, "dist.fsdp=true") if mode == "fsdp" else ()))
     cmd = command(2, tmp_path, "killed", extra)
     run = tmp_path / "dist" / "killed"
     p = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
