@@ -22,7 +22,7 @@
 
 namespace qfp4 {
 
-constexpr int kStages = 4;  // a power of 2 (stage = idx & (kStages - 1))
+constexpr int kStages = 4;
 constexpr int kGemmMaxWarps = 8;
 constexpr int kSmemMax = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
 
@@ -83,46 +83,24 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   // cp.async of chunk idx (relative to c0) into stage idx % kStages: the group's tokens (all its threads), each
   // lane's own weight word per strip, the strip's scale pairs (lanes 0..SL/8-1, 16 bytes each). Always one commit
   // group (maybe empty), so wait_group<kStages - 2> at chunk idx means "chunk idx has landed" for this thread.
-  // The thread's share of a chunk's tokens: 16-byte unit xu of rows xr0, xr0 + xrs, ... (xn rows, the first xv of
-  // them inside M; the rest zero-filled). Everything below is loop-invariant: staging a chunk is pointer increments
-  // (the per-unit index arithmetic, recomputed per chunk, was ~20 instructions per cp.async).
-  const int xu = gtid & 7, xr0 = gtid >> 3, xrs = gthreads >> 3;
-  const int xn = xr0 < TM ? (TM - xr0 + xrs - 1) / xrs : 0;
-  const int xv = tok0 + xr0 < M ? min(xn, (M - tok0 - xr0 + xrs - 1) / xrs) : 0;
-  const size_t xstep = (size_t)xrs * ldx;
-  const __nv_bfloat16* xsrc = x + (size_t)min(tok0 + xr0, M - 1) * ldx + 8 * xu + 64 * (size_t)c0;
-  const uint32_t xdst = xr0 * 128;
-  const uint32_t wdst = my_w + lane * 16, sdst = my_s + lane * 16;
-  const uint16_t* sq_lane[SW];
-#pragma unroll
-  for (int i = 0; i < SW; ++i) sq_lane[i] = sq[i] + lane * 8;
-
-  // cp.async of the next chunk (they are staged in order 0, 1, 2, ...) into stage idx % kStages: the group's tokens
-  // (all its threads), each lane's own weight word per strip, the strip's scale pairs (lanes 0..SL/8-1, 16 bytes
-  // each). Always one commit group (maybe empty), so wait_group<kStages - 2> at chunk idx means "chunk idx has
-  // landed" for this thread.
   auto stage = [&](int idx) {
     if (idx < n) {
-      const uint32_t dst = gs_s + (idx & (kStages - 1)) * SB;
-      const __nv_bfloat16* src = xsrc;
-      uint32_t d = dst + xdst;
-      for (int j = 0; j < xn; ++j) {
-        const int r = xr0 + j * xrs;
-        cp_async16(d + ((xu ^ (r & 7)) << 4), src, j < xv);
-        src += xstep;
-        d += xrs * 128;
+      const uint32_t dst = gs_s + (idx % kStages) * SB;
+      const __nv_bfloat16* src = x + 64 * (size_t)(c0 + idx);
+      for (int e = gtid; e < TM * 8; e += gthreads) {
+        const int r = e >> 3, u = e & 7;
+        const bool v = tok0 + r < M;
+        cp_async16(dst + r * 128 + ((u ^ (r & 7)) << 4), src + (size_t)(v ? tok0 + r : 0) * ldx + 8 * u, v);
       }
-      xsrc += 64;
 #pragma unroll
       for (int i = 0; i < SW; ++i) {
-        cp_async16(dst + wdst + i * 512, wq[i], true);
-        if (lane < SL / 8) cp_async16(dst + sdst + i * 64, sq_lane[i], true);
-        wq[i] += 32;
-        sq_lane[i] += SL;
+        cp_async16(dst + my_w + i * 512 + lane * 16, wq[i] + (size_t)idx * 32, true);
+        if (lane < SL / 8) cp_async16(dst + my_s + i * 64 + lane * 16, sq[i] + (size_t)idx * SL + lane * 8, true);
       }
     }
     cp_async_commit();
   };
+
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) stage(st);
   for (int idx = 0; idx < n; ++idx) {
