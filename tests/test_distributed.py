@@ -436,3 +436,23 @@ def test_two_gpus_train_with_nccl(tmp_path):
     assert all(r["time_comm_s"] > 0 for r in mb if r.get("grad_norm") is not None)
     e = json.loads((two / "env.json").read_text())["distributed"]
     assert (e["world_size"], e["backend"]) == (2, "nccl") and len(e["devices"]) == 2
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_two_gpus_fsdp_full_finetuning_with_nccl(tmp_path):
+    """dist.fsdp=true on 2 GPUs (NCCL): the full fine-tuning smoke run finishes like the 1-GPU one (same steps and
+    metric names), records its sharding, and writes a full final model that loads (its tensors the unsharded
+    shapes of the one-GPU model's)."""
+    extra = ("device=cuda", *FULL)
+    one = train(1, tmp_path, "gpu-full-1", extra)
+    two = train(2, tmp_path, "gpu-fsdp-2", (*extra, "dist.fsdp=true"))
+    ma, mb = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == [1, 2]
+    assert set(ma[0]) == set(mb[0])
+    e = json.loads((two / "env.json").read_text())["distributed"]
+    assert (e["world_size"], e["backend"], e["sharding"]) == (2, "nccl", "fsdp2")
+    from safetensors.torch import load_file
+    fa, fb = (load_file(d / "checkpoints" / "final_model" / "model.safetensors") for d in (one, two))
+    assert {k: v.shape for k, v in fa.items()} == {k: v.shape for k, v in fb.items()}
+    assert all(torch.isfinite(v.float()).all() for v in fb.values())
