@@ -288,8 +288,14 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd = get_model_state_dict(model, options=opts)
-    osd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
-    return msd, osd
+    if optimizer is None:
+        return msd, None
+    if not optimizer.state:
+        # No update yet (e.g. step 1 had nothing to learn from): get_optimizer_state_dict would first run torch's
+        # zero-gradient initialising step(), which AdamW counts — every later update would get the wrong bias
+        # correction. An optimizer without state is its own state_dict: hyperparameters only.
+        return msd, optimizer.state_dict()
+    return msd, get_optimizer_state_dict(model, optimizer, options=opts)
 
 
 def load_full_state(model: torch.nn.Module, model_state: dict, optimizer=None, optim_state: dict | None = None) -> None:
@@ -302,8 +308,15 @@ def load_full_state(model: torch.nn.Module, model_state: dict, optimizer=None, o
 
     opts = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=opts)
-    if optimizer is not None and optim_state is not None:
-        set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
+    if optimizer is None or optim_state is None:
+        return
+    if not optim_state.get("state"):
+        # saved before the first update (see full_state): restore the hyperparameters only; set_optimizer_state_dict
+        # would run the zero-gradient initialising step() and leave AdamW's step count at 1
+        for group, saved in zip(optimizer.param_groups, optim_state["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return
+    set_optimizer_state_dict(model, optimizer, optim_state, options=opts)
 
 
 def current() -> Dist:
