@@ -62,9 +62,11 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
         for sw in cf.GEMM_SW:
             for r in (1, 2, 4, 8):
                 for ks in (1, 2, 4, 8):
-                    if ((ks > 1 and c // ks < 4) or (sw == 2 and r == 8)
-                            or (nt == 16 and sw != 1) or cf.gemm_smem_bytes(nt, sw, r, ks) > cf.GEMM_SMEM_MAX
-                            or r * ks > cf.GEMM_MAX_WARPS or ks > c):
+                    if (ks > 1 and c // ks < 4) or not cf.gemm_variant_ok(nt, sw, r):
+                        continue
+                    try:
+                        cf.check_gemm_config((nt, sw, r, ks), s, c)
+                    except ValueError:
                         continue
                     out.append((nt, sw, r, ks))
     return out
@@ -182,11 +184,10 @@ def markdown(rows: list[dict], header: str) -> str:
 
 def _header(name: str, argv) -> str:
     import triton
-    attrs = {(f, nt, sw): cf.gemm_kernel_attributes(f, nt, sw) for f in cf.FORMATS for nt in cf.GEMM_NT
-             for sw in cf.GEMM_SW if nt != 16 or sw == 1}
+    attrs = {(f, *v): cf.gemm_kernel_attributes(f, *v) for f in cf.FORMATS for v in cf.gemm_variants()}
     return (f"## CUDA FP4 GEMM (M > 16) vs BF16 cuBLAS and the previous FP4 path: {name}\n\n"
             f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}. "
-            f"Registers/local bytes per (fmt, n8 tiles, strips per warp): {attrs}. Per linear: median over CUDA-graph "
+            f"Registers/local bytes per (fmt, n8 tiles, strips per warp, warps per group): {attrs}. Per linear: median over CUDA-graph "
             f"replays over rotating weight copies (>= 160 MB). Command: `python -m benchmarks.cuda_gemm_bench "
             f"{' '.join(sys.argv[1:] if argv is None else argv)}`")
 

@@ -145,21 +145,32 @@ def rank_table(root: Path) -> str:
 
 
 def step_table(root: Path) -> str:
+    """End-to-end GRPO steps (Table 3 beside ours): one row per (model, completions, groups, micro-batch, GC)
+    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration."""
     d = _read(root, "step.csv")
     if d is None:
         return "_no step.csv_\n"
     t3 = pd.read_csv(PAPER_DIR / "table3.csv")
-    lines = ["| model | batch | GC | method | status | ours s/step | rollout s | log-prob s | update s | peak GB | "
-             "ours ×LoRA | paper ×LoRA (Table 3) | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (model, batch, gc), g in d.groupby(["model", "batch_size", "gc"], sort=False):
+    for col in ("group_size", "micro_batch"):  # rows from before these columns: one group, whole-batch micro-batches
+        d[col] = d[col].fillna(d["batch_size"]) if col in d else d["batch_size"]
+    if "new_tokens" not in d:
+        d["new_tokens"] = float("nan")
+    lines = ["| model | completions (prompts × G) | micro | new tokens | GC | method | status | ours s/step | rollout s | "
+             "log-prob s | update s | peak GB | ours ×LoRA | paper ×LoRA (Table 3) | run (sha) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ["model", "batch_size", "group_size", "micro_batch", "new_tokens", "gc"]
+    for (model, batch, group, micro, new, gc), g in d.groupby(keys, sort=False, dropna=False):
         base = g[(g.method == "LoRA") & (g.status == "ok")]["step_s"]
+        one_group = group == batch
         for _, r in g.iterrows():
-            pp = t3[(t3.model == model) & (t3.batch_size == batch) & (t3.method == r["method"])]
+            # Table 3 is one prompt per step (batch = G): compare only that configuration
+            pp = t3[(t3.model == model) & (t3.batch_size == batch) & (t3.method == r["method"])] if one_group else t3[:0]
             pv = pp["e2e_speedup_vs_bf16_lora"].iloc[0] if len(pp) else None
             ok = r["status"] == "ok"
             st = "ok" if ok else str(r["status"]).split(".")[0][:40]
             lines.append(
-                f"| {model} | {int(batch)} | {'on' if gc else 'off'} | {r['method']} | {st} | "
+                f"| {model} | {int(batch)} ({int(batch // group)} × {int(group)}) | {int(micro)} | "
+                f"{int(new) if new == new else '—'} | {'on' if gc else 'off'} | {r['method']} | {st} | "
                 f"{_fmt(r['step_s']) if ok else '—'} | {_fmt(r['rollout_s']) if ok else '—'} | "
                 f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
                 f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "

@@ -60,7 +60,8 @@ def _free() -> None:
 
 
 #: The columns that identify a row of a benchmark CSV (a new row replaces an old one with the same values).
-IDENT = ("bench", "model", "weights", "batch_size", "lora_rank", "gc", "prompt_len", "new_tokens", "decode")
+IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch", "lora_rank", "gc", "prompt_len",
+         "new_tokens", "decode")
 SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
                  "new_tokens")
 
@@ -175,8 +176,11 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
 
 
 def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, device, out_root: Path,
-               sink=None) -> list[dict]:
-    """End-to-end GRPO steps (rollout + log-probs + update) through qerl.train on a shape preset (Table 3)."""
+               sink=None, group: int | None = None, micro: int | None = None) -> list[dict]:
+    """End-to-end GRPO steps (rollout + log-probs + update) through qerl.train on a shape preset (Table 3).
+    ``batch`` completions per step in groups of ``group`` (default: one group of ``batch``, as Table 3), ``micro``
+    completions per forward/backward (default: the whole batch). The first step (CUDA-graph capture, autotuning)
+    is left out of the means when there are more."""
     from qerl.config import load_config
     from qerl.results import read_jsonl
     from qerl.train import run
@@ -185,11 +189,15 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
     for m in models:
         for f in formats:
             for b in batches:
+                g_, mb = group or b, micro or b
+                if b % g_:
+                    raise ValueError(f"step: batch {b} is not a whole number of groups of {g_}")
                 for use_gc in gcs:
                     _free()
-                    name = f"{m}-{f}-b{b}-{'gc' if use_gc else 'nogc'}"
+                    name = f"{m}-{f}-b{b}" + (f"-g{g_}-mb{mb}" if (g_, mb) != (b, b) else "") + \
+                        f"-{'gc' if use_gc else 'nogc'}"
                     over = ["model=tiny" if m == "tiny" else f"model=preset-{m}", f"quant={f}", "lora=r32", "algo=grpo", "algo.ppo_epochs=1", "algo.mask_truncated=false",
-                            f"algo.group_size={b}", f"train.batch_size={b}", f"train.micro_batch={b}",
+                            f"algo.group_size={g_}", f"train.batch_size={b}", f"train.micro_batch={mb}",
                             f"train.steps={steps}", "train.save_every=0", "train.progress=false",
                             f"train.gradient_checkpointing={str(use_gc).lower()}", "data=toy",
                             f"data.max_new_tokens={new_tokens}", f"data.max_prompt_tokens={prompt_len}",
@@ -207,11 +215,12 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
                     def mean(k, keep=keep):
                         return sum(r.get(k, 0.0) for r in keep) / len(keep) if keep else None
                     rows.append(dict(bench="step", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
-                                     batch_size=b, gc=use_gc, prompt_len="toy task (~60 tokens)",
-                                     new_tokens=new_tokens,
+                                     batch_size=b, group_size=g_, micro_batch=mb, gc=use_gc,
+                                     prompt_len="toy task (~60 tokens)", new_tokens=new_tokens,
                                      steps=len(metrics), step_s=mean("time_step_s"), rollout_s=mean("time_rollout_s"),
                                      logprob_s=mean("time_logprob_s"), update_s=mean("time_update_s"),
                                      rollout_tokens_per_s=mean("rollout_tokens_per_s"),
+                                     rollout_tokens=mean("rollout_tokens"),
                                      peak_mem_gb=max((r.get("peak_mem_gib", 0) for r in metrics), default=None),
                                      wall_s=time.perf_counter() - t0, status=status, **_env()))
                     print(rows[-1], flush=True)
@@ -422,8 +431,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--nproc", default="1,2", help="scaling: world sizes (GPUs, or CPU ranks with --device cpu)")
-    p.add_argument("--group", type=int, default=8, help="scaling: completions per prompt (GRPO group size)")
-    p.add_argument("--micro", type=int, default=8, help="scaling: completions per forward/backward")
+    p.add_argument("--group", type=int, default=None,
+                   help="scaling/step: completions per prompt (GRPO group size; scaling default 8, step: the batch)")
+    p.add_argument("--micro", type=int, default=None,
+                   help="scaling/step: completions per forward/backward (scaling default 8, step: the batch)")
     p.add_argument("--decode", default="fused", help="rollout: fused,unfused (the sampler's decode step)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
@@ -465,11 +476,12 @@ def main(argv=None) -> None:
         if len(batches) != 1 or any(n < 1 for n in nprocs):
             p.error(f"scaling: one --batch (the global batch) and world sizes >= 1; got --batch {a.batch} "
                     f"--nproc {a.nproc}")
-        bench_scaling(models, fmts, nprocs, batches[0], a.group, a.micro, a.gc == "on", a.steps, a.prompt, a.new,
+        bench_scaling(models, fmts, nprocs, batches[0], a.group or 8, a.micro or 8, a.gc == "on", a.steps, a.prompt, a.new,
                       a.device, out / "runs", lambda row: _write_csv([row], out / "scaling.csv", SCALING_IDENT))
     else:
         gcs = {"on": [True], "off": [False], "both": [False, True]}[a.gc]
-        bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs", sink("step.csv"))
+        bench_step(models, fmts, batches, gcs, a.steps, a.prompt, a.new, a.device, out / "runs", sink("step.csv"),
+                   group=a.group, micro=a.micro)
     (out / "env.json").write_text(json.dumps(environment(), indent=1, default=str))
 
 

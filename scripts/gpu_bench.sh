@@ -6,6 +6,10 @@
 #   scripts/gpu_bench.sh step    E2E GRPO step 7B (4 formats, batch 8, GC on/off) + 32B NVFP4/BF16 step (GC)
 #   scripts/gpu_bench.sh large   rollout 14B/32B (4 formats, batch 8/2)
 #   scripts/gpu_bench.sh small   rollout 3B (4 formats) + LoRA-rank sweep 7B (Table 9)
+#   scripts/gpu_bench.sh gemm    issue 10: CUDA GEMM tests, tuning sweep (installs the tuned table into the tree and
+#                                $OUT), layer table, 7B rollouts at 16-256 sequences (NVFP4, BF16; 16 = warm-up)
+#   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
+#                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -33,5 +37,14 @@ large)
 small)
   $B rollout --models 3b --formats nvfp4,bf16,mxfp4,nf4 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
   $B rollout --models 7b --formats nvfp4,bf16 --batch 2 --ranks 16,64 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
+gemm)
+  python3 -m pytest -q -m gpu tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
+  python3 -m benchmarks.cuda_gemm_bench --out "$OUT" --write-table 2>&1 | grep -v Warn >> "$LOG"
+  $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 --out "$OUT" 2>&1 \
+    | grep -v Warn >> "$LOG" ;;
+grpo)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \
+    --steps 2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG" ;;
 esac
 tail -40 "$LOG"

@@ -151,10 +151,11 @@ def test_pick_config_one_wave():
 
 def test_gemm_config_validation():
     assert cf.check_gemm_config((8, 1, 4, 2), s=224, c=56) == (8, 1, 4, 2)
-    assert cf.gemm_smem_bytes(16, 1, 1, 4) > cf.GEMM_SMEM_MAX >= cf.gemm_smem_bytes(16, 1, 1, 2)
+    assert cf.gemm_smem_bytes(16, 1, 2, 4) > cf.GEMM_SMEM_MAX >= cf.gemm_smem_bytes(16, 1, 2, 2)
     for bad, why in [((3, 1, 4, 1), "nt in"), ((8, 3, 4, 1), "sw in"), ((8, 1, 4, 4), "r \\* ks <= 8"),
-                     ((8, 1, 0, 1), "r >= 1"), ((8, 1, 1, 9), "ks <= C"), ((8, 1, 1), "must be"),
-                     ((16, 2, 1, 1), "sw 1 for nt 16"), ((16, 1, 1, 4), "shared memory")]:
+                     ((8, 1, 0, 1), "r in"), ((8, 1, 3, 1), "r in"), ((8, 1, 1, 9), "ks <= C"), ((8, 1, 1), "must be"),
+                     ((16, 2, 2, 1), "nt 16: sw 1 and r >= 2"), ((16, 1, 1, 2), "nt 16: sw 1 and r >= 2"),
+                     ((8, 2, 8, 1), "sw 2: r <= 4"), ((16, 1, 2, 4), "shared memory")]:
         with pytest.raises(ValueError, match=why if why != "must be" else "must be \\(nt, sw, r, ks\\)"):
             cf.check_gemm_config(bad, s=224, c=8)
     w = _prep("nvfp4", _quant("nvfp4", 32, 128, seed=1))
@@ -320,10 +321,9 @@ def test_gpu_gemm_every_config_and_layout(fmt):
     q = _quant(fmt, n, k, seed=6, device="cuda")
     w = _prep(fmt, q)
     g = torch.Generator(device="cuda").manual_seed(2)
-    cfgs = [(nt, sw, r, ks) for nt in cf.GEMM_NT for sw in cf.GEMM_SW for r in (1, 2, 3, 4, 8)
-            for ks in (1, 2, 3, 5, 8) if r * ks <= cf.GEMM_MAX_WARPS and (nt != 16 or sw == 1)
-            and cf.gemm_smem_bytes(nt, sw, r, ks) <= cf.GEMM_SMEM_MAX]
-    assert len(cfgs) > 60 and any(c[0] == 16 and c[3] > 1 for c in cfgs)
+    cfgs = [(nt, sw, r, ks) for nt, sw, r in cf.gemm_variants() for ks in (1, 2, 3, 5, 8)
+            if r * ks <= cf.GEMM_MAX_WARPS and cf.gemm_smem_bytes(nt, sw, r, ks) <= cf.GEMM_SMEM_MAX]
+    assert len(cfgs) > 50 and any(c[0] == 16 and c[3] > 1 for c in cfgs) and any(c[2] == 1 for c in cfgs)
     for m in (1, 17, 40, 129):
         xb = torch.randn(m, k + 8, device="cuda", generator=g).bfloat16()
         for x in (xb[:, :k], xb[:, 8:k + 8], xb[:, 4:k + 4]):  # strided rows; misaligned start (copied)

@@ -103,3 +103,33 @@ def test_batch_rollout_table_gemm_on_and_off(tmp_path):
     assert rows[3] == "| 7B | 128 | 2000 | 1800 | 0.90 | 1400 | 0.70 |"
     assert len(rows) == 4  # batch 256 has no NVFP4 rows: left out
     assert speed.batch_rollout_table(tmp_path, "missing").startswith("_not measured_")
+
+
+def test_bench_step_groups_and_micro_batches_on_cpu(tmp_path):
+    """`qerl.bench step --group --micro` (issue 10's realistic GRPO step: prompts × G completions, micro-batches)
+    runs the configured groups through qerl.train, and the step table names the configuration per row."""
+    import yaml
+
+    from qerl import bench
+
+    rows = bench.bench_step(["tiny"], ["nvfp4", "bf16"], [8], [True], 2, 64, 8, "cpu", tmp_path / "runs",
+                            group=4, micro=4)
+    assert [(r["status"], r["group_size"], r["micro_batch"], r["steps"]) for r in rows] == [("ok", 4, 4, 2)] * 2
+    run = tmp_path / "runs" / "step" / "tiny-nvfp4-b8-g4-mb4-gc"
+    cfg = yaml.safe_load((run / "config.yaml").read_text())  # 8 completions = 2 prompts x G 4, micro-batches of 4
+    assert (cfg["algo"]["group_size"], cfg["train"]["batch_size"], cfg["train"]["micro_batch"]) == (4, 8, 4)
+    assert all(r["step_s"] > 0 and r["rollout_tokens"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="not a whole number of groups"):
+        bench.bench_step(["tiny"], ["nvfp4"], [8], [True], 1, 64, 8, "cpu", tmp_path / "runs", group=3)
+    out = tmp_path / "res"
+    out.mkdir()
+    bench._write_csv([dict(r, run="r1") for r in rows], out / "step.csv")
+    old = dict(rows[0], group_size="", micro_batch="", batch_size=8, run="r0")  # a row from before the columns
+    bench._write_csv([old], out / "step.csv")
+    lines = [ln for ln in speed.step_table(out).splitlines() if ln.startswith("| tiny")]
+    assert len(lines) == 3, lines
+    assert any("| 8 (2 × 4) | 4 | 8 | on | QeRL | ok |" in ln for ln in lines)
+    assert any("| 8 (1 × 8) | 8 | 8 | on | QeRL | ok |" in ln for ln in lines)  # the old row: one group
+    nv = next(ln for ln in lines if "(2 × 4)" in ln and "QeRL" in ln)
+    ratio = float(nv.split("|")[13])
+    assert ratio == pytest.approx(rows[1]["step_s"] / rows[0]["step_s"], abs=0.006)  # LoRA's s/step over QeRL's

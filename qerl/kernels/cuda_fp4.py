@@ -231,7 +231,7 @@ extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
                          int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
-extern "C" int qfp4_gemm_attributes(int, int, int, int*, int*);
+extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 
 static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
                            const torch::Tensor& out) {
@@ -279,9 +279,9 @@ int64_t gemm_occupancy(int64_t fmt, int64_t nt, int64_t sw, int64_t r, int64_t k
   return qfp4_gemm_occupancy((int)fmt, (int)nt, (int)sw, (int)r, (int)ks);
 }
 
-std::vector<int64_t> gemm_attributes(int64_t fmt, int64_t nt, int64_t sw) {
+std::vector<int64_t> gemm_attributes(int64_t fmt, int64_t nt, int64_t sw, int64_t r) {
   int regs = -1, local = -1;
-  qfp4_gemm_attributes((int)fmt, (int)nt, (int)sw, &regs, &local);
+  qfp4_gemm_attributes((int)fmt, (int)nt, (int)sw, (int)r, &regs, &local);
   return {regs, local};
 }
 
@@ -449,6 +449,7 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
 
 GEMM_NT = (2, 4, 8, 16)  # n8 token tiles per CTA: 16, 32, 64, 128 tokens (16: one strip per warp only)
 GEMM_SW = (1, 2)  # strips of 16 weight rows per warp
+GEMM_R = (1, 2, 4, 8)  # warps per split-K group (a template parameter of the kernel: the staging plan is static)
 GEMM_MAX_WARPS = 8
 GEMM_STAGES = 4  # csrc/fp4_mma_gemm.cu kStages
 GEMM_SMEM_MAX = 227 * 1024  # opt-in dynamic shared memory per CTA (sm_90)
@@ -462,11 +463,26 @@ def gemm_smem_bytes(nt: int, sw: int, r: int, ks: int) -> int:
 _GEMM_TABLE_DIR = Path(__file__).with_name("tuned")
 
 
-def gemm_kernel_attributes(fmt: str, nt: int, sw: int) -> tuple[int, int]:
-    """(registers, local-memory bytes) per thread of the GEMM variant (n8 token tiles, strips per warp)."""
+def gemm_variant_ok(nt: int, sw: int, r: int) -> bool:
+    """Whether the kernel is compiled for (n8 token tiles, strips per warp, warps per split-K group): nt in GEMM_NT,
+    sw in GEMM_SW, r in GEMM_R; nt 16 only with sw 1 and r >= 2; sw 2 only with r <= 4 (csrc/fp4_mma_gemm.cu)."""
+    return (nt in GEMM_NT and sw in GEMM_SW and r in GEMM_R and not (nt == 16 and (sw != 1 or r < 2))
+            and not (sw == 2 and r > 4))
+
+
+def gemm_variants() -> list[tuple[int, int, int]]:
+    """Every compiled (nt, sw, r)."""
+    return [(nt, sw, r) for nt in GEMM_NT for sw in GEMM_SW for r in GEMM_R if gemm_variant_ok(nt, sw, r)]
+
+
+def gemm_kernel_attributes(fmt: str, nt: int, sw: int, r: int = 4) -> tuple[int, int]:
+    """(registers, local-memory bytes) per thread of the GEMM variant (n8 token tiles, strips per warp, warps per
+    split-K group)."""
     _check_fmt(fmt)
-    r = _ext().gemm_attributes(0 if fmt == "nvfp4" else 1, nt, sw)
-    return int(r[0]), int(r[1])
+    if not gemm_variant_ok(nt, sw, r):
+        raise ValueError(f"no GEMM variant (nt={nt}, sw={sw}, r={r}); compiled: {gemm_variants()}")
+    a = _ext().gemm_attributes(0 if fmt == "nvfp4" else 1, nt, sw, r)
+    return int(a[0]), int(a[1])
 
 
 def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
@@ -476,11 +492,11 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
-    if (nt not in GEMM_NT or sw not in GEMM_SW or (nt == 16 and sw != 1) or r < 1 or ks < 1
-            or r * ks > GEMM_MAX_WARPS or ks > c or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
+    if (not gemm_variant_ok(nt, sw, r) or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c
+            or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
         raise ValueError(f"GEMM config {config!r} invalid for S={s} strips, C={c} chunks: nt in {list(GEMM_NT)}, "
-                         f"sw in {list(GEMM_SW)} (sw 1 for nt 16), r >= 1, 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, "
-                         f"shared memory <= {GEMM_SMEM_MAX} B")
+                         f"sw in {list(GEMM_SW)}, r in {list(GEMM_R)} (nt 16: sw 1 and r >= 2; sw 2: r <= 4), "
+                         f"1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, shared memory <= {GEMM_SMEM_MAX} B")
     return nt, sw, r, ks
 
 
@@ -544,6 +560,9 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     m, k = x.shape
     if m < 1:
         raise ValueError(f"gemm needs M >= 1 rows, got M={m}")
+    if m * max(x.stride(0), k) >= 2 ** 32:
+        raise ValueError(f"gemm addresses token rows with 32-bit offsets: M * row stride must be < 2^32, got "
+                         f"{m} * {max(x.stride(0), k)}")
     if k != w.k:
         raise ValueError(f"gemm: x has K={k}, the weight is {(w.n, w.k)}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -576,4 +595,5 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
 
 __all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
-           "tuned_gemm_config", "load_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes"]
+           "tuned_gemm_config", "load_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
+           "gemm_variants"]

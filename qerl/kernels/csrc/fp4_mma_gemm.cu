@@ -7,8 +7,9 @@
 // the K chunks (split-K inside the CTA, partial sums reduced through shared memory at the end: one launch, no
 // workspace, CUDA-graph capturable).
 //  * Tokens: chunk by chunk (TM tokens x 64 k, bf16) into shared memory by a kStages-deep cp.async pipeline per
-//    group (one stage: tokens, then the group's weight words and scale pairs, ``stage_bytes``); 16-byte unit u of token row r is stored at unit u ^ (r & 7), so a quarter warp's 128-bit fragment reads
-//    (rows g, g+1; units 2t, 2t+1) hit 8 distinct units: no bank conflicts. Rows >= M are zero-filled.
+//    group (one stage: tokens, then the group's weight words and scale pairs, ``stage_bytes``); 16-byte unit u of
+//    token row r is stored at unit u ^ (r & 7), so a quarter warp's 128-bit fragment reads (rows g, g+1; units 2t,
+//    2t+1) hit 8 distinct units: no bank conflicts. Rows >= M hold copies of row M - 1 (their outputs are dropped).
 //  * Weights and scales go through the same pipeline (each lane copies its own 16-byte word per strip; 64 bytes of
 //    scale pairs per strip), so kStages - 1 chunks of weights, scales and tokens are in flight per group; a chunk's
 //    weights are decoded once into the 16 A registers of its 4 MMA steps and reused by NT MMAs each: the decode cost
@@ -22,7 +23,7 @@
 
 namespace qfp4 {
 
-constexpr int kStages = 4;
+constexpr int kStages = 4;  // a power of 2 (stage of chunk idx = idx & (kStages - 1))
 constexpr int kGemmMaxWarps = 8;
 constexpr int kSmemMax = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
 
@@ -42,24 +43,28 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
 // weight words (512 B) and its scale pairs (64 B: 32 for NVFP4, 16 used for MXFP4).
 __host__ __device__ constexpr int stage_bytes(int nt, int strips) { return 8 * nt * 128 + strips * (512 + 64); }
 
-template <int FMT, int NT, int SW>
+template <int FMT, int NT, int SW, int R>
 __global__ void __launch_bounds__(kGemmMaxWarps * 32)
 fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
                 int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                uint32_t bword, int M, int S, int C, int R, int KS) {
+                uint32_t bword, int M, int S, int C, int KS) {
   constexpr int TM = 8 * NT;
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = TM * 128;            // bytes of one staged chunk of tokens
+  constexpr int GT = R * 32;              // threads of one split-K group
+  constexpr int UNITS = TM * 8;           // 16-byte token units per chunk
+  constexpr int UPT = (UNITS + GT - 1) / GT;  // token units per thread and chunk
+  constexpr int RPP = GT / 8;             // token rows per pass of the group
+  constexpr int SB = stage_bytes(NT, R * SW);
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int grp = warp / R, wr = warp - grp * R;
-  const int gthreads = R * 32, gtid = threadIdx.x - grp * gthreads;
+  const int gtid = threadIdx.x - grp * GT;
   const int tok0 = blockIdx.x * TM;
   const int strip0 = (blockIdx.y * R + wr) * SW;
   const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
   const int n = c1 - c0;  // chunks of this group (>= 1: the caller keeps KS <= C)
-  const int SB = stage_bytes(NT, R * SW);
   unsigned char* gs_base = smem + grp * kStages * SB;
   const uint32_t gs_s = static_cast<uint32_t>(__cvta_generic_to_shared(gs_base));
   const int my_w = XB + (wr * SW) * 512;            // this warp's weight words inside a stage
@@ -71,31 +76,46 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
 
+  // The staging plan (R is a template parameter, so every trip count is known): the thread copies 16-byte unit xu
+  // of token rows xr, xr + RPP, ... (UPT of them) of every chunk through its own source pointers, advanced by one
+  // chunk per stage; the weights, the lane's own 16-byte word per strip, the scales, lanes 0..SL/8-1. Pointers are
+  // loop-carried on purpose: ptxas re-derives loop-invariant index arithmetic inside the loop (rematerialization),
+  // which made the first version issue-bound at ~20 instructions per cp.async. Rows >= M copy row M - 1 instead:
+  // they only feed the accumulator columns of tokens >= M, which are never stored (no predicate, no zero-fill).
+  const int xu = gtid & 7, xr = gtid >> 3;
+  const bool xact = UNITS % GT == 0 || xr < TM;  // false only for threads past the tile (UNITS < GT)
+  const __nv_bfloat16* xp[UPT];
+#pragma unroll
+  for (int j = 0; j < UPT; ++j)
+    xp[j] = x + (size_t)min(tok0 + xr + j * RPP, M - 1) * ldx + 8 * xu + 64 * (size_t)c0;
   const uint4* wq[SW];
   const uint16_t* sq[SW];
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
     const int st = max(0, min(strip0 + i, S - 1));  // strips past S compute garbage that is never stored
     wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
-    sq[i] = sc + ((size_t)st * C + c0) * SL;
+    sq[i] = sc + ((size_t)st * C + c0) * SL + lane * 8;
   }
 
-  // cp.async of chunk idx (relative to c0) into stage idx % kStages: the group's tokens (all its threads), each
-  // lane's own weight word per strip, the strip's scale pairs (lanes 0..SL/8-1, 16 bytes each). Always one commit
-  // group (maybe empty), so wait_group<kStages - 2> at chunk idx means "chunk idx has landed" for this thread.
+  // cp.async of the next chunk (staged in order 0, 1, 2, ...) into stage idx % kStages. Always one commit group
+  // (maybe empty), so wait_group<kStages - 2> at chunk idx means "chunk idx has landed" for this thread.
   auto stage = [&](int idx) {
     if (idx < n) {
-      const uint32_t dst = gs_s + (idx % kStages) * SB;
-      const __nv_bfloat16* src = x + 64 * (size_t)(c0 + idx);
-      for (int e = gtid; e < TM * 8; e += gthreads) {
-        const int r = e >> 3, u = e & 7;
-        const bool v = tok0 + r < M;
-        cp_async16(dst + r * 128 + ((u ^ (r & 7)) << 4), src + (size_t)(v ? tok0 + r : 0) * ldx + 8 * u, v);
+      const uint32_t dst = gs_s + (idx & (kStages - 1)) * SB;
+      if (xact) {
+#pragma unroll
+        for (int j = 0; j < UPT; ++j) {
+          const int row = xr + j * RPP;  // (row & 7) == (xr & 7) unless RPP == 4 (R = 1)
+          cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xp[j], true);
+          xp[j] += 64;
+        }
       }
 #pragma unroll
       for (int i = 0; i < SW; ++i) {
-        cp_async16(dst + my_w + i * 512 + lane * 16, wq[i] + (size_t)idx * 32, true);
-        if (lane < SL / 8) cp_async16(dst + my_s + i * 64 + lane * 16, sq[i] + (size_t)idx * SL + lane * 8, true);
+        cp_async16(dst + my_w + i * 512 + lane * 16, wq[i], true);
+        if (lane < SL / 8) cp_async16(dst + my_s + i * 64 + lane * 16, sq[i], true);
+        wq[i] += 32;
+        sq[i] += SL;
       }
     }
     cp_async_commit();
@@ -105,9 +125,9 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   for (int st = 0; st < kStages - 1; ++st) stage(st);
   for (int idx = 0; idx < n; ++idx) {
     cp_async_wait<kStages - 2>();
-    group_sync(1 + grp, gthreads);  // chunk idx visible to the group; stage (idx - 1) % kStages free again
+    group_sync(1 + grp, GT);  // chunk idx visible to the group; stage (idx - 1) % kStages free again
     stage(idx + kStages - 1);
-    const unsigned char* sb = gs_base + (idx % kStages) * SB;
+    const unsigned char* sb = gs_base + (idx & (kStages - 1)) * SB;
     uint32_t a[SW][4][4];
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
@@ -183,24 +203,39 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   }
 }
 
-template <int FMT, int NT, int SW>
+template <int FMT, int NT, int SW, int R>
 const void* gemm_ptr() {
-  return reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW>);
+  return reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW, R>);
+}
+
+template <int FMT, int NT, int SW>
+const void* pick_gemm_r(int r) {
+  if constexpr (NT == 16) {  // 128 tokens: at least 2 warps per group (a lone warp would stage 32 units per chunk)
+    return r == 2 ? gemm_ptr<FMT, NT, SW, 2>() : r == 4 ? gemm_ptr<FMT, NT, SW, 4>()
+         : r == 8 ? gemm_ptr<FMT, NT, SW, 8>() : nullptr;
+  } else if constexpr (SW == 2) {  // 2 strips per warp: at most 4 warps per group
+    return r == 1 ? gemm_ptr<FMT, NT, SW, 1>() : r == 2 ? gemm_ptr<FMT, NT, SW, 2>()
+         : r == 4 ? gemm_ptr<FMT, NT, SW, 4>() : nullptr;
+  } else {
+    return r == 1 ? gemm_ptr<FMT, NT, SW, 1>() : r == 2 ? gemm_ptr<FMT, NT, SW, 2>()
+         : r == 4 ? gemm_ptr<FMT, NT, SW, 4>() : r == 8 ? gemm_ptr<FMT, NT, SW, 8>() : nullptr;
+  }
 }
 
 // Compiled variants: NT in {2, 4, 8} n8 token tiles (16, 32, 64 tokens per CTA) with SW in {1, 2} strips per warp,
-// and NT = 16 (128 tokens) with SW = 1.
+// and NT = 16 (128 tokens) with SW = 1; R (warps per split-K group) in {1, 2, 4, 8}, but 2-4 for NT = 16 and 1-4
+// for SW = 2.
 template <int FMT>
-const void* pick_gemm_fmt(int nt, int sw) {
-  if (sw == 1) return nt == 2 ? gemm_ptr<FMT, 2, 1>() : nt == 4 ? gemm_ptr<FMT, 4, 1>()
-                    : nt == 8 ? gemm_ptr<FMT, 8, 1>() : nt == 16 ? gemm_ptr<FMT, 16, 1>() : nullptr;
-  if (sw == 2) return nt == 2 ? gemm_ptr<FMT, 2, 2>() : nt == 4 ? gemm_ptr<FMT, 4, 2>()
-                    : nt == 8 ? gemm_ptr<FMT, 8, 2>() : nullptr;
+const void* pick_gemm_fmt(int nt, int sw, int r) {
+  if (sw == 1) return nt == 2 ? pick_gemm_r<FMT, 2, 1>(r) : nt == 4 ? pick_gemm_r<FMT, 4, 1>(r)
+                    : nt == 8 ? pick_gemm_r<FMT, 8, 1>(r) : nt == 16 ? pick_gemm_r<FMT, 16, 1>(r) : nullptr;
+  if (sw == 2) return nt == 2 ? pick_gemm_r<FMT, 2, 2>(r) : nt == 4 ? pick_gemm_r<FMT, 4, 2>(r)
+                    : nt == 8 ? pick_gemm_r<FMT, 8, 2>(r) : nullptr;
   return nullptr;
 }
 
-const void* pick_gemm(int fmt, int nt, int sw) {
-  return fmt == 0 ? pick_gemm_fmt<0>(nt, sw) : fmt == 1 ? pick_gemm_fmt<1>(nt, sw) : nullptr;
+const void* pick_gemm(int fmt, int nt, int sw, int r) {
+  return fmt == 0 ? pick_gemm_fmt<0>(nt, sw, r) : fmt == 1 ? pick_gemm_fmt<1>(nt, sw, r) : nullptr;
 }
 
 size_t gemm_smem(int nt, int sw, int r, int ks) {
@@ -217,8 +252,11 @@ size_t gemm_smem(int nt, int sw, int r, int ks) {
 extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                          float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
                          void* stream) {
-  const void* fn = qfp4::pick_gemm(fmt, nt, sw);
-  if (fn == nullptr || M < 1 || S < 1 || r < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C) return -1;
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw, r);
+  // token rows are addressed by 32-bit element offsets (M * ldx < 2^32)
+  if (fn == nullptr || M < 1 || S < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C ||
+      (unsigned long long)M * (unsigned long long)ldx >= (1ull << 32))
+    return -1;
   const size_t smem = qfp4::gemm_smem(nt, sw, r, ks);
   if (smem > (size_t)qfp4::kSmemMax) return -1;
   if (smem > 48 * 1024) {
@@ -229,13 +267,13 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
   const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per));
   if (grid.y > 65535u) return -1;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&r, (void*)&ks};
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ks};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(r * ks * 32)), args, smem, (cudaStream_t)stream);
 }
 
 // Max resident CTAs per SM of one GEMM variant and launch shape (-1: unsupported).
 extern "C" int qfp4_gemm_occupancy(int fmt, int nt, int sw, int r, int ks) {
-  const void* fn = qfp4::pick_gemm(fmt, nt, sw);
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw, r);
   if (fn == nullptr) return -1;
   const size_t smem = qfp4::gemm_smem(nt, sw, r, ks);
   if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))
@@ -246,8 +284,8 @@ extern "C" int qfp4_gemm_occupancy(int fmt, int nt, int sw, int r, int ks) {
 }
 
 // Registers and local-memory bytes per thread of one GEMM variant (-1 on error).
-extern "C" int qfp4_gemm_attributes(int fmt, int nt, int sw, int* regs, int* local_bytes) {
-  const void* fn = qfp4::pick_gemm(fmt, nt, sw);
+extern "C" int qfp4_gemm_attributes(int fmt, int nt, int sw, int r, int* regs, int* local_bytes) {
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw, r);
   cudaFuncAttributes a;
   if (fn == nullptr || cudaFuncGetAttributes(&a, fn)) return -1;
   *regs = a.numRegs;
