@@ -4,7 +4,8 @@ replaces (issue 10: FP4 faster than BF16 at the batch sizes RL runs).
     python -m benchmarks.cuda_gemm_bench --out results/speed [--models 7b] [--m 24,32,...] [--sweep-m 24,...]
                                          [--write-table]
 
-1. **Sweep** (per format, decoder-linear shape and M in ``--sweep-m``): every launch configuration (nt, sw, r, ks) of
+1. **Sweep** (per format, decoder-linear shape -- the 7 linears and the fused q|k|v and gate|up of the sampler's
+   decode step -- and M in ``--sweep-m``): every launch configuration (nt, sw, r, ks) of
    the kernel is checked against the emulator once and timed; the best is kept with ``wins`` = faster than the FP4
    path the dispatcher would take without it (``QERL_CUDA_GEMM=0``: Triton GEMM or dequantize + cuBLAS).
    ``--write-table`` installs the result as ``qerl/kernels/tuned/cuda_gemm_<device>.json`` (what the dispatcher
@@ -87,8 +88,11 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def sweep(models, fmts, ms, rep_ms) -> tuple[list[dict], list[dict]]:
     rows, table = [], []
     for mdl in models:
-        lins = bench.layer_linears(mdl)
-        shapes = list(dict.fromkeys((n, k) for _, n, k in lins))
+        h, inter, nh, nkv, hd = bench.MODELS[mdl]
+        # the layer's linears, and the fused q|k|v and gate|up projections the sampler's decode step runs as one
+        # matmul each (qerl.fastdecode): rollouts dispatch on those shapes
+        shapes = list(dict.fromkeys([(n, k) for _, n, k in bench.layer_linears(mdl)]
+                                    + [((nh + 2 * nkv) * hd, h), (2 * inter, h)]))
         for fmt in fmts:
             for i, (n, k) in enumerate(shapes):
                 wts = bench._Weights(fmt, n, k, seed=2000 + i)

@@ -9,7 +9,7 @@
 //  * Tokens: chunk by chunk (TM tokens x 64 k, bf16) into shared memory by a kStages-deep cp.async pipeline per
 //    group (one stage: tokens, then the group's weight words and scale pairs, ``stage_bytes``); 16-byte unit u of
 //    token row r is stored at unit u ^ (r & 7), so a quarter warp's 128-bit fragment reads (rows g, g+1; units 2t,
-//    2t+1) hit 8 distinct units: no bank conflicts. Rows >= M hold copies of row M - 1 (their outputs are dropped).
+//    2t+1) hit 8 distinct units: no bank conflicts. Rows >= M are zero-filled.
 //  * Weights and scales go through the same pipeline (each lane copies its own 16-byte word per strip; 64 bytes of
 //    scale pairs per strip), so kStages - 1 chunks of weights, scales and tokens are in flight per group; a chunk's
 //    weights are decoded once into the 16 A registers of its 4 MMA steps and reused by NT MMAs each: the decode cost
@@ -77,17 +77,18 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
     for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
 
   // The staging plan (R is a template parameter, so every trip count is known): the thread copies 16-byte unit xu
-  // of token rows xr, xr + RPP, ... (UPT of them) of every chunk through its own source pointers, advanced by one
-  // chunk per stage; the weights, the lane's own 16-byte word per strip, the scales, lanes 0..SL/8-1. Pointers are
-  // loop-carried on purpose: ptxas re-derives loop-invariant index arithmetic inside the loop (rematerialization),
-  // which made the first version issue-bound at ~20 instructions per cp.async. Rows >= M copy row M - 1 instead:
-  // they only feed the accumulator columns of tokens >= M, which are never stored (no predicate, no zero-fill).
+  // of token rows xr, xr + RPP, ... (UPT of them) of every chunk, from one loop-carried source pointer advanced by one
+  // chunk per stage (row j at a fixed stride from it); the weights, the lane's own 16-byte word per strip, the
+  // scales, lanes 0..SL/8-1, also through loop-carried pointers. ptxas re-derives loop-invariant index arithmetic
+  // inside the loop (rematerialization), which made the first version issue-bound at ~20 instructions per
+  // cp.async. Rows >= M are zero-filled (src-size 0: nothing is read, the address may lie past the tensor);
+  // copying a real row instead (row M - 1 for all of them) was measured 25% slower at M = 48 (many CTAs hitting one
+  // L2 line at once).
   const int xu = gtid & 7, xr = gtid >> 3;
   const bool xact = UNITS % GT == 0 || xr < TM;  // false only for threads past the tile (UNITS < GT)
-  const __nv_bfloat16* xp[UPT];
-#pragma unroll
-  for (int j = 0; j < UPT; ++j)
-    xp[j] = x + (size_t)min(tok0 + xr + j * RPP, M - 1) * ldx + 8 * xu + 64 * (size_t)c0;
+  const int xval = M - tok0 - xr;                // unit j is a real row iff j * RPP < xval
+  const __nv_bfloat16* xb = x + (size_t)(tok0 + xr) * ldx + 8 * xu + 64 * (size_t)c0;
+  const size_t xstride = (size_t)RPP * ldx;      // elements between a thread's rows
   const uint4* wq[SW];
   const uint16_t* sq[SW];
 #pragma unroll
@@ -106,9 +107,9 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #pragma unroll
         for (int j = 0; j < UPT; ++j) {
           const int row = xr + j * RPP;  // (row & 7) == (xr & 7) unless RPP == 4 (R = 1)
-          cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xp[j], true);
-          xp[j] += 64;
+          cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xb + j * xstride, j * RPP < xval);
         }
+        xb += 64;
       }
 #pragma unroll
       for (int i = 0; i < SW; ++i) {
