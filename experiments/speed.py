@@ -254,12 +254,29 @@ def curves_table(root: Path) -> str:
 
 
 def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
-    """Rollouts at GRPO batch sizes (32-256 sequences) with the CUDA FP4 GEMM on (``QERL_CUDA_GEMM`` unset) and off
-    (``=0``): ``raw/<run>/rollout_gemm_{auto,0}.csv``. The BF16-LoRA baseline is the ``0`` process's (the ``auto``
-    process measured BF16 first, with warm-up in its first row)."""
+    """Rollouts at GRPO batch sizes (32-256 sequences) from ``raw/<run>/``. Two layouts: a session that ran the
+    sampler with the CUDA FP4 GEMM on (``QERL_CUDA_GEMM`` unset) and off (``=0``) as ``rollout_gemm_{auto,0}.csv``
+    (the BF16-LoRA baseline is the ``0`` process's: the ``auto`` process measured BF16 first, with warm-up in its
+    first row), or one ``rollout.csv`` with the dispatcher as committed, one process per format, whose smallest
+    batch (16) is the warm-up and is left out."""
     on, off = _read(root / "raw" / run, "rollout_gemm_auto.csv"), _read(root / "raw" / run, "rollout_gemm_0.csv")
     if on is None or off is None:
-        return "_not measured_\n"
+        one = _read(root / "raw" / run, "rollout.csv")
+        if one is None:
+            return "_not measured_\n"
+        rows = ["| model | sequences | BF16-LoRA tok/s | NVFP4 tok/s | × BF16-LoRA | MXFP4 tok/s | × BF16-LoRA |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for (model, batch), g in one[one.batch_size >= 32].groupby(["model", "batch_size"], sort=True):
+            base = g[g.weights == "BF16"].tokens_per_s
+            if base.empty:
+                continue
+            b = float(base.iloc[0])
+            cells = []
+            for w in ("NVFP4", "MXFP4"):
+                q = g[g.weights == w].tokens_per_s
+                cells += [f"{float(q.iloc[0]):.0f}", f"{float(q.iloc[0]) / b:.2f}"] if len(q) else ["—", "—"]
+            rows.append(f"| {model} | {batch} | {b:.0f} | " + " | ".join(cells) + " |")
+        return "\n".join(rows) + "\n"
     rows = ["| model | sequences | BF16-LoRA tok/s | NVFP4, CUDA GEMM on | × BF16-LoRA | NVFP4, GEMM off (before) | "
             "× BF16-LoRA |", "|---|---:|---:|---:|---:|---:|---:|"]
     for (model, batch), g in off.groupby(["model", "batch_size"], sort=True):
@@ -328,7 +345,10 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
 ## Decoder linears at GRPO batch sizes (M > 16): the CUDA mma GEMM (`python -m benchmarks.cuda_gemm_bench`)
 Issue 10. The same re-laid-out weights as the GEMV, tokens staged in shared memory; `prev` is the path before it.
 {gemm}
-### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 32,64,128`)
+### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
+Now (session 20, GEMM g6 with the fused q|k|v and gate|up shapes tuned; `raw/h100_s20_g6/`, one run):
+{batch_rollout_table(root, "h100_s20_g6")}
+Before (session 19, GEMM g2, untuned fused shapes; `raw/h100_s19_rollout/`):
 {batch_rollout_table(root)}
 ## Decoder linears per layer, all M (Triton kernels; `python -m benchmarks.kernel_bench`, before the CUDA GEMV)
 {layers}

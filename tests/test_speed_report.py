@@ -133,3 +133,17 @@ def test_bench_step_groups_and_micro_batches_on_cpu(tmp_path):
     nv = next(ln for ln in lines if "(2 × 4)" in ln and "QeRL" in ln)
     ratio = float(nv.split("|")[13])
     assert ratio == pytest.approx(rows[1]["step_s"] / rows[0]["step_s"], abs=0.006)  # LoRA's s/step over QeRL's
+
+
+def test_batch_rollout_table_one_process_per_format(tmp_path):
+    """A session's single rollout.csv (dispatcher as committed): ratios against its own BF16-LoRA row per batch,
+    the warm-up batch (16) left out, a missing format shown as —."""
+    raw = tmp_path / "raw" / "s"
+    raw.mkdir(parents=True)
+    rows = [("7B", "BF16", 16, 900.0), ("7B", "NVFP4", 16, 100.0), ("7B", "BF16", 64, 1000.0),
+            ("7B", "NVFP4", 64, 1250.0), ("7B", "MXFP4", 64, 1500.0), ("7B", "BF16", 128, 2000.0),
+            ("7B", "NVFP4", 128, 1900.0)]
+    pd.DataFrame(rows, columns=["model", "weights", "batch_size", "tokens_per_s"]).to_csv(raw / "rollout.csv",
+                                                                                          index=False)
+    lines = speed.batch_rollout_table(tmp_path, "s").splitlines()
+    assert lines[2:] == ["| 7B | 64 | 1000 | 1250 | 1.25 | 1500 | 1.50 |", "| 7B | 128 | 2000 | 1900 | 0.95 | — | — |"]
