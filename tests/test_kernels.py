@@ -404,3 +404,14 @@ def test_gpu_nf4_bitsandbytes_and_dtypes():
 
 if __name__ == "__main__":
     _interpreter_main()
+
+
+def test_sliced_rows_only_while_slices_save_bytes():
+    """Row slices of dequantize + cuBLAS re-read x once per extra slice; they are kept only while that costs fewer
+    bytes than writing and reading the whole dequantized weight (issue 10: GRPO micro-batches of ~17 K rows)."""
+    from qerl import kernels as qk
+
+    assert qk.sliced_rows(2048, 2048, 3584) == 2048  # 1 extra slice x 2048 rows < 2 x 3584
+    assert qk.sliced_rows(2048, 17000, 3584) == 0  # 1 extra x 17000 > 7168: one dequantize, one GEMM
+    assert qk.sliced_rows(2048, 2048, 37888) == 2048 and qk.sliced_rows(2048, 17000, 37888) == 0  # 18 extra
+    assert qk.sliced_rows(0, 64, 3584) == 0 and qk.sliced_rows(4096, 64, 3584) == 0  # none / one slice holds all
