@@ -146,7 +146,8 @@ def rank_table(root: Path) -> str:
 
 def step_table(root: Path) -> str:
     """End-to-end GRPO steps (Table 3 beside ours): one row per (model, completions, groups, micro-batch, GC)
-    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration."""
+    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration († when that
+    LoRA row comes from another run)."""
     d = _read(root, "step.csv")
     if d is None:
         return "_no step.csv_\n"
@@ -160,7 +161,9 @@ def step_table(root: Path) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = ["model", "batch_size", "group_size", "micro_batch", "new_tokens", "gc"]
     for (model, batch, group, micro, new, gc), g in d.groupby(keys, sort=False, dropna=False):
-        base = g[(g.method == "LoRA") & (g.status == "ok")]["step_s"]
+        base_rows = g[(g.method == "LoRA") & (g.status == "ok")]
+        base = base_rows["step_s"]
+        base_run = str(base_rows["run"].iloc[0]) if len(base_rows) and "run" in base_rows else ""
         one_group = group == batch
         for _, r in g.iterrows():
             # Table 3 is one prompt per step (batch = G): compare only that configuration
@@ -174,7 +177,9 @@ def step_table(root: Path) -> str:
                 f"{_fmt(r['step_s']) if ok else '—'} | {_fmt(r['rollout_s']) if ok else '—'} | "
                 f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
                 f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "
-                f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'} | {_fmt(pv) if pv == pv else '—'} | "
+                f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'}"
+                f"{'†' if ok and len(base) and str(r.get('run', '')) != base_run else ''} | "
+                f"{_fmt(pv) if pv == pv else '—'} | "
                 f"{r.get('run', '')} ({r.get('git_sha', '') if r.get('git_sha', '') == r.get('git_sha', '') else ''}) |")
     return "\n".join(lines) + "\n"
 

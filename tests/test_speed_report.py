@@ -133,6 +133,9 @@ def test_bench_step_groups_and_micro_batches_on_cpu(tmp_path):
     nv = next(ln for ln in lines if "(2 × 4)" in ln and "QeRL" in ln)
     ratio = float(nv.split("|")[13])
     assert ratio == pytest.approx(rows[1]["step_s"] / rows[0]["step_s"], abs=0.006)  # LoRA's s/step over QeRL's
+    bench._write_csv([dict(rows[0], weights="MXFP4", method="MXFP4-LoRA", run="r2")], out / "step.csv")
+    mx = next(ln for ln in speed.step_table(out).splitlines() if "MXFP4-LoRA" in ln)
+    assert mx.split("|")[13].strip().endswith("†") and not nv.split("|")[13].strip().endswith("†")  # other run
 
 
 def test_batch_rollout_table_one_process_per_format(tmp_path):
