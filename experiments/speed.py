@@ -351,8 +351,9 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
 Issue 10. The same re-laid-out weights as the GEMV, tokens staged in shared memory; `prev` is the path before it.
 {gemm}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 20, GEMM g6 with the fused q|k|v and gate|up shapes tuned; `raw/h100_s20_g6/`, one run):
-{batch_rollout_table(root, "h100_s20_g6")}
+Now (session 20, GEMM g6 with the fused q|k|v and gate|up shapes tuned, commit 45292f0; `raw/h100_s20_rollout3/`, one
+run; the first such run, `raw/h100_s20_g6/`, NVFP4 and BF16 only, gave 1.42× / 1.17× / 0.95× / 0.80×):
+{batch_rollout_table(root, "h100_s20_rollout3")}
 Before (session 19, GEMM g2, untuned fused shapes; `raw/h100_s19_rollout/`):
 {batch_rollout_table(root)}
 ## Decoder linears per layer, all M (Triton kernels; `python -m benchmarks.kernel_bench`, before the CUDA GEMV)
