@@ -227,12 +227,7 @@ def main(argv=None) -> None:
         with open(os.path.join(a.out, f"cuda_gemm_table_{tag}.json"), "w") as fh:
             fh.write(text)
         if a.write_table:
-            path = cf._table_path(name)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            cf._STATE.pop(("table", name), None)
-            for key in [key for key in cf._STATE if isinstance(key, tuple) and key and key[0] == "gemm"]:
-                cf._STATE.pop(key)
+            path = cf.install_gemm_table(name, text)
             print(f"[cuda_gemm_bench] installed {path}", flush=True)
     rows = layer_table(models, fmts, [int(v) for v in a.m.split(",")], a.rep)
     with open(os.path.join(a.out, f"cuda_gemm_{tag}.csv"), "w", newline="") as fh:

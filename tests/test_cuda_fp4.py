@@ -190,6 +190,10 @@ def test_tuned_gemm_table(tmp_path, monkeypatch):
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 4096, name) == ((8, 1, 2, 1), False)  # above all: largest
         assert cf.tuned_gemm_config("mxfp4", 3584, 3584, 64, name) is None
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 64, "other GPU") is None
+        # installing a new table replaces the cached one at once
+        entries[1]["config"] = [4, 2, 2, 4]
+        cf.install_gemm_table(name, json.dumps({"device": "x", "entries": entries}))
+        assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 17, name) == ((4, 2, 2, 4), True)
     finally:
         cf._STATE.pop(("table", name), None)
 

@@ -414,6 +414,34 @@ def _config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int,
     return cfg
 
 
+def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None):
+    """The checked (x, out) of ``gemv`` (M in [1, 16]) or ``gemm`` (M >= 1, rows addressed by 32-bit offsets): x
+    2-D bf16 on CUDA with w's K, copied when its rows are not 16-byte aligned; out bf16 (M, N) with unit stride along
+    N, allocated when None."""
+    if not x.is_cuda or not w.qweight.is_cuda:
+        raise ValueError(f"{op} needs CUDA tensors (use emulate() elsewhere)")
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a 2-D bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if op == "gemv" and not 1 <= m <= 16:
+        raise ValueError(f"gemv handles M in [1, 16] rows, got M={m}")
+    if op == "gemm" and m < 1:
+        raise ValueError(f"gemm needs M >= 1 rows, got M={m}")
+    if op == "gemm" and m * max(x.stride(0), k) >= 2 ** 32:
+        raise ValueError(f"gemm addresses token rows with 32-bit offsets: M * row stride must be < 2^32, got "
+                         f"{m} * {max(x.stride(0), k)}")
+    if k != w.k:
+        raise ValueError(f"{op}: x has K={k}, the weight is {(w.n, w.k)}")
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
+    elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    return x, out
+
+
 def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for M <= 16 on the current CUDA stream (graph capturable).
@@ -422,22 +450,8 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     ``pdl``: programmatic dependent launch; the CTAs start during the previous kernel's tail and wait for it
     (griddepcontrol.wait) before reading (measured: ~5 µs less per 7B layer of consecutive GEMVs at M = 1).
     """
-    if not x.is_cuda or not w.qweight.is_cuda:
-        raise ValueError("gemv needs CUDA tensors (use emulate() elsewhere)")
-    if x.dtype != torch.bfloat16 or x.dim() != 2:
-        raise ValueError(f"gemv: x must be a 2-D bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
-    m, k = x.shape
-    if not 1 <= m <= 16:
-        raise ValueError(f"gemv handles M in [1, 16] rows, got M={m}")
-    if k != w.k:
-        raise ValueError(f"gemv: x has K={k}, the weight is {(w.n, w.k)}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
-    if out is None:
-        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
-    elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"gemv: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    x, out = _operands("gemv", x, w, out)
+    m = x.shape[0]
     splits, per, unroll, sw = config if config is not None else _config(w, m, x.device)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     _ext().gemv(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword,
@@ -536,6 +550,18 @@ def load_gemm_table(device_name: str) -> dict:
     return table
 
 
+def install_gemm_table(device_name: str, text: str) -> Path:
+    """Write a tuned GEMM table (the JSON ``benchmarks.cuda_gemm_bench --write-table`` makes) as the device's table
+    and forget this process's cached table and per-shape choices, so the next call dispatches by it."""
+    path = _table_path(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    _STATE.pop(("table", device_name), None)
+    for key in [k for k in _STATE if isinstance(k, tuple) and k and k[0] == "gemm"]:
+        _STATE.pop(key)
+    return path
+
+
 def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tuple[tuple, bool] | None:
     """(config, wins) measured for the smallest tuned M >= m of this (fmt, N, K) on the device (the largest
     tuned M when m is above all), or None when the shape was not tuned."""
@@ -553,25 +579,8 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable, no
     allocation but ``out``), on the same re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many
     sequences, prefill); ``config`` = (nt, sw, r, ks) overrides the tuned table / heuristic."""
-    if not x.is_cuda or not w.qweight.is_cuda:
-        raise ValueError("gemm needs CUDA tensors (use emulate() elsewhere)")
-    if x.dtype != torch.bfloat16 or x.dim() != 2:
-        raise ValueError(f"gemm: x must be a 2-D bfloat16 tensor, got {x.dtype} {tuple(x.shape)}")
-    m, k = x.shape
-    if m < 1:
-        raise ValueError(f"gemm needs M >= 1 rows, got M={m}")
-    if m * max(x.stride(0), k) >= 2 ** 32:
-        raise ValueError(f"gemm addresses token rows with 32-bit offsets: M * row stride must be < 2^32, got "
-                         f"{m} * {max(x.stride(0), k)}")
-    if k != w.k:
-        raise ValueError(f"gemm: x has K={k}, the weight is {(w.n, w.k)}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
-    if out is None:
-        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
-    elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"gemm: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    x, out = _operands("gemm", x, w, out)
+    m = x.shape[0]
     s, c = w.n // 16, w.k // 64
     if config is None:
         config = _gemm_config(w, m, x.device)
@@ -595,5 +604,5 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
 
 __all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
-           "tuned_gemm_config", "load_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
+           "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants"]

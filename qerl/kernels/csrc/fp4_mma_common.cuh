@@ -81,4 +81,13 @@ __device__ __forceinline__ void decode_word(uint32_t v, uint32_t sg, uint32_t sg
   a[3] = bmul2(((v & kRest) * kSpread) & kMask, sg8);
 }
 
+// Host: registers and local-memory bytes per thread of a kernel (-1 when it is not compiled or the query fails).
+inline int kernel_attributes(const void* fn, int* regs, int* local_bytes) {
+  cudaFuncAttributes a;
+  if (fn == nullptr || cudaFuncGetAttributes(&a, fn)) return -1;
+  *regs = a.numRegs;
+  *local_bytes = (int)a.localSizeBytes;
+  return 0;
+}
+
 }  // namespace qfp4

@@ -286,10 +286,5 @@ extern "C" int qfp4_gemm_occupancy(int fmt, int nt, int sw, int r, int ks) {
 
 // Registers and local-memory bytes per thread of one GEMM variant (-1 on error).
 extern "C" int qfp4_gemm_attributes(int fmt, int nt, int sw, int r, int* regs, int* local_bytes) {
-  const void* fn = qfp4::pick_gemm(fmt, nt, sw, r);
-  cudaFuncAttributes a;
-  if (fn == nullptr || cudaFuncGetAttributes(&a, fn)) return -1;
-  *regs = a.numRegs;
-  *local_bytes = (int)a.localSizeBytes;
-  return 0;
+  return qfp4::kernel_attributes(qfp4::pick_gemm(fmt, nt, sw, r), regs, local_bytes);
 }

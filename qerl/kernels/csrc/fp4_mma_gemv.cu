@@ -305,10 +305,5 @@ extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, in
 
 // Registers and local-memory bytes per thread of one variant (-1 on error).
 extern "C" int qfp4_attributes(int fmt, int nt, int unroll, int sw, int* regs, int* local_bytes) {
-  const void* fn = qfp4::pick(fmt, nt, unroll, sw);
-  cudaFuncAttributes a;
-  if (fn == nullptr || cudaFuncGetAttributes(&a, fn)) return -1;
-  *regs = a.numRegs;
-  *local_bytes = (int)a.localSizeBytes;
-  return 0;
+  return qfp4::kernel_attributes(qfp4::pick(fmt, nt, unroll, sw), regs, local_bytes);
 }
