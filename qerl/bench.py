@@ -19,10 +19,12 @@ Each result row records device, torch/triton versions and the wall time; CSVs go
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -113,13 +115,39 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
     return rows
 
 
+DECODES = ("fused", "fused-split-lora", "unfused")
+
+
+def check_decodes(decodes) -> None:
+    for d in decodes:
+        if d not in DECODES:
+            raise ValueError(f"unknown decode mode {d!r}; valid: {list(DECODES)}")
+
+
+@contextlib.contextmanager
+def decode_mode(sampler, dec: str):
+    """Set the sampler's decode step for ``dec``: "fused" (``qerl.kernels.fused``; NVFP4/MXFP4 at decode size run
+    base and LoRA in one CUDA launch), "fused-split-lora" (the same step with LoRA as its own launches,
+    ``QERL_CUDA_LORA=0``: the build before the one-launch path, for same-run comparisons) or "unfused"."""
+    sampler.fused = dec != "unfused"
+    old = os.environ.get("QERL_CUDA_LORA")
+    if dec == "fused-split-lora":
+        os.environ["QERL_CUDA_LORA"] = "0"
+    try:
+        yield
+    finally:
+        if dec == "fused-split-lora":
+            if old is None:
+                os.environ.pop("QERL_CUDA_LORA", None)
+            else:
+                os.environ["QERL_CUDA_LORA"] = old
+
+
 def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, device, repeats: int = 1,
                   sink=None, decodes=("fused",)) -> list[dict]:
     """Rollout throughput (Tables 5-9): B sequences x `new_tokens` tokens after a `prompt_len`-token prompt.
-    ``decodes``: the sampler's decode step, "fused" (``qerl.kernels.fused``) and/or "unfused", same policy."""
-    for d in decodes:
-        if d not in ("fused", "unfused"):
-            raise ValueError(f"unknown decode mode {d!r}; valid: ['fused', 'unfused']")
+    ``decodes``: the sampler's decode step (:func:`decode_mode`), same policy."""
+    check_decodes(decodes)
     rows = []
     for m in models:
         for f in formats:
@@ -136,34 +164,34 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                 size = resident_weight_bytes(policy)
                 sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
                 for b, dec in [(b, d) for b in batches for d in decodes]:
-                    sampler.fused = dec == "fused"
                     g = torch.Generator().manual_seed(b)
                     vocab = min(policy.config.vocab_size, 150_000)
                     prompts = [torch.randint(vocab // 10, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
-                    try:
-                        t0 = time.perf_counter()
-                        n_graphs = sampler.precapture(b, prompt_len, 1, new_tokens, ignore_eos=True)
-                        capture_s = time.perf_counter() - t0
-                        best = None
-                        for rep in range(repeats):
-                            ro = sampler.generate(prompts, 1, new_tokens, 1.0, seed=rep, ignore_eos=True)
-                            st = ro.stats
-                            tps = st["generated_tokens"] / st["rollout_s"]
-                            if best is None or tps > best[0]:
-                                best = (tps, st)
-                        tps, st = best
-                        rows.append(dict(
-                            bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label, lora_rank=r,
-                            batch_size=b, decode="fused" if st.get("fused_decode") else "unfused", prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
-                            decode_tokens_per_s=b * (st["decode_steps"] - 1) / max(st["decode_s"], 1e-9),
-                            prefill_s=st["prefill_s"], rollout_s=st["rollout_s"], generated_tokens=st["generated_tokens"],
-                            cuda_graphs=sampler.use_graphs, graphs=n_graphs, capture_s=capture_s,
-                            model_size_gb=(size["quantized_base"] + size["other_frozen"]) / 1e9,
-                            peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-                            status="ok", **_env()))
-                    except torch.OutOfMemoryError as e:
-                        rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
-                                         lora_rank=r, batch_size=b, decode=dec, status=f"OOM: {e}"[:200], **_env()))
+                    with decode_mode(sampler, dec):
+                        try:
+                            t0 = time.perf_counter()
+                            n_graphs = sampler.precapture(b, prompt_len, 1, new_tokens, ignore_eos=True)
+                            capture_s = time.perf_counter() - t0
+                            best = None
+                            for rep in range(repeats):
+                                ro = sampler.generate(prompts, 1, new_tokens, 1.0, seed=rep, ignore_eos=True)
+                                st = ro.stats
+                                tps = st["generated_tokens"] / st["rollout_s"]
+                                if best is None or tps > best[0]:
+                                    best = (tps, st)
+                            tps, st = best
+                            rows.append(dict(
+                                bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label, lora_rank=r,
+                                batch_size=b, decode=dec if st.get("fused_decode") else "unfused", prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
+                                decode_tokens_per_s=b * (st["decode_steps"] - 1) / max(st["decode_s"], 1e-9),
+                                prefill_s=st["prefill_s"], rollout_s=st["rollout_s"], generated_tokens=st["generated_tokens"],
+                                cuda_graphs=sampler.use_graphs, graphs=n_graphs, capture_s=capture_s,
+                                model_size_gb=(size["quantized_base"] + size["other_frozen"]) / 1e9,
+                                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+                                status="ok", **_env()))
+                        except torch.OutOfMemoryError as e:
+                            rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
+                                             lora_rank=r, batch_size=b, decode=dec, status=f"OOM: {e}"[:200], **_env()))
                     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                            if k in ("model", "method", "lora_rank", "batch_size", "decode", "tokens_per_s", "status",
                                     "capture_s", "peak_mem_gb")}, flush=True)
@@ -344,6 +372,7 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
     graph-replayed step time at the same KV length ``kv``. One row per (model, format, batch, decode, kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
+    check_decodes(decodes)
     if steps + 24 > 64:  # 3 + 20 graph steps, then 1 + steps eager ones, within the 64 slots past kv
         raise ValueError(f"steps must be <= 40, got {steps}")
     cuda = torch.device(device).type == "cuda"
@@ -355,50 +384,50 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
             policy, tok = _policy(m, f, 32, device)
             sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
             for b, dec in [(b, d) for b in batches for d in decodes]:
-                sampler.fused = dec == "fused"
-                new = kv - prompt_len + 64
-                g = torch.Generator().manual_seed(b)
-                prompts = [torch.randint(100, 700, (prompt_len,), generator=g).tolist() for _ in range(b)]
-                sampler.generate(prompts, 1, new, ignore_eos=True)  # state, graphs, warm kernels
-                s = sampler._static
-                S = sampler._bucket(kv, prompt_len + new)
-                t_kv = kv - prompt_len  # every phase starts at the token whose cache slot is kv
-                s["t"].fill_(t_kv)
-                for _ in range(3):  # graph replay time of one step at this KV length
-                    sampler._run_step(s, S)
-                s["t"].fill_(t_kv)
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    sampler._run_step(s, S)
-                sync()
-                graph_us = (time.perf_counter() - t0) / 20 * 1e6
-                s["t"].fill_(t_kv)
-                with lora_inference_cache(policy, sampler._act_dtype()), torch.no_grad():
-                    sampler._decode_step(s, S)  # warm (eager)
+                with decode_mode(sampler, dec):
+                    new = kv - prompt_len + 64
+                    g = torch.Generator().manual_seed(b)
+                    prompts = [torch.randint(100, 700, (prompt_len,), generator=g).tolist() for _ in range(b)]
+                    sampler.generate(prompts, 1, new, ignore_eos=True)  # state, graphs, warm kernels
+                    s = sampler._static
+                    S = sampler._bucket(kv, prompt_len + new)
+                    t_kv = kv - prompt_len  # every phase starts at the token whose cache slot is kv
+                    s["t"].fill_(t_kv)
+                    for _ in range(3):  # graph replay time of one step at this KV length
+                        sampler._run_step(s, S)
+                    s["t"].fill_(t_kv)
                     sync()
-                    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                        for _ in range(steps):
-                            sampler._decode_step(s, S)
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        sampler._run_step(s, S)
+                    sync()
+                    graph_us = (time.perf_counter() - t0) / 20 * 1e6
+                    s["t"].fill_(t_kv)
+                    with lora_inference_cache(policy, sampler._act_dtype()), torch.no_grad():
+                        sampler._decode_step(s, S)  # warm (eager)
                         sync()
-                per = {}
-                for e in prof.key_averages():
-                    us = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)  # kernels only
-                    if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
-                        per[e.key] = (us / steps, e.count / steps)
-                total = sum(v[0] for v in per.values())
-                launches = sum(v[1] for v in per.values())
-                print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
-                      f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
-                for k, (us, n) in sorted(per.items(), key=lambda kv_: -kv_[1][0]):
-                    rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=get_format(f).label, batch_size=b,
-                                     decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
-                                     kernel=k[:120], kernel_us=us, calls=n, **_env()))
-                    if us > 0.01 * total:
-                        print(f"   {us:8.1f} us {n:6.1f}x  {k[:100]}")
-                if sink:
-                    sink(rows[-len(per):])
-                sampler.release()
+                        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                            for _ in range(steps):
+                                sampler._decode_step(s, S)
+                            sync()
+                    per = {}
+                    for e in prof.key_averages():
+                        us = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)  # kernels only
+                        if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
+                            per[e.key] = (us / steps, e.count / steps)
+                    total = sum(v[0] for v in per.values())
+                    launches = sum(v[1] for v in per.values())
+                    print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
+                          f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
+                    for k, (us, n) in sorted(per.items(), key=lambda kv_: -kv_[1][0]):
+                        rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=get_format(f).label, batch_size=b,
+                                         decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
+                                         kernel=k[:120], kernel_us=us, calls=n, **_env()))
+                        if us > 0.01 * total:
+                            print(f"   {us:8.1f} us {n:6.1f}x  {k[:100]}")
+                    if sink:
+                        sink(rows[-len(per):])
+                    sampler.release()
             del policy, sampler
     return rows
 
@@ -435,7 +464,7 @@ def main(argv=None) -> None:
                    help="scaling/step: completions per prompt (GRPO group size; scaling default 8, step: the batch)")
     p.add_argument("--micro", type=int, default=None,
                    help="scaling/step: completions per forward/backward (scaling default 8, step: the batch)")
-    p.add_argument("--decode", default="fused", help="rollout: fused,unfused (the sampler's decode step)")
+    p.add_argument("--decode", default="fused", help="rollout, profile: fused, fused-split-lora, unfused (comma-separated; the sampler's decode step, see decode_mode)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
     p.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],

@@ -10,7 +10,8 @@ sampler's decode step (``qerl.rollout``) then reads a group as one weight:
 * :func:`concat_rows` recovers the whole buffer from the modules' views (and returns None if they are not
   consecutive blocks of one storage any more — e.g. someone replaced a buffer — so nothing stale is read);
 * :class:`FusedLinear` runs ``qmm`` once over the group, then its LoRA as ``x·[A_q;A_k;A_v]ᵀ`` and one
-  ``addmm_`` with the block-diagonal, pre-scaled ``Bᵀ``: 3 launches instead of 3 per projection.
+  ``addmm_`` with the block-diagonal, pre-scaled ``Bᵀ``: 3 launches instead of 3 per projection; where the format
+  has a one-launch path (NVFP4/MXFP4 at decode size: ``qerl.quant.base.linear_lora``), base and LoRA are one.
 
 Formats whose packing is per tensor (``fmt.fusable`` False: NF4's nested absmax blocks, INT4's ``weight_shape``)
 are not concatenated; their ``FusedLinear`` calls the modules one by one and concatenates the outputs.
@@ -23,7 +24,8 @@ from torch import nn
 
 from qerl.arch import FUSED_GROUPS
 from qerl.kernels.fused import lora_a
-from qerl.lora import QuantLoRALinear
+from qerl.lora import QuantLoRALinear, _lora_operand
+from qerl.quant.base import linear_lora
 
 
 def _row_tensors(mods: list[QuantLoRALinear]) -> tuple[list[str], list[str]] | None:
@@ -115,6 +117,7 @@ class FusedLinear:
         self.defer_bias = defer_bias
         self.ranks = [m.rank for m in mods]
         self.A = self.Bt = None
+        self.lora = None  # A and Bt as the fused GEMV's LoRA operand (base and LoRA in one launch)
         self._sig = self.signature()
 
     @property
@@ -163,13 +166,17 @@ class FusedLinear:
                 self.Bt[r0:r0 + m.rank, c0:c0 + m.out_features].copy_(bt)  # off-diagonal blocks stay 0
                 r0 += m.rank
             c0 += m.out_features
+        if self.lora is None or self.lora.a is not self.A:
+            self.lora = _lora_operand(self.A, self.Bt, [(m.out_features, m.rank) for m in self.mods])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: (M, K) -> (M, sum N)
         if self.q is None:
             return torch.cat([m(x) for m in self.mods], dim=-1)
-        y = self.fmt.linear(x, self.q)
-        if self.A is not None:
-            y.addmm_(lora_a(x, self.A), self.Bt)
+        y = linear_lora(self.fmt, x, self.q, self.lora) if self.lora is not None else None
+        if y is None:  # no one-launch path for this format / M: the base, then x·Aᵀ and one addmm
+            y = self.fmt.linear(x, self.q)
+            if self.A is not None:
+                y.addmm_(lora_a(x, self.A), self.Bt)
         if self.bias is not None and not self.defer_bias:
             y.add_(self.bias.to(y.dtype))
         return y

@@ -27,6 +27,7 @@ import qerl.kernels  # noqa: F401  (registers the fast paths with the formats th
 from qerl.arch import BLOCK_NORMS, DEFAULT_TARGETS
 from qerl.kernels.fused import lora_a
 from qerl.quant import QuantFormat, get_format
+from qerl.quant.base import linear_lora
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class QuantLoRALinear(nn.Module):
             self.register_buffer(name, t)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._lora_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lora_op = None  # the cache as one LoRA operand of the fused GEMV (qerl.kernels.cuda_fp4.LoraOperand)
         self.rank = 0 if lora is None else lora.rank
         self.scaling = 0.0 if lora is None else lora.scaling
         if lora is not None:
@@ -126,6 +128,13 @@ class QuantLoRALinear(nn.Module):
     def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:
         """Rollout path (no grad, inside ``lora_inference_cache``): fewer kernels per call, same function —
         bias added in place, LoRA as x·Aᵀ then one in-place addmm with the pre-scaled, pre-cast (α/r)·Bᵀ."""
+        op = self._lora_op
+        if op is not None and op.a.dtype == x.dtype:  # base and LoRA in one launch where the format has it
+            y = linear_lora(self.fmt, x, self.packed, op)
+            if y is not None:
+                if self.bias is not None:
+                    y.add_(self.bias.to(y.dtype))
+                return y
         y = self.fmt.linear(x, self.packed)                                  # (..., N)
         if self.bias is not None:
             y.add_(self.bias.to(y.dtype))
@@ -224,6 +233,14 @@ def finalize_trainable(model: nn.Module, train_norms: bool) -> None:
                 m.weight.requires_grad_(True)
 
 
+def _lora_operand(a: torch.Tensor, bt: torch.Tensor, members: list[tuple[int, int]]):
+    """The fused GEMV's LoRA operand for (a, bt), or None where it cannot take them (too many ranks, not on CUDA)."""
+    from qerl.kernels.cuda_fp4 import LORA_MAX_RANKS, LoraOperand
+    if not a.is_cuda or a.shape[0] > LORA_MAX_RANKS or len(members) > 3:
+        return None
+    return LoraOperand(a, bt, members)
+
+
 @contextlib.contextmanager
 def lora_inference_cache(model: nn.Module, dtype: torch.dtype):
     """Inside the block, LoRA A/B are read from copies cast to ``dtype`` once, not re-cast every forward
@@ -243,10 +260,12 @@ def lora_inference_cache(model: nn.Module, dtype: torch.dtype):
                 buf[0].copy_(m.lora_A.weight)
                 buf[1].copy_((m.lora_B.weight * m.scaling).t())  # (r, N): scaling folded in once
                 m._lora_cache = buf
+                m._lora_op = _lora_operand(buf[0], buf[1], [(m.out_features, m.rank)])
         yield
     finally:
         for m in mods:
             m._lora_cache = None
+            m._lora_op = None
 
 
 def lora_modules(model: nn.Module) -> dict[str, QuantLoRALinear]:

@@ -8,6 +8,8 @@
 #   scripts/gpu_bench.sh small   rollout 3B (4 formats) + LoRA-rank sweep 7B (Table 9)
 #   scripts/gpu_bench.sh gemm    issue 10: CUDA GEMM tests, tuning sweep (installs the tuned table into the tree and
 #                                $OUT), layer table, 7B rollouts at 16-256 sequences (NVFP4, BF16; 16 = warm-up)
+#   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
+#                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
@@ -42,6 +44,13 @@ gemm)
   python3 -m benchmarks.cuda_gemm_bench --out "$OUT" --write-table 2>&1 | grep -v Warn >> "$LOG"
   $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 --out "$OUT" 2>&1 \
     | grep -v Warn >> "$LOG" ;;
+decode)
+  python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py 2>&1 | tail -4 >> "$LOG"
+  $B rollout --models "${MODELS:-7b}" --formats nvfp4,mxfp4 --batch 8,2 --decode fused,fused-split-lora --out "$OUT" \
+    2>&1 | grep -v Warn >> "$LOG"
+  $B rollout --models "${MODELS:-7b}" --formats bf16 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+  $B profile --models "${MODELS:-7b}" --formats nvfp4,bf16 --batch 8 --decode fused,fused-split-lora --out "$OUT" \
+    2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -209,6 +209,52 @@ def test_installed_gemm_tables_are_valid():
             assert cf.check_gemm_config(e["config"], e["N"] // 16, e["K"] // 64) == tuple(e["config"])
 
 
+
+def _lora(members, k: int, seed: int, device="cpu", junk: bool = True) -> cf.LoraOperand:
+    """A LoRA operand with bf16 A (R, K) and Bt (R, N); with ``junk`` the entries outside each member's block of Bt
+    are large, so reading them shows in the result."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r, n = sum(rk for _, rk in members), sum(nm for nm, _ in members)
+    a = (torch.randn(r, k, generator=gen, device=device) / k ** 0.5).bfloat16()
+    bt = (1e3 if junk else 0.0) * torch.ones(r, n, device=device)
+    n0 = r0 = 0
+    for nm, rk in members:
+        bt[r0:r0 + rk, n0:n0 + nm] = 0.05 * torch.randn(rk, nm, generator=gen, device=device)
+        n0, r0 = n0 + nm, r0 + rk
+    return cf.LoraOperand(a, bt.bfloat16(), members)
+
+
+def test_lora_operand_checks_and_launch_args():
+    op = _lora([(48, 8), (16, 0), (32, 4)], 128, seed=0)
+    assert op.rank == 12 and op.launch_args() == (48, 64, [0, 8, 8], [8, 0, 4])
+    one = _lora([(64, 16)], 128, seed=0)
+    assert one.launch_args() == (64, 64, [0, 0, 0], [16, 0, 0])
+    a, bt = one.a, one.bt
+    with pytest.raises(ValueError, match="1 to 3 members"):
+        cf.LoraOperand(a, bt, [(16, 4)] * 4)
+    with pytest.raises(ValueError, match="do not match members"):
+        cf.LoraOperand(a, bt, [(32, 16)])
+    with pytest.raises(ValueError, match="rows > 0"):
+        cf.LoraOperand(a[:0], bt[:0], [(64, 0), (0, 0)])
+    assert cf.lora_parts(96, 56) == 14 and cf.lora_parts(32, 296) == 74 and cf.lora_parts(16, 1) == 1
+    assert cf.lora_parts(384, 2000) * 24 <= cf.LORA_MAX_UNITS  # at most 512 LoRA warps
+
+
+def test_emulate_lora_uses_each_members_block_only():
+    members = [(48, 8), (16, 0), (32, 5)]
+    op = _lora(members, 128, seed=1)
+    x = torch.randn(7, 128).bfloat16()
+    t = x.float() @ op.a.float().t()
+    bt = op.bt.float()
+    ref = torch.cat([t[:, 0:8] @ bt[0:8, 0:48], torch.zeros(7, 16), t[:, 8:13] @ bt[8:13, 64:96]], dim=1)
+    torch.testing.assert_close(cf.emulate_lora(x, op), ref)
+    assert cf.emulate_lora(x, op).abs().max() < 1e2  # the 1e3 junk outside the blocks is never read
+    q = _quant("nvfp4", 96, 128, seed=3)
+    w = _prep("nvfp4", q)
+    torch.testing.assert_close(cf.emulate(x, w, op).float(), (cf.emulate(x, w).float() + ref).bfloat16().float(),
+                               rtol=2**-7, atol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -293,6 +339,86 @@ def test_gpu_cuda_graph_replay(fmt):
             ref = cf.gemv(x, w)
             assert torch.equal(y, ref)
             assert torch.equal(y2, cf.gemv(ref[:, :k].contiguous(), w))
+
+
+def _check_lora(y: torch.Tensor, x: torch.Tensor, w: cf.CudaFP4Weight, op: cf.LoraOperand) -> None:
+    """y vs the emulator with LoRA (other fp32 summation orders: one bf16 ulp plus fp32 rounding of both terms),
+    and the counters left zero for the next launch."""
+    torch.cuda.synchronize()
+    emu = cf.emulate(x, w, op).float()
+    mag = x.float().abs() @ cf.emulate_weight(w).abs().t().to(x.device)
+    if w.global_scale is not None:
+        mag = mag / w.global_scale.to(x.device)
+    lmag = cf.emulate_lora(x.abs(), cf.LoraOperand(op.a.abs(), op.bt.abs(), op.members))
+    y = y.float()
+    assert torch.isfinite(y).all(), "unwritten or non-finite output"
+    assert ((y - emu).abs() <= 2**-7 * emu.abs() + 2e-5 * (mag + lmag)).all(), float((y - emu).abs().max())
+    assert not cf.lora_workspace(x.device)[2].any(), "the launch left its LoRA counters set"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemv_lora_every_config(fmt):
+    """Base + LoRA in one launch: members whose boundaries fall inside CTAs, a member without ranks, R not a
+    multiple of 16, every compiled variant and split setting, PDL on/off, M = 1..16."""
+    n, k = 208, 1536  # 13 strips: members 112 | 48 | 48 rows
+    q = _quant(fmt, n, k, seed=11, device="cuda")
+    w = _prep(fmt, q)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ops = [_lora([(112, 16), (48, 8), (48, 24)], k, seed=4, device="cuda"),
+           _lora([(112, 8), (48, 0), (48, 5)], k, seed=5, device="cuda"),
+           _lora([(208, 32)], k, seed=6, device="cuda")]
+    cfgs = [(1, 1, 4, 1), (1, 4, 8, 1), (3, 2, 4, 1), (5, 3, 4, 1), (16, 1, 4, 1), (2, 8, 4, 1), (1, 1, 2, 1),
+            (3, 1, 2, 2), (1, 2, 4, 2), (2, 1, 2, 4), (1, 3, 2, 4), (4, 2, 2, 2)]
+    for m in (1, 7, 9, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in ops:
+            for cfg in cfgs:
+                for pdl in (False, True):
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    _check_lora(cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op), x, w, op)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemv_lora_model_shapes_and_graphs(fmt):
+    """Qwen2.5-7B's fused q|k|v, gate|up and down_proj with rank-32 LoRA at the default configuration, then a
+    captured graph of consecutive LoRA launches (PDL edges, each consuming the previous output) replayed."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for i, (members, k) in enumerate([([(3584, 32), (512, 32), (512, 32)], 3584), ([(18944, 32), (18944, 32)], 3584),
+                                      ([(3584, 32)], 18944)]):
+        n = sum(nm for nm, _ in members)
+        q = _quant(fmt, n, k, seed=300 + i, device="cuda")
+        w = _prep(fmt, q)
+        op = _lora(members, k, seed=i, device="cuda")
+        for m in (1, 8, 16):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            _check_lora(cf.gemv(x, w, lora=op), x, w, op)
+    n = k = 1024
+    q = _quant(fmt, n, k, seed=9, device="cuda")
+    w = _prep(fmt, q)
+    op = _lora([(512, 16), (256, 16), (256, 16)], k, seed=8, device="cuda")
+    x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cf.gemv(x, w, lora=op)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = cf.gemv(x, w, lora=op)
+        y2 = cf.gemv(y1, w, pdl=True, lora=op)
+        y3 = cf.gemv(y2, w, pdl=True, lora=op)
+    for _ in range(3):
+        x.copy_(torch.randn(8, k, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        r1 = cf.gemv(x, w, lora=op)
+        r2 = cf.gemv(r1, w, lora=op)
+        assert torch.equal(y1, r1) and torch.equal(y2, r2) and torch.equal(y3, cf.gemv(r2, w, lora=op))
+        _check_lora(y1, x, w, op)
 
 
 

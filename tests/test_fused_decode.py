@@ -332,11 +332,16 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt):
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
     perturb_lora_b(policy)
+    from qerl.kernels import cuda_fp4
+
     stats = {}
     for fused in (True, False):
         s = Sampler(policy, tok, 128, cuda_graphs=True, fused=fused)
+        launches = cuda_fp4.lora_launches()
         ro = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=300, temperature=1.0, seed=1)
         assert ro.stats["fused_decode"] is fused and s.use_graphs
+        # NVFP4/MXFP4: the decode step's base + LoRA ran as one CUDA launch (the tiny shapes qualify)
+        assert (cuda_fp4.lora_launches() > launches) == (fmt in ("nvfp4", "mxfp4")), fmt
         with torch.no_grad():
             lp, _ = completion_logprobs(policy, ro, slice(0, 12), 1.0, True)
         m = ro.completion_mask

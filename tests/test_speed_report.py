@@ -77,13 +77,20 @@ def test_rank_table_beside_paper_table9(tmp_path):
 def test_bench_profile_runs_on_cpu(tmp_path):
     from qerl import bench
 
-    rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused", "unfused"), steps=2, kv=128)
+    import os
+
+    before = os.environ.get("QERL_CUDA_LORA")
+    rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused", "fused-split-lora", "unfused"), steps=2,
+                               kv=128)
+    assert os.environ.get("QERL_CUDA_LORA") == before  # the split-LoRA mode restores the switch
     decodes = {r["decode"] for r in rows}
-    assert decodes == {"fused", "unfused"}
+    assert decodes == {"fused", "fused-split-lora", "unfused"}
     for dec in decodes:
         sub = [r for r in rows if r["decode"] == dec]
         assert sub[0]["graph_step_us"] > 0 and sub[0]["launches"] > 0
         assert abs(sum(r["kernel_us"] for r in sub) - sub[0]["kernels_us"]) < 1e-6 * sub[0]["kernels_us"] + 1e-9
+    with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; valid: \['fused', 'fused-split-lora'"):
+        bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fast",), steps=2)
     with pytest.raises(ValueError, match="steps must be"):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=50)
 

@@ -9,7 +9,8 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 =================  =======================================================================================
 ``cuda_gemv``      NVFP4/MXFP4, CUDA, BF16 x, M <= 16, N % 16 == 0, K % 64 == 0, when the hand-written CUDA
                    kernel builds (``qerl.kernels.cuda_fp4``; ``QERL_CUDA_GEMV=0`` turns it off): weights
-                   re-laid out once into mma fragments (a second copy, same size as the packed weight)
+                   re-laid out once into mma fragments (a second copy, same size as the packed weight); the
+                   rollout's LoRA joins the same launch (``base.linear_lora``; ``QERL_CUDA_LORA=0`` turns it off)
 ``cuda_gemm``      NVFP4/MXFP4, CUDA, BF16 x, M > 16 where the device's tuned table measured it fastest (untuned:
                    M <= 192; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
                    tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
@@ -403,6 +404,23 @@ def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Te
     return out.reshape(*x.shape[:-1], pw.n)
 
 
+def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) -> torch.Tensor | None:
+    """x (..., K) @ Ŵᵀ + the LoRA term in one CUDA GEMV launch (``cuda_fp4.gemv(lora=...)``) for decode-size M
+    (``QERL_CUDA_LORA=0`` turns it off); None where that path does not run (the caller adds its LoRA itself)."""
+    if os.environ.get("QERL_CUDA_LORA", "1") == "0" or not x.is_cuda or x.dtype != torch.bfloat16:
+        return None
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], lora.bt.shape[1]
+    if m == 0 or not _cuda_gemv_ok(x2, m, n, k) or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k:
+        return None
+    w = _cuda_weight(fmt, q)
+    if w is None or w.n != n:
+        return None
+    from qerl.kernels import cuda_fp4
+    return cuda_fp4.gemv(x2, w, lora=lora).reshape(*x.shape[:-1], n)
+
+
 def sliced_rows(chunk: int, m: int, n: int) -> int:
     """The weight-row slice of dequantize + cuBLAS for M tokens and N rows, 0 = the whole weight at once. Slicing
     keeps each dequantized slice in L2 (saves the full BF16 weight's write + read, 2 N K bf16) but re-reads x for
@@ -452,6 +470,9 @@ class FP4Kernels:
 
     def linear_t(self, fmt, g, q):
         return _fp4_linear_t(fmt, g, q)
+
+    def linear_lora(self, fmt, x, q, lora):
+        return _fp4_linear_lora(fmt, x, q, lora)
 
     def dequantize(self, fmt, q, out):
         return _fp4_dequantize(fmt, q, out)

@@ -206,14 +206,90 @@ def emulate_weight(w: CudaFP4Weight) -> torch.Tensor:
     return _decoded_fragments(w) * (2.0 ** (126 - w.bexp))
 
 
-def emulate(x: torch.Tensor, w: CudaFP4Weight) -> torch.Tensor:
-    """y (M, N) bf16 = x (M, K) @ Ŵᵀ computed like the kernel (fp32 sums of the decoded bf16 operands times
-    2^(126-B) [/ g]), in pure torch on any device; equal to ``gemv`` up to fp32 summation order."""
+def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None) -> torch.Tensor:
+    """y (M, N) bf16 = x (M, K) @ Ŵᵀ (+ the LoRA term) computed like the kernel (fp32 sums of the decoded bf16
+    operands times 2^(126-B) [/ g], plus :func:`emulate_lora`, one rounding), in pure torch on any device; equal to
+    ``gemv`` up to fp32 summation order."""
     acc = x.to(torch.float32) @ _decoded_fragments(w).to(x.device).t()  # (M, N)
     mult = torch.tensor(w.out_mult, dtype=torch.float32, device=x.device)
     if w.global_scale is not None:
         mult = mult / w.global_scale.to(x.device)
-    return (acc * mult).to(torch.bfloat16)
+    y = acc * mult
+    if lora is not None:
+        y = y + emulate_lora(x, lora)
+    return y.to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------- LoRA in the GEMV
+
+LORA_MAX_RANKS = 384  # R of one launch (t: 16 x R fp32; its Bt slice stays within shared memory: <= 96 KB)
+LORA_MAX_UNITS = 512  # LoRA warps of one launch (16-rank strips x K parts; csrc kLoraMaxUnits)
+LORA_MAX_MEMBERS = 3
+
+
+@dataclass
+class LoraOperand:
+    """The LoRA of one linear or one fused group (q|k|v, gate|up), for :func:`gemv` in the same launch:
+    out[:, rows of member i] += (x · A[ranks of i]ᵀ) · Bt[ranks of i, rows of i].
+
+    ``a`` (R, K) bf16: the members' lora_A stacked; ``bt`` (R, N) bf16: (scaling · lora_B)ᵀ, member i's block at
+    its ranks and rows (other entries are never read); ``members`` ((rows, ranks) per member, in order, ≤ 3)."""
+
+    a: torch.Tensor
+    bt: torch.Tensor
+    members: tuple[tuple[int, int], ...]
+
+    def __post_init__(self):
+        self.members = tuple((int(n), int(r)) for n, r in self.members)
+        if not 1 <= len(self.members) <= LORA_MAX_MEMBERS:
+            raise ValueError(f"LoRA in the GEMV takes 1 to {LORA_MAX_MEMBERS} members, got {len(self.members)}")
+        if any(n <= 0 or r < 0 for n, r in self.members):
+            raise ValueError(f"LoRA members must be (rows > 0, ranks >= 0), got {self.members}")
+        r_total, n_total = sum(r for _, r in self.members), sum(n for n, _ in self.members)
+        if self.a.dim() != 2 or self.bt.dim() != 2 or self.a.shape[0] != r_total or self.bt.shape != (r_total, n_total):
+            raise ValueError(f"LoRA shapes: a {tuple(self.a.shape)}, bt {tuple(self.bt.shape)} do not match members "
+                             f"{self.members} (a (R, K), bt (R, N) with R = {r_total}, N = {n_total})")
+        if not 1 <= r_total <= LORA_MAX_RANKS:
+            raise ValueError(f"LoRA in the GEMV takes 1 to {LORA_MAX_RANKS} ranks in all, got {r_total}")
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+    def launch_args(self) -> tuple[int, int, list[int], list[int]]:
+        """(bound1, bound2, roff, rk): rows where members 1 and 2 start (N when absent), ranks per member."""
+        n_total = sum(n for n, _ in self.members)
+        bounds, roff, rk, n0, r0 = [], [], [], 0, 0
+        for n, r in self.members:
+            bounds.append(n0)
+            roff.append(r0)
+            rk.append(r)
+            n0, r0 = n0 + n, r0 + r
+        while len(roff) < LORA_MAX_MEMBERS:
+            bounds.append(n_total)
+            roff.append(0)
+            rk.append(0)
+        return bounds[1], bounds[2], roff, rk
+
+
+def lora_parts(r: int, c: int, chunks_per_warp: int = 4, max_units: int = LORA_MAX_UNITS) -> int:
+    """K parts per 16-rank strip of the LoRA CTAs: about ``chunks_per_warp`` K chunks of 64 per warp (the LoRA
+    CTAs run beside the output CTAs' main loop and should finish well before it), at most ``max_units`` warps."""
+    strips = -(-r // 16)
+    return max(1, min(c, -(-c // chunks_per_warp), max(1, max_units // strips)))
+
+
+def emulate_lora(x: torch.Tensor, lora: LoraOperand) -> torch.Tensor:
+    """float32 (M, N): the LoRA term the kernel adds before its one rounding (t = x·Aᵀ in fp32, then each member's
+    ranks times its block of Bt)."""
+    t = x.float() @ lora.a.to(x.device).float().t()
+    out = torch.zeros((x.shape[0], lora.bt.shape[1]), dtype=torch.float32, device=x.device)
+    n0 = r0 = 0
+    for n, r in lora.members:
+        if r:
+            out[:, n0:n0 + n] = t[:, r0:r0 + r] @ lora.bt[r0:r0 + r, n0:n0 + n].to(x.device).float()
+        n0, r0 = n0 + n, r0 + r
+    return out
 
 
 # ----------------------------------------------------------------------------------------- build
@@ -226,6 +302,9 @@ _BINDING = r"""
 
 extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned,
                          int, int, int, int, int, int, int, int, int, void*);
+extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*, int, const float*, float,
+                              unsigned, int, int, int, int, int, int, int, int, int, void*, const void*, const void*,
+                              void*, void*, void*, int, int, int, int, const int*, const int*);
 extern "C" int qfp4_occupancy(int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
@@ -259,6 +338,40 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
+}
+
+void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
+               double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
+               bool pdl, torch::Tensor a, torch::Tensor bt, torch::Tensor part, torch::Tensor t, torch::Tensor ctr,
+               int64_t parts,
+               int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
+  check_operands(x, qw, sc, out);
+  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
+  TORCH_CHECK(a.is_cuda() && bt.is_cuda() && part.is_cuda() && t.is_cuda() && ctr.is_cuda(),
+              "LoRA tensors must be on CUDA");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && bt.scalar_type() == at::kBFloat16, "a, bt must be bf16");
+  TORCH_CHECK(part.scalar_type() == at::kFloat && t.scalar_type() == at::kFloat && ctr.scalar_type() == at::kInt,
+              "part, t fp32, ctr int32");
+  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.dim() == 2 && bt.dim() == 2, "a, bt: contiguous 2-D");
+  const int R = (int)a.size(0);
+  TORCH_CHECK(a.size(1) == 64 * C && bt.size(0) == R && bt.size(1) == 16 * S, "LoRA shape mismatch");
+  TORCH_CHECK(part.numel() >= 512 * 256 && t.numel() >= (int64_t)M * R && ctr.numel() >= 3, "LoRA workspace too small");
+  TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bt.data_ptr()) % 16 == 0,
+              "a, bt must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
+  const int ro[3] = {(int)roff[0], (int)roff[1], (int)roff[2]}, rr[3] = {(int)rk[0], (int)rk[1], (int)rk[2]};
+  const int err = qfp4_gemv_lora(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
+                                 (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
+                                 (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
+                                 (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
+                                 a.data_ptr(), bt.data_ptr(), part.data_ptr(), t.data_ptr(), ctr.data_ptr(), R,
+                                 (int)parts,
+                                 (int)bound1, (int)bound2, ro, rr);
+  TORCH_CHECK(err == 0, "qfp4_gemv_lora: ", err == -1 ? "unsupported configuration"
+                                                       : cudaGetErrorString((cudaError_t)err));
 }
 
 void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
@@ -297,6 +410,7 @@ std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll, int64_t
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv);
+  m.def("gemv_lora", &gemv_lora);
   m.def("occupancy", &occupancy);
   m.def("attributes", &attributes);
   m.def("gemm", &gemm);
@@ -443,20 +557,68 @@ def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | No
 
 
 def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
-    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for M <= 16 on the current CUDA stream (graph capturable).
+         config: tuple[int, int, int, int] | None = None, pdl: bool = False,
+         lora: LoraOperand | None = None) -> torch.Tensor:
+    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ (+ ``lora``'s term, same launch) for M <= 16 on the current CUDA stream
+    (graph capturable).
 
     ``config`` = (splits, strip groups per CTA, unroll, strips per warp) overrides :func:`pick_config` (tuning).
     ``pdl``: programmatic dependent launch; the CTAs start during the previous kernel's tail and wait for it
     (griddepcontrol.wait) before reading (measured: ~5 µs less per 7B layer of consecutive GEMVs at M = 1).
+    ``lora``: extra CTAs compute x·Aᵀ (fp32) into a per-stream workspace (:func:`lora_workspace`) while the others
+    run the FP4 product; those add the LoRA term before their one bf16 rounding (see ``csrc/fp4_mma_gemv.cu``).
     """
     x, out = _operands("gemv", x, w, out)
     m = x.shape[0]
     splits, per, unroll, sw = config if config is not None else _config(w, m, x.device)
     gs = w.global_scale if w.global_scale is not None else w.qweight
-    _ext().gemv(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword,
-                splits, per, unroll, sw, pdl)
+    fid = 0 if w.fmt == "nvfp4" else 1
+    if lora is None:
+        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl)
+        return out
+    a, bt = _lora_tensors(lora, w)
+    _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
+    part, t, ctr = lora_workspace(x.device)
+    bound1, bound2, roff, rk = lora.launch_args()
+    _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl,
+                     a, bt, part, t, ctr, lora_parts(lora.rank, w.k // 64), bound1, bound2, roff, rk)
     return out
+
+
+def _lora_tensors(lora: LoraOperand, w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    a, bt = lora.a, lora.bt
+    if a.shape[1] != w.k or bt.shape[1] != w.n:
+        raise ValueError(f"gemv: LoRA a {tuple(a.shape)} / bt {tuple(bt.shape)} do not fit the weight {(w.n, w.k)}")
+    if a.dtype != torch.bfloat16 or bt.dtype != torch.bfloat16 or a.device != w.qweight.device \
+            or bt.device != w.qweight.device:
+        raise ValueError(f"gemv: LoRA a, bt must be bfloat16 on {w.qweight.device}, got {a.dtype} on {a.device}, "
+                         f"{bt.dtype} on {bt.device}")
+    if not a.is_contiguous() or a.data_ptr() % 16:
+        a = a.contiguous() if not a.is_contiguous() else a.clone()
+    if not bt.is_contiguous() or bt.data_ptr() % 16:
+        bt = bt.contiguous() if not bt.is_contiguous() else bt.clone()
+    return a, bt
+
+
+def lora_launches() -> int:
+    """How many GEMV launches with LoRA this process has issued (host side: a captured graph's count once)."""
+    return _STATE.get("lora_launches", 0)
+
+
+def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(partials, t, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
+    (LORA_MAX_UNITS x 16 x 16) and (16 x LORA_MAX_RANKS), int32 (3) zeroed once; every launch overwrites what it reads
+    and leaves the counters zero. Launches on one stream run one after the other (under PDL the next grid waits for
+    the previous one before touching them)."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    key = ("lora_ws", device, stream)
+    ws = _STATE.get(key)
+    if ws is None:
+        ws = (torch.zeros(LORA_MAX_UNITS * 256, dtype=torch.float32, device=device),
+              torch.zeros(16 * LORA_MAX_RANKS, dtype=torch.float32, device=device),
+              torch.zeros(3, dtype=torch.int32, device=device))
+        _STATE[key] = ws
+    return ws
 
 
 # ----------------------------------------------------------------------------------------- GEMM (M > 16)
@@ -602,7 +764,8 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
     return cfg
 
 
-__all__ = ["CudaFP4Weight", "available", "prepare", "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
+__all__ = ["CudaFP4Weight", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "emulate_lora", "available", "prepare",
+           "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants"]

@@ -105,6 +105,14 @@ def linear(fmt: QuantFormat, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> 
     return y if y is not None else F.linear(x, fmt.dequantize(q, x.dtype))
 
 
+def linear_lora(fmt: QuantFormat, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) -> torch.Tensor | None:
+    """x Ŵᵀ plus a LoRA term (``qerl.kernels.cuda_fp4.LoraOperand``: stacked A, (scaling·B)ᵀ, members) in one
+    launch, when the format's kernels have such a path for x (NVFP4/MXFP4 at decode size on CUDA); None otherwise
+    (the caller then runs ``linear`` and its own LoRA)."""
+    fn = getattr(fmt.kernels, "linear_lora", None)
+    return fn(fmt, x, q, lora) if fn is not None else None
+
+
 def linear_t(fmt: QuantFormat, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """g (..., N) @ Ŵ -> (..., K) in g's dtype (the input gradient of ``linear``)."""
     k = fmt.kernels

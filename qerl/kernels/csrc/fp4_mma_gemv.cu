@@ -20,6 +20,18 @@
 //
 // Split-K inside the CTA: each strip is worked on by `splits` warps (contiguous K ranges), partial sums are
 // reduced through shared memory, so one launch, no workspace, no atomics: CUDA-graph capturable.
+//
+// LoRA in the same launch (optional, `LoraArgs`): out = x W^T + (x A^T) Bs^T with A (R, K) bf16 (the group's
+// stacked lora_A) and Bt (R, N) bf16 (scaling * lora_B, transposed; output row n uses ranks
+// [roff(n), roff(n) + rk(n)) of its member). The first `nlora` CTAs compute t = x A^T (fp32, split over K: warp =
+// one 16-rank strip x one K part; A rows are a bf16 "weight" fed to the same m16n8k16 MMA with the same K
+// permutation as the FP4 chunks) and write one partial per warp; the last LoRA CTA to finish sums the partials
+// in a fixed order into t (deterministic: no floating-point atomics) and raises a ready flag. The other CTAs
+// stage their rows' slice of Bt in shared memory (cp.async, during the main loop), and after the main loop wait
+// for the flag, copy t to shared memory and add the LoRA term to the fp32 result before the one bf16 rounding.
+// The last output CTA resets the counters for the next launch. Waiting relies on CTAs being dispatched in
+// blockIdx order (as CUB's decoupled look-back does): the LoRA CTAs, lowest in blockIdx, are resident before any
+// CTA that waits for them.
 
 #include "fp4_mma_common.cuh"
 
@@ -33,6 +45,36 @@ template <int NT>
 struct XFrag {
   uint32_t r[NT][8];
 };
+
+struct LoraArgs {
+  const __nv_bfloat16* a;   // (R, K) row-major; nullptr: no LoRA
+  const __nv_bfloat16* bt;  // (R, N) row-major, row stride N
+  float* part;              // (units, 16 tokens, 16 ranks) fp32: one partial of x A^T per LoRA warp
+  float* t;                 // (M, R) fp32: the sum of the partials
+  unsigned* ctr;            // [0] LoRA CTAs done, [1] output CTAs done, [2] t ready: zero on entry, left zero
+  int R, parts, nlora;      // ranks, K parts per 16-rank strip, LoRA CTAs (the lowest blockIdx)
+  int bound1, bound2;       // output rows where members 1 and 2 start (N when absent)
+  int roff[3], rk[3];       // first rank and rank count of each member
+  int span;                 // max ranks one output CTA stages (its Bt slice is span x rows)
+};
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ int member_of(const LoraArgs& la, int n) {
+  return n < la.bound1 ? 0 : n < la.bound2 ? 1 : 2;
+}
+
+// roff / rk of member mb by selects (a dynamic index into the kernel parameter would copy it to local memory)
+__device__ __forceinline__ int pick3(const int (&v)[3], int mb) { return mb == 0 ? v[0] : mb == 1 ? v[1] : v[2]; }
 
 // x fragment of the chunk at p (16 bf16 of token g, and of token g+8 for NT = 2); rows >= M keep stale values,
 // which only reach output columns that are never stored.
@@ -66,27 +108,158 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
   }
 }
 
+// A LoRA CTA: its warps take units (16-rank strip, K part) and write x A^T over the part to la.part[unit]; the
+// last LoRA CTA to finish sums each (token, rank) over the parts in order into la.t and sets the ready flag.
+template <int NT>
+__device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16* __restrict__ x, int ldx, int M,
+                                         int C) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int rstrips = (la.R + 15) >> 4;
+  const int K = 64 * C;
+  for (int u = blockIdx.x * warps + warp; u < rstrips * la.parts; u += la.nlora * warps) {
+    const int rs = u / la.parts, p = u - rs * la.parts;
+    const int c0 = p * C / la.parts, c1 = (p + 1) * C / la.parts;
+    const int r0 = rs * 16 + g, r1 = r0 + 8;
+    const bool v0 = r0 < la.R, v1 = r1 < la.R;
+    const __nv_bfloat16* a0p = la.a + (size_t)(v0 ? r0 : 0) * K + 16 * t;
+    const __nv_bfloat16* a1p = la.a + (size_t)(v1 ? r1 : 0) * K + 16 * t;
+    const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    XFrag<NT> xf;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xf.r[nt][e] = 0u;
+    for (int c = c0; c < c1; ++c) {
+      uint4 z = make_uint4(0u, 0u, 0u, 0u);
+      const uint4 a00 = v0 ? ld_x(a0p + 64 * c) : z, a01 = v0 ? ld_x(a0p + 64 * c + 8) : z;
+      const uint4 a10 = v1 ? ld_x(a1p + 64 * c) : z, a11 = v1 ? ld_x(a1p + 64 * c + 8) : z;
+      load_x<NT>(xf, xq + 64 * c, 8 * ldx, g < M, g + 8 < M);
+      const uint32_t w0[8] = {a00.x, a00.y, a00.z, a00.w, a01.x, a01.y, a01.z, a01.w};
+      const uint32_t w1[8] = {a10.x, a10.y, a10.z, a10.w, a11.x, a11.y, a11.z, a11.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma_bf16(acc[nt], w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1], xf.r[nt][2 * j], xf.r[nt][2 * j + 1]);
+    }
+    float* pp = la.part + (size_t)u * 256;  // [token][rank in strip]
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int tok = nt * 8 + 2 * t;
+      pp[tok * 16 + g] = acc[nt][0];
+      pp[(tok + 1) * 16 + g] = acc[nt][1];
+      pp[tok * 16 + g + 8] = acc[nt][2];
+      pp[(tok + 1) * 16 + g + 8] = acc[nt][3];
+    }
+  }
+  __shared__ unsigned last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(la.ctr, 1u) == (unsigned)la.nlora - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < M * la.R; i += blockDim.x) {
+    const int tok = i / la.R, r = i - tok * la.R;
+    const float* src = la.part + (size_t)(r >> 4) * la.parts * 256 + tok * 16 + (r & 15);
+    float v = 0.f;
+#pragma unroll 8
+    for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256);
+    la.t[i] = v;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicExch(la.ctr + 2, 1u);
+}
+
+// An output CTA's LoRA staging: its rows' slice of Bt (ranks [rlo, rlo + span) of the members it touches) into
+// shared memory `bs` (span x rows bf16) by cp.async; committed, waited for in lora_gather.
+__device__ __forceinline__ void lora_stage_b(const LoraArgs& la, __nv_bfloat16* bs, int n_lo, int rows, int N,
+                                             int& rlo) {
+  const int m_lo = member_of(la, n_lo), m_hi = member_of(la, min(n_lo + rows, N) - 1);
+  rlo = pick3(la.roff, m_lo);
+  const int rhi = pick3(la.roff, m_hi) + pick3(la.rk, m_hi);
+  const int units = rows >> 3;  // 16-byte units per rank row
+  for (int i = threadIdx.x; i < (rhi - rlo) * units; i += blockDim.x) {
+    const int r = i / units, u = i - r * units;
+    const int n = n_lo + 8 * u;
+    if (n < N) cp_async16(bs + r * rows + 8 * u, la.bt + (size_t)(rlo + r) * N + n);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// After the main loop: wait for t, copy it (M x R fp32) to shared memory `ts`, count this CTA done (the last one
+// resets the counters), and wait for the Bt slice.
+__device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M) {
+  __shared__ unsigned last;
+  if (threadIdx.x == 0) {
+    while (ld_acquire(la.ctr + 2) == 0u) __nanosleep(32);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < M * la.R; i += blockDim.x) ts[i] = __ldcg(la.t + i);
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned outputs = gridDim.x - la.nlora;
+    last = atomicAdd(la.ctr + 1, 1u) == outputs - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    la.ctr[0] = 0u;
+    la.ctr[1] = 0u;
+    la.ctr[2] = 0u;
+  }
+}
+
+// The LoRA term of output (tok, n): sum over the member's ranks of t[tok, r] * Bt[r, n], from shared memory.
+__device__ __forceinline__ float lora_term(const LoraArgs& la, const float* ts, const __nv_bfloat16* bs, int rlo,
+                                           int rows, int n_lo, int tok, int n) {
+  const int mb = member_of(la, n);
+  const int r0 = pick3(la.roff, mb), rk = pick3(la.rk, mb);
+  const float* tr = ts + tok * la.R + r0;
+  const __nv_bfloat16* br = bs + (r0 - rlo) * rows + (n - n_lo);
+  float v = 0.f;
+#pragma unroll 8
+  for (int r = 0; r < rk; ++r) v = fmaf(tr[r], __bfloat162float(br[r * rows]), v);
+  return v;
+}
+
 // grid: ceil(S / (R * SW)) CTAs of R * splits warps; warp w works on the SW strips starting at
 // (blockIdx.x * R + w / splits) * SW (clamped to S - 1 for loads), K chunks [split * C / splits,
 // (split + 1) * C / splits). Each x fragment load serves SW strips. With programmatic dependent launch the
 // CTAs start during the previous grid's tail and wait (griddepcontrol.wait) before reading anything that grid
 // may write; the source asks for the first weight batch before the wait, but ptxas (13.0) schedules the wait
 // first, so the gain is the overlapped launch only.
-template <int FMT, int NT, int U, int SW>
+template <int FMT, int NT, int U, int SW, bool LORA>
 __global__ void __launch_bounds__(max_warps<U, SW>() * 32)
 fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
                 int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                uint32_t bword, int M, int S, int C, int splits, int R) {
-  extern __shared__ float red[];  // (warps, SW, 16 rows, 8 * NT tokens), only when splits > 1
+                uint32_t bword, int M, int S, int C, int splits, int R, LoraArgs la) {
+  // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1, then with LoRA
+  // t (M x la.R fp32) and the Bt slice (la.span x rows bf16); offsets as in lora_smem_offsets (host)
+  extern __shared__ __align__(16) float red[];
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int A2 = SW == 1 ? 2 : 1;
   constexpr int TOK = 8 * NT;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
+  constexpr bool has_lora = LORA;
+  if (has_lora && (int)blockIdx.x < la.nlora) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    lora_cta<NT>(la, x, ldx, M, C);
+    return;
+  }
+  const int blk = has_lora ? (int)blockIdx.x - la.nlora : (int)blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int strip0 = (blockIdx.x * R + warp / splits) * SW, split = warp % splits;
+  const int strip0 = (blk * R + warp / splits) * SW, split = warp % splits;
   const bool active = strip0 < S;
   const int c0 = split * C / splits;  // C * splits < 2^31 (checked by the caller)
   const int c1 = (split + 1) * C / splits;
@@ -160,6 +333,12 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  const int rows = R * SW * 16, n_lo = blk * rows;
+  const int warps_all = blockDim.x >> 5;
+  float* ts = red + (splits > 1 ? warps_all * SW * 16 * TOK : 0);
+  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(ts + ((M * la.R + 3) & ~3));
+  int rlo = 0;
+  if (has_lora) lora_stage_b(la, bs, n_lo, rows, 16 * S, rlo);
   if (work) {
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
@@ -187,6 +366,10 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
+  if (has_lora) lora_gather(la, ts, M);
+  auto lt = [&](int tok, int n) {
+    return has_lora ? lora_term(la, ts, bs, rlo, rows, n_lo, tok, n) : 0.f;
+  };
   if (splits == 1) {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
@@ -196,12 +379,13 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
       for (int nt = 0; nt < NT; ++nt) {
         const int tok = nt * 8 + 2 * t;
         if (tok < M) {
-          out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][0] * mult);
-          out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][0][nt][2] * mult);
+          out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][0] * mult + lt(tok, n0 + g));
+          out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][0][nt][2] * mult + lt(tok, n0 + g + 8));
         }
         if (tok + 1 < M) {
-          out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][1] * mult);
-          out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][0][nt][3] * mult);
+          out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][1] * mult + lt(tok + 1, n0 + g));
+          out[(size_t)(tok + 1) * ldo + n0 + g + 8] =
+              __float2bfloat16_rn(acc[i][0][nt][3] * mult + lt(tok + 1, n0 + g + 8));
         }
       }
     }
@@ -225,32 +409,35 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
     const int ls = idx / per_strip, rem = idx - ls * per_strip;  // ls = local strip (group * SW + i)
     const int tok = rem >> 4, row = rem & 15;
     const int grp = ls / SW, i = ls - grp * SW;
-    const int st = (blockIdx.x * R + grp) * SW + i;
+    const int st = (blk * R + grp) * SW + i;
     if (st >= S) continue;
     float v = 0.f;
     for (int sp = 0; sp < splits; ++sp) v += red[(((grp * splits + sp) * SW + i) * 16 + row) * TOK + tok];
-    out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult);
+    out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult + lt(tok, st * 16 + row));
   }
 }
 
 template <int FMT, int NT, int U, int SW>
-const void* kernel_ptr() {
-  return reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW>);
+const void* kernel_ptr(bool lora) {
+  return lora ? reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW, true>)
+              : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW, false>);
 }
 
-// Compiled variants: (U, SW) in {(2,1), (4,1), (8,1), (2,2), (4,2), (2,4)} for both formats and 1 or 2 n8 tiles.
+// Compiled variants: (U, SW) in {(2,1), (4,1), (8,1), (2,2), (4,2), (2,4)} for both formats and 1 or 2 n8 tiles,
+// each with and without LoRA (a separate instantiation: the LoRA code costs the plain kernel no registers).
 template <int FMT, int NT>
-const void* pick_us(int unroll, int sw) {
-  if (sw == 1) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 1>() : unroll == 4 ? kernel_ptr<FMT, NT, 4, 1>()
-                    : unroll == 8 ? kernel_ptr<FMT, NT, 8, 1>() : nullptr;
-  if (sw == 2) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 2>() : unroll == 4 ? kernel_ptr<FMT, NT, 4, 2>() : nullptr;
-  if (sw == 4) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 4>() : nullptr;
+const void* pick_us(int unroll, int sw, bool lora) {
+  if (sw == 1) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 1>(lora) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 1>(lora)
+                    : unroll == 8 ? kernel_ptr<FMT, NT, 8, 1>(lora) : nullptr;
+  if (sw == 2)
+    return unroll == 2 ? kernel_ptr<FMT, NT, 2, 2>(lora) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 2>(lora) : nullptr;
+  if (sw == 4) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 4>(lora) : nullptr;
   return nullptr;
 }
 
-const void* pick(int fmt, int nt, int unroll, int sw) {
-  if (fmt == 0) return nt == 1 ? pick_us<0, 1>(unroll, sw) : nt == 2 ? pick_us<0, 2>(unroll, sw) : nullptr;
-  if (fmt == 1) return nt == 1 ? pick_us<1, 1>(unroll, sw) : nt == 2 ? pick_us<1, 2>(unroll, sw) : nullptr;
+const void* pick(int fmt, int nt, int unroll, int sw, bool lora = false) {
+  if (fmt == 0) return nt == 1 ? pick_us<0, 1>(unroll, sw, lora) : nt == 2 ? pick_us<0, 2>(unroll, sw, lora) : nullptr;
+  if (fmt == 1) return nt == 1 ? pick_us<1, 1>(unroll, sw, lora) : nt == 2 ? pick_us<1, 2>(unroll, sw, lora) : nullptr;
   return nullptr;
 }
 
@@ -258,6 +445,71 @@ int warp_cap(int unroll, int sw) { return unroll * sw >= 8 ? 8 : 16; }
 
 size_t smem_bytes(int nt, int warps, int splits, int sw) {
   return splits > 1 ? (size_t)warps * sw * 16 * 8 * nt * 4 : 0;
+}
+
+constexpr int kLoraMaxUnits = 512;  // LoRA warps per launch: la.part holds 512 x 16 x 16 fp32
+
+// Member of output row n (host).
+inline int member_host(const LoraArgs& la, int n) { return n < la.bound1 ? 0 : n < la.bound2 ? 1 : 2; }
+
+// The most ranks one output CTA of `rows` rows stages (its first to its last member's ranks).
+inline int lora_span(const LoraArgs& la, int rows, int N) {
+  int span = 0;
+  const int bounds[2] = {la.bound1, la.bound2};
+  for (int mb = 0; mb < 3; ++mb) span = span > la.rk[mb] ? span : la.rk[mb];
+  for (int b : bounds) {
+    if (b <= 0 || b >= N) continue;
+    const int lo = (b / rows) * rows, hi = (lo + rows < N ? lo + rows : N) - 1;
+    const int m0 = member_host(la, lo), m1 = member_host(la, hi);
+    const int sp = la.roff[m1] + la.rk[m1] - la.roff[m0];
+    span = span > sp ? span : sp;
+  }
+  return span;
+}
+
+// Bytes of shared memory for t (M x R fp32, padded to 16 B) and the Bt slice (span x rows bf16).
+inline size_t lora_smem_bytes(const LoraArgs& la, int M, int rows) {
+  return la.a == nullptr ? 0 : (size_t)((M * la.R + 3) & ~3) * 4 + (size_t)la.span * rows * 2;
+}
+
+int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
+                float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits, int strips_per_cta,
+                int unroll, int sw, int pdl, void* stream, LoraArgs la) {
+  const int nt = M > 8 ? 2 : 1;
+  const void* fn = pick(fmt, nt, unroll, sw, la.a != nullptr);
+  const int warps = splits * strips_per_cta;
+  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(unroll, sw))
+    return -1;
+  const int per_cta = strips_per_cta * sw;
+  const int rows = per_cta * 16;
+  int lora_ctas = 0;
+  if (la.a != nullptr) {
+    if (la.R < 1 || la.parts < 1 || la.parts > C) return -1;
+    const int units = ((la.R + 15) / 16) * la.parts;
+    if (units > kLoraMaxUnits) return -1;
+    lora_ctas = la.nlora = (units + warps - 1) / warps;
+    la.span = lora_span(la, rows, 16 * S);
+  }
+  const size_t smem = smem_bytes(nt, warps, splits, sw) + lora_smem_bytes(la, M, rows);
+  if (smem > 200 * 1024) return -1;
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas));
+  cfg.blockDim = dim3((unsigned)(warps * 32));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
+                  (void*)&strips_per_cta, (void*)&la};
+  return (int)cudaLaunchKernelExC(&cfg, fn, args);
 }
 
 }  // namespace qfp4
@@ -270,26 +522,36 @@ size_t smem_bytes(int nt, int warps, int splits, int sw) {
 extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                          const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits,
                          int strips_per_cta, int unroll, int sw, int pdl, void* stream) {
-  const int nt = M > 8 ? 2 : 1;
-  const void* fn = qfp4::pick(fmt, nt, unroll, sw);
-  const int warps = splits * strips_per_cta;
-  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > qfp4::warp_cap(unroll, sw))
-    return -1;
-  const int per_cta = strips_per_cta * sw;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)((S + per_cta - 1) / per_cta));
-  cfg.blockDim = dim3((unsigned)(warps * 32));
-  cfg.dynamicSmemBytes = qfp4::smem_bytes(nt, warps, splits, sw);
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
-                  (void*)&strips_per_cta};
-  return (int)cudaLaunchKernelExC(&cfg, fn, args);
+  qfp4::LoraArgs la = {};
+  return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
+                           unroll, sw, pdl, stream, la);
+}
+
+// The same plus LoRA in the launch: out += (x A^T) Bt[member ranks]; a (R, K) bf16, bt (R, N) bf16, workspaces
+// part (512 x 256) and t (>= M R) fp32, ctr (3) u32 zeroed (left zeroed); `parts` K parts per 16-rank strip;
+// members start at output rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
+extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
+                              const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
+                              int splits, int strips_per_cta, int unroll, int sw, int pdl, void* stream,
+                              const void* a, const void* bt, void* part, void* t, void* ctr, int R, int parts,
+                              int bound1, int bound2, const int* roff, const int* rk) {
+  qfp4::LoraArgs la = {};
+  la.a = static_cast<const __nv_bfloat16*>(a);
+  la.bt = static_cast<const __nv_bfloat16*>(bt);
+  la.part = static_cast<float*>(part);
+  la.t = static_cast<float*>(t);
+  la.ctr = static_cast<unsigned*>(ctr);
+  la.R = R;
+  la.parts = parts;
+  la.bound1 = bound1;
+  la.bound2 = bound2;
+  for (int i = 0; i < 3; ++i) {
+    la.roff[i] = roff[i];
+    la.rk[i] = rk[i];
+  }
+  if (a == nullptr || bt == nullptr || part == nullptr || t == nullptr || ctr == nullptr) return -1;
+  return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
+                           unroll, sw, pdl, stream, la);
 }
 
 // Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant).
