@@ -196,8 +196,12 @@ __device__ __forceinline__ void lora_stage_b(const LoraArgs& la, __nv_bfloat16* 
 // resets the counters), and wait for the Bt slice.
 __device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M) {
   __shared__ unsigned last;
-  if (threadIdx.x == 0) {
-    while (ld_acquire(la.ctr + 2) == 0u) __nanosleep(32);
+  if (threadIdx.x == 0) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
+    const long long start = clock64();
+    while (ld_acquire(la.ctr + 2) == 0u) {
+      __nanosleep(32);
+      if (clock64() - start > (1LL << 32)) __trap();
+    }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < M * la.R; i += blockDim.x) ts[i] = __ldcg(la.t + i);
