@@ -166,8 +166,8 @@ class FusedLinear:
                 self.Bt[r0:r0 + m.rank, c0:c0 + m.out_features].copy_(bt)  # off-diagonal blocks stay 0
                 r0 += m.rank
             c0 += m.out_features
-        if self.lora is None or self.lora.a is not self.A:
-            self.lora = _lora_operand(self.A, self.Bt, [(m.out_features, m.rank) for m in self.mods])
+        bts = [m._lora_cache[1] if m.rank else None for m in self.mods]
+        self.lora = _lora_operand(self, self.A, bts, [(m.out_features, m.rank) for m in self.mods])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: (M, K) -> (M, sum N)
         if self.q is None:

@@ -233,12 +233,20 @@ def finalize_trainable(model: nn.Module, train_norms: bool) -> None:
                 m.weight.requires_grad_(True)
 
 
-def _lora_operand(a: torch.Tensor, bt: torch.Tensor, members: list[tuple[int, int]]):
-    """The fused GEMV's LoRA operand for (a, bt), or None where it cannot take them (too many ranks, not on CUDA)."""
-    from qerl.kernels.cuda_fp4 import LORA_MAX_RANKS, LoraOperand
-    if not a.is_cuda or a.shape[0] > LORA_MAX_RANKS or len(members) > 3:
+def _lora_operand(owner, a: torch.Tensor, bts: list[torch.Tensor | None], members: list[tuple[int, int]]):
+    """The fused GEMV's LoRA operand: ``a`` and the members' (scaling·B)ᵀ ``bts`` laid out as Bn in a buffer kept on
+    ``owner`` (``_lora_bn``, reused in place: captured graphs keep its address); None where the kernel cannot take
+    them (not on CUDA, not bf16, too many ranks or members, member rows not multiples of 16)."""
+    from qerl.kernels.cuda_fp4 import LORA_MAX_RANKS, LoraOperand, lora_bn, lora_rp
+    if (not a.is_cuda or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= LORA_MAX_RANKS or len(members) > 3
+            or any(n % 16 for n, _ in members)):
         return None
-    return LoraOperand(a, bt, members)
+    shape = (sum(n for n, _ in members), lora_rp(members))
+    buf = getattr(owner, "_lora_bn", None)
+    if buf is None or tuple(buf.shape) != shape or buf.device != a.device:
+        buf = torch.zeros(shape, dtype=torch.bfloat16, device=a.device)
+        owner._lora_bn = buf
+    return LoraOperand(a, lora_bn(bts, members, out=buf), members)
 
 
 @contextlib.contextmanager
@@ -260,7 +268,7 @@ def lora_inference_cache(model: nn.Module, dtype: torch.dtype):
                 buf[0].copy_(m.lora_A.weight)
                 buf[1].copy_((m.lora_B.weight * m.scaling).t())  # (r, N): scaling folded in once
                 m._lora_cache = buf
-                m._lora_op = _lora_operand(buf[0], buf[1], [(m.out_features, m.rank)])
+                m._lora_op = _lora_operand(m, buf[0], [buf[1]], [(m.out_features, m.rank)])
         yield
     finally:
         for m in mods:

@@ -75,9 +75,9 @@ def test_rank_table_beside_paper_table9(tmp_path):
 
 
 def test_bench_profile_runs_on_cpu(tmp_path):
-    from qerl import bench
-
     import os
+
+    from qerl import bench
 
     before = os.environ.get("QERL_CUDA_LORA")
     rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused", "fused-split-lora", "unfused"), steps=2,

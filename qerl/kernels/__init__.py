@@ -411,7 +411,7 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) 
         return None
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], lora.bt.shape[1]
+    m, n = x2.shape[0], lora.bn.shape[0]
     if m == 0 or not _cuda_gemv_ok(x2, m, n, k) or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k:
         return None
     w = _cuda_weight(fmt, q)

@@ -222,7 +222,7 @@ def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None) 
 
 # ----------------------------------------------------------------------------------------- LoRA in the GEMV
 
-LORA_MAX_RANKS = 384  # R of one launch (t: 16 x R fp32; its Bt slice stays within shared memory: <= 96 KB)
+LORA_MAX_RANKS = 384  # R of one launch (t: 16 x (R + 16) fp32 in shared memory, beside the CTA's Bn rows)
 LORA_MAX_UNITS = 512  # LoRA warps of one launch (16-rank strips x K parts; csrc kLoraMaxUnits)
 LORA_MAX_MEMBERS = 3
 
@@ -230,25 +230,30 @@ LORA_MAX_MEMBERS = 3
 @dataclass
 class LoraOperand:
     """The LoRA of one linear or one fused group (q|k|v, gate|up), for :func:`gemv` in the same launch:
-    out[:, rows of member i] += (x · A[ranks of i]ᵀ) · Bt[ranks of i, rows of i].
+    out[:, rows of member i] += bf16(x · A[ranks of i]ᵀ) · Bn[rows of i, :rank_i]ᵀ.
 
-    ``a`` (R, K) bf16: the members' lora_A stacked; ``bt`` (R, N) bf16: (scaling · lora_B)ᵀ, member i's block at
-    its ranks and rows (other entries are never read); ``members`` ((rows, ranks) per member, in order, ≤ 3)."""
+    ``a`` (R, K) bf16: the members' lora_A stacked (R = the sum of their ranks); ``bn`` (N, RP) bf16 with RP a
+    multiple of 16 >= every member's rank: row n holds its member's scaling · lora_B row, **zero past the member's
+    rank** (:func:`lora_bn` builds it); ``members`` ((rows, ranks) per member, in order, <= 3; rows multiples of 16).
+    """
 
     a: torch.Tensor
-    bt: torch.Tensor
+    bn: torch.Tensor
     members: tuple[tuple[int, int], ...]
 
     def __post_init__(self):
         self.members = tuple((int(n), int(r)) for n, r in self.members)
         if not 1 <= len(self.members) <= LORA_MAX_MEMBERS:
             raise ValueError(f"LoRA in the GEMV takes 1 to {LORA_MAX_MEMBERS} members, got {len(self.members)}")
-        if any(n <= 0 or r < 0 for n, r in self.members):
-            raise ValueError(f"LoRA members must be (rows > 0, ranks >= 0), got {self.members}")
+        if any(n <= 0 or n % 16 or r < 0 for n, r in self.members):
+            raise ValueError(f"LoRA members must be (rows > 0, a multiple of 16; ranks >= 0), got {self.members}")
         r_total, n_total = sum(r for _, r in self.members), sum(n for n, _ in self.members)
-        if self.a.dim() != 2 or self.bt.dim() != 2 or self.a.shape[0] != r_total or self.bt.shape != (r_total, n_total):
-            raise ValueError(f"LoRA shapes: a {tuple(self.a.shape)}, bt {tuple(self.bt.shape)} do not match members "
-                             f"{self.members} (a (R, K), bt (R, N) with R = {r_total}, N = {n_total})")
+        rp = self.bn.shape[1] if self.bn.dim() == 2 else -1
+        if (self.a.dim() != 2 or self.a.shape[0] != r_total or self.bn.dim() != 2 or self.bn.shape[0] != n_total
+                or rp % 16 or rp < max(r for _, r in self.members)):
+            raise ValueError(f"LoRA shapes: a {tuple(self.a.shape)}, bn {tuple(self.bn.shape)} do not match members "
+                             f"{self.members} (a (R, K), bn (N, RP) with R = {r_total}, N = {n_total}, RP a multiple "
+                             f"of 16 >= every member's rank)")
         if not 1 <= r_total <= LORA_MAX_RANKS:
             raise ValueError(f"LoRA in the GEMV takes 1 to {LORA_MAX_RANKS} ranks in all, got {r_total}")
 
@@ -272,7 +277,29 @@ class LoraOperand:
         return bounds[1], bounds[2], roff, rk
 
 
-def lora_parts(r: int, c: int, chunks_per_warp: int = 4, max_units: int = LORA_MAX_UNITS) -> int:
+def lora_rp(members) -> int:
+    """Row length of Bn: the largest member rank rounded up to 16."""
+    return max(16, -(-max(r for _, r in members) // 16) * 16)
+
+
+def lora_bn(bts: list, members, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Bn (N, RP) from each member's (scaling · lora_B)ᵀ (rank_i, rows_i) (None for a member without ranks):
+    member rows stacked, each row its ranks then zeros (written into ``out`` in place when given)."""
+    n_total, rp = sum(n for n, _ in members), lora_rp(members)
+    if out is None:
+        ref = next(b for b in bts if b is not None)
+        out = torch.zeros((n_total, rp), dtype=ref.dtype, device=ref.device)
+    else:
+        out.zero_()
+    n0 = 0
+    for (n, r), bt in zip(members, bts, strict=True):
+        if r:
+            out[n0:n0 + n, :r].copy_(bt.t())
+        n0 += n
+    return out
+
+
+def lora_parts(r: int, c: int, chunks_per_warp: int = 8, max_units: int = LORA_MAX_UNITS) -> int:
     """K parts per 16-rank strip of the LoRA CTAs: about ``chunks_per_warp`` K chunks of 64 per warp (the LoRA
     CTAs run beside the output CTAs' main loop and should finish well before it), at most ``max_units`` warps."""
     strips = -(-r // 16)
@@ -280,14 +307,14 @@ def lora_parts(r: int, c: int, chunks_per_warp: int = 4, max_units: int = LORA_M
 
 
 def emulate_lora(x: torch.Tensor, lora: LoraOperand) -> torch.Tensor:
-    """float32 (M, N): the LoRA term the kernel adds before its one rounding (t = x·Aᵀ in fp32, then each member's
-    ranks times its block of Bt)."""
-    t = x.float() @ lora.a.to(x.device).float().t()
-    out = torch.zeros((x.shape[0], lora.bt.shape[1]), dtype=torch.float32, device=x.device)
+    """float32 (M, N): the LoRA term the kernel adds before its one rounding (t = x·Aᵀ summed in fp32 and rounded to
+    bf16, as the MMA operand, then each member's ranks times its rows of Bn)."""
+    t = (x.float() @ lora.a.to(x.device).float().t()).to(torch.bfloat16).float()
+    out = torch.zeros((x.shape[0], lora.bn.shape[0]), dtype=torch.float32, device=x.device)
     n0 = r0 = 0
     for n, r in lora.members:
         if r:
-            out[:, n0:n0 + n] = t[:, r0:r0 + r] @ lora.bt[r0:r0 + r, n0:n0 + n].to(x.device).float()
+            out[:, n0:n0 + n] = t[:, r0:r0 + r] @ lora.bn[n0:n0 + n, :r].to(x.device).float().t()
         n0, r0 = n0 + n, r0 + r
     return out
 
@@ -304,7 +331,7 @@ extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int,
                          int, int, int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*, int, const float*, float,
                               unsigned, int, int, int, int, int, int, int, int, int, void*, const void*, const void*,
-                              void*, void*, void*, int, int, int, int, const int*, const int*);
+                              void*, void*, void*, int, int, int, int, int, const int*, const int*);
 extern "C" int qfp4_occupancy(int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
@@ -342,24 +369,24 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
 
 void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
                double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-               bool pdl, torch::Tensor a, torch::Tensor bt, torch::Tensor part, torch::Tensor t, torch::Tensor ctr,
+               bool pdl, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor t, torch::Tensor ctr,
                int64_t parts,
                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
-  TORCH_CHECK(a.is_cuda() && bt.is_cuda() && part.is_cuda() && t.is_cuda() && ctr.is_cuda(),
+  TORCH_CHECK(a.is_cuda() && bn.is_cuda() && part.is_cuda() && t.is_cuda() && ctr.is_cuda(),
               "LoRA tensors must be on CUDA");
-  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && bt.scalar_type() == at::kBFloat16, "a, bt must be bf16");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16, "a, bn must be bf16");
   TORCH_CHECK(part.scalar_type() == at::kFloat && t.scalar_type() == at::kFloat && ctr.scalar_type() == at::kInt,
               "part, t fp32, ctr int32");
-  TORCH_CHECK(a.is_contiguous() && bt.is_contiguous() && a.dim() == 2 && bt.dim() == 2, "a, bt: contiguous 2-D");
-  const int R = (int)a.size(0);
-  TORCH_CHECK(a.size(1) == 64 * C && bt.size(0) == R && bt.size(1) == 16 * S, "LoRA shape mismatch");
+  TORCH_CHECK(a.is_contiguous() && bn.is_contiguous() && a.dim() == 2 && bn.dim() == 2, "a, bn: contiguous 2-D");
+  const int R = (int)a.size(0), RP = (int)bn.size(1);
+  TORCH_CHECK(a.size(1) == 64 * C && bn.size(0) == 16 * S && RP % 16 == 0, "LoRA shape mismatch");
   TORCH_CHECK(part.numel() >= 512 * 256 && t.numel() >= (int64_t)M * R && ctr.numel() >= 3, "LoRA workspace too small");
   TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bt.data_ptr()) % 16 == 0,
-              "a, bt must be 16-byte aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bn.data_ptr()) % 16 == 0,
+              "a, bn must be 16-byte aligned");
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   const int ro[3] = {(int)roff[0], (int)roff[1], (int)roff[2]}, rr[3] = {(int)rk[0], (int)rk[1], (int)rk[2]};
@@ -367,7 +394,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                                  (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
                                  (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
                                  (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
-                                 a.data_ptr(), bt.data_ptr(), part.data_ptr(), t.data_ptr(), ctr.data_ptr(), R,
+                                 a.data_ptr(), bn.data_ptr(), part.data_ptr(), t.data_ptr(), ctr.data_ptr(), R, RP,
                                  (int)parts,
                                  (int)bound1, (int)bound2, ro, rr);
   TORCH_CHECK(err == 0, "qfp4_gemv_lora: ", err == -1 ? "unsupported configuration"
@@ -576,28 +603,28 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     if lora is None:
         _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl)
         return out
-    a, bt = _lora_tensors(lora, w)
+    a, bn = _lora_tensors(lora, w)
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
     part, t, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl,
-                     a, bt, part, t, ctr, lora_parts(lora.rank, w.k // 64), bound1, bound2, roff, rk)
+                     a, bn, part, t, ctr, lora_parts(lora.rank, w.k // 64), bound1, bound2, roff, rk)
     return out
 
 
 def _lora_tensors(lora: LoraOperand, w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    a, bt = lora.a, lora.bt
-    if a.shape[1] != w.k or bt.shape[1] != w.n:
-        raise ValueError(f"gemv: LoRA a {tuple(a.shape)} / bt {tuple(bt.shape)} do not fit the weight {(w.n, w.k)}")
-    if a.dtype != torch.bfloat16 or bt.dtype != torch.bfloat16 or a.device != w.qweight.device \
-            or bt.device != w.qweight.device:
-        raise ValueError(f"gemv: LoRA a, bt must be bfloat16 on {w.qweight.device}, got {a.dtype} on {a.device}, "
-                         f"{bt.dtype} on {bt.device}")
+    a, bn = lora.a, lora.bn
+    if a.shape[1] != w.k or bn.shape[0] != w.n:
+        raise ValueError(f"gemv: LoRA a {tuple(a.shape)} / bn {tuple(bn.shape)} do not fit the weight {(w.n, w.k)}")
+    if a.dtype != torch.bfloat16 or bn.dtype != torch.bfloat16 or a.device != w.qweight.device \
+            or bn.device != w.qweight.device:
+        raise ValueError(f"gemv: LoRA a, bn must be bfloat16 on {w.qweight.device}, got {a.dtype} on {a.device}, "
+                         f"{bn.dtype} on {bn.device}")
     if not a.is_contiguous() or a.data_ptr() % 16:
         a = a.contiguous() if not a.is_contiguous() else a.clone()
-    if not bt.is_contiguous() or bt.data_ptr() % 16:
-        bt = bt.contiguous() if not bt.is_contiguous() else bt.clone()
-    return a, bt
+    if not bn.is_contiguous() or bn.data_ptr() % 16:
+        bn = bn.contiguous() if not bn.is_contiguous() else bn.clone()
+    return a, bn
 
 
 def lora_launches() -> int:
@@ -764,7 +791,7 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
     return cfg
 
 
-__all__ = ["CudaFP4Weight", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "emulate_lora", "available", "prepare",
+__all__ = ["CudaFP4Weight", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
            "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",

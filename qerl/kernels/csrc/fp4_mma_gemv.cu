@@ -21,14 +21,15 @@
 // Split-K inside the CTA: each strip is worked on by `splits` warps (contiguous K ranges), partial sums are
 // reduced through shared memory, so one launch, no workspace, no atomics: CUDA-graph capturable.
 //
-// LoRA in the same launch (optional, `LoraArgs`): out = x W^T + (x A^T) Bs^T with A (R, K) bf16 (the group's
-// stacked lora_A) and Bt (R, N) bf16 (scaling * lora_B, transposed; output row n uses ranks
-// [roff(n), roff(n) + rk(n)) of its member). The first `nlora` CTAs compute t = x A^T (fp32, split over K: warp =
+// LoRA in the same launch (optional, `LoraArgs`): out = x W^T + bf16(x A^T) Bn^T with A (R, K) bf16 (the group's
+// stacked lora_A) and Bn (N, RP) bf16 (scaling * lora_B of the row's member, zero past its rk ranks; member i's
+// rows use ranks [roff_i, roff_i + rk_i) of t). The first `nlora` CTAs compute t = x A^T (fp32, split over K: warp =
 // one 16-rank strip x one K part; A rows are a bf16 "weight" fed to the same m16n8k16 MMA with the same K
 // permutation as the FP4 chunks) and write one partial per warp; the last LoRA CTA to finish sums the partials
 // in a fixed order into t (deterministic: no floating-point atomics) and raises a ready flag. The other CTAs
-// stage their rows' slice of Bt in shared memory (cp.async, during the main loop), and after the main loop wait
-// for the flag, copy t to shared memory and add the LoRA term to the fp32 result before the one bf16 rounding.
+// stage their rows of Bn in shared memory (cp.async, during the main loop), and after the main loop wait for the
+// flag, copy t to shared memory and add the LoRA term with one more m16n8k16 per 16 ranks on the split-0 warps'
+// own accumulators (A = Bn rows, B = bf16(t)), before the split-K reduction and the one bf16 rounding.
 // The last output CTA resets the counters for the next launch. Waiting relies on CTAs being dispatched in
 // blockIdx order (as CUB's decoupled look-back does): the LoRA CTAs, lowest in blockIdx, are resident before any
 // CTA that waits for them.
@@ -48,14 +49,13 @@ struct XFrag {
 
 struct LoraArgs {
   const __nv_bfloat16* a;   // (R, K) row-major; nullptr: no LoRA
-  const __nv_bfloat16* bt;  // (R, N) row-major, row stride N
+  const __nv_bfloat16* bn;  // (N, rp) row-major: row n = its member's scaling * lora_B row, zero past rk
   float* part;              // (units, 16 tokens, 16 ranks) fp32: one partial of x A^T per LoRA warp
   float* t;                 // (M, R) fp32: the sum of the partials
   unsigned* ctr;            // [0] LoRA CTAs done, [1] output CTAs done, [2] t ready: zero on entry, left zero
-  int R, parts, nlora;      // ranks, K parts per 16-rank strip, LoRA CTAs (the lowest blockIdx)
+  int R, rp, parts, nlora;  // ranks, Bn row length (multiple of 16), K parts per 16-rank strip, LoRA CTAs
   int bound1, bound2;       // output rows where members 1 and 2 start (N when absent)
-  int roff[3], rk[3];       // first rank and rank count of each member
-  int span;                 // max ranks one output CTA stages (its Bt slice is span x rows)
+  int roff[3], rk[3];       // first rank and rank count of each member (member rows are multiples of 16)
 };
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
@@ -176,24 +176,25 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
   if (threadIdx.x == 0) atomicExch(la.ctr + 2, 1u);
 }
 
-// An output CTA's LoRA staging: its rows' slice of Bt (ranks [rlo, rlo + span) of the members it touches) into
-// shared memory `bs` (span x rows bf16) by cp.async; committed, waited for in lora_gather.
-__device__ __forceinline__ void lora_stage_b(const LoraArgs& la, __nv_bfloat16* bs, int n_lo, int rows, int N,
-                                             int& rlo) {
-  const int m_lo = member_of(la, n_lo), m_hi = member_of(la, min(n_lo + rows, N) - 1);
-  rlo = pick3(la.roff, m_lo);
-  const int rhi = pick3(la.roff, m_hi) + pick3(la.rk, m_hi);
-  const int units = rows >> 3;  // 16-byte units per rank row
-  for (int i = threadIdx.x; i < (rhi - rlo) * units; i += blockDim.x) {
+// Shared-memory row stride of the staged Bn rows (bf16): rp + 8 spreads the fragment reads over all banks.
+__device__ __host__ __forceinline__ int lora_bs_stride(int rp) { return rp + 8; }
+// Row stride of t in shared memory (fp32): R + 16 zero columns, so a member's last 16-rank chunk reads in bounds.
+__device__ __host__ __forceinline__ int lora_ts_stride(int R) { return R + 16; }
+
+// An output CTA's LoRA staging: its `rows` rows of Bn into shared memory `bs` by cp.async (committed; waited for
+// in lora_gather).
+__device__ __forceinline__ void lora_stage_b(const LoraArgs& la, __nv_bfloat16* bs, int n_lo, int rows, int N) {
+  const int units = la.rp >> 3;  // 16-byte units per row
+  const int ld = lora_bs_stride(la.rp);
+  for (int i = threadIdx.x; i < rows * units; i += blockDim.x) {
     const int r = i / units, u = i - r * units;
-    const int n = n_lo + 8 * u;
-    if (n < N) cp_async16(bs + r * rows + 8 * u, la.bt + (size_t)(rlo + r) * N + n);
+    if (n_lo + r < N) cp_async16(bs + r * ld + 8 * u, la.bn + (size_t)(n_lo + r) * la.rp + 8 * u);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// After the main loop: wait for t, copy it (M x R fp32) to shared memory `ts`, count this CTA done (the last one
-// resets the counters), and wait for the Bt slice.
+// After the main loop: wait for t, copy it to shared memory `ts` (16 token rows x lora_ts_stride, zero for tokens
+// >= M and ranks >= R), count this CTA done (the last one resets the counters), and wait for the Bn rows.
 __device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M) {
   __shared__ unsigned last;
   if (threadIdx.x == 0) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
@@ -204,7 +205,11 @@ __device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < M * la.R; i += blockDim.x) ts[i] = __ldcg(la.t + i);
+  const int ld = lora_ts_stride(la.R);
+  for (int i = threadIdx.x; i < 16 * ld; i += blockDim.x) {
+    const int tok = i / ld, r = i - tok * ld;
+    ts[i] = tok < M && r < la.R ? __ldcg(la.t + tok * la.R + r) : 0.f;
+  }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -219,17 +224,40 @@ __device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M
   }
 }
 
-// The LoRA term of output (tok, n): sum over the member's ranks of t[tok, r] * Bt[r, n], from shared memory.
-__device__ __forceinline__ float lora_term(const LoraArgs& la, const float* ts, const __nv_bfloat16* bs, int rlo,
-                                           int rows, int n_lo, int tok, int n) {
-  const int mb = member_of(la, n);
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The LoRA term of one strip (16 output rows from n0, `local` rows into the CTA's staged Bn) for this warp's n8
+// token tiles: sum over the member's 16-rank chunks of Bn[rows, chunk] (A) x bf16(t)[chunk, tokens] (B), times
+// `inv` (1 / the accumulator's output multiplier), added to acc.
+template <int NT>
+__device__ __forceinline__ void lora_mma(const LoraArgs& la, const float* ts, const __nv_bfloat16* bs, int local,
+                                         int n0, float inv, float (&acc)[NT][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int mb = member_of(la, n0);
   const int r0 = pick3(la.roff, mb), rk = pick3(la.rk, mb);
-  const float* tr = ts + tok * la.R + r0;
-  const __nv_bfloat16* br = bs + (r0 - rlo) * rows + (n - n_lo);
-  float v = 0.f;
-#pragma unroll 8
-  for (int r = 0; r < rk; ++r) v = fmaf(tr[r], __bfloat162float(br[r * rows]), v);
-  return v;
+  const int lb = lora_bs_stride(la.rp), lt = lora_ts_stride(la.R);
+  float c[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+  const __nv_bfloat16* b0 = bs + (local + g) * lb + 2 * t;
+  const __nv_bfloat16* b8 = b0 + 8 * lb;
+  for (int j = 0; j < rk; j += 16) {
+    const uint32_t a0 = *reinterpret_cast<const uint32_t*>(b0 + j), a1 = *reinterpret_cast<const uint32_t*>(b8 + j);
+    const uint32_t a2 = *reinterpret_cast<const uint32_t*>(b0 + j + 8);
+    const uint32_t a3 = *reinterpret_cast<const uint32_t*>(b8 + j + 8);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float* tr = ts + (nt * 8 + g) * lt + r0 + j + 2 * t;
+      mma_bf16(c[nt], a0, a1, a2, a3, pack_bf16(tr[0], tr[1]), pack_bf16(tr[8], tr[9]));
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = fmaf(c[nt][e], inv, acc[nt][e]);
 }
 
 // grid: ceil(S / (R * SW)) CTAs of R * splits warps; warp w works on the SW strips starting at
@@ -244,7 +272,7 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
                 int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
                 uint32_t bword, int M, int S, int C, int splits, int R, LoraArgs la) {
   // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1, then with LoRA
-  // t (M x la.R fp32) and the Bt slice (la.span x rows bf16); offsets as in lora_smem_offsets (host)
+  // t (16 x (la.R + 16) fp32) and the CTA's Bn rows (rows x (la.rp + 8) bf16); sizes as in lora_smem_bytes (host)
   extern __shared__ __align__(16) float red[];
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int A2 = SW == 1 ? 2 : 1;
@@ -338,11 +366,9 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int rows = R * SW * 16, n_lo = blk * rows;
-  const int warps_all = blockDim.x >> 5;
-  float* ts = red + (splits > 1 ? warps_all * SW * 16 * TOK : 0);
-  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(ts + ((M * la.R + 3) & ~3));
-  int rlo = 0;
-  if (has_lora) lora_stage_b(la, bs, n_lo, rows, 16 * S, rlo);
+  float* ts = red + (splits > 1 ? (blockDim.x >> 5) * SW * 16 * TOK : 0);
+  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(ts + 16 * lora_ts_stride(la.R));
+  if (has_lora) lora_stage_b(la, bs, n_lo, rows, 16 * S);
   if (work) {
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
@@ -370,10 +396,14 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if (has_lora) lora_gather(la, ts, M);
-  auto lt = [&](int tok, int n) {
-    return has_lora ? lora_term(la, ts, bs, rlo, rows, n_lo, tok, n) : 0.f;
-  };
+  if (has_lora) {
+    lora_gather(la, ts, M);
+    if (split == 0) {
+#pragma unroll
+      for (int i = 0; i < SW; ++i)
+        if (strip0 + i < S) lora_mma<NT>(la, ts, bs, (strip0 + i) * 16 - n_lo, (strip0 + i) * 16, 1.f / mult, acc[i][0]);
+    }
+  }
   if (splits == 1) {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
@@ -383,13 +413,12 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
       for (int nt = 0; nt < NT; ++nt) {
         const int tok = nt * 8 + 2 * t;
         if (tok < M) {
-          out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][0] * mult + lt(tok, n0 + g));
-          out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][0][nt][2] * mult + lt(tok, n0 + g + 8));
+          out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][0] * mult);
+          out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][0][nt][2] * mult);
         }
         if (tok + 1 < M) {
-          out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][1] * mult + lt(tok + 1, n0 + g));
-          out[(size_t)(tok + 1) * ldo + n0 + g + 8] =
-              __float2bfloat16_rn(acc[i][0][nt][3] * mult + lt(tok + 1, n0 + g + 8));
+          out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[i][0][nt][1] * mult);
+          out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[i][0][nt][3] * mult);
         }
       }
     }
@@ -417,7 +446,7 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
     if (st >= S) continue;
     float v = 0.f;
     for (int sp = 0; sp < splits; ++sp) v += red[(((grp * splits + sp) * SW + i) * 16 + row) * TOK + tok];
-    out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult + lt(tok, st * 16 + row));
+    out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult);
   }
 }
 
@@ -453,27 +482,9 @@ size_t smem_bytes(int nt, int warps, int splits, int sw) {
 
 constexpr int kLoraMaxUnits = 512;  // LoRA warps per launch: la.part holds 512 x 16 x 16 fp32
 
-// Member of output row n (host).
-inline int member_host(const LoraArgs& la, int n) { return n < la.bound1 ? 0 : n < la.bound2 ? 1 : 2; }
-
-// The most ranks one output CTA of `rows` rows stages (its first to its last member's ranks).
-inline int lora_span(const LoraArgs& la, int rows, int N) {
-  int span = 0;
-  const int bounds[2] = {la.bound1, la.bound2};
-  for (int mb = 0; mb < 3; ++mb) span = span > la.rk[mb] ? span : la.rk[mb];
-  for (int b : bounds) {
-    if (b <= 0 || b >= N) continue;
-    const int lo = (b / rows) * rows, hi = (lo + rows < N ? lo + rows : N) - 1;
-    const int m0 = member_host(la, lo), m1 = member_host(la, hi);
-    const int sp = la.roff[m1] + la.rk[m1] - la.roff[m0];
-    span = span > sp ? span : sp;
-  }
-  return span;
-}
-
-// Bytes of shared memory for t (M x R fp32, padded to 16 B) and the Bt slice (span x rows bf16).
-inline size_t lora_smem_bytes(const LoraArgs& la, int M, int rows) {
-  return la.a == nullptr ? 0 : (size_t)((M * la.R + 3) & ~3) * 4 + (size_t)la.span * rows * 2;
+// Bytes of shared memory for t (16 x (R + 16) fp32) and the CTA's Bn rows (rows x (rp + 8) bf16).
+inline size_t lora_smem_bytes(const LoraArgs& la, int rows) {
+  return la.a == nullptr ? 0 : (size_t)16 * lora_ts_stride(la.R) * 4 + (size_t)rows * lora_bs_stride(la.rp) * 2;
 }
 
 int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
@@ -488,13 +499,12 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   const int rows = per_cta * 16;
   int lora_ctas = 0;
   if (la.a != nullptr) {
-    if (la.R < 1 || la.parts < 1 || la.parts > C) return -1;
+    if (la.R < 1 || la.rp < 16 || la.rp % 16 || la.parts < 1 || la.parts > C) return -1;
     const int units = ((la.R + 15) / 16) * la.parts;
     if (units > kLoraMaxUnits) return -1;
     lora_ctas = la.nlora = (units + warps - 1) / warps;
-    la.span = lora_span(la, rows, 16 * S);
   }
-  const size_t smem = smem_bytes(nt, warps, splits, sw) + lora_smem_bytes(la, M, rows);
+  const size_t smem = smem_bytes(nt, warps, splits, sw) + lora_smem_bytes(la, rows);
   if (smem > 200 * 1024) return -1;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -531,21 +541,22 @@ extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx,
                            unroll, sw, pdl, stream, la);
 }
 
-// The same plus LoRA in the launch: out += (x A^T) Bt[member ranks]; a (R, K) bf16, bt (R, N) bf16, workspaces
+// The same plus LoRA in the launch: out += bf16(x A^T)[member ranks] Bn^T; a (R, K) bf16, bn (N, rp) bf16, workspaces
 // part (512 x 256) and t (>= M R) fp32, ctr (3) u32 zeroed (left zeroed); `parts` K parts per 16-rank strip;
 // members start at output rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
                               int splits, int strips_per_cta, int unroll, int sw, int pdl, void* stream,
-                              const void* a, const void* bt, void* part, void* t, void* ctr, int R, int parts,
-                              int bound1, int bound2, const int* roff, const int* rk) {
+                              const void* a, const void* bn, void* part, void* t, void* ctr, int R, int rp,
+                              int parts, int bound1, int bound2, const int* roff, const int* rk) {
   qfp4::LoraArgs la = {};
   la.a = static_cast<const __nv_bfloat16*>(a);
-  la.bt = static_cast<const __nv_bfloat16*>(bt);
+  la.bn = static_cast<const __nv_bfloat16*>(bn);
   la.part = static_cast<float*>(part);
   la.t = static_cast<float*>(t);
   la.ctr = static_cast<unsigned*>(ctr);
   la.R = R;
+  la.rp = rp;
   la.parts = parts;
   la.bound1 = bound1;
   la.bound2 = bound2;
@@ -553,7 +564,7 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
     la.roff[i] = roff[i];
     la.rk[i] = rk[i];
   }
-  if (a == nullptr || bt == nullptr || part == nullptr || t == nullptr || ctr == nullptr) return -1;
+  if (a == nullptr || bn == nullptr || part == nullptr || t == nullptr || ctr == nullptr) return -1;
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
                            unroll, sw, pdl, stream, la);
 }
