@@ -235,8 +235,8 @@ def test_lora_operand_checks_and_launch_args():
         cf.LoraOperand(torch.zeros(32, 128).bfloat16(), bn, [(64, 32)])
     with pytest.raises(ValueError, match="a multiple of 16"):
         cf.LoraOperand(a, bn, [(56, 8), (8, 8)])
-    assert cf.lora_parts(96, 56) == 7 and cf.lora_parts(32, 296) == 37 and cf.lora_parts(16, 1) == 1
-    assert cf.lora_parts(384, 2000) * 24 <= cf.LORA_MAX_UNITS  # at most 512 LoRA warps
+    assert cf.lora_parts(96, 56) == 2 and cf.lora_parts(32, 296, warps=8) == 10 and cf.lora_parts(16, 1) == 1
+    assert cf.lora_parts(384, 20000, warps=1) * 24 <= cf.LORA_MAX_UNITS  # at most 512 LoRA CTAs
 
 
 def test_emulate_lora_uses_each_members_ranks():

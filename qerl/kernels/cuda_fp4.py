@@ -223,7 +223,7 @@ def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None) 
 # ----------------------------------------------------------------------------------------- LoRA in the GEMV
 
 LORA_MAX_RANKS = 384  # R of one launch (t: 16 x (R + 16) fp32 in shared memory, beside the CTA's Bn rows)
-LORA_MAX_UNITS = 512  # LoRA warps of one launch (16-rank strips x K parts; csrc kLoraMaxUnits)
+LORA_MAX_UNITS = 512  # LoRA CTAs of one launch (16-rank strips x K parts; csrc kLoraMaxUnits)
 LORA_MAX_MEMBERS = 3
 
 
@@ -299,11 +299,12 @@ def lora_bn(bts: list, members, out: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
-def lora_parts(r: int, c: int, chunks_per_warp: int = 8, max_units: int = LORA_MAX_UNITS) -> int:
-    """K parts per 16-rank strip of the LoRA CTAs: about ``chunks_per_warp`` K chunks of 64 per warp (the LoRA
-    CTAs run beside the output CTAs' main loop and should finish well before it), at most ``max_units`` warps."""
+def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 4, max_units: int = LORA_MAX_UNITS) -> int:
+    """K parts per 16-rank strip = LoRA CTAs per strip (each of ``warps`` warps takes ~``chunks_per_warp`` K chunks of
+    64: the LoRA CTAs run beside the output CTAs' main loop and should finish well before it), at most ``max_units``
+    CTAs in all."""
     strips = -(-r // 16)
-    return max(1, min(c, -(-c // chunks_per_warp), max(1, max_units // strips)))
+    return max(1, min(c, -(-c // (warps * chunks_per_warp)), max(1, max_units // strips)))
 
 
 def emulate_lora(x: torch.Tensor, lora: LoraOperand) -> torch.Tensor:
@@ -608,7 +609,7 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     part, t, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl,
-                     a, bn, part, t, ctr, lora_parts(lora.rank, w.k // 64), bound1, bound2, roff, rk)
+                     a, bn, part, t, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
     return out
 
 

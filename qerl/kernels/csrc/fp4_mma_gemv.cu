@@ -108,53 +108,74 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
   }
 }
 
-// A LoRA CTA: its warps take units (16-rank strip, K part) and write x A^T over the part to la.part[unit]; the
+// A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (two
+// chunks' loads in flight), reduce through shared memory into one partial la.part[c] (16 tokens x 16 ranks); the
 // last LoRA CTA to finish sums each (token, rank) over the parts in order into la.t and sets the ready flag.
 template <int NT>
 __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16* __restrict__ x, int ldx, int M,
-                                         int C) {
+                                         int C, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int rstrips = (la.R + 15) >> 4;
   const int K = 64 * C;
-  for (int u = blockIdx.x * warps + warp; u < rstrips * la.parts; u += la.nlora * warps) {
-    const int rs = u / la.parts, p = u - rs * la.parts;
-    const int c0 = p * C / la.parts, c1 = (p + 1) * C / la.parts;
-    const int r0 = rs * 16 + g, r1 = r0 + 8;
-    const bool v0 = r0 < la.R, v1 = r1 < la.R;
-    const __nv_bfloat16* a0p = la.a + (size_t)(v0 ? r0 : 0) * K + 16 * t;
-    const __nv_bfloat16* a1p = la.a + (size_t)(v1 ? r1 : 0) * K + 16 * t;
-    const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t;
-    float acc[NT][4];
+  const int rs = blockIdx.x / la.parts, p = blockIdx.x - rs * la.parts;
+  const int p0 = p * C / la.parts, p1 = (p + 1) * C / la.parts;
+  const int c0 = p0 + warp * (p1 - p0) / warps, c1 = p0 + (warp + 1) * (p1 - p0) / warps;
+  const int r0 = rs * 16 + g, r1 = r0 + 8;
+  const bool v0 = r0 < la.R, v1 = r1 < la.R;
+  const __nv_bfloat16* a0p = la.a + (size_t)(v0 ? r0 : 0) * K + 16 * t;
+  const __nv_bfloat16* a1p = la.a + (size_t)(v1 ? r1 : 0) * K + 16 * t;
+  const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t;
+  float acc[NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    XFrag<NT> xf;
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  XFrag<NT> xf[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) xf.r[nt][e] = 0u;
-    for (int c = c0; c < c1; ++c) {
-      uint4 z = make_uint4(0u, 0u, 0u, 0u);
-      const uint4 a00 = v0 ? ld_x(a0p + 64 * c) : z, a01 = v0 ? ld_x(a0p + 64 * c + 8) : z;
-      const uint4 a10 = v1 ? ld_x(a1p + 64 * c) : z, a11 = v1 ? ld_x(a1p + 64 * c + 8) : z;
-      load_x<NT>(xf, xq + 64 * c, 8 * ldx, g < M, g + 8 < M);
-      const uint32_t w0[8] = {a00.x, a00.y, a00.z, a00.w, a01.x, a01.y, a01.z, a01.w};
-      const uint32_t w1[8] = {a10.x, a10.y, a10.z, a10.w, a11.x, a11.y, a11.z, a11.w};
+      for (int e = 0; e < 8; ++e) xf[i].r[nt][e] = 0u;
+  const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+  for (int c = c0; c < c1; c += 2) {
+    uint4 w[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const bool ok = c + h < c1;
+      const int off = 64 * (c + h);
+      w[h][0] = ok && v0 ? ld_x(a0p + off) : z;
+      w[h][1] = ok && v0 ? ld_x(a0p + off + 8) : z;
+      w[h][2] = ok && v1 ? ld_x(a1p + off) : z;
+      w[h][3] = ok && v1 ? ld_x(a1p + off + 8) : z;
+      if (ok) load_x<NT>(xf[h], xq + off, 8 * ldx, g < M, g + 8 < M);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (c + h >= c1) break;
+      const uint32_t w0[8] = {w[h][0].x, w[h][0].y, w[h][0].z, w[h][0].w, w[h][1].x, w[h][1].y, w[h][1].z, w[h][1].w};
+      const uint32_t w1[8] = {w[h][2].x, w[h][2].y, w[h][2].z, w[h][2].w, w[h][3].x, w[h][3].y, w[h][3].z, w[h][3].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_bf16(acc[nt], w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1], xf.r[nt][2 * j], xf.r[nt][2 * j + 1]);
+          mma_bf16(acc[nt], w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1], xf[h].r[nt][2 * j],
+                   xf[h].r[nt][2 * j + 1]);
     }
-    float* pp = la.part + (size_t)u * 256;  // [token][rank in strip]
+  }
+  // warp partials -> shared memory [warp][token][rank], summed in warp order into la.part[blockIdx.x]
+  float* wp = red + warp * 256;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int tok = nt * 8 + 2 * t;
-      pp[tok * 16 + g] = acc[nt][0];
-      pp[(tok + 1) * 16 + g] = acc[nt][1];
-      pp[tok * 16 + g + 8] = acc[nt][2];
-      pp[(tok + 1) * 16 + g + 8] = acc[nt][3];
-    }
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + 2 * t;
+    wp[tok * 16 + g] = acc[nt][0];
+    wp[(tok + 1) * 16 + g] = acc[nt][1];
+    wp[tok * 16 + g + 8] = acc[nt][2];
+    wp[(tok + 1) * 16 + g + 8] = acc[nt][3];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 16 * NT * 8; i += blockDim.x) {
+    float v = 0.f;
+    for (int w2 = 0; w2 < warps; ++w2) v += red[w2 * 256 + i];
+    la.part[(size_t)blockIdx.x * 256 + i] = v;
   }
   __shared__ unsigned last;
   __threadfence();
@@ -167,7 +188,7 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
     const int tok = i / la.R, r = i - tok * la.R;
     const float* src = la.part + (size_t)(r >> 4) * la.parts * 256 + tok * 16 + (r & 15);
     float v = 0.f;
-#pragma unroll 8
+#pragma unroll 4
     for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256);
     la.t[i] = v;
   }
@@ -285,7 +306,7 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    lora_cta<NT>(la, x, ldx, M, C);
+    lora_cta<NT>(la, x, ldx, M, C, red);
     return;
   }
   const int blk = has_lora ? (int)blockIdx.x - la.nlora : (int)blockIdx.x;
@@ -480,7 +501,7 @@ size_t smem_bytes(int nt, int warps, int splits, int sw) {
   return splits > 1 ? (size_t)warps * sw * 16 * 8 * nt * 4 : 0;
 }
 
-constexpr int kLoraMaxUnits = 512;  // LoRA warps per launch: la.part holds 512 x 16 x 16 fp32
+constexpr int kLoraMaxUnits = 512;  // LoRA CTAs per launch: la.part holds 512 x 16 x 16 fp32
 
 // Bytes of shared memory for t (16 x (R + 16) fp32) and the CTA's Bn rows (rows x (rp + 8) bf16).
 inline size_t lora_smem_bytes(const LoraArgs& la, int rows) {
@@ -500,11 +521,12 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   int lora_ctas = 0;
   if (la.a != nullptr) {
     if (la.R < 1 || la.rp < 16 || la.rp % 16 || la.parts < 1 || la.parts > C) return -1;
-    const int units = ((la.R + 15) / 16) * la.parts;
+    const int units = ((la.R + 15) / 16) * la.parts;  // one LoRA CTA per (16-rank strip, K part)
     if (units > kLoraMaxUnits) return -1;
-    lora_ctas = la.nlora = (units + warps - 1) / warps;
+    lora_ctas = la.nlora = units;
   }
-  const size_t smem = smem_bytes(nt, warps, splits, sw) + lora_smem_bytes(la, rows);
+  size_t smem = smem_bytes(nt, warps, splits, sw) + lora_smem_bytes(la, rows);
+  if (la.a != nullptr && smem < (size_t)warps * 256 * 4) smem = (size_t)warps * 256 * 4;  // LoRA CTAs' partials
   if (smem > 200 * 1024) return -1;
   if (smem > 48 * 1024) {
     const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
