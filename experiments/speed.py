@@ -321,6 +321,10 @@ NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = r
 {rollout_table(root, decode="fused")}
 ### The fused decode step against the unfused one (7B, one run, before the CUDA GEMV; Triton FP4 kernels)
 {rollout_table(root / "raw" / "h100_run5", decode=None)}
+### Base + LoRA in one CUDA launch against LoRA as its own launches (7B, batch 8, one run, best of 2)
+`fused-split-lora` is the previous build's decode step (x·Aᵀ and the B product as 2 extra launches per linear,
+`QERL_CUDA_LORA=0`); `fused` runs them inside the FP4 GEMV launch. Its ×LoRA column has no BF16 row in this run.
+{rollout_table(root / "raw" / "h100_s21_lora_ab", decode=None) if (root / "raw" / "h100_s21_lora_ab").exists() else ""}
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
