@@ -45,6 +45,12 @@ constexpr int max_warps() { return U * SW >= 8 ? 8 : 16; }
 template <int NT>
 struct XFrag {
   uint32_t r[NT][8];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) r[nt][e] = 0u;
+  }
 };
 
 struct LoraArgs {
@@ -129,12 +135,8 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   XFrag<NT> xf[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xf[i].r[nt][e] = 0u;
+  xf[0].zero();
+  xf[1].zero();
   const uint4 z = make_uint4(0u, 0u, 0u, 0u);
   for (int c = c0; c < c1; c += 2) {
     uint4 w[2][4];
@@ -341,12 +343,8 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   uint4 wa[U][SW], wb[U][SW];
   uint32_t sa[U][SW], sb[U][SW];
   XFrag<NT> xf[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) xf[i].r[nt][e] = 0u;
+  xf[0].zero();
+  xf[1].zero();
 
   // Loads of the batch at the current pointers (n valid chunks, warp-uniform).
   auto load_batch = [&](uint4 (&w)[U][SW], uint32_t (&s)[U][SW], int n) {
