@@ -300,9 +300,10 @@ def lora_bn(bts: list, members, out: torch.Tensor | None = None) -> torch.Tensor
 
 
 def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 4, max_units: int = LORA_MAX_UNITS) -> int:
-    """K parts per 16-rank strip = LoRA CTAs per strip (each of ``warps`` warps takes ~``chunks_per_warp`` K chunks of
-    64: the LoRA CTAs run beside the output CTAs' main loop and should finish well before it), at most ``max_units``
-    CTAs in all."""
+    """K parts per 16-rank strip = LoRA CTAs per strip: each of ``warps`` warps takes ~``chunks_per_warp`` K chunks
+    of 64 (two rounds of loads of two chunks), at most ``max_units`` CTAs in all. The output CTAs sum the parts:
+    fewer parts, less for them to sum; more, a shorter chain. Measured (``benchmarks/lora_gemv_bench.py --chunks
+    2,4``, H100, 7B, M = 1-16): 4 as fast or faster than 2 on every linear but one within noise."""
     strips = -(-r // 16)
     return max(1, min(c, -(-c // (warps * chunks_per_warp)), max(1, max_units // strips)))
 
@@ -332,8 +333,8 @@ extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int,
                          int, int, int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*, int, const float*, float,
                               unsigned, int, int, int, int, int, int, int, int, int, void*, const void*, const void*,
-                              void*, void*, void*, int, int, int, int, int, const int*, const int*);
-extern "C" int qfp4_occupancy(int, int, int, int, int, int);
+                              void*, void*, int, int, int, int, int, const int*, const int*);
+extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
                          int, int, int, int, int, int, int, void*);
@@ -370,21 +371,20 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
 
 void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
                double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-               bool pdl, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor t, torch::Tensor ctr,
+               bool pdl, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
                int64_t parts,
                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
-  TORCH_CHECK(a.is_cuda() && bn.is_cuda() && part.is_cuda() && t.is_cuda() && ctr.is_cuda(),
+  TORCH_CHECK(a.is_cuda() && bn.is_cuda() && part.is_cuda() && ctr.is_cuda(),
               "LoRA tensors must be on CUDA");
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16, "a, bn must be bf16");
-  TORCH_CHECK(part.scalar_type() == at::kFloat && t.scalar_type() == at::kFloat && ctr.scalar_type() == at::kInt,
-              "part, t fp32, ctr int32");
+  TORCH_CHECK(part.scalar_type() == at::kFloat && ctr.scalar_type() == at::kInt, "part fp32, ctr int32");
   TORCH_CHECK(a.is_contiguous() && bn.is_contiguous() && a.dim() == 2 && bn.dim() == 2, "a, bn: contiguous 2-D");
   const int R = (int)a.size(0), RP = (int)bn.size(1);
   TORCH_CHECK(a.size(1) == 64 * C && bn.size(0) == 16 * S && RP % 16 == 0, "LoRA shape mismatch");
-  TORCH_CHECK(part.numel() >= 512 * 256 && t.numel() >= (int64_t)M * R && ctr.numel() >= 3, "LoRA workspace too small");
+  TORCH_CHECK(part.numel() >= 512 * 256 && ctr.numel() >= 2, "LoRA workspace too small");
   TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bn.data_ptr()) % 16 == 0,
               "a, bn must be 16-byte aligned");
@@ -395,7 +395,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                                  (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
                                  (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
                                  (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
-                                 a.data_ptr(), bn.data_ptr(), part.data_ptr(), t.data_ptr(), ctr.data_ptr(), R, RP,
+                                 a.data_ptr(), bn.data_ptr(), part.data_ptr(), ctr.data_ptr(), R, RP,
                                  (int)parts,
                                  (int)bound1, (int)bound2, ro, rr);
   TORCH_CHECK(err == 0, "qfp4_gemv_lora: ", err == -1 ? "unsupported configuration"
@@ -426,8 +426,9 @@ std::vector<int64_t> gemm_attributes(int64_t fmt, int64_t nt, int64_t sw, int64_
   return {regs, local};
 }
 
-int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t warps, int64_t splits) {
-  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits);
+int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t warps, int64_t splits,
+                  int64_t lora_smem) {
+  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits, (int)lora_smem);
 }
 
 std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw) {
@@ -523,12 +524,15 @@ def variant_for(s: int, c: int) -> tuple[int, int]:
     return (2, 2) if s >= 512 or c >= 128 else (4, 1)
 
 
-def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1) -> tuple[int, int, int, int]:
+def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
+                extra_ctas=None) -> tuple[int, int, int, int]:
     """(splits, strip groups per CTA, unroll, strips per warp) for S = N/16 strips, C = K/64 chunks.
 
     Enough warps for the loads in flight to cover HBM latency (~16 warps per SM with 4 loads a batch, 8 with 8),
     each with at least one full batch, the whole grid resident in one wave (``occupancy(warps, splits)`` =
-    resident CTAs per SM).
+    resident CTAs per SM). ``extra_ctas(warps, splits)``: CTAs the launch adds (the LoRA CTAs), which must fit in
+    the same wave — a second wave of output CTAs costs a whole CTA's main loop (measured: gate|up at M = 8 took
+    53 µs instead of 34 when its LoRA variant, four registers more per thread, fitted 4 CTAs per SM instead of 5).
     """
     groups = math.ceil(s / sw)
     target = sms * (16 if unroll * sw <= 4 else 8)
@@ -537,21 +541,38 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1) -
     while True:
         per = max(1, min(maxw // splits, 4 // splits))
         blocks = math.ceil(groups / per)
+        if extra_ctas is not None:
+            blocks += extra_ctas(per * splits, splits)
         if splits == 1 or blocks <= occupancy(per * splits, splits) * sms:
             return splits, per, unroll, sw
         splits -= 1
 
 
-def _config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int, int]:
+def lora_smem(lora: LoraOperand, rows: int) -> int:
+    """Shared memory a LoRA output CTA adds for ``rows`` output rows (``lora_smem_bytes`` in the kernel source):
+    t (16 x (R + 16) fp32) and the CTA's Bn rows (rows x (RP + 8) bf16)."""
+    return 16 * (lora.rank + 16) * 4 + rows * (lora.bn.shape[1] + 8) * 2
+
+
+def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     unroll, sw = variant_for(w.n // 16, w.k // 64)
-    key = (idx, w.fmt, m > 8, w.n, w.k)
+    sig = None if lora is None else (lora.rank, lora.bn.shape[1])
+    key = (idx, w.fmt, m > 8, w.n, w.k, sig)
     cfg = _STATE.get(key)
     if cfg is None:
         sms = torch.cuda.get_device_properties(idx).multi_processor_count
         ext, fid, nt = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1
-        cfg = pick_config(w.n // 16, w.k // 64, sms, unroll,
-                          lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits), sw)
+        c = w.k // 64
+        if lora is None:
+            cfg = pick_config(w.n // 16, c, sms, unroll,
+                              lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw)
+        else:  # the LoRA variant's own occupancy, with its LoRA CTAs in the same wave
+            cfg = pick_config(
+                w.n // 16, c, sms, unroll,
+                lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits,
+                                                    lora_smem(lora, warps // splits * sw * 16)),
+                sw, extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps))
         _STATE[key] = cfg
     return cfg
 
@@ -598,7 +619,7 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     """
     x, out = _operands("gemv", x, w, out)
     m = x.shape[0]
-    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device)
+    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device, lora)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fid = 0 if w.fmt == "nvfp4" else 1
     if lora is None:
@@ -606,10 +627,10 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         return out
     a, bn = _lora_tensors(lora, w)
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
-    part, t, ctr = lora_workspace(x.device)
+    part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl,
-                     a, bn, part, t, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
+                     a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
     return out
 
 
@@ -633,18 +654,17 @@ def lora_launches() -> int:
     return _STATE.get("lora_launches", 0)
 
 
-def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(partials, t, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
-    (LORA_MAX_UNITS x 16 x 16) and (16 x LORA_MAX_RANKS), int32 (3) zeroed once; every launch overwrites what it reads
-    and leaves the counters zero. Launches on one stream run one after the other (under PDL the next grid waits for
-    the previous one before touching them)."""
+def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
+    (LORA_MAX_UNITS x 16 x 16) and int32 (2), zeroed once; every launch overwrites the partials it reads and leaves
+    the counters zero. Launches on one stream run one after the other (under PDL the next grid waits for the
+    previous one before touching them)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = ("lora_ws", device, stream)
     ws = _STATE.get(key)
     if ws is None:
         ws = (torch.zeros(LORA_MAX_UNITS * 256, dtype=torch.float32, device=device),
-              torch.zeros(16 * LORA_MAX_RANKS, dtype=torch.float32, device=device),
-              torch.zeros(3, dtype=torch.int32, device=device))
+              torch.zeros(2, dtype=torch.int32, device=device))
         _STATE[key] = ws
     return ws
 

@@ -23,16 +23,18 @@
 //
 // LoRA in the same launch (optional, `LoraArgs`): out = x W^T + bf16(x A^T) Bn^T with A (R, K) bf16 (the group's
 // stacked lora_A) and Bn (N, RP) bf16 (scaling * lora_B of the row's member, zero past its rk ranks; member i's
-// rows use ranks [roff_i, roff_i + rk_i) of t). The first `nlora` CTAs compute t = x A^T (fp32, split over K: warp =
-// one 16-rank strip x one K part; A rows are a bf16 "weight" fed to the same m16n8k16 MMA with the same K
-// permutation as the FP4 chunks) and write one partial per warp; the last LoRA CTA to finish sums the partials
-// in a fixed order into t (deterministic: no floating-point atomics) and raises a ready flag. The other CTAs
-// stage their rows of Bn in shared memory (cp.async, during the main loop), and after the main loop wait for the
-// flag, copy t to shared memory and add the LoRA term with one more m16n8k16 per 16 ranks on the split-0 warps'
-// own accumulators (A = Bn rows, B = bf16(t)), before the split-K reduction and the one bf16 rounding.
-// The last output CTA resets the counters for the next launch. Waiting relies on CTAs being dispatched in
-// blockIdx order (as CUB's decoupled look-back does): the LoRA CTAs, lowest in blockIdx, are resident before any
-// CTA that waits for them.
+// rows use ranks [roff_i, roff_i + rk_i) of t). The first `nlora` CTAs compute t = x A^T split over K: CTA = one
+// 16-rank strip x one K part (A rows are a bf16 "weight" fed to the same m16n8k16 MMA with the same K permutation
+// as the FP4 chunks; its warps take ~2 chunks each, so one round of loads), reduce in shared memory, write one
+// fp32 partial and count themselves done. The other CTAs stage their rows of Bn in shared memory (cp.async,
+// during the main loop); after it they wait for the count, sum the partials of the ranks their rows use in a
+// fixed order (deterministic: no floating-point atomics) into shared memory, and add the LoRA term with one more
+// m16n8k16 per 16 ranks on the split-0 warps' own accumulators (A = Bn rows, B = bf16(t)), before the split-K
+// reduction and the one bf16 rounding. The last output CTA resets the counters for the next launch. Waiting relies
+// on CTAs being dispatched in blockIdx order (as CUB's decoupled look-back does): the LoRA CTAs, lowest in
+// blockIdx, are resident before any CTA that waits for them.
+
+#include <algorithm>
 
 #include "fp4_mma_common.cuh"
 
@@ -56,9 +58,8 @@ struct XFrag {
 struct LoraArgs {
   const __nv_bfloat16* a;   // (R, K) row-major; nullptr: no LoRA
   const __nv_bfloat16* bn;  // (N, rp) row-major: row n = its member's scaling * lora_B row, zero past rk
-  float* part;              // (units, 16 tokens, 16 ranks) fp32: one partial of x A^T per LoRA warp
-  float* t;                 // (M, R) fp32: the sum of the partials
-  unsigned* ctr;            // [0] LoRA CTAs done, [1] output CTAs done, [2] t ready: zero on entry, left zero
+  float* part;              // (units, 16 tokens, 16 ranks) fp32: one partial of x A^T per LoRA CTA
+  unsigned* ctr;            // [0] LoRA CTAs done, [1] output CTAs done: zero on entry, left zero
   int R, rp, parts, nlora;  // ranks, Bn row length (multiple of 16), K parts per 16-rank strip, LoRA CTAs
   int bound1, bound2;       // output rows where members 1 and 2 start (N when absent)
   int roff[3], rk[3];       // first rank and rank count of each member (member rows are multiples of 16)
@@ -114,9 +115,11 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
   }
 }
 
-// A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (two
-// chunks' loads in flight), reduce through shared memory into one partial la.part[c] (16 tokens x 16 ranks); the
-// last LoRA CTA to finish sums each (token, rank) over the parts in order into la.t and sets the ready flag.
+// A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (the A
+// loads of the first two chunks are issued before the wait for the previous grid: A does not depend on it), reduce
+// through shared memory into one partial la.part[c] (16 tokens x 16 ranks), and count the CTA done (release). The
+// output CTAs sum the parts themselves (lora_gather), so the chain from the launch to the LoRA term is one round of
+// loads, one reduction and one counter update.
 template <int NT>
 __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16* __restrict__ x, int ldx, int M,
                                          int C, float* red) {
@@ -138,8 +141,8 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
   xf[0].zero();
   xf[1].zero();
   const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-  for (int c = c0; c < c1; c += 2) {
-    uint4 w[2][4];
+  uint4 w[2][4];
+  auto load_a = [&](int c) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const bool ok = c + h < c1;
@@ -148,8 +151,16 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
       w[h][1] = ok && v0 ? ld_x(a0p + off + 8) : z;
       w[h][2] = ok && v1 ? ld_x(a1p + off) : z;
       w[h][3] = ok && v1 ? ld_x(a1p + off + 8) : z;
-      if (ok) load_x<NT>(xf[h], xq + off, 8 * ldx, g < M, g + 8 < M);
     }
+  };
+  load_a(c0);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  for (int c = c0; c < c1; c += 2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (c + h < c1) load_x<NT>(xf[h], xq + 64 * (c + h), 8 * ldx, g < M, g + 8 < M);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (c + h >= c1) break;
@@ -162,6 +173,7 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
           mma_bf16(acc[nt], w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1], xf[h].r[nt][2 * j],
                    xf[h].r[nt][2 * j + 1]);
     }
+    if (c + 2 < c1) load_a(c + 2);
   }
   // warp partials -> shared memory [warp][token][rank], summed in warp order into la.part[blockIdx.x]
   float* wp = red + warp * 256;
@@ -174,29 +186,16 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
     wp[(tok + 1) * 16 + g + 8] = acc[nt][3];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < 16 * NT * 8; i += blockDim.x) {
+  for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) {  // token rows >= M are never read
     float v = 0.f;
     for (int w2 = 0; w2 < warps; ++w2) v += red[w2 * 256 + i];
     la.part[(size_t)blockIdx.x * 256 + i] = v;
   }
-  __shared__ unsigned last;
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(la.ctr, 1u) == (unsigned)la.nlora - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < M * la.R; i += blockDim.x) {
-    const int tok = i / la.R, r = i - tok * la.R;
-    const float* src = la.part + (size_t)(r >> 4) * la.parts * 256 + tok * 16 + (r & 15);
-    float v = 0.f;
-#pragma unroll 4
-    for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256);
-    la.t[i] = v;
+  if (threadIdx.x == 0) {  // the CTA's stores, then the count (the pattern of a cooperative grid sync)
+    __threadfence();
+    atomicAdd(la.ctr, 1u);
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicExch(la.ctr + 2, 1u);
 }
 
 // Shared-memory row stride of the staged Bn rows (bf16): rp + 8 spreads the fragment reads over all banks.
@@ -216,34 +215,43 @@ __device__ __forceinline__ void lora_stage_b(const LoraArgs& la, __nv_bfloat16* 
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// After the main loop: wait for t, copy it to shared memory `ts` (16 token rows x lora_ts_stride, zero for tokens
-// >= M and ranks >= R), count this CTA done (the last one resets the counters), and wait for the Bn rows.
-__device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M) {
-  __shared__ unsigned last;
+// After the main loop: wait until every LoRA CTA has counted itself done, then write t for ranks [lo, hi) of the
+// tokens < M into shared memory `ts` (16 token rows x lora_ts_stride), each the sum of its strip's K parts in part
+// order (deterministic), zero for ranks >= R; and wait for the Bn rows. [lo, hi) covers the 16-rank chunks that
+// lora_mma reads for the members of this CTA's rows; nothing else of ts is read for a stored output.
+__device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M, int lo, int hi) {
   if (threadIdx.x == 0) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
     const long long start = clock64();
-    while (ld_acquire(la.ctr + 2) == 0u) {
-      __nanosleep(32);
+    while (ld_acquire(la.ctr) < (unsigned)la.nlora) {
+      __nanosleep(20);
       if (clock64() - start > (1LL << 32)) __trap();
     }
   }
   __syncthreads();
-  const int ld = lora_ts_stride(la.R);
-  for (int i = threadIdx.x; i < 16 * ld; i += blockDim.x) {
-    const int tok = i / ld, r = i - tok * ld;
-    ts[i] = tok < M && r < la.R ? __ldcg(la.t + tok * la.R + r) : 0.f;
+  const int ld = lora_ts_stride(la.R), span = hi - lo;
+  for (int i = threadIdx.x; i < M * span; i += blockDim.x) {
+    const int tok = i / span, r = lo + (i - tok * span);
+    float v = 0.f;
+    if (r < la.R) {
+      const float* src = la.part + (size_t)(r >> 4) * la.parts * 256 + tok * 16 + (r & 15);
+#pragma unroll 8
+      for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256);
+    }
+    ts[tok * ld + r] = v;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+}
+
+// The end of an output CTA with LoRA: count it done; the last one resets the counters for the next launch (every
+// output CTA has passed its wait by then).
+__device__ __forceinline__ void lora_done(const LoraArgs& la) {
   if (threadIdx.x == 0) {
     const unsigned outputs = gridDim.x - la.nlora;
-    last = atomicAdd(la.ctr + 1, 1u) == outputs - 1;
-  }
-  __syncthreads();
-  if (last && threadIdx.x == 0) {
-    la.ctr[0] = 0u;
-    la.ctr[1] = 0u;
-    la.ctr[2] = 0u;
+    if (atomicAdd(la.ctr + 1, 1u) == outputs - 1) {
+      la.ctr[0] = 0u;
+      la.ctr[1] = 0u;
+    }
   }
 }
 
@@ -290,10 +298,11 @@ __device__ __forceinline__ void lora_mma(const LoraArgs& la, const float* ts, co
 // may write; the source asks for the first weight batch before the wait, but ptxas (13.0) schedules the wait
 // first, so the gain is the overlapped launch only.
 template <int FMT, int NT, int U, int SW, bool LORA>
-__global__ void __launch_bounds__(max_warps<U, SW>() * 32)
-fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
-                int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                uint32_t bword, int M, int S, int C, int splits, int R, LoraArgs la) {
+__device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                          const __nv_bfloat16* __restrict__ x, int ldx,
+                                          __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs,
+                                          float out_mult, uint32_t bword, int M, int S, int C, int splits, int R,
+                                          const LoraArgs& la) {
   // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1, then with LoRA
   // t (16 x (la.R + 16) fp32) and the CTA's Bn rows (rows x (la.rp + 8) bf16); sizes as in lora_smem_bytes (host)
   extern __shared__ __align__(16) float red[];
@@ -305,10 +314,7 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #endif
   constexpr bool has_lora = LORA;
   if (has_lora && (int)blockIdx.x < la.nlora) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    lora_cta<NT>(la, x, ldx, M, C, red);
+    lora_cta<NT>(la, x, ldx, M, C, red);  // waits for the previous grid itself
     return;
   }
   const int blk = has_lora ? (int)blockIdx.x - la.nlora : (int)blockIdx.x;
@@ -416,7 +422,11 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
   if (has_lora) {
-    lora_gather(la, ts, M);
+    const int n_hi = min(n_lo + rows, 16 * S) - 1;
+    const int mlo = member_of(la, n_lo), mhi = member_of(la, n_hi);
+    int hi = 0;  // the end of the last 16-rank chunk any member of these rows reads
+    for (int mb = mlo; mb <= mhi; ++mb) hi = max(hi, pick3(la.roff, mb) + ((pick3(la.rk, mb) + 15) & ~15));
+    lora_gather(la, ts, M, pick3(la.roff, mlo), hi);
     if (split == 0) {
 #pragma unroll
       for (int i = 0; i < SW; ++i)
@@ -441,6 +451,7 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
         }
       }
     }
+    if (has_lora) lora_done(la);
     return;
   }
 #pragma unroll
@@ -467,12 +478,36 @@ fp4_gemv_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
     for (int sp = 0; sp < splits; ++sp) v += red[(((grp * splits + sp) * SW + i) * 16 + row) * TOK + tok];
     out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult);
   }
+  if (has_lora) lora_done(la);
 }
+
+#define QFP4_GEMV_PARAMS                                                                                          \
+  const uint4 *__restrict__ qw, const uint16_t *__restrict__ sc, const __nv_bfloat16 *__restrict__ x, int ldx,      \
+      __nv_bfloat16 *__restrict__ out, int ldo, const float *__restrict__ gs, float out_mult, uint32_t bword, int M, \
+      int S, int C, int splits, int R, LoraArgs la
+
+template <int FMT, int NT, int U, int SW>
+__global__ void __launch_bounds__(max_warps<U, SW>() * 32) fp4_gemv_kernel(QFP4_GEMV_PARAMS) {
+  gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la);
+}
+
+// Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
+// granule and cost a resident CTA per SM (one n8 tile, U = 2, SW = 2: 97 -> 104 registers would fit 4 CTAs of 4 warps
+// per SM instead of 5, and 7B's gate|up grid then ran in two waves); elsewhere the launch bound's own limit.
+template <int NT, int U, int SW>
+constexpr int lora_max_regs() { return NT == 1 && U == 2 && SW == 2 ? 96 : max_warps<U, SW>() == 16 ? 128 : 255; }
+
+template <int FMT, int NT, int U, int SW>
+__global__ void __launch_bounds__(max_warps<U, SW>() * 32) __maxnreg__((lora_max_regs<NT, U, SW>()))
+    fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
+  gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la);
+}
+#undef QFP4_GEMV_PARAMS
 
 template <int FMT, int NT, int U, int SW>
 const void* kernel_ptr(bool lora) {
-  return lora ? reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW, true>)
-              : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW, false>);
+  return lora ? reinterpret_cast<const void*>(&fp4_gemv_lora_kernel<FMT, NT, U, SW>)
+              : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW>);
 }
 
 // Compiled variants: (U, SW) in {(2,1), (4,1), (8,1), (2,2), (4,2), (2,4)} for both formats and 1 or 2 n8 tiles,
@@ -562,18 +597,17 @@ extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx,
 }
 
 // The same plus LoRA in the launch: out += bf16(x A^T)[member ranks] Bn^T; a (R, K) bf16, bn (N, rp) bf16, workspaces
-// part (512 x 256) and t (>= M R) fp32, ctr (3) u32 zeroed (left zeroed); `parts` K parts per 16-rank strip;
+// part (512 x 256) fp32, ctr (2) u32 zeroed (left zeroed); `parts` K parts per 16-rank strip;
 // members start at output rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
                               int splits, int strips_per_cta, int unroll, int sw, int pdl, void* stream,
-                              const void* a, const void* bn, void* part, void* t, void* ctr, int R, int rp,
+                              const void* a, const void* bn, void* part, void* ctr, int R, int rp,
                               int parts, int bound1, int bound2, const int* roff, const int* rk) {
   qfp4::LoraArgs la = {};
   la.a = static_cast<const __nv_bfloat16*>(a);
   la.bn = static_cast<const __nv_bfloat16*>(bn);
   la.part = static_cast<float*>(part);
-  la.t = static_cast<float*>(t);
   la.ctr = static_cast<unsigned*>(ctr);
   la.R = R;
   la.rp = rp;
@@ -584,19 +618,21 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
     la.roff[i] = roff[i];
     la.rk[i] = rk[i];
   }
-  if (a == nullptr || bn == nullptr || part == nullptr || t == nullptr || ctr == nullptr) return -1;
+  if (a == nullptr || bn == nullptr || part == nullptr || ctr == nullptr) return -1;
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
                            unroll, sw, pdl, stream, la);
 }
 
-// Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant).
-extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits) {
-  const void* fn = qfp4::pick(fmt, nt, unroll, sw);
+// Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant); lora_smem > 0: the
+// LoRA variant with that many more bytes of shared memory per CTA (t and the CTA's Bn rows, lora_smem_bytes).
+extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits, int lora_smem) {
+  const void* fn = qfp4::pick(fmt, nt, unroll, sw, lora_smem > 0);
   if (fn == nullptr) return -1;
+  size_t smem = qfp4::smem_bytes(nt, warps, splits, sw);
+  if (lora_smem > 0) smem = std::max(smem + (size_t)lora_smem, (size_t)warps * 256 * 4);
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) return -1;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32,
-                                                    qfp4::smem_bytes(nt, warps, splits, sw)))
-    return -1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32, smem)) return -1;
   return blocks;
 }
 
