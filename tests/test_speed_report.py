@@ -79,17 +79,27 @@ def test_bench_profile_runs_on_cpu(tmp_path):
 
     from qerl import bench
 
-    before = os.environ.get("QERL_CUDA_LORA")
-    rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused", "fused-split-lora", "unfused"), steps=2,
-                               kv=128)
-    assert os.environ.get("QERL_CUDA_LORA") == before  # the split-LoRA mode restores the switch
+    before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_CUDA_PDL")}
+    modes = ("fused", "fused-no-pdl", "fused-split-lora", "unfused")
+    rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", modes, steps=2, kv=128)
+    assert {k: os.environ.get(k) for k in before} == before  # each mode restores its switches
     decodes = {r["decode"] for r in rows}
-    assert decodes == {"fused", "fused-split-lora", "unfused"}
+    assert decodes == set(modes)
     for dec in decodes:
         sub = [r for r in rows if r["decode"] == dec]
         assert sub[0]["graph_step_us"] > 0 and sub[0]["launches"] > 0
         assert abs(sum(r["kernel_us"] for r in sub) - sub[0]["kernels_us"]) < 1e-6 * sub[0]["kernels_us"] + 1e-9
-    with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; valid: \['fused', 'fused-split-lora'"):
+
+    class _S:
+        fused = None
+    for dec, env in [("fused-no-pdl", {"QERL_CUDA_PDL": "0"}), ("fused-split-lora", {"QERL_CUDA_LORA": "0"}),
+                     ("unfused", {})]:
+        s = _S()
+        with bench.decode_mode(s, dec):
+            assert s.fused == (dec != "unfused")
+            assert all(os.environ.get(k) == v for k, v in env.items())
+        assert {k: os.environ.get(k) for k in before} == before
+    with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; valid: \['fused', 'fused-no-pdl', 'fused-split"):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fast",), steps=2)
     with pytest.raises(ValueError, match="steps must be"):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=50)

@@ -115,10 +115,9 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
   }
 }
 
-// A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (the A
-// loads of the first two chunks are issued before the wait for the previous grid: A does not depend on it), reduce
-// through shared memory into one partial la.part[c] (16 tokens x 16 ranks), and count the CTA done (release). The
-// output CTAs sum the parts themselves (lora_gather), so the chain from the launch to the LoRA term is one round of
+// A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (two in
+// flight), reduce through shared memory into one partial la.part[c] (16 tokens x 16 ranks), and count the CTA done. The
+// output CTAs sum the parts themselves (lora_gather), so the chain from the launch to the LoRA term is the LoRA CTAs'
 // loads, one reduction and one counter update.
 template <int NT>
 __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16* __restrict__ x, int ldx, int M,
@@ -153,10 +152,10 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
       w[h][3] = ok && v1 ? ld_x(a1p + off + 8) : z;
     }
   };
-  load_a(c0);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // before A too: a copy into A may be the previous kernel
 #endif
+  load_a(c0);
   for (int c = c0; c < c1; c += 2) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
