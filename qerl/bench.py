@@ -115,9 +115,9 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
     return rows
 
 
-DECODES = ("fused", "fused-no-pdl", "fused-split-lora", "unfused")
+DECODES = ("fused", "fused-split-lora", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
-_DECODE_ENV = {"fused-no-pdl": {"QERL_CUDA_PDL": "0"}, "fused-split-lora": {"QERL_CUDA_LORA": "0"}}
+_DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0"}}
 
 
 def check_decodes(decodes) -> None:
@@ -129,9 +129,8 @@ def check_decodes(decodes) -> None:
 @contextlib.contextmanager
 def decode_mode(sampler, dec: str):
     """Set the sampler's decode step for ``dec``: "fused" (``qerl.kernels.fused``; NVFP4/MXFP4 at decode size run
-    base and LoRA in one CUDA launch, with programmatic dependent launch on sm_90+), "fused-no-pdl" (the same
-    without PDL, ``QERL_CUDA_PDL=0``), "fused-split-lora" (LoRA as its own launches, ``QERL_CUDA_LORA=0``: the build
-    before the one-launch path) — the last two for same-run comparisons — or "unfused"."""
+    base and LoRA in one CUDA launch), "fused-split-lora" (LoRA as its own launches, ``QERL_CUDA_LORA=0``: the build
+    before the one-launch path, for same-run comparisons) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

@@ -79,8 +79,8 @@ def test_bench_profile_runs_on_cpu(tmp_path):
 
     from qerl import bench
 
-    before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_CUDA_PDL")}
-    modes = ("fused", "fused-no-pdl", "fused-split-lora", "unfused")
+    before = {"QERL_CUDA_LORA": os.environ.get("QERL_CUDA_LORA")}
+    modes = ("fused", "fused-split-lora", "unfused")
     rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", modes, steps=2, kv=128)
     assert {k: os.environ.get(k) for k in before} == before  # each mode restores its switches
     decodes = {r["decode"] for r in rows}
@@ -92,14 +92,13 @@ def test_bench_profile_runs_on_cpu(tmp_path):
 
     class _S:
         fused = None
-    for dec, env in [("fused-no-pdl", {"QERL_CUDA_PDL": "0"}), ("fused-split-lora", {"QERL_CUDA_LORA": "0"}),
-                     ("unfused", {})]:
+    for dec, env in [("fused", {}), ("fused-split-lora", {"QERL_CUDA_LORA": "0"}), ("unfused", {})]:
         s = _S()
         with bench.decode_mode(s, dec):
             assert s.fused == (dec != "unfused")
             assert all(os.environ.get(k) == v for k, v in env.items())
         assert {k: os.environ.get(k) for k in before} == before
-    with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; valid: \['fused', 'fused-no-pdl', 'fused-split"):
+    with pytest.raises(ValueError, match=r"unknown decode mode 'fast'; valid: \['fused', 'fused-split-lora'"):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fast",), steps=2)
     with pytest.raises(ValueError, match="steps must be"):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=50)

@@ -10,8 +10,7 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 ``cuda_gemv``      NVFP4/MXFP4, CUDA, BF16 x, M <= 16, N % 16 == 0, K % 64 == 0, when the hand-written CUDA
                    kernel builds (``qerl.kernels.cuda_fp4``; ``QERL_CUDA_GEMV=0`` turns it off): weights
                    re-laid out once into mma fragments (a second copy, same size as the packed weight); the
-                   rollout's LoRA joins the same launch (``base.linear_lora``; ``QERL_CUDA_LORA=0`` turns it off), launched
-                   with programmatic dependent launch on sm_90+ (``QERL_CUDA_PDL=0`` turns it off)
+                   rollout's LoRA joins the same launch (``base.linear_lora``; ``QERL_CUDA_LORA=0`` turns it off)
 ``cuda_gemm``      NVFP4/MXFP4, CUDA, BF16 x, M > 16 where the device's tuned table measured it fastest (untuned:
                    M <= 192; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
                    tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
@@ -419,23 +418,10 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) 
     if w is None or w.n != n:
         return None
     from qerl.kernels import cuda_fp4
-    return cuda_fp4.gemv(x2, w, lora=lora, pdl=_pdl_ok(x2.device)).reshape(*x.shape[:-1], n)
-
-
-def _pdl_ok(dev: torch.device) -> bool:
-    """Programmatic dependent launch for the decode GEMV (sm_90+, ``QERL_CUDA_PDL=0`` turns it off): its CTAs are
-    scheduled during the previous kernel's tail and wait for it (griddepcontrol.wait) before reading activations or
-    workspaces; the weights and LoRA operands they may read earlier are not written by the decode step's kernels."""
-    if os.environ.get("QERL_CUDA_PDL", "1") == "0":
-        return False
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    cap = _PDL_CAP.get(idx)
-    if cap is None:
-        cap = _PDL_CAP[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return cap
-
-
-_PDL_CAP: dict[int, bool] = {}
+    # no programmatic dependent launch here: measured slower in the decode step (H100, 7B batch 8: graph step 3387
+    # vs 3309 us, 2278 vs 2335 tokens/s; results/speed/raw/h100_s22_pdl; not profiled further, likely the early CTAs holding SM slots while the
+    # previous (Triton) kernel finishes
+    return cuda_fp4.gemv(x2, w, lora=lora).reshape(*x.shape[:-1], n)
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:
