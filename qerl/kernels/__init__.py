@@ -418,9 +418,8 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) 
     if w is None or w.n != n:
         return None
     from qerl.kernels import cuda_fp4
-    # no programmatic dependent launch here: measured slower in the decode step (H100, 7B batch 8: graph step 3387
-    # vs 3309 us, 2278 vs 2335 tokens/s; results/speed/raw/h100_s22_pdl; not profiled further, likely the early CTAs holding SM slots while the
-    # previous (Triton) kernel finishes
+    # no programmatic dependent launch here: measured slower in the decode step (H100, 7B batch 8: graph step
+    # 3387 vs 3309 us, 2278 vs 2335 tokens/s; results/speed/raw/h100_s22_pdl); not profiled further
     return cuda_fp4.gemv(x2, w, lora=lora).reshape(*x.shape[:-1], n)
 
 
