@@ -304,6 +304,8 @@ def render(root: Path) -> str:
     layers = (root / "layers_h100.md").read_text() if (root / "layers_h100.md").exists() else "_no layer table_\n"
     cuda = (root / "cuda_fp4_h100.md").read_text() if (root / "cuda_fp4_h100.md").exists() else "_no CUDA GEMV table_\n"
     gemm = (root / "cuda_gemm_h100.md").read_text() if (root / "cuda_gemm_h100.md").exists() else "_no CUDA GEMM table_\n"
+    lora_gemv = ((root / "lora_gemv_h100.md").read_text().split("\n", 1)[1] if (root / "lora_gemv_h100.md").exists()
+                 else "_no LoRA GEMV table_\n")
     md = f"""# Speed and memory (ours beside the paper's)
 
 Device: {dev}, torch 2.11 (CUDA 13), triton 3.6. Shape presets with random weights (exact Qwen2.5-*-Instruct
@@ -321,10 +323,16 @@ NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = r
 {rollout_table(root, decode="fused")}
 ### The fused decode step against the unfused one (7B, one run, before the CUDA GEMV; Triton FP4 kernels)
 {rollout_table(root / "raw" / "h100_run5", decode=None)}
-### Base + LoRA in one CUDA launch against LoRA as its own launches (7B, batch 8, one run, best of 2)
-`fused-split-lora` is the previous build's decode step (x·Aᵀ and the B product as 2 extra launches per linear,
-`QERL_CUDA_LORA=0`); `fused` runs them inside the FP4 GEMV launch. Its ×LoRA column has no BF16 row in this run.
-{rollout_table(root / "raw" / "h100_s21_lora_ab", decode=None) if (root / "raw" / "h100_s21_lora_ab").exists() else ""}
+### Base + LoRA in one CUDA launch against LoRA as its own launches (7B, one run each, best of 2)
+`fused-split-lora` is the decode step with x·Aᵀ and the B product as 2 extra launches per linear
+(`QERL_CUDA_LORA=0`); `fused` runs them inside the FP4 GEMV launch. Split mode first in each process. Its ×LoRA
+column has no BF16 row in these runs. Now (session 22: launch configurations sized for the LoRA variant's own
+occupancy, output CTAs summing the LoRA parts):
+{_raw_rollouts(root, "h100_s22_lora_b8", "h100_s22_lora_b2")}
+Session 21's first version (`raw/h100_s21_lora_ab`: NVFP4 2078 vs 1936, MXFP4 2109 vs 1972 at batch 8): its gate|up
+launch ran in two waves (the LoRA variant fitted one CTA per SM fewer than the configuration assumed). Per linear
+(`python -m benchmarks.lora_gemv_bench`; plain GEMV / LoRA in the launch / LoRA as its own launches):
+{lora_gemv}
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
@@ -379,6 +387,12 @@ def _ident(df: pd.DataFrame, keys: list[str]) -> list[tuple]:
         except (TypeError, ValueError):
             return str(v)
     return [tuple(norm(v) for v in row) for row in df[keys].values.tolist()]
+
+
+def _raw_rollouts(root: Path, *names: str) -> str:
+    """The rollout table of each of these raw runs (decode modes side by side), one after the other."""
+    out = [rollout_table(root / "raw" / n, decode=None) for n in names if (root / "raw" / n).exists()]
+    return "\n".join(out) if out else "_not measured_\n"
 
 
 def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[str]:
