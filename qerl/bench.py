@@ -115,9 +115,9 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
     return rows
 
 
-DECODES = ("fused", "fused-split-lora", "unfused")
+DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
-_DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0"}}
+_DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"}}
 
 
 def check_decodes(decodes) -> None:
@@ -129,8 +129,9 @@ def check_decodes(decodes) -> None:
 @contextlib.contextmanager
 def decode_mode(sampler, dec: str):
     """Set the sampler's decode step for ``dec``: "fused" (``qerl.kernels.fused``; NVFP4/MXFP4 at decode size run
-    base and LoRA in one CUDA launch), "fused-split-lora" (LoRA as its own launches, ``QERL_CUDA_LORA=0``: the build
-    before the one-launch path, for same-run comparisons) or "unfused"."""
+    base and LoRA in one CUDA launch; the token drawn by ``qerl.kernels.fused.sample_race``), "fused-split-lora"
+    (LoRA as its own launches, ``QERL_CUDA_LORA=0``), "fused-torch-sample" (the token drawn by torch ops,
+    ``QERL_FUSED_SAMPLE=0``) — the last two the builds before, for same-run comparisons — or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -124,16 +125,22 @@ def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: f
         tok = z.argmax(-1)
         zero = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
         return tok, zero, zero.clone()
-    z = z / temperature
-    logp_all = z.log_softmax(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)                                          # (N,)
-    zf = filter_logits(z, top_k, top_p) if (top_k or top_p < 1.0) else z
+    filtered = bool(top_k) or top_p < 1.0
+    fused = not filtered and z.is_cuda and os.environ.get("QERL_FUSED_SAMPLE", "1") != "0"
+    if not fused:
+        z = z / temperature
+        logp_all = z.log_softmax(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)                                      # (N,)
+    zf = filter_logits(z, top_k, top_p) if filtered else z
     if isinstance(gen, (list, tuple)):  # one generator per block of rows (a group): its draws do not depend on
         n = zf.shape[0] // len(gen)     # the other rows of the batch
         noise = torch.cat([torch.empty((n, zf.shape[1]), dtype=zf.dtype, device=zf.device).exponential_(generator=g)
                            for g in gen])
     else:
         noise = torch.empty_like(zf).exponential_(generator=gen)
+    if fused:  # the same noise, race, log-prob and entropy in two launches (qerl.kernels.fused.sample_race)
+        from qerl.kernels.fused import sample_race
+        return sample_race(z, temperature, noise)
     tok = (zf.softmax(-1) / noise).argmax(-1)
     return tok, logp_all.gather(1, tok[:, None]).squeeze(1), ent
 

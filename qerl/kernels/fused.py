@@ -13,6 +13,10 @@ functions cover all of it in 5 launches per layer:
 * :func:`silu_mul`      ``silu(gate) * up`` from the fused ``[gate | up]`` output;
 * :func:`lora_a`        the LoRA down-projection ``x·Aᵀ`` (M <= 16 rows, rank R): one split-K launch whose last
                         CTA per rank block sums the partials (cuBLAS takes a GEMM plus a split-K reduce).
+* :func:`sample_race`   the sampler's token draw from logits z (N, V) and exponential noise: the race
+                        argmax_v softmax(z/T)_v / E_v, log softmax(z/T) of the drawn token and the entropy of
+                        softmax(z/T), in two launches (per-chunk partials over V, then a per-row combine) instead
+                        of ~15 (two full softmaxes among them, one CTA per row).
 
 Each has a pure-torch reference (``*_ref``, used on CPU and as the tests' reference) with the same rounding
 points as the unfused modules (bf16 results rounded where the HF modules round them); the Triton versions
@@ -77,6 +81,16 @@ def decode_attention_ref(q, kc, vc, bias, S: int, scale: float):
     sc = torch.matmul(qg, kc[:, :, :S].float().transpose(-1, -2)) * scale + bias[:, None, None, :S]
     p = sc.softmax(-1)
     return torch.matmul(p.to(vc.dtype).float(), vc[:, :, :S].float()).to(q.dtype).reshape(m, H * d)
+
+
+def sample_race_ref(z: torch.Tensor, temperature: float, noise: torch.Tensor):
+    """(token (N,), log softmax(z/T)[token] (N,), entropy of softmax(z/T) (N,)) for logits z (N, V) float32 and
+    noise E (N, V) ~ Exp(1): token = argmax_v softmax(z/T)_v / E_v (``qerl.rollout.sample_from_logits``'s race)."""
+    z = z / temperature
+    logp = z.log_softmax(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    tok = (z.softmax(-1) / noise).argmax(-1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1), ent
 
 
 def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
@@ -231,6 +245,52 @@ if HAS_TRITON:
         tl.store(o_ptr + row * NI + offs, (a * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=msk)
 
 
+    @triton.jit
+    def _sample_part_kernel(z_ptr, e_ptr, ws_ptr, idx_ptr, V, temp, S, BLOCK: tl.constexpr):
+        # one chunk of one row: max m, sum of exp(x - m), sum of exp(x - m)·x, and the race's best x - log E
+        row, c = tl.program_id(0), tl.program_id(1)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        msk = offs < V
+        x = tl.load(z_ptr + row * V + offs, mask=msk, other=float("-inf")) / temp
+        e = tl.load(e_ptr + row * V + offs, mask=msk, other=1.0)
+        m = tl.max(x, 0)
+        p = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
+        s = tl.sum(p, 0)
+        t = tl.sum(tl.where(p > 0, p * x, 0.0), 0)
+        r = tl.where(msk, x - tl.log(e), float("-inf"))
+        best = tl.max(r, 0)
+        arg = tl.min(tl.where(r == best, offs, V), 0)  # the first index reaching the best
+        base = ws_ptr + (row * S + c) * 4
+        tl.store(base, m)
+        tl.store(base + 1, s)
+        tl.store(base + 2, t)
+        tl.store(base + 3, best)
+        tl.store(idx_ptr + row * S + c, arg)
+
+    @triton.jit
+    def _sample_combine_kernel(z_ptr, ws_ptr, idx_ptr, tok_ptr, lp_ptr, ent_ptr, V, temp, S, SB: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, SB)
+        cm = c < S
+        base = ws_ptr + (row * S + c) * 4
+        m = tl.load(base, mask=cm, other=float("-inf"))
+        s = tl.load(base + 1, mask=cm, other=0.0)
+        t = tl.load(base + 2, mask=cm, other=0.0)
+        best = tl.load(base + 3, mask=cm, other=float("-inf"))
+        mx = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - mx), 0.0)
+        zs = tl.sum(s * w, 0)
+        ts = tl.sum(t * w, 0)
+        log_z = mx + tl.log(zs)
+        b = tl.max(best, 0)
+        ci = tl.min(tl.where(best == b, c, SB), 0)  # the first chunk reaching the best: the lowest index
+        tok = tl.load(idx_ptr + row * S + ci)
+        xt = tl.load(z_ptr + row * V + tok) / temp
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, xt - log_z)
+        tl.store(ent_ptr + row, log_z - ts / zs)
+
+
 # ------------------------------------------------------------------------------------------ dispatch
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -322,3 +382,27 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(m, -(-i // block))](gu, out, i, BLOCK=block, num_warps=4)
     return out
+
+
+SAMPLE_BLOCK = 4096  # vocabulary entries per program of sample_race's first pass
+
+
+def sample_race(z: torch.Tensor, temperature: float, noise: torch.Tensor):
+    """:func:`sample_race_ref` in two launches on CUDA (or the Triton interpreter); the reference elsewhere or for
+    inputs other than contiguous float32 (N, V). The race compares x − log E (x = z/T) instead of softmax(x)/E: the
+    same order, so the same token but where two candidates tie to float32 rounding."""
+    if (not _triton_ok(z) or z.dtype != torch.float32 or noise.dtype != torch.float32 or z.dim() != 2
+            or noise.shape != z.shape or not z.is_contiguous() or not noise.is_contiguous() or temperature <= 0):
+        return sample_race_ref(z, temperature, noise)
+    n, v = z.shape
+    chunks = -(-v // SAMPLE_BLOCK)
+    ws = torch.empty((n, chunks, 4), dtype=torch.float32, device=z.device)
+    idx = torch.empty((n, chunks), dtype=torch.int32, device=z.device)
+    tok = torch.empty(n, dtype=torch.int64, device=z.device)
+    lp = torch.empty(n, dtype=torch.float32, device=z.device)
+    ent = torch.empty(n, dtype=torch.float32, device=z.device)
+    _sample_part_kernel[(n, chunks)](z, noise, ws, idx, v, float(temperature), chunks, BLOCK=SAMPLE_BLOCK,
+                                     num_warps=8)
+    _sample_combine_kernel[(n,)](z, ws, idx, tok, lp, ent, v, float(temperature), chunks,
+                                 SB=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+    return tok, lp, ent
