@@ -1,0 +1,35 @@
+"""benchmarks/lora_gemv_bench.py on the CPU: the linears it times, its argument errors and its table (the timing
+itself needs a GPU and runs on the device: results/speed/lora_gemv_h100.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import kernel_bench
+from benchmarks import lora_gemv_bench as lb
+
+
+def test_groups_are_the_layers_fused_decode_linears():
+    for model, (h, inter, nh, nkv, hd) in kernel_bench.MODELS.items():
+        gs = {name: (members, k) for name, members, k in lb.groups(model, 16)}
+        assert list(gs) == ["q|k|v", "o", "gate|up", "down"]
+        assert gs["q|k|v"] == ([(nh * hd, 16), (nkv * hd, 16), (nkv * hd, 16)], h)
+        assert gs["gate|up"] == ([(inter, 16), (inter, 16)], h) and gs["down"] == ([(h, 16)], inter)
+        assert all(rows % 16 == 0 for members, _ in gs.values() for rows, _ in members)  # LoraOperand's rule
+
+
+@pytest.mark.parametrize("argv, why", [(["--models", "9b"], "unknown --models"), (["--fmts", "nf4"], "--fmts must"),
+                                       (["--m", "32"], "decode sizes"), (["--chunks", "0"], "--chunks must")])
+def test_bad_arguments_name_the_value_and_the_choices(argv, why):
+    with pytest.raises(SystemExit, match=why):
+        lb.main(argv)
+
+
+def test_markdown_shows_each_mode_and_its_overhead_over_plain():
+    rows = []
+    for mode, chunks, us in [("plain", "", 10.0), ("one-launch", 4, 12.5), ("split", "", 17.0)]:
+        rows.append(dict(model="7b", fmt="nvfp4", M=8, linear="o", mode=mode, chunks=chunks, us=us,
+                         overhead_us=us - 10.0, floor_us=0.15))
+    md = lb.markdown(rows, "## header")
+    assert "### 7b nvfp4, M = 8" in md and "one-launch c4 µs (+LoRA)" in md
+    assert "| o | 10.0 | 12.5 (+2.5) | 17.0 (+7.0) | 0.15 |" in md
