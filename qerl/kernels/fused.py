@@ -317,6 +317,9 @@ def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, v
     return q
 
 
+ATTN_TARGET_PROGRAMS = 264  # decode_attention's split programs to aim for (benchmarks/attn_bench.py sweeps it)
+
+
 def attention_splits(rows: int, S: int, block: int = 64, target_programs: int = 264) -> tuple[int, int]:
     """(number of key splits, keys per split): enough programs (rows = M·Hkv of them per split) to fill
     about two waves of an H100's 132 SMs, each split a whole number of ``block``-key tiles."""
@@ -334,7 +337,7 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     m, H, d = q.shape
     hkv, s_max = kc.shape[1], kc.shape[2]
     g = H // hkv
-    nsplit, chunk = attention_splits(m * hkv, S)
+    nsplit, chunk = attention_splits(m * hkv, S, target_programs=ATTN_TARGET_PROGRAMS)
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
     interp = _interpret()

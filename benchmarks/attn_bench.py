@@ -1,0 +1,88 @@
+"""Decode attention (``qerl.kernels.fused.decode_attention``) per layer against the split target, on a GPU.
+
+    python -m benchmarks.attn_bench [--models 7b,32b] [--batch 2,8,16] [--kv 256,1024,2048]
+                                    [--targets 264,528,1056] [--out results/speed]
+
+For one layer's shapes (heads, KV heads, head dim of the model) and a static KV cache of S_max = 2304 slots, the
+split kernel + combine of one new token per row over the first S keys, timed as one CUDA graph over rotating caches
+(>= 160 MB, so the keys come from HBM), median replay per call; effective TB/s counts K and V of the S keys once.
+``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS`` (programs the key splits aim for). Writes
+``attn_<gpu>.csv`` under ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+
+import torch
+
+from benchmarks import kernel_bench as bench
+from qerl.kernels import fused as fk
+
+S_MAX = 2304
+
+
+def run(models, batches, kvs, targets, rep_ms: float) -> list[dict]:
+    rows = []
+    orig = fk.ATTN_TARGET_PROGRAMS
+    for mdl in models:
+        _, _, nh, nkv, hd = bench.MODELS[mdl]
+        for m in batches:
+            per = 2 * m * nkv * S_MAX * hd * 2
+            copies = max(1, min(64, math.ceil(bench.ROTATE_BYTES / per)))
+            kcs = [torch.randn(m, nkv, S_MAX, hd, device="cuda").bfloat16() for _ in range(copies)]
+            vcs = [torch.randn(m, nkv, S_MAX, hd, device="cuda").bfloat16() for _ in range(copies)]
+            q = torch.randn(m, nh, hd, device="cuda").bfloat16()
+            bias = torch.zeros(m, S_MAX, device="cuda")
+            for s in kvs:
+                for t in targets:
+                    fk.ATTN_TARGET_PROGRAMS = t
+                    try:
+                        calls = [lambda kc=kc, vc=vc: fk.decode_attention(q, kc, vc, bias, s, hd ** -0.5)
+                                 for kc, vc in zip(kcs, vcs, strict=True)]
+                        us = bench._graph_ms(calls, rep_ms)[0] * 1e3
+                    finally:
+                        fk.ATTN_TARGET_PROGRAMS = orig
+                    nsplit, _ = fk.attention_splits(m * nkv, s, target_programs=t)
+                    nbytes = 2 * m * nkv * s * hd * 2
+                    rows.append(dict(model=mdl, batch=m, kv=s, target=t, splits=nsplit, us=round(us, 2),
+                                     TBps=round(nbytes / (us * 1e-6) / 1e12, 3)))
+                    print(f"[attn] {mdl} b{m} S={s:5d} target={t:5d} splits={nsplit:3d}: {us:7.2f} us "
+                          f"{rows[-1]['TBps']:.2f} TB/s", flush=True)
+            del kcs, vcs
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="7b,32b")
+    ap.add_argument("--batch", default="2,8,16")
+    ap.add_argument("--kv", default="256,1024,2048")
+    ap.add_argument("--targets", default="264,528,1056")
+    ap.add_argument("--rep", type=float, default=15.0)
+    ap.add_argument("--out", default="results/speed")
+    a = ap.parse_args(argv)
+    models = [s for s in a.models.split(",") if s]
+    if any(s not in bench.MODELS for s in models):
+        raise SystemExit(f"unknown --models {models}; choose from {sorted(bench.MODELS)}")
+    batches, kvs, targets = ([int(v) for v in x.split(",") if v] for x in (a.batch, a.kv, a.targets))
+    if any(not 1 <= s <= S_MAX for s in kvs) or any(t < 1 for t in targets) or any(b < 1 for b in batches):
+        raise SystemExit(f"--kv must be in [1, {S_MAX}], --targets and --batch positive; got {kvs} {targets} {batches}")
+    if not torch.cuda.is_available():
+        raise SystemExit("attn_bench needs a CUDA GPU")
+    rows = run(models, batches, kvs, targets, a.rep)
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"attn_{torch.cuda.get_device_name().replace(' ', '_').lower()}.csv")
+    with open(path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
