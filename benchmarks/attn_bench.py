@@ -1,12 +1,13 @@
 """Decode attention (``qerl.kernels.fused.decode_attention``) per layer against the split target, on a GPU.
 
     python -m benchmarks.attn_bench [--models 7b,32b] [--batch 2,8,16] [--kv 256,1024,2048]
-                                    [--targets 264,528,1056] [--out results/speed]
+                                    [--targets 264,528,1056] [--configs 64:4:0,128:4:0] [--out results/speed]
 
 For one layer's shapes (heads, KV heads, head dim of the model) and a static KV cache of S_max = 2304 slots, the
 split kernel + combine of one new token per row over the first S keys, timed as one CUDA graph over rotating caches
 (>= 160 MB, so the keys come from HBM), median replay per call; effective TB/s counts K and V of the S keys once.
-``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS`` (programs the key splits aim for). Writes
+``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS`` (programs the key splits aim for), ``--configs`` the kernel's
+keys per tile : warps : pipeline stages (0 = Triton's default). Writes
 ``attn_<gpu>.csv`` under ``--out`` and prints a table.
 """
 
@@ -25,9 +26,9 @@ from qerl.kernels import fused as fk
 S_MAX = 2304
 
 
-def run(models, batches, kvs, targets, rep_ms: float) -> list[dict]:
+def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),)) -> list[dict]:
     rows = []
-    orig = fk.ATTN_TARGET_PROGRAMS
+    orig = (fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES)
     for mdl in models:
         _, _, nh, nkv, hd = bench.MODELS[mdl]
         for m in batches:
@@ -39,19 +40,20 @@ def run(models, batches, kvs, targets, rep_ms: float) -> list[dict]:
             bias = torch.zeros(m, S_MAX, device="cuda")
             for s in kvs:
                 for t in targets:
-                    fk.ATTN_TARGET_PROGRAMS = t
-                    try:
-                        calls = [lambda kc=kc, vc=vc: fk.decode_attention(q, kc, vc, bias, s, hd ** -0.5)
-                                 for kc, vc in zip(kcs, vcs, strict=True)]
-                        us = bench._graph_ms(calls, rep_ms)[0] * 1e3
-                    finally:
-                        fk.ATTN_TARGET_PROGRAMS = orig
-                    nsplit, _ = fk.attention_splits(m * nkv, s, target_programs=t)
-                    nbytes = 2 * m * nkv * s * hd * 2
-                    rows.append(dict(model=mdl, batch=m, kv=s, target=t, splits=nsplit, us=round(us, 2),
-                                     TBps=round(nbytes / (us * 1e-6) / 1e12, 3)))
-                    print(f"[attn] {mdl} b{m} S={s:5d} target={t:5d} splits={nsplit:3d}: {us:7.2f} us "
-                          f"{rows[-1]['TBps']:.2f} TB/s", flush=True)
+                    for bs, warps, stages in configs:
+                        fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES = t, bs, warps, stages
+                        try:
+                            calls = [lambda kc=kc, vc=vc: fk.decode_attention(q, kc, vc, bias, s, hd ** -0.5)
+                                     for kc, vc in zip(kcs, vcs, strict=True)]
+                            us = bench._graph_ms(calls, rep_ms)[0] * 1e3
+                        finally:
+                            fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES = orig
+                        nsplit, _ = fk.attention_splits(m * nkv, s, block=bs, target_programs=t)
+                        nbytes = 2 * m * nkv * s * hd * 2
+                        rows.append(dict(model=mdl, batch=m, kv=s, target=t, bs=bs, warps=warps, stages=stages,
+                                         splits=nsplit, us=round(us, 2), TBps=round(nbytes / (us * 1e-6) / 1e12, 3)))
+                        print(f"[attn] {mdl} b{m} S={s:5d} target={t:5d} {bs}:{warps}:{stages} splits={nsplit:3d}: "
+                              f"{us:7.2f} us {rows[-1]['TBps']:.2f} TB/s", flush=True)
             del kcs, vcs
             torch.cuda.empty_cache()
     return rows
@@ -63,6 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", default="2,8,16")
     ap.add_argument("--kv", default="256,1024,2048")
     ap.add_argument("--targets", default="264,528,1056")
+    ap.add_argument("--configs", default="64:4:0", help="keys per tile:warps:stages, comma-separated")
     ap.add_argument("--rep", type=float, default=15.0)
     ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)
@@ -72,9 +75,16 @@ def main(argv=None) -> None:
     batches, kvs, targets = ([int(v) for v in x.split(",") if v] for x in (a.batch, a.kv, a.targets))
     if any(not 1 <= s <= S_MAX for s in kvs) or any(t < 1 for t in targets) or any(b < 1 for b in batches):
         raise SystemExit(f"--kv must be in [1, {S_MAX}], --targets and --batch positive; got {kvs} {targets} {batches}")
+    try:
+        configs = [tuple(int(v) for v in c.split(":")) for c in a.configs.split(",") if c]
+        assert configs and all(len(c) == 3 and c[0] in (16, 32, 64, 128, 256) and c[1] in (1, 2, 4, 8) and c[2] >= 0
+                               for c in configs)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--configs must be bs:warps:stages with bs in 16..256 (powers of 2), warps in 1/2/4/8, "
+                         f"stages >= 0; got {a.configs!r}") from None
     if not torch.cuda.is_available():
         raise SystemExit("attn_bench needs a CUDA GPU")
-    rows = run(models, batches, kvs, targets, a.rep)
+    rows = run(models, batches, kvs, targets, a.rep, configs)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"attn_{torch.cuda.get_device_name().replace(' ', '_').lower()}.csv")
     with open(path, "w", newline="") as fh:

@@ -317,7 +317,12 @@ def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, v
     return q
 
 
-ATTN_TARGET_PROGRAMS = 264  # decode_attention's split programs to aim for (benchmarks/attn_bench.py sweeps it)
+# decode_attention's launch: split programs to aim for, keys per tile, warps, software-pipeline stages (0: Triton's
+# default); benchmarks/attn_bench.py sweeps them
+ATTN_TARGET_PROGRAMS = 264
+ATTN_BS = 64
+ATTN_WARPS = 4
+ATTN_STAGES = 0
 
 
 def attention_splits(rows: int, S: int, block: int = 64, target_programs: int = 264) -> tuple[int, int]:
@@ -337,13 +342,14 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     m, H, d = q.shape
     hkv, s_max = kc.shape[1], kc.shape[2]
     g = H // hkv
-    nsplit, chunk = attention_splits(m * hkv, S, target_programs=ATTN_TARGET_PROGRAMS)
+    nsplit, chunk = attention_splits(m * hkv, S, block=ATTN_BS, target_programs=ATTN_TARGET_PROGRAMS)
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
     interp = _interpret()
     _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
-                                          float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BS=64,
-                                          DOT_F32=interp, num_warps=4)
+                                          float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
+                                          BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
+                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
     o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4)
     return o
