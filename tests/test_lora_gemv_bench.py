@@ -33,3 +33,11 @@ def test_markdown_shows_each_mode_and_its_overhead_over_plain():
     md = lb.markdown(rows, "## header")
     assert "### 7b nvfp4, M = 8" in md and "one-launch c4 µs (+LoRA)" in md
     assert "| o | 10.0 | 12.5 (+2.5) | 17.0 (+7.0) | 0.15 |" in md
+
+
+@pytest.mark.parametrize("argv, why", [(["--models", "9b"], "unknown --models"), (["--kv", "5000"], "--kv must"),
+                                       (["--configs", "64:3:0"], "--configs must"), (["--configs", "x"], "--configs must")])
+def test_attn_bench_bad_arguments(argv, why):
+    from benchmarks import attn_bench
+    with pytest.raises(SystemExit, match=why):
+        attn_bench.main(argv)
