@@ -8,13 +8,13 @@ split kernel + combine of one new token per row over the first S keys, timed as 
 (>= 160 MB, so the keys come from HBM), median replay per call; effective TB/s counts K and V of the S keys once.
 ``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS`` (programs the key splits aim for), ``--configs`` the kernel's
 keys per tile : warps : pipeline stages (0 = Triton's default). Writes
-``attn_<gpu>.csv`` under ``--out`` and prints a table.
+``attn_<gpu>.csv`` (gpu = "h100", ...) under ``--out`` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import functools
 import math
 import os
 
@@ -43,7 +43,7 @@ def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),)) -> 
                     for bs, warps, stages in configs:
                         fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES = t, bs, warps, stages
                         try:
-                            calls = [lambda kc=kc, vc=vc: fk.decode_attention(q, kc, vc, bias, s, hd ** -0.5)
+                            calls = [functools.partial(fk.decode_attention, q, kc, vc, bias, s, hd ** -0.5)
                                      for kc, vc in zip(kcs, vcs, strict=True)]
                             us = bench._graph_ms(calls, rep_ms)[0] * 1e3
                         finally:
@@ -86,11 +86,8 @@ def main(argv=None) -> None:
         raise SystemExit("attn_bench needs a CUDA GPU")
     rows = run(models, batches, kvs, targets, a.rep, configs)
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"attn_{torch.cuda.get_device_name().replace(' ', '_').lower()}.csv")
-    with open(path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    path = os.path.join(a.out, f"attn_{bench.gpu_tag()}.csv")
+    bench.write_csv(path, rows)
     print(f"wrote {path}")
 
 

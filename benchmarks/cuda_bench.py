@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import platform
 import subprocess
@@ -217,7 +216,7 @@ def main(argv=None) -> None:
     if not cf.available():
         sys.exit(f"[cuda_bench] CUDA FP4 kernel unavailable: {cf.build_error()}")
     name = torch.cuda.get_device_name()
-    tag = a.tag or (name.split()[1].lower() if len(name.split()) > 1 else "gpu")
+    tag = bench.gpu_tag(a.tag)
     os.makedirs(a.out, exist_ok=True)
     bw = bench.copy_bandwidth()
     attrs = {(f, nt, u, sw): cf.kernel_attributes(f, 1 if nt == 1 else 16, u, sw)
@@ -237,15 +236,9 @@ def main(argv=None) -> None:
 def _write(out: str, tag: str, rows: list[dict], sweep_rows: list[dict], header: str) -> None:
     keys = ["model", "fmt", "path", "M", "linear", "N", "K", "us", "bytes", "TBps", "speedup_vs_bf16",
             "speedup_vs_triton", "layer_graph_us", "config"]
-    with open(os.path.join(out, f"cuda_fp4_{tag}.csv"), "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(rows)
+    bench.write_csv(os.path.join(out, f"cuda_fp4_{tag}.csv"), rows, keys)
     if sweep_rows:
-        with open(os.path.join(out, f"cuda_fp4_sweep_{tag}.csv"), "w", newline="") as fh:
-            wr = csv.DictWriter(fh, fieldnames=list(sweep_rows[0]))
-            wr.writeheader()
-            wr.writerows(sweep_rows)
+        bench.write_csv(os.path.join(out, f"cuda_fp4_sweep_{tag}.csv"), sweep_rows)
     with open(os.path.join(out, f"cuda_fp4_{tag}.md"), "w") as fh:
         fh.write(markdown(rows, header) + "\n")
 

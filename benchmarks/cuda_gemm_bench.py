@@ -21,7 +21,6 @@ from HBM) replayed; median replay / copies. Writes ``cuda_gemm_<gpu>.csv`` / ``.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -210,17 +209,14 @@ def main(argv=None) -> None:
     if not cf.available():
         sys.exit(f"[cuda_gemm_bench] CUDA FP4 kernel unavailable: {cf.build_error()}")
     name = torch.cuda.get_device_name()
-    tag = name.split()[1].lower() if len(name.split()) > 1 else "gpu"
+    tag = bench.gpu_tag()
     os.makedirs(a.out, exist_ok=True)
     models, fmts = a.models.split(","), a.fmts.split(",")
     hdr = _header(name, argv)
     print(hdr, flush=True)
     if not a.no_sweep:
         rows, table = sweep(models, fmts, [int(v) for v in a.sweep_m.split(",")], a.rep / 2)
-        with open(os.path.join(a.out, f"cuda_gemm_sweep_{tag}.csv"), "w", newline="") as fh:
-            wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        bench.write_csv(os.path.join(a.out, f"cuda_gemm_sweep_{tag}.csv"), rows)
         doc = {"device": name, "torch": torch.__version__, "command": "python -m benchmarks.cuda_gemm_bench "
                + " ".join(sys.argv[1:] if argv is None else argv), "entries": table}
         text = json.dumps(doc, indent=1) + "\n"
@@ -230,10 +226,8 @@ def main(argv=None) -> None:
             path = cf.install_gemm_table(name, text)
             print(f"[cuda_gemm_bench] installed {path}", flush=True)
     rows = layer_table(models, fmts, [int(v) for v in a.m.split(",")], a.rep)
-    with open(os.path.join(a.out, f"cuda_gemm_{tag}.csv"), "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=["model", "fmt", "path", "M", "us", "speedup_vs_bf16", "configs"])
-        wr.writeheader()
-        wr.writerows(rows)
+    bench.write_csv(os.path.join(a.out, f"cuda_gemm_{tag}.csv"), rows,
+                    ["model", "fmt", "path", "M", "us", "speedup_vs_bf16", "configs"])
     md = markdown(rows, hdr)
     with open(os.path.join(a.out, f"cuda_gemm_{tag}.md"), "w") as fh:
         fh.write(md + "\n")

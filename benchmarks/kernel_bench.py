@@ -72,6 +72,22 @@ def _do_bench(fn, rep_ms: float) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms / 4), rep=rep_ms, return_mode="median"))
 
 
+def gpu_tag(tag: str = "") -> str:
+    """The file tag of a benchmark's outputs: ``tag`` when given, else the GPU's model word ("h100")."""
+    if tag:
+        return tag
+    words = torch.cuda.get_device_name().split()
+    return words[1].lower() if len(words) > 1 else "gpu"
+
+
+def write_csv(path: str, rows: list[dict], keys: list[str] | None = None) -> None:
+    """``rows`` as a CSV at ``path`` (columns ``keys``, default the first row's)."""
+    with open(path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=keys or list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
@@ -297,10 +313,7 @@ def tune(models: list[str], fmts: list[str], ms: list[int], rep_ms: float, out_c
         for n, k in more:
             _tune_shape(fmt, n, k, ms, lambda m, p=picks: p.get(m, []) + [KernelConfig(kernel="cublas")],
                         rep_ms, bad, rows, best)
-    with open(out_csv, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out_csv, rows)
     return best
 
 
@@ -458,7 +471,7 @@ def main(argv=None) -> None:
             print(f"[bench] bitsandbytes unavailable ({type(e).__name__}); NF4 skipped", flush=True)
             fmts.remove("nf4")
     name = torch.cuda.get_device_name()
-    tag = a.tag or (name.split()[1].lower() if len(name.split()) > 1 else "gpu")
+    tag = gpu_tag(a.tag)
     os.makedirs(a.out, exist_ok=True)
     bw = copy_bandwidth()
     print(f"[bench] {name}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -475,10 +488,7 @@ def main(argv=None) -> None:
     rows = run(a.models.split(","), [int(v) for v in a.m.split(",")], fmts, a.rep, bw)
     keys = ["model", "M", "fmt", "op", "linear", "N", "K", "us", "bytes", "TBps", "frac_copy_bw",
             "speedup_vs_bf16", "layer_graph_us", "graph_speedup_vs_bf16", "backend"]
-    with open(os.path.join(a.out, f"layers_{tag}.csv"), "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(os.path.join(a.out, f"layers_{tag}.csv"), rows, keys)
     try:
         import bitsandbytes
         bnb_v = bitsandbytes.__version__

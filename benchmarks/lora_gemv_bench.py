@@ -22,7 +22,6 @@ is checked against the split path on the first copy (max |difference| printed an
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import platform
@@ -109,7 +108,7 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float) -> l
                         del cf._STATE[key]  # LoRA launch configs depend on lora_parts: pick them again
                     try:
                         total = 0.0
-                        for (name, members, k), lin, out in zip(gs, lins, outs, strict=True):
+                        for (name, _, k), lin, out in zip(gs, lins, outs, strict=True):
                             calls = [lin.call(mode, i, xs[k], out) for i in range(len(lin.ws))]
                             t = bench._graph_ms(calls, rep_ms)[0] * 1e3
                             total += t
@@ -196,11 +195,8 @@ def main(argv=None) -> None:
               f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), `{' '.join(sys.argv)}`. "
               f"(+x) = µs over the plain GEMV of the same run.")
     os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"lora_gemv_{gpu.replace(' ', '_').lower()}{a.tag}")
-    with open(stem + ".csv", "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    stem = os.path.join(a.out, f"lora_gemv_{bench.gpu_tag()}{a.tag}")
+    bench.write_csv(stem + ".csv", rows)
     md = markdown(rows, header)
     with open(stem + ".md", "w") as fh:
         fh.write(md + "\n")

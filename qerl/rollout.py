@@ -139,8 +139,7 @@ def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: f
     else:
         noise = torch.empty_like(zf).exponential_(generator=gen)
     if fused:  # the same noise, race, log-prob and entropy in two launches (qerl.kernels.fused.sample_race)
-        from qerl.kernels.fused import sample_race
-        return sample_race(z, temperature, noise)
+        return fk.sample_race(z, temperature, noise)
     tok = (zf.softmax(-1) / noise).argmax(-1)
     return tok, logp_all.gather(1, tok[:, None]).squeeze(1), ent
 

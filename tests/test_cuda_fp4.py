@@ -148,7 +148,7 @@ def test_pick_config_one_wave():
             assert splits == 1 or c // splits >= unroll
             assert splits == 1 or -(-s // (per * sw)) <= occ(splits * per, splits) * 132
             # with CTAs added by the launch (LoRA), the whole grid still fits one wave, or splits fell to 1
-            extra = lambda warps, splits: 4 * cf.lora_parts(64, c, warps)  # noqa: E731
+            extra = lambda warps, splits, c=c: 4 * cf.lora_parts(64, c, warps)  # noqa: E731
             sp2, per2, _, _ = cf.pick_config(s, c, 132, unroll, occ, sw, extra_ctas=extra)
             assert sp2 <= splits
             assert sp2 == 1 or -(-s // (per2 * sw)) + extra(sp2 * per2, sp2) <= occ(sp2 * per2, sp2) * 132

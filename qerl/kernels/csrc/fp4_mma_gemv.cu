@@ -540,6 +540,18 @@ inline size_t lora_smem_bytes(const LoraArgs& la, int rows) {
   return la.a == nullptr ? 0 : (size_t)16 * lora_ts_stride(la.R) * 4 + (size_t)rows * lora_bs_stride(la.rp) * 2;
 }
 
+// Dynamic shared memory of a launch: the split-K partials plus `lora_bytes`, with LoRA at least the LoRA CTAs'
+// per-warp partials.
+inline size_t launch_smem(int nt, int warps, int splits, int sw, bool lora, size_t lora_bytes) {
+  const size_t smem = smem_bytes(nt, warps, splits, sw) + lora_bytes;
+  return lora ? std::max(smem, (size_t)warps * 256 * 4) : smem;
+}
+
+// Allow `smem` bytes of dynamic shared memory for kernel fn (an opt-in above 48 KB); 0 or a cudaError_t.
+inline int opt_in_smem(const void* fn, size_t smem) {
+  return smem > 48 * 1024 ? (int)cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) : 0;
+}
+
 int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                 float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits, int strips_per_cta,
                 int unroll, int sw, int pdl, void* stream, LoraArgs la) {
@@ -557,13 +569,9 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
     if (units > kLoraMaxUnits) return -1;
     lora_ctas = la.nlora = units;
   }
-  size_t smem = smem_bytes(nt, warps, splits, sw) + lora_smem_bytes(la, rows);
-  if (la.a != nullptr && smem < (size_t)warps * 256 * 4) smem = (size_t)warps * 256 * 4;  // LoRA CTAs' partials
+  const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr, lora_smem_bytes(la, rows));
   if (smem > 200 * 1024) return -1;
-  if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return (int)e;
-  }
+  if (const int e = opt_in_smem(fn, smem)) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas));
   cfg.blockDim = dim3((unsigned)(warps * 32));
@@ -627,9 +635,8 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
 extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits, int lora_smem) {
   const void* fn = qfp4::pick(fmt, nt, unroll, sw, lora_smem > 0);
   if (fn == nullptr) return -1;
-  size_t smem = qfp4::smem_bytes(nt, warps, splits, sw);
-  if (lora_smem > 0) smem = std::max(smem + (size_t)lora_smem, (size_t)warps * 256 * 4);
-  if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) return -1;
+  const size_t smem = qfp4::launch_smem(nt, warps, splits, sw, lora_smem > 0, (size_t)std::max(lora_smem, 0));
+  if (qfp4::opt_in_smem(fn, smem)) return -1;
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32, smem)) return -1;
   return blocks;
