@@ -2,7 +2,7 @@
 launches — what the LoRA costs at decode, against what its bytes cost.
 
     python -m benchmarks.lora_gemv_bench [--models 7b] [--m 1,2,8,16] [--fmts nvfp4,mxfp4] [--rank 32]
-                                         [--chunks 2] [--stages 0] [--out results/speed] [--tag NAME]
+                                         [--chunks 2] [--out results/speed] [--tag NAME]
 
 For the four linears of one decoder layer as the rollout's sampler runs them (q|k|v and gate|up fused, o, down;
 every member with LoRA rank ``--rank``), each timed as in ``kernel_bench``: one CUDA graph over rotating copies of
@@ -14,9 +14,7 @@ the weight and its LoRA (>= 160 MB, so every read comes from HBM), median replay
 
 Per linear and per layer (the four back to back over consecutive layer copies, one graph): µs, the LoRA's overhead
 (mode − plain) and its bytes-floor (A and Bn read once at the device-to-device copy bandwidth measured in the same
-run). ``--chunks`` sets ``lora_parts``' K chunks per LoRA warp (one value per timed variant); ``--stages`` the GEMV's
-weight pipeline (``cuda_fp4.gemv_stages``: 0 = register batches, 2..8 = shared-memory ring; plain and one-launch are
-timed at each value, split at the first). The one-launch output
+run). ``--chunks`` sets ``lora_parts``' K chunks per LoRA warp (one value per timed variant). The one-launch output
 is checked against the split path on the first copy (max |difference| printed and saved). Writes
 ``lora_gemv_<gpu><tag>.csv`` / ``.md`` under ``--out``; prints the markdown last.
 """
@@ -71,30 +69,29 @@ class _Linear:
         self.n, self.k = n, k
         self.lora_bytes = r * k * 2 + self.ops[0].bn.numel() * 2
 
-    def call(self, mode: str, i: int, x: torch.Tensor, out: torch.Tensor, stages: int = 0):
+    def call(self, mode: str, i: int, x: torch.Tensor, out: torch.Tensor):
         w, op = self.ws[i], self.ops[i]
         if mode == "plain":
-            return lambda: cf.gemv(x, w, out=out, stages=stages)
+            return lambda: cf.gemv(x, w, out=out)
         if mode == "one-launch":
-            return lambda: cf.gemv(x, w, out=out, lora=op, stages=stages)
+            return lambda: cf.gemv(x, w, out=out, lora=op)
         from qerl.kernels.fused import lora_a
         bt = self.bts[i]
-        return lambda: cf.gemv(x, w, out=out, stages=stages).addmm_(lora_a(x, op.a), bt)
+        return lambda: cf.gemv(x, w, out=out).addmm_(lora_a(x, op.a), bt)
 
 
-def _check(lin: _Linear, m: int, stages: int = 0) -> float:
-    """max |one-launch − split| on the first copy for a random x (bf16 outputs, relative to max |split|); split with
-    register batches, one-launch at ``stages``."""
+def _check(lin: _Linear, m: int) -> float:
+    """max |one-launch − split| on the first copy for a random x (bf16 outputs, relative to max |split|)."""
     x = torch.randn(m, lin.k, device="cuda").bfloat16()
     a = torch.empty(m, lin.n, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    lin.call("one-launch", 0, x, a, stages)()
+    lin.call("one-launch", 0, x, a)()
     lin.call("split", 0, x, b)()
     torch.cuda.synchronize()
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
-def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float, stages=(0,)) -> list[dict]:
+def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float) -> list[dict]:
     rows = []
     orig = cf.lora_parts
     for mdl in models:
@@ -104,72 +101,60 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float, stag
             for m in ms:
                 xs = {k: torch.randn(m, k, device="cuda").bfloat16() for _, _, k in gs}
                 outs = [torch.empty(m, lin.n, device="cuda", dtype=torch.bfloat16) for lin in lins]
-                variants = [v for s in stages for v in [("plain", None, s), *[("one-launch", c, s) for c in chunks]]]
-                variants.append(("split", None, stages[0]))
-                for mode, c, st in variants:
+                variants = [("plain", None), *[("one-launch", c) for c in chunks], ("split", None)]
+                for mode, c in variants:
                     cf.lora_parts = orig if c is None else functools.partial(orig, chunks_per_warp=c)
-                    for key in [k for k in cf._STATE if isinstance(k, tuple) and len(k) == 7 and k[5]]:
+                    for key in [k for k in cf._STATE if isinstance(k, tuple) and len(k) == 6 and k[-1]]:
                         del cf._STATE[key]  # LoRA launch configs depend on lora_parts: pick them again
                     try:
                         total = 0.0
                         for (name, _, k), lin, out in zip(gs, lins, outs, strict=True):
-                            calls = [lin.call(mode, i, xs[k], out, st) for i in range(len(lin.ws))]
+                            calls = [lin.call(mode, i, xs[k], out) for i in range(len(lin.ws))]
                             t = bench._graph_ms(calls, rep_ms)[0] * 1e3
                             total += t
-                            err = _check(lin, m, st) if mode == "one-launch" else None
+                            err = _check(lin, m) if mode == "one-launch" else None
                             rows.append(dict(model=mdl, fmt=fmt, M=m, linear=name, N=lin.n, K=k, mode=mode,
-                                             chunks=c or "", stages=st, us=round(t, 3), lora_bytes=lin.lora_bytes,
+                                             chunks=c or "", us=round(t, 3), lora_bytes=lin.lora_bytes,
                                              floor_us=round(lin.lora_bytes / copy_bw * 1e6, 3),
                                              rel_diff_vs_split="" if err is None else f"{err:.2e}"))
                         layers = min(64, min(len(lin.ws) for lin in lins))
-                        calls = [lin.call(mode, r % len(lin.ws), xs[k], out, st) for r in range(layers)
+                        calls = [lin.call(mode, r % len(lin.ws), xs[k], out) for r in range(layers)
                                  for (_, _, k), lin, out in zip(gs, lins, outs, strict=True)]
                         tl = bench._graph_ms(calls, rep_ms)[0] * 1e3 * len(gs)
                         rows.append(dict(model=mdl, fmt=fmt, M=m, linear="layer (sum)", N=0, K=0, mode=mode,
-                                         chunks=c or "", stages=st, us=round(total, 3),
+                                         chunks=c or "", us=round(total, 3),
                                          lora_bytes=sum(lin.lora_bytes for lin in lins),
                                          floor_us=round(sum(lin.lora_bytes for lin in lins) / copy_bw * 1e6, 3),
                                          rel_diff_vs_split=""))
                         rows.append(dict(rows[-1], linear="layer (graph)", us=round(tl, 3)))
-                        print(f"[lora_gemv] {mdl} {fmt} M={m:2d} {mode:10s} chunks={c or '-'} stages={st}: layer "
-                              f"{total:7.1f} us "
+                        print(f"[lora_gemv] {mdl} {fmt} M={m:2d} {mode:10s} chunks={c or '-'}: layer {total:7.1f} us "
                               f"(graph {tl:7.1f})", flush=True)
                     finally:
                         cf.lora_parts = orig
             del lins
             torch.cuda.empty_cache()
-    for r in rows:  # overhead of the LoRA: the mode minus the plain GEMV of the same (model, fmt, M, linear, stages)
+    for r in rows:  # overhead of the LoRA: the mode minus the plain GEMV of the same (model, fmt, M, linear)
         base = next(b for b in rows if b["mode"] == "plain" and all(b[f] == r[f] for f in ("model", "fmt", "M",
-                                                                                         "linear", "stages")))
+                                                                                         "linear")))
         r["overhead_us"] = round(r["us"] - base["us"], 3)
     return rows
 
 
 def markdown(rows, header: str) -> str:
-    """One table per (model, fmt, M): a column per plain pipeline depth and per LoRA variant (the depth named only
-    when rows hold more than one), the LoRA's overhead over the plain GEMV of the same depth in brackets."""
     out = [header, ""]
     keys = list(dict.fromkeys((r["model"], r["fmt"], r["M"]) for r in rows))
-    many = len({r.get("stages", 0) for r in rows}) > 1
-    plains = list(dict.fromkeys(r.get("stages", 0) for r in rows if r["mode"] == "plain"))
-    variants = list(dict.fromkeys((r["mode"], r["chunks"], r.get("stages", 0)) for r in rows if r["mode"] != "plain"))
-
-    def depth(st):
-        return f" s{st}" if many else ""
-
+    variants = list(dict.fromkeys((r["mode"], r["chunks"]) for r in rows if r["mode"] != "plain"))
     for mdl, fmt, m in keys:
         sel = [r for r in rows if (r["model"], r["fmt"], r["M"]) == (mdl, fmt, m)]
         out += [f"### {mdl} {fmt}, M = {m}", ""]
-        head = (["linear"] + [f"plain{depth(st)} µs" for st in plains]
-                + [f"{md}{f' c{c}' if c else ''}{depth(st)} µs (+LoRA)" for md, c, st in variants])
+        head = ["linear", "plain µs"] + [f"{md}{f' c{c}' if c else ''} µs (+LoRA)" for md, c in variants]
         out += ["| " + " | ".join(head + ["LoRA bytes-floor µs"]) + " |", "|" + "---|" * (len(head) + 1)]
         for lin in dict.fromkeys(r["linear"] for r in sel):
             lr = [r for r in sel if r["linear"] == lin]
-            ps = [next(r for r in lr if r["mode"] == "plain" and r.get("stages", 0) == st) for st in plains]
-            plain = ps[0]
-            cells = [lin, *[f"{p['us']:.1f}" for p in ps]]
-            for md, c, st in variants:
-                r = next(r for r in lr if (r["mode"], r["chunks"], r.get("stages", 0)) == (md, c, st))
+            plain = next(r for r in lr if r["mode"] == "plain")
+            cells = [lin, f"{plain['us']:.1f}"]
+            for md, c in variants:
+                r = next(r for r in lr if (r["mode"], r["chunks"]) == (md, c))
                 cells.append(f"{r['us']:.1f} (+{r['overhead_us']:.1f})")
             out.append("| " + " | ".join(cells + [f"{plain['floor_us']:.2f}"]) + " |")
         out.append("")
@@ -183,8 +168,6 @@ def main(argv=None) -> None:
     ap.add_argument("--fmts", default="nvfp4,mxfp4")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--chunks", default="2", help="lora_parts chunks per LoRA warp, one timed variant each")
-    ap.add_argument("--stages", default=str(cf.GEMV_STAGES),
-                    help="GEMV weight pipeline depths (0 = register batches, 2..8 = shared-memory ring), one each")
     ap.add_argument("--rep", type=float, default=20.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--out", default="results/speed")
     ap.add_argument("--tag", default="")
@@ -202,16 +185,10 @@ def main(argv=None) -> None:
     chunks = [int(s) for s in a.chunks.split(",") if s]
     if not chunks or any(c < 1 for c in chunks):
         raise SystemExit(f"--chunks must be positive integers, got {a.chunks!r}")
-    try:
-        stages = [cf.gemv_stages(int(s)) for s in a.stages.split(",") if s]
-    except ValueError:
-        stages = []
-    if not stages:
-        raise SystemExit(f"--stages must be 0 or 2..{cf.MAX_STAGES} (comma-separated), got {a.stages!r}")
     if not torch.cuda.is_available() or not cf.available():
         raise SystemExit("lora_gemv_bench needs a CUDA GPU (sm_80+) and the cuda_fp4 extension")
     copy_bw = bench.copy_bandwidth()
-    rows = run(models, ms, fmts, a.rank, chunks, a.rep, copy_bw, stages)
+    rows = run(models, ms, fmts, a.rank, chunks, a.rep, copy_bw)
     gpu = torch.cuda.get_device_name()
     header = (f"## LoRA at decode: FP4 GEMV alone / LoRA in the same launch / LoRA as its own launches\n\n"
               f"{gpu}, torch {torch.__version__}, python {platform.python_version()}, rank {a.rank}, "

@@ -137,19 +137,6 @@ def test_bad_inputs_raise():
         cf.gemv(torch.randn(1, 128).bfloat16(), w)
 
 
-def test_gemv_stages_choices(monkeypatch):
-    monkeypatch.delenv("QERL_GEMV_STAGES", raising=False)
-    assert cf.gemv_stages() == cf.GEMV_STAGES and cf.gemv_stages(0) == 0 and cf.gemv_stages(5) == 5
-    monkeypatch.setenv("QERL_GEMV_STAGES", "3")
-    assert cf.gemv_stages() == 3 and cf.gemv_stages(0) == 0  # an explicit value wins over the environment
-    for bad in (1, -1, cf.MAX_STAGES + 1, "x"):
-        with pytest.raises(ValueError, match=r"stages=.*must be 0 \(register batches\) or 2\.\.8"):
-            cf.gemv_stages(bad)
-    monkeypatch.setenv("QERL_GEMV_STAGES", "deep")
-    with pytest.raises(ValueError, match="QERL_GEMV_STAGES='deep'"):
-        cf.gemv_stages()
-
-
 def test_pick_config_one_wave():
     # a simple occupancy model: 2048 threads / SM, at most 4 CTAs of any size
     occ = lambda warps, splits: min(4, 64 // warps)  # noqa: E731
@@ -318,10 +305,6 @@ def test_gpu_kernel_matches_reference(fmt):
             _check(y, x, fmt, q, w, emu)
 
 
-# (pdl, weight pipeline depth) pairs the config tests run: register batches, then rings of 2..8 batches
-PIPES = [(False, 0), (True, 0), (False, 2), (True, 3), (False, 4), (False, 8)]
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
@@ -336,14 +319,8 @@ def test_gpu_every_config_and_layout(fmt):
             for cfg in [(1, 1, 4, 1), (1, 4, 8, 1), (3, 2, 4, 1), (5, 3, 4, 1), (7, 1, 8, 1), (16, 1, 4, 1),
                         (8, 1, 8, 1), (2, 8, 4, 1), (1, 1, 2, 1), (3, 1, 2, 2), (1, 2, 4, 2), (2, 1, 2, 4),
                         (5, 1, 2, 4), (1, 3, 2, 4), (4, 2, 2, 2)]:
-                ref = None
-                for pdl, stages in PIPES:
-                    y = cf.gemv(x, w, config=cfg, pdl=pdl, stages=stages)
-                    if ref is None:
-                        _check(y, x.contiguous(), fmt, q, w)
-                        ref = y
-                    else:  # the shared-memory ring changes where the bytes wait, not the arithmetic or its order
-                        assert torch.equal(y, ref), (cfg, pdl, stages)
+                for pdl in (False, True):
+                    _check(cf.gemv(x, w, config=cfg, pdl=pdl), x.contiguous(), fmt, q, w)
 
 
 @pytest.mark.gpu
@@ -409,15 +386,9 @@ def test_gpu_gemv_lora_every_config(fmt):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         for op in ops:
             for cfg in cfgs:
-                ref = None
-                for pdl, stages in PIPES:
+                for pdl in (False, True):
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    y = cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op, stages=stages)
-                    if ref is None:
-                        _check_lora(y, x, w, op)
-                        ref = y
-                    else:
-                        assert torch.equal(y, ref), (cfg, pdl, stages)
+                    _check_lora(cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op), x, w, op)
 
 
 @pytest.mark.gpu
@@ -435,12 +406,7 @@ def test_gpu_gemv_lora_model_shapes_and_graphs(fmt):
         op = _lora(members, k, seed=i, device="cuda")
         for m in (1, 8, 16):
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            y = cf.gemv(x, w, lora=op, stages=0)
-            _check_lora(y, x, w, op)
-            cfg = cf._config(w, m, x.device, op, 0)
-            for stages in (3, 4, 6):
-                _check_lora(cf.gemv(x, w, lora=op, stages=stages), x, w, op)  # at the ring's own configuration
-                assert torch.equal(cf.gemv(x, w, lora=op, stages=stages, config=cfg), y), stages  # same bits
+            _check_lora(cf.gemv(x, w, lora=op), x, w, op)
     n = k = 1024
     q = _quant(fmt, n, k, seed=9, device="cuda")
     w = _prep(fmt, q)

@@ -19,8 +19,7 @@ def test_groups_are_the_layers_fused_decode_linears():
 
 
 @pytest.mark.parametrize("argv, why", [(["--models", "9b"], "unknown --models"), (["--fmts", "nf4"], "--fmts must"),
-                                       (["--m", "32"], "decode sizes"), (["--chunks", "0"], "--chunks must"),
-                                       (["--stages", "1"], "--stages must"), (["--stages", "4,x"], "--stages must")])
+                                       (["--m", "32"], "decode sizes"), (["--chunks", "0"], "--chunks must")])
 def test_bad_arguments_name_the_value_and_the_choices(argv, why):
     with pytest.raises(SystemExit, match=why):
         lb.main(argv)
@@ -42,14 +41,3 @@ def test_attn_bench_bad_arguments(argv, why):
     from benchmarks import attn_bench
     with pytest.raises(SystemExit, match=why):
         attn_bench.main(argv)
-
-
-def test_markdown_names_the_pipeline_depth_when_several_were_timed():
-    rows = [dict(model="7b", fmt="nvfp4", M=8, linear="o", mode=mode, chunks=chunks, stages=st, us=us, overhead_us=ov,
-                 floor_us=0.15)
-            for mode, chunks, st, us, ov in [("plain", "", 0, 10.0, 0.0), ("one-launch", 4, 0, 12.5, 2.5),
-                                             ("plain", "", 4, 9.0, 0.0), ("one-launch", 4, 4, 11.0, 2.0),
-                                             ("split", "", 0, 17.0, 7.0)]]
-    md = lb.markdown(rows, "## header")
-    assert "| linear | plain s0 µs | plain s4 µs | one-launch c4 s0 µs (+LoRA) | one-launch c4 s4 µs (+LoRA) |" in md
-    assert "| o | 10.0 | 9.0 | 12.5 (+2.5) | 11.0 (+2.0) | 17.0 (+7.0) | 0.15 |" in md

@@ -330,12 +330,12 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 
 extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned,
-                         int, int, int, int, int, int, int, int, int, int, void*);
+                         int, int, int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*, int, const float*, float,
-                              unsigned, int, int, int, int, int, int, int, int, int, int, void*, const void*,
-                              const void*, void*, void*, int, int, int, int, int, const int*, const int*);
-extern "C" int qfp4_occupancy(int, int, int, int, int, int, int, int);
-extern "C" int qfp4_attributes(int, int, int, int, int, int*, int*);
+                              unsigned, int, int, int, int, int, int, int, int, int, void*, const void*, const void*,
+                              void*, void*, int, int, int, int, int, const int*, const int*);
+extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
+extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
                          int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
@@ -351,13 +351,11 @@ static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, cons
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && out.stride(1) == 1, "x/out layout");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
   TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(sc.data_ptr()) % 16 == 0,
-              "qweight/scales must be 16-byte aligned");
 }
 
 void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-          bool pdl, int64_t stages) {
+          bool pdl) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
@@ -365,7 +363,7 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   const int err = qfp4_gemv(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
-                            (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0, (int)stages,
+                            (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
@@ -373,7 +371,7 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
 
 void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
                double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-               bool pdl, int64_t stages, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
+               bool pdl, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
                int64_t parts,
                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
   check_operands(x, qw, sc, out);
@@ -395,7 +393,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
   const int ro[3] = {(int)roff[0], (int)roff[1], (int)roff[2]}, rr[3] = {(int)rk[0], (int)rk[1], (int)rk[2]};
   const int err = qfp4_gemv_lora(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                                  (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
-                                 (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0, (int)stages,
+                                 (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
                                  (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
                                  a.data_ptr(), bn.data_ptr(), part.data_ptr(), ctr.data_ptr(), R, RP,
                                  (int)parts,
@@ -429,14 +427,13 @@ std::vector<int64_t> gemm_attributes(int64_t fmt, int64_t nt, int64_t sw, int64_
 }
 
 int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t warps, int64_t splits,
-                  int64_t lora_smem, int64_t stages) {
-  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits, (int)lora_smem,
-                        (int)stages);
+                  int64_t lora_smem) {
+  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits, (int)lora_smem);
 }
 
-std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t pipe) {
+std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw) {
   int regs = -1, local = -1;
-  qfp4_attributes((int)fmt, (int)nt, (int)unroll, (int)sw, (int)pipe, &regs, &local);
+  qfp4_attributes((int)fmt, (int)nt, (int)unroll, (int)sw, &regs, &local);
   return {regs, local};
 }
 
@@ -511,33 +508,14 @@ def build_error() -> str | None:
     return _STATE.get("error")
 
 
-def kernel_attributes(fmt: str, m: int, unroll: int, sw: int = 1, stages: int = 0) -> tuple[int, int]:
-    """(registers, local-memory bytes) per thread of the kernel variant (unroll, strips per warp; ``stages`` > 0: the
-    shared-memory ring variant) at M rows."""
+def kernel_attributes(fmt: str, m: int, unroll: int, sw: int = 1) -> tuple[int, int]:
+    """(registers, local-memory bytes) per thread of the kernel variant (unroll, strips per warp) at M rows."""
     _check_fmt(fmt)
-    r = _ext().attributes(0 if fmt == "nvfp4" else 1, 2 if m > 8 else 1, unroll, sw, int(stages > 0))
+    r = _ext().attributes(0 if fmt == "nvfp4" else 1, 2 if m > 8 else 1, unroll, sw)
     return int(r[0]), int(r[1])
 
 
 # ----------------------------------------------------------------------------------------- launch
-
-GEMV_STAGES = 0  # default depth of the GEMV's shared-memory ring (0: two register batches); QERL_GEMV_STAGES
-MAX_STAGES = 8
-
-
-def gemv_stages(stages: int | str | None = None) -> int:
-    """The GEMV's weight pipeline: 0 = two batches in registers, 2..8 = a per-warp cp.async ring of that many batches
-    in shared memory (``stages - 1`` in flight). None: ``QERL_GEMV_STAGES`` or :data:`GEMV_STAGES`."""
-    raw = os.environ.get("QERL_GEMV_STAGES", GEMV_STAGES) if stages is None else stages
-    try:
-        val = int(raw)
-    except (TypeError, ValueError):
-        val = -1
-    if val != 0 and not 2 <= val <= MAX_STAGES:
-        src = "QERL_GEMV_STAGES" if stages is None else "stages"
-        raise ValueError(f"{src}={raw!r}: the GEMV pipeline depth must be 0 (register batches) or 2..{MAX_STAGES}")
-    return val
-
 
 def variant_for(s: int, c: int) -> tuple[int, int]:
     """(unroll U, strips per warp SW) for S = N/16 strips and C = K/64 chunks: large weights take two strips
@@ -576,12 +554,11 @@ def lora_smem(lora: LoraOperand, rows: int) -> int:
     return 16 * (lora.rank + 16) * 4 + rows * (lora.bn.shape[1] + 8) * 2
 
 
-def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None,
-            stages: int = 0) -> tuple[int, int, int, int]:
+def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     unroll, sw = variant_for(w.n // 16, w.k // 64)
     sig = None if lora is None else (lora.rank, lora.bn.shape[1])
-    key = (idx, w.fmt, m > 8, w.n, w.k, sig, stages)
+    key = (idx, w.fmt, m > 8, w.n, w.k, sig)
     cfg = _STATE.get(key)
     if cfg is None:
         sms = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -589,12 +566,12 @@ def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | Non
         c = w.k // 64
         if lora is None:
             cfg = pick_config(w.n // 16, c, sms, unroll,
-                              lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0, stages), sw)
+                              lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw)
         else:  # the LoRA variant's own occupancy, with its LoRA CTAs in the same wave
             cfg = pick_config(
                 w.n // 16, c, sms, unroll,
                 lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits,
-                                                    lora_smem(lora, warps // splits * sw * 16), stages),
+                                                    lora_smem(lora, warps // splits * sw * 16)),
                 sw, extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps))
         _STATE[key] = cfg
     return cfg
@@ -630,7 +607,7 @@ def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | No
 
 def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, pdl: bool = False,
-         lora: LoraOperand | None = None, stages: int | None = None) -> torch.Tensor:
+         lora: LoraOperand | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ (+ ``lora``'s term, same launch) for M <= 16 on the current CUDA stream
     (graph capturable).
 
@@ -639,22 +616,20 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     (griddepcontrol.wait) before reading (measured: ~5 µs less per 7B layer of consecutive GEMVs at M = 1).
     ``lora``: extra CTAs compute x·Aᵀ (fp32) into a per-stream workspace (:func:`lora_workspace`) while the others
     run the FP4 product; those add the LoRA term before their one bf16 rounding (see ``csrc/fp4_mma_gemv.cu``).
-    ``stages``: the weight pipeline (:func:`gemv_stages`; None = the default).
     """
     x, out = _operands("gemv", x, w, out)
     m = x.shape[0]
-    stages = gemv_stages(stages)
-    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device, lora, stages)
+    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device, lora)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fid = 0 if w.fmt == "nvfp4" else 1
     if lora is None:
-        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, stages)
+        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl)
         return out
     a, bn = _lora_tensors(lora, w)
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
-    _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, stages,
+    _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl,
                      a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
     return out
 

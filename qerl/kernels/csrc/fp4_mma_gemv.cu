@@ -296,17 +296,12 @@ __device__ __forceinline__ void lora_mma(const LoraArgs& la, const float* ts, co
 // CTAs start during the previous grid's tail and wait (griddepcontrol.wait) before reading anything that grid
 // may write; the source asks for the first weight batch before the wait, but ptxas (13.0) schedules the wait
 // first, so the gain is the overlapped launch only.
-//
-// PIPE: the weight and scale bytes go through a per-warp ring of `stages` batches in shared memory (cp.async, at
-// byte offset pipe_off of the dynamic shared memory) instead of two register batches, so (stages - 1) batches are
-// in flight per warp instead of ~1, without registers. Each lane reads back its own 16 weight bytes; the scale
-// words are copied by the first lanes (16 bytes each) and read by all after a __syncwarp.
-template <int FMT, int NT, int U, int SW, bool LORA, bool PIPE>
+template <int FMT, int NT, int U, int SW, bool LORA>
 __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc,
                                           const __nv_bfloat16* __restrict__ x, int ldx,
                                           __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs,
                                           float out_mult, uint32_t bword, int M, int S, int C, int splits, int R,
-                                          const LoraArgs& la, int stages, int pipe_off) {
+                                          const LoraArgs& la) {
   // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1, then with LoRA
   // t (16 x (la.R + 16) fp32) and the CTA's Bn rows (rows x (la.rp + 8) bf16); sizes as in lora_smem_bytes (host)
   extern __shared__ __align__(16) float red[];
@@ -340,17 +335,18 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   const bool work = active && c0 < c1;
   // Pointers advance one batch of U chunks at a time; inside a batch the offsets are compile-time constants.
   const uint4* wq[SW];
-  const uint16_t* sq[SW];  // this lane's scale pair; the (strip, chunk)'s first is at - soff
-  const int soff = FMT == 0 ? lane : (lane >> 1);
+  const uint16_t* sq[SW];
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
     const int st = max(0, min(strip0 + i, S - 1));
     wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
-    sq[i] = sc + ((size_t)st * C + c0) * SL + soff;
+    sq[i] = sc + ((size_t)st * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
   }
   const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
   const int ldx8 = 8 * ldx;
   const bool xv0 = g < M, xv1 = g + 8 < M;
+  uint4 wa[U][SW], wb[U][SW];
+  uint32_t sa[U][SW], sb[U][SW];
   XFrag<NT> xf[2];
   xf[0].zero();
   xf[1].zero();
@@ -389,76 +385,13 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   };
 
   int left = work ? c1 - c0 : 0;  // chunks not yet computed
-  const int rows = R * SW * 16, n_lo = blk * rows;
-  float* ts = red + (splits > 1 ? (blockDim.x >> 5) * SW * 16 * TOK : 0);
-  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(ts + 16 * lora_ts_stride(la.R));
-  if constexpr (PIPE) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-    if (has_lora) lora_stage_b(la, bs, n_lo, rows, 16 * S);  // its commit group is older than the ring's
-    if (work) {
-      constexpr int SB = SL * 2;            // scale bytes per (strip, chunk)
-      constexpr int WB = U * SW * 512;      // weight bytes per batch
-      constexpr int STAGE = WB + U * SW * SB;
-      char* ring = reinterpret_cast<char*>(red) + pipe_off + (size_t)warp * stages * STAGE;
-      const int nb = (left + U - 1) / U;  // batches
-      const int sdelta = 8 * lane - soff;  // from this lane's scale pair to the 16 bytes it copies
-      int wr = 0;                         // ring slot of the next batch issued
-      // cp.async of batch b (the one at the current pointers) into slot wr; always one commit group (maybe empty),
-      // so wait_group<stages - 2> at batch b means "batch b has landed" for this lane
-      auto issue = [&](int b) {
-        if (b < nb) {
-          char* dst = ring + wr * STAGE;
-          const int n = left - b * U;
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            if (u < n) {
-#pragma unroll
-              for (int i = 0; i < SW; ++i) {
-                cp_async16(dst + (u * SW + i) * 512 + lane * 16, wq[i] + u * 32);
-                if (lane < SB / 16) cp_async16(dst + WB + (u * SW + i) * SB + lane * 16, sq[i] + u * SL + sdelta);
-              }
-            }
-          }
-          advance();
-          wr = wr + 1 == stages ? 0 : wr + 1;
-        }
-        cp_async_commit();
-      };
-      for (int b = 0; b < stages - 1; ++b) issue(b);
-      load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
-      int rd = 0;
-      for (int b = 0; b < nb; ++b) {
-        cp_async_wait_n(stages - 2);
-        __syncwarp();  // the scale words other lanes copied; every lane is done with slot wr (read last batch)
-        issue(b + stages - 1);
-        const char* src = ring + rd * STAGE;
-        rd = rd + 1 == stages ? 0 : rd + 1;
-        const int n = left - b * U;
-        uint4 w[U][SW];
-        uint32_t s[U][SW];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          if (u < n) {
-#pragma unroll
-            for (int i = 0; i < SW; ++i) {
-              w[u][i] = *reinterpret_cast<const uint4*>(src + (u * SW + i) * 512 + lane * 16);
-              s[u][i] = *reinterpret_cast<const uint16_t*>(src + WB + (u * SW + i) * SB + soff * 2);
-            }
-          }
-        }
-        compute_batch(w, s, n);
-        xq += 64 * U;
-      }
-    }
-  } else {
-  uint4 wa[U][SW], wb[U][SW];
-  uint32_t sa[U][SW], sb[U][SW];
   load_batch(wa, sa, left);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+  const int rows = R * SW * 16, n_lo = blk * rows;
+  float* ts = red + (splits > 1 ? (blockDim.x >> 5) * SW * 16 * TOK : 0);
+  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(ts + 16 * lora_ts_stride(la.R));
   if (has_lora) lora_stage_b(la, bs, n_lo, rows, 16 * S);
   if (work) {
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
@@ -477,7 +410,6 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
       if (left <= 0) break;
     }
   }
-  }  // PIPE
 
 #pragma unroll
   for (int i = 0; i < SW; ++i)
@@ -551,12 +483,11 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #define QFP4_GEMV_PARAMS                                                                                          \
   const uint4 *__restrict__ qw, const uint16_t *__restrict__ sc, const __nv_bfloat16 *__restrict__ x, int ldx,      \
       __nv_bfloat16 *__restrict__ out, int ldo, const float *__restrict__ gs, float out_mult, uint32_t bword, int M, \
-      int S, int C, int splits, int R, LoraArgs la, int stages, int pipe_off
+      int S, int C, int splits, int R, LoraArgs la
 
-template <int FMT, int NT, int U, int SW, bool PIPE>
+template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW>() * 32) fp4_gemv_kernel(QFP4_GEMV_PARAMS) {
-  gemv_body<FMT, NT, U, SW, false, PIPE>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la,
-                                         stages, pipe_off);
+  gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la);
 }
 
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
@@ -565,51 +496,35 @@ __global__ void __launch_bounds__(max_warps<U, SW>() * 32) fp4_gemv_kernel(QFP4_
 template <int NT, int U, int SW>
 constexpr int lora_max_regs() { return NT == 1 && U == 2 && SW == 2 ? 96 : max_warps<U, SW>() == 16 ? 128 : 255; }
 
-template <int FMT, int NT, int U, int SW, bool PIPE>
+template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW>() * 32) __maxnreg__((lora_max_regs<NT, U, SW>()))
     fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
-  gemv_body<FMT, NT, U, SW, true, PIPE>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la,
-                                        stages, pipe_off);
+  gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la);
 }
 #undef QFP4_GEMV_PARAMS
 
 template <int FMT, int NT, int U, int SW>
-const void* kernel_ptr(bool lora, bool pipe) {
-  if (pipe)
-    return lora ? reinterpret_cast<const void*>(&fp4_gemv_lora_kernel<FMT, NT, U, SW, true>)
-                : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW, true>);
-  return lora ? reinterpret_cast<const void*>(&fp4_gemv_lora_kernel<FMT, NT, U, SW, false>)
-              : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW, false>);
+const void* kernel_ptr(bool lora) {
+  return lora ? reinterpret_cast<const void*>(&fp4_gemv_lora_kernel<FMT, NT, U, SW>)
+              : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW>);
 }
 
 // Compiled variants: (U, SW) in {(2,1), (4,1), (8,1), (2,2), (4,2), (2,4)} for both formats and 1 or 2 n8 tiles,
-// each with and without LoRA (a separate instantiation: the LoRA code costs the plain kernel no registers), each with
-// register batches or the shared-memory ring (pipe).
+// each with and without LoRA (a separate instantiation: the LoRA code costs the plain kernel no registers).
 template <int FMT, int NT>
-const void* pick_us(int unroll, int sw, bool lora, bool pipe) {
-  if (sw == 1)
-    return unroll == 2 ? kernel_ptr<FMT, NT, 2, 1>(lora, pipe) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 1>(lora, pipe)
-           : unroll == 8 ? kernel_ptr<FMT, NT, 8, 1>(lora, pipe) : nullptr;
+const void* pick_us(int unroll, int sw, bool lora) {
+  if (sw == 1) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 1>(lora) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 1>(lora)
+                    : unroll == 8 ? kernel_ptr<FMT, NT, 8, 1>(lora) : nullptr;
   if (sw == 2)
-    return unroll == 2 ? kernel_ptr<FMT, NT, 2, 2>(lora, pipe) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 2>(lora, pipe)
-                                                                 : nullptr;
-  if (sw == 4) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 4>(lora, pipe) : nullptr;
+    return unroll == 2 ? kernel_ptr<FMT, NT, 2, 2>(lora) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 2>(lora) : nullptr;
+  if (sw == 4) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 4>(lora) : nullptr;
   return nullptr;
 }
 
-const void* pick(int fmt, int nt, int unroll, int sw, bool lora = false, bool pipe = false) {
-  if (fmt == 0)
-    return nt == 1 ? pick_us<0, 1>(unroll, sw, lora, pipe) : nt == 2 ? pick_us<0, 2>(unroll, sw, lora, pipe) : nullptr;
-  if (fmt == 1)
-    return nt == 1 ? pick_us<1, 1>(unroll, sw, lora, pipe) : nt == 2 ? pick_us<1, 2>(unroll, sw, lora, pipe) : nullptr;
+const void* pick(int fmt, int nt, int unroll, int sw, bool lora = false) {
+  if (fmt == 0) return nt == 1 ? pick_us<0, 1>(unroll, sw, lora) : nt == 2 ? pick_us<0, 2>(unroll, sw, lora) : nullptr;
+  if (fmt == 1) return nt == 1 ? pick_us<1, 1>(unroll, sw, lora) : nt == 2 ? pick_us<1, 2>(unroll, sw, lora) : nullptr;
   return nullptr;
-}
-
-constexpr int kMaxStages = 8;
-
-// Bytes of one warp's shared-memory ring of `stages` batches (weights, then scale pairs) in the PIPE variants.
-inline size_t ring_bytes(int fmt, int unroll, int sw, int stages) {
-  return stages > 0 ? (size_t)stages * unroll * sw * (512 + (fmt == 0 ? 64 : 32)) : 0;
 }
 
 int warp_cap(int unroll, int sw) { return unroll * sw >= 8 ? 8 : 16; }
@@ -632,9 +547,6 @@ inline size_t launch_smem(int nt, int warps, int splits, int sw, bool lora, size
   return lora ? std::max(smem, (size_t)warps * 256 * 4) : smem;
 }
 
-// The ring's offset in the dynamic shared memory (after launch_smem, 16-byte aligned).
-inline size_t ring_offset(size_t smem) { return (smem + 15) & ~(size_t)15; }
-
 // Allow `smem` bytes of dynamic shared memory for kernel fn (an opt-in above 48 KB); 0 or a cudaError_t.
 inline int opt_in_smem(const void* fn, size_t smem) {
   return smem > 48 * 1024 ? (int)cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) : 0;
@@ -642,12 +554,11 @@ inline int opt_in_smem(const void* fn, size_t smem) {
 
 int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                 float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits, int strips_per_cta,
-                int unroll, int sw, int pdl, int stages, void* stream, LoraArgs la) {
+                int unroll, int sw, int pdl, void* stream, LoraArgs la) {
   const int nt = M > 8 ? 2 : 1;
-  const void* fn = pick(fmt, nt, unroll, sw, la.a != nullptr, stages > 0);
+  const void* fn = pick(fmt, nt, unroll, sw, la.a != nullptr);
   const int warps = splits * strips_per_cta;
-  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(unroll, sw) ||
-      stages == 1 || stages < 0 || stages > kMaxStages)
+  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(unroll, sw))
     return -1;
   const int per_cta = strips_per_cta * sw;
   const int rows = per_cta * 16;
@@ -658,10 +569,8 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
     if (units > kLoraMaxUnits) return -1;
     lora_ctas = la.nlora = units;
   }
-  const size_t base = launch_smem(nt, warps, splits, sw, la.a != nullptr, lora_smem_bytes(la, rows));
-  const int pipe_off = (int)ring_offset(base);
-  const size_t smem = stages > 0 ? pipe_off + warps * ring_bytes(fmt, unroll, sw, stages) : base;
-  if (smem > 227 * 1024) return -1;
+  const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr, lora_smem_bytes(la, rows));
+  if (smem > 200 * 1024) return -1;
   if (const int e = opt_in_smem(fn, smem)) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas));
@@ -675,7 +584,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   cfg.numAttrs = pdl ? 1 : 0;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
-                  (void*)&strips_per_cta, (void*)&la, (void*)&stages, (void*)&pipe_off};
+                  (void*)&strips_per_cta, (void*)&la};
   return (int)cudaLaunchKernelExC(&cfg, fn, args);
 }
 
@@ -688,10 +597,10 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
 // pdl: launch with programmatic stream serialization (overlaps the previous kernel's tail).
 extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                          const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits,
-                         int strips_per_cta, int unroll, int sw, int pdl, int stages, void* stream) {
+                         int strips_per_cta, int unroll, int sw, int pdl, void* stream) {
   qfp4::LoraArgs la = {};
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
-                           unroll, sw, pdl, stages, stream, la);
+                           unroll, sw, pdl, stream, la);
 }
 
 // The same plus LoRA in the launch: out += bf16(x A^T)[member ranks] Bn^T; a (R, K) bf16, bn (N, rp) bf16, workspaces
@@ -699,7 +608,7 @@ extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx,
 // members start at output rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
-                              int splits, int strips_per_cta, int unroll, int sw, int pdl, int stages, void* stream,
+                              int splits, int strips_per_cta, int unroll, int sw, int pdl, void* stream,
                               const void* a, const void* bn, void* part, void* ctr, int R, int rp,
                               int parts, int bound1, int bound2, const int* roff, const int* rk) {
   qfp4::LoraArgs la = {};
@@ -718,26 +627,22 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
   }
   if (a == nullptr || bn == nullptr || part == nullptr || ctr == nullptr) return -1;
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
-                           unroll, sw, pdl, stages, stream, la);
+                           unroll, sw, pdl, stream, la);
 }
 
 // Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant); lora_smem > 0: the
-// LoRA variant with that many more bytes of shared memory per CTA (t and the CTA's Bn rows, lora_smem_bytes);
-// stages > 0: the PIPE variant with that deep a ring per warp.
-extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits, int lora_smem,
-                              int stages) {
-  const void* fn = qfp4::pick(fmt, nt, unroll, sw, lora_smem > 0, stages > 0);
-  if (fn == nullptr || stages < 0 || stages > qfp4::kMaxStages) return -1;
-  size_t smem = qfp4::launch_smem(nt, warps, splits, sw, lora_smem > 0, (size_t)std::max(lora_smem, 0));
-  if (stages > 0) smem = qfp4::ring_offset(smem) + warps * qfp4::ring_bytes(fmt, unroll, sw, stages);
-  if (smem > 227 * 1024) return 0;
+// LoRA variant with that many more bytes of shared memory per CTA (t and the CTA's Bn rows, lora_smem_bytes).
+extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits, int lora_smem) {
+  const void* fn = qfp4::pick(fmt, nt, unroll, sw, lora_smem > 0);
+  if (fn == nullptr) return -1;
+  const size_t smem = qfp4::launch_smem(nt, warps, splits, sw, lora_smem > 0, (size_t)std::max(lora_smem, 0));
   if (qfp4::opt_in_smem(fn, smem)) return -1;
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32, smem)) return -1;
   return blocks;
 }
 
-// Registers and local-memory bytes per thread of one plain variant (pipe: the PIPE one; -1 on error).
-extern "C" int qfp4_attributes(int fmt, int nt, int unroll, int sw, int pipe, int* regs, int* local_bytes) {
-  return qfp4::kernel_attributes(qfp4::pick(fmt, nt, unroll, sw, false, pipe != 0), regs, local_bytes);
+// Registers and local-memory bytes per thread of one variant (-1 on error).
+extern "C" int qfp4_attributes(int fmt, int nt, int unroll, int sw, int* regs, int* local_bytes) {
+  return qfp4::kernel_attributes(qfp4::pick(fmt, nt, unroll, sw), regs, local_bytes);
 }
