@@ -41,3 +41,20 @@ def test_attn_bench_bad_arguments(argv, why):
     from benchmarks import attn_bench
     with pytest.raises(SystemExit, match=why):
         attn_bench.main(argv)
+
+
+@pytest.mark.parametrize("argv, why", [(["--shapes", "7b-lm_head"], "unknown --shapes"), (["--loads", "3"], "--loads must"),
+                                       (["--splits", "0"], "--splits must"), (["--splits", "a"], "must be integers"),
+                                       (["--threads", "48"], "--threads must")])
+def test_hbm_pattern_bench_bad_arguments(argv, why):
+    from benchmarks import hbm_pattern_bench
+    with pytest.raises(SystemExit, match=why):
+        hbm_pattern_bench.main(argv)
+
+
+def test_hbm_pattern_shapes_are_the_fused_decode_linears():
+    from benchmarks import hbm_pattern_bench
+    for model, (h, inter, nh, nkv, hd) in kernel_bench.MODELS.items():
+        assert hbm_pattern_bench.SHAPES[f"{model}-gate_up"] == (2 * inter, h)
+        assert hbm_pattern_bench.SHAPES[f"{model}-down"] == (h, inter)
+        assert hbm_pattern_bench.SHAPES[f"{model}-qkv"] == ((nh + 2 * nkv) * hd, h)
