@@ -189,9 +189,32 @@ def test_fused_kernels_compile_for_sm90():
                                        S="i32"), dict(BLOCK=fk.SAMPLE_BLOCK), 8)
     build(fk._sample_combine_kernel, dict(z_ptr=f32, ws_ptr=f32, idx_ptr="*i32", tok_ptr="*i64", lp_ptr=f32,
                                           ent_ptr=f32, V="i32", temp="fp32", S="i32"), dict(SB=64), 1)
+    # the programmatic-dependent-launch variants (griddepcontrol.wait / launch_dependents first)
+    build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=bf, x_ptr=bf, D="i32", eps="fp32"),
+          dict(HAS_DELTA=True, BLOCK=4096, PDL=True))
+    build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
+                                    slot_ptr="*i64", S_MAX="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=False, PDL=True), 1)
+    build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
+                                      S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
+          dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False, PDL=True))
+    build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"),
+          dict(D=128, SP=16, PDL=True))
+    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32"), dict(BLOCK=1024, PDL=True))
     build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32", R="i32",
                                   K="i32", stride_xm="i32", PER="i32"),
           dict(BM=16, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False))
+
+
+def test_pdl_switch(monkeypatch):
+    from qerl import kernels
+    x = torch.zeros(2)
+    for mode in ("1", "0", "auto"):
+        monkeypatch.setenv("QERL_PDL", mode)
+        assert kernels.pdl_enabled(x) is False  # never off CUDA
+        assert fk._pdl(x) == {}
+    monkeypatch.setenv("QERL_PDL", "yes")
+    with pytest.raises(ValueError, match="QERL_PDL='yes': choose 1 \\(on\\), 0 \\(off\\) or auto"):
+        kernels.pdl_enabled(x)
 
 
 @pytest.mark.gpu
@@ -381,6 +404,30 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt):
         stats[fused] = float((lp[m] - ro.logp[m]).abs().mean())
     # bf16 activations: both decode steps agree with the HF forward to bf16 noise (300 tokens: 2 KV buckets)
     assert stats[True] < 0.02 and stats[False] < 0.02, stats
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
+def test_gpu_pdl_decode_is_bit_identical(fmt, monkeypatch):
+    """Programmatic dependent launch changes when kernels start, not what they compute: the graph sampler with
+    QERL_PDL=1 draws the same tokens with the same log-probs as with QERL_PDL=0 (a read before a predecessor's
+    writes landed would show up as a difference somewhere in 3 x 8 x 300 tokens)."""
+    from qerl import kernels
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    ros = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("QERL_PDL", mode)
+        assert kernels.pdl_enabled(torch.zeros(1, device="cuda")) == (mode == "1" and
+                                                                     torch.cuda.get_device_capability()[0] >= 9)
+        s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+        ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=300, temperature=1.0, seed=3)
+        assert ros[mode].stats["fused_decode"] and s.use_graphs
+    assert torch.equal(ros["0"].completion_mask, ros["1"].completion_mask)
+    assert torch.equal(ros["0"].completion_ids, ros["1"].completion_ids)
+    assert torch.equal(ros["0"].logp, ros["1"].logp)
 
 
 if __name__ == "__main__":

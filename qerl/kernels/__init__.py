@@ -144,6 +144,22 @@ def _device_info(dev: torch.device) -> tuple[str, int, int]:
     return info
 
 
+PDL_DEFAULT = False  # programmatic dependent launch for the decode step's kernels when QERL_PDL is unset / "auto"
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Launch the decode step's kernels (the fused Triton kernels and the CUDA FP4 GEMV) with programmatic dependent
+    launch: each starts while its predecessor drains and waits (``griddepcontrol.wait``) before reading anything.
+    ``QERL_PDL``: "1" on, "0" off, "auto" (default) :data:`PDL_DEFAULT`; only on CUDA devices of compute
+    capability 9.0+ (elsewhere the launch attribute does not exist) and never under the Triton interpreter."""
+    mode = os.environ.get("QERL_PDL", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"QERL_PDL={mode!r}: choose 1 (on), 0 (off) or auto")
+    if not (PDL_DEFAULT if mode == "auto" else mode == "1"):
+        return False
+    return t.is_cuda and not _interpret() and _device_info(t.device)[2] >= 90
+
+
 # ----------------------------------------------------------------------------------------- CUDA decode GEMV
 
 CUDA_GEMV_MAX_M = 16
@@ -388,7 +404,7 @@ def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Te
         w = _cuda_weight(fmt, q)
         if w is not None:
             from qerl.kernels import cuda_fp4
-            cuda_fp4.gemv(x2, w, out)
+            cuda_fp4.gemv(x2, w, out, pdl=pdl_enabled(x2))
             return out.reshape(*x.shape[:-1], pw.n)
     elif x2.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, pw.n, pw.k, m, x.device):
         w = _cuda_weight(fmt, q)
@@ -418,9 +434,9 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) 
     if w is None or w.n != n:
         return None
     from qerl.kernels import cuda_fp4
-    # no programmatic dependent launch here: measured slower in the decode step (H100, 7B batch 8: graph step
-    # 3387 vs 3309 us, 2278 vs 2335 tokens/s; results/speed/raw/h100_s22_pdl); not profiled further
-    return cuda_fp4.gemv(x2, w, lora=lora).reshape(*x.shape[:-1], n)
+    # programmatic dependent launch only with the whole decode chain (pdl_enabled): alone, between Triton kernels
+    # that never trigger it, it measured slower (H100, 7B batch 8: 2278 vs 2335 tokens/s; raw/h100_s22_pdl)
+    return cuda_fp4.gemv(x2, w, lora=lora, pdl=pdl_enabled(x2)).reshape(*x.shape[:-1], n)
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:

@@ -18,6 +18,11 @@ functions cover all of it in 5 launches per layer:
                         softmax(z/T), in two launches (per-chunk partials over V, then a per-row combine) instead
                         of ~15 (two full softmaxes among them, one CTA per row).
 
+With programmatic dependent launch (``qerl.kernels.pdl_enabled``, ``QERL_PDL``) the decode-step kernels are
+launched so that each may start while its predecessor drains: their ``PDL`` variant first waits for the previous
+grid (``griddepcontrol.wait``: everything it wrote is visible after it) and then lets the next one launch; nothing
+is read or written before the wait, so a kernel's completion still implies its predecessors'.
+
 Each has a pure-torch reference (``*_ref``, used on CPU and as the tests' reference) with the same rounding
 points as the unfused modules (bf16 results rounded where the HF modules round them); the Triton versions
 run on CUDA, or anywhere under ``TRITON_INTERPRET=1``. Attention differs from the unfused matmul path in one
@@ -29,11 +34,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qerl.kernels import _counters, _interpret, _triton_ok
+from qerl.kernels import _counters, _interpret, _triton_ok, pdl_enabled
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the host
     triton, tl, HAS_TRITON = None, None, False
@@ -133,7 +139,11 @@ if HAS_TRITON:
                   SPLIT_K=SPLIT, HAS_G=False, OUT_C=1.0, FENCE=FENCE)
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         msk = offs < D
@@ -150,7 +160,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX,
-                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         j = tl.program_id(1)  # head: [0, H) q, [H, H+HKV) k, [H+HKV, H+2HKV) v
         offs = tl.arange(0, D)
@@ -178,7 +192,10 @@ if HAS_TRITON:
     @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
                            HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BS: tl.constexpr, DOT_F32: tl.constexpr):
+                           BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)  # row * HKV + kv head
         sp = tl.program_id(1)  # split of the keys
         row = pid // HKV
@@ -221,7 +238,11 @@ if HAS_TRITON:
         tl.store(acc_ptr + out[:, None] * D + dm[None, :], acc, mask=gmask[:, None])
 
     @triton.jit
-    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr):
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         rh = tl.program_id(0)  # row * H + head
         sp = tl.arange(0, SP)
         smask = sp < NSPLIT
@@ -235,7 +256,10 @@ if HAS_TRITON:
         tl.store(o_ptr + rh * D + dm, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, o_ptr, NI, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, o_ptr, NI, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         msk = offs < NI
@@ -293,6 +317,12 @@ if HAS_TRITON:
 
 # ------------------------------------------------------------------------------------------ dispatch
 
+def _pdl(t: torch.Tensor) -> dict:
+    """The launch keywords of a decode-step kernel: its PDL variant launched with programmatic stream serialization
+    where ``pdl_enabled``; nothing otherwise (the interpreter and older GPUs never see the option)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {}
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """``h += delta`` (in place) and ``RMSNorm(h)·w``. h, delta: (M, D) contiguous. Returns (h, x)."""
     if not _triton_ok(h):
@@ -300,7 +330,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     m, d = h.shape
     x = torch.empty_like(h)
     _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d, float(eps),
-                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8)
+                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
+                               **_pdl(h))
     return h, x
 
 
@@ -313,7 +344,7 @@ def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, v
     q = torch.empty((m, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _rope_qkv_kernel[(m, n_heads + 2 * n_kv)](
         qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), q, kc, vc, slot, kc.shape[2],
-        H=n_heads, HKV=n_kv, D=head_dim, HAS_BIAS=bias is not None, num_warps=1)
+        H=n_heads, HKV=n_kv, D=head_dim, HAS_BIAS=bias is not None, num_warps=1, **_pdl(qkv))
     return q
 
 
@@ -349,9 +380,10 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
                                           float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
                                           BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
-                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}))
+                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **_pdl(q))
     o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
-    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4)
+    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
+                                   **_pdl(q))
     return o
 
 
@@ -389,7 +421,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     i = i2 // 2
     out = torch.empty((m, i), dtype=gu.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(m, -(-i // block))](gu, out, i, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(m, -(-i // block))](gu, out, i, BLOCK=block, num_warps=4, **_pdl(gu))
     return out
 
 
