@@ -41,6 +41,25 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return r;
 }
 
+// The same through the coherent path: issued before griddepcontrol.wait, ptxas keeps these below it only when they
+// are not .nc loads (it hoists the wait above every ld.global.nc). The weights are never written by a kernel.
+__device__ __forceinline__ uint4 ld_stream_early(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_stream_early_u16(const uint16_t* p) {
+  unsigned short r;
+  asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ uint32_t ld_stream_u16(const uint16_t* p) {
   unsigned short r;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));

@@ -35,6 +35,7 @@
 // blockIdx, are resident before any CTA that waits for them.
 
 #include <algorithm>
+#include <type_traits>
 
 #include "fp4_mma_common.cuh"
 
@@ -294,8 +295,10 @@ __device__ __forceinline__ void lora_mma(const LoraArgs& la, const float* ts, co
 // (blockIdx.x * R + w / splits) * SW (clamped to S - 1 for loads), K chunks [split * C / splits,
 // (split + 1) * C / splits). Each x fragment load serves SW strips. With programmatic dependent launch the
 // CTAs start during the previous grid's tail and wait (griddepcontrol.wait) before reading anything that grid
-// may write; the source asks for the first weight batch before the wait, but ptxas (13.0) schedules the wait
-// first, so the gain is the overlapped launch only.
+// may write; the first weight batch is loaded before the wait (the wait depends on its words, else ptxas 13.0
+// schedules the wait first), so its HBM latency overlaps the previous kernel.
+constexpr int kPrefetch = 8;  // chunks per strip a warp prefetches into L2 before griddepcontrol.wait
+
 template <int FMT, int NT, int U, int SW, bool LORA>
 __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc,
                                           const __nv_bfloat16* __restrict__ x, int ldx,
@@ -351,15 +354,21 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   xf[0].zero();
   xf[1].zero();
 
-  // Loads of the batch at the current pointers (n valid chunks, warp-uniform).
-  auto load_batch = [&](uint4 (&w)[U][SW], uint32_t (&s)[U][SW], int n) {
+  // Loads of the batch at the current pointers (n valid chunks, warp-uniform); early: the first batch, issued
+  // before griddepcontrol.wait through the coherent path (see ld_stream_early).
+  auto load_batch = [&](uint4 (&w)[U][SW], uint32_t (&s)[U][SW], int n, auto early) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (u < n) {
 #pragma unroll
         for (int i = 0; i < SW; ++i) {
-          w[u][i] = ld_stream(wq[i] + u * 32);
-          s[u][i] = ld_stream_u16(sq[i] + u * SL);
+          if constexpr (decltype(early)::value) {
+            w[u][i] = ld_stream_early(wq[i] + u * 32);
+            s[u][i] = ld_stream_early_u16(sq[i] + u * SL);
+          } else {
+            w[u][i] = ld_stream(wq[i] + u * 32);
+            s[u][i] = ld_stream_u16(sq[i] + u * SL);
+          }
         }
       }
     }
@@ -385,7 +394,18 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   };
 
   int left = work ? c1 - c0 : 0;  // chunks not yet computed
-  load_batch(wa, sa, left);
+  load_batch(wa, sa, left, std::true_type{});
+  {  // and the next kPrefetch chunks of each strip into L2 (lane: chunk U + lane / 4, 128-byte line lane % 4; the
+     // scale lines by the first lanes): under programmatic dependent launch they arrive while the previous grid runs
+    const int pc = U + (lane >> 2);
+    if (pc < left && pc < U + kPrefetch) {
+#pragma unroll
+      for (int i = 0; i < SW; ++i) {
+        prefetch_l2(wq[i] - lane + pc * 32 + (lane & 3) * 8);
+        if ((lane & 3) == 0) prefetch_l2(sq[i] - (FMT == 0 ? lane : (lane >> 1)) + pc * SL);
+      }
+    }
+  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -397,13 +417,13 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
       advance();
-      load_batch(wb, sb, left - U);
+      load_batch(wb, sb, left - U, std::false_type{});
       compute_batch(wa, sa, left);
       xq += 64 * U;
       left -= U;
       if (left <= 0) break;
       advance();
-      load_batch(wa, sa, left - U);
+      load_batch(wa, sa, left - U, std::false_type{});
       compute_batch(wb, sb, left);
       xq += 64 * U;
       left -= U;
