@@ -333,6 +333,13 @@ Session 21's first version (`raw/h100_s21_lora_ab`: NVFP4 2078 vs 1936, MXFP4 21
 launch ran in two waves (the LoRA variant fitted one CTA per SM fewer than the configuration assumed). Per linear
 (`python -m benchmarks.lora_gemv_bench`; plain GEMV / LoRA in the launch / LoRA as its own launches):
 {lora_gemv}
+### Programmatic dependent launch across the decode step (one run each, best of 2, no-PDL first)
+`fused-pdl`: every kernel of the step's layers (the fused Triton kernels and the CUDA FP4 GEMV) launched with
+programmatic dependent launch (`QERL_PDL=1`, the default since session 23): each starts while its predecessor
+drains and waits for it before reading; the GEMV loads its first weight batch and prefetches the next 8 chunks into
+L2 before that wait. `fused-no-pdl`: the same kernels launched one after the other. The same tokens either way
+(`tests/test_fused_decode.py::test_gpu_pdl_decode_is_bit_identical`).
+{_raw_rollouts(root, "h100_s23_pdl_7b", "h100_s23_pdl_32b")}
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4

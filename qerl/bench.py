@@ -133,7 +133,8 @@ def decode_mode(sampler, dec: str):
     base and LoRA in one CUDA launch; the token drawn by ``qerl.kernels.fused.sample_race``), "fused-split-lora"
     (LoRA as its own launches, ``QERL_CUDA_LORA=0``), "fused-torch-sample" (the token drawn by torch ops,
     ``QERL_FUSED_SAMPLE=0``) — the last two the builds before, for same-run comparisons —, "fused-pdl" /
-    "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``) or "unfused"."""
+    "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
+    on where the GPU has it) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})
