@@ -20,8 +20,6 @@ run, each as one CUDA graph over rotating copies larger than L2. Writes ``hbm_pa
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 
 import torch
@@ -164,16 +162,8 @@ def main(argv=None) -> None:
     copy_bw = bench.copy_bandwidth()
     rows = run(shapes, loads, splits, a.threads, a.rep)
     header = (f"## HBM read bandwidth of the decode GEMV's access pattern (no arithmetic)\n\n"
-              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, python {platform.python_version()}, "
-              f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), {a.threads} threads per CTA, "
-              f"`{' '.join(sys.argv)}`.")
-    os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"hbm_pattern_{bench.gpu_tag()}{a.tag}")
-    bench.write_csv(stem + ".csv", rows)
-    md = markdown(rows, header)
-    with open(stem + ".md", "w") as fh:
-        fh.write(md + "\n")
-    print(md)
+              f"{bench.run_line(copy_bw)}, {a.threads} threads per CTA, `{' '.join(sys.argv)}`.")
+    bench.write_report(a.out, f"hbm_pattern_{bench.gpu_tag()}{a.tag}", rows, markdown(rows, header))
 
 
 if __name__ == "__main__":

@@ -88,6 +88,21 @@ def write_csv(path: str, rows: list[dict], keys: list[str] | None = None) -> Non
         wr.writerows(rows)
 
 
+def run_line(copy_bw: float) -> str:
+    """A benchmark header's run line: GPU, torch, python and the copy bandwidth measured in the same run."""
+    return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, python {platform.python_version()}, "
+            f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
+
+
+def write_report(out: str, stem: str, rows: list[dict], md: str) -> None:
+    """``rows`` as ``<out>/<stem>.csv`` and ``md`` as ``<out>/<stem>.md`` (``out`` created), then ``md`` printed."""
+    os.makedirs(out, exist_ok=True)
+    write_csv(os.path.join(out, stem + ".csv"), rows)
+    with open(os.path.join(out, stem + ".md"), "w") as fh:
+        fh.write(md + "\n")
+    print(md)
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import platform
 import sys
 
 import torch
@@ -189,18 +187,10 @@ def main(argv=None) -> None:
         raise SystemExit("lora_gemv_bench needs a CUDA GPU (sm_80+) and the cuda_fp4 extension")
     copy_bw = bench.copy_bandwidth()
     rows = run(models, ms, fmts, a.rank, chunks, a.rep, copy_bw)
-    gpu = torch.cuda.get_device_name()
     header = (f"## LoRA at decode: FP4 GEMV alone / LoRA in the same launch / LoRA as its own launches\n\n"
-              f"{gpu}, torch {torch.__version__}, python {platform.python_version()}, rank {a.rank}, "
-              f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write), `{' '.join(sys.argv)}`. "
+              f"{bench.run_line(copy_bw)}, rank {a.rank}, `{' '.join(sys.argv)}`. "
               f"(+x) = µs over the plain GEMV of the same run.")
-    os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"lora_gemv_{bench.gpu_tag()}{a.tag}")
-    bench.write_csv(stem + ".csv", rows)
-    md = markdown(rows, header)
-    with open(stem + ".md", "w") as fh:
-        fh.write(md + "\n")
-    print(md)
+    bench.write_report(a.out, f"lora_gemv_{bench.gpu_tag()}{a.tag}", rows, markdown(rows, header))
 
 
 if __name__ == "__main__":

@@ -58,3 +58,10 @@ def test_hbm_pattern_shapes_are_the_fused_decode_linears():
         assert hbm_pattern_bench.SHAPES[f"{model}-gate_up"] == (2 * inter, h)
         assert hbm_pattern_bench.SHAPES[f"{model}-down"] == (h, inter)
         assert hbm_pattern_bench.SHAPES[f"{model}-qkv"] == ((nh + 2 * nkv) * hd, h)
+
+
+def test_write_report_writes_csv_and_markdown(tmp_path, capsys):
+    out = tmp_path / "new" / "dir"
+    kernel_bench.write_report(str(out), "x_h100", [dict(a=1, b=2.5), dict(a=3, b=4.0)], "## table")
+    assert (out / "x_h100.csv").read_text().splitlines() == ["a,b", "1,2.5", "3,4.0"]
+    assert (out / "x_h100.md").read_text() == "## table\n" and "## table" in capsys.readouterr().out

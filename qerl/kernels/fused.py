@@ -139,11 +139,17 @@ if HAS_TRITON:
                   SPLIT_K=SPLIT, HAS_G=False, OUT_C=1.0, FENCE=FENCE)
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr = False):
+    def _pdl_enter(PDL: tl.constexpr):
+        # a decode-step kernel's first statement: under programmatic dependent launch, wait for the previous grid (all
+        # it wrote is visible after this), then let the next one launch; nothing when PDL is off
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         msk = offs < D
@@ -162,9 +168,7 @@ if HAS_TRITON:
     def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PDL: tl.constexpr = False):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         j = tl.program_id(1)  # head: [0, H) q, [H, H+HKV) k, [H+HKV, H+2HKV) v
         offs = tl.arange(0, D)
@@ -193,9 +197,7 @@ if HAS_TRITON:
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
                            HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                            BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        _pdl_enter(PDL)
         pid = tl.program_id(0)  # row * HKV + kv head
         sp = tl.program_id(1)  # split of the keys
         row = pid // HKV
@@ -240,9 +242,7 @@ if HAS_TRITON:
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr,
                              PDL: tl.constexpr = False):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        _pdl_enter(PDL)
         rh = tl.program_id(0)  # row * H + head
         sp = tl.arange(0, SP)
         smask = sp < NSPLIT
@@ -257,9 +257,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, o_ptr, NI, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         msk = offs < NI
@@ -376,14 +374,14 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     nsplit, chunk = attention_splits(m * hkv, S, block=ATTN_BS, target_programs=ATTN_TARGET_PROGRAMS)
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
-    interp = _interpret()
+    interp, pdl = _interpret(), _pdl(q)
     _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
                                           float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
                                           BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
-                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **_pdl(q))
+                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
     o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
-                                   **_pdl(q))
+                                   **pdl)
     return o
 
 

@@ -339,11 +339,12 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   // Pointers advance one batch of U chunks at a time; inside a batch the offsets are compile-time constants.
   const uint4* wq[SW];
   const uint16_t* sq[SW];
+  const int soff = FMT == 0 ? lane : (lane >> 1);  // this lane's scale pair in a (strip, chunk)
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
     const int st = max(0, min(strip0 + i, S - 1));
     wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
-    sq[i] = sc + ((size_t)st * C + c0) * SL + (FMT == 0 ? lane : (lane >> 1));
+    sq[i] = sc + ((size_t)st * C + c0) * SL + soff;
   }
   const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
   const int ldx8 = 8 * ldx;
@@ -402,7 +403,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #pragma unroll
       for (int i = 0; i < SW; ++i) {
         prefetch_l2(wq[i] - lane + pc * 32 + (lane & 3) * 8);
-        if ((lane & 3) == 0) prefetch_l2(sq[i] - (FMT == 0 ? lane : (lane >> 1)) + pc * SL);
+        if ((lane & 3) == 0) prefetch_l2(sq[i] - soff + pc * SL);
       }
     }
   }
