@@ -386,9 +386,15 @@ def setup(device: str, backend: str, timeout_s: float, n_groups: int | None = No
     return _CURRENT, dev
 
 
-def shutdown() -> None:
-    """Leave the process group (end of a run); the next ``setup`` joins again."""
+def shutdown(sync: bool = False) -> None:
+    """Leave the process group (end of a run); the next ``setup`` joins again.
+
+    ``sync``: meet the other ranks first (a run that ended normally). Without it a rank that finished early could tear
+    down its gloo connections while a peer's transport threads still use them, and the peer aborts at exit
+    ("terminate called without an active exception"); after an error the peers may never arrive, so no barrier."""
     global _CURRENT
     if _CURRENT.enabled and torch.distributed.is_initialized():
+        if sync:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     _CURRENT = Dist()

@@ -182,10 +182,13 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     """
     D, dev = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s, cfg.batch_prompts, cfg.algo.group_size,
                         cfg.train.batch_size)
+    ok = False
     try:
-        return _run(cfg, on_step, D, dev)
+        summary = _run(cfg, on_step, D, dev)
+        ok = True
+        return summary
     finally:
-        dist.shutdown()
+        dist.shutdown(sync=ok)
 
 
 def _open_writer(cfg: TrainConfig, D: dist.Dist, devices: list[str]) -> tuple[RunWriter | None, dict | None]:
