@@ -246,8 +246,8 @@ def test_lora_operand_checks_and_launch_args():
     with pytest.raises(ValueError, match="a multiple of 16"):
         cf.LoraOperand(a, bn, [(56, 8), (8, 8)])
     # each LoRA warp takes ~4 chunks of 64: 56 chunks over 8 warps -> 2 parts, 296 -> 10
-    assert cf.lora_parts(96, 56) == 2 and cf.lora_parts(32, 296, warps=8) == 10 and cf.lora_parts(16, 1) == 1
-    assert cf.lora_parts(96, 56, chunks_per_warp=2) == 4 and cf.lora_parts(32, 296, warps=16) == 5
+    assert cf.lora_parts(96, 56) == 4 and cf.lora_parts(32, 296, warps=8) == 19 and cf.lora_parts(16, 1) == 1
+    assert cf.lora_parts(96, 56, chunks_per_warp=4) == 2 and cf.lora_parts(32, 296, warps=16) == 10
     assert cf.lora_parts(384, 20000, warps=1) * 24 <= cf.LORA_MAX_UNITS  # at most 512 LoRA CTAs
 
 
@@ -382,6 +382,9 @@ def test_gpu_gemv_lora_every_config(fmt):
            _lora([(208, 32)], k, seed=6, device="cuda")]
     cfgs = [(1, 1, 4, 1), (1, 4, 8, 1), (3, 2, 4, 1), (5, 3, 4, 1), (16, 1, 4, 1), (2, 8, 4, 1), (1, 1, 2, 1),
             (3, 1, 2, 2), (1, 2, 4, 2), (2, 1, 2, 4), (1, 3, 2, 4), (4, 2, 2, 2)]
+    # both ways of summing x·Aᵀ's K parts (the output warps; each strip's last LoRA CTA), with one strip per warp too
+    modes = {(cf.lora_direct(cf.lora_parts(48, k // 64, s * p), sw), sw == 1) for s, p, _, sw in cfgs}
+    assert modes == {(True, True), (False, True), (False, False)}, modes
     for m in (1, 7, 9, 16):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         for op in ops:

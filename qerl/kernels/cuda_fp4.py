@@ -222,8 +222,9 @@ def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None) 
 
 # ----------------------------------------------------------------------------------------- LoRA in the GEMV
 
-LORA_MAX_RANKS = 384  # R of one launch (t: 16 x (R + 16) fp32 in shared memory, beside the CTA's Bn rows)
+LORA_MAX_RANKS = 384  # R of one launch (the workspace holds t finished for 24 16-rank strips; csrc kLoraMaxStrips)
 LORA_MAX_UNITS = 512  # LoRA CTAs of one launch (16-rank strips x K parts; csrc kLoraMaxUnits)
+LORA_DIRECT_PARTS = 4  # K parts per strip up to which one-strip-per-warp variants sum them in the output warps
 LORA_MAX_MEMBERS = 3
 
 
@@ -299,13 +300,22 @@ def lora_bn(bts: list, members, out: torch.Tensor | None = None) -> torch.Tensor
     return out
 
 
-def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 4, max_units: int = LORA_MAX_UNITS) -> int:
+def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 2, max_units: int = LORA_MAX_UNITS) -> int:
     """K parts per 16-rank strip = LoRA CTAs per strip: each of ``warps`` warps takes ~``chunks_per_warp`` K chunks
-    of 64 (two rounds of loads of two chunks), at most ``max_units`` CTAs in all. The output CTAs sum the parts:
-    fewer parts, less for them to sum; more, a shorter chain. Measured (``benchmarks/lora_gemv_bench.py --chunks
-    2,4``, H100, 7B, M = 1-16): 4 as fast or faster than 2 on every linear but one within noise."""
+    of 64 (one round of loads of two chunks), at most ``max_units`` CTAs in all. Fewer parts, less to sum; more, a
+    shorter chain from the launch to t, which on the small linears is the launch's critical path. Measured
+    (``benchmarks/lora_gemv_bench.py --chunks 2,4``, H100, M = 1 and 8, `raw/h100_s24_lora`): 2 chunks against 4,
+    7B layer 79.6 / 84.6 µs against 81.2 / 86.1, 32B 138.3 / 139.5 against 142.6 / 145.3; q|k|v and o gain
+    0.5-2.7 µs each, gate|up and down within ±1.3. (Session 23, with the output CTAs summing every part, 4 had been
+    as fast or faster.)"""
     strips = -(-r // 16)
     return max(1, min(c, -(-c // (warps * chunks_per_warp)), max(1, max_units // strips)))
+
+
+def lora_direct(parts: int, sw: int) -> bool:
+    """Whether a launch with ``parts`` K parts per 16-rank strip and ``sw`` strips per warp has its output warps sum
+    the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA."""
+    return sw == 1 and parts <= LORA_DIRECT_PARTS
 
 
 def emulate_lora(x: torch.Tensor, lora: LoraOperand) -> torch.Tensor:
@@ -384,7 +394,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
   TORCH_CHECK(a.is_contiguous() && bn.is_contiguous() && a.dim() == 2 && bn.dim() == 2, "a, bn: contiguous 2-D");
   const int R = (int)a.size(0), RP = (int)bn.size(1);
   TORCH_CHECK(a.size(1) == 64 * C && bn.size(0) == 16 * S && RP % 16 == 0, "LoRA shape mismatch");
-  TORCH_CHECK(part.numel() >= 512 * 256 && ctr.numel() >= 2, "LoRA workspace too small");
+  TORCH_CHECK(part.numel() >= (512 + 24) * 256 && ctr.numel() >= 2 + 24, "LoRA workspace too small");
   TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bn.data_ptr()) % 16 == 0,
               "a, bn must be 16-byte aligned");
@@ -427,8 +437,8 @@ std::vector<int64_t> gemm_attributes(int64_t fmt, int64_t nt, int64_t sw, int64_
 }
 
 int64_t occupancy(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw, int64_t warps, int64_t splits,
-                  int64_t lora_smem) {
-  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits, (int)lora_smem);
+                  int64_t lora) {
+  return qfp4_occupancy((int)fmt, (int)nt, (int)unroll, (int)sw, (int)warps, (int)splits, (int)lora);
 }
 
 std::vector<int64_t> attributes(int64_t fmt, int64_t nt, int64_t unroll, int64_t sw) {
@@ -548,12 +558,6 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
         splits -= 1
 
 
-def lora_smem(lora: LoraOperand, rows: int) -> int:
-    """Shared memory a LoRA output CTA adds for ``rows`` output rows (``lora_smem_bytes`` in the kernel source):
-    t (16 x (R + 16) fp32) and the CTA's Bn rows (rows x (RP + 8) bf16)."""
-    return 16 * (lora.rank + 16) * 4 + rows * (lora.bn.shape[1] + 8) * 2
-
-
 def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     unroll, sw = variant_for(w.n // 16, w.k // 64)
@@ -569,9 +573,7 @@ def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | Non
                               lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw)
         else:  # the LoRA variant's own occupancy, with its LoRA CTAs in the same wave
             cfg = pick_config(
-                w.n // 16, c, sms, unroll,
-                lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits,
-                                                    lora_smem(lora, warps // splits * sw * 16)),
+                w.n // 16, c, sms, unroll, lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 1),
                 sw, extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps))
         _STATE[key] = cfg
     return cfg
@@ -656,15 +658,17 @@ def lora_launches() -> int:
 
 def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
-    (LORA_MAX_UNITS x 16 x 16) and int32 (2), zeroed once; every launch overwrites the partials it reads and leaves
-    the counters zero. Launches on one stream run one after the other (under PDL the next grid waits for the
+    ((LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16: the LoRA CTAs' partials, then t finished per 16-rank strip)
+    and int32 (2 + LORA_MAX_RANKS / 16), zeroed once; every launch overwrites the values it reads and leaves the
+    counters zero. Launches on one stream run one after the other (under PDL the next grid waits for the
     previous one before touching them)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = ("lora_ws", device, stream)
     ws = _STATE.get(key)
     if ws is None:
-        ws = (torch.zeros(LORA_MAX_UNITS * 256, dtype=torch.float32, device=device),
-              torch.zeros(2, dtype=torch.int32, device=device))
+        strips = LORA_MAX_RANKS // 16
+        ws = (torch.zeros((LORA_MAX_UNITS + strips) * 256, dtype=torch.float32, device=device),
+              torch.zeros(2 + strips, dtype=torch.int32, device=device))
         _STATE[key] = ws
     return ws
 

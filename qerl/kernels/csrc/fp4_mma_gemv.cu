@@ -25,14 +25,16 @@
 // stacked lora_A) and Bn (N, RP) bf16 (scaling * lora_B of the row's member, zero past its rk ranks; member i's
 // rows use ranks [roff_i, roff_i + rk_i) of t). The first `nlora` CTAs compute t = x A^T split over K: CTA = one
 // 16-rank strip x one K part (A rows are a bf16 "weight" fed to the same m16n8k16 MMA with the same K permutation
-// as the FP4 chunks; its warps take ~2 chunks each, so one round of loads), reduce in shared memory, write one
-// fp32 partial and count themselves done. The other CTAs stage their rows of Bn in shared memory (cp.async,
-// during the main loop); after it they wait for the count, sum the partials of the ranks their rows use in a
-// fixed order (deterministic: no floating-point atomics) into shared memory, and add the LoRA term with one more
-// m16n8k16 per 16 ranks on the split-0 warps' own accumulators (A = Bn rows, B = bf16(t)), before the split-K
-// reduction and the one bf16 rounding. The last output CTA resets the counters for the next launch. Waiting relies
-// on CTAs being dispatched in blockIdx order (as CUB's decoupled look-back does): the LoRA CTAs, lowest in
-// blockIdx, are resident before any CTA that waits for them.
+// as the FP4 chunks; its warps take ~4 chunks each), reduce in shared memory and write one fp32 partial. With few
+// parts per strip (`direct`) they count themselves done and the output warps sum the parts; with more, the last
+// CTA of a strip to finish (a per-strip counter) sums the strip's partials into its finished t and counts the strip
+// done — either way in part order (deterministic: no floating-point atomics). The other CTAs prefetch their Bn rows
+// into L2 during the main loop; after it their split-0 warps load their Bn words, wait for the count, load the t
+// values of their own MMA fragments straight from global memory (no shared memory, no CTA barrier), and add the
+// LoRA term with one more m16n8k16 per 16 ranks on their accumulators (A = Bn rows, B = bf16(t)), before the split-K
+// reduction and the one bf16 rounding. The counters are left zero for the next launch (each strip's by its last
+// CTA, the count by the last output CTA). Waiting relies on CTAs being dispatched in blockIdx order (as CUB's
+// decoupled look-back does): the LoRA CTAs, lowest in blockIdx, are resident before any CTA that waits for them.
 
 #include <algorithm>
 #include <type_traits>
@@ -56,12 +58,19 @@ struct XFrag {
   }
 };
 
+constexpr int kLoraMaxUnits = 512;   // LoRA CTAs per launch: la.part holds 512 x 16 x 16 fp32 partials, then
+constexpr int kLoraMaxStrips = 24;   // the finished t of up to 24 16-rank strips (384 ranks)
+constexpr int kLoraDirectParts = 4;  // parts per strip up to which the output warps sum them (one hop less)
+
 struct LoraArgs {
   const __nv_bfloat16* a;   // (R, K) row-major; nullptr: no LoRA
   const __nv_bfloat16* bn;  // (N, rp) row-major: row n = its member's scaling * lora_B row, zero past rk
-  float* part;              // (units, 16 tokens, 16 ranks) fp32: one partial of x A^T per LoRA CTA
-  unsigned* ctr;            // [0] LoRA CTAs done, [1] output CTAs done: zero on entry, left zero
+  float* part;              // (kLoraMaxUnits + kLoraMaxStrips, 16 tokens, 16 ranks) fp32: partials, finished t
+  unsigned* ctr;            // [0] strips of t finished, [1] output CTAs done, [2 + s] parts of strip s done: zero
+                            // on entry, left zero
   int R, rp, parts, nlora;  // ranks, Bn row length (multiple of 16), K parts per 16-rank strip, LoRA CTAs
+  int direct;               // 1: the output warps sum the parts (one strip per warp, parts <= kLoraDirectParts);
+                            // 0: each strip's last LoRA CTA does
   int bound1, bound2;       // output rows where members 1 and 2 start (N when absent)
   int roff[3], rk[3];       // first rank and rank count of each member (member rows are multiples of 16)
 };
@@ -70,11 +79,6 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned sa = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(gmem) : "memory");
 }
 
 __device__ __forceinline__ int member_of(const LoraArgs& la, int n) {
@@ -191,61 +195,36 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
     for (int w2 = 0; w2 < warps; ++w2) v += red[w2 * 256 + i];
     la.part[(size_t)blockIdx.x * 256 + i] = v;
   }
+  if (!la.direct) {  // the last CTA of the strip sums its parts (the threadFenceReduction pattern)
+    __shared__ unsigned last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last = atomicAdd(la.ctr + 2 + rs, 1u) == (unsigned)la.parts - 1;
+      if (last) la.ctr[2 + rs] = 0u;  // every part has counted: left zero for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* src = la.part + (size_t)rs * la.parts * 256;
+    float* tsum = la.part + (size_t)(kLoraMaxUnits + rs) * 256;  // the strip's finished t
+    for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) {
+      float v = 0.f;
+      for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256 + i);
+      tsum[i] = v;
+    }
+  }
   __syncthreads();
-  if (threadIdx.x == 0) {  // the CTA's stores, then the count (the pattern of a cooperative grid sync)
+  if (threadIdx.x == 0) {  // the stores, then the count (the pattern of a cooperative grid sync)
     __threadfence();
     atomicAdd(la.ctr, 1u);
   }
 }
 
-// Shared-memory row stride of the staged Bn rows (bf16): rp + 8 spreads the fragment reads over all banks.
-__device__ __host__ __forceinline__ int lora_bs_stride(int rp) { return rp + 8; }
-// Row stride of t in shared memory (fp32): R + 16 zero columns, so a member's last 16-rank chunk reads in bounds.
-__device__ __host__ __forceinline__ int lora_ts_stride(int R) { return R + 16; }
-
-// An output CTA's LoRA staging: its `rows` rows of Bn into shared memory `bs` by cp.async (committed; waited for
-// in lora_gather).
-__device__ __forceinline__ void lora_stage_b(const LoraArgs& la, __nv_bfloat16* bs, int n_lo, int rows, int N) {
-  const int units = la.rp >> 3;  // 16-byte units per row
-  const int ld = lora_bs_stride(la.rp);
-  for (int i = threadIdx.x; i < rows * units; i += blockDim.x) {
-    const int r = i / units, u = i - r * units;
-    if (n_lo + r < N) cp_async16(bs + r * ld + 8 * u, la.bn + (size_t)(n_lo + r) * la.rp + 8 * u);
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// After the main loop: wait until every LoRA CTA has counted itself done, then write t for ranks [lo, hi) of the
-// tokens < M into shared memory `ts` (16 token rows x lora_ts_stride), each the sum of its strip's K parts in part
-// order (deterministic), zero for ranks >= R; and wait for the Bn rows. [lo, hi) covers the 16-rank chunks that
-// lora_mma reads for the members of this CTA's rows; nothing else of ts is read for a stored output.
-__device__ __forceinline__ void lora_gather(const LoraArgs& la, float* ts, int M, int lo, int hi) {
-  if (threadIdx.x == 0) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
-    const long long start = clock64();
-    while (ld_acquire(la.ctr) < (unsigned)la.nlora) {
-      __nanosleep(20);
-      if (clock64() - start > (1LL << 32)) __trap();
-    }
-  }
-  __syncthreads();
-  const int ld = lora_ts_stride(la.R), span = hi - lo;
-  for (int i = threadIdx.x; i < M * span; i += blockDim.x) {
-    const int tok = i / span, r = lo + (i - tok * span);
-    float v = 0.f;
-    if (r < la.R) {
-      const float* src = la.part + (size_t)(r >> 4) * la.parts * 256 + tok * 16 + (r & 15);
-#pragma unroll 8
-      for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256);
-    }
-    ts[tok * ld + r] = v;
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-}
-
 // The end of an output CTA with LoRA: count it done; the last one resets the counters for the next launch (every
 // output CTA has passed its wait by then).
 __device__ __forceinline__ void lora_done(const LoraArgs& la) {
+  __syncthreads();  // every warp of the CTA is past its wait for t
   if (threadIdx.x == 0) {
     const unsigned outputs = gridDim.x - la.nlora;
     if (atomicAdd(la.ctr + 1, 1u) == outputs - 1) {
@@ -260,35 +239,114 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The LoRA term of one strip (16 output rows from n0, `local` rows into the CTA's staged Bn) for this warp's n8
-// token tiles: sum over the member's 16-rank chunks of Bn[rows, chunk] (A) x bf16(t)[chunk, tokens] (B), times
-// `inv` (1 / the accumulator's output multiplier), added to acc.
-template <int NT>
-__device__ __forceinline__ void lora_mma(const LoraArgs& la, const float* ts, const __nv_bfloat16* bs, int local,
-                                         int n0, float inv, float (&acc)[NT][4]) {
+// t[tok][r] = (x A^T)[tok][r] as the MMA operand reads it: the sum of the strip's parts in part order (direct: one
+// strip per warp only, where the registers allow all the loads in flight), or the strip's finished t; zero for
+// token rows >= M and ranks >= R.
+template <bool DIRECT>
+__device__ __forceinline__ float lora_t(const LoraArgs& la, int M, int tok, int r) {
+  if (tok >= M || r >= la.R) return 0.f;
+  const int off = tok * 16 + (r & 15);
+  if (!DIRECT || !la.direct) return __ldcg(la.part + (size_t)(kLoraMaxUnits + (r >> 4)) * 256 + off);
+  const float* p = la.part + (size_t)(r >> 4) * la.parts * 256 + off;
+  float v = 0.f;
+#pragma unroll
+  for (int q = 0; q < kLoraDirectParts; ++q)
+    if (q < la.parts) v += __ldcg(p + q * 256);
+  return v;
+}
+
+// Prefetch into L2 the Bn rows of a warp's SW strips (16 rows of rp bf16 each), one 128-byte line per lane.
+template <int SW>
+__device__ __forceinline__ void lora_prefetch_bn(const LoraArgs& la, int strip0, int S) {
+  const int lane = threadIdx.x & 31, lines = la.rp / 4;  // per strip: 16 rows x 2 rp bytes / 128
+#pragma unroll
+  for (int i = 0; i < SW; ++i)
+    if (strip0 + i < S)
+      for (int l = lane; l < lines; l += 32)
+        prefetch_l2(reinterpret_cast<const char*>(la.bn + (size_t)(strip0 + i) * 16 * la.rp) + 128 * l);
+}
+
+// The LoRA term of a split-0 warp's SW strips (16 output rows each from (strip0 + i) * 16): wait until every strip
+// of t is finished, then per 32 ranks load this lane's fragments straight from global memory — Bn rows g, g + 8 of
+// each strip (A) and t of token rows g (+ 8 for NT = 2) at the member's ranks (B) — all loads of the round in
+// flight at once, and accumulate Bn[rows, ranks] x bf16(t)[ranks, tokens] into acc times `inv` (1 / the
+// accumulator's output multiplier).
+template <int NT, int SW, int A2>
+__device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0, int S, float inv,
+                                          float (&acc)[SW][A2][NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int mb = member_of(la, n0);
-  const int r0 = pick3(la.roff, mb), rk = pick3(la.rk, mb);
-  const int lb = lora_bs_stride(la.rp), lt = lora_ts_stride(la.R);
-  float c[NT][4];
+  int r0[SW], rk[SW], rkmax = 0;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
-  const __nv_bfloat16* b0 = bs + (local + g) * lb + 2 * t;
-  const __nv_bfloat16* b8 = b0 + 8 * lb;
-  for (int j = 0; j < rk; j += 16) {
-    const uint32_t a0 = *reinterpret_cast<const uint32_t*>(b0 + j), a1 = *reinterpret_cast<const uint32_t*>(b8 + j);
-    const uint32_t a2 = *reinterpret_cast<const uint32_t*>(b0 + j + 8);
-    const uint32_t a3 = *reinterpret_cast<const uint32_t*>(b8 + j + 8);
+  for (int i = 0; i < SW; ++i) {
+    const int mb = member_of(la, (strip0 + i) * 16);
+    r0[i] = pick3(la.roff, mb);
+    rk[i] = strip0 + i < S ? pick3(la.rk, mb) : 0;
+    rkmax = max(rkmax, rk[i]);
+  }
+  float c[SW][NT][4];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const float* tr = ts + (nt * 8 + g) * lt + r0 + j + 2 * t;
-      mma_bf16(c[nt], a0, a1, a2, a3, pack_bf16(tr[0], tr[1]), pack_bf16(tr[8], tr[9]));
+  for (int i = 0; i < SW; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
+  bool waited = false;
+  for (int jb = 0; jb < rkmax; jb += 32) {
+    uint32_t a[SW][2][4];
+    float v[SW][2][NT][4];
+#pragma unroll
+    for (int i = 0; i < SW; ++i) {  // the Bn words first: they do not depend on the LoRA CTAs
+      const uint32_t* b0 = reinterpret_cast<const uint32_t*>(la.bn + (size_t)((strip0 + i) * 16 + g) * la.rp + 2 * t);
+      const uint32_t* b8 = b0 + 4 * la.rp;  // 8 rows on (rp bf16 = rp / 2 words per row)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = jb + 16 * jj;
+        const bool ok = j < rk[i];
+        a[i][jj][0] = ok ? __ldg(b0 + j / 2) : 0u;
+        a[i][jj][1] = ok ? __ldg(b8 + j / 2) : 0u;
+        a[i][jj][2] = ok ? __ldg(b0 + j / 2 + 4) : 0u;
+        a[i][jj][3] = ok ? __ldg(b8 + j / 2 + 4) : 0u;
+      }
     }
+    if (!waited) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
+      const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);
+      const long long start = clock64();
+      while (ld_acquire(la.ctr) < need) {
+        __nanosleep(20);
+        if (clock64() - start > (1LL << 32)) __trap();
+      }
+      waited = true;
+    }
+#pragma unroll
+    for (int i = 0; i < SW; ++i) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = jb + 16 * jj;
+        const bool ok = j < rk[i];
+        const int r = r0[i] + j + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int tok = nt * 8 + g;
+          v[i][jj][nt][0] = ok ? lora_t<SW == 1>(la, M, tok, r) : 0.f;
+          v[i][jj][nt][1] = ok ? lora_t<SW == 1>(la, M, tok, r + 1) : 0.f;
+          v[i][jj][nt][2] = ok ? lora_t<SW == 1>(la, M, tok, r + 8) : 0.f;
+          v[i][jj][nt][3] = ok ? lora_t<SW == 1>(la, M, tok, r + 9) : 0.f;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < SW; ++i)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma_bf16(c[i][nt], a[i][jj][0], a[i][jj][1], a[i][jj][2], a[i][jj][3],
+                   pack_bf16(v[i][jj][nt][0], v[i][jj][nt][1]), pack_bf16(v[i][jj][nt][2], v[i][jj][nt][3]));
   }
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int i = 0; i < SW; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = fmaf(c[nt][e], inv, acc[nt][e]);
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][0][nt][e] = fmaf(c[i][nt][e], inv, acc[i][0][nt][e]);
 }
 
 // grid: ceil(S / (R * SW)) CTAs of R * splits warps; warp w works on the SW strips starting at
@@ -305,8 +363,8 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
                                           __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs,
                                           float out_mult, uint32_t bword, int M, int S, int C, int splits, int R,
                                           const LoraArgs& la) {
-  // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1, then with LoRA
-  // t (16 x (la.R + 16) fp32) and the CTA's Bn rows (rows x (la.rp + 8) bf16); sizes as in lora_smem_bytes (host)
+  // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1 (with LoRA at
+  // least the LoRA CTAs' per-warp partials: launch_smem)
   extern __shared__ __align__(16) float red[];
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int A2 = SW == 1 ? 2 : 1;
@@ -410,10 +468,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  const int rows = R * SW * 16, n_lo = blk * rows;
-  float* ts = red + (splits > 1 ? (blockDim.x >> 5) * SW * 16 * TOK : 0);
-  __nv_bfloat16* bs = reinterpret_cast<__nv_bfloat16*>(ts + 16 * lora_ts_stride(la.R));
-  if (has_lora) lora_stage_b(la, bs, n_lo, rows, 16 * S);
+  if (has_lora && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, S);
   if (work) {
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
@@ -441,18 +496,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if (has_lora) {
-    const int n_hi = min(n_lo + rows, 16 * S) - 1;
-    const int mlo = member_of(la, n_lo), mhi = member_of(la, n_hi);
-    int hi = 0;  // the end of the last 16-rank chunk any member of these rows reads
-    for (int mb = mlo; mb <= mhi; ++mb) hi = max(hi, pick3(la.roff, mb) + ((pick3(la.rk, mb) + 15) & ~15));
-    lora_gather(la, ts, M, pick3(la.roff, mlo), hi);
-    if (split == 0) {
-#pragma unroll
-      for (int i = 0; i < SW; ++i)
-        if (strip0 + i < S) lora_mma<NT>(la, ts, bs, (strip0 + i) * 16 - n_lo, (strip0 + i) * 16, 1.f / mult, acc[i][0]);
-    }
-  }
+  if (has_lora && split == 0 && active) lora_term<NT, SW, A2>(la, M, strip0, S, 1.f / mult, acc);
   if (splits == 1) {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
@@ -554,17 +598,9 @@ size_t smem_bytes(int nt, int warps, int splits, int sw) {
   return splits > 1 ? (size_t)warps * sw * 16 * 8 * nt * 4 : 0;
 }
 
-constexpr int kLoraMaxUnits = 512;  // LoRA CTAs per launch: la.part holds 512 x 16 x 16 fp32
-
-// Bytes of shared memory for t (16 x (R + 16) fp32) and the CTA's Bn rows (rows x (rp + 8) bf16).
-inline size_t lora_smem_bytes(const LoraArgs& la, int rows) {
-  return la.a == nullptr ? 0 : (size_t)16 * lora_ts_stride(la.R) * 4 + (size_t)rows * lora_bs_stride(la.rp) * 2;
-}
-
-// Dynamic shared memory of a launch: the split-K partials plus `lora_bytes`, with LoRA at least the LoRA CTAs'
-// per-warp partials.
-inline size_t launch_smem(int nt, int warps, int splits, int sw, bool lora, size_t lora_bytes) {
-  const size_t smem = smem_bytes(nt, warps, splits, sw) + lora_bytes;
+// Dynamic shared memory of a launch: the split-K partials, with LoRA at least the LoRA CTAs' per-warp partials.
+inline size_t launch_smem(int nt, int warps, int splits, int sw, bool lora) {
+  const size_t smem = smem_bytes(nt, warps, splits, sw);
   return lora ? std::max(smem, (size_t)warps * 256 * 4) : smem;
 }
 
@@ -582,15 +618,16 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(unroll, sw))
     return -1;
   const int per_cta = strips_per_cta * sw;
-  const int rows = per_cta * 16;
   int lora_ctas = 0;
   if (la.a != nullptr) {
-    if (la.R < 1 || la.rp < 16 || la.rp % 16 || la.parts < 1 || la.parts > C) return -1;
+    if (la.R < 1 || la.R > 16 * kLoraMaxStrips || la.rp < 16 || la.rp % 16 || la.parts < 1 || la.parts > C)
+      return -1;
     const int units = ((la.R + 15) / 16) * la.parts;  // one LoRA CTA per (16-rank strip, K part)
     if (units > kLoraMaxUnits) return -1;
     lora_ctas = la.nlora = units;
+    la.direct = sw == 1 && la.parts <= kLoraDirectParts ? 1 : 0;
   }
-  const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr, lora_smem_bytes(la, rows));
+  const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr);
   if (smem > 200 * 1024) return -1;
   if (const int e = opt_in_smem(fn, smem)) return e;
   cudaLaunchConfig_t cfg = {};
@@ -625,7 +662,7 @@ extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx,
 }
 
 // The same plus LoRA in the launch: out += bf16(x A^T)[member ranks] Bn^T; a (R, K) bf16, bn (N, rp) bf16, workspaces
-// part (512 x 256) fp32, ctr (2) u32 zeroed (left zeroed); `parts` K parts per 16-rank strip;
+// part ((512 + 24) x 256) fp32, ctr (2 + 24) u32 zeroed (left zeroed); `parts` K parts per 16-rank strip;
 // members start at output rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
@@ -651,12 +688,12 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
                            unroll, sw, pdl, stream, la);
 }
 
-// Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant); lora_smem > 0: the
-// LoRA variant with that many more bytes of shared memory per CTA (t and the CTA's Bn rows, lora_smem_bytes).
-extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits, int lora_smem) {
-  const void* fn = qfp4::pick(fmt, nt, unroll, sw, lora_smem > 0);
+// Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant); lora != 0: the
+// LoRA variant.
+extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, int splits, int lora) {
+  const void* fn = qfp4::pick(fmt, nt, unroll, sw, lora != 0);
   if (fn == nullptr) return -1;
-  const size_t smem = qfp4::launch_smem(nt, warps, splits, sw, lora_smem > 0, (size_t)std::max(lora_smem, 0));
+  const size_t smem = qfp4::launch_smem(nt, warps, splits, sw, lora != 0);
   if (qfp4::opt_in_smem(fn, smem)) return -1;
   int blocks = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32, smem)) return -1;
