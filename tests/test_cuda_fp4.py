@@ -141,8 +141,8 @@ def test_pick_config_one_wave():
     # a simple occupancy model: 2048 threads / SM, at most 4 CTAs of any size
     occ = lambda warps, splits: min(4, 64 // warps)  # noqa: E731
     for s, c in [(224, 56), (32, 56), (1184, 56), (224, 296), (1728, 80), (4, 2)]:
-        for _ in range(1):
-            unroll, sw = cf.variant_for(s, c)
+        for m in (1, 8, 16):
+            unroll, sw = cf.variant_for(s, c, m)
             splits, per, u, w = cf.pick_config(s, c, 132, unroll, occ, sw)
             assert (u, w) == (unroll, sw) and 1 <= splits * per <= (8 if u * w >= 8 else 16)
             assert splits == 1 or c // splits >= unroll
@@ -152,6 +152,9 @@ def test_pick_config_one_wave():
             sp2, per2, _, _ = cf.pick_config(s, c, 132, unroll, occ, sw, extra_ctas=extra)
             assert sp2 <= splits
             assert sp2 == 1 or -(-s // (per2 * sw)) + extra(sp2 * per2, sp2) <= occ(sp2 * per2, sp2) * 132
+    # 7B: gate|up two strips per warp; down_proj (224 strips, 296 chunks) one at M <= 8 (two left SMs idle), two above
+    assert cf.variant_for(2368, 56) == (2, 2) and cf.variant_for(224, 296, 8) == (4, 1)
+    assert cf.variant_for(224, 296, 16) == (2, 2) and cf.variant_for(288, 56, 16) == (4, 1)
     # gate|up of 7B at M = 8: 592 CTAs fit 5 per SM; 16 more LoRA CTAs at 4 per SM do not, so the pick changes
     occ5 = lambda warps, splits: 5 if warps <= 4 else 2  # noqa: E731
     occ4 = lambda warps, splits: 4 if warps <= 4 else 2  # noqa: E731

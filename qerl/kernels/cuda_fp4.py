@@ -527,11 +527,17 @@ def kernel_attributes(fmt: str, m: int, unroll: int, sw: int = 1) -> tuple[int, 
 
 # ----------------------------------------------------------------------------------------- launch
 
-def variant_for(s: int, c: int) -> tuple[int, int]:
-    """(unroll U, strips per warp SW) for S = N/16 strips and C = K/64 chunks: large weights take two strips
-    per warp (one x fragment serves both) with batches of 2 chunks, small ones one strip with batches of 4
-    (measured on the H100: ``cuda_bench --sweep``, 7B shapes, M = 1..16)."""
-    return (2, 2) if s >= 512 or c >= 128 else (4, 1)
+def variant_for(s: int, c: int, m: int = 1) -> tuple[int, int]:
+    """(unroll U, strips per warp SW) for S = N/16 strips, C = K/64 chunks and M rows: many strips take two
+    strips per warp (one x fragment serves both) with batches of 2 chunks, the rest one strip with batches of 4
+    (measured on the H100: ``cuda_bench --sweep``, 7B shapes, M = 1..16). Few strips over a long K (down_proj) at
+    M <= 8 take one strip per warp: two per warp left them too few strip groups to fill the GPU (7B: 112 CTAs of 16
+    warps on 132 SMs) and the sweep of s24 measured them 10-13% slower than one strip per warp (7B 22.3 -> 20.0 µs,
+    14B 23.4 -> ~20.5, 32B 37.8 -> ~34.7 at M = 8; ``raw/h100_s24_sweep``); M > 8 was not measured and keeps the
+    rule of s22."""
+    if s >= 512 or (c >= 128 and m > 8):
+        return 2, 2
+    return 4, 1
 
 
 def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
@@ -560,7 +566,7 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
 
 def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    unroll, sw = variant_for(w.n // 16, w.k // 64)
+    unroll, sw = variant_for(w.n // 16, w.k // 64, m)
     sig = None if lora is None else (lora.rank, lora.bn.shape[1])
     key = (idx, w.fmt, m > 8, w.n, w.k, sig)
     cfg = _STATE.get(key)
