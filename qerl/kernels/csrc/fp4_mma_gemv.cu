@@ -25,7 +25,7 @@
 // stacked lora_A) and Bn (N, RP) bf16 (scaling * lora_B of the row's member, zero past its rk ranks; member i's
 // rows use ranks [roff_i, roff_i + rk_i) of t). The first `nlora` CTAs compute t = x A^T split over K: CTA = one
 // 16-rank strip x one K part (A rows are a bf16 "weight" fed to the same m16n8k16 MMA with the same K permutation
-// as the FP4 chunks; its warps take ~4 chunks each), reduce in shared memory and write one fp32 partial. With few
+// as the FP4 chunks; its warps take ~2 chunks each: lora_parts), reduce in shared memory and write one fp32 partial. With few
 // parts per strip (`direct`) they count themselves done and the output warps sum the parts; with more, the last
 // CTA of a strip to finish (a per-strip counter) sums the strip's partials into its finished t and counts the strip
 // done — either way in part order (deterministic: no floating-point atomics). The other CTAs prefetch their Bn rows
@@ -121,9 +121,9 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
 }
 
 // A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (two in
-// flight), reduce through shared memory into one partial la.part[c] (16 tokens x 16 ranks), and count the CTA done. The
-// output CTAs sum the parts themselves (lora_gather), so the chain from the launch to the LoRA term is the LoRA CTAs'
-// loads, one reduction and one counter update.
+// flight), reduce through shared memory into one partial la.part[c] (16 tokens x 16 ranks). Direct: it counts itself
+// done and the output warps sum the parts (the chain from the launch to the LoRA term: the A loads, one reduction,
+// one counter update). Otherwise the strip's last CTA sums the parts into the strip's finished t and counts it.
 template <int NT>
 __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16* __restrict__ x, int ldx, int M,
                                          int C, float* red) {
