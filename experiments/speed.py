@@ -118,7 +118,8 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
 
 
 def rank_table(root: Path) -> str:
-    """Table 9: ours per LoRA rank (the batch of our sweep) beside the paper's (vLLM, batch 1)."""
+    """Table 9: ours per LoRA rank (the batch of our sweep) beside the paper's (vLLM, batch 1); † = a ratio against
+    the BF16 row of another run."""
     d = _read(root, "rollout.csv")
     if d is None:
         return "_no rollout.csv_\n"
@@ -133,13 +134,16 @@ def rank_table(root: Path) -> str:
     for (model, batch) in swept.index:
         g = d[(d.model == model) & (d.batch_size == batch)].sort_values(["lora_rank", "weights"])
         for _, r in g.iterrows():
-            b = g[(g.lora_rank == r.lora_rank) & (g.weights == "BF16")]["tokens_per_s"]
+            base = g[(g.lora_rank == r.lora_rank) & (g.weights == "BF16")]
+            b = base["tokens_per_s"]
+            other = "run" in g and len(base) and base["run"].iloc[0] != r["run"]  # the BF16 row of another run
             pv = t9[(t9.model == model) & (t9.weights == r.weights) & (t9.lora_rank == r.lora_rank)]
             pb = t9[(t9.model == model) & (t9.weights == "BF16") & (t9.lora_rank == r.lora_rank)]
             pvv = float(pv.rollout_throughput_tokens_per_s.iloc[0]) if len(pv) else None
             pbv = float(pb.rollout_throughput_tokens_per_s.iloc[0]) if len(pb) else None
             lines.append(f"| {model} | {int(batch)} | {r.weights} | {int(r.lora_rank)} | {r.tokens_per_s:.0f} | "
-                         f"{_fmt(r.tokens_per_s / b.iloc[0], 2) if len(b) else '—'} | {_fmt(pvv)} | "
+                         f"{_fmt(r.tokens_per_s / b.iloc[0], 2) + ('†' if other else '') if len(b) else '—'} | "
+                         f"{_fmt(pvv)} | "
                          f"{_fmt(pvv / pbv, 2) if pvv and pbv else '—'} |")
     return "\n".join(lines) + "\n"
 

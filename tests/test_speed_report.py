@@ -66,12 +66,16 @@ def test_rank_table_beside_paper_table9(tmp_path):
     d = _rollout([_row("Qwen2.5-7B-Instruct", m, w, 2, t, rank=r)
                   for r, t0 in ((16, 280.0), (64, 270.0))
                   for m, w, t in (("LoRA", "BF16", t0), ("QeRL", "NVFP4", 2 * t0))], "r")
+    later = _rollout([_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 2, 420.0, rank=16)], "s")  # a newer build's row
+    d = pd.concat([d[~((d.lora_rank == 16) & (d.weights == "NVFP4"))], later])
     d.to_csv(tmp_path / "rollout.csv", index=False)
     md = speed.rank_table(tmp_path)
     row = next(x for x in md.splitlines() if "| NVFP4 | 64 |" in x)
     cells = [c.strip() for c in row.split("|")]
     assert cells[5] == "540" and cells[6] == "2.00" and cells[7] == "137.7"  # paper Table 9, 7B NVFP4 r64
     assert cells[8] == f"{137.7 / 108.3:.2f}"
+    row = next(x for x in md.splitlines() if "| NVFP4 | 16 |" in x)
+    assert [c.strip() for c in row.split("|")][6] == "1.50†"  # against the BF16 row of run r: marked
 
 
 def test_bench_profile_runs_on_cpu(tmp_path):
