@@ -532,9 +532,9 @@ def variant_for(s: int, c: int, m: int = 1) -> tuple[int, int]:
     strips per warp (one x fragment serves both) with batches of 2 chunks, the rest one strip with batches of 4
     (measured on the H100: ``cuda_bench --sweep``, 7B shapes, M = 1..16). Few strips over a long K (down_proj) at
     M <= 8 take one strip per warp: two per warp left them too few strip groups to fill the GPU (7B: 112 CTAs of 16
-    warps on 132 SMs) and the sweep of s24 measured them 10-13% slower than one strip per warp (7B 22.3 -> 20.0 µs,
-    14B 23.4 -> ~20.5, 32B 37.8 -> ~34.7 at M = 8; ``raw/h100_s24_sweep``); M > 8 was not measured and keeps the
-    rule of s22."""
+    warps on 132 SMs) and the sweep of s24 measured them 10-13% slower than the best one-strip configuration (M = 8:
+    7B 22.3 vs 19.8 µs, 14B 23.4 vs 20.5, 32B 37.8 vs 33.7; the heuristic's one-strip pick: 7B 20.0, 14B and 32B not
+    in the top 6; ``raw/h100_s24_sweep``). At M = 16 the two are within 2-4% and keep the rule of s22."""
     if s >= 512 or (c >= 128 and m > 8):
         return 2, 2
     return 4, 1
