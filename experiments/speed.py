@@ -330,8 +330,9 @@ NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = r
 ### Base + LoRA in one CUDA launch against LoRA as its own launches (7B, one run each, best of 2)
 `fused-split-lora` is the decode step with x·Aᵀ and the B product as 2 extra launches per linear
 (`QERL_CUDA_LORA=0`); `fused` runs them inside the FP4 GEMV launch. Split mode first in each process. Its ×LoRA
-column has no BF16 row in these runs. Now (session 22: launch configurations sized for the LoRA variant's own
-occupancy, output CTAs summing the LoRA parts):
+column has no BF16 row in these runs. Session 22's build (launch configurations sized for the LoRA variant's own
+occupancy, output CTAs summing the LoRA parts; session 24 moved the LoRA term's loads into the warps that use it,
+measured per launch in `benchmarks/NOTES.md` session 9):
 {_raw_rollouts(root, "h100_s22_lora_b8", "h100_s22_lora_b2")}
 Session 21's first version (`raw/h100_s21_lora_ab`: NVFP4 2078 vs 1936, MXFP4 2109 vs 1972 at batch 8): its gate|up
 launch ran in two waves (the LoRA variant fitted one CTA per SM fewer than the configuration assumed). Per linear

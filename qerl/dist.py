@@ -32,6 +32,7 @@ A one-process run (no ``WORLD_SIZE`` > 1 in the environment) never touches ``tor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -188,10 +189,6 @@ class Dist:
                 torch.distributed.broadcast(t, src=0)
                 if t.data_ptr() != p.data.data_ptr():
                     p.data.copy_(t)
-
-    def barrier(self) -> None:
-        if self.enabled:
-            torch.distributed.barrier()
 
     def describe_device(self, device: torch.device) -> str:
         """``host:device (GPU name)`` of this rank, for env.json."""
@@ -398,3 +395,15 @@ def shutdown(sync: bool = False) -> None:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     _CURRENT = Dist()
+
+
+@contextlib.contextmanager
+def leaving():
+    """The rest of a run after :func:`setup`: on leaving the block, :func:`shutdown` — meeting the other ranks first
+    when the block ended normally (a return included), not after an error."""
+    try:
+        yield
+    except BaseException:
+        shutdown()
+        raise
+    shutdown(sync=True)

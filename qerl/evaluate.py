@@ -103,7 +103,7 @@ def run_base(cfg: TrainConfig) -> dict:
     from qerl.model import build_policy, source_provenance
 
     D, device = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s)  # no training batch to split
-    try:
+    with dist.leaving():
         device = device or resolve_device(cfg.device)
         devices = D.all_gather_object(D.describe_device(device))
         box = {}
@@ -126,8 +126,6 @@ def run_base(cfg: TrainConfig) -> dict:
                 "eval": ev, "wall_time_s": time.perf_counter() - t0, "device": str(device), "world_size": D.world,
                 "model_source": source_provenance(cfg.model.source)})
         return D.broadcast_object(summary)
-    finally:
-        dist.shutdown()
 
 
 def _readable_file(path: Path, what: str, hint: str) -> None:
@@ -182,17 +180,14 @@ def evaluate_run(run_dir: str | Path, overrides: list[str] = ()) -> dict:
     if cfg.full_finetune:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=str(weights)))
     D, device = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s)  # torchrun: eval batches shared out
-    try:
+    with dist.leaving():  # on success the ranks meet before returning: rank 0 has written the summary
         policy, tok = build_policy(cfg, device or resolve_device(cfg.device))
         if not cfg.full_finetune:
             load_adapter(policy, weights)
         ev = evaluate_policy(policy, tok, cfg, out_dir=run_dir)
         if D.main:
             RunWriter(run_dir).write_summary({"eval": ev})
-        D.barrier()
         return ev
-    finally:
-        dist.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

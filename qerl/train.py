@@ -182,13 +182,8 @@ def run(cfg: TrainConfig, on_step=None) -> dict:
     """
     D, dev = dist.setup(cfg.device, cfg.dist.backend, cfg.dist.timeout_s, cfg.batch_prompts, cfg.algo.group_size,
                         cfg.train.batch_size)
-    ok = False
-    try:
-        summary = _run(cfg, on_step, D, dev)
-        ok = True
-        return summary
-    finally:
-        dist.shutdown(sync=ok)
+    with dist.leaving():
+        return _run(cfg, on_step, D, dev)
 
 
 def _open_writer(cfg: TrainConfig, D: dist.Dist, devices: list[str]) -> tuple[RunWriter | None, dict | None]:

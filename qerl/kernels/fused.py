@@ -354,9 +354,12 @@ ATTN_WARPS = 4
 ATTN_STAGES = 0
 
 
-def attention_splits(rows: int, S: int, block: int = 64, target_programs: int = 264) -> tuple[int, int]:
-    """(number of key splits, keys per split): enough programs (rows = M·Hkv of them per split) to fill
-    about two waves of an H100's 132 SMs, each split a whole number of ``block``-key tiles."""
+def attention_splits(rows: int, S: int, block: int | None = None, target_programs: int | None = None) -> tuple[int, int]:
+    """(number of key splits, keys per split): enough programs (rows = M·Hkv of them per split; ``target_programs``,
+    default :data:`ATTN_TARGET_PROGRAMS`) to fill about two waves of an H100's 132 SMs, each split a whole number of
+    ``block``-key tiles (default :data:`ATTN_BS`)."""
+    block = ATTN_BS if block is None else block
+    target_programs = ATTN_TARGET_PROGRAMS if target_programs is None else target_programs
     tiles = -(-S // block)
     nsplit = max(1, min(tiles, -(-target_programs // max(rows, 1))))
     chunk = -(-tiles // nsplit) * block
@@ -371,7 +374,7 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     m, H, d = q.shape
     hkv, s_max = kc.shape[1], kc.shape[2]
     g = H // hkv
-    nsplit, chunk = attention_splits(m * hkv, S, block=ATTN_BS, target_programs=ATTN_TARGET_PROGRAMS)
+    nsplit, chunk = attention_splits(m * hkv, S)
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
     interp, pdl = _interpret(), _pdl(q)
