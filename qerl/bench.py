@@ -115,10 +115,12 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
     return rows
 
 
-DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-pdl", "fused-no-pdl", "unfused")
+DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-pdl", "fused-no-pdl",
+           "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
-               "fused-pdl": {"QERL_PDL": "1"}, "fused-no-pdl": {"QERL_PDL": "0"}}
+               "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-pdl": {"QERL_PDL": "1"},
+               "fused-no-pdl": {"QERL_PDL": "0"}}
 
 
 def check_decodes(decodes) -> None:
@@ -132,7 +134,8 @@ def decode_mode(sampler, dec: str):
     """Set the sampler's decode step for ``dec``: "fused" (``qerl.kernels.fused``; NVFP4/MXFP4 at decode size run
     base and LoRA in one CUDA launch; the token drawn by ``qerl.kernels.fused.sample_race``), "fused-split-lora"
     (LoRA as its own launches, ``QERL_CUDA_LORA=0``), "fused-torch-sample" (the token drawn by torch ops,
-    ``QERL_FUSED_SAMPLE=0``) — the last two the builds before, for same-run comparisons —, "fused-pdl" /
+    ``QERL_FUSED_SAMPLE=0``), "fused-split-silu" (silu(gate) · up as its own launch after the gate|up GEMV,
+    ``QERL_FUSED_SILU=0``) — the last three the builds before, for same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 from qerl.arch import FUSED_GROUPS
-from qerl.kernels.fused import lora_a
+import os
+
+from qerl.kernels.fused import lora_a, silu_mul
 from qerl.lora import QuantLoRALinear, _lora_operand
 from qerl.quant.base import linear_lora
 
@@ -180,6 +182,19 @@ class FusedLinear:
         if self.bias is not None and not self.defer_bias:
             y.add_(self.bias.to(y.dtype))
         return y
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up of a gate|up group (M, I): in the GEMV's epilogue where the format has that path (the
+        FP4 GEMV at decode size: one launch for base, LoRA and SwiGLU; ``QERL_FUSED_SILU=0`` turns it off), else
+        the group's output, then ``qerl.kernels.fused.silu_mul``. The same rounding either way."""
+        if (self.q is not None and len(self.mods) == 2 and self.bias is None
+                and self.mods[0].out_features == self.mods[1].out_features
+                and (self.lora is not None) == (self.A is not None)
+                and os.environ.get("QERL_FUSED_SILU", "1") != "0"):
+            y = linear_lora(self.fmt, x, self.q, self.lora, act="silu_mul")
+            if y is not None:
+                return y
+        return silu_mul(self(x))
 
 
 def build_decode_plan(model: nn.Module) -> list[dict[str, FusedLinear]] | None:

@@ -293,7 +293,7 @@ class Sampler:
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
             o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling)  # (N, H*d)
             h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm))
-            d = layer.mlp.down_proj(fk.silu_mul(p["gate_up"](x)))
+            d = layer.mlp.down_proj(p["gate_up"].silu_mul(x))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.model.norm
             h, x = fk.add_rms_norm(h, d, *self._norm_args(nxt))
         self._sample_into(s, self.model.lm_head(x).float())

@@ -268,6 +268,27 @@ def test_emulate_lora_uses_each_members_ranks():
                                rtol=2**-7, atol=1e-3)
 
 
+def test_emulate_silu_mul_and_act_errors():
+    """act="silu_mul": the emulator's SwiGLU of the gate|up halves is the unfused path's (GEMV output, then
+    ``silu_mul_ref``); a bad epilogue or an odd number of 16-row blocks per half is refused by name."""
+    from qerl.kernels import fused as fk
+    q = _quant("nvfp4", 96, 128, seed=3)
+    w = _prep("nvfp4", q)
+    x = torch.randn(5, 128).bfloat16()
+    op = _lora([(48, 8), (48, 8)], 128, seed=2)
+    for lora in (None, op):
+        y = cf.emulate(x, w, lora, act="silu_mul")
+        assert y.shape == (5, 48) and y.dtype == torch.bfloat16
+        assert torch.equal(y, fk.silu_mul_ref(cf.emulate(x, w, lora)))
+    with pytest.raises(ValueError, match=r"act='gelu' is not an epilogue of the FP4 GEMV; valid: None, 'silu_mul'"):
+        cf.emulate(x, w, act="gelu")
+    with pytest.raises(ValueError, match=r"act='gelu'.*valid: None, 'silu_mul'"):
+        cf.gemv(x, w, act="gelu")
+    w80 = _prep("nvfp4", _quant("nvfp4", 80, 128, seed=4))
+    with pytest.raises(ValueError, match=r"N/2 = 40 to be a multiple of 16"):
+        cf.gemv(x, w80, act="silu_mul")
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -395,6 +416,50 @@ def test_gpu_gemv_lora_every_config(fmt):
                 for pdl in (False, True):
                     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                     _check_lora(cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op), x, w, op)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemv_silu_mul_epilogue(fmt):
+    """act="silu_mul" (gate|up: warp takes row block i of both halves, SwiGLU in the epilogue) is bit-for-bit the
+    GEMV's own output at the same configuration followed by torch's silu · up — with and without LoRA, every
+    two-strips-per-warp variant and split setting (registers and shared-memory reductions), partial CTAs, M = 1..16,
+    PDL on/off; at the default configuration on 7B's gate|up too; a config with one strip per warp is refused."""
+    from qerl.kernels import fused as fk
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, k = 448, 1536  # 28 strips: 14 pairs; uneven splits, partial strip groups
+    q = _quant(fmt, n, k, seed=21, device="cuda")
+    w = _prep(fmt, q)
+    ops = [None, _lora([(224, 16), (224, 16)], k, seed=7, device="cuda"),
+           _lora([(224, 8), (224, 0)], k, seed=8, device="cuda")]
+    cfgs = [(1, 1, 2, 2), (3, 1, 2, 2), (1, 2, 4, 2), (4, 2, 2, 2), (2, 3, 2, 2), (5, 1, 4, 2), (1, 5, 2, 2)]
+    for m in (1, 5, 8, 9, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in ops:
+            for cfg in cfgs:
+                for pdl in (False, True):
+                    full = cf.gemv(x, w, config=cfg, lora=op)
+                    out = torch.full((m, n // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    y = cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op, act="silu_mul")
+                    assert y.data_ptr() == out.data_ptr()
+                    assert torch.equal(y, fk.silu_mul_ref(full)), (m, cfg, pdl, op is None)
+                    if op is not None:
+                        assert not cf.lora_workspace(x.device)[1].any()
+            y = cf.gemv(x, w, lora=op, act="silu_mul").float()  # the default configuration for the epilogue
+            emu = cf.emulate(x, w, op, act="silu_mul").float()
+            ge, ue = cf.emulate(x, w, op).float().chunk(2, dim=-1)  # one bf16 ulp on gate and up, then SwiGLU
+            bound = 2**-5 * (ge.abs() + 1e-2) * (ue.abs() + 1e-2) + 2**-7 * emu.abs()
+            assert ((y - emu).abs() <= bound).all(), float((y - emu).abs().max())
+    with pytest.raises(ValueError, match="two strips per warp"):
+        cf.gemv(x, w, config=(1, 1, 4, 1), act="silu_mul")
+    q = _quant(fmt, 2 * 18944, 3584, seed=22, device="cuda")  # 7B gate|up with rank-32 LoRA
+    w = _prep(fmt, q)
+    op = _lora([(18944, 32), (18944, 32)], 3584, seed=9, device="cuda")
+    for m in (1, 8, 16):
+        x = torch.randn(m, 3584, device="cuda", generator=g).bfloat16()
+        cfg = cf._config(w, m, x.device, op, "silu_mul")
+        assert torch.equal(cf.gemv(x, w, lora=op, act="silu_mul"), fk.silu_mul_ref(cf.gemv(x, w, config=cfg, lora=op)))
 
 
 @pytest.mark.gpu

@@ -262,6 +262,9 @@ def test_load_policy_fuses_storage_and_fused_linear_equals_members(fmt):
             ref = torch.cat([m(x) for m in f.mods], -1)
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
             assert (f.Bt != 0).sum() == sum((m.lora_B.weight != 0).sum() for m in f.mods)  # block diagonal
+        # gate|up's SwiGLU: on the CPU (no one-launch path) the group's output, then silu_mul
+        gu = plan[1]["gate_up"]
+        torch.testing.assert_close(gu.silu_mul(x), fk.silu_mul(gu(x)), rtol=0, atol=0)
     # replacing a member's buffer makes the plan stale and the group no longer concatenable
     mods[1]._buffers[mods[1]._qnames[0]] = getattr(mods[1], mods[1]._qnames[0]).clone()
     assert plan[1]["qkv"].stale() and not FusedLinear(mods, defer_bias=True).concatenated

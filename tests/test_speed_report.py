@@ -83,7 +83,7 @@ def test_bench_profile_runs_on_cpu(tmp_path):
 
     from qerl import bench
 
-    before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_FUSED_SAMPLE", "QERL_PDL")}
+    before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_FUSED_SAMPLE", "QERL_FUSED_SILU", "QERL_PDL")}
     modes = ("fused", "fused-split-lora", "fused-torch-sample", "fused-pdl", "unfused")
     rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", modes, steps=2, kv=128)
     assert {k: os.environ.get(k) for k in before} == before  # each mode restores its switches
@@ -97,7 +97,8 @@ def test_bench_profile_runs_on_cpu(tmp_path):
     class _S:
         fused = None
     for dec, env in [("fused", {}), ("fused-split-lora", {"QERL_CUDA_LORA": "0"}),
-                     ("fused-torch-sample", {"QERL_FUSED_SAMPLE": "0"}), ("fused-pdl", {"QERL_PDL": "1"}),
+                     ("fused-torch-sample", {"QERL_FUSED_SAMPLE": "0"}), ("fused-split-silu", {"QERL_FUSED_SILU": "0"}),
+                     ("fused-pdl", {"QERL_PDL": "1"}),
                      ("fused-no-pdl", {"QERL_PDL": "0"}), ("unfused", {})]:
         s = _S()
         with bench.decode_mode(s, dec):

@@ -423,23 +423,31 @@ def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Te
     return out.reshape(*x.shape[:-1], pw.n)
 
 
-def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) -> torch.Tensor | None:
-    """x (..., K) @ Ŵᵀ + the LoRA term in one CUDA GEMV launch (``cuda_fp4.gemv(lora=...)``) for decode-size M
-    (``QERL_CUDA_LORA=0`` turns it off); None where that path does not run (the caller adds its LoRA itself)."""
-    if os.environ.get("QERL_CUDA_LORA", "1") == "0" or not x.is_cuda or x.dtype != torch.bfloat16:
+def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, act=None) -> torch.Tensor | None:
+    """x (..., K) @ Ŵᵀ + the LoRA term (``lora`` None: none) in one CUDA GEMV launch (``cuda_fp4.gemv(lora=...)``)
+    for decode-size M (``QERL_CUDA_LORA=0`` turns the LoRA path off), with ``act`` ("silu_mul": silu(gate) · up of
+    a gate|up weight, (..., N/2)) in its epilogue; None where that path does not run (the caller then runs the
+    linear, its LoRA and the activation itself)."""
+    from qerl.kernels import cuda_fp4
+    if act is not None and act not in cuda_fp4.ACTS:
+        raise ValueError(f"act={act!r}: valid epilogues are None, {', '.join(map(repr, cuda_fp4.ACTS))}")
+    if (lora is not None and os.environ.get("QERL_CUDA_LORA", "1") == "0") or not x.is_cuda \
+            or x.dtype != torch.bfloat16:
         return None
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], lora.bn.shape[0]
-    if m == 0 or not _cuda_gemv_ok(x2, m, n, k) or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k:
+    w = _cuda_weight(fmt, q) if x2.shape[0] else None
+    if w is None:
         return None
-    w = _cuda_weight(fmt, q)
-    if w is None or w.n != n:
+    m, n = x2.shape[0], w.n
+    if not _cuda_gemv_ok(x2, m, n, k) or (act is not None and n % 32):
         return None
-    from qerl.kernels import cuda_fp4
+    if lora is not None and (lora.bn.shape[0] != n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k):
+        return None
     # programmatic dependent launch only with the whole decode chain (pdl_enabled): alone, between Triton kernels
     # that never trigger it, it measured slower (H100, 7B batch 8: 2278 vs 2335 tokens/s; raw/h100_s22_pdl)
-    return cuda_fp4.gemv(x2, w, lora=lora, pdl=pdl_enabled(x2)).reshape(*x.shape[:-1], n)
+    y = cuda_fp4.gemv(x2, w, lora=lora, pdl=pdl_enabled(x2), act=act)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:
@@ -492,8 +500,8 @@ class FP4Kernels:
     def linear_t(self, fmt, g, q):
         return _fp4_linear_t(fmt, g, q)
 
-    def linear_lora(self, fmt, x, q, lora):
-        return _fp4_linear_lora(fmt, x, q, lora)
+    def linear_lora(self, fmt, x, q, lora, act=None):
+        return _fp4_linear_lora(fmt, x, q, lora, act)
 
     def dequantize(self, fmt, q, out):
         return _fp4_dequantize(fmt, q, out)

@@ -206,10 +206,12 @@ def emulate_weight(w: CudaFP4Weight) -> torch.Tensor:
     return _decoded_fragments(w) * (2.0 ** (126 - w.bexp))
 
 
-def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None) -> torch.Tensor:
+def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None, act: str | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) @ Ŵᵀ (+ the LoRA term) computed like the kernel (fp32 sums of the decoded bf16
     operands times 2^(126-B) [/ g], plus :func:`emulate_lora`, one rounding), in pure torch on any device; equal to
-    ``gemv`` up to fp32 summation order."""
+    ``gemv`` up to fp32 summation order. ``act="silu_mul"``: silu(y[:, :N/2]) · y[:, N/2:] (M, N/2), rounded as
+    the unfused path rounds it (``qerl.kernels.fused.silu_mul_ref``)."""
+    _check_act(act)
     acc = x.to(torch.float32) @ _decoded_fragments(w).to(x.device).t()  # (M, N)
     mult = torch.tensor(w.out_mult, dtype=torch.float32, device=x.device)
     if w.global_scale is not None:
@@ -217,7 +219,19 @@ def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None) 
     y = acc * mult
     if lora is not None:
         y = y + emulate_lora(x, lora)
-    return y.to(torch.bfloat16)
+    y = y.to(torch.bfloat16)
+    if act is not None:
+        g, u = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(g) * u
+    return y
+
+
+ACTS = ("silu_mul",)  # epilogues of gemv(act=...): silu(first half of the rows) * second half
+
+
+def _check_act(act: str | None) -> None:
+    if act is not None and act not in ACTS:
+        raise ValueError(f"act={act!r} is not an epilogue of the FP4 GEMV; valid: None, {', '.join(map(repr, ACTS))}")
 
 
 # ----------------------------------------------------------------------------------------- LoRA in the GEMV
@@ -340,9 +354,10 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 
 extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned,
-                         int, int, int, int, int, int, int, int, int, void*);
+                         int, int, int, int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*, int, const float*, float,
-                              unsigned, int, int, int, int, int, int, int, int, int, void*, const void*, const void*,
+                              unsigned, int, int, int, int, int, int, int, int, int, int, void*, const void*,
+                              const void*,
                               void*, void*, int, int, int, int, int, const int*, const int*);
 extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
@@ -351,13 +366,14 @@ extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int,
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 
+// act = 1 (silu * up): out holds N / 2 columns
 static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
-                           const torch::Tensor& out) {
+                           const torch::Tensor& out, int64_t act = 0) {
   TORCH_CHECK(x.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out must be bf16");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qw.dim() == 4 && sc.dim() == 3, "bad ranks");
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
-  TORCH_CHECK(x.size(1) == 64 * C && out.size(0) == M && out.size(1) == 16 * S, "shape mismatch");
+  TORCH_CHECK(x.size(1) == 64 * C && out.size(0) == M && out.size(1) == (act ? 8 : 16) * S, "shape mismatch");
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && out.stride(1) == 1, "x/out layout");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
   TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
@@ -365,15 +381,15 @@ static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, cons
 
 void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-          bool pdl) {
-  check_operands(x, qw, sc, out);
+          bool pdl, int64_t act) {
+  check_operands(x, qw, sc, out, act);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   const int err = qfp4_gemv(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
-                            (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
+                            (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0, (int)act,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
@@ -381,10 +397,10 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
 
 void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
                double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-               bool pdl, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
+               bool pdl, int64_t act, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
                int64_t parts,
                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
-  check_operands(x, qw, sc, out);
+  check_operands(x, qw, sc, out, act);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
   TORCH_CHECK(a.is_cuda() && bn.is_cuda() && part.is_cuda() && ctr.is_cuda(),
@@ -403,7 +419,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
   const int ro[3] = {(int)roff[0], (int)roff[1], (int)roff[2]}, rr[3] = {(int)rk[0], (int)rk[1], (int)rk[2]};
   const int err = qfp4_gemv_lora(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                                  (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
-                                 (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0,
+                                 (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0, (int)act,
                                  (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
                                  a.data_ptr(), bn.data_ptr(), part.data_ptr(), ctr.data_ptr(), R, RP,
                                  (int)parts,
@@ -564,11 +580,13 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
         splits -= 1
 
 
-def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None) -> tuple[int, int, int, int]:
+def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None,
+            act: str | None = None) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    unroll, sw = variant_for(w.n // 16, w.k // 64, m)
+    # an epilogue over strip pairs (act) needs two strips per warp
+    unroll, sw = variant_for(w.n // 16, w.k // 64, m) if act is None else (2, 2)
     sig = None if lora is None else (lora.rank, lora.bn.shape[1])
-    key = (idx, w.fmt, m > 8, w.n, w.k, sig)
+    key = (idx, w.fmt, m > 8, w.n, w.k, sig, act)
     cfg = _STATE.get(key)
     if cfg is None:
         sms = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -585,10 +603,11 @@ def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | Non
     return cfg
 
 
-def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None):
+def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None, cols: int | None = None):
     """The checked (x, out) of ``gemv`` (M in [1, 16]) or ``gemm`` (M >= 1, rows addressed by 32-bit offsets): x
-    2-D bf16 on CUDA with w's K, copied when its rows are not 16-byte aligned; out bf16 (M, N) with unit stride along
-    N, allocated when None."""
+    2-D bf16 on CUDA with w's K, copied when its rows are not 16-byte aligned; out bf16 (M, cols) (cols = N unless
+    given) with unit stride along its columns, allocated when None."""
+    cols = w.n if cols is None else cols
     if not x.is_cuda or not w.qweight.is_cuda:
         raise ValueError(f"{op} needs CUDA tensors (use emulate() elsewhere)")
     if x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -606,16 +625,16 @@ def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | No
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
     if out is None:
-        out = torch.empty((m, w.n), device=x.device, dtype=torch.bfloat16)
-    elif out.shape != (m, w.n) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
-        raise ValueError(f"{op}: out must be bf16 {(m, w.n)} with unit stride along N, got {out.dtype} "
+        out = torch.empty((m, cols), device=x.device, dtype=torch.bfloat16)
+    elif out.shape != (m, cols) or out.dtype != torch.bfloat16 or out.stride(1) != 1:
+        raise ValueError(f"{op}: out must be bf16 {(m, cols)} with unit stride along its columns, got {out.dtype} "
                          f"{tuple(out.shape)}")
     return x, out
 
 
 def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, pdl: bool = False,
-         lora: LoraOperand | None = None) -> torch.Tensor:
+         lora: LoraOperand | None = None, act: str | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ (+ ``lora``'s term, same launch) for M <= 16 on the current CUDA stream
     (graph capturable).
 
@@ -624,20 +643,29 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     (griddepcontrol.wait) before reading (measured: ~5 µs less per 7B layer of consecutive GEMVs at M = 1).
     ``lora``: extra CTAs compute x·Aᵀ (fp32) into a per-stream workspace (:func:`lora_workspace`) while the others
     run the FP4 product; those add the LoRA term before their one bf16 rounding (see ``csrc/fp4_mma_gemv.cu``).
+    ``act="silu_mul"``: the weight's rows are gate then up (a fused gate|up, N/2 each, N/2 a multiple of 16) and
+    the launch returns silu(gate) · up (M, N/2) — each warp takes row block i of both halves, so the SwiGLU is applied
+    in the epilogue, rounded as ``silu_mul`` rounds it (a ``config`` must have two strips per warp).
     """
-    x, out = _operands("gemv", x, w, out)
+    _check_act(act)
+    if act is not None and w.n % 32:
+        raise ValueError(f"gemv(act={act!r}) needs N/2 = {w.n / 2:g} to be a multiple of 16 rows")
+    x, out = _operands("gemv", x, w, out, w.n // 2 if act is not None else None)
     m = x.shape[0]
-    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device, lora)
+    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device, lora, act)
+    if act is not None and sw != 2:
+        raise ValueError(f"gemv(act={act!r}) runs with two strips per warp; config {config} has sw={sw}")
+    code = 0 if act is None else 1 + ACTS.index(act)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fid = 0 if w.fmt == "nvfp4" else 1
     if lora is None:
-        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl)
+        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code)
         return out
     a, bn = _lora_tensors(lora, w)
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
-    _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl,
+    _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
                      a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
     return out
 
@@ -823,7 +851,7 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
 
 
 __all__ = ["CudaFP4Weight", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
-           "gemv", "emulate", "emulate_weight", "pick_config", "variant_for",
+           "gemv", "emulate", "ACTS", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants"]

@@ -105,12 +105,16 @@ def linear(fmt: QuantFormat, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> 
     return y if y is not None else F.linear(x, fmt.dequantize(q, x.dtype))
 
 
-def linear_lora(fmt: QuantFormat, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora) -> torch.Tensor | None:
-    """x Ŵᵀ plus a LoRA term (``qerl.kernels.cuda_fp4.LoraOperand``: stacked A, (scaling·B)ᵀ, members) in one
-    launch, when the format's kernels have such a path for x (NVFP4/MXFP4 at decode size on CUDA); None otherwise
-    (the caller then runs ``linear`` and its own LoRA)."""
+def linear_lora(fmt: QuantFormat, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora,
+                act: str | None = None) -> torch.Tensor | None:
+    """x Ŵᵀ plus a LoRA term (``qerl.kernels.cuda_fp4.LoraOperand``: stacked A, (scaling·B)ᵀ, members; None: no
+    LoRA) in one launch, when the format's kernels have such a path for x (NVFP4/MXFP4 at decode size on CUDA);
+    None otherwise (the caller then runs ``linear`` and its own LoRA). ``act="silu_mul"``: the weight is a gate|up
+    pair (gate rows, then as many up rows) and the launch returns silu(gate) · up, (..., N/2)."""
     fn = getattr(fmt.kernels, "linear_lora", None)
-    return fn(fmt, x, q, lora) if fn is not None else None
+    if fn is None:
+        return None
+    return fn(fmt, x, q, lora) if act is None else fn(fmt, x, q, lora, act=act)
 
 
 def linear_t(fmt: QuantFormat, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -239,6 +239,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// silu(gate) * up as the unfused path rounds it: gate and up to bf16 (the GEMV's output), silu in fp32 (x / (1 +
+// exp(-x)), IEEE division and expf, as torch's CUDA silu) rounded to bf16, the product in fp32 rounded to bf16.
+__device__ __forceinline__ __nv_bfloat16 silu_mul_bf16(float gate, float up) {
+  const float g = __bfloat162float(__float2bfloat16_rn(gate));
+  const float u = __bfloat162float(__float2bfloat16_rn(up));
+  const float a = __bfloat162float(__float2bfloat16_rn(g / (1.f + expf(-g))));
+  return __float2bfloat16_rn(a * u);
+}
+
 // t[tok][r] = (x A^T)[tok][r] as the MMA operand reads it: the sum of the strip's parts in part order (direct: one
 // strip per warp only, where the registers allow all the loads in flight), or the strip's finished t; zero for
 // token rows >= M and ranks >= R.
@@ -255,32 +264,33 @@ __device__ __forceinline__ float lora_t(const LoraArgs& la, int M, int tok, int 
   return v;
 }
 
-// Prefetch into L2 the Bn rows of a warp's SW strips (16 rows of rp bf16 each), one 128-byte line per lane.
+// Prefetch into L2 the Bn rows of a warp's SW strips (strip0 + i * sstep: 16 rows of rp bf16 each), one 128-byte
+// line per lane.
 template <int SW>
-__device__ __forceinline__ void lora_prefetch_bn(const LoraArgs& la, int strip0, int S) {
+__device__ __forceinline__ void lora_prefetch_bn(const LoraArgs& la, int strip0, int sstep, int S) {
   const int lane = threadIdx.x & 31, lines = la.rp / 4;  // per strip: 16 rows x 2 rp bytes / 128
 #pragma unroll
   for (int i = 0; i < SW; ++i)
-    if (strip0 + i < S)
+    if (strip0 + i * sstep < S)
       for (int l = lane; l < lines; l += 32)
-        prefetch_l2(reinterpret_cast<const char*>(la.bn + (size_t)(strip0 + i) * 16 * la.rp) + 128 * l);
+        prefetch_l2(reinterpret_cast<const char*>(la.bn + (size_t)(strip0 + i * sstep) * 16 * la.rp) + 128 * l);
 }
 
-// The LoRA term of a split-0 warp's SW strips (16 output rows each from (strip0 + i) * 16): wait until every strip
+// The LoRA term of a split-0 warp's SW strips (16 output rows each from (strip0 + i * sstep) * 16): wait until every strip
 // of t is finished, then per 32 ranks load this lane's fragments straight from global memory — Bn rows g, g + 8 of
 // each strip (A) and t of token rows g (+ 8 for NT = 2) at the member's ranks (B) — all loads of the round in
 // flight at once, and accumulate Bn[rows, ranks] x bf16(t)[ranks, tokens] into acc times `inv` (1 / the
 // accumulator's output multiplier).
 template <int NT, int SW, int A2>
-__device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0, int S, float inv,
+__device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0, int sstep, int S, float inv,
                                           float (&acc)[SW][A2][NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int r0[SW], rk[SW], rkmax = 0;
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
-    const int mb = member_of(la, (strip0 + i) * 16);
+    const int mb = member_of(la, (strip0 + i * sstep) * 16);
     r0[i] = pick3(la.roff, mb);
-    rk[i] = strip0 + i < S ? pick3(la.rk, mb) : 0;
+    rk[i] = strip0 + i * sstep < S ? pick3(la.rk, mb) : 0;
     rkmax = max(rkmax, rk[i]);
   }
   float c[SW][NT][4];
@@ -294,7 +304,8 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
     float v[SW][2][NT][4];
 #pragma unroll
     for (int i = 0; i < SW; ++i) {  // the Bn words first: they do not depend on the LoRA CTAs
-      const uint32_t* b0 = reinterpret_cast<const uint32_t*>(la.bn + (size_t)((strip0 + i) * 16 + g) * la.rp + 2 * t);
+      const uint32_t* b0 =
+          reinterpret_cast<const uint32_t*>(la.bn + (size_t)((strip0 + i * sstep) * 16 + g) * la.rp + 2 * t);
       const uint32_t* b8 = b0 + 4 * la.rp;  // 8 rows on (rp bf16 = rp / 2 words per row)
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
@@ -362,7 +373,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
                                           const __nv_bfloat16* __restrict__ x, int ldx,
                                           __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs,
                                           float out_mult, uint32_t bword, int M, int S, int C, int splits, int R,
-                                          const LoraArgs& la) {
+                                          int act, const LoraArgs& la) {
   // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1 (with LoRA at
   // least the LoRA CTAs' per-warp partials: launch_smem)
   extern __shared__ __align__(16) float red[];
@@ -380,8 +391,12 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   const int blk = has_lora ? (int)blockIdx.x - la.nlora : (int)blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int strip0 = (blk * R + warp / splits) * SW, split = warp % splits;
-  const bool active = strip0 < S;
+  // act (SW = 2 only): the warp's two strips are g and g + S / 2 of strip pair g — the same rows of the weight's
+  // two halves (gate|up) — and the output is silu(gate) * up (M, N / 2); else strips g * SW + i
+  const bool pair = SW == 2 && act != 0;
+  const int grp_all = blk * R + warp / splits, split = warp % splits;
+  const int strip0 = pair ? grp_all : grp_all * SW, sstep = pair ? S >> 1 : 1;
+  const bool active = strip0 < (pair ? S >> 1 : S);
   const int c0 = split * C / splits;  // C * splits < 2^31 (checked by the caller)
   const int c1 = (split + 1) * C / splits;
 
@@ -400,7 +415,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   const int soff = FMT == 0 ? lane : (lane >> 1);  // this lane's scale pair in a (strip, chunk)
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
-    const int st = max(0, min(strip0 + i, S - 1));
+    const int st = max(0, min(strip0 + i * sstep, S - 1));
     wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
     sq[i] = sc + ((size_t)st * C + c0) * SL + soff;
   }
@@ -468,7 +483,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  if (has_lora && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, S);
+  if (has_lora && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
   if (work) {
     load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
@@ -496,7 +511,27 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if (has_lora && split == 0 && active) lora_term<NT, SW, A2>(la, M, strip0, S, 1.f / mult, acc);
+  if (has_lora && split == 0 && active) lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc);
+  if (pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
+    if (active) {
+      const int n0 = strip0 * 16;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int tok = nt * 8 + 2 * t;
+        if (tok < M) {
+          out[(size_t)tok * ldo + n0 + g] = silu_mul_bf16(acc[0][0][nt][0] * mult, acc[SW - 1][0][nt][0] * mult);
+          out[(size_t)tok * ldo + n0 + g + 8] = silu_mul_bf16(acc[0][0][nt][2] * mult, acc[SW - 1][0][nt][2] * mult);
+        }
+        if (tok + 1 < M) {
+          out[(size_t)(tok + 1) * ldo + n0 + g] = silu_mul_bf16(acc[0][0][nt][1] * mult, acc[SW - 1][0][nt][1] * mult);
+          out[(size_t)(tok + 1) * ldo + n0 + g + 8] =
+              silu_mul_bf16(acc[0][0][nt][3] * mult, acc[SW - 1][0][nt][3] * mult);
+        }
+      }
+    }
+    if (has_lora) lora_done(la);
+    return;
+  }
   if (splits == 1) {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
@@ -532,6 +567,22 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   }
   __syncthreads();
   const int per_strip = 16 * M;
+  if (pair) {  // strip pair grp of the CTA: its two sums, then silu(gate) * up
+    for (int idx = threadIdx.x; idx < R * per_strip; idx += blockDim.x) {
+      const int grp = idx / per_strip, rem = idx - grp * per_strip;
+      const int tok = rem >> 4, row = rem & 15;
+      const int pg = blk * R + grp;
+      if (pg >= (S >> 1)) continue;
+      float v0 = 0.f, v1 = 0.f;
+      for (int sp = 0; sp < splits; ++sp) {
+        v0 += red[(((grp * splits + sp) * SW) * 16 + row) * TOK + tok];
+        v1 += red[(((grp * splits + sp) * SW + SW - 1) * 16 + row) * TOK + tok];
+      }
+      out[(size_t)tok * ldo + pg * 16 + row] = silu_mul_bf16(v0 * mult, v1 * mult);
+    }
+    if (has_lora) lora_done(la);
+    return;
+  }
   for (int idx = threadIdx.x; idx < R * SW * per_strip; idx += blockDim.x) {
     const int ls = idx / per_strip, rem = idx - ls * per_strip;  // ls = local strip (group * SW + i)
     const int tok = rem >> 4, row = rem & 15;
@@ -548,11 +599,11 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #define QFP4_GEMV_PARAMS                                                                                          \
   const uint4 *__restrict__ qw, const uint16_t *__restrict__ sc, const __nv_bfloat16 *__restrict__ x, int ldx,      \
       __nv_bfloat16 *__restrict__ out, int ldo, const float *__restrict__ gs, float out_mult, uint32_t bword, int M, \
-      int S, int C, int splits, int R, LoraArgs la
+      int S, int C, int splits, int R, int act, LoraArgs la
 
 template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW>() * 32) fp4_gemv_kernel(QFP4_GEMV_PARAMS) {
-  gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la);
+  gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
 
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
@@ -564,7 +615,7 @@ constexpr int lora_max_regs() { return NT == 1 && U == 2 && SW == 2 ? 96 : max_w
 template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW>() * 32) __maxnreg__((lora_max_regs<NT, U, SW>()))
     fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
-  gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, la);
+  gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
 #undef QFP4_GEMV_PARAMS
 
@@ -611,12 +662,13 @@ inline int opt_in_smem(const void* fn, size_t smem) {
 
 int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                 float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits, int strips_per_cta,
-                int unroll, int sw, int pdl, void* stream, LoraArgs la) {
+                int unroll, int sw, int pdl, int act, void* stream, LoraArgs la) {
   const int nt = M > 8 ? 2 : 1;
   const void* fn = pick(fmt, nt, unroll, sw, la.a != nullptr);
   const int warps = splits * strips_per_cta;
   if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(unroll, sw))
     return -1;
+  if (act < 0 || act > 1 || (act && (sw != 2 || S % 2))) return -1;  // silu * up: strip pairs, two per warp
   const int per_cta = strips_per_cta * sw;
   int lora_ctas = 0;
   if (la.a != nullptr) {
@@ -642,7 +694,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   cfg.numAttrs = pdl ? 1 : 0;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
-                  (void*)&strips_per_cta, (void*)&la};
+                  (void*)&strips_per_cta, (void*)&act, (void*)&la};
   return (int)cudaLaunchKernelExC(&cfg, fn, args);
 }
 
@@ -652,13 +704,14 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
 // Return a cudaError_t (0 = success); -1 = unsupported variant / configuration.
 
 // out (M, N) <- x (M, K) @ W^T; qw (S, C, 32) uint4, sc (S, C, 32 | 16) uint16, gs (1,) f32 (nvfp4 only).
-// pdl: launch with programmatic stream serialization (overlaps the previous kernel's tail).
+// pdl: launch with programmatic stream serialization (overlaps the previous kernel's tail). act = 1: out (M, N / 2)
+// <- silu(y[:, :N/2]) * y[:, N/2:] (the rows of W are gate then up; sw = 2, S even).
 extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                          const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits,
-                         int strips_per_cta, int unroll, int sw, int pdl, void* stream) {
+                         int strips_per_cta, int unroll, int sw, int pdl, int act, void* stream) {
   qfp4::LoraArgs la = {};
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
-                           unroll, sw, pdl, stream, la);
+                           unroll, sw, pdl, act, stream, la);
 }
 
 // The same plus LoRA in the launch: out += bf16(x A^T)[member ranks] Bn^T; a (R, K) bf16, bn (N, rp) bf16, workspaces
@@ -666,7 +719,7 @@ extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx,
 // members start at output rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
-                              int splits, int strips_per_cta, int unroll, int sw, int pdl, void* stream,
+                              int splits, int strips_per_cta, int unroll, int sw, int pdl, int act, void* stream,
                               const void* a, const void* bn, void* part, void* ctr, int R, int rp,
                               int parts, int bound1, int bound2, const int* roff, const int* rk) {
   qfp4::LoraArgs la = {};
@@ -685,7 +738,7 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
   }
   if (a == nullptr || bn == nullptr || part == nullptr || ctr == nullptr) return -1;
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
-                           unroll, sw, pdl, stream, la);
+                           unroll, sw, pdl, act, stream, la);
 }
 
 // Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant); lora != 0: the
