@@ -43,7 +43,8 @@ def groups(model: str, rank: int) -> list[tuple[str, list[tuple[int, int]], int]
 
 
 class _Linear:
-    """Rotating copies of one (fused) linear: CUDA FP4 weights, LoRA operands and the split path's A, Bᵀ."""
+    """Rotating copies of one (fused) linear: CUDA FP4 weights, LoRA operands and the split path's A, Bᵀ (no LoRA
+    when every member's rank is 0: ``ops`` then holds None per copy)."""
 
     def __init__(self, fmt: str, members, k: int, seed: int):
         n = sum(rows for rows, _ in members)
@@ -54,7 +55,7 @@ class _Linear:
         gen = torch.Generator(device="cuda").manual_seed(seed + 1)
         r = sum(rk for _, rk in members)
         self.ops, self.bts = [], []
-        for _ in self.ws:
+        for _ in self.ws if r else ():
             a = (torch.randn(r, k, generator=gen, device="cuda") / k ** 0.5).bfloat16()
             bts = [(0.05 * torch.randn(rk, rows, generator=gen, device="cuda")).bfloat16() for rows, rk in members]
             self.ops.append(cf.LoraOperand(a, cf.lora_bn(bts, members), members))
@@ -64,8 +65,10 @@ class _Linear:
                 bt[r0:r0 + rk, c0:c0 + rows] = b
                 r0, c0 = r0 + rk, c0 + rows
             self.bts.append(bt)
+        if not r:
+            self.ops = [None] * len(self.ws)
         self.n, self.k = n, k
-        self.lora_bytes = r * k * 2 + self.ops[0].bn.numel() * 2
+        self.lora_bytes = r * k * 2 + (self.ops[0].bn.numel() * 2 if r else 0)
 
     def call(self, mode: str, i: int, x: torch.Tensor, out: torch.Tensor):
         w, op = self.ws[i], self.ops[i]
@@ -102,8 +105,7 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float) -> l
                 variants = [("plain", None), *[("one-launch", c) for c in chunks], ("split", None)]
                 for mode, c in variants:
                     cf.lora_parts = orig if c is None else functools.partial(orig, chunks_per_warp=c)
-                    for key in [k for k in cf._STATE if isinstance(k, tuple) and len(k) == 6 and k[-1]]:
-                        del cf._STATE[key]  # LoRA launch configs depend on lora_parts: pick them again
+                    cf.forget_gemv_configs()  # LoRA launch configs depend on lora_parts: pick them again
                     try:
                         total = 0.0
                         for (name, _, k), lin, out in zip(gs, lins, outs, strict=True):

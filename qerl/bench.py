@@ -115,11 +115,12 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
     return rows
 
 
-DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-pdl", "fused-no-pdl",
-           "unfused")
+DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-heuristic-gemv", "fused-pdl",
+           "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
-               "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-pdl": {"QERL_PDL": "1"},
+               "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
+               "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
 
 
@@ -135,7 +136,8 @@ def decode_mode(sampler, dec: str):
     base and LoRA in one CUDA launch; the token drawn by ``qerl.kernels.fused.sample_race``), "fused-split-lora"
     (LoRA as its own launches, ``QERL_CUDA_LORA=0``), "fused-torch-sample" (the token drawn by torch ops,
     ``QERL_FUSED_SAMPLE=0``), "fused-split-silu" (silu(gate) · up as its own launch after the gate|up GEMV,
-    ``QERL_FUSED_SILU=0``) — the last three the builds before, for same-run comparisons —, "fused-pdl" /
+    ``QERL_FUSED_SILU=0``), "fused-heuristic-gemv" (the FP4 GEMV's launch configurations by rule, not the device's
+    tuned table, ``QERL_GEMV_TABLE=0``) — the last four the builds before, for same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

@@ -19,12 +19,12 @@ are not concatenated; their ``FusedLinear`` calls the modules one by one and con
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from qerl.arch import FUSED_GROUPS
-import os
-
 from qerl.kernels.fused import lora_a, silu_mul
 from qerl.lora import QuantLoRALinear, _lora_operand
 from qerl.quant.base import linear_lora

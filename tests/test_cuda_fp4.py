@@ -222,6 +222,74 @@ def test_installed_gemm_tables_are_valid():
             assert cf.check_gemm_config(e["config"], e["N"] // 16, e["K"] // 64) == tuple(e["config"])
 
 
+def test_gemv_config_validation():
+    assert cf.check_gemv_config([8, 1, 4, 1]) == (8, 1, 4, 1)
+    assert cf.check_gemv_config((2, 2, 2, 2), "silu_mul") == (2, 2, 2, 2)
+    for bad, why in [((8, 1, 3, 1), r"\(3, 1\) is not compiled; valid: \[\(2, 1\)"),
+                     ((8, 2, 8, 1), r"8 x 2 must be in \[1, 8\] warps"), ((0, 1, 4, 1), r"0 x 1 must be in \[1, 16\]"),
+                     ((8, 1, 4), r"is \(splits, strip groups per CTA, unroll, strips per warp\)"),
+                     ("abcd", r"is \(splits")]:
+        with pytest.raises(ValueError, match=why):
+            cf.check_gemv_config(bad)
+    with pytest.raises(ValueError, match="act='silu_mul' runs with two strips per warp, got 1"):
+        cf.check_gemv_config((8, 1, 4, 1), "silu_mul")
+
+
+def test_tuned_gemv_table(tmp_path, monkeypatch):
+    """The GEMV table: lookup by (fmt, N, K, LoRA rank and Bn row length, act) at the smallest tuned M >= m on m's
+    side of the 8-row boundary, None elsewhere; the tuner's JSON merges into an existing table; bad configs are
+    refused on load; install forgets cached choices."""
+    import json
+
+    from benchmarks.gemv_tune import table_json
+    monkeypatch.setattr(cf, "_GEMM_TABLE_DIR", tmp_path)
+    name = "NVIDIA H100 80GB HBM3"
+    assert cf._gemv_table_path(name).name == "cuda_gemv_nvidia_h100_80gb_hbm3.json"
+    row = dict(model="7b", fmt="nvfp4", linear="down", N=3584, K=18944, rank=32, rp=32, act="", candidates=9,
+               best=[8, 1, 4, 1], best_sweep_us=19.0, best_us=19.8, pick=[10, 1, 4, 1], pick_us=20.0)
+    rows = [dict(row, M=m, config=cfg) for m, cfg in [(2, [8, 1, 4, 1]), (8, [5, 1, 4, 1]), (16, [10, 1, 2, 2])]]
+    rows.append(dict(row, linear="gate|up", N=37888, K=3584, M=8, act="silu_mul", config=[2, 2, 2, 2]))
+    old = json.loads(table_json([dict(row, M=8, config=[7, 1, 4, 1]), dict(row, M=4, rank=0, rp=0,
+                                                                           config=[6, 1, 2, 1])], name, []))
+    doc = json.loads(table_json(rows, name, ["--m", "2,8,16"], old))
+    assert len(doc["entries"]) == 5 and doc["command"] == "python -m benchmarks.gemv_tune --m 2,8,16"
+    e8 = next(e for e in doc["entries"] if e["M"] == 8 and e["rank"] == 32 and not e["act"])
+    assert e8["config"] == [5, 1, 4, 1] and e8["us"] == 19.8 and e8["heuristic_us"] == 20.0  # the new run wins
+    cf._STATE.pop(("gemv_table", name), None)
+    try:
+        cf.install_gemv_table(name, json.dumps(doc))
+        get = lambda m, sig=(32, 32), act=None, fmt="nvfp4", n=3584, k=18944: cf.tuned_gemv_config(  # noqa: E731
+            fmt, n, k, m, sig, act, name)
+        assert get(1) == get(2) == (8, 1, 4, 1) and get(3) == get(8) == (5, 1, 4, 1)
+        assert get(9) == get(16) == (10, 1, 2, 2)  # M > 8: only the two-tile entries
+        assert get(4, sig=None) == (6, 1, 2, 1) and get(8, sig=None) is None  # plain: its own entries (kept from old)
+        assert get(8, sig=(96, 32)) is None and get(8, fmt="mxfp4") is None
+        assert get(8, act="silu_mul", n=37888, k=3584) == (2, 2, 2, 2) and get(8, n=37888, k=3584) is None
+        assert cf.tuned_gemv_config("nvfp4", 3584, 18944, 8, (32, 32), None, "other GPU") is None
+        cf._STATE[("gemv", 0, "nvfp4", 8, 3584, 18944, None, None, True)] = (1, 1, 4, 1)
+        doc["entries"][0]["config"] = [9, 1, 4, 1]
+        cf.install_gemv_table(name, json.dumps(doc))  # a new table: cached choices are forgotten
+        assert not any(k[0] == "gemv" for k in cf._STATE if isinstance(k, tuple) and k)
+        doc["entries"][0]["config"] = [9, 2, 8, 1]
+        cf.install_gemv_table(name, json.dumps(doc))
+        with pytest.raises(ValueError, match="9 x 2 must be in"):
+            cf.load_gemv_table(name)
+    finally:
+        cf._STATE.pop(("gemv_table", name), None)
+
+
+def test_installed_gemv_tables_are_valid():
+    """Every GEMV table shipped under qerl/kernels/tuned/ parses, holds valid configs, and never a config the run
+    that wrote it measured slower than the heuristic's pick."""
+    import json
+    for path in sorted(cf._GEMM_TABLE_DIR.glob("cuda_gemv_*.json")):
+        doc = json.loads(path.read_text())
+        assert doc["entries"], path
+        for e in doc["entries"]:
+            assert e["fmt"] in FP4 and 1 <= e["M"] <= 16 and e["N"] % 16 == 0 and e["K"] % 64 == 0
+            assert cf.check_gemv_config(e["config"], e["act"] or None) == tuple(e["config"])
+            assert e["us"] <= e["heuristic_us"]
+
 
 def _lora(members, k: int, seed: int, device="cpu") -> cf.LoraOperand:
     """A LoRA operand with bf16 A (R, K) and each member's (scaling·B)ᵀ (rank, rows) laid out as Bn."""

@@ -83,7 +83,8 @@ def test_bench_profile_runs_on_cpu(tmp_path):
 
     from qerl import bench
 
-    before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_FUSED_SAMPLE", "QERL_FUSED_SILU", "QERL_PDL")}
+    before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_FUSED_SAMPLE", "QERL_FUSED_SILU", "QERL_GEMV_TABLE",
+                                             "QERL_PDL")}
     modes = ("fused", "fused-split-lora", "fused-torch-sample", "fused-pdl", "unfused")
     rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", modes, steps=2, kv=128)
     assert {k: os.environ.get(k) for k in before} == before  # each mode restores its switches
@@ -98,6 +99,7 @@ def test_bench_profile_runs_on_cpu(tmp_path):
         fused = None
     for dec, env in [("fused", {}), ("fused-split-lora", {"QERL_CUDA_LORA": "0"}),
                      ("fused-torch-sample", {"QERL_FUSED_SAMPLE": "0"}), ("fused-split-silu", {"QERL_FUSED_SILU": "0"}),
+                     ("fused-heuristic-gemv", {"QERL_GEMV_TABLE": "0"}),
                      ("fused-pdl", {"QERL_PDL": "1"}),
                      ("fused-no-pdl", {"QERL_PDL": "0"}), ("unfused", {})]:
         s = _S()

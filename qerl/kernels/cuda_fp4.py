@@ -580,25 +580,126 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
         splits -= 1
 
 
+GEMV_VARIANTS = ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))  # compiled (unroll, strips per warp)
+
+
+def gemv_warp_cap(unroll: int, sw: int) -> int:
+    """Warps per CTA at most (csrc ``max_warps``): 16 while a warp keeps <= 4 chunk loads per batch, else 8."""
+    return 8 if unroll * sw >= 8 else 16
+
+
+def check_gemv_config(config, act: str | None = None) -> tuple[int, int, int, int]:
+    """``config`` = (splits, strip groups per CTA, unroll, strips per warp) as ints, or ValueError naming what is
+    wrong: a compiled (unroll, strips per warp), splits x groups within the variant's warps per CTA, two strips per
+    warp with an epilogue (``act``)."""
+    try:
+        splits, per, unroll, sw = (int(v) for v in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"a GEMV config is (splits, strip groups per CTA, unroll, strips per warp), got {config!r}") \
+            from None
+    if (unroll, sw) not in GEMV_VARIANTS:
+        raise ValueError(f"GEMV config {tuple(config)}: (unroll, strips per warp) = {(unroll, sw)} is not compiled; "
+                         f"valid: {list(GEMV_VARIANTS)}")
+    if splits < 1 or per < 1 or splits * per > gemv_warp_cap(unroll, sw):
+        raise ValueError(f"GEMV config {tuple(config)}: splits x strip groups = {splits} x {per} must be in [1, "
+                         f"{gemv_warp_cap(unroll, sw)}] warps for unroll {unroll}, {sw} strips per warp")
+    if act is not None and sw != 2:
+        raise ValueError(f"GEMV config {tuple(config)}: act={act!r} runs with two strips per warp, got {sw}")
+    return splits, per, unroll, sw
+
+
+def _gemv_table_path(device_name: str) -> Path:
+    return _GEMM_TABLE_DIR / f"cuda_gemv_{_device_slug(device_name)}.json"
+
+
+def load_gemv_table(device_name: str) -> dict:
+    """The tuned GEMV table of a device (``qerl/kernels/tuned/cuda_gemv_<device>.json``, written by ``python -m
+    benchmarks.gemv_tune --write-table``) as {(fmt, N, K, lora rank, Bn row length, act): [(M, config), ...]} sorted
+    by M (rank 0: the plain GEMV; act "" for none); {} when the device has none. Every config is checked on load."""
+    key = ("gemv_table", device_name)
+    if key in _STATE:
+        return _STATE[key]
+    path = _gemv_table_path(device_name)
+    table: dict = {}
+    if path.exists():
+        import json
+        for e in json.loads(path.read_text())["entries"]:
+            act = e.get("act") or None
+            cfg = check_gemv_config(e["config"], act)
+            table.setdefault((e["fmt"], e["N"], e["K"], e["rank"], e["rp"], act or ""), []).append((e["M"], cfg))
+        for v in table.values():
+            v.sort()
+    _STATE[key] = table
+    return table
+
+
+def install_gemv_table(device_name: str, text: str) -> Path:
+    """Write a tuned GEMV table (the JSON ``benchmarks.gemv_tune --write-table`` makes) as the device's table and
+    forget this process's cached table and launch choices, so the next launch dispatches by it."""
+    path = _gemv_table_path(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    _STATE.pop(("gemv_table", device_name), None)
+    forget_gemv_configs()
+    return path
+
+
+def forget_gemv_configs() -> None:
+    """Drop this process's cached GEMV launch choices (after a table or ``lora_parts`` change)."""
+    for key in [k for k in _STATE if isinstance(k, tuple) and k and k[0] == "gemv"]:
+        del _STATE[key]
+
+
+def gemv_table_enabled() -> bool:
+    """Whether launches take their configuration from the device's tuned table (``QERL_GEMV_TABLE=0``: the
+    heuristic, for same-run comparisons)."""
+    return os.environ.get("QERL_GEMV_TABLE", "1") != "0"
+
+
+def tuned_gemv_config(fmt: str, n: int, k: int, m: int, lora_sig: tuple[int, int] | None, act: str | None,
+                      device_name: str) -> tuple[int, int, int, int] | None:
+    """The config measured for the smallest tuned M >= m of this (fmt, N, K, LoRA (rank, Bn row length) or None,
+    act) on the device, among the tuned M on m's side of the 8-row boundary (one or two n8 token tiles: other kernel
+    variants); None when there is none (the heuristic then decides)."""
+    rank, rp = lora_sig if lora_sig is not None else (0, 0)
+    rows = load_gemv_table(device_name).get((fmt, n, k, rank, rp, act or ""))
+    for mm, cfg in rows or ():
+        if mm >= m and (mm > 8) == (m > 8):
+            return cfg
+    return None
+
+
+def heuristic_gemv_config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None,
+                          act: str | None = None) -> tuple[int, int, int, int]:
+    """The launch configuration by rule (``variant_for`` + ``pick_config`` with the variant's occupancy on ``dev``;
+    an epilogue over strip pairs takes two strips per warp), what an untuned point gets."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    unroll, sw = variant_for(w.n // 16, w.k // 64, m) if act is None else (2, 2)
+    sms = torch.cuda.get_device_properties(idx).multi_processor_count
+    ext, fid, nt = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1
+    c = w.k // 64
+    if lora is None:
+        return pick_config(w.n // 16, c, sms, unroll,
+                           lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw)
+    # the LoRA variant's own occupancy, with its LoRA CTAs in the same wave
+    return pick_config(w.n // 16, c, sms, unroll,
+                       lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 1), sw,
+                       extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps))
+
+
 def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None,
             act: str | None = None) -> tuple[int, int, int, int]:
+    """The device's tuned table's configuration for this point, else the heuristic's (cached per point)."""
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    # an epilogue over strip pairs (act) needs two strips per warp
-    unroll, sw = variant_for(w.n // 16, w.k // 64, m) if act is None else (2, 2)
     sig = None if lora is None else (lora.rank, lora.bn.shape[1])
-    key = (idx, w.fmt, m > 8, w.n, w.k, sig, act)
+    use_table = gemv_table_enabled()
+    key = ("gemv", idx, w.fmt, m, w.n, w.k, sig, act, use_table)
     cfg = _STATE.get(key)
     if cfg is None:
-        sms = torch.cuda.get_device_properties(idx).multi_processor_count
-        ext, fid, nt = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1
-        c = w.k // 64
-        if lora is None:
-            cfg = pick_config(w.n // 16, c, sms, unroll,
-                              lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw)
-        else:  # the LoRA variant's own occupancy, with its LoRA CTAs in the same wave
-            cfg = pick_config(
-                w.n // 16, c, sms, unroll, lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 1),
-                sw, extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps))
+        if use_table:
+            cfg = tuned_gemv_config(w.fmt, w.n, w.k, m, sig, act, torch.cuda.get_device_properties(idx).name)
+        if cfg is None:
+            cfg = heuristic_gemv_config(w, m, dev, lora, act)
         _STATE[key] = cfg
     return cfg
 
@@ -652,9 +753,8 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         raise ValueError(f"gemv(act={act!r}) needs N/2 = {w.n / 2:g} to be a multiple of 16 rows")
     x, out = _operands("gemv", x, w, out, w.n // 2 if act is not None else None)
     m = x.shape[0]
-    splits, per, unroll, sw = config if config is not None else _config(w, m, x.device, lora, act)
-    if act is not None and sw != 2:
-        raise ValueError(f"gemv(act={act!r}) runs with two strips per warp; config {config} has sw={sw}")
+    splits, per, unroll, sw = (check_gemv_config(config, act) if config is not None else
+                               _config(w, m, x.device, lora, act))
     code = 0 if act is None else 1 + ACTS.index(act)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fid = 0 if w.fmt == "nvfp4" else 1
@@ -774,9 +874,12 @@ def pick_gemm_config(s: int, c: int, m: int, sms: int) -> tuple[int, int, int, i
     return nt, sw, r, ks
 
 
+def _device_slug(device_name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
+
+
 def _table_path(device_name: str) -> Path:
-    slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
-    return _GEMM_TABLE_DIR / f"cuda_gemm_{slug}.json"
+    return _GEMM_TABLE_DIR / f"cuda_gemm_{_device_slug(device_name)}.json"
 
 
 def load_gemm_table(device_name: str) -> dict:
@@ -851,7 +954,8 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
 
 
 __all__ = ["CudaFP4Weight", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
-           "gemv", "emulate", "ACTS", "emulate_weight", "pick_config", "variant_for",
+           "gemv", "emulate", "ACTS", "GEMV_VARIANTS", "check_gemv_config", "load_gemv_table",
+           "install_gemv_table", "tuned_gemv_config", "heuristic_gemv_config", "forget_gemv_configs", "gemv_table_enabled", "gemv_warp_cap", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants"]
