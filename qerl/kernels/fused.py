@@ -3,15 +3,13 @@
 A decode step is memory- and launch-bound: unfused, one Qwen2 layer issues ~50 small kernels per token
 (RMSNorm as 4-5 elementwise kernels, bias adds, RoPE as 3 per tensor, cache writes, 7 for attention,
 SiLU and the product, residual adds), and under CUDA graphs each still costs a few µs. These four
-functions cover all of it in 5 launches per layer (4 where the gate|up GEMV applies the SwiGLU itself,
-``qerl.fastdecode.FusedLinear.silu_mul``):
+functions cover all of it in 5 launches per layer:
 
 * :func:`add_rms_norm`  ``h += delta`` (the residual) then ``x = RMSNorm(h)`` (HF Qwen2/Llama semantics);
 * :func:`rope_qkv`      bias, rotary embedding of q and k, and the K/V cache write of one token, from the
                         fused ``[q | k | v]`` projection output;
 * :func:`decode_attention`  softmax(q Kᵀ·scale + bias) V over the first S cache slots, GQA, split over
-                        the keys (flash-decoding: partial max/sum/accumulator per split; the last split of a
-                        (row, kv head) to finish combines them, in the same launch);
+                        the keys (flash-decoding: partial max/sum/accumulator per split, then a combine);
 * :func:`silu_mul`      ``silu(gate) * up`` from the fused ``[gate | up]`` output;
 * :func:`lora_a`        the LoRA down-projection ``x·Aᵀ`` (M <= 16 rows, rank R): one split-K launch whose last
                         CTA per rank block sums the partials (cuBLAS takes a GEMM plus a split-K reduce).
@@ -110,7 +108,7 @@ def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ Triton
 
 if HAS_TRITON:
-    from qerl.kernels.fp4_triton import _epilogue, _fence_gpu
+    from qerl.kernels.fp4_triton import _epilogue
 
     _NEG = tl.constexpr(NEG)
 
@@ -196,12 +194,9 @@ if HAS_TRITON:
             tl.store(vc_ptr + ((row * HKV + (j - H - HKV)) * S_MAX + slot) * D + offs, x)
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, cnt_ptr, S, S_MAX, CHUNK, NSPLIT,
-                           scale, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BS: tl.constexpr, SP: tl.constexpr, DOT_F32: tl.constexpr, FENCE: tl.constexpr,
-                           PDL: tl.constexpr = False):
-        # one (row, kv head) x one split of the keys: the split's (max, sum, weighted values) per query head; the
-        # last split of a (row, kv head) to finish (a counter, left zero) combines them into the output
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
+                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         pid = tl.program_id(0)  # row * HKV + kv head
         sp = tl.program_id(1)  # split of the keys
@@ -239,32 +234,26 @@ if HAS_TRITON:
                 pv = tl.dot(p.to(v_ptr.dtype.element_ty), vb)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        rh = pid * G + gi  # row * H + query head
-        out = rh * NSPLIT + sp  # (row, head, split)
+        out = (pid * G + gi) * NSPLIT + sp  # (row, head, split)
         tl.store(m_ptr + out, m_i, mask=gmask)
         tl.store(l_ptr + out, l_i, mask=gmask)
         tl.store(acc_ptr + out[:, None] * D + dm[None, :], acc, mask=gmask[:, None])
-        # the threadFenceReduction pattern (as the split-K GEMM epilogue): the stores, a fence, the count
-        _fence_gpu(FENCE)
-        tl.debug_barrier()
-        cnt = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if cnt == NSPLIT - 1:
-            _fence_gpu(FENCE)
-            sps = tl.arange(0, SP)
-            pm = gmask[:, None] & (sps < NSPLIT)[None, :]
-            ms = tl.load(m_ptr + rh[:, None] * NSPLIT + sps[None, :], mask=pm, other=_NEG, cache_modifier=".cg")
-            ls = tl.load(l_ptr + rh[:, None] * NSPLIT + sps[None, :], mask=pm, other=0.0, cache_modifier=".cg")
-            mx = tl.max(ms, axis=1)
-            den = tl.sum(tl.where(pm, ls * tl.exp(ms - mx[:, None]), 0.0), axis=1)
-            num = tl.zeros([GP, D], tl.float32)
-            for s in range(0, NSPLIT):  # in split order: the result does not depend on which split came last
-                m_s = tl.load(m_ptr + rh * NSPLIT + s, mask=gmask, other=_NEG, cache_modifier=".cg")
-                a_s = tl.load(acc_ptr + (rh * NSPLIT + s)[:, None] * D + dm[None, :], mask=gmask[:, None], other=0.0,
-                              cache_modifier=".cg")
-                num += a_s * tl.exp(m_s - mx)[:, None]
-            o = num / den[:, None]
-            tl.store(o_ptr + rh[:, None] * D + dm[None, :], o.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
-            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (graph replays included)
+
+    @triton.jit
+    def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
+        rh = tl.program_id(0)  # row * H + head
+        sp = tl.arange(0, SP)
+        smask = sp < NSPLIT
+        dm = tl.arange(0, D)
+        m = tl.load(m_ptr + rh * NSPLIT + sp, mask=smask, other=_NEG)
+        l_ = tl.load(l_ptr + rh * NSPLIT + sp, mask=smask, other=0.0)
+        a = tl.load(acc_ptr + (rh * NSPLIT + sp)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))
+        w = tl.where(smask, w, 0.0)
+        o = tl.sum(a * w[:, None], axis=0) / tl.sum(l_ * w, axis=0)
+        tl.store(o_ptr + rh * D + dm, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, o_ptr, NI, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -386,18 +375,16 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float):
     hkv, s_max = kc.shape[1], kc.shape[2]
     g = H // hkv
     nsplit, chunk = attention_splits(m * hkv, S)
-    cnt = _counters(q.device)
-    if m * hkv > cnt.numel():
-        raise ValueError(f"decode_attention: M * Hkv = {m} * {hkv} rows exceed the {cnt.numel()} split counters")
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
-    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     interp, pdl = _interpret(), _pdl(q)
-    _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, o, cnt, S, s_max, chunk, nsplit,
+    _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
                                           float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
-                                          BS=ATTN_BS, SP=max(2, triton.next_power_of_2(nsplit)), DOT_F32=interp,
-                                          FENCE=q.is_cuda and not interp, num_warps=ATTN_WARPS,
+                                          BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
                                           **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
+    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
+    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
+                                   **pdl)
     return o
 
 
