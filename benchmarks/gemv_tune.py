@@ -14,6 +14,12 @@ median replay per call. The fastest is then re-timed against the heuristic's pic
 candidate only where that re-timing confirms it (else the pick) — a table entry is never slower than the
 heuristic in the run that wrote it.
 
+What it measures is one linear's launches back to back; what the decode step runs is each linear between small
+Triton kernels. On the H100 (session 25, ``results/speed/raw/h100_s25_*``) the table it wrote was 1-10% faster per
+launch than the heuristic but not in the rollout (7B batch 8 2398 vs 2419 tok/s, 7B batch 2 666 vs 671, 14B batch 8
+1285 vs 1299 — the heuristic ahead in 3 of 3 same-run pairs, by 0.4-1.1%), so no table ships: install one only
+with a same-run rollout A/B (``qerl.bench rollout --decode fused,fused-heuristic-gemv``) that shows it helps.
+
 Writes ``gemv_tune_<gpu><tag>.csv`` / ``.md`` under ``--out`` (one row per point: best and pick configurations and
 times, candidates timed); ``--write-table`` installs the entries into the device's table (entries for other points
 already there are kept).

@@ -279,7 +279,8 @@ class Sampler:
     def _decode_step_fused(self, s, S: int):
         """The same step with fused projections and kernels (see the module docstring): per layer
         add+norm, q|k|v (+LoRA), bias+RoPE+cache write, attention (2), o_proj (+LoRA), add+norm,
-        gate|up (+LoRA), SiLU·up, down_proj (+LoRA)."""
+        gate|up (+LoRA, and SiLU·up in its epilogue where the FP4 GEMV runs it; else a launch of its own),
+        down_proj (+LoRA)."""
         slot, pos = self._open_slot(s)
         h = self.model.get_input_embeddings()(s["tok"])            # (N, D)
         n = h.shape[0]

@@ -3,7 +3,8 @@
 A decode step is memory- and launch-bound: unfused, one Qwen2 layer issues ~50 small kernels per token
 (RMSNorm as 4-5 elementwise kernels, bias adds, RoPE as 3 per tensor, cache writes, 7 for attention,
 SiLU and the product, residual adds), and under CUDA graphs each still costs a few µs. These four
-functions cover all of it in 5 launches per layer:
+functions cover all of it in 5 launches per layer (4 where the gate|up GEMV applies the SwiGLU itself,
+``qerl.fastdecode.FusedLinear.silu_mul``):
 
 * :func:`add_rms_norm`  ``h += delta`` (the residual) then ``x = RMSNorm(h)`` (HF Qwen2/Llama semantics);
 * :func:`rope_qkv`      bias, rotary embedding of q and k, and the K/V cache write of one token, from the
