@@ -203,6 +203,10 @@ def scaling_rows(d: pd.DataFrame) -> list[dict]:
         for k in SCALE_KEYS:
             same = same[same[k].astype(str) == str(r[k])]
         one = same[same.world_size == 1]
+        for k in ("run", "device"):  # the 1-GPU row of the same session, else of the same hardware, else any
+            if k in one and len(mine := one[one[k].astype(str) == str(r.get(k))]):
+                one = mine
+                break
         w = int(r["world_size"])
         if r["status"] == "ok" and len(one):
             o = one.iloc[0]
@@ -219,7 +223,11 @@ def scaling_table(root: Path) -> str:
     d = _read(root, "scaling.csv")
     if d is None:
         return "_no scaling.csv (python -m experiments.speed --run scaling on a multi-GPU host)_\n"
-    devs = sorted({f"{r.get('run', '')}: {r['device']}" for _, r in d.iterrows() if isinstance(r.get("device"), str)})
+    def host(r):  # the host's GPUs where recorded (host_gpus, from later runs)
+        n = r.get("host_gpus")
+        return f"{r['device']} x{int(n)}" if n == n and n is not None and int(n) > 1 else r["device"]
+
+    devs = sorted({f"{r.get('run', '')}: {host(r)}" for _, r in d.iterrows() if isinstance(r.get("device"), str)})
     head = f"Devices: {'; '.join(devs)}.\n\n" if devs else ""
     lines = ["| model | method | GPUs | completions/GPU | status | s/step | rollout s | log-prob s | update s | "
              "all-reduce s (% of step) | tokens/s | tokens/s/GPU | efficiency | rollout × | log-prob × | update × | "
@@ -437,7 +445,8 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         old = pd.read_csv(top) if top.exists() else pd.DataFrame()
         if f.name == "rollout.csv" and len(old):
             old["decode"] = old["decode"].fillna("unfused") if "decode" in old else "unfused"
-        keys = [k for k in IDENT if k in new.columns and k in old.columns]
+        ident = (*IDENT, "device") if f.name == "scaling.csv" else IDENT  # 2 H200s and 4 H100s: rows of both
+        keys = [k for k in ident if k in new.columns and k in old.columns]
         if len(old) and keys:
             ids = set(_ident(new, keys))
             old = old[[i not in ids for i in _ident(old, keys)]]

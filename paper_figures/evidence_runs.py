@@ -113,8 +113,14 @@ def _col(df: pd.DataFrame, name: str, default=None) -> pd.Series:
 
 
 def evidence_runs(root, scale: str | None = None) -> pd.DataFrame:
-    """Every run tagged ``tags.table: evidence`` (of ``scale`` when given)."""
-    return R.select(R.all_runs(root), table=TABLE, scale=scale)
+    """Every run tagged ``tags.table: evidence`` (of ``scale`` when given) under ``root/evidence/``, where
+    ``experiments.evidence`` writes them: copies kept elsewhere under ``root`` (e.g. the 2-GPU runs of issue 13
+    under ``speed/raw/``) are not this root's evidence."""
+    df = R.select(R.all_runs(root), table=TABLE, scale=scale)
+    if df.empty:
+        return df
+    base = (Path(root) / TABLE).resolve()
+    return df[[Path(d).resolve().is_relative_to(base) for d in df["run_dir"]]]
 
 
 def evidence_scales(root) -> list[str]:

@@ -338,7 +338,7 @@ def bench_scaling(models, formats, nprocs, batch: int, group: int, micro: int, u
                 base = dict(bench="scaling", model=PAPER_NAME.get(m, m), method=method_name(f),
                             weights=get_format(f).label, world_size=w, global_batch=batch, group_size=group,
                             per_gpu_batch=batch // w, micro_batch=micro, gc=use_gc,
-                            prompt_len="toy task (~60 tokens)", new_tokens=new_tokens)
+                            prompt_len="toy task (~60 tokens)", new_tokens=new_tokens, host_gpus=visible)
                 why = None
                 if device.startswith("cuda") and w > visible:
                     why = f"skipped: needs {w} GPUs, {visible} visible"

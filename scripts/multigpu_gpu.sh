@@ -9,9 +9,11 @@
 #                                          so the evidence stages skip it) and protocol.json into the run roots
 #   scripts/multigpu_gpu.sh bench [N]      background: the 7B scaling benchmark (NVFP4 and BF16-LoRA, 128
 #                                          completions, 1024 new tokens): the 1-GPU rows of both formats at once,
-#                                          one per GPU, then 2 GPUs (and 4 when N=4 GPUs are there), one at a time
-#   scripts/multigpu_gpu.sh curves ARGS    background, after the benchmark: nvfp4-lora at the shared rate, seeds
-#                                          0-2, on 1 GPU (the last GPU) and on 2 GPUs (torchrun, NCCL); ARGS are
+#                                          one per GPU, then 2 GPUs (and 4 when N=4 GPUs are there, once no
+#                                          curves run beside it), one at a time
+#   scripts/multigpu_gpu.sh curves ARGS    background: nvfp4-lora at the shared rate, seeds 0-2, on 1 GPU (the
+#                                          last of CURVE_GPUS) and on 2 GPUs (its first two; torchrun, NCCL); with
+#                                          4 GPUs, CURVE_GPUS=2,3 runs them beside `bench 4`'s first rows; ARGS are
 #                                          extra `experiments.evidence` jobs "ROOT|GPU|args..." run beside them
 #   scripts/multigpu_gpu.sh mps            CUDA MPS (as scripts/evidence_gpu.sh mps), kept only if a 2-rank NCCL
 #                                          all-reduce also works under it; `curves` and `tests` then use it
@@ -83,8 +85,11 @@ bench)
     CUDA_VISIBLE_DEVICES=1 python3 -m qerl.bench scaling $BENCH --formats bf16 --nproc 1 --out $RES/speed-b \
       > $RES/bench-w1-bf16.log 2>&1 &
     wait
-    ws=2; [ $n -ge 4 ] && ws=2,4
-    python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc \$ws --out $RES/speed > $RES/bench-wn.log 2>&1
+    python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 2 --out $RES/speed > $RES/bench-w2.log 2>&1
+    if [ $n -ge 4 ]; then  # all GPUs: wait for curves started beside the 1- and 2-GPU rows (CURVE_GPUS=2,3)
+      while pgrep -f 'experiments[.]evidence' > /dev/null; do sleep 5; done
+      python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 4 --out $RES/speed > $RES/bench-w4.log 2>&1
+    fi
     python3 - <<'EOF'
 import pandas as pd
 a, b = pd.read_csv('$RES/speed/scaling.csv'), pd.read_csv('$RES/speed-b/scaling.csv')
@@ -98,14 +103,18 @@ curves)
   mps_env
   copy_tree /root/q13c
   cd /root/q13c || exit 1
-  last=$(( $(python3 -c 'import torch; print(torch.cuda.device_count())') - 1 ))
-  [ "$SCALE" = toy ] && python3 -c 'from qerl.model import resolve_source; resolve_source("toy:toy")' \
-    > $RES/pretrain-toy.log 2>&1  # once, before six runs would each pretrain it
+  # CURVE_GPUS (e.g. 2,3 beside `bench 4`'s 1- and 2-GPU rows on 0,1): the 2-GPU runs use the first two listed,
+  # the 1-GPU runs the last; default: all GPUs
+  gpus=${CURVE_GPUS:-$(python3 -c 'import torch; print(",".join(map(str, range(torch.cuda.device_count()))))')}
+  last=${gpus##*,}; two=$(echo "$gpus" | cut -d, -f1-2)
+  pre=true
+  [ "$SCALE" = toy ] && pre="CUDA_VISIBLE_DEVICES=$last python3 -c 'from qerl.model import resolve_source; resolve_source(\"toy:toy\")' \
+    > $RES/pretrain-toy.log 2>&1"  # once, before six runs would each pretrain it
   ev="python3 -m experiments.evidence --scale $SCALE --stage main --rates shared --arms nvfp4-lora --seeds 0,1,2"
-  setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$last $ev --workers 3 --root $RES/c1 > $RES/curves-1gpu.log 2>&1" \
-    > /dev/null 2>&1 < /dev/null &
-  setsid nohup bash -c "$ev --workers 3 --nproc 2 --root $RES/c2 > $RES/curves-2gpu.log 2>&1" \
-    > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash -c "$pre; echo \$(date +%s) > $RES/curves.start
+    CUDA_VISIBLE_DEVICES=$last $ev --workers 3 --root $RES/c1 > $RES/curves-1gpu.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=$two $ev --workers 3 --nproc 2 --root $RES/c2 > $RES/curves-2gpu.log 2>&1 &
+    wait; echo \$(date +%s) > $RES/curves.done" > /dev/null 2>&1 < /dev/null &
   i=0
   for job in "$@"; do  # ROOT|GPU|evidence args
     IFS='|' read -r root gpu args <<< "$job"
@@ -113,7 +122,7 @@ curves)
       $args > $RES/extra-$i.log 2>&1" > /dev/null 2>&1 < /dev/null &
     i=$((i + 1))
   done
-  echo "curves started (1 GPU on cuda:$last, 2 GPUs) and $i more evidence jobs"
+  echo "curves started (1 GPU on cuda:$last, 2 GPUs on $two) and $i more evidence jobs"
   ;;
 tests)
   mps_env

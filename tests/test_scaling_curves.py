@@ -208,3 +208,17 @@ def test_real_smoke_runs_on_one_and_two_ranks_match(tmp_path):
     assert (c.rows["effect"] == 0).all() and c.verdict == "matches within seed noise", c.rows
     assert "2 × CPU" in SC.render_markdown(c) and "gloo" in SC.render_markdown(c)
     print(f"real runs + comparison: {time.time() - t0:.0f} s")
+
+
+def test_copies_outside_the_evidence_folder_are_not_the_roots_runs(tmp_path):
+    """A results tree that keeps another machine's runs under speed/raw/…/evidence/ (issue 13's 2-GPU curves, or an
+    unfinished 1-GPU set) still compares its own evidence/<scale>/ runs: the copies are neither duplicates nor
+    'unfinished' runs of the root."""
+    rng = np.random.default_rng(3)
+    root = write_set(tmp_path / "results", noisy(rng))
+    kept = write_set(tmp_path / "results" / "speed" / "raw" / "x4" / "c2", noisy(rng), world=2)
+    write_set(tmp_path / "results" / "speed" / "raw" / "x4" / "c1", noisy(rng), unfinished=(0, 1, 2))
+    c = SC.compare(root, kept, SCALE, ARM)
+    assert c.world == 2 and len(c.one.runs) == 3
+    assert all("speed" not in Path(d).parts for d in c.one.runs["run_dir"])
+    assert all("c2" in Path(d).parts for d in c.many.runs["run_dir"])

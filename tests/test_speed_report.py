@@ -175,3 +175,34 @@ def test_batch_rollout_table_one_process_per_format(tmp_path):
                                                                                           index=False)
     lines = speed.batch_rollout_table(tmp_path, "s").splitlines()
     assert lines[2:] == ["| 7B | 64 | 1000 | 1250 | 1.25 | 1500 | 1.50 |", "| 7B | 128 | 2000 | 1900 | 0.95 | — | — |"]
+
+
+def _scaling(world, tps, run, device, sha="abc1234"):
+    return dict(bench="scaling", model="Qwen2.5-7B-Instruct", method="QeRL", weights="NVFP4", world_size=world,
+                global_batch=128, group_size=8, per_gpu_batch=128 // world, micro_batch=8, gc=True, new_tokens=1024,
+                step_s=100.0 / world, rollout_s=10.0, logprob_s=5.0, update_s=10.0 / world, comm_s=0.1,
+                tokens_per_s=tps, peak_mem_gb=20.0, status="ok", device=device, run=run, git_sha=sha)
+
+
+def test_scaling_rows_keep_each_machine_and_compare_within_a_session(tmp_path):
+    """Scaling rows of two machines (2 H200s, then 4 H100s) both stay after a merge, and each N-GPU row's efficiency
+    is taken against the 1-GPU row of its own session, not the other machine's."""
+    root = tmp_path / "speed"
+    root.mkdir()
+    pd.DataFrame([_scaling(1, 3000.0, "h200x2", "NVIDIA H200 x2"),
+                  _scaling(2, 4800.0, "h200x2", "NVIDIA H200 x2")]).to_csv(root / "scaling.csv", index=False)
+    src = tmp_path / "out"
+    src.mkdir()
+    pd.DataFrame([_scaling(w, t, "x", "NVIDIA H100 80GB HBM3") for w, t in ((1, 4000.0), (2, 7200.0), (4, 12000.0))]
+                 ).drop(columns="run").to_csv(src / "scaling.csv", index=False)
+    speed.merge_run(src, root, "h100x4", sha="cafe123")
+    d = pd.read_csv(root / "scaling.csv")
+    assert len(d) == 5 and set(d["run"]) == {"h200x2", "h100x4"}
+    eff = {(r["run"], int(r["world_size"])): r["efficiency"] for r in speed.scaling_rows(d)}
+    assert eff[("h200x2", 2)] == pytest.approx(0.8)  # 4800 / 2 / 3000
+    assert eff[("h100x4", 2)] == pytest.approx(0.9)  # 7200 / 2 / 4000, not against the H200's 3000
+    assert eff[("h100x4", 4)] == pytest.approx(0.75)
+    assert not any(r.get("cross_run") for r in speed.scaling_rows(d))
+    # the same machine measured again replaces its rows
+    speed.merge_run(src, root, "h100x4b", sha="cafe124")
+    assert sorted(pd.read_csv(root / "scaling.csv")["run"]) == ["h100x4b"] * 3 + ["h200x2"] * 2
