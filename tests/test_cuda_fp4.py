@@ -116,6 +116,44 @@ def test_emulate_matches_linear(fmt):
     assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * mag).all()
 
 
+@pytest.mark.parametrize("fmt", FP4)
+def test_relayout_gives_the_compressed_tensors_back(fmt):
+    """``to_compressed`` undoes ``prepare`` bit for bit — zero blocks, NVFP4's special scales and MXFP4's exponent
+    window included — so the re-laid-out copy can stand for the weight; where ``prepare`` changed a block it cannot
+    undo (an NVFP4 zero scale over nonzero codes), ``relayout_is_exact`` says so."""
+    codes = torch.randint(0, 16, (64, 1024), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    assert torch.equal(cf.unpack_words(cf.pack_words(codes)), codes)
+    q = _quant(fmt, 64, 512, seed=21)
+    q["weight_packed"][5, :32] = 0  # an all-zero block (quantize gives it scale 0 / a small exponent)
+    if fmt == "nvfp4":
+        sb = q["weight_scale"].view(torch.uint8).clone()
+        sb[5, :4] = 0
+        sb[7, 3], sb[9, 1] = 0x01, 0xB8  # subnormal, negative
+        q["weight_scale"] = sb.view(torch.float8_e4m3fn)
+    w = _prep(fmt, q)
+    back = cf.to_compressed(w)
+    assert sorted(back) == sorted(q)
+    for name, t in q.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name].view(torch.uint8) if t.dtype != torch.float32
+                                                           else back[name], t.view(torch.uint8)
+                                                           if t.dtype != torch.float32 else t.reshape(1)), name
+    assert cf.relayout_is_exact(fmt, w, q["weight_packed"], q["weight_scale"])
+    if fmt == "nvfp4":  # zero scales prepare rewrites: over nonzero codes (zeroed), and -0 (made +1 over zeros)
+        for row, byte, code in ((10, 0x00, 0x77), (12, 0x80, 0x00)):
+            qq = {k: v.clone() for k, v in q.items()}
+            sb = qq["weight_scale"].view(torch.uint8)
+            sb[row, 2] = byte
+            qq["weight_packed"][row, 16:24] = code
+            w = _prep(fmt, qq)
+            assert not cf.relayout_is_exact(fmt, w, qq["weight_packed"], qq["weight_scale"]), hex(byte)
+            assert torch.equal(cf.emulate_weight(w), _exact_ref(fmt, qq))  # the weights themselves are the same
+    else:  # an all-zero block whose exponent lies past the decode window: moved, and no longer the same bytes
+        q["weight_packed"][11, :16] = 0
+        q["weight_scale"][11, 0] = 254
+        w = _prep(fmt, q)
+        assert not cf.relayout_is_exact(fmt, w, q["weight_packed"], q["weight_scale"])
+
+
 def test_bad_inputs_raise():
     q = _quant("nvfp4", 32, 128, seed=1)
     with pytest.raises(ValueError, match=r"'int4'.*valid formats: \['mxfp4', 'nvfp4'\]"):
@@ -363,6 +401,22 @@ def _check(y: torch.Tensor, x: torch.Tensor, fmt: str, q: dict, w: cf.CudaFP4Wei
     assert ((y - ref).abs() <= 1e-2 * ref.abs() + 2e-3 * mag).all(), float((y - ref).abs().max())
     emu = (cf.emulate(x, w) if emu is None else emu).float()
     assert ((y - emu).abs() <= 2**-7 * emu.abs() + 2e-5 * mag).all(), float((y - emu).abs().max())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_dequantize_relaid_matches_compressed_tensors(fmt):
+    """The dense weight rebuilt from the re-laid-out copy alone equals the compressed-tensors dequantization
+    (Triton ``dequantize_into``) bit for bit, on the Qwen shapes, in bf16 and float32."""
+    from qerl import kernels as qk
+    for i, (n, k) in enumerate(SHAPES):
+        q = _quant(fmt, n, k, seed=300 + i, device="cuda")
+        w = _prep(fmt, q)
+        for dt in (torch.bfloat16, torch.float32):
+            ref = qk.dequantize_into(fmt, q, torch.empty((n, k), device="cuda", dtype=dt))
+            got = qk.dequantize_relaid(w, torch.full((n, k), float("nan"), device="cuda", dtype=dt))
+            assert torch.equal(got, ref), (fmt, n, k, dt)
 
 
 @pytest.mark.gpu

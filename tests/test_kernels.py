@@ -212,6 +212,17 @@ def _interpreter_main() -> None:
             outb = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
             qk._dequant_mm(x, fmt, q, pw, outb, 20)  # dequantize + matmul in row slices (20 does not divide n)
             assert _rel(outb, ref) < 1e-2, (fmt, n, k, m, "chunked dequant+mm")
+    from qerl.kernels import cuda_fp4 as cf
+    for fmt in FP4:  # the dense weight from the CUDA kernels' re-laid-out copy, bit-exact, with tails
+        for n, k, bn, bk in ((48, 192, 32, 128), (64, 256, 64, 64), (16, 64, 32, 128)):
+            q = FORMATS[fmt].quantize(_weight(n, k, gen))
+            q["weight_packed"][1, :32] = 0  # an all-zero block
+            if fmt == "nvfp4":
+                q["weight_scale"].view(torch.uint8)[1, :4] = 0
+            cw = cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+            out = torch.full((n, k), float("nan"))
+            got = qk.dequantize_relaid(cw, out, bn=bn, bk=bk)
+            assert torch.equal(got, FORMATS[fmt].dequantize(q, torch.float32)), (fmt, n, k, "relaid dequant")
     print("INTERPRETER-OK")
 
 

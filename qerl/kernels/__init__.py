@@ -365,6 +365,27 @@ def _dequant_launch(pw: PackedFP4, out: torch.Tensor, bn: int = 32, bk: int = 25
     return out
 
 
+def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int = 128) -> torch.Tensor | None:
+    """Ŵ (N, K) from the CUDA kernels' re-laid-out copy alone (``cuda_fp4.prepare``'s ``CudaFP4Weight``), by the
+    Triton kernel ``_relaid_dequant_kernel``: the same values as ``dequantize_into`` of the compressed-tensors
+    tensors wherever ``cuda_fp4.relayout_is_exact`` holds (float32 products, then ``out``'s dtype). ``out``: a
+    contiguous (N, K) float tensor (bfloat16 (N, K) when None); None off the Triton path (no Triton, or CPU
+    tensors without ``TRITON_INTERPRET=1``). So a layer whose decode kernels read the re-laid-out copy can rebuild
+    the dense weight for cuBLAS (large M, the backward) without keeping the compressed-tensors copy as well."""
+    if not _triton_ok(w.qweight):
+        return None
+    if out is None:
+        out = torch.empty((w.n, w.k), device=w.qweight.device, dtype=torch.bfloat16)
+    if out.shape != (w.n, w.k) or not out.is_contiguous():
+        raise ValueError(f"dequantize_relaid: out must be contiguous {(w.n, w.k)}, got {tuple(out.shape)}")
+    fid = {"nvfp4": 0, "mxfp4": 1}[w.fmt]
+    gs = w.global_scale if w.global_scale is not None else w.qweight  # dummy pointer when HAS_G is off
+    grid = (triton.cdiv(w.n, bn), triton.cdiv(w.k, bk))
+    _k._relaid_dequant_kernel[grid](w.qweight, w.scales, gs, out, w.n, w.k, FMT=fid, G=16 if fid == 0 else 32,
+                                    HAS_G=w.global_scale is not None, BN=bn, BK=bk, num_warps=4)
+    return out
+
+
 def kernel_config(fmt, n: int, k: int, m: int, device: torch.device) -> configs.KernelConfig:
     """The launch configuration the dispatcher uses for this layer shape and M on ``device``."""
     if device.type == "cuda":
@@ -593,5 +614,5 @@ def dequantize_into(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None
     return _quant.dequantize_into(get_format(fmt), q, out)
 
 
-__all__ = ["cuda_gemv_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "supports", "backend_for", "prepare", "kernel_config",
+__all__ = ["cuda_gemv_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "dequantize_relaid", "supports", "backend_for", "prepare", "kernel_config",
            "PackedFP4", "BACKENDS", "HAS_TRITON", "FP4Kernels", "BnbKernels"]

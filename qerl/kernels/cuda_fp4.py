@@ -159,6 +159,56 @@ def prepare(fmt: str, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     return CudaFP4Weight(fmt, n, k, qweight, scales, gs, bexp, bword, 2.0 ** (126 - bexp))
 
 
+def unpack_words(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_words`: int32 (N/16, K/64, 32, 4) -> nibble codes uint8 (N, K)."""
+    s, c = qweight.shape[0], qweight.shape[1]
+    v = qweight.to(torch.int64) & 0xFFFFFFFF
+    nibs = torch.zeros((s, c, 32, 4, 8), dtype=torch.int64, device=qweight.device)
+    for o in range(4):
+        for h in range(2):
+            for b in range(4):
+                nibs[..., 2 * o + h] |= ((v >> SRC[o][h][b]) & 1) << b
+    # (S, C, g, t, j, ob, rh, h) -> (S, rh, g, C, t, j, ob, h) = (N, K)
+    return nibs.reshape(s, c, 8, 4, 4, 2, 2, 2).permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(16 * s, 64 * c).to(torch.uint8)
+
+
+def _unpair_scales(scales: torch.Tensor, groups_per_chunk: int) -> torch.Tensor:
+    """The inverse of :func:`_pair_scales`: int16 (N/16, K/64, 8 * groups_per_chunk) -> scale bytes (N, K/G)."""
+    s, c = scales.shape[0], scales.shape[1]
+    v = (scales.to(torch.int64) & 0xFFFF).reshape(s, c, 8, groups_per_chunk)
+    both = torch.stack((v & 0xFF, v >> 8), dim=-1)  # (S, C, g, grp, rh)
+    return both.permute(0, 4, 2, 1, 3).reshape(16 * s, c * groups_per_chunk).to(torch.uint8)
+
+
+def to_compressed(w: CudaFP4Weight) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of a re-laid-out weight (pure torch, on its device): ``weight_packed`` (N, K/2)
+    uint8, ``weight_scale`` (N, K/G) as E4M3 (``float8_e4m3fn``, NVFP4) or uint8 E8M0 (MXFP4) and NVFP4's
+    ``weight_global_scale``. Exactly the tensors :func:`prepare` was given, except where it changed blocks whose
+    weights are zero either way (NVFP4 zero scales, MXFP4 exponents past the decode range): NVFP4 blocks with all
+    codes zero and scale 1.0 get scale 0 back. :func:`relayout_is_exact` says whether a given weight survives the
+    round trip bit for bit (a weight that does not must keep its compressed-tensors copy)."""
+    codes = unpack_words(w.qweight)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    g = _GROUP[w.fmt]
+    sb = _unpair_scales(w.scales, 64 // g)
+    if w.fmt == "nvfp4":
+        dead = (codes.reshape(w.n, w.k // g, g) == 0).all(dim=-1) & (sb == 0x38)
+        sb = torch.where(dead, torch.zeros_like(sb), sb)
+        return {"weight_packed": packed, "weight_scale": sb.view(torch.float8_e4m3fn),
+                "weight_global_scale": w.global_scale.reshape(1).clone()}
+    return {"weight_packed": packed, "weight_scale": sb}
+
+
+def relayout_is_exact(fmt: str, w: CudaFP4Weight, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """True when :func:`to_compressed` of ``w`` (the :func:`prepare` of these tensors) gives them back bit for bit,
+    so that the re-laid-out copy alone can stand for the weight (one host sync)."""
+    _check_fmt(fmt)
+    back = to_compressed(w)
+    return (torch.equal(back["weight_packed"], weight_packed.to(back["weight_packed"].device))
+            and torch.equal(back["weight_scale"].view(torch.uint8),
+                            weight_scale.contiguous().view(torch.uint8).to(back["weight_packed"].device)))
+
+
 # ----------------------------------------------------------------------------------------- emulator
 
 def _bf16_bits_to_f32(bits: torch.Tensor) -> torch.Tensor:

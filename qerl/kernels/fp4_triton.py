@@ -26,7 +26,8 @@ The packed tile is loaded as (BN, BK/G, G/2) bytes, one row per scale group, wit
 Kernels: ``_qmm_dot_kernel`` (tiled, in-register dequantization feeding ``tl.dot``; BM=16 covers decode,
 optional swap of the operands so the weight is the MMA's A operand, optional split-K with an in-kernel
 "last CTA reduces" fix-up, so one launch and graph-capturable), ``_qgemv_kernel`` (CUDA-core FMA GEMV
-for M of 1-2), ``_dequant_kernel`` (dense BF16/FP16/FP32 weight for cuBLAS). Block sizes are constexprs
+for M of 1-2), ``_dequant_kernel`` (dense BF16/FP16/FP32 weight for cuBLAS), ``_relaid_dequant_kernel`` (the
+same from the CUDA kernels' re-laid-out copy, ``qerl.kernels.cuda_fp4``). Block sizes are constexprs
 from a small set, so a shape never compiles more than once per configuration.
 """
 
@@ -410,3 +411,47 @@ def _dequant_kernel(wq_ptr, sc_ptr, gs_ptr, out_ptr, N, K,
         tl.store(o_ptrs, w, mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
     else:
         tl.store(o_ptrs, w)
+
+
+@triton.jit
+def _relaid_dequant_kernel(qw_ptr, ps_ptr, gs_ptr, out_ptr, N, K,
+                           FMT: tl.constexpr, G: tl.constexpr, HAS_G: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr):
+    """out (N, K) = Ŵ from the CUDA kernels' re-laid-out weight (``cuda_fp4.prepare``): int32 words (N/16, K/64,
+    32, 4) of lane-major mma A fragments and int16 scale pairs (N/16, K/64, 8 * 64/G). Element (n, k) is nibble
+    (o = 2 ob + rh, h) of word j of lane (g, t) in chunk c (n = 16 s + 8 rh + g, k = 64 c + 16 t + 4 j + 2 ob + h),
+    its bit b at position (16 h + P[b] + 3 o) mod 32 for o < 3 (P = 6, 7, 8, 15) and 16 h + (3, 4, 0, 1)[b] for
+    o = 3 (``cuda_fp4.SRC``); its scale is byte rh of pair (g, group) of the chunk. Values as ``_dequant_kernel``
+    computes them from the compressed-tensors tensors: fp4 * (s / g) or fp4 * 2^(e-127) in float32."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    k = pid_k * BK + tl.arange(0, BK)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    s = n // 16
+    rh = (n % 16) // 8
+    g = n % 8
+    c = k // 64
+    t = (k % 64) // 16
+    j = (k % 16) // 4
+    ob = (k % 4) // 2
+    h = k % 2
+    C = K // 64
+    row = s[:, None] * C + c[None, :]  # (BN, BK): the (strip, chunk) block
+    word = tl.load(qw_ptr + ((row * 32 + g[:, None] * 4 + t[None, :]) * 4 + j[None, :]), mask=mask, other=0)
+    o = 2 * ob[None, :] + rh[:, None]
+    h16 = 16 * h[None, :]
+    r3 = o == 3
+    code = ((word >> tl.where(r3, h16 + 3, (h16 + 6 + 3 * o) % 32)) & 1)  # P = (6, 7, 8, 15), Q = (3, 4, 0, 1)
+    code |= ((word >> tl.where(r3, h16 + 4, (h16 + 7 + 3 * o) % 32)) & 1) << 1
+    code |= ((word >> tl.where(r3, h16, (h16 + 8 + 3 * o) % 32)) & 1) << 2
+    code |= ((word >> tl.where(r3, h16 + 1, (h16 + 15 + 3 * o) % 32)) & 1) << 3
+    GPC: tl.constexpr = 64 // G
+    grp = (k % 64) // G
+    pair = tl.load(ps_ptr + row * (8 * GPC) + g[:, None] * GPC + grp[None, :], mask=mask, other=0)
+    sb = (pair.to(tl.int32) >> (8 * rh[:, None])) & 0xFF
+    sv = _scale_val(sb, FMT)
+    if HAS_G:
+        sv = tl.math.div_rn(sv, tl.load(gs_ptr))
+    w = (_nib_val(code) * sv).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + n[:, None] * K + k[None, :], w, mask=mask)
