@@ -81,6 +81,9 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
         return f"_no {name}_\n"
     d = d[d["tokens_per_s"].notna()]
     d["decode"] = d["decode"].fillna("unfused") if "decode" in d else "unfused"
+    if "layout" in d:  # a base held only in the kernels' layout is another configuration of the same decode step
+        kl = d["layout"].fillna("compressed") == "kernel"
+        d.loc[kl, "decode"] = d.loc[kl, "decode"] + " (kernel layout)"
     if "lora_rank" not in d:
         d["lora_rank"] = 32
     if decode is not None:
@@ -445,6 +448,9 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         old = pd.read_csv(top) if top.exists() else pd.DataFrame()
         if f.name == "rollout.csv" and len(old):
             old["decode"] = old["decode"].fillna("unfused") if "decode" in old else "unfused"
+        for df in (old, new):  # rows from before the kernels' layout existed held the compressed-tensors one
+            if len(df):
+                df["layout"] = df["layout"].fillna("compressed") if "layout" in df else "compressed"
         ident = (*IDENT, "device") if f.name == "scaling.csv" else IDENT  # 2 H200s and 4 H100s: rows of both
         keys = [k for k in ident if k in new.columns and k in old.columns]
         if len(old) and keys:

@@ -63,20 +63,32 @@ def _free() -> None:
 
 #: The columns that identify a row of a benchmark CSV (a new row replaces an old one with the same values).
 IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch", "lora_rank", "gc", "prompt_len",
-         "new_tokens", "decode")
+         "new_tokens", "decode", "layout")
 SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
-                 "new_tokens")
+                 "new_tokens", "layout")
+#: how NVFP4/MXFP4 bases are held in this process's runs (``--layout``; ``qerl.kernels.relaid``); other formats
+#: have one layout, "compressed"
+LAYOUT = "compressed"
+_FP4_LABELS = ("NVFP4", "MXFP4")
+
+
+def _layout_for(fmt: str) -> str:
+    return LAYOUT if fmt in ("nvfp4", "mxfp4") else "compressed"
 
 
 def _write_csv(rows: list[dict], path: Path, ident: tuple[str, ...] = IDENT) -> None:
     if not rows:
         return
+    for r in rows:  # rows record the layout their base was held in (rows written before it existed: compressed)
+        r.setdefault("layout", LAYOUT if r.get("weights") in _FP4_LABELS else "compressed")
     keys = list(dict.fromkeys(k for r in rows for k in r))
     old = []
     if path.exists():  # append-merge: rows with the same key columns are replaced
         with open(path) as f:
             old = list(csv.DictReader(f))
         keys = list(dict.fromkeys(list(old[0].keys()) + keys)) if old else keys
+    for r in old:
+        r["layout"] = r.get("layout") or "compressed"
     new_ids = {tuple(str(r.get(k, "")) for k in ident) for r in rows}
     merged = [r for r in old if tuple(str(r.get(k, "")) for k in ident) not in new_ids] + rows
     buf = io.StringIO()
@@ -92,7 +104,7 @@ def _source(model: str) -> str:
 
 
 def _policy(model: str, fmt: str, rank: int, device: str):
-    return load_policy(_source(model), fmt, LoraSpec(rank=rank, alpha=rank), device=device)
+    return load_policy(_source(model), fmt, LoraSpec(rank=rank, alpha=rank), device=device, layout=_layout_for(fmt))
 
 
 def bench_memory(models, formats, device, sink=None) -> list[dict]:
@@ -242,7 +254,7 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
                             f"train.gradient_checkpointing={str(use_gc).lower()}", "data=toy",
                             f"data.max_new_tokens={new_tokens}", f"data.max_prompt_tokens={prompt_len}",
                             "eval.sets=[]", "aqn=off", "scale=smoke", f"out_dir={out_root}", "experiment=step",
-                            f"run_name={name}"]
+                            f"quant.layout={_layout_for(f)}", f"run_name={name}{_layout_tag(f)}"]
                     cfg = load_config(over)
                     status = "ok"
                     t0 = time.perf_counter()
@@ -269,6 +281,10 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
     return rows
 
 
+def _layout_tag(fmt: str) -> str:
+    return "-kl" if _layout_for(fmt) == "kernel" else ""
+
+
 def scaling_overrides(model: str, fmt: str, world: int, batch: int, group: int, micro: int, use_gc: bool,
                       steps: int, prompt_len: int, new_tokens: int, device: str, out_root: Path) -> list[str]:
     """The ``qerl.train`` overrides of one scaling run: GRPO on the shape preset, ``batch`` completions per step in
@@ -280,7 +296,7 @@ def scaling_overrides(model: str, fmt: str, world: int, batch: int, group: int, 
             "train.progress=false", f"train.gradient_checkpointing={str(use_gc).lower()}", "data=toy",
             f"data.max_new_tokens={new_tokens}", f"data.max_prompt_tokens={prompt_len}", "eval.sets=[]", "aqn=off",
             "scale=smoke", f"device={device}", "dist.timeout_s=900", f"out_dir={out_root}", "experiment=scaling",
-            f"run_name={model}-{fmt}-b{batch}-g{group}-w{world}-{gc_}"]
+            f"quant.layout={_layout_for(fmt)}", f"run_name={model}-{fmt}-b{batch}-g{group}-w{world}-{gc_}{_layout_tag(fmt)}"]
 
 
 def scaling_command(world: int, overrides: list[str]) -> list[str]:
@@ -477,12 +493,17 @@ def main(argv=None) -> None:
     p.add_argument("--micro", type=int, default=None,
                    help="scaling/step: completions per forward/backward (scaling default 8, step: the batch)")
     p.add_argument("--decode", default="fused", help="rollout, profile: fused, fused-split-lora, unfused (comma-separated; the sampler's decode step, see decode_mode)")
+    p.add_argument("--layout", default="compressed", choices=["compressed", "kernel"],
+                   help="memory, rollout, step, scaling, profile: hold NVFP4/MXFP4 bases in the compressed-tensors "
+                        "layout (plus the CUDA kernels' copy) or only in the kernels' layout (quant.layout)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
     p.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],
                    help="one process per (model, format): a 32B BF16 policy after a 32B NVFP4 one in the same process "
                         "OOMed at load on 80 GB (memory the first left cached); auto = yes on CUDA")
     a, rest = p.parse_known_args(argv)
+    global LAYOUT
+    LAYOUT = a.layout
     if a.what == "layers":
         from benchmarks import kernel_bench as kb
 

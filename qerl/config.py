@@ -96,6 +96,9 @@ class QuantCfg:
     format: str = "bf16"
     options: dict = field(default_factory=dict)  # the format's constructor arguments (mxfp4: scale_rule), set in
                                                  # its YAML; checked against the format by ``validate``
+    layout: str = "compressed"  # how an NVFP4/MXFP4 base is held on the GPU: compressed (the checkpoint's tensors,
+                                # plus the CUDA kernels' copy where they run) or kernel (only the kernels' copy;
+                                # qerl/kernels/relaid.py)
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,11 @@ def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
         quant.build(cfg.quant.format, cfg.quant.options)  # the format's constructor checks its own options
     except UserError as e:
         raise ConfigError(f"quant.options={cfg.quant.options!r}: {e}") from None
+    from qerl.kernels.relaid import LAYOUTS
+    _check("quant.layout", cfg.quant.layout, LAYOUTS)
+    if cfg.quant.layout == "kernel" and cfg.quant.format not in ("nvfp4", "mxfp4"):
+        raise ConfigError(f"quant.layout='kernel' holds an FP4 base in the CUDA kernels' layout; quant.format must "
+                          f"be 'nvfp4' or 'mxfp4', got {cfg.quant.format!r} (use quant.layout=compressed)")
     _check("algo.loss_agg", cfg.algo.loss_agg, AGGREGATIONS)
     _check("aqn.schedule", cfg.aqn.schedule, aqn.SCHEDULES)
     _check("aqn.mode", cfg.aqn.mode, aqn.SIGMA_MODES)

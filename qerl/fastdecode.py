@@ -41,7 +41,8 @@ def _row_tensors(mods: list[QuantLoRALinear]) -> tuple[list[str], list[str]] | N
         ts = [getattr(m, name) for m in mods]
         if any(t.device != ts[0].device or t.dtype != ts[0].dtype for t in ts):
             return None
-        if all(t.dim() >= 1 and t.shape[0] == m.out_features and t.shape[1:] == ts[0].shape[1:]
+        per = 16 if name in ("weight_relaid", "weight_relaid_scale") else 1  # the kernels' layout: 16-row strips
+        if all(t.dim() >= 1 and t.shape[0] * per == m.out_features and t.shape[1:] == ts[0].shape[1:]
                for t, m in zip(ts, mods, strict=True)):
             rows.append(name)
         elif all(t.shape == ts[0].shape and torch.equal(t, ts[0]) for t in ts):

@@ -102,8 +102,58 @@ class QuantLoRALinear(nn.Module):
 
     @property
     def packed(self) -> dict[str, torch.Tensor]:
-        """The packed base tensors by checkpoint name."""
+        """The packed base tensors by name, as held: the checkpoint's, or the CUDA kernels' re-laid-out copy
+        (``quant.layout=kernel``, ``qerl.kernels.relaid``)."""
         return {n: getattr(self, n) for n in self._qnames}
+
+    def compressed(self) -> dict[str, torch.Tensor]:
+        """The base as its compressed-tensors checkpoint tensors (converted back when held re-laid out)."""
+        from qerl.kernels import relaid
+
+        return relaid.to_compressed(self.fmt, self.packed)
+
+    def set_base(self, q: Mapping[str, torch.Tensor]) -> None:
+        """Hold ``q`` as the packed base instead of the current tensors (same weights, e.g. re-laid out)."""
+        for n in self._qnames:
+            del self._buffers[n]
+        self._qnames = tuple(q)
+        for n, t in q.items():
+            self.register_buffer(n, t)
+        for n in [n for n in self._buffers if n not in q]:  # the base first, as at construction (state dict order)
+            self._buffers[n] = self._buffers.pop(n)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        from qerl.kernels import relaid
+
+        held = relaid.is_relaid(self.packed)
+        if held:  # a state dict always holds the checkpoint's tensors (first, as they would be)
+            for n, t in self.compressed().items():
+                destination[prefix + n] = t
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if held:
+            for n in relaid.NAMES:
+                destination.pop(prefix + n, None)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        from qerl.kernels import relaid
+
+        if relaid.is_relaid(self.packed) and prefix + "weight_packed" in state_dict:
+            # a state dict holds the checkpoint's tensors: they must be the base this module holds (the kernels'
+            # layout is made once, at load; a different base is loaded with quant.layout=compressed)
+            mine = self.compressed()
+            for n, t in mine.items():
+                got = state_dict.get(prefix + n)
+                if got is None or got.shape != t.shape or got.dtype != t.dtype or not torch.equal(
+                        got.detach().to(t.device).view(torch.uint8), t.view(torch.uint8)):
+                    error_msgs.append(f"{prefix}{n}: this module holds its base in the CUDA kernels' layout "
+                                      f"(quant.layout=kernel) and the state dict has a different base; load it into "
+                                      f"a model built with quant.layout=compressed")
+            state_dict = {k: v for k, v in state_dict.items()
+                          if not (k.startswith(prefix) and k[len(prefix):] in mine)}
+            state_dict.update({prefix + n: getattr(self, n) for n in self._qnames})
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def reset_lora(self) -> None:
         """PEFT's default init: A ~ kaiming-uniform(a=√5), B = 0, so the adapter starts as the identity."""
@@ -112,7 +162,10 @@ class QuantLoRALinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Ŵ as a dense (N, K) tensor (for export and tests; the forward never keeps it)."""
-        return self.fmt.dequantize(self.packed, dtype)
+        from qerl.kernels import relaid
+
+        q = self.packed
+        return self.fmt.dequantize(relaid.to_compressed(self.fmt, q) if relaid.is_relaid(q) else q, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., K) -> (..., N)
         if self._lora_cache is not None and not torch.is_grad_enabled():

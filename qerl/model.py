@@ -334,7 +334,8 @@ def build_policy(cfg, device: torch.device, base_only: bool = False):
     dtype = None if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
     return load_policy(cfg.model.source, build(cfg.quant.format, cfg.quant.options), lora,
                        cfg.lora.train_norms and not base_only, device, dtype, cfg.model.tokenizer, cfg.seed,
-                       cfg.model.attn_implementation, full_finetune=cfg.full_finetune and not base_only)
+                       cfg.model.attn_implementation, full_finetune=cfg.full_finetune and not base_only,
+                       layout=cfg.quant.layout)
 
 
 def load_tokenizer(directory: Path | None, tokenizer: str | None = None):
@@ -356,7 +357,7 @@ def load_tokenizer(directory: Path | None, tokenizer: str | None = None):
 def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | None = LoraSpec(), train_norms: bool = False,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                 tokenizer: str | None = None, seed: int = 0, attn_implementation: str = "sdpa",
-                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False):
+                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False, layout: str = "compressed"):
     """Build a policy and its tokenizer.
 
     * ``fmt``: a format object (``qerl.quant.build(name, options)``) or the name of one of ``qerl.quant.FORMATS``;
@@ -364,10 +365,18 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
     * ``lora=None`` with ``full_finetune=False``: a frozen (quantized) model for base-model evaluation.
     * ``full_finetune=True``: the paper's "Full" baseline — plain ``nn.Linear`` layers, all parameters trainable
       in fp32 (run it under bf16 autocast on GPU); only ``fmt='bf16'``.
+    * ``layout="kernel"`` (NVFP4/MXFP4): hold the base only in the CUDA kernels' re-laid-out layout
+      (``qerl.kernels.relaid``; on a GPU without the CUDA kernels it warns and keeps ``"compressed"``).
     Returns ``(model, tokenizer)``; ``model.qerl`` records how it was built.
     """
     f = get_format(fmt)  # a name is looked up (a UserError lists the valid ones)
     fmt = f.name
+    from qerl.kernels import relaid
+
+    relaid.check_layout(layout)
+    if layout == "kernel" and fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"layout='kernel' holds an FP4 base in the CUDA kernels' layout; the format must be nvfp4 "
+                         f"or mxfp4, got {fmt!r}")
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     kind, obj = resolve_source(source)
@@ -405,13 +414,34 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
     else:
         _fill(model, src, f, ckpt_fmt, lora, targets, device, dtype, lora_dtype)
         fuse_projection_storage(model)  # q|k|v and gate|up packed side by side: one matmul each in decode
+        if layout == "kernel":
+            layout = _relayout(model, device)
         finalize_trainable(model, train_norms)
     model.eval()
     model.qerl = dict(source=source, fmt=fmt, lora=None if lora is None or full_finetune else vars(lora).copy(),
-                      train_norms=train_norms, full_finetune=full_finetune, dtype=str(dtype).removeprefix("torch."),
+                      train_norms=train_norms, full_finetune=full_finetune, layout=layout,
+                      dtype=str(dtype).removeprefix("torch."),
                       device=str(device), directory=None if kind == "preset" else str(obj))
     tok = gguf_file.load_tokenizer(obj) if kind == "gguf" and tokenizer is None else load_tokenizer(directory, tokenizer)
     return model, tok
+
+
+def _relayout(model: nn.Module, device: torch.device) -> str:
+    """``layout="kernel"``: the base in the CUDA kernels' layout alone (``qerl.kernels.relaid``); returns the layout
+    the model ends up with."""
+    import warnings
+
+    from qerl.kernels import cuda_gemv_enabled, relaid
+
+    if device.type == "cuda" and not cuda_gemv_enabled(device):
+        warnings.warn("layout='kernel': the CUDA FP4 kernels are unavailable on this GPU, so the base keeps its "
+                      "compressed-tensors layout", stacklevel=3)
+        return "compressed"
+    stats = relaid.relayout_model(model)
+    if stats["kept"]:
+        warnings.warn(f"layout='kernel': {stats['kept']} linears cannot be held exactly in the kernels' layout and "
+                      f"keep their compressed-tensors tensors", stacklevel=3)
+    return "kernel"
 
 
 def _fill_dense(model: nn.Module, src: _Source, device: torch.device) -> None:
@@ -513,7 +543,7 @@ def save_quantized_base(model: nn.Module, directory: str | Path) -> Path:
     info = getattr(model, "qerl", {})
     fmt = info.get("fmt")
     ct.check_exportable(fmt)
-    quant = {name: {k: t.detach().cpu() for k, t in m.packed.items()} for name, m in lora_modules(model).items()}
+    quant = {name: {k: t.detach().cpu() for k, t in m.compressed().items()} for name, m in lora_modules(model).items()}
     qnames = {f"{n}.{k}" for n, d in quant.items() for k in d}
     other = {}
     dtype = model.get_input_embeddings().weight.dtype  # the model dtype (fp32 norm masters are cast to it)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from qerl.kernels import configs
+from qerl.kernels import configs, relaid
 from qerl.quant import MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
 from qerl.quant import base as _quant
 
@@ -111,6 +111,9 @@ def prepare(fmt, q: Mapping[str, torch.Tensor]) -> PackedFP4:
     """
     fmt = get_format(fmt)
     fid = _fp4_id(fmt)
+    if relaid.is_relaid(q):
+        raise ValueError(f"{fmt.name}: this weight is held in the CUDA kernels' layout (quant.layout=kernel); the "
+                         f"Triton kernels read the compressed-tensors one (relaid.to_compressed converts back)")
     packed, scale = q["weight_packed"], q["weight_scale"]
     gs = q.get("weight_global_scale") if fid == 0 else None
     stamp = _stamp(packed, scale, gs)
@@ -196,6 +199,8 @@ def cuda_gemv_enabled(dev: torch.device) -> bool:
 def _cuda_weight(fmt, q: Mapping[str, torch.Tensor]):
     """The CUDA kernel's re-laid-out copy of this weight (cached per ``weight_packed`` tensor), or None when
     the format/shape is not supported or we are inside a CUDA-graph capture without a cached copy."""
+    if relaid.is_relaid(q):
+        return relaid.weight(fmt, q)
     fid = _fp4_id(fmt)
     packed, scale = q["weight_packed"], q["weight_scale"]
     gs = q.get("weight_global_scale") if fid == 0 else None
@@ -259,9 +264,16 @@ def _fp4_backend(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None) -> 
     ``configs`` by M alone is reported; with it, the (tuned) configuration of that shape decides, as in ``linear``."""
     if not (_triton_ok(x) and x.is_cuda):
         return None
+    m = x.numel() // max(1, x.shape[-1])
+    if q is not None and relaid.is_relaid(q):
+        w = relaid.weight(fmt, q)
+        if x.dtype == torch.bfloat16 and _cuda_gemv_ok(x, m, w.n, w.k):
+            return "cuda_gemv"
+        if x.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, w.n, w.k, m, x.device):
+            return "cuda_gemm"
+        return "dequant_cublas"
     if x.dtype != torch.bfloat16:
         return "dequant_cublas"
-    m = x.numel() // max(1, x.shape[-1])
     if q is not None:
         n, kh = q["weight_packed"].shape
         hit = _CUDA_PREPARED.get(q["weight_packed"])  # a query: no re-layout here (linear makes it on first use)
@@ -397,8 +409,26 @@ def kernel_config(fmt, n: int, k: int, m: int, device: torch.device) -> configs.
 
 # ----------------------------------------------------------------------------------------- FP4 family
 
+def _relaid_reference(fmt, q: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Ŵ of a re-laid-out ``q`` off the Triton path (CPU): converted back, then the format's reference."""
+    return fmt.dequantize(relaid.to_compressed(fmt, q), dtype)
+
+
+def _relaid_dense(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None, dtype=torch.bfloat16) -> torch.Tensor:
+    """Ŵ of a re-laid-out ``q`` (into ``out``; else, on the GPU, the per-device workspace of ``dtype``)."""
+    w = relaid.weight(fmt, q)
+    if _triton_ok(w.qweight):
+        if out is None:
+            out = _workspace(w.qweight.device, dtype, w.n * w.k).view(w.n, w.k)
+        return dequantize_relaid(w, out)
+    ref = _relaid_reference(fmt, q, dtype if out is None else out.dtype)
+    return ref if out is None else out.copy_(ref)
+
+
 def _fp4_dequantize(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None) -> torch.Tensor | None:
     """Ŵ by the Triton dequantization kernel (None off the GPU path). ``out=None``: the per-device BF16 workspace."""
+    if relaid.is_relaid(q):
+        return _relaid_dense(fmt, q, out)
     if not _triton_ok(q["weight_packed"]):
         return None
     pw = prepare(fmt, q)
@@ -411,6 +441,8 @@ def _fp4_dequantize(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None
 
 def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """x (..., K) @ Ŵᵀ on the GPU: CUDA GEMV, fused Triton GEMV/GEMM or dequantize + cuBLAS (None off the GPU)."""
+    if relaid.is_relaid(q):
+        return _relaid_linear(fmt, x, q)
     if not (_triton_ok(x) and x.is_cuda):
         return None
     pw = prepare(fmt, q)
@@ -442,6 +474,32 @@ def _fp4_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Te
     else:
         _launch(x2, pw, cfg, out)
     return out.reshape(*x.shape[:-1], pw.n)
+
+
+def _relaid_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """x (..., K) @ Ŵᵀ from the kernels' layout alone: the CUDA GEMV (M <= 16) or GEMM (mid M, as the dispatcher
+    chooses for the compressed-tensors layout), else the dense weight rebuilt by ``dequantize_relaid`` + cuBLAS;
+    off the GPU the reference of the converted-back tensors."""
+    w = relaid.weight(fmt, q)
+    k = x.shape[-1]
+    if k != w.k:
+        raise ValueError(f"qmm: x has K={k}, the {fmt.name} weight is {(w.n, w.k)}")
+    if not (_triton_ok(x) and x.is_cuda):
+        return F.linear(x, _relaid_reference(fmt, q, x.dtype))
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, w.n), device=x.device, dtype=x.dtype)
+    if m:
+        from qerl.kernels import cuda_fp4
+        if _cuda_gemv_ok(x2, m, w.n, w.k):
+            cuda_fp4.gemv(x2, w, out, pdl=pdl_enabled(x2))
+        elif x2.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, w.n, w.k, m, x.device):
+            cuda_fp4.gemm(x2, w, out)
+        else:
+            torch.mm(x2, _relaid_dense(fmt, q, None, x2.dtype).t(), out=out)
+    return out.reshape(*x.shape[:-1], w.n)
 
 
 def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, act=None) -> torch.Tensor | None:
@@ -500,6 +558,9 @@ def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chun
 
 def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """g (..., N) @ Ŵ on the GPU: Triton dequantization + cuBLAS (None off the GPU)."""
+    if relaid.is_relaid(q):
+        return torch.matmul(g, _relaid_dense(fmt, q, None, g.dtype) if g.is_cuda and _triton_ok(g)
+                            else _relaid_reference(fmt, q, g.dtype))
     if not (_triton_ok(g) and g.is_cuda):
         return None
     pw = prepare(fmt, q)

@@ -1,0 +1,198 @@
+"""One resident copy of an FP4 base: the CUDA kernels' re-laid-out layout in place of the compressed-tensors one.
+
+By default an NVFP4/MXFP4 linear keeps its compressed-tensors tensors (``weight_packed`` (N, K/2) uint8,
+``weight_scale``, NVFP4's ``weight_global_scale``) and, on a GPU where the CUDA FP4 kernels build, the decode GEMV
+and mid-M GEMM make a second copy of the same size in their own layout (``cuda_fp4.prepare``: lane-major mma A
+fragments and paired scales) — +0.56 bytes per weight while both live. ``quant.layout=kernel``
+(``load_policy(layout="kernel")``) keeps only the kernels' copy: :func:`relayout_model` converts each linear (a
+fused q|k|v or gate|up group as one weight, the members keeping row views of it, so decode still reads one buffer)
+and drops the compressed-tensors tensors. The module then holds
+
+    ``weight_relaid``        int32 (N/16, K/64, 32, 4)  the fragment words
+    ``weight_relaid_scale``  int16 (N/16, K/64, 8·64/G)  the scale pairs
+    ``weight_relaid_bexp``   int32 (1,)                  the decode exponent B (MXFP4: per weight or group)
+    ``weight_global_scale``  float32 (1,)                NVFP4 only, unchanged
+
+and ``qerl.kernels`` serves every product from them: the CUDA GEMV (M <= 16) and GEMM (mid M) as before, and
+elsewhere (large M, the backward, ``dequantize_into``) the dense weight rebuilt by ``dequantize_relaid`` for
+cuBLAS, bit-exact with the compressed-tensors dequantization. Checkpoints, state dicts and
+``QuantLoRALinear.compressed()`` convert back (``cuda_fp4.to_compressed``), so what is saved is the
+compressed-tensors checkpoint it would have been. A weight is converted only where the round trip is exact
+(``cuda_fp4.relayout_is_exact``; else it keeps its compressed-tensors copy and the second copy comes back on use).
+On the CPU the same layout works through the pure-torch conversion (tests), slowly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+LAYOUTS = ("compressed", "kernel")
+NAMES = ("weight_relaid", "weight_relaid_scale", "weight_relaid_bexp")
+_ENCODING = {0: "nvfp4", 1: "mxfp4"}  # the kernels' FMT id -> cuda_fp4's encoding
+_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# MXFP4's decode exponent by the storage of its fragment words (a fused group's members share it), set where the
+# tensors are made or overwritten, so that a view seen first inside a CUDA-graph capture needs no host sync
+_BEXP: dict[int, int] = {}
+
+
+def note_bexp(qweight: torch.Tensor, bexp: int) -> None:
+    """Record the decode exponent of the fragment words in ``qweight``'s storage (see ``_BEXP``)."""
+    _BEXP[qweight.untyped_storage().data_ptr()] = int(bexp)
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"quant.layout={layout!r}: valid layouts are {list(LAYOUTS)} (compressed: the "
+                         f"compressed-tensors tensors, plus the CUDA kernels' copy where they run; kernel: only the "
+                         f"CUDA kernels' re-laid-out copy)")
+    return layout
+
+
+def is_relaid(q: Mapping[str, torch.Tensor]) -> bool:
+    """True when ``q`` holds the kernels' re-laid-out copy instead of the compressed-tensors tensors."""
+    return "weight_relaid" in q
+
+
+def _encoding(fmt) -> str:
+    from qerl.kernels import _fp4_id
+
+    enc = _ENCODING.get(_fp4_id(fmt))
+    if enc is None or getattr(fmt, "block", None) != (16 if enc == "nvfp4" else 32):
+        raise ValueError(f"{fmt!r}: the re-laid-out layout exists for NVFP4 (block 16) and MXFP4 (block 32) only")
+    return enc
+
+
+def weight(fmt, q: Mapping[str, torch.Tensor]):
+    """The ``cuda_fp4.CudaFP4Weight`` of a re-laid-out ``q`` (views of its tensors; cached per tensor: the decode
+    exponent is read once, with one host sync, so call it eagerly before a CUDA-graph capture)."""
+    from qerl.kernels import cuda_fp4
+
+    qw, sc = q["weight_relaid"], q["weight_relaid_scale"]
+    stamp = (qw.data_ptr(), sc.data_ptr(), qw._version, tuple(qw.shape))
+    hit = _CACHE.get(qw)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    enc = _encoding(fmt)
+    if enc == "nvfp4":
+        bexp = cuda_fp4.NV_BEXP
+    else:
+        bexp = _BEXP.get(qw.untyped_storage().data_ptr())
+        if bexp is None:  # one host sync (not allowed inside a capture: relayout_model notes every group)
+            bexp = int(q["weight_relaid_bexp"].reshape(-1)[0].item())
+    bword = (((112 + bexp) << 7) if enc == "nvfp4" else (bexp << 7)) * 0x10001
+    gs = q.get("weight_global_scale") if enc == "nvfp4" else None
+    w = cuda_fp4.CudaFP4Weight(enc, 16 * qw.shape[0], 64 * qw.shape[1], qw, sc,
+                               None if gs is None else gs.reshape(1).to(torch.float32), bexp, bword,
+                               2.0 ** (126 - bexp))
+    _CACHE[qw] = (stamp, w)
+    return w
+
+
+def from_compressed(fmt, q: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The re-laid-out tensors of a compressed-tensors ``q`` (on its device), or None where the kernels' layout
+    cannot hold it exactly (shape not a multiple of 16 x 64, exponents outside the decode window, rewritten zero
+    blocks: ``cuda_fp4.relayout_is_exact``)."""
+    from qerl.kernels import cuda_fp4
+
+    enc = _encoding(fmt)
+    packed, scale = q["weight_packed"], q["weight_scale"]
+    try:
+        w = cuda_fp4.prepare(enc, packed, scale, q.get("weight_global_scale"))
+    except ValueError:
+        return None
+    if not cuda_fp4.relayout_is_exact(enc, w, packed, scale):
+        return None
+    out = {"weight_relaid": w.qweight, "weight_relaid_scale": w.scales,
+           "weight_relaid_bexp": torch.tensor([w.bexp], dtype=torch.int32, device=packed.device)}
+    if w.global_scale is not None:
+        out["weight_global_scale"] = q["weight_global_scale"]
+    return out
+
+
+def to_compressed(fmt, q: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of ``q`` (converted back when it is re-laid out; ``q`` itself otherwise), in
+    the checkpoint's key order."""
+    if not is_relaid(q):
+        return dict(q)
+    from qerl.kernels import cuda_fp4
+
+    back = cuda_fp4.to_compressed(weight(fmt, q))
+    if "weight_global_scale" in back:
+        back["weight_global_scale"] = q["weight_global_scale"]  # the module's own tensor (dtype and shape kept)
+    names = fmt.checkpoint.tensors if fmt.checkpoint is not None else tuple(back)
+    return {n: back[n] for n in names if n in back}
+
+
+def compressed_nbytes(q: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in q.values())
+
+
+@torch.no_grad()
+def relayout_model(model: torch.nn.Module) -> dict[str, int]:
+    """Keep only the CUDA kernels' layout of every NVFP4/MXFP4 ``QuantLoRALinear`` of ``model`` (fused q|k|v and
+    gate|up groups as one weight, members as row views). Returns counts: ``converted`` linears, ``kept`` (could not
+    be converted exactly: they keep the compressed-tensors tensors) and the ``bytes`` of base tensors before and
+    after. Values are unchanged (every product reads the same weights)."""
+    from qerl.arch import FUSED_GROUPS
+    from qerl.fastdecode import concat_rows
+    from qerl.lora import QuantLoRALinear
+
+    stats = {"converted": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
+    done: set[int] = set()
+
+    def eligible(m) -> bool:
+        try:
+            _encoding(m.fmt)
+        except (ValueError, AttributeError):
+            return False
+        return not is_relaid(m.packed)
+
+    def convert(mods: list) -> None:
+        qs = [m.packed for m in mods]
+        stats["bytes_before"] += sum(compressed_nbytes(q) for q in qs)
+        if len(mods) > 1:
+            whole = {}
+            for name in qs[0]:
+                if name == "weight_global_scale":
+                    whole[name] = qs[0][name]
+                    continue
+                cat = concat_rows([q[name] for q in qs])
+                if cat is None:  # not one buffer any more: convert the members one by one
+                    for m in mods:
+                        convert([m])
+                    stats["bytes_before"] -= sum(compressed_nbytes(q) for q in qs)
+                    return
+                whole[name] = cat
+        else:
+            whole = qs[0]
+        new = from_compressed(mods[0].fmt, whole)
+        if new is None:
+            stats["kept"] += len(mods)
+            stats["bytes_after"] += sum(compressed_nbytes(q) for q in qs)
+            return
+        note_bexp(new["weight_relaid"], int(new["weight_relaid_bexp"][0]))
+        s0 = 0
+        for m in mods:
+            s1 = s0 + m.out_features // 16
+            mine = {n: (t if n in ("weight_global_scale", "weight_relaid_bexp") else t[s0:s1]) for n, t in new.items()}
+            m.set_base(mine)
+            s0 = s1
+        stats["converted"] += len(mods)
+        stats["bytes_after"] += compressed_nbytes(new)
+
+    for parent in model.modules():
+        for _, names in FUSED_GROUPS.values():
+            mods = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, QuantLoRALinear) for m in mods) and all(eligible(m) for m in mods) and \
+                    all(m.out_features % 16 == 0 for m in mods):
+                convert(mods)
+                done.update(id(m) for m in mods)
+    for m in model.modules():
+        if isinstance(m, QuantLoRALinear) and id(m) not in done and eligible(m):
+            convert([m])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return stats

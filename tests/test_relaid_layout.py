@@ -1,0 +1,122 @@
+"""``quant.layout=kernel``: an NVFP4/MXFP4 base held only in the CUDA kernels' re-laid-out layout
+(``qerl.kernels.relaid``) computes, trains and saves exactly what the compressed-tensors layout does, with one copy
+of the weights. On the CPU every product goes through the pure-torch conversion; the GPU paths (CUDA GEMV/GEMM,
+``dequantize_relaid``) are checked by ``tests/test_cuda_fp4.py -m gpu`` and the Triton-interpreter test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qerl import kernels as qk
+from qerl.config import ConfigError, load_config
+from qerl.kernels import relaid
+from qerl.lora import QuantLoRALinear, lora_modules, resident_weight_bytes
+from qerl.model import load_policy, save_quantized_base
+
+FP4 = ("nvfp4", "mxfp4")
+
+
+def _pair(fmt, seed=3):
+    a, _ = load_policy("preset:tiny", fmt, device="cpu", dtype=torch.float32, seed=seed)
+    b, _ = load_policy("preset:tiny", fmt, device="cpu", dtype=torch.float32, seed=seed, layout="kernel")
+    return a, b
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_kernel_layout_holds_one_copy_and_computes_the_same(fmt):
+    a, b = _pair(fmt)
+    assert a.qerl["layout"] == "compressed" and b.qerl["layout"] == "kernel"
+    mods = lora_modules(b)
+    assert all(relaid.is_relaid(m.packed) and "weight_packed" not in m.packed for m in mods.values())
+    # a fused group's members are consecutive row views of one buffer (decode reads the group as one weight)
+    attn = b.model.layers[0].self_attn
+    q, k = attn.q_proj.weight_relaid, attn.k_proj.weight_relaid
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert k.storage_offset() == q.storage_offset() + q.numel()
+    # resident base bytes: the compressed-tensors size (+4 bytes of decode exponent per weight or group)
+    ra, rb = resident_weight_bytes(a)["quantized_base"], resident_weight_bytes(b)["quantized_base"]
+    assert ra <= rb <= ra + 4 * len(mods)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+    for m in mods.values():  # what the base is, per linear
+        ma = dict(lora_modules(a))[next(n for n, x in mods.items() if x is m)]
+        assert torch.equal(m.dequantized_weight(torch.float32), ma.dequantized_weight(torch.float32))
+        assert qk.backend_for(fmt, torch.zeros(1, m.in_features), m.packed) == "torch_reference"
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_kernel_layout_trains_and_saves_the_same(fmt, tmp_path):
+    a, b = _pair(fmt)
+    ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(1))
+    for m in (a, b):
+        for mod in lora_modules(m).values():  # a nonzero B, so the base's backward (x̂ = g·Ŵ) reaches A
+            torch.nn.init.normal_(mod.lora_B.weight, std=0.02, generator=torch.Generator().manual_seed(7))
+        m(ids).logits.float().pow(2).mean().backward()
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert na == nb and (pa.grad is None) == (pb.grad is None), na
+        if pa.grad is not None:
+            assert torch.equal(pa.grad, pb.grad), na
+    sa, sb = a.state_dict(), b.state_dict()  # the checkpoint's names and bytes, whatever the layout
+    assert list(sa) == list(sb)
+    assert all(sa[k].dtype == sb[k].dtype and torch.equal(_bytes(sa[k]), _bytes(sb[k])) for k in sa)
+    b.load_state_dict(sa)  # the same base loads (LoRA and the rest are restored as usual)
+    from safetensors.torch import load_file
+    da, db = save_quantized_base(a, tmp_path / "a"), save_quantized_base(b, tmp_path / "b")
+    ta = {k: v for f in sorted(da.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    tb = {k: v for f in sorted(db.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert sorted(ta) == sorted(tb) and any(k.endswith("weight_packed") for k in ta)
+    assert all(torch.equal(_bytes(ta[k]), _bytes(tb[k])) for k in ta)
+    assert json.loads((da / "config.json").read_text()) == json.loads((db / "config.json").read_text())
+    c, _ = load_policy("preset:tiny", fmt, device="cpu", dtype=torch.float32, seed=4)
+    with pytest.raises(RuntimeError, match="different base"):  # (PyTorch loads the other tensors, then raises)
+        b.load_state_dict(c.state_dict())
+
+
+def test_a_weight_the_layout_cannot_hold_keeps_its_compressed_tensors():
+    m = next(iter(lora_modules(_pair("nvfp4")[0]).values()))
+    q = {k: v.clone() for k, v in m.packed.items()}
+    q["weight_scale"].view(torch.uint8)[0, 0] = 0  # a zero scale over nonzero codes: prepare would zero them
+    q["weight_packed"][0, :8] = 0x33
+    assert relaid.from_compressed(m.fmt, q) is None
+    lin = QuantLoRALinear("nvfp4", q, m.in_features, m.out_features)
+    stats = relaid.relayout_model(torch.nn.ModuleDict({"o_proj": lin}))
+    assert stats["converted"] == 0 and stats["kept"] == 1 and "weight_packed" in lin.packed
+
+
+def test_layout_choices_are_checked():
+    with pytest.raises(ValueError, match="valid layouts"):
+        load_policy("preset:tiny", "nvfp4", device="cpu", layout="fragments")
+    with pytest.raises(ValueError, match="nvfp4 or mxfp4"):
+        load_policy("preset:tiny", "nf4", device="cpu", layout="kernel")
+    with pytest.raises(ConfigError, match="quant.layout"):
+        load_config(["quant=nvfp4", "quant.layout=fragments"])
+    with pytest.raises(ConfigError, match="must be 'nvfp4' or 'mxfp4'"):
+        load_config(["quant=bf16", "quant.layout=kernel"])
+    assert load_config(["quant=mxfp4", "quant.layout=kernel"]).quant.layout == "kernel"
+
+
+def test_training_run_is_identical_in_either_layout(tmp_path):
+    """Two smoke-scale GRPO steps (rollout, rewards, log-probs, update) give the same metrics in both layouts."""
+    rows = {}
+    for layout in ("compressed", "kernel"):
+        out = tmp_path / layout
+        r = subprocess.run([sys.executable, "-m", "qerl.train", "scale=smoke", "quant=nvfp4",
+                            f"quant.layout={layout}", "train.steps=2", f"out_dir={out}", "experiment=layout"],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (metrics,) = out.rglob("metrics.jsonl")
+        rows[layout] = [json.loads(line) for line in metrics.read_text().splitlines()]
+        cfg = (metrics.parent / "config.yaml").read_text()
+        assert f"layout: {layout}" in cfg
+    keys = ("reward", "pg_loss", "grad_norm", "entropy", "response_length")
+    assert [[r[k] for k in keys] for r in rows["compressed"]] == [[r[k] for k in keys] for r in rows["kernel"]]
