@@ -120,3 +120,57 @@ def test_training_run_is_identical_in_either_layout(tmp_path):
         assert f"layout: {layout}" in cfg
     keys = ("reward", "pg_loss", "grad_norm", "entropy", "response_length")
     assert [[r[k] for k in keys] for r in rows["compressed"]] == [[r[k] for k in keys] for r in rows["kernel"]]
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_kernel_layout_decodes_trains_and_holds_one_copy(fmt):
+    """On the GPU: the graph sampler draws the same tokens with the same log-probs in both layouts (the CUDA GEMV
+    reads the same words either way), every linear gives the same products at decode, mid and large M and the same
+    input gradients, and the kernel layout makes no second copy (the dispatcher's re-layout cache stays empty)."""
+    from conftest import perturb_lora_b
+
+    from qerl.lora import LoraSpec
+    from qerl.rollout import Sampler
+
+    pols = {}
+    for layout in ("compressed", "kernel"):
+        torch.manual_seed(0)
+        pol, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), device="cuda", layout=layout)
+        perturb_lora_b(pol)
+        pols[layout] = pol
+    assert pols["kernel"].qerl["layout"] == "kernel"
+    before = len(qk._CUDA_PREPARED)
+    ros, samplers = {}, {}  # (the samplers stay alive: their fused weights key the re-layout cache)
+    for layout, pol in pols.items():
+        s = samplers[layout] = Sampler(pol, tok, 128, cuda_graphs=True, fused=True)
+        ros[layout] = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=200, temperature=1.0, seed=3)
+        assert ros[layout].stats["fused_decode"] and s.use_graphs
+        if layout == "compressed":
+            made = len(qk._CUDA_PREPARED) - before
+            assert made > 0  # the compressed layout's decode made its second copies
+    assert len(qk._CUDA_PREPARED) - before == made  # ... and the kernel layout none
+    assert torch.equal(ros["compressed"].completion_ids, ros["kernel"].completion_ids)
+    assert torch.equal(ros["compressed"].logp, ros["kernel"].logp)
+    ma, mb = lora_modules(pols["compressed"]), lora_modules(pols["kernel"])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, a in ma.items():
+        b = mb[name]
+        for m in (1, 8, 24, 300):
+            x = torch.randn(m, a.in_features, device="cuda", generator=g).bfloat16()
+            with torch.no_grad():
+                ya, yb = a.fmt.linear(x, a.packed), b.fmt.linear(x, b.packed)
+            if m <= 16:  # the same CUDA GEMV on the same words
+                assert torch.equal(ya, yb), (name, m)
+            else:  # CUDA GEMM / Triton / dequantize + cuBLAS: the same weights, other summation orders
+                assert ((ya.float() - yb.float()).abs() <= 1e-2 * ya.float().abs() + 1e-2).all(), (name, m)
+            gout = torch.randn(m, a.out_features, device="cuda", generator=g).bfloat16()
+            assert torch.equal(a.fmt.linear_t(gout, a.packed), b.fmt.linear_t(gout, b.packed)), (name, m)
+    ra = resident_weight_bytes(pols["compressed"])["quantized_base"]
+    assert resident_weight_bytes(pols["kernel"])["quantized_base"] <= ra + 4 * len(mb)

@@ -9,7 +9,8 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 =================  =======================================================================================
 ``cuda_gemv``      NVFP4/MXFP4, CUDA, BF16 x, M <= 16, N % 16 == 0, K % 64 == 0, when the hand-written CUDA
                    kernel builds (``qerl.kernels.cuda_fp4``; ``QERL_CUDA_GEMV=0`` turns it off): weights
-                   re-laid out once into mma fragments (a second copy, same size as the packed weight); the
+                   re-laid out once into mma fragments (a second copy, same size as the packed weight, unless
+                   the base is held only in that layout: ``quant.layout=kernel``, ``qerl.kernels.relaid``); the
                    rollout's LoRA joins the same launch (``base.linear_lora``; ``QERL_CUDA_LORA=0`` turns it off)
 ``cuda_gemm``      NVFP4/MXFP4, CUDA, BF16 x, M > 16 where the device's tuned table measured it fastest (untuned:
                    M <= 192; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
@@ -19,7 +20,9 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
 ``dequant_cublas`` NVFP4/MXFP4, CUDA: M > 256, every ``qmm_t``, x not BF16, and wherever the tuned table
                    (``configs``/``tuned_h100``) measured it faster: Triton dequantization into a reusable
-                   per-device buffer (or L2-sized row slices of it), then cuBLAS
+                   per-device buffer (or L2-sized row slices of it), then cuBLAS; for a base in the kernels'
+                   layout, ``dequantize_relaid`` (the same values from the fragment words) for every M the CUDA
+                   GEMV/GEMM do not take
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
 ``dense``          BF16 weights: ``F.linear`` (the BF16 format's reference)
 ``torch_reference`` CPU, no Triton, or a format without kernels (INT4): ``fmt.dequantize`` then ``F.linear``
