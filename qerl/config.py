@@ -423,8 +423,7 @@ def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
         quant.build(cfg.quant.format, cfg.quant.options)  # the format's constructor checks its own options
     except UserError as e:
         raise ConfigError(f"quant.options={cfg.quant.options!r}: {e}") from None
-    from qerl.kernels.relaid import LAYOUTS
-    _check("quant.layout", cfg.quant.layout, LAYOUTS)
+    _check("quant.layout", cfg.quant.layout, quant.base.LAYOUTS)
     if cfg.quant.layout == "kernel" and cfg.quant.format not in ("nvfp4", "mxfp4"):
         raise ConfigError(f"quant.layout='kernel' holds an FP4 base in the CUDA kernels' layout; quant.format must "
                           f"be 'nvfp4' or 'mxfp4', got {cfg.quant.format!r} (use quant.layout=compressed)")

@@ -84,6 +84,73 @@ def fuse_projection_storage(model: nn.Module) -> int:
     return fused
 
 
+@torch.no_grad()
+def relayout_model(model: torch.nn.Module) -> dict[str, int]:
+    """Keep only the CUDA kernels' layout of every NVFP4/MXFP4 ``QuantLoRALinear`` of ``model`` (fused q|k|v and
+    gate|up groups as one weight, members as row views). Returns counts: ``converted`` linears, ``kept`` (could not
+    be converted exactly: they keep the compressed-tensors tensors) and the ``bytes`` of base tensors before and
+    after. Values are unchanged (every product reads the same weights)."""
+    from qerl.kernels import relaid
+    from qerl.kernels.relaid import compressed_nbytes, from_compressed, is_relaid, note_bexp
+
+    stats = {"converted": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
+    done: set[int] = set()
+
+    def eligible(m) -> bool:
+        try:
+            relaid._encoding(m.fmt)
+        except (ValueError, AttributeError):
+            return False
+        return not is_relaid(m.packed)
+
+    def convert(mods: list) -> None:
+        qs = [m.packed for m in mods]
+        stats["bytes_before"] += sum(compressed_nbytes(q) for q in qs)
+        if len(mods) > 1:
+            whole = {}
+            for name in qs[0]:
+                if name == "weight_global_scale":
+                    whole[name] = qs[0][name]
+                    continue
+                cat = concat_rows([q[name] for q in qs])
+                if cat is None:  # not one buffer any more: convert the members one by one
+                    for m in mods:
+                        convert([m])
+                    stats["bytes_before"] -= sum(compressed_nbytes(q) for q in qs)
+                    return
+                whole[name] = cat
+        else:
+            whole = qs[0]
+        new = from_compressed(mods[0].fmt, whole)
+        if new is None:
+            stats["kept"] += len(mods)
+            stats["bytes_after"] += sum(compressed_nbytes(q) for q in qs)
+            return
+        note_bexp(new["weight_relaid"], int(new["weight_relaid_bexp"][0]))
+        s0 = 0
+        for m in mods:
+            s1 = s0 + m.out_features // 16
+            mine = {n: (t if n in ("weight_global_scale", "weight_relaid_bexp") else t[s0:s1]) for n, t in new.items()}
+            m.set_base(mine)
+            s0 = s1
+        stats["converted"] += len(mods)
+        stats["bytes_after"] += compressed_nbytes(new)
+
+    for parent in model.modules():
+        for _, names in FUSED_GROUPS.values():
+            mods = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, QuantLoRALinear) for m in mods) and all(eligible(m) for m in mods) and \
+                    all(m.out_features % 16 == 0 for m in mods):
+                convert(mods)
+                done.update(id(m) for m in mods)
+    for m in model.modules():
+        if isinstance(m, QuantLoRALinear) and id(m) not in done and eligible(m):
+            convert([m])
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return stats
+
+
 def concat_rows(ts: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor whose consecutive row blocks are ``ts`` (a view, no copy), or None if they are not
     consecutive contiguous blocks of one storage."""

@@ -431,13 +431,14 @@ def _relayout(model: nn.Module, device: torch.device) -> str:
     the model ends up with."""
     import warnings
 
-    from qerl.kernels import cuda_gemv_enabled, relaid
+    from qerl.fastdecode import relayout_model
+    from qerl.kernels import cuda_gemv_enabled
 
     if device.type == "cuda" and not cuda_gemv_enabled(device):
         warnings.warn("layout='kernel': the CUDA FP4 kernels are unavailable on this GPU, so the base keeps its "
                       "compressed-tensors layout", stacklevel=3)
         return "compressed"
-    stats = relaid.relayout_model(model)
+    stats = relayout_model(model)
     if stats["kept"]:
         warnings.warn(f"layout='kernel': {stats['kept']} linears cannot be held exactly in the kernels' layout and "
                       f"keep their compressed-tensors tensors", stacklevel=3)

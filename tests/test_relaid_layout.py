@@ -14,6 +14,7 @@ import torch
 
 from qerl import kernels as qk
 from qerl.config import ConfigError, load_config
+from qerl.fastdecode import relayout_model
 from qerl.kernels import relaid
 from qerl.lora import QuantLoRALinear, lora_modules, resident_weight_bytes
 from qerl.model import load_policy, save_quantized_base
@@ -89,7 +90,7 @@ def test_a_weight_the_layout_cannot_hold_keeps_its_compressed_tensors():
     q["weight_packed"][0, :8] = 0x33
     assert relaid.from_compressed(m.fmt, q) is None
     lin = QuantLoRALinear("nvfp4", q, m.in_features, m.out_features)
-    stats = relaid.relayout_model(torch.nn.ModuleDict({"o_proj": lin}))
+    stats = relayout_model(torch.nn.ModuleDict({"o_proj": lin}))
     assert stats["converted"] == 0 and stats["kept"] == 1 and "weight_packed" in lin.packed
 
 

@@ -4,7 +4,7 @@ By default an NVFP4/MXFP4 linear keeps its compressed-tensors tensors (``weight_
 ``weight_scale``, NVFP4's ``weight_global_scale``) and, on a GPU where the CUDA FP4 kernels build, the decode GEMV
 and mid-M GEMM make a second copy of the same size in their own layout (``cuda_fp4.prepare``: lane-major mma A
 fragments and paired scales) — +0.56 bytes per weight while both live. ``quant.layout=kernel``
-(``load_policy(layout="kernel")``) keeps only the kernels' copy: :func:`relayout_model` converts each linear (a
+(``load_policy(layout="kernel")``) keeps only the kernels' copy: ``qerl.fastdecode.relayout_model`` converts each linear (a
 fused q|k|v or gate|up group as one weight, the members keeping row views of it, so decode still reads one buffer)
 and drops the compressed-tensors tensors. The module then holds
 
@@ -29,7 +29,8 @@ from collections.abc import Mapping
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-LAYOUTS = ("compressed", "kernel")
+from qerl.quant.base import LAYOUTS
+
 NAMES = ("weight_relaid", "weight_relaid_scale", "weight_relaid_bexp")
 _ENCODING = {0: "nvfp4", 1: "mxfp4"}  # the kernels' FMT id -> cuda_fp4's encoding
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -128,71 +129,3 @@ def to_compressed(fmt, q: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def compressed_nbytes(q: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in q.values())
-
-
-@torch.no_grad()
-def relayout_model(model: torch.nn.Module) -> dict[str, int]:
-    """Keep only the CUDA kernels' layout of every NVFP4/MXFP4 ``QuantLoRALinear`` of ``model`` (fused q|k|v and
-    gate|up groups as one weight, members as row views). Returns counts: ``converted`` linears, ``kept`` (could not
-    be converted exactly: they keep the compressed-tensors tensors) and the ``bytes`` of base tensors before and
-    after. Values are unchanged (every product reads the same weights)."""
-    from qerl.arch import FUSED_GROUPS
-    from qerl.fastdecode import concat_rows
-    from qerl.lora import QuantLoRALinear
-
-    stats = {"converted": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
-    done: set[int] = set()
-
-    def eligible(m) -> bool:
-        try:
-            _encoding(m.fmt)
-        except (ValueError, AttributeError):
-            return False
-        return not is_relaid(m.packed)
-
-    def convert(mods: list) -> None:
-        qs = [m.packed for m in mods]
-        stats["bytes_before"] += sum(compressed_nbytes(q) for q in qs)
-        if len(mods) > 1:
-            whole = {}
-            for name in qs[0]:
-                if name == "weight_global_scale":
-                    whole[name] = qs[0][name]
-                    continue
-                cat = concat_rows([q[name] for q in qs])
-                if cat is None:  # not one buffer any more: convert the members one by one
-                    for m in mods:
-                        convert([m])
-                    stats["bytes_before"] -= sum(compressed_nbytes(q) for q in qs)
-                    return
-                whole[name] = cat
-        else:
-            whole = qs[0]
-        new = from_compressed(mods[0].fmt, whole)
-        if new is None:
-            stats["kept"] += len(mods)
-            stats["bytes_after"] += sum(compressed_nbytes(q) for q in qs)
-            return
-        note_bexp(new["weight_relaid"], int(new["weight_relaid_bexp"][0]))
-        s0 = 0
-        for m in mods:
-            s1 = s0 + m.out_features // 16
-            mine = {n: (t if n in ("weight_global_scale", "weight_relaid_bexp") else t[s0:s1]) for n, t in new.items()}
-            m.set_base(mine)
-            s0 = s1
-        stats["converted"] += len(mods)
-        stats["bytes_after"] += compressed_nbytes(new)
-
-    for parent in model.modules():
-        for _, names in FUSED_GROUPS.values():
-            mods = [getattr(parent, n, None) for n in names]
-            if all(isinstance(m, QuantLoRALinear) for m in mods) and all(eligible(m) for m in mods) and \
-                    all(m.out_features % 16 == 0 for m in mods):
-                convert(mods)
-                done.update(id(m) for m in mods)
-    for m in model.modules():
-        if isinstance(m, QuantLoRALinear) and id(m) not in done and eligible(m):
-            convert([m])
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return stats

@@ -19,6 +19,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+#: How an NVFP4/MXFP4 base is held on the GPU (``quant.layout``): the checkpoint's compressed-tensors tensors (plus the
+#: CUDA kernels' copy where they run), or only the CUDA kernels' re-laid-out copy (``qerl.kernels.relaid``).
+LAYOUTS = ("compressed", "kernel")
+
 
 @dataclass(frozen=True)
 class CheckpointScheme:
