@@ -109,10 +109,11 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
         if len(mods) > 1:
             whole = {}
             for name in qs[0]:
-                if name == "weight_global_scale":
-                    whole[name] = qs[0][name]
-                    continue
-                cat = concat_rows([q[name] for q in qs])
+                if name == "weight_global_scale":  # one per group (or the members go one by one)
+                    same = all(torch.equal(q[name], qs[0][name]) for q in qs)
+                    cat = qs[0][name] if same else None
+                else:
+                    cat = concat_rows([q[name] for q in qs])
                 if cat is None:  # not one buffer any more: convert the members one by one
                     for m in mods:
                         convert([m])

@@ -23,6 +23,9 @@
 # Back here, unpack into DIR and compare the curves: python -m paper_figures.scaling_curves --one DIR/c1 --two DIR/c2
 #   --scale $SCALE --arm nvfp4-lora --out results  (-> results/speed/scaling_curves_$SCALE.md and its figure)
 #
+# The device machine goes back ~30 s after a call: background work still running when a call ends is lost unless
+# the next call comes at once (session 26 lost its 1-GPU curves and the queued 4-GPU rows that way). Prefer calls
+# whose work finishes inside them (`wait` up to ~560 s, then `pack`), and call again immediately.
 # The host's NVLink multicast must stay off (KINDS.md): the variables below are exported for every process.
 set -uo pipefail
 RES=/root/res13

@@ -173,3 +173,31 @@ def test_gpu_kernel_layout_decodes_trains_and_holds_one_copy(fmt):
             assert torch.equal(a.fmt.linear_t(gout, a.packed), b.fmt.linear_t(gout, b.packed)), (name, m)
     ra = resident_weight_bytes(pols["compressed"])["quantized_base"]
     assert resident_weight_bytes(pols["kernel"])["quantized_base"] <= ra + 4 * len(mb)
+
+
+def test_unfused_group_members_convert_one_by_one():
+    """q/k/v that are not one buffer (e.g. NVFP4 members with their own global scales, which the fused decode does
+    not concatenate) are converted member by member, each with its own tensors, and compute what they did."""
+    from qerl.quant import get_format
+
+    fmt = get_format("nvfp4")
+    g = torch.Generator().manual_seed(2)
+    block = torch.nn.Module()
+    ref = {}
+    for i, (name, n) in enumerate((("q_proj", 64), ("k_proj", 32), ("v_proj", 32))):
+        w = torch.randn(n, 128, generator=g) * (1 + 3 * i)  # other amax, other global scale
+        lin = QuantLoRALinear(fmt, fmt.quantize(w), 128, n)
+        setattr(block, name, lin)
+        ref[name] = lin.dequantized_weight(torch.float32)
+    gs = [getattr(block, n).weight_global_scale.item() for n in ("q_proj", "k_proj", "v_proj")]
+    assert len(set(gs)) == 3
+    stats = relayout_model(block)
+    assert stats["converted"] == 3 and stats["kept"] == 0
+    ptrs = {getattr(block, n).weight_relaid.untyped_storage().data_ptr() for n in ref}
+    assert len(ptrs) == 3
+    x = torch.randn(3, 128, generator=g)
+    for name, w in ref.items():
+        m = getattr(block, name)
+        assert relaid.is_relaid(m.packed) and m.weight_global_scale.item() == gs[list(ref).index(name)]
+        assert torch.equal(m.dequantized_weight(torch.float32), w)
+        assert torch.equal(fmt.linear(x, m.packed), x @ w.t())
