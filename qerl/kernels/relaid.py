@@ -4,9 +4,9 @@ By default an NVFP4/MXFP4 linear keeps its compressed-tensors tensors (``weight_
 ``weight_scale``, NVFP4's ``weight_global_scale``) and, on a GPU where the CUDA FP4 kernels build, the decode GEMV
 and mid-M GEMM make a second copy of the same size in their own layout (``cuda_fp4.prepare``: lane-major mma A
 fragments and paired scales) — +0.56 bytes per weight while both live. ``quant.layout=kernel``
-(``load_policy(layout="kernel")``) keeps only the kernels' copy: ``qerl.fastdecode.relayout_model`` converts each linear (a
-fused q|k|v or gate|up group as one weight, the members keeping row views of it, so decode still reads one buffer)
-and drops the compressed-tensors tensors. The module then holds
+(``load_policy(layout="kernel")``) keeps only the kernels' copy: ``qerl.fastdecode.relayout_model`` converts each
+linear (a fused q|k|v or gate|up group as one weight, the members keeping row views of it, so decode still reads one
+buffer) and drops the compressed-tensors tensors. The module then holds
 
     ``weight_relaid``        int32 (N/16, K/64, 32, 4)  the fragment words
     ``weight_relaid_scale``  int16 (N/16, K/64, 8·64/G)  the scale pairs
