@@ -33,6 +33,7 @@ import torch
 from qerl.lora import LoraSpec, lora_inference_cache, resident_weight_bytes
 from qerl.model import load_policy
 from qerl.quant import FORMATS, get_format
+from qerl.quant.base import KERNEL_LAYOUT_FORMATS
 from qerl.results import atomic_write_text, environment
 from qerl.rollout import Sampler
 
@@ -73,7 +74,7 @@ _FP4_LABELS = ("NVFP4", "MXFP4")
 
 
 def _layout_for(fmt: str) -> str:
-    return LAYOUT if fmt in ("nvfp4", "mxfp4") else "compressed"
+    return LAYOUT if fmt in KERNEL_LAYOUT_FORMATS else "compressed"
 
 
 def _write_csv(rows: list[dict], path: Path, ident: tuple[str, ...] = IDENT) -> None:

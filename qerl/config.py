@@ -424,7 +424,7 @@ def validate(cfg: TrainConfig, read_files: bool = True) -> TrainConfig:
     except UserError as e:
         raise ConfigError(f"quant.options={cfg.quant.options!r}: {e}") from None
     _check("quant.layout", cfg.quant.layout, quant.base.LAYOUTS)
-    if cfg.quant.layout == "kernel" and cfg.quant.format not in ("nvfp4", "mxfp4"):
+    if cfg.quant.layout == "kernel" and cfg.quant.format not in quant.base.KERNEL_LAYOUT_FORMATS:
         raise ConfigError(f"quant.layout='kernel' holds an FP4 base in the CUDA kernels' layout; quant.format must "
                           f"be 'nvfp4' or 'mxfp4', got {cfg.quant.format!r} (use quant.layout=compressed)")
     _check("algo.loss_agg", cfg.algo.loss_agg, AGGREGATIONS)

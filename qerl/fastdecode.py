@@ -87,13 +87,13 @@ def fuse_projection_storage(model: nn.Module) -> int:
 @torch.no_grad()
 def relayout_model(model: torch.nn.Module) -> dict[str, int]:
     """Keep only the CUDA kernels' layout of every NVFP4/MXFP4 ``QuantLoRALinear`` of ``model`` (fused q|k|v and
-    gate|up groups as one weight, members as row views). Returns counts: ``converted`` linears, ``kept`` (could not
-    be converted exactly: they keep the compressed-tensors tensors) and the ``bytes`` of base tensors before and
-    after. Values are unchanged (every product reads the same weights)."""
+    gate|up groups as one weight, members as row views). Returns counts: ``converted`` linears and ``kept`` (could
+    not be converted exactly: they keep the compressed-tensors tensors). Values are unchanged (every product reads
+    the same weights)."""
     from qerl.kernels import relaid
-    from qerl.kernels.relaid import compressed_nbytes, from_compressed, is_relaid, note_bexp
+    from qerl.kernels.relaid import from_compressed, is_relaid, note_bexp
 
-    stats = {"converted": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
+    stats = {"converted": 0, "kept": 0}
     done: set[int] = set()
 
     def eligible(m) -> bool:
@@ -105,7 +105,6 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
 
     def convert(mods: list) -> None:
         qs = [m.packed for m in mods]
-        stats["bytes_before"] += sum(compressed_nbytes(q) for q in qs)
         if len(mods) > 1:
             whole = {}
             for name in qs[0]:
@@ -117,7 +116,6 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
                 if cat is None:  # not one buffer any more: convert the members one by one
                     for m in mods:
                         convert([m])
-                    stats["bytes_before"] -= sum(compressed_nbytes(q) for q in qs)
                     return
                 whole[name] = cat
         else:
@@ -125,7 +123,6 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
         new = from_compressed(mods[0].fmt, whole)
         if new is None:
             stats["kept"] += len(mods)
-            stats["bytes_after"] += sum(compressed_nbytes(q) for q in qs)
             return
         note_bexp(new["weight_relaid"], int(new["weight_relaid_bexp"][0]))
         s0 = 0
@@ -135,7 +132,6 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
             m.set_base(mine)
             s0 = s1
         stats["converted"] += len(mods)
-        stats["bytes_after"] += compressed_nbytes(new)
 
     for parent in model.modules():
         for _, names in FUSED_GROUPS.values():

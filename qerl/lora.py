@@ -162,10 +162,7 @@ class QuantLoRALinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Ŵ as a dense (N, K) tensor (for export and tests; the forward never keeps it)."""
-        from qerl.kernels import relaid
-
-        q = self.packed
-        return self.fmt.dequantize(relaid.to_compressed(self.fmt, q) if relaid.is_relaid(q) else q, dtype)
+        return self.fmt.dequantize(self.compressed(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., K) -> (..., N)
         if self._lora_cache is not None and not torch.is_grad_enabled():

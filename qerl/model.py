@@ -46,6 +46,7 @@ from qerl.lora import (
 )
 from qerl.quant import NonFiniteWeightError, QuantFormat, get_format
 from qerl.quant import checkpoint as ct
+from qerl.quant.base import KERNEL_LAYOUT_FORMATS
 
 # Exact Qwen2.5-*-Instruct shapes (config.json of each hub repo).
 _QWEN25 = dict(
@@ -374,7 +375,7 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
     from qerl.kernels import relaid
 
     relaid.check_layout(layout)
-    if layout == "kernel" and fmt not in ("nvfp4", "mxfp4"):
+    if layout == "kernel" and fmt not in KERNEL_LAYOUT_FORMATS:
         raise ValueError(f"layout='kernel' holds an FP4 base in the CUDA kernels' layout; the format must be nvfp4 "
                          f"or mxfp4, got {fmt!r}")
     device = torch.device(device) if device is not None else default_device()

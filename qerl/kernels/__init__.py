@@ -393,10 +393,11 @@ def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int 
         out = torch.empty((w.n, w.k), device=w.qweight.device, dtype=torch.bfloat16)
     if out.shape != (w.n, w.k) or not out.is_contiguous():
         raise ValueError(f"dequantize_relaid: out must be contiguous {(w.n, w.k)}, got {tuple(out.shape)}")
-    fid = {"nvfp4": 0, "mxfp4": 1}[w.fmt]
+    from qerl.kernels import cuda_fp4
     gs = w.global_scale if w.global_scale is not None else w.qweight  # dummy pointer when HAS_G is off
     grid = (triton.cdiv(w.n, bn), triton.cdiv(w.k, bk))
-    _k._relaid_dequant_kernel[grid](w.qweight, w.scales, gs, out, w.n, w.k, FMT=fid, G=16 if fid == 0 else 32,
+    _k._relaid_dequant_kernel[grid](w.qweight, w.scales, gs, out, w.n, w.k, FMT=int(w.fmt == "mxfp4"),
+                                    G=cuda_fp4._GROUP[w.fmt],
                                     HAS_G=w.global_scale is not None, BN=bn, BK=bk, num_warps=4)
     return out
 

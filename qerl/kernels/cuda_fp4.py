@@ -58,6 +58,16 @@ class CudaFP4Weight:
         return self.qweight.numel() * 4 + self.scales.numel() * 2
 
 
+def weight_from(fmt: str, qweight: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None,
+                bexp: int) -> CudaFP4Weight:
+    """A ``CudaFP4Weight`` over re-laid-out tensors with decode exponent ``bexp``: the scale-word bias ``bword``
+    (E4M3 -> f16 exponent (bias 15) -> bf16 (bias 127) * 2^B; E8M0 e -> bf16 exponent e + B) and the accumulator
+    multiplier 2^(126 - B) follow from it."""
+    bword = (((112 + bexp) << 7) if fmt == "nvfp4" else (bexp << 7)) * 0x10001
+    return CudaFP4Weight(fmt, 16 * qweight.shape[0], 64 * qweight.shape[1], qweight, scales, global_scale, bexp,
+                         bword, 2.0 ** (126 - bexp))
+
+
 # ----------------------------------------------------------------------------------------- re-layout
 
 def _check_fmt(fmt: str) -> None:
@@ -134,7 +144,6 @@ def prepare(fmt: str, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
             codes = codes.reshape(n, k // gsz, gsz).masked_fill(zero[..., None], 0).reshape(n, k)
             sb = torch.where(zero, torch.full_like(sb, 0x38), sb)  # 1.0
         bexp = NV_BEXP
-        bword = ((112 + bexp) << 7) * 0x10001  # E4M3 -> f16 exponent (bias 15) -> bf16 (bias 127) * 2^B
         gs = weight_global_scale.detach().reshape(1).to(device=dev, dtype=torch.float32).contiguous()
     else:
         if weight_scale.dtype != torch.uint8:
@@ -152,11 +161,10 @@ def prepare(fmt: str, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                                  "decoder represents exactly")
             bexp = min(max(126, lo), hi)
         sb = sb.clamp(0, 254 - bexp)  # only all-zero blocks move (their scale is irrelevant)
-        bword = (bexp << 7) * 0x10001
         gs = None
     qweight = pack_words(codes)
     scales = _pair_scales(sb, 64 // gsz)
-    return CudaFP4Weight(fmt, n, k, qweight, scales, gs, bexp, bword, 2.0 ** (126 - bexp))
+    return weight_from(fmt, qweight, scales, gs, bexp)
 
 
 def unpack_words(qweight: torch.Tensor) -> torch.Tensor:

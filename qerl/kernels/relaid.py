@@ -32,7 +32,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from qerl.quant.base import LAYOUTS
 
 NAMES = ("weight_relaid", "weight_relaid_scale", "weight_relaid_bexp")
-_ENCODING = {0: "nvfp4", 1: "mxfp4"}  # the kernels' FMT id -> cuda_fp4's encoding
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # MXFP4's decode exponent by the storage of its fragment words (a fused group's members share it), set where the
 # tensors are made or overwritten, so that a view seen first inside a CUDA-graph capture needs no host sync
@@ -58,10 +57,10 @@ def is_relaid(q: Mapping[str, torch.Tensor]) -> bool:
 
 
 def _encoding(fmt) -> str:
-    from qerl.kernels import _fp4_id
+    from qerl.kernels import _CUDA_ENCODINGS, _fp4_id
 
-    enc = _ENCODING.get(_fp4_id(fmt))
-    if enc is None or getattr(fmt, "block", None) != (16 if enc == "nvfp4" else 32):
+    enc = _CUDA_ENCODINGS.get((_fp4_id(fmt), getattr(fmt, "block", None)))
+    if enc is None:
         raise ValueError(f"{fmt!r}: the re-laid-out layout exists for NVFP4 (block 16) and MXFP4 (block 32) only")
     return enc
 
@@ -83,11 +82,8 @@ def weight(fmt, q: Mapping[str, torch.Tensor]):
         bexp = _BEXP.get(qw.untyped_storage().data_ptr())
         if bexp is None:  # one host sync (not allowed inside a capture: relayout_model notes every group)
             bexp = int(q["weight_relaid_bexp"].reshape(-1)[0].item())
-    bword = (((112 + bexp) << 7) if enc == "nvfp4" else (bexp << 7)) * 0x10001
     gs = q.get("weight_global_scale") if enc == "nvfp4" else None
-    w = cuda_fp4.CudaFP4Weight(enc, 16 * qw.shape[0], 64 * qw.shape[1], qw, sc,
-                               None if gs is None else gs.reshape(1).to(torch.float32), bexp, bword,
-                               2.0 ** (126 - bexp))
+    w = cuda_fp4.weight_from(enc, qw, sc, None if gs is None else gs.reshape(1).to(torch.float32), bexp)
     _CACHE[qw] = (stamp, w)
     return w
 
@@ -125,7 +121,3 @@ def to_compressed(fmt, q: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
         back["weight_global_scale"] = q["weight_global_scale"]  # the module's own tensor (dtype and shape kept)
     names = fmt.checkpoint.tensors if fmt.checkpoint is not None else tuple(back)
     return {n: back[n] for n in names if n in back}
-
-
-def compressed_nbytes(q: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in q.values())

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 #: How an NVFP4/MXFP4 base is held on the GPU (``quant.layout``): the checkpoint's compressed-tensors tensors (plus the
 #: CUDA kernels' copy where they run), or only the CUDA kernels' re-laid-out copy (``qerl.kernels.relaid``).
 LAYOUTS = ("compressed", "kernel")
+KERNEL_LAYOUT_FORMATS = ("nvfp4", "mxfp4")  # the formats the CUDA kernels' layout can hold
 
 
 @dataclass(frozen=True)
