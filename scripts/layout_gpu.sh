@@ -17,6 +17,8 @@ MODELS=${MODELS:-7b}   # memory, rollout and step
 BIG=${BIG-32b}         # memory and step only (the 32B step peak target: < 45 GB); empty: none
 DEVICE=${DEVICE:-cuda}
 NEW=${NEW:-2048}
+PARTS=${PARTS:-tests memory rollout step}   # a subset splits the work over several calls of the device's 10 minutes
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 trap 'tar -czf "$OUT/layout.tgz" -C "$R" . 2>/dev/null' EXIT
 if [ -d .whl ] && [ "$DEVICE" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -26,17 +28,18 @@ fi
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 bench() { python3 -m qerl.bench "$@" --device "$DEVICE" --out "$R/speed" 2>&1 | grep -v "^  warnings.warn"; }
 
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && has tests; then
   timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_relaid_layout.py tests/test_cuda_fp4.py \
     -k "relaid or relayout or kernel_layout" > "$R/gpu_tests.log" 2>&1
   tail -3 "$R/gpu_tests.log"
 fi
 for L in compressed kernel; do
-  bench memory --models "$MODELS${BIG:+,$BIG}" --formats nvfp4 --layout $L > "$R/memory-$L.log"
-  bench rollout --models "$MODELS" --formats nvfp4 --batch 8,64 --new "$NEW" --layout $L > "$R/rollout-$L.log"
+  has memory && bench memory --models "$MODELS${BIG:+,$BIG}" --formats nvfp4 --layout $L > "$R/memory-$L.log"
+  has rollout && bench rollout --models "$MODELS" --formats nvfp4 --batch 8,64 --new "$NEW" --layout $L \
+    > "$R/rollout-$L.log"
 done
 for L in compressed kernel; do  # the update's dense weights: Triton dequantization vs dequantize_relaid
-  bench step --models "$MODELS${BIG:+,$BIG}" --formats nvfp4 --batch 8 --gc on --steps 2 --new "$NEW" --layout $L \
+  has step && bench step --models "$MODELS${BIG:+,$BIG}" --formats nvfp4 --batch 8 --gc on --steps 2 --new "$NEW" --layout $L \
     > "$R/step-$L.log"
 done
 python3 - "$R/speed" <<'EOF'
