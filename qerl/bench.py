@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from qerl.lora import LoraSpec, lora_inference_cache, resident_weight_bytes
-from qerl.model import load_policy
+from qerl.model import load_policy, resolve_layout
 from qerl.quant import FORMATS, get_format
-from qerl.quant.base import KERNEL_LAYOUT_FORMATS
+from qerl.quant.base import KERNEL_LAYOUT_FORMATS, LAYOUTS
 from qerl.results import atomic_write_text, environment
 from qerl.rollout import Sampler
 
@@ -67,21 +67,22 @@ IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch",
          "new_tokens", "decode", "layout")
 SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
                  "new_tokens", "layout")
-#: how NVFP4/MXFP4 bases are held in this process's runs (``--layout``; ``qerl.kernels.relaid``); other formats
-#: have one layout, "compressed"
-LAYOUT = "compressed"
+#: how NVFP4/MXFP4 bases are held in this process's runs (``--layout``; ``qerl.kernels.relaid``) and on which
+#: device (``--device``): rows and training runs record the resolved layout (``auto`` is kernel where the CUDA FP4
+#: kernels run); other formats have one layout, "compressed"
+LAYOUT, DEVICE = "auto", "cpu"
 _FP4_LABELS = ("NVFP4", "MXFP4")
 
 
 def _layout_for(fmt: str) -> str:
-    return LAYOUT if fmt in KERNEL_LAYOUT_FORMATS else "compressed"
+    return resolve_layout(LAYOUT, fmt, DEVICE) if fmt in KERNEL_LAYOUT_FORMATS else "compressed"
 
 
 def _write_csv(rows: list[dict], path: Path, ident: tuple[str, ...] = IDENT) -> None:
     if not rows:
         return
     for r in rows:  # rows record the layout their base was held in (rows written before it existed: compressed)
-        r.setdefault("layout", LAYOUT if r.get("weights") in _FP4_LABELS else "compressed")
+        r.setdefault("layout", _layout_for(r["weights"].lower()) if r.get("weights") in _FP4_LABELS else "compressed")
     keys = list(dict.fromkeys(k for r in rows for k in r))
     old = []
     if path.exists():  # append-merge: rows with the same key columns are replaced
@@ -494,17 +495,18 @@ def main(argv=None) -> None:
     p.add_argument("--micro", type=int, default=None,
                    help="scaling/step: completions per forward/backward (scaling default 8, step: the batch)")
     p.add_argument("--decode", default="fused", help="rollout, profile: fused, fused-split-lora, unfused (comma-separated; the sampler's decode step, see decode_mode)")
-    p.add_argument("--layout", default="compressed", choices=["compressed", "kernel"],
+    p.add_argument("--layout", default="auto", choices=LAYOUTS,
                    help="memory, rollout, step, scaling, profile: hold NVFP4/MXFP4 bases in the compressed-tensors "
-                        "layout (plus the CUDA kernels' copy) or only in the kernels' layout (quant.layout)")
+                        "layout (plus the CUDA kernels' copy), only in the kernels' layout, or auto (kernel where the "
+                        "CUDA FP4 kernels run; quant.layout)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="results/speed")
     p.add_argument("--isolate", default="auto", choices=["auto", "yes", "no"],
                    help="one process per (model, format): a 32B BF16 policy after a 32B NVFP4 one in the same process "
                         "OOMed at load on 80 GB (memory the first left cached); auto = yes on CUDA")
     a, rest = p.parse_known_args(argv)
-    global LAYOUT
-    LAYOUT = a.layout
+    global LAYOUT, DEVICE
+    LAYOUT, DEVICE = a.layout, a.device
     if a.what == "layers":
         from benchmarks import kernel_bench as kb
 

@@ -96,9 +96,9 @@ class QuantCfg:
     format: str = "bf16"
     options: dict = field(default_factory=dict)  # the format's constructor arguments (mxfp4: scale_rule), set in
                                                  # its YAML; checked against the format by ``validate``
-    layout: str = "compressed"  # how an NVFP4/MXFP4 base is held on the GPU: compressed (the checkpoint's tensors,
-                                # plus the CUDA kernels' copy where they run) or kernel (only the kernels' copy;
-                                # qerl/kernels/relaid.py)
+    layout: str = "auto"  # how an NVFP4/MXFP4 base is held: compressed (the checkpoint's tensors, plus the CUDA
+                          # kernels' copy where they run), kernel (only the kernels' copy; qerl/kernels/relaid.py) or
+                          # auto (kernel where the CUDA FP4 kernels run, else compressed)
 
 
 @dataclass(frozen=True)

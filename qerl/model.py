@@ -358,7 +358,7 @@ def load_tokenizer(directory: Path | None, tokenizer: str | None = None):
 def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | None = LoraSpec(), train_norms: bool = False,
                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                 tokenizer: str | None = None, seed: int = 0, attn_implementation: str = "sdpa",
-                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False, layout: str = "compressed"):
+                lora_dtype: torch.dtype = torch.float32, full_finetune: bool = False, layout: str = "auto"):
     """Build a policy and its tokenizer.
 
     * ``fmt``: a format object (``qerl.quant.build(name, options)``) or the name of one of ``qerl.quant.FORMATS``;
@@ -367,7 +367,8 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
     * ``full_finetune=True``: the paper's "Full" baseline — plain ``nn.Linear`` layers, all parameters trainable
       in fp32 (run it under bf16 autocast on GPU); only ``fmt='bf16'``.
     * ``layout="kernel"`` (NVFP4/MXFP4): hold the base only in the CUDA kernels' re-laid-out layout
-      (``qerl.kernels.relaid``; on a GPU without the CUDA kernels it warns and keeps ``"compressed"``).
+      (``qerl.kernels.relaid``; on a GPU without the CUDA kernels it warns and keeps ``"compressed"``);
+      ``"auto"`` (the default): ``resolve_layout`` — kernel where the CUDA FP4 kernels run, else compressed.
     Returns ``(model, tokenizer)``; ``model.qerl`` records how it was built.
     """
     f = get_format(fmt)  # a name is looked up (a UserError lists the valid ones)
@@ -379,6 +380,7 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
         raise ValueError(f"layout='kernel' holds an FP4 base in the CUDA kernels' layout; the format must be nvfp4 "
                          f"or mxfp4, got {fmt!r}")
     device = torch.device(device) if device is not None else default_device()
+    layout = resolve_layout(layout, fmt, device)
     dtype = dtype or default_dtype(device)
     kind, obj = resolve_source(source)
     torch.manual_seed(seed)
@@ -425,6 +427,24 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
                       device=str(device), directory=None if kind == "preset" else str(obj))
     tok = gguf_file.load_tokenizer(obj) if kind == "gguf" and tokenizer is None else load_tokenizer(directory, tokenizer)
     return model, tok
+
+
+def resolve_layout(layout: str, fmt: str, device: str | torch.device) -> str:
+    """The layout an NVFP4/MXFP4 base is held in: ``auto`` is ``kernel`` where the CUDA FP4 kernels run (the format
+    has the kernels' layout and ``device`` is a GPU that builds them; one resident copy, measured faster at decode and
+    smaller in session 27, ``results/speed/speed.md``), else ``compressed`` (the CPU, other formats: the
+    compressed-tensors tensors and the pure-torch reference path). ``compressed`` and ``kernel`` are returned as asked."""
+    from qerl.kernels import relaid
+
+    relaid.check_layout(layout)
+    if layout != "auto":
+        return layout
+    device = torch.device(device)
+    if fmt not in KERNEL_LAYOUT_FORMATS or device.type != "cuda":
+        return "compressed"
+    from qerl.kernels import cuda_gemv_enabled
+
+    return "kernel" if cuda_gemv_enabled(device) else "compressed"
 
 
 def _relayout(model: nn.Module, device: torch.device) -> str:

@@ -104,6 +104,31 @@ def test_layout_choices_are_checked():
     assert load_config(["quant=mxfp4", "quant.layout=kernel"]).quant.layout == "kernel"
 
 
+def test_auto_layout_is_kernel_only_where_the_cuda_kernels_run(monkeypatch):
+    """``auto`` (the default of ``load_policy``, ``quant.layout`` and ``qerl.bench --layout``) holds an FP4 base in the
+    kernels' layout only on a GPU that runs the CUDA FP4 kernels: the CPU, other formats and a GPU with the kernels
+    switched off keep the compressed-tensors tensors; an explicit layout is kept as asked."""
+    from qerl import bench
+    from qerl.model import resolve_layout
+
+    assert load_config([]).quant.layout == "auto" and load_config(["quant=nvfp4"]).quant.layout == "auto"
+    pol, _ = load_policy("preset:tiny", "nvfp4", device="cpu")
+    assert pol.qerl["layout"] == "compressed" and "weight_packed" in next(iter(lora_modules(pol).values())).packed
+    for fmt in ("nvfp4", "mxfp4", "nf4", "bf16"):
+        assert resolve_layout("auto", fmt, "cpu") == "compressed"
+    assert resolve_layout("kernel", "nvfp4", "cpu") == "kernel" and resolve_layout("compressed", "nvfp4", "cuda") == \
+        "compressed"
+    monkeypatch.setenv("QERL_CUDA_GEMV", "0")  # the CUDA kernels off: nothing to hold the kernels' layout for
+    assert resolve_layout("auto", "nvfp4", "cuda") == "compressed"
+    with pytest.raises(ValueError, match="valid layouts are \\['auto', 'compressed', 'kernel'\\]"):
+        resolve_layout("fragments", "nvfp4", "cpu")
+    monkeypatch.setattr(bench, "LAYOUT", "auto")
+    monkeypatch.setattr(bench, "DEVICE", "cpu")  # bench rows record the resolved layout, never "auto"
+    assert bench._layout_for("nvfp4") == "compressed"
+    monkeypatch.setattr(bench, "LAYOUT", "kernel")
+    assert bench._layout_for("mxfp4") == "kernel" and bench._layout_for("nf4") == "compressed"
+
+
 def test_training_run_is_identical_in_either_layout(tmp_path):
     """Two smoke-scale GRPO steps (rollout, rewards, log-probs, update) give the same metrics in both layouts."""
     from qerl.train import run
@@ -145,6 +170,9 @@ def test_gpu_kernel_layout_decodes_trains_and_holds_one_copy(fmt):
         perturb_lora_b(pol)
         pols[layout] = pol
     assert pols["kernel"].qerl["layout"] == "kernel"
+    auto, _ = load_policy("preset:tiny", fmt, LoraSpec(rank=8), device="cuda")  # the default on a GPU with the kernels
+    assert auto.qerl["layout"] == "kernel" and all(relaid.is_relaid(m.packed) for m in lora_modules(auto).values())
+    del auto
     before = len(qk._CUDA_PREPARED)
     ros, samplers = {}, {}  # (the samplers stay alive: their fused weights key the re-layout cache)
     for layout, pol in pols.items():

@@ -1,10 +1,11 @@
 """One resident copy of an FP4 base: the CUDA kernels' re-laid-out layout in place of the compressed-tensors one.
 
-By default an NVFP4/MXFP4 linear keeps its compressed-tensors tensors (``weight_packed`` (N, K/2) uint8,
+In ``quant.layout=compressed`` an NVFP4/MXFP4 linear keeps its compressed-tensors tensors (``weight_packed`` (N, K/2) uint8,
 ``weight_scale``, NVFP4's ``weight_global_scale``) and, on a GPU where the CUDA FP4 kernels build, the decode GEMV
 and mid-M GEMM make a second copy of the same size in their own layout (``cuda_fp4.prepare``: lane-major mma A
 fragments and paired scales) — +0.56 bytes per weight while both live. ``quant.layout=kernel``
-(``load_policy(layout="kernel")``) keeps only the kernels' copy: ``qerl.fastdecode.relayout_model`` converts each
+(``load_policy(layout="kernel")``; ``auto``, the default, picks it wherever the CUDA FP4 kernels run) keeps only
+the kernels' copy: ``qerl.fastdecode.relayout_model`` converts each
 linear (a fused q|k|v or gate|up group as one weight, the members keeping row views of it, so decode still reads one
 buffer) and drops the compressed-tensors tensors. The module then holds
 
@@ -45,9 +46,9 @@ def note_bexp(qweight: torch.Tensor, bexp: int) -> None:
 
 def check_layout(layout: str) -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"quant.layout={layout!r}: valid layouts are {list(LAYOUTS)} (compressed: the "
-                         f"compressed-tensors tensors, plus the CUDA kernels' copy where they run; kernel: only the "
-                         f"CUDA kernels' re-laid-out copy)")
+        raise ValueError(f"quant.layout={layout!r}: valid layouts are {list(LAYOUTS)} (auto: kernel where the CUDA "
+                         f"FP4 kernels run, else compressed; compressed: the compressed-tensors tensors, plus the CUDA "
+                         f"kernels' copy where they run; kernel: only the CUDA kernels' re-laid-out copy)")
     return layout
 
 

@@ -19,9 +19,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-#: How an NVFP4/MXFP4 base is held on the GPU (``quant.layout``): the checkpoint's compressed-tensors tensors (plus the
-#: CUDA kernels' copy where they run), or only the CUDA kernels' re-laid-out copy (``qerl.kernels.relaid``).
-LAYOUTS = ("compressed", "kernel")
+#: How an NVFP4/MXFP4 base is held (``quant.layout``): the checkpoint's compressed-tensors tensors (plus the CUDA
+#: kernels' copy where they run), only the CUDA kernels' re-laid-out copy (``qerl.kernels.relaid``), or ``auto``
+#: (the default): kernel where the CUDA FP4 kernels run (an NVFP4/MXFP4 base on a GPU that builds them), else
+#: compressed (the CPU, other formats); ``qerl.model.resolve_layout``.
+LAYOUTS = ("auto", "compressed", "kernel")
 KERNEL_LAYOUT_FORMATS = ("nvfp4", "mxfp4")  # the formats the CUDA kernels' layout can hold
 
 
