@@ -55,15 +55,25 @@ def _read(root: Path, name: str) -> pd.DataFrame | None:
     return pd.read_csv(p) if p.exists() else None
 
 
+KL = " (kernel layout)"
+
+
+def _kernel_layout(d: pd.DataFrame) -> pd.Series:
+    """Rows whose FP4 base was held only in the CUDA kernels' layout (``quant.layout=kernel``, or ``auto`` where
+    the kernels run); rows from before the option held the compressed-tensors layout."""
+    return (d["layout"].fillna("compressed") == "kernel") if "layout" in d else pd.Series(False, index=d.index)
+
+
 def memory_table(root: Path) -> str:
     d = _read(root, "memory.csv")
     if d is None:
         return "_no memory.csv_\n"
     lines = ["| model | method | weights | ours: model size (GB) | paper (Table 3) |", "|---|---|---|---|---|"]
-    for _, r in d.iterrows():
+    kl = _kernel_layout(d)
+    for i, r in d.iterrows():
         paper = SIZES.get(r["model"], {}).get(r["weights"])
-        lines.append(f"| {r['model']} | {r['method']} | {r['weights']} | {r['model_size_gb']:.2f} | "
-                     f"{_fmt(paper)} |")
+        lines.append(f"| {r['model']} | {r['method']}{KL if kl[i] else ''} | {r['weights']} | "
+                     f"{r['model_size_gb']:.2f} | {_fmt(paper)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -81,13 +91,13 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
         return f"_no {name}_\n"
     d = d[d["tokens_per_s"].notna()]
     d["decode"] = d["decode"].fillna("unfused") if "decode" in d else "unfused"
-    if "layout" in d:  # a base held only in the kernels' layout is another configuration of the same decode step
-        kl = d["layout"].fillna("compressed") == "kernel"
-        d.loc[kl, "decode"] = d.loc[kl, "decode"] + " (kernel layout)"
+    d["_step"] = d["decode"]  # the decode step the rows are grouped (and compared with BF16-LoRA) by
+    kl = _kernel_layout(d)  # a base held only in the kernels' layout: the same decode step, marked
+    d.loc[kl, "decode"] = d.loc[kl, "decode"] + KL
     if "lora_rank" not in d:
         d["lora_rank"] = 32
     if decode is not None:
-        d = d[d["decode"] == decode]
+        d = d[d["_step"] == decode]
     if rank is not None:
         d = d[d["lora_rank"] == rank]
     if d.empty:
@@ -97,7 +107,7 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
     paper = paper[paper.metric == "rollout_throughput"]
     lines = ["| model | batch | rank | decode | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | "
              "paper tok/s (vLLM) | paper ×LoRA | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (model, batch, rk, dec), g in d.groupby(["model", "batch_size", "lora_rank", "decode"], sort=False):
+    for (model, batch, rk, _), g in d.groupby(["model", "batch_size", "lora_rank", "_step"], sort=False):
         base = g[g.method == "LoRA"]
         qlora = g[g.method == "QLoRA"]
         pg = paper[(paper.model == model) & (paper.batch_size == batch)] if rk == 32 else paper.iloc[:0]
@@ -113,7 +123,7 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
             pv = pg[pg.method == r["method"]]["value"]
             pv = float(pv.iloc[0]) if len(pv) else None
             lines.append(
-                f"| {model} | {int(batch)} | {int(rk)} | {dec} | {r['method']} | {r['weights']} | "
+                f"| {model} | {int(batch)} | {int(rk)} | {r['decode']} | {r['method']} | {r['weights']} | "
                 f"{r['tokens_per_s']:.0f} | {ratio(r, base)} | {ratio(r, qlora)} | {_fmt(pv)} | "
                 f"{_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'} | "
                 f"{r.get('run', '')} ({r.get('git_sha', '')}) |")
@@ -167,6 +177,7 @@ def step_table(root: Path) -> str:
              "log-prob s | update s | peak GB | ours ×LoRA | paper ×LoRA (Table 3) | run (sha) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = ["model", "batch_size", "group_size", "micro_batch", "new_tokens", "gc"]
+    d["_label"] = d["method"] + _kernel_layout(d).map({True: KL, False: ""})
     for (model, batch, group, micro, new, gc), g in d.groupby(keys, sort=False, dropna=False):
         base_rows = g[(g.method == "LoRA") & (g.status == "ok")]
         base = base_rows["step_s"]
@@ -180,7 +191,7 @@ def step_table(root: Path) -> str:
             st = "ok" if ok else str(r["status"]).split(".")[0][:40]
             lines.append(
                 f"| {model} | {int(batch)} ({int(batch // group)} × {int(group)}) | {int(micro)} | "
-                f"{int(new) if new == new else '—'} | {'on' if gc else 'off'} | {r['method']} | {st} | "
+                f"{int(new) if new == new else '—'} | {'on' if gc else 'off'} | {r['_label']} | {st} | "
                 f"{_fmt(r['step_s']) if ok else '—'} | {_fmt(r['rollout_s']) if ok else '—'} | "
                 f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
                 f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "
@@ -189,6 +200,47 @@ def step_table(root: Path) -> str:
                 f"{_fmt(pv) if pv == pv else '—'} | "
                 f"{r.get('run', '')} ({r.get('git_sha', '') if r.get('git_sha', '') == r.get('git_sha', '') else ''}) |")
     return "\n".join(lines) + "\n"
+
+
+def layout_table(root: Path) -> str:
+    """Issue 10's one resident layout: each kernel-layout row of ``rollout.csv`` / ``step.csv`` beside the
+    compressed-layout row of the same configuration from the same session (``run``'s first path component), with
+    the speed ratio (> 1: the kernel layout is faster) and both peaks."""
+    lines = ["| bench | model | configuration | compressed | kernel layout | kernel speed ÷ compressed | "
+             "update s (c → k) | peak GB (c → k) | run (sha) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, value, unit, faster in (("rollout.csv", "tokens_per_s", "tok/s", "higher"),
+                                      ("step.csv", "step_s", "s/step", "lower")):
+        d = _read(root, name)
+        if d is None or "layout" not in d or "run" not in d:
+            continue
+        d = d[d["status"].fillna("ok") == "ok"] if "status" in d else d
+        d = d.assign(_session=d["run"].astype(str).str.split("/").str[0])
+        keys = [k for k in BENCH_IDENT if k in d.columns and k != "layout"] + ["_session"]
+        kern = d[_kernel_layout(d)]
+        comp = d[~_kernel_layout(d)]
+        for _, k in kern.iterrows():
+            m = comp
+            for c in keys:
+                m = m[(m[c] == k[c]) | (m[c].isna() & pd.isna(k[c]))]
+            if m.empty:
+                continue
+            c = m.iloc[-1]
+            ratio = k[value] / c[value] if faster == "higher" else c[value] / k[value]
+            if name == "rollout.csv":
+                conf = f"{int(k['batch_size'])} sequences, {int(k['new_tokens'])} new tokens"
+                upd = "—"
+            else:
+                g = k.get("group_size", k["batch_size"])
+                g = k["batch_size"] if g != g else g
+                mb = k.get("micro_batch", k["batch_size"])
+                mb = k["batch_size"] if mb != mb else mb
+                conf = (f"{int(k['batch_size'])} completions ({int(k['batch_size'] // g)} × {int(g)}), micro "
+                        f"{int(mb)}, {int(k['new_tokens'])} new, GC {'on' if k['gc'] else 'off'}")
+                upd = f"{_fmt(c['update_s'], 2)} → {_fmt(k['update_s'], 2)}"
+            lines.append(f"| {k['bench']} | {k['model']} | {conf} | {_fmt(c[value])} {unit} | "
+                         f"{_fmt(k[value])} {unit} | {ratio:.3f} | {upd} | "
+                         f"{_fmt(c['peak_mem_gb'])} → {_fmt(k['peak_mem_gb'])} | {k['run']} ({k.get('git_sha', '')}) |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else "_no kernel-layout rows with a same-session pair_\n"
 
 
 SCALE_KEYS = ["model", "weights", "global_batch", "group_size", "micro_batch", "gc", "new_tokens"]
@@ -361,6 +413,13 @@ L2 before that wait. `fused-no-pdl`: the same kernels launched one after the oth
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
 827 / BF16 739 tok/s, 14B 470 / 409, 32B 284 / 225.
 
+## One resident layout (issue 10, item 3): the base only in the CUDA kernels' layout
+`quant.layout=kernel` holds an NVFP4/MXFP4 base only in the CUDA kernels' re-laid-out layout (`qerl.kernels.relaid`)
+instead of the compressed-tensors tensors plus the kernels' second copy; `auto`, the default since session 27, picks it
+wherever the CUDA FP4 kernels run. Each kernel-layout row beside the compressed-layout row of the same configuration,
+measured in the same session on the same machine (`scripts/layout_gpu.sh`; `raw/h100_s27_layout/`, whose
+`ab/ab_order.txt` gives every run of the batch-8 A/B in order, including session 25's build):
+{layout_table(root)}
 ## One GRPO step end to end (Table 3; rollout + log-probs + update)
 The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
 2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).

@@ -62,6 +62,29 @@ def test_rollout_table_ratios_and_cross_run_mark(tmp_path):
     assert "unfused" not in md
 
 
+def test_kernel_layout_rows_pair_within_a_session(tmp_path):
+    """A kernel-layout row sits in the main table with its decode step (compared with the same BF16-LoRA row) and
+    in the layout table beside the compressed row of the same configuration and session only."""
+    m = "Qwen2.5-7B-Instruct"
+    d = pd.concat([_rollout([dict(_row(m, "QeRL", "NVFP4", 8, 2000.0), layout="compressed", peak_mem_gb=14.9),
+                             dict(_row(m, "QeRL", "NVFP4", 8, 2200.0), layout="kernel", peak_mem_gb=8.7),
+                             dict(_row(m, "LoRA", "BF16", 8, 1000.0), layout="compressed", peak_mem_gb=20.0)],
+                            "s27/ab"),
+                   # another session's kernel row of another batch: no compressed partner there, not paired
+                   _rollout([dict(_row(m, "QeRL", "NVFP4", 64, 7600.0), layout="kernel", peak_mem_gb=18.0)], "s28"),
+                   _rollout([dict(_row(m, "QeRL", "NVFP4", 64, 7000.0), layout="compressed", peak_mem_gb=24.0)],
+                            "s27/c3")])
+    d.to_csv(tmp_path / "rollout.csv", index=False)
+    main = speed.rollout_table(tmp_path, decode="fused")
+    kl = next(x for x in main.splitlines() if "fused (kernel layout)" in x and "| 8 |" in x)
+    assert [c.strip() for c in kl.split("|")][8] == "2.20"  # against the BF16-LoRA row of its own group
+    lay = speed.layout_table(tmp_path)
+    rows = [x for x in lay.splitlines() if x.startswith("| rollout")]
+    assert len(rows) == 1 and "2000.0 tok/s" in rows[0] and "2200.0 tok/s" in rows[0]
+    assert "| 1.100 |" in rows[0] and "14.9 → 8.7" in rows[0]
+    assert "no kernel-layout rows" in speed.layout_table(tmp_path / "missing")
+
+
 def test_rank_table_beside_paper_table9(tmp_path):
     d = _rollout([_row("Qwen2.5-7B-Instruct", m, w, 2, t, rank=r)
                   for r, t0 in ((16, 280.0), (64, 270.0))
