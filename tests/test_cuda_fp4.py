@@ -422,6 +422,24 @@ def test_gpu_dequantize_relaid_matches_compressed_tensors(fmt):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
+def test_gpu_relaid_dequant_mm_in_row_slices(fmt):
+    """Large M from the kernels' layout: dequantize + cuBLAS in L2-sized row slices (the tuned table's
+    ``cublas_chN``) gives the product of the whole dense weight, every output column written."""
+    from qerl import kernels as qk
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for i, (n, k) in enumerate(SHAPES):
+        w = _prep(fmt, _quant(fmt, n, k, seed=500 + i, device="cuda"))
+        x = torch.randn(512, k, device="cuda", generator=g).bfloat16()
+        ref = x.float() @ qk.dequantize_relaid(w, torch.empty((n, k), device="cuda")).t()
+        for chunk in (0, 1000, 2048):  # 1000: not a multiple of the 16-row strips
+            out = torch.full((512, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            qk._relaid_dequant_mm(x, w, out, chunk)
+            assert torch.isfinite(out).all() and ((out.float() - ref).norm() / ref.norm()) < 6e-3, (n, k, chunk)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_kernel_matches_reference(fmt):
     assert cf.available(), cf.build_error()
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -223,6 +223,15 @@ def _interpreter_main() -> None:
             out = torch.full((n, k), float("nan"))
             got = qk.dequantize_relaid(cw, out, bn=bn, bk=bk)
             assert torch.equal(got, FORMATS[fmt].dequantize(q, torch.float32)), (fmt, n, k, "relaid dequant")
+            x = torch.randn(5, k, generator=gen).bfloat16()
+            whole = torch.full((5, n), float("nan"), dtype=torch.bfloat16)
+            qk._relaid_dequant_mm(x, cw, whole, 0)
+            ref = x.float() @ got.t()
+            assert _rel(whole, ref) < 1e-2, (fmt, n, k, "relaid dequant+mm")
+            for chunk in (16, 40):  # row slices of the layout's 16-row strips (40 -> 32), the last one shorter
+                sliced = torch.full((5, n), float("nan"), dtype=torch.bfloat16)
+                qk._relaid_dequant_mm(x, cw, sliced, chunk)
+                assert _rel(sliced, ref) < 1e-2, (fmt, n, k, chunk, "chunked relaid dequant+mm")
     print("INTERPRETER-OK")
 
 

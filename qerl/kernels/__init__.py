@@ -501,9 +501,34 @@ def _relaid_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch
             cuda_fp4.gemv(x2, w, out, pdl=pdl_enabled(x2))
         elif x2.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, w.n, w.k, m, x.device):
             cuda_fp4.gemm(x2, w, out)
-        else:
-            torch.mm(x2, _relaid_dense(fmt, q, None, x2.dtype).t(), out=out)
+        else:  # the tuned table's row slices where it chose dequantize + cuBLAS (as for the compressed layout)
+            cfg = kernel_config(fmt, w.n, w.k, m, x.device) if x2.dtype == torch.bfloat16 else None
+            _relaid_dequant_mm(x2, w, out, sliced_rows(cfg.chunk, m, w.n) if cfg is not None and
+                               cfg.kernel == "cublas" else 0)
     return out.reshape(*x.shape[:-1], w.n)
+
+
+def _relaid_rows(w, r0: int, r1: int):
+    """Rows ``r0:r1`` (multiples of 16) of a re-laid-out weight, as views of its tensors."""
+    from qerl.kernels import cuda_fp4
+    return cuda_fp4.weight_from(w.fmt, w.qweight[r0 // 16:r1 // 16], w.scales[r0 // 16:r1 // 16], w.global_scale,
+                                w.bexp)
+
+
+def _relaid_dequant_mm(x2: torch.Tensor, w, out: torch.Tensor, chunk: int) -> None:
+    """out (M, N) = x2 @ Ŵᵀ from the kernels' layout by ``dequantize_relaid`` + cuBLAS; with ``chunk`` rows at a
+    time (rounded down to the 16-row strips of the layout) so each dequantized slice is still in L2 when cuBLAS reads
+    it, like ``_dequant_mm`` for the compressed-tensors layout; 0: the whole weight into the workspace."""
+    chunk -= chunk % 16
+    if not chunk or chunk >= w.n:
+        dense = dequantize_relaid(w, _workspace(x2.device, x2.dtype, w.n * w.k).view(w.n, w.k))
+        torch.mm(x2, dense.t(), out=out)
+        return
+    buf = _workspace(x2.device, x2.dtype, chunk * w.k).view(chunk, w.k)
+    for n0 in range(0, w.n, chunk):
+        r = min(chunk, w.n - n0)
+        dequantize_relaid(_relaid_rows(w, n0, n0 + r), buf[:r])
+        torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
 def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, act=None) -> torch.Tensor | None:
