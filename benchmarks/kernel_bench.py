@@ -10,7 +10,9 @@ over consecutive layer copies in one graph. Effective bytes/s (weights + x + out
 with a device-to-device copy measured in the same run; speed-ups are against BF16 ``F.linear``. Backward
 (``qmm_t``, grad_input = g W) is timed at M >= 512. NF4 goes through bitsandbytes if it imports.
 ``--tune`` first times candidate kernel configurations per (format, layer shape, M) the same way and uses
-the fastest (the table is printed for ``configs.TUNED``). Writes ``layers_<gpu>.csv`` / ``.md`` (and
+the fastest (the table is printed for ``configs.TUNED``). ``--layout kernel|both`` times NVFP4/MXFP4 weights held
+in the CUDA kernels' layout alone (``quant.layout=kernel``, ``qerl.kernels.relaid``: large M and the backward
+rebuild the dense weight with ``dequantize_relaid``) as columns ``<fmt>-kernel``. Writes ``layers_<gpu>.csv`` / ``.md`` (and
 ``layers_tune_<gpu>.csv``) under ``--out`` and prints the markdown last.
 """
 
@@ -38,6 +40,12 @@ MODELS = {  # hidden, intermediate, heads, kv heads, head_dim
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
 ROTATE_BYTES = 160 << 20
 MAX_COPIES = 160
+KL = "-kernel"  # a column label's suffix: the format's weights held in the CUDA kernels' layout alone
+
+
+def _base(fmt: str) -> str:
+    """The format of a column label (``nvfp4-kernel`` -> ``nvfp4``)."""
+    return fmt.removesuffix(KL)
 
 
 def _fp4(fmt: str) -> bool:
@@ -45,7 +53,24 @@ def _fp4(fmt: str) -> bool:
     from qerl.kernels import FP4Kernels
     from qerl.quant import get_format
 
-    return isinstance(get_format(fmt).kernels, FP4Kernels)
+    return isinstance(get_format(_base(fmt)).kernels, FP4Kernels)
+
+
+def layout_columns(fmts: list[str], layout: str) -> list[str]:
+    """The column labels of ``--layout``: compressed (the formats as given), kernel (NVFP4/MXFP4 in the kernels'
+    layout instead) or both (each such format twice)."""
+    from qerl.quant.base import KERNEL_LAYOUT_FORMATS
+
+    if layout not in ("compressed", "kernel", "both"):
+        raise ValueError(f"--layout {layout!r}: valid layouts are compressed, kernel, both")
+    out = []
+    for f in fmts:
+        kl = f in KERNEL_LAYOUT_FORMATS
+        if layout != "kernel" or not kl:
+            out.append(f)
+        if layout != "compressed" and kl:
+            out.append(f + KL)
+    return out
 
 
 def fp4_formats() -> list[str]:
@@ -115,17 +140,26 @@ class _Weights:
     """A quantized random weight and enough copies of it to rotate through more than the L2 cache."""
 
     def __init__(self, fmt: str, n: int, k: int, seed: int):
-        from qerl.kernels import prepare
+        from qerl.kernels import prepare, relaid
         from qerl.quant import FORMATS
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
-        q = FORMATS[fmt].quantize(w.bfloat16() if fmt == "bf16" else w)
+        base = _base(fmt)
+        q = FORMATS[base].quantize(w.bfloat16() if base == "bf16" else w)
         del w
+        if fmt.endswith(KL):  # the kernels' layout alone, as relayout_model leaves a linear
+            q = relaid.from_compressed(FORMATS[base], q)
+            if q is None:
+                raise ValueError(f"{fmt} {(n, k)}: this weight cannot be held exactly in the kernels' layout")
+            relaid.note_bexp(q["weight_relaid"], int(q["weight_relaid_bexp"][0]))
         self.nbytes = sum(t.numel() * t.element_size() for t in q.values())
         reps = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / self.nbytes)))
         self.qs = [q] + [{kk: v.clone() for kk, v in q.items()} for _ in range(reps - 1)]
-        if _fp4(fmt):
-            self.pws = [prepare(fmt, qq) for qq in self.qs]
+        for qq in self.qs[1:]:
+            if fmt.endswith(KL):
+                relaid.note_bexp(qq["weight_relaid"], int(q["weight_relaid_bexp"][0]))
+        if _fp4(fmt) and not fmt.endswith(KL):
+            self.pws = [prepare(base, qq) for qq in self.qs]
 
 
 def _call(fmt: str, wts: _Weights, i: int, x: torch.Tensor, op: str, cfg=None):
@@ -143,7 +177,12 @@ def _call(fmt: str, wts: _Weights, i: int, x: torch.Tensor, op: str, cfg=None):
         w = q["weight"]
         return (lambda: torch.matmul(x, w)) if op == "bwd" else (lambda: F.linear(x, w))
     f = qk.qmm_t if op == "bwd" else qk.qmm
-    return lambda: f(x, fmt, q)
+    base = _base(fmt)
+    if fmt.endswith(KL):
+        from qerl.kernels import relaid
+        from qerl.quant import FORMATS
+        relaid.weight(FORMATS[base], q)  # its one host read, before any capture
+    return lambda: f(x, base, q)
 
 
 def _graph_ms(calls: list, rep_ms: float) -> tuple[float, str]:
@@ -384,7 +423,7 @@ def run(models, ms, fmts, rep_ms, copy_bw) -> list[dict]:
                         t = _time_fn(fmt, w, m, k, n, op, rep_ms)
                         xin = torch.empty(m, n if op == "bwd" else k, device=DEVICE, dtype=torch.bfloat16)
                         if op == "fwd" or not _fp4(fmt):
-                            backends.add(qk.backend_for(fmt, xin, w.qs[0]))
+                            backends.add(qk.backend_for(_base(fmt), xin, w.qs[0]))
                         else:
                             backends.add("dequant_cublas")
                         nbytes = w.nbytes + 2 * m * (n + k)
@@ -418,7 +457,8 @@ def markdown(rows, header: str) -> str:
     from qerl.quant import FORMATS
 
     seen = set(r["fmt"] for r in layer)
-    fmts = [f for f in FORMATS if f in seen] + sorted(seen - set(FORMATS))  # registry order: BF16 first
+    fmts = [c for f in FORMATS for c in (f, f + KL) if c in seen]  # registry order (BF16 first), layouts together
+    fmts += sorted(seen - set(fmts))
     out = [header, ""]
     for mdl in dict.fromkeys(r["model"] for r in layer):
         for op in ("fwd", "bwd"):
@@ -462,6 +502,9 @@ def main(argv=None) -> None:
                     help="configurations per M carried from the full sweep to the other models' shapes")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--layout", default="compressed", choices=["compressed", "kernel", "both"],
+                    help="NVFP4/MXFP4 weights in the compressed-tensors layout, the CUDA kernels' layout alone "
+                         "(columns <fmt>-kernel), or both")
     ap.add_argument("--precompile-only", action="store_true",
                     help="only compile the tuning candidates in parallel (fills Triton's cache) and exit")
     a = ap.parse_args(argv)
@@ -478,7 +521,7 @@ def main(argv=None) -> None:
     from qerl import kernels as qk
     from qerl.quant import FORMATS
 
-    fmts = [f for f in (a.fmts or ",".join(FORMATS)).split(",") if f]
+    fmts = layout_columns([f for f in (a.fmts or ",".join(FORMATS)).split(",") if f], a.layout)
     if "nf4" in fmts:
         try:
             import bitsandbytes  # noqa: F401
@@ -491,7 +534,7 @@ def main(argv=None) -> None:
     bw = copy_bandwidth()
     print(f"[bench] {name}: device-to-device copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     if a.tune:
-        best = tune(a.tune_models.split(","), [f for f in fmts if _fp4(f)],
+        best = tune(a.tune_models.split(","), [f for f in fmts if _fp4(f) and not f.endswith(KL)],
                     [int(v) for v in a.tune_m.split(",")], a.tune_rep,
                     os.path.join(a.out, f"layers_tune_{tag}.csv"), a.workers,
                     more_models=a.models.split(","), top=a.tune_top)

@@ -229,3 +229,25 @@ def test_unfused_group_members_convert_one_by_one():
         assert relaid.is_relaid(m.packed) and m.weight_global_scale.item() == gs[list(ref).index(name)]
         assert torch.equal(m.dequantized_weight(torch.float32), w)
         assert torch.equal(fmt.linear(x, m.packed), x @ w.t())
+
+
+def test_layer_benchmark_times_the_kernel_layout_as_its_own_columns(monkeypatch):
+    """``benchmarks.kernel_bench --layout kernel|both``: an NVFP4/MXFP4 column ``<fmt>-kernel`` holds its weights in
+    the kernels' layout alone and its timed products (forward and backward) are the compressed column's."""
+    from benchmarks import kernel_bench as kb
+
+    assert kb.layout_columns(["bf16", "nvfp4", "mxfp4", "nf4"], "both") == \
+        ["bf16", "nvfp4", "nvfp4-kernel", "mxfp4", "mxfp4-kernel", "nf4"]
+    assert kb.layout_columns(["bf16", "nvfp4"], "kernel") == ["bf16", "nvfp4-kernel"]
+    assert kb.layout_columns(["nvfp4"], "compressed") == ["nvfp4"]
+    with pytest.raises(ValueError, match="valid layouts are compressed, kernel, both"):
+        kb.layout_columns(["nvfp4"], "fragments")
+    monkeypatch.setattr(kb, "DEVICE", "cpu")
+    monkeypatch.setattr(kb, "ROTATE_BYTES", 1)  # one copy of each weight
+    for fmt in FP4:
+        assert kb._fp4(fmt + kb.KL)
+        wc, wk = kb._Weights(fmt, 48, 192, seed=4), kb._Weights(fmt + kb.KL, 48, 192, seed=4)
+        assert relaid.is_relaid(wk.qs[0]) and "weight_packed" not in wk.qs[0] and not hasattr(wk, "pws")
+        x, g = torch.randn(5, 192).bfloat16(), torch.randn(5, 48).bfloat16()
+        assert torch.equal(kb._call(fmt, wc, 0, x, "fwd")(), kb._call(fmt + kb.KL, wk, 0, x, "fwd")())
+        assert torch.equal(kb._call(fmt, wc, 0, g, "bwd")(), kb._call(fmt + kb.KL, wk, 0, g, "bwd")())
