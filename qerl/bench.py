@@ -110,18 +110,26 @@ def _policy(model: str, fmt: str, rank: int, device: str):
 
 
 def bench_memory(models, formats, device, sink=None) -> list[dict]:
-    """Resident weight memory of each format (Table 3's 'model size')."""
+    """Resident weight memory of each format (Table 3's 'model size'), after loading and again after a short
+    decode: ``decode_copy_gb`` is what the decode kernels added (their re-laid-out copy of a compressed-tensors
+    base; none in ``quant.layout=kernel``)."""
+    from qerl.kernels import prepared_bytes
+
     rows = []
     for m in models:
         for f in formats:
             _free()
-            policy, _ = _policy(m, f, 32, device)
+            policy, tok = _policy(m, f, 32, device)
             b = resident_weight_bytes(policy)
+            alloc = torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None
+            before = prepared_bytes()
+            Sampler(policy, tok, max_prompt_tokens=16, cuda_graphs=False).generate(["1 + 1 ="], 1, max_new_tokens=2)
+            copy = prepared_bytes() - before
             rows.append(dict(bench="memory", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
                              quantized_linears_gb=b["quantized_base"] / 1e9, other_frozen_gb=b["other_frozen"] / 1e9,
                              lora_gb=b["trainable"] / 1e9, model_size_gb=(b["quantized_base"] + b["other_frozen"]) / 1e9,
-                             cuda_allocated_gb=torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-                             **_env()))
+                             decode_copy_gb=copy / 1e9, resident_after_decode_gb=(b["quantized_base"] + copy) / 1e9,
+                             cuda_allocated_gb=alloc, **_env()))
             print(rows[-1])
             if sink:
                 sink(rows[-1])

@@ -229,3 +229,17 @@ def test_scaling_rows_keep_each_machine_and_compare_within_a_session(tmp_path):
     # the same machine measured again replaces its rows
     speed.merge_run(src, root, "h100x4b", sha="cafe124")
     assert sorted(pd.read_csv(root / "scaling.csv")["run"]) == ["h100x4b"] * 3 + ["h200x2"] * 2
+
+
+def test_bench_memory_reports_what_decode_adds_on_cpu(tmp_path):
+    """``qerl.bench memory`` loads each format, decodes two tokens, and records the resident weights before and the
+    decode kernels' copy after (none on the CPU: no CUDA kernels); the memory table shows both."""
+    from qerl import bench
+
+    bench.main(["memory", "--models", "tiny", "--formats", "nvfp4,bf16", "--device", "cpu", "--out", str(tmp_path)])
+    d = pd.read_csv(tmp_path / "memory.csv")
+    assert list(d["weights"]) == ["NVFP4", "BF16"] and (d["model_size_gb"] > 0).all()
+    assert (d["decode_copy_gb"] == 0).all() and (d["resident_after_decode_gb"] == d["quantized_linears_gb"]).all()
+    assert list(d["layout"]) == ["compressed", "compressed"]  # auto on the CPU
+    md = speed.memory_table(tmp_path)
+    assert "+ decode kernels' copy (GB)" in md and "| 0.00 |" in md

@@ -223,6 +223,12 @@ def _cuda_weight(fmt, q: Mapping[str, torch.Tensor]):
     return w
 
 
+def prepared_bytes() -> int:
+    """Bytes held by the CUDA kernels' re-laid-out copies of compressed-tensors weights (made at a weight's first
+    CUDA GEMV/GEMM, kept while the weight lives): the second copy that ``quant.layout=kernel`` does without."""
+    return sum(hit[1].nbytes for hit in list(_CUDA_PREPARED.values()) if hit[1] is not None)
+
+
 def _cuda_gemv_ok(x: torch.Tensor, m: int, n: int, k: int) -> bool:
     return (m <= CUDA_GEMV_MAX_M and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0
             and cuda_gemv_enabled(x.device))
