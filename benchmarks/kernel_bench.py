@@ -151,14 +151,13 @@ class _Weights:
             q = relaid.from_compressed(FORMATS[base], q)
             if q is None:
                 raise ValueError(f"{fmt} {(n, k)}: this weight cannot be held exactly in the kernels' layout")
-            relaid.note_bexp(q["weight_relaid"], int(q["weight_relaid_bexp"][0]))
         self.nbytes = sum(t.numel() * t.element_size() for t in q.values())
         reps = max(1, min(MAX_COPIES, math.ceil(ROTATE_BYTES / self.nbytes)))
         self.qs = [q] + [{kk: v.clone() for kk, v in q.items()} for _ in range(reps - 1)]
-        for qq in self.qs[1:]:
-            if fmt.endswith(KL):
+        if fmt.endswith(KL):  # every copy's decode exponent known before any capture
+            for qq in self.qs:
                 relaid.note_bexp(qq["weight_relaid"], int(q["weight_relaid_bexp"][0]))
-        if _fp4(fmt) and not fmt.endswith(KL):
+        elif _fp4(fmt):
             self.pws = [prepare(base, qq) for qq in self.qs]
 
 

@@ -217,8 +217,8 @@ def layout_table(root: Path) -> str:
         d = d[d["status"].fillna("ok") == "ok"] if "status" in d else d
         d = d.assign(_session=d["run"].astype(str).str.split("/").str[0])
         keys = [k for k in BENCH_IDENT if k in d.columns and k != "layout"] + ["_session"]
-        kern = d[_kernel_layout(d)]
-        comp = d[~_kernel_layout(d)]
+        kl = _kernel_layout(d)
+        kern, comp = d[kl], d[~kl]
         for _, k in kern.iterrows():
             m = comp
             for c in keys:

@@ -373,14 +373,11 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
     """
     f = get_format(fmt)  # a name is looked up (a UserError lists the valid ones)
     fmt = f.name
-    from qerl.kernels import relaid
-
-    relaid.check_layout(layout)
     if layout == "kernel" and fmt not in KERNEL_LAYOUT_FORMATS:
         raise ValueError(f"layout='kernel' holds an FP4 base in the CUDA kernels' layout; the format must be nvfp4 "
                          f"or mxfp4, got {fmt!r}")
     device = torch.device(device) if device is not None else default_device()
-    layout = resolve_layout(layout, fmt, device)
+    layout = resolve_layout(layout, fmt, device)  # checks the name too
     dtype = dtype or default_dtype(device)
     kind, obj = resolve_source(source)
     torch.manual_seed(seed)

@@ -524,12 +524,10 @@ def _relaid_rows(w, r0: int, r1: int):
 def _relaid_dequant_mm(x2: torch.Tensor, w, out: torch.Tensor, chunk: int) -> None:
     """out (M, N) = x2 @ Ŵᵀ from the kernels' layout by ``dequantize_relaid`` + cuBLAS; with ``chunk`` rows at a
     time (rounded down to the 16-row strips of the layout) so each dequantized slice is still in L2 when cuBLAS reads
-    it, like ``_dequant_mm`` for the compressed-tensors layout; 0: the whole weight into the workspace."""
+    it, like ``_dequant_mm`` for the compressed-tensors layout; 0: the whole weight at once (one slice)."""
     chunk -= chunk % 16
     if not chunk or chunk >= w.n:
-        dense = dequantize_relaid(w, _workspace(x2.device, x2.dtype, w.n * w.k).view(w.n, w.k))
-        torch.mm(x2, dense.t(), out=out)
-        return
+        chunk = w.n
     buf = _workspace(x2.device, x2.dtype, chunk * w.k).view(chunk, w.k)
     for n0 in range(0, w.n, chunk):
         r = min(chunk, w.n - n0)
