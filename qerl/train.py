@@ -673,6 +673,8 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:  # a mistake the user must fix: one line, no traceback (once per job, from rank 0)
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
+        else:  # every rank finds a launch error at once; the first to exit makes torchrun stop the others, so the
+            time.sleep(5)  # other ranks leave rank 0 time to say it (else, under load, the job can end silently)
         sys.exit(2)
     if rank == 0:
         print(f"[qerl] {cfg.run_dir}: reward {summary.get('reward_first')} -> {summary.get('reward_last')}; "
