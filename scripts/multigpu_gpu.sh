@@ -15,6 +15,10 @@
 #                                          last of CURVE_GPUS) and on 2 GPUs (its first two; torchrun, NCCL); with
 #                                          4 GPUs, CURVE_GPUS=2,3 runs them beside `bench 4`'s first rows; ARGS are
 #                                          extra `experiments.evidence` jobs "ROOT|GPU|args..." run beside them
+#   scripts/multigpu_gpu.sh side GPUS NAME 'CMD'   background: the shell snippet CMD on GPUS (CUDA_VISIBLE_DEVICES) from its own copy
+#                                          of the checkout, log $RES/side-NAME.log; `bench 4`'s all-GPU rows wait
+#                                          until every side job has finished (e.g. issue 11's one-GPU rows, the
+#                                          GPU tests or a decode profile on the GPUs the first rows leave free)
 #   scripts/multigpu_gpu.sh mps            CUDA MPS (as scripts/evidence_gpu.sh mps), kept only if a 2-rank NCCL
 #                                          all-reduce also works under it; `curves` and `tests` then use it
 #   scripts/multigpu_gpu.sh tests          background: pytest -m gpu (this checkout), log in /root/res13
@@ -89,8 +93,8 @@ bench)
       > $RES/bench-w1-bf16.log 2>&1 &
     wait
     python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 2 --out $RES/speed > $RES/bench-w2.log 2>&1
-    if [ $n -ge 4 ]; then  # all GPUs: wait for curves started beside the 1- and 2-GPU rows (CURVE_GPUS=2,3)
-      while pgrep -f 'experiments[.]evidence' > /dev/null; do sleep 5; done
+    if [ $n -ge 4 ]; then  # all GPUs: wait for curves (CURVE_GPUS=2,3) and side jobs beside the 1- and 2-GPU rows
+      while pgrep -f 'experiments[.]evidence' > /dev/null || ls $RES/side-*.lock > /dev/null 2>&1; do sleep 5; done
       python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 4 --out $RES/speed > $RES/bench-w4.log 2>&1
     fi
     python3 - <<'EOF'
@@ -127,6 +131,17 @@ curves)
   done
   echo "curves started (1 GPU on cuda:$last, 2 GPUs on $two) and $i more evidence jobs"
   ;;
+side)
+  [ $# -ge 4 ] || { echo "usage: $0 side GPUS NAME CMD..."; exit 2; }
+  gpus=$2; name=$3; shift 3
+  copy_tree /root/q13-$name
+  cd /root/q13-$name || exit 1
+  touch $RES/side-$name.lock
+  echo "$*" > $RES/side-$name.cmd  # one shell snippet (quote it whole: side 2 prof "python3 -m ... && ...")
+  setsid nohup bash -c "CUDA_VISIBLE_DEVICES=$gpus bash $RES/side-$name.cmd > $RES/side-$name.log 2>&1; \
+    echo EXIT \$? >> $RES/side-$name.log; rm -f $RES/side-$name.lock" > /dev/null 2>&1 < /dev/null &
+  echo "side job $name started on GPUs $gpus"
+  ;;
 tests)
   mps_env
   copy_tree /root/q13t
@@ -137,7 +152,7 @@ tests)
   ;;
 wait)
   end=$((SECONDS + ${2:-60}))
-  while [ $SECONDS -lt $end ] && pgrep -f "qerl\.(bench|train)|experiments\.(evidence|worker)|pytest -m gpu" > /dev/null; do
+  while [ $SECONDS -lt $end ] && { pgrep -f "qerl\.(bench|train)|experiments\.(evidence|worker)|pytest -m gpu" > /dev/null || ls $RES/side-*.lock > /dev/null 2>&1; }; do
     sleep 5
   done
   for f in $RES/bench-*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "status|Error|error" "$f" | tail -4; }; done
@@ -146,6 +161,7 @@ wait)
     [ -f "$f" ] && { echo "== $f"; grep -E "done|FAILED|error" "$f" | tail -6; }
   done
   [ -f $RES/gpu-tests.log ] && { echo "== gpu tests"; tail -4 $RES/gpu-tests.log; }
+  for f in $RES/side-*.log; do [ -f "$f" ] && { echo "== $f"; tail -3 "$f"; }; done
   echo "finished runs: $(ls $RES/*/evidence/$SCALE/*/summary.json 2>/dev/null | wc -l)"
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   ;;
