@@ -84,6 +84,24 @@ def _size(model: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _reference(ref: pd.DataFrame, r) -> tuple[pd.Series | None, str]:
+    """The row of ``ref`` to compare ``r`` with, and "†" unless it comes from r's run: r's own run first, else a
+    row of the same GPU model; none (no ratio) when only other GPUs have one — an H200's row against an H100's
+    would mix two memory systems. Rows without a device compare with any."""
+    if not len(ref):
+        return None, ""
+    if "run" in ref:
+        same = ref[ref["run"] == r.get("run")]
+        if len(same):
+            return same.iloc[0], ""
+    dev = r.get("device")
+    if "device" in ref and isinstance(dev, str) and dev:
+        ref = ref[ref["device"].isna() | (ref["device"] == dev)]
+        if not len(ref):
+            return None, ""
+    return ref.iloc[0], "†"
+
+
 def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = None, rank: int | None = 32) -> str:
     """Ours beside the paper's (Tables 5-8), grouped by model, batch, LoRA rank and decode step; ×LoRA and
     ×QLoRA against our own rows of the same group (marked † where that row came from another run)."""
@@ -115,10 +133,8 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
         p_lora = pg[pg.method == "LoRA"]["value"]
 
         def ratio(r, ref):
-            if not len(ref):
-                return "—"
-            mark = "" if ref["run"].iloc[0] == r.get("run") else "†"
-            return _fmt(r["tokens_per_s"] / ref["tokens_per_s"].iloc[0], 2) + mark
+            ref, mark = _reference(ref, r)
+            return "—" if ref is None else _fmt(r["tokens_per_s"] / ref["tokens_per_s"], 2) + mark
 
         for _, r in g.sort_values("tokens_per_s", ascending=False).iterrows():
             pv = pg[pg.method == r["method"]]["value"]
@@ -138,25 +154,26 @@ def rank_table(root: Path) -> str:
     if d is None:
         return "_no rollout.csv_\n"
     d = d[d["tokens_per_s"].notna() & (d.get("decode", "fused") == "fused")]
-    swept = d.groupby(["model", "batch_size"])["lora_rank"].nunique()
+    if "device" not in d:
+        d = d.assign(device="")
+    d = d.assign(device=d["device"].fillna(""))
+    swept = d.groupby(["model", "batch_size", "device"])["lora_rank"].nunique()  # a sweep is one GPU's rows
     swept = swept[swept > 1]
     if swept.empty:
         return "_no rank sweep_\n"
     t9 = pd.read_csv(PAPER_DIR / "table9.csv")
     lines = ["| model | batch (ours) | weights | rank | ours tok/s | ours ×LoRA | paper tok/s (vLLM, batch 1) | "
              "paper ×LoRA |", "|---|---|---|---|---|---|---|---|"]
-    for (model, batch) in swept.index:
-        g = d[(d.model == model) & (d.batch_size == batch)].sort_values(["lora_rank", "weights"])
+    for (model, batch, device) in swept.index:
+        g = d[(d.model == model) & (d.batch_size == batch) & (d.device == device)].sort_values(["lora_rank", "weights"])
         for _, r in g.iterrows():
-            base = g[(g.lora_rank == r.lora_rank) & (g.weights == "BF16")]
-            b = base["tokens_per_s"]
-            other = "run" in g and len(base) and base["run"].iloc[0] != r["run"]  # the BF16 row of another run
+            ref, mark = _reference(g[(g.lora_rank == r.lora_rank) & (g.weights == "BF16")], r)
             pv = t9[(t9.model == model) & (t9.weights == r.weights) & (t9.lora_rank == r.lora_rank)]
             pb = t9[(t9.model == model) & (t9.weights == "BF16") & (t9.lora_rank == r.lora_rank)]
             pvv = float(pv.rollout_throughput_tokens_per_s.iloc[0]) if len(pv) else None
             pbv = float(pb.rollout_throughput_tokens_per_s.iloc[0]) if len(pb) else None
             lines.append(f"| {model} | {int(batch)} | {r.weights} | {int(r.lora_rank)} | {r.tokens_per_s:.0f} | "
-                         f"{_fmt(r.tokens_per_s / b.iloc[0], 2) + ('†' if other else '') if len(b) else '—'} | "
+                         f"{_fmt(r.tokens_per_s / ref.tokens_per_s, 2) + mark if ref is not None else '—'} | "
                          f"{_fmt(pvv)} | "
                          f"{_fmt(pvv / pbv, 2) if pvv and pbv else '—'} |")
     return "\n".join(lines) + "\n"
@@ -511,7 +528,7 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         for df in (old, new):  # rows from before the kernels' layout existed held the compressed-tensors one
             if len(df):
                 df["layout"] = df["layout"].fillna("compressed") if "layout" in df else "compressed"
-        ident = (*IDENT, "device") if f.name == "scaling.csv" else IDENT  # 2 H200s and 4 H100s: rows of both
+        ident = (*IDENT, "device")  # an H200's row does not replace an H100's: both are kept (scaling: 2 H200s, 4 H100s)
         keys = [k for k in ident if k in new.columns and k in old.columns]
         if len(old) and keys:
             ids = set(_ident(new, keys))

@@ -230,6 +230,7 @@ def test_tuned_gemm_table(tmp_path, monkeypatch):
     monkeypatch.setattr(cf, "_GEMM_TABLE_DIR", tmp_path)
     entries = [dict(fmt="nvfp4", N=3584, K=3584, M=m, config=[8, 1, 2, ks], us=1.0, prev_us=2.0, wins=wins)
                for m, ks, wins in [(64, 2, True), (24, 4, True), (512, 1, False)]]
+    entries.append(dict(fmt="nvfp4", N=18944, K=3584, M=256, config=[8, 1, 2, 1], us=1.0, prev_us=2.0, wins=True))
     cf._table_path("NVIDIA H100 80GB HBM3").write_text(json.dumps({"device": "x", "entries": entries}))
     assert cf._table_path("NVIDIA H100 80GB HBM3").name == "cuda_gemm_nvidia_h100_80gb_hbm3.json"
     name = "NVIDIA H100 80GB HBM3"
@@ -239,6 +240,10 @@ def test_tuned_gemm_table(tmp_path, monkeypatch):
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 64, name) == ((8, 1, 2, 2), True)
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 100, name) == ((8, 1, 2, 1), False)  # next: 512
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 4096, name) == ((8, 1, 2, 1), False)  # above all: largest
+        # a sweep that stopped where the GEMM still won: above it nothing was measured, so no win is extrapolated
+        assert cf.tuned_gemm_config("nvfp4", 18944, 3584, 256, name) == ((8, 1, 2, 1), True)
+        assert cf.tuned_gemm_config("nvfp4", 18944, 3584, 257, name) == ((8, 1, 2, 1), False)
+        assert cf.tuned_gemm_config("nvfp4", 18944, 3584, 8192, name) == ((8, 1, 2, 1), False)
         assert cf.tuned_gemm_config("mxfp4", 3584, 3584, 64, name) is None
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 64, "other GPU") is None
         # installing a new table replaces the cached one at once

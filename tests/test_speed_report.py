@@ -48,6 +48,24 @@ def test_merge_replaces_same_identity_and_keeps_the_rest(tmp_path):
         speed.merge_run(tmp_path / "missing", root, "x")
 
 
+def test_merge_keeps_the_same_row_from_another_gpu(tmp_path):
+    """An H200 row does not replace the H100 row of the same configuration (the issues' targets are per GPU); a
+    second H200 row replaces the first."""
+    root = tmp_path / "speed"
+    root.mkdir()
+    row = _row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 8, 2451.0)
+    _rollout([dict(row, device="NVIDIA H100 80GB HBM3")], "h100").to_csv(root / "rollout.csv", index=False)
+    for name, tps in (("h200_a", 2886.0), ("h200_b", 2900.0)):
+        src = tmp_path / name
+        src.mkdir()
+        _rollout([dict(row, tokens_per_s=tps, device="NVIDIA H200")], name).to_csv(src / "rollout.csv", index=False)
+        speed.merge_run(src, root, name)
+    d = pd.read_csv(root / "rollout.csv")
+    got = sorted(zip(d["device"], d["tokens_per_s"], d["run"], strict=True))
+    assert got == [("NVIDIA H100 80GB HBM3", 2451.0, "h100"),
+                   ("NVIDIA H200", 2900.0, "h200_b")]
+
+
 def test_rollout_table_ratios_and_cross_run_mark(tmp_path):
     d = pd.concat([_rollout([_row("Qwen2.5-32B-Instruct", "QeRL", "NVFP4", 8, 520.0),
                              _row("Qwen2.5-32B-Instruct", "QLoRA", "NF4", 8, 130.0),
@@ -243,3 +261,18 @@ def test_bench_memory_reports_what_decode_adds_on_cpu(tmp_path):
     assert list(d["layout"]) == ["compressed", "compressed"]  # auto on the CPU
     md = speed.memory_table(tmp_path)
     assert "+ decode kernels' copy (GB)" in md and "| 0.00 |" in md
+
+
+def test_rollout_ratios_compare_rows_of_one_gpu_model(tmp_path):
+    """×LoRA uses the BF16 row of the same run; else one of the same GPU (†); never another GPU's (—)."""
+    rows = [dict(_row("Qwen2.5-7B-Instruct", "LoRA", "BF16", 8, 1000.0), device="NVIDIA H100 80GB HBM3"),
+            dict(_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 8, 2000.0), device="NVIDIA H100 80GB HBM3")]
+    d = pd.concat([_rollout(rows, "h100_a"),
+                   _rollout([dict(_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 8, 2500.0),
+                                  device="NVIDIA H100 80GB HBM3")], "h100_b"),
+                   _rollout([dict(_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 8, 2900.0), device="NVIDIA H200")],
+                            "h200_a")])
+    d.to_csv(tmp_path / "rollout.csv", index=False)
+    table = speed.rollout_table(tmp_path)
+    cells = {line.split(" | ")[6]: line.split(" | ")[7] for line in table.splitlines() if "| QeRL |" in line}
+    assert cells == {"2000": "2.00", "2500": "2.50†", "2900": "—"}, table

@@ -972,15 +972,18 @@ def install_gemm_table(device_name: str, text: str) -> Path:
 
 
 def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tuple[tuple, bool] | None:
-    """(config, wins) measured for the smallest tuned M >= m of this (fmt, N, K) on the device (the largest
-    tuned M when m is above all), or None when the shape was not tuned."""
+    """(config, wins) measured for the smallest tuned M >= m of this (fmt, N, K) on the device, or None when the
+    shape was not tuned. Above the largest tuned M nothing was measured: the largest M's configuration with
+    ``wins`` False, so the dispatcher leaves that M to the large-M path (dequantize + cuBLAS). Extrapolating a
+    win instead sent the update's M ~ 8 K rows through the mid-M GEMM on an H200 whose sweep stopped at M = 256,
+    where it won (log-probs + update 22 s -> 32 s per GRPO step)."""
     rows = load_gemm_table(device_name).get((fmt, n, k))
     if not rows:
         return None
     for mm, cfg, wins in rows:
         if mm >= m:
             return cfg, wins
-    return rows[-1][1], rows[-1][2]
+    return rows[-1][1], False
 
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
