@@ -22,7 +22,8 @@
 #   scripts/multigpu_gpu.sh mps            CUDA MPS (as scripts/evidence_gpu.sh mps), kept only if a 2-rank NCCL
 #                                          all-reduce also works under it; `curves` and `tests` then use it
 #   scripts/multigpu_gpu.sh tests          background: pytest -m gpu (this checkout), log in /root/res13
-#   scripts/multigpu_gpu.sh wait SECONDS   wait up to SECONDS while a background job runs; print progress
+#   scripts/multigpu_gpu.sh wait SECONDS   wait up to SECONDS while a background job runs; print progress; then,
+#                                          where the device tool set OUT, pack as below (PACK=0: don't)
 #   scripts/multigpu_gpu.sh pack           /root/res13 without checkpoints -> $OUT/res13.tgz.* (15 MB pieces)
 # Back here, unpack into DIR and compare the curves: python -m paper_figures.scaling_curves --one DIR/c1 --two DIR/c2
 #   --scale $SCALE --arm nvfp4-lora --out results  (-> results/speed/scaling_curves_$SCALE.md and its figure)
@@ -164,6 +165,9 @@ wait)
   for f in $RES/side-*.log; do [ -f "$f" ] && { echo "== $f"; tail -3 "$f"; }; done
   echo "finished runs: $(ls $RES/*/evidence/$SCALE/*/summary.json 2>/dev/null | wc -l)"
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  # every call that waits also brings back what exists so far: session 28 lost two calls' rows when the machine
+  # went back (~30 s idle) before a separate `pack` call came
+  [ -n "${OUT:-}" ] && [ "${PACK:-1}" != 0 ] && QERL_GPU_RES=$RES PACK_NAME=res13 bash scripts/evidence_gpu.sh pack | tail -3
   ;;
 pack)
   QERL_GPU_RES=$RES PACK_NAME=res13 bash scripts/evidence_gpu.sh pack
