@@ -140,7 +140,7 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
 DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-heuristic-gemv", "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
-_DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
+_DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -156,7 +156,7 @@ def check_decodes(decodes) -> None:
 def decode_mode(sampler, dec: str):
     """Set the sampler's decode step for ``dec``: "fused" (``qerl.kernels.fused``; NVFP4/MXFP4 at decode size run
     base and LoRA in one CUDA launch; the token drawn by ``qerl.kernels.fused.sample_race``), "fused-split-lora"
-    (LoRA as its own launches, ``QERL_CUDA_LORA=0``), "fused-torch-sample" (the token drawn by torch ops,
+    (LoRA as its own launches, ``QERL_CUDA_LORA=0``; for BF16 also x·Aᵀ as its own launch, ``QERL_LORA_ROWS=0``), "fused-torch-sample" (the token drawn by torch ops,
     ``QERL_FUSED_SAMPLE=0``), "fused-split-silu" (silu(gate) · up as its own launch after the gate|up GEMV,
     ``QERL_FUSED_SILU=0``), "fused-heuristic-gemv" (the FP4 GEMV's launch configurations by rule, not the device's
     tuned table, ``QERL_GEMV_TABLE=0``) — the last four the builds before, for same-run comparisons —, "fused-pdl" /

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -67,6 +68,13 @@ class _FrozenBaseMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_x = ctx.fmt.linear_t(grad_out, ctx.q) if ctx.needs_input_grad[0] else None
         return grad_x, None, None
+
+
+def lora_rows_enabled() -> bool:
+    """BF16 + LoRA: whether the base weight's spare A rows (``qerl.fastdecode.reserve_lora_rows``) are made at load
+    and used at inference; ``QERL_LORA_ROWS=0`` turns both off (the decode mode ``fused-split-lora`` sets it, for
+    same-process comparisons: LoRA as its own launches)."""
+    return os.environ.get("QERL_LORA_ROWS", "1") != "0"
 
 
 class QuantLoRALinear(nn.Module):
@@ -185,6 +193,16 @@ class QuantLoRALinear(nn.Module):
                 if self.bias is not None:
                     y.add_(self.bias.to(y.dtype))
                 return y
+        ext = getattr(self, "_lora_ext", None)
+        if (ext is not None and self.rank and x.dtype == ext.dtype and ext.data_ptr() == self.weight.data_ptr()
+                and self._lora_cache[0].data_ptr() == self._lora_rows.data_ptr() and lora_rows_enabled()):
+            # BF16 with reserve_lora_rows: x·[W; A]ᵀ in one GEMM, then the LoRA term on its first N columns
+            ye = F.linear(x.reshape(-1, self.in_features), ext)               # (M, N + r)
+            y = ye[:, :self.out_features]
+            y.addmm_(ye[:, self.out_features:], self._lora_cache[1])
+            if self.bias is not None:
+                y.add_(self.bias.to(y.dtype))
+            return y.unflatten(0, x.shape[:-1])                              # (..., N), rows N + r apart
         y = self.fmt.linear(x, self.packed)                                  # (..., N)
         if self.bias is not None:
             y.add_(self.bias.to(y.dtype))
@@ -313,7 +331,10 @@ def lora_inference_cache(model: nn.Module, dtype: torch.dtype):
                 buf = getattr(m, "_lora_cast_buf", None)
                 if buf is None or buf[0].dtype != dtype or buf[0].device != m.lora_A.weight.device:
                     bt = torch.empty((m.rank, m.out_features), dtype=dtype, device=m.lora_B.weight.device)
-                    buf = (torch.empty_like(m.lora_A.weight, dtype=dtype), bt)
+                    rows = getattr(m, "_lora_rows", None)  # BF16: A's rows after the base weight's (reserve_lora_rows)
+                    a = rows if rows is not None and rows.dtype == dtype and rows.device == bt.device else \
+                        torch.empty_like(m.lora_A.weight, dtype=dtype)
+                    buf = (a, bt)
                     m._lora_cast_buf = buf
                 buf[0].copy_(m.lora_A.weight)
                 buf[1].copy_((m.lora_B.weight * m.scaling).t())  # (r, N): scaling folded in once

@@ -35,7 +35,7 @@ from qerl import gguf_file
 from qerl.arch import DEFAULT_TARGETS, FUSED_GROUPS
 from qerl.devices import resolve_device
 from qerl.errors import UserError
-from qerl.fastdecode import fuse_projection_storage
+from qerl.fastdecode import fuse_projection_storage, reserve_lora_rows
 from qerl.lora import (
     LoraSpec,
     QuantLoRALinear,
@@ -414,6 +414,7 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
     else:
         _fill(model, src, f, ckpt_fmt, lora, targets, device, dtype, lora_dtype)
         fuse_projection_storage(model)  # q|k|v and gate|up packed side by side: one matmul each in decode
+        reserve_lora_rows(model)  # BF16 + LoRA: [W; A] in one buffer, x·Wᵀ and x·Aᵀ one GEMM in decode
         if layout == "kernel":
             layout = _relayout(model, device)
         finalize_trainable(model, train_norms)

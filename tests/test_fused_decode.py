@@ -104,7 +104,8 @@ def _interpreter_main() -> None:
     f32 = torch.float32
     for D in (96, 64):
         h, d, w = torch.randn(5, D, generator=g), torch.randn(5, D, generator=g), 1 + torch.randn(D, generator=g)
-        for delta in (d, None):
+        wide = torch.randn(5, D + 7, generator=g)  # a row-strided delta, as a BF16 product's [W; A] view gives
+        for delta in (d, None, wide[:, :D]):
             h1, x1 = fk.add_rms_norm_ref(h.clone(), delta, w, 1e-6)
             h2, x2 = fk.add_rms_norm(h.clone(), delta, w, 1e-6)
             assert torch.equal(h1, h2)
@@ -112,10 +113,11 @@ def _interpreter_main() -> None:
     H, hkv, d, m = 4, 2, 16, 3
     qkv, b = torch.randn(m, (H + 2 * hkv) * d, generator=g), torch.randn((H + 2 * hkv) * d, generator=g)
     cos, ssin = torch.randn(m, d, generator=g), torch.randn(m, d, generator=g)
-    for bias in (b, None):
+    wide = torch.randn(m, (H + 2 * hkv) * d + 5, generator=g)[:, :(H + 2 * hkv) * d]  # rows further apart
+    for bias, x in ((b, qkv), (None, qkv), (b, wide)):
         caches = [torch.full((m, hkv, 9, d), 7.0, dtype=f32) for _ in range(4)]
-        q1 = fk.rope_qkv_ref(qkv, bias, cos, ssin, H, hkv, d, caches[0], caches[1], torch.tensor([6]))
-        q2 = fk.rope_qkv(qkv, bias, cos, ssin, H, hkv, d, caches[2], caches[3], torch.tensor([6]))
+        q1 = fk.rope_qkv_ref(x, bias, cos, ssin, H, hkv, d, caches[0], caches[1], torch.tensor([6]))
+        q2 = fk.rope_qkv(x, bias, cos, ssin, H, hkv, d, caches[2], caches[3], torch.tensor([6]))
         torch.testing.assert_close(q2, q1, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(caches[2], caches[0], rtol=1e-6, atol=1e-6)
         assert torch.equal(caches[3], caches[1])
@@ -130,6 +132,8 @@ def _interpreter_main() -> None:
         ref = _naive_attention(q, kc, vc, bias, S, 0.17)
         torch.testing.assert_close(fk.decode_attention(q, kc, vc, bias, S, 0.17).double(), ref, rtol=1e-5, atol=1e-5)
     gu = torch.randn(4, 2 * 1500, generator=g)
+    torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
+    gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128)):  # split-K, ragged R and K
         assert fk.lora_a_splits(r, k)[0] > 1 or k <= 128
@@ -176,30 +180,32 @@ def test_fused_kernels_compile_for_sm90():
 
     bf, f32 = "*bf16", "*fp32"
     for wdt in (bf, f32):
-        build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=wdt, x_ptr=bf, D="i32", eps="fp32"),
+        build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=wdt, x_ptr=bf, D="i32", stride_d="i32",
+                                                eps="fp32"),
               dict(HAS_DELTA=True, BLOCK=4096))
     build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
-                                    slot_ptr="*i64", S_MAX="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=True), 1)
+                                    slot_ptr="*i64", S_MAX="i32", stride_qkv="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=True), 1)
     build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
                                       S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"), dict(D=128, SP=16))
-    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32"), dict(BLOCK=1024))
+    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024))
     build(fk._sample_part_kernel, dict(z_ptr=f32, e_ptr=f32, ws_ptr=f32, idx_ptr="*i32", V="i32", temp="fp32",
                                        S="i32"), dict(BLOCK=fk.SAMPLE_BLOCK), 8)
     build(fk._sample_combine_kernel, dict(z_ptr=f32, ws_ptr=f32, idx_ptr="*i32", tok_ptr="*i64", lp_ptr=f32,
                                           ent_ptr=f32, V="i32", temp="fp32", S="i32"), dict(SB=64), 1)
     # the programmatic-dependent-launch variants (griddepcontrol.wait / launch_dependents first)
-    build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=bf, x_ptr=bf, D="i32", eps="fp32"),
+    build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=bf, x_ptr=bf, D="i32", stride_d="i32",
+                                                eps="fp32"),
           dict(HAS_DELTA=True, BLOCK=4096, PDL=True))
     build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
-                                    slot_ptr="*i64", S_MAX="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=False, PDL=True), 1)
+                                    slot_ptr="*i64", S_MAX="i32", stride_qkv="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=False, PDL=True), 1)
     build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
                                       S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False, PDL=True))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"),
           dict(D=128, SP=16, PDL=True))
-    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32"), dict(BLOCK=1024, PDL=True))
+    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024, PDL=True))
     build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32", R="i32",
                                   K="i32", stride_xm="i32", PER="i32"),
           dict(BM=16, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False))
@@ -401,6 +407,8 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt):
         assert ro.stats["fused_decode"] is fused and s.use_graphs
         # NVFP4/MXFP4: the decode step's base + LoRA ran as one CUDA launch (the tiny shapes qualify)
         assert (cuda_fp4.lora_launches() > launches) == (fmt in ("nvfp4", "mxfp4")), fmt
+        if fused and fmt == "bf16":  # x·[W; A]ᵀ in one GEMM per product (reserve_lora_rows), inside the graphs
+            assert all(e["qkv"].rows_live and e["gate_up"].rows_live for e in s._plan)
         with torch.no_grad():
             lp, _ = completion_logprobs(policy, ro, slice(0, 12), 1.0, True)
         m = ro.completion_mask
@@ -435,3 +443,91 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, monkeypatch):
 
 if __name__ == "__main__":
     _interpreter_main()
+
+
+# ------------------------------------------------------------------------------------------ BF16: LoRA A rows
+
+def _bf16_policy(rows: bool, monkeypatch):
+    monkeypatch.setenv("QERL_LORA_ROWS", "1" if rows else "0")
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", "bf16", LoraSpec(rank=4), device="cpu", dtype=BF)
+    torch.manual_seed(5)
+    perturb_lora_b(policy)
+    return policy, tok
+
+
+def test_bf16_lora_rows_one_gemm_per_product(monkeypatch):
+    """BF16 + LoRA: every adapted linear's weight sits in a buffer with its A rows after it; inside
+    lora_inference_cache the cast A is in those rows, and x·[W; A]ᵀ + one addmm equals the three-launch path
+    (x·Wᵀ, x·Aᵀ, addmm) — for the fused q|k|v / gate|up groups and for o_proj / down_proj alone."""
+    policy, _ = _bf16_policy(True, monkeypatch)
+    plain, _ = _bf16_policy(False, monkeypatch)
+    monkeypatch.setenv("QERL_LORA_ROWS", "1")  # the switch is read at use too: plain has no rows to use
+    layer, ref_layer = policy.model.layers[1], plain.model.layers[1]
+    a = layer.self_attn
+    for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, layer.mlp.down_proj):
+        assert m._lora_rows.shape == (m.rank, m.in_features) and not m._lora_rows.any()
+    assert a.o_proj._lora_ext.shape == (a.o_proj.out_features + 4, a.o_proj.in_features)
+    assert a.q_proj._lora_ext is None  # a group member: the group's product carries its rows
+    assert all(getattr(m, "_lora_rows", None) is None for m in plain.modules())
+    for n, t in policy.state_dict().items():  # the same values as without rows (views of the new buffers)
+        assert torch.equal(t, plain.state_dict()[n]), n
+    plan, ref_plan = build_decode_plan(policy), build_decode_plan(plain)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, a.q_proj.in_features, generator=g).to(BF)
+    with torch.no_grad(), lora_inference_cache(policy, BF), lora_inference_cache(plain, BF):
+        assert torch.equal(a.o_proj._lora_rows, a.o_proj.lora_A.weight.to(BF))
+        for key in ("qkv", "gate_up"):
+            f, r = plan[1][key], ref_plan[1][key]
+            f.refresh(BF)
+            r.refresh(BF)
+            assert f.rows_live and not r.rows_live and f.A.data_ptr() == f.ext[f.out_features:].data_ptr()
+            y = f(x)
+            assert y.stride(0) == f.out_features + sum(f.ranks)  # a view of the wider product
+            torch.testing.assert_close(y, r(x), rtol=0, atol=2e-2)
+            torch.testing.assert_close(f.silu_mul(x) if key == "gate_up" else y, r.silu_mul(x) if key == "gate_up"
+                                       else r(x), rtol=0, atol=2e-2)
+        for name in ("o_proj", "down_proj"):
+            m = a.o_proj if name == "o_proj" else layer.mlp.down_proj
+            r = ref_layer.self_attn.o_proj if name == "o_proj" else ref_layer.mlp.down_proj
+            xi = torch.randn(2, 3, m.in_features, generator=g).to(BF)
+            y = m(xi)
+            assert y.shape == (2, 3, m.out_features) and y.stride(-2) == m.out_features + m.rank
+            torch.testing.assert_close(y, r(xi), rtol=0, atol=2e-2)
+        # QERL_LORA_ROWS=0 at use time (decode mode fused-split-lora): the three-launch path, the same values
+        monkeypatch.setenv("QERL_LORA_ROWS", "0")
+        f = plan[1]["qkv"]
+        f.refresh(BF)
+        assert not f.rows_live and f.A.data_ptr() != f.ext[f.out_features:].data_ptr()
+        torch.testing.assert_close(f(x), ref_plan[1]["qkv"](x), rtol=0, atol=2e-2)
+        assert a.o_proj(x[:, :a.o_proj.in_features]).is_contiguous()
+        monkeypatch.setenv("QERL_LORA_ROWS", "1")
+        f.refresh(BF)
+        assert f.rows_live
+        torch.testing.assert_close(f(x), ref_plan[1]["qkv"](x), rtol=0, atol=2e-2)
+        # a replaced base weight is never read through stale rows: the module falls back to its own path
+        m = layer.mlp.down_proj
+        m._buffers["weight"] = m.weight.clone()
+        xi = torch.randn(3, m.in_features, generator=g).to(BF)
+        torch.testing.assert_close(m(xi), ref_layer.mlp.down_proj(xi), rtol=0, atol=2e-2)
+
+
+def test_bf16_lora_rows_sampler_and_training_unchanged(monkeypatch):
+    """The fused sampler in bf16 draws the same tokens with and without the rows (same seed), its log-probs match
+    the teacher-forced forward, and the training gradients are the same with the rows reserved."""
+    outs = {}
+    for rows in (True, False):
+        policy, tok = _bf16_policy(rows, monkeypatch)
+        s = Sampler(policy, tok, 64, fused=True)
+        ro = s.generate(["how many apples are there", "3 + 4"], 2, max_new_tokens=10, temperature=0.9, seed=3)
+        assert ro.stats["fused_decode"]
+        assert all(e[k].rows_live == rows for e in s._plan for k in ("qkv", "gate_up"))
+        assert_teacher_forced(policy, ro, 0.9, atol=0.1, entropy=False)
+        policy.train()
+        ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+        policy(ids, labels=ids).loss.backward()
+        outs[rows] = (ro, {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    (r1, g1), (r0, g0) = outs[True], outs[False]
+    assert torch.equal(r1.completion_ids, r0.completion_ids)
+    torch.testing.assert_close(r1.logp, r0.logp, rtol=0, atol=2e-2)
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g1)

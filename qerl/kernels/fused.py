@@ -148,15 +148,15 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr = False):
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, stride_d, eps, HAS_DELTA: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         msk = offs < D
         h = tl.load(h_ptr + row * D + offs, mask=msk, other=0.0)
         if HAS_DELTA:
-            d = tl.load(d_ptr + row * D + offs, mask=msk, other=0.0)
+            d = tl.load(d_ptr + row * stride_d + offs, mask=msk, other=0.0)
             h = (h.to(tl.float32) + d.to(tl.float32)).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row * D + offs, h, mask=msk)
         hf = h.to(tl.float32)
@@ -166,20 +166,19 @@ if HAS_TRITON:
         tl.store(x_ptr + row * D + offs, (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
-    def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX,
+    def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX, stride_qkv,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         j = tl.program_id(1)  # head: [0, H) q, [H, H+HKV) k, [H+HKV, H+2HKV) v
         offs = tl.arange(0, D)
-        NT: tl.constexpr = (H + 2 * HKV) * D
-        x = tl.load(qkv_ptr + row * NT + j * D + offs)
+        x = tl.load(qkv_ptr + row * stride_qkv + j * D + offs)
         if HAS_BIAS:
             x = (x.to(tl.float32) + tl.load(b_ptr + j * D + offs).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
         if j < H + HKV:
             roll = (offs + D // 2) % D  # roll(x, d/2)[i] = x[(i - d/2) mod d] = x[(i + d/2) mod d]
-            xr = tl.load(qkv_ptr + row * NT + j * D + roll)
+            xr = tl.load(qkv_ptr + row * stride_qkv + j * D + roll)
             if HAS_BIAS:
                 xr = (xr.to(tl.float32) + tl.load(b_ptr + j * D + roll).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
             c = tl.load(cos_ptr + row * D + offs).to(tl.float32)
@@ -257,13 +256,13 @@ if HAS_TRITON:
         tl.store(o_ptr + rh * D + dm, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, o_ptr, NI, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _silu_mul_kernel(gu_ptr, o_ptr, NI, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         msk = offs < NI
-        g = tl.load(gu_ptr + row * 2 * NI + offs, mask=msk, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * 2 * NI + NI + offs, mask=msk, other=0.0)
+        g = tl.load(gu_ptr + row * stride_gu + offs, mask=msk, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + NI + offs, mask=msk, other=0.0)
         a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
         tl.store(o_ptr + row * NI + offs, (a * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=msk)
 
@@ -323,12 +322,16 @@ def _pdl(t: torch.Tensor) -> dict:
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``h += delta`` (in place) and ``RMSNorm(h)·w``. h, delta: (M, D) contiguous. Returns (h, x)."""
+    """``h += delta`` (in place) and ``RMSNorm(h)·w``. h: (M, D) contiguous; delta: (M, D) with unit column stride
+    (its rows may lie further apart: a BF16 product's view, ``qerl.fastdecode.reserve_lora_rows``). Returns (h, x)."""
     if not _triton_ok(h):
         return add_rms_norm_ref(h, delta, weight, eps)
+    if delta is not None and delta.stride(-1) != 1:
+        delta = delta.contiguous()
     m, d = h.shape
     x = torch.empty_like(h)
-    _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d, float(eps),
+    _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d,
+                               delta.stride(0) if delta is not None else d, float(eps),
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
                                **_pdl(h))
     return h, x
@@ -336,13 +339,17 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, slot):
     """Bias + RoPE of the fused q|k|v output (M, (H+2Hkv)·d); k and v go into cache slot ``slot`` of
-    kc/vc (M, Hkv, S_max, d); returns q (M, H, d). cos/ssin: (M, d)."""
+    kc/vc (M, Hkv, S_max, d); returns q (M, H, d). cos/ssin: (M, d). qkv's rows may lie further apart than a row
+    (unit column stride)."""
     if not _triton_ok(qkv):
         return rope_qkv_ref(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
     m = qkv.shape[0]
     q = torch.empty((m, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _rope_qkv_kernel[(m, n_heads + 2 * n_kv)](
         qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), q, kc, vc, slot, kc.shape[2],
+        qkv.stride(0),
         H=n_heads, HKV=n_kv, D=head_dim, HAS_BIAS=bias is not None, num_warps=1, **_pdl(qkv))
     return q
 
@@ -416,14 +423,16 @@ def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gate)·up from the fused (M, 2I) gate|up output. Returns (M, I)."""
+    """silu(gate)·up from the fused (M, 2I) gate|up output (rows may lie further apart). Returns (M, I)."""
     if not _triton_ok(gu):
         return silu_mul_ref(gu)
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
     m, i2 = gu.shape
     i = i2 // 2
     out = torch.empty((m, i), dtype=gu.dtype, device=gu.device)
     block = 1024
-    _silu_mul_kernel[(m, -(-i // block))](gu, out, i, BLOCK=block, num_warps=4, **_pdl(gu))
+    _silu_mul_kernel[(m, -(-i // block))](gu, out, i, gu.stride(0), BLOCK=block, num_warps=4, **_pdl(gu))
     return out
 
 
