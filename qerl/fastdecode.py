@@ -22,12 +22,11 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qerl.arch import FUSED_GROUPS
 from qerl.kernels.fused import lora_a, silu_mul
-from qerl.lora import QuantLoRALinear, _lora_operand, lora_rows_enabled
+from qerl.lora import QuantLoRALinear, _lora_operand, lora_rows_enabled, rows_product
 from qerl.quant.base import linear_lora
 
 
@@ -85,6 +84,22 @@ def fuse_projection_storage(model: nn.Module) -> int:
     return fused
 
 
+def _decode_units(model: nn.Module, ok, group_ok=lambda mods: True):
+    """The modules to convert, as lists: each q|k|v and gate|up group whose members all pass ``ok`` (and the group
+    ``group_ok``) as one list, then every other module that passes ``ok`` alone. Lazy: ``ok`` is asked as the
+    caller goes (after a group is converted its members are not offered again)."""
+    done: set[int] = set()
+    for parent in model.modules():
+        for _, names in FUSED_GROUPS.values():
+            mods = [getattr(parent, n, None) for n in names]
+            if all(ok(m) for m in mods) and group_ok(mods) and not any(id(m) in done for m in mods):
+                done.update(id(m) for m in mods)
+                yield mods
+    for m in model.modules():
+        if id(m) not in done and ok(m):
+            yield [m]
+
+
 def _rows_eligible(m) -> bool:
     return (isinstance(m, QuantLoRALinear) and m.rank > 0 and m.fmt.name == "bf16" and m._qnames == ("weight",)
             and m.weight.dtype == torch.bfloat16 and m.lora_A.weight.device == m.weight.device)
@@ -101,13 +116,11 @@ def reserve_lora_rows(model: nn.Module) -> int:
     ``QERL_LORA_ROWS=0``, for other formats, or without LoRA)."""
     if not lora_rows_enabled():
         return 0
-    made, done = 0, set()
-
-    def reserve(mods) -> None:
-        nonlocal made
+    made = 0
+    for mods in _decode_units(model, _rows_eligible):
         w = concat_rows([m.weight for m in mods]) if len(mods) > 1 else mods[0].weight
         if w is None or not w.is_contiguous():
-            return
+            continue
         n, r = sum(m.out_features for m in mods), sum(m.rank for m in mods)
         buf = torch.empty((n + r, w.shape[1]), dtype=w.dtype, device=w.device)
         buf[:n].copy_(w)
@@ -118,20 +131,10 @@ def reserve_lora_rows(model: nn.Module) -> int:
             m._lora_rows = buf[roff:roff + m.rank]  # lora_inference_cache casts A into these rows
             m._lora_ext = buf if len(mods) == 1 else None  # a module alone: its own x·[W; A]ᵀ (o_proj, down_proj)
             off, roff = off + m.out_features, roff + m.rank
-            done.add(id(m))
         made += 1
         del w
         if buf.is_cuda:  # as in fuse_projection_storage: hand the old block back before the next one is made
             torch.cuda.empty_cache()
-
-    for parent in model.modules():
-        for _, names in FUSED_GROUPS.values():
-            mods = [getattr(parent, n, None) for n in names]
-            if all(_rows_eligible(m) for m in mods) and not any(id(m) in done for m in mods):
-                reserve(mods)
-    for m in model.modules():
-        if _rows_eligible(m) and id(m) not in done:
-            reserve([m])
     return made
 
 
@@ -158,9 +161,10 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
     from qerl.kernels.relaid import from_compressed, is_relaid, note_bexp
 
     stats = {"converted": 0, "kept": 0}
-    done: set[int] = set()
 
     def eligible(m) -> bool:
+        if not isinstance(m, QuantLoRALinear):
+            return False
         try:
             relaid._encoding(m.fmt)
         except (ValueError, AttributeError):
@@ -197,16 +201,8 @@ def relayout_model(model: torch.nn.Module) -> dict[str, int]:
             s0 = s1
         stats["converted"] += len(mods)
 
-    for parent in model.modules():
-        for _, names in FUSED_GROUPS.values():
-            mods = [getattr(parent, n, None) for n in names]
-            if all(isinstance(m, QuantLoRALinear) for m in mods) and all(eligible(m) for m in mods) and \
-                    all(m.out_features % 16 == 0 for m in mods):
-                convert(mods)
-                done.update(id(m) for m in mods)
-    for m in model.modules():
-        if isinstance(m, QuantLoRALinear) and id(m) not in done and eligible(m):
-            convert([m])
+    for mods in _decode_units(model, eligible, lambda mods: all(m.out_features % 16 == 0 for m in mods)):
+        convert(mods)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return stats
@@ -251,6 +247,7 @@ class FusedLinear:
         self.lora = None  # A and Bt as the fused GEMV's LoRA operand (base and LoRA in one launch)
         # BF16 with reserve_lora_rows: [W; A] as one buffer, so x·Wᵀ and x·Aᵀ are one GEMM (rows_live: A is there)
         self.ext = _ext_rows(mods) if self.q is not None and any(self.ranks) else None
+        self.rows = self.ext[self.out_features:] if self.ext is not None else None  # the members' A rows
         self.rows_live = False
         self._sig = self.signature()
 
@@ -289,11 +286,10 @@ class FusedLinear:
         R, K = sum(self.ranks), self.mods[0].in_features
         self.rows_live = (self.ext is not None and self.ext.dtype == dtype and lora_rows_enabled() and all(
             m._lora_cache and m._lora_cache[0].data_ptr() == m._lora_rows.data_ptr() for m in self.mods if m.rank))
-        if self.rows_live and (self.A is None or self.A.data_ptr() != self.ext[self.out_features:].data_ptr()):
-            self.A = self.ext[self.out_features:]  # lora_inference_cache has put every member's A there
+        if self.rows_live and self.A is not self.rows:
+            self.A = self.rows  # lora_inference_cache has put every member's A there
             self.Bt = torch.zeros((R, self.out_features), dtype=dtype, device=self.device)
-        elif not self.rows_live and (self.A is None or self.A.dtype != dtype or self.A.data_ptr() == (
-                self.ext[self.out_features:].data_ptr() if self.ext is not None else -1)):
+        elif not self.rows_live and (self.A is None or self.A is self.rows or self.A.dtype != dtype):
             self.A = torch.zeros((R, K), dtype=dtype, device=self.device)
             self.Bt = torch.zeros((R, self.out_features), dtype=dtype, device=self.device)
         r0 = c0 = 0
@@ -314,12 +310,7 @@ class FusedLinear:
         if self.q is None:
             return torch.cat([m(x) for m in self.mods], dim=-1)
         if self.rows_live and x.dtype == self.ext.dtype:  # one GEMM for x·[W; A]ᵀ, one addmm: a row-strided view
-            ye = F.linear(x, self.ext)
-            y = ye[:, :self.out_features]
-            y.addmm_(ye[:, self.out_features:], self.Bt)
-            if self.bias is not None and not self.defer_bias:
-                y.add_(self.bias.to(y.dtype))
-            return y
+            return rows_product(x, self.ext, self.out_features, self.Bt, None if self.defer_bias else self.bias)
         y = linear_lora(self.fmt, x, self.q, self.lora) if self.lora is not None else None
         if y is None:  # no one-launch path for this format / M: the base, then x·Aᵀ and one addmm
             y = self.fmt.linear(x, self.q)

@@ -77,6 +77,18 @@ def lora_rows_enabled() -> bool:
     return os.environ.get("QERL_LORA_ROWS", "1") != "0"
 
 
+def rows_product(x: torch.Tensor, ext: torch.Tensor, n: int, bt: torch.Tensor, bias: torch.Tensor | None = None):
+    """x (M, K) · Wᵀ + (x·Aᵀ)·Bt (+ bias) from ``ext`` = [W; A] ((N + R, K), ``qerl.fastdecode.reserve_lora_rows``):
+    one GEMM gives x·Wᵀ and x·Aᵀ side by side, one addmm adds the LoRA term to the first ``n`` columns. Returns
+    that (M, N) view, its rows N + R apart."""
+    ye = F.linear(x, ext)
+    y = ye[:, :n]
+    y.addmm_(ye[:, n:], bt)
+    if bias is not None:
+        y.add_(bias.to(y.dtype))
+    return y
+
+
 class QuantLoRALinear(nn.Module):
     """Frozen packed base (any format of ``qerl.quant.FORMATS``, or one built with options) + trainable LoRA A/B.
 
@@ -197,11 +209,7 @@ class QuantLoRALinear(nn.Module):
         if (ext is not None and self.rank and x.dtype == ext.dtype and ext.data_ptr() == self.weight.data_ptr()
                 and self._lora_cache[0].data_ptr() == self._lora_rows.data_ptr() and lora_rows_enabled()):
             # BF16 with reserve_lora_rows: x·[W; A]ᵀ in one GEMM, then the LoRA term on its first N columns
-            ye = F.linear(x.reshape(-1, self.in_features), ext)               # (M, N + r)
-            y = ye[:, :self.out_features]
-            y.addmm_(ye[:, self.out_features:], self._lora_cache[1])
-            if self.bias is not None:
-                y.add_(self.bias.to(y.dtype))
+            y = rows_product(x.reshape(-1, self.in_features), ext, self.out_features, self._lora_cache[1], self.bias)
             return y.unflatten(0, x.shape[:-1])                              # (..., N), rows N + r apart
         y = self.fmt.linear(x, self.packed)                                  # (..., N)
         if self.bias is not None:

@@ -321,13 +321,17 @@ def _pdl(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {}
 
 
+def _unit_cols(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as the row-strided kernels read it: columns one element apart (rows may lie further apart)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """``h += delta`` (in place) and ``RMSNorm(h)·w``. h: (M, D) contiguous; delta: (M, D) with unit column stride
     (its rows may lie further apart: a BF16 product's view, ``qerl.fastdecode.reserve_lora_rows``). Returns (h, x)."""
     if not _triton_ok(h):
         return add_rms_norm_ref(h, delta, weight, eps)
-    if delta is not None and delta.stride(-1) != 1:
-        delta = delta.contiguous()
+    delta = _unit_cols(delta)
     m, d = h.shape
     x = torch.empty_like(h)
     _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d,
@@ -343,8 +347,7 @@ def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, v
     (unit column stride)."""
     if not _triton_ok(qkv):
         return rope_qkv_ref(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
+    qkv = _unit_cols(qkv)
     m = qkv.shape[0]
     q = torch.empty((m, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _rope_qkv_kernel[(m, n_heads + 2 * n_kv)](
@@ -426,8 +429,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate)·up from the fused (M, 2I) gate|up output (rows may lie further apart). Returns (M, I)."""
     if not _triton_ok(gu):
         return silu_mul_ref(gu)
-    if gu.stride(-1) != 1:
-        gu = gu.contiguous()
+    gu = _unit_cols(gu)
     m, i2 = gu.shape
     i = i2 // 2
     out = torch.empty((m, i), dtype=gu.dtype, device=gu.device)
