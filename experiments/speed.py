@@ -125,7 +125,8 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
     paper = pd.read_csv(PAPER_DIR / "rollout_speed.csv")
     paper = paper[paper.metric == "rollout_throughput"]
     lines = ["| model | batch | rank | decode | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | "
-             "paper tok/s (vLLM) | paper ×LoRA | run (sha) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "paper tok/s (vLLM) | paper ×LoRA | run (sha) | tokens (prompt + new) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, batch, rk, _), g in d.groupby(["model", "batch_size", "lora_rank", "_step"], sort=False):
         base = g[g.method == "LoRA"]
         qlora = g[g.method == "QLoRA"]
@@ -143,8 +144,14 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
                 f"| {model} | {int(batch)} | {int(rk)} | {r['decode']} | {r['method']} | {r['weights']} | "
                 f"{r['tokens_per_s']:.0f} | {ratio(r, base)} | {ratio(r, qlora)} | {_fmt(pv)} | "
                 f"{_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'} | "
-                f"{r.get('run', '')} ({r.get('git_sha', '')}) |")
+                f"{r.get('run', '')} ({r.get('git_sha', '')}) | {_tokens(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _tokens(r) -> str:
+    """"256 + 2048": a rollout row's prompt and generated lengths (the paper's shapes are 256 + 2048)."""
+    p, n = r.get("prompt_len"), r.get("new_tokens")
+    return "—" if pd.isna(p) or pd.isna(n) else f"{int(p)} + {int(n)}"
 
 
 def rank_table(root: Path) -> str:
@@ -415,6 +422,10 @@ column has no BF16 row in these runs. Session 22's build (launch configurations 
 occupancy, output CTAs summing the LoRA parts; session 24 moved the LoRA term's loads into the warps that use it,
 measured per launch in `benchmarks/NOTES.md` session 9):
 {_raw_rollouts(root, "h100_s22_lora_b8", "h100_s22_lora_b2")}
+BF16-LoRA (session 28, `raw/h100_s28_bf16rows`, one process, split first, second round; 256 + 512 tokens): `fused`
+keeps the cast LoRA A in spare rows after each product's weight, so x·Wᵀ and x·Aᵀ are one cuBLAS GEMM
+(`qerl.fastdecode.reserve_lora_rows`); `fused-split-lora` runs x·Aᵀ as its own launch (`QERL_LORA_ROWS=0`):
+{_raw_rollouts(root, "h100_s28_bf16rows")}
 Session 21's first version (`raw/h100_s21_lora_ab`: NVFP4 2078 vs 1936, MXFP4 2109 vs 1972 at batch 8): its gate|up
 launch ran in two waves (the LoRA variant fitted one CTA per SM fewer than the configuration assumed). Per linear
 (`python -m benchmarks.lora_gemv_bench`; plain GEMV / LoRA in the launch / LoRA as its own launches):

@@ -276,3 +276,4 @@ def test_rollout_ratios_compare_rows_of_one_gpu_model(tmp_path):
     table = speed.rollout_table(tmp_path)
     cells = {line.split(" | ")[6]: line.split(" | ")[7] for line in table.splitlines() if "| QeRL |" in line}
     assert cells == {"2000": "2.00", "2500": "2.50†", "2900": "—"}, table
+    assert all(line.endswith("| 256 + 2048 |") for line in table.splitlines()[2:])  # each row's lengths
