@@ -57,17 +57,31 @@ class LoraSpec:
 
 
 class _FrozenBaseMatmul(torch.autograd.Function):
-    """x Ŵᵀ with Ŵ frozen and rebuilt from packed storage in the forward and again in the backward."""
+    """x Ŵᵀ (+ a frozen bias, added in place) with Ŵ frozen and rebuilt from packed storage in the forward and again
+    in the backward."""
 
     @staticmethod
-    def forward(ctx, x, fmt: QuantFormat, q: Mapping[str, torch.Tensor]):
+    def forward(ctx, x, fmt: QuantFormat, q: Mapping[str, torch.Tensor], bias: torch.Tensor | None = None):
         ctx.fmt, ctx.q = fmt, q  # references to the module's buffers: nothing new is kept alive
-        return fmt.linear(x, q)
+        y = fmt.linear(x, q)
+        if bias is not None:  # y is this call's own output: no extra (M, N) tensor for the bias
+            y.add_(bias.to(y.dtype))
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_x = ctx.fmt.linear_t(grad_out, ctx.q) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None
+        return grad_x, None, None, None
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """y + scaling · (x Aᵀ) Bᵀ with the B product, the scaling and the sum in one cuBLAS call (``torch.addmm``'s
+    alpha and beta = 1 in the GEMM epilogue, float32 accumulation): no (M, N) LoRA output, no scaled copy and no
+    separate sum are written, and the backward scales only the (M, r) and (r, N) gradients. Differentiable in y,
+    x, a and b. y (..., N), x (..., K), a (r, K), b (N, r)."""
+    n, r = b.shape
+    xa = F.linear(x, a).reshape(-1, r)
+    return torch.addmm(y.reshape(-1, n), xa, b.t(), alpha=scaling).view(*y.shape)
 
 
 def lora_rows_enabled() -> bool:
@@ -187,12 +201,10 @@ class QuantLoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., K) -> (..., N)
         if self._lora_cache is not None and not torch.is_grad_enabled():
             return self._forward_inference(x)
-        y = _FrozenBaseMatmul.apply(x, self.fmt, self.packed)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        if self.rank:
+        y = _FrozenBaseMatmul.apply(x, self.fmt, self.packed, self.bias)
+        if self.rank and (self.scaling or torch.is_grad_enabled()):  # (scaling 0: adapters_disabled, no grad)
             a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
-            y = y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
+            y = add_lora(y, self.lora_dropout(x), a, b, self.scaling)
         return y
 
     def _forward_inference(self, x: torch.Tensor) -> torch.Tensor:

@@ -427,6 +427,39 @@ def test_gpu_dequantize_relaid_matches_compressed_tensors(fmt):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
+def test_gpu_cuda_dequantize_equals_triton_bit_for_bit(fmt):
+    """The CUDA dequantization kernel (``cuda_fp4.dequantize``, what ``dequantize_relaid`` takes for a bf16 out)
+    writes the Triton kernel's bits on every Qwen shape (chunk counts 1, 2, 3 and multiples of its 4-chunk warp
+    tasks), on blocks with a zero scale and subnormal E4M3 scales (NVFP4) or scales set apart (MXFP4), into a
+    row-strided out without touching the columns beside it."""
+    from qerl import kernels as qk
+    assert cf.available(), cf.build_error()
+    for i, (n, k) in enumerate(SHAPES):
+        w = _prep(fmt, _quant(fmt, n, k, seed=700 + i, device="cuda"))
+        ref = qk.dequantize_relaid(w, torch.empty((n, k), device="cuda", dtype=torch.bfloat16), backend="triton")
+        got = qk.dequantize_relaid(w, torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16))
+        assert torch.equal(got, ref), (fmt, n, k)
+    n, k = 48, 320  # 5 chunks: one full 4-chunk task and a 1-chunk tail per strip
+    q = _quant(fmt, n, k, seed=799, device="cuda")
+    sb = q["weight_scale"].view(torch.uint8)
+    if fmt == "nvfp4":
+        sb[0, :8] = torch.arange(8, dtype=torch.uint8, device="cuda")  # zero, then E4M3 subnormals 1..7
+        sb[1, :4] = torch.tensor([0x80 | 3, 0x7E, 0x08, 0x01], dtype=torch.uint8, device="cuda")
+    else:
+        sb[0, :4] = torch.tensor([110, 118, 131, 127], dtype=torch.uint8, device="cuda")
+    w = _prep(fmt, q)
+    ref = qk.dequantize_relaid(w, torch.empty((n, k), device="cuda", dtype=torch.bfloat16), backend="triton")
+    assert torch.equal(ref, FORMATS[fmt].dequantize(q, torch.bfloat16)), "the Triton kernel disagrees with the format"
+    wide = torch.full((n, k + 72), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = cf.dequantize(w, wide[:, 8:8 + k])
+    assert torch.equal(got, ref) and torch.isnan(wide[:, :8]).all() and torch.isnan(wide[:, 8 + k:]).all()
+    with pytest.raises(ValueError, match="row stride a multiple of 8"):
+        cf.dequantize(w, wide[:, 3:3 + k])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_relaid_dequant_mm_in_row_slices(fmt):
     """Large M from the kernels' layout: dequantize + cuBLAS in L2-sized row slices (the tuned table's
     ``cublas_chN``) gives the product of the whole dense weight, every output column written."""

@@ -386,13 +386,25 @@ def _dequant_launch(pw: PackedFP4, out: torch.Tensor, bn: int = 32, bk: int = 25
     return out
 
 
-def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int = 128) -> torch.Tensor | None:
-    """Ŵ (N, K) from the CUDA kernels' re-laid-out copy alone (``cuda_fp4.prepare``'s ``CudaFP4Weight``), by the
-    Triton kernel ``_relaid_dequant_kernel``: the same values as ``dequantize_into`` of the compressed-tensors
-    tensors wherever ``cuda_fp4.relayout_is_exact`` holds (float32 products, then ``out``'s dtype). ``out``: a
-    contiguous (N, K) float tensor (bfloat16 (N, K) when None); None off the Triton path (no Triton, or CPU
-    tensors without ``TRITON_INTERPRET=1``). So a layer whose decode kernels read the re-laid-out copy can rebuild
-    the dense weight for cuBLAS (large M, the backward) without keeping the compressed-tensors copy as well."""
+def cuda_dequant_enabled(dev: torch.device) -> bool:
+    """True when ``dequantize_relaid`` writes BF16 weights with the CUDA kernel (``cuda_fp4.dequantize``) on
+    ``dev``: the CUDA FP4 extension serves it (``cuda_gemv_enabled``) and ``QERL_CUDA_DEQUANT`` is not "0"."""
+    return os.environ.get("QERL_CUDA_DEQUANT", "1") != "0" and cuda_gemv_enabled(dev)
+
+
+def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int = 128,
+                      backend: str = "auto") -> torch.Tensor | None:
+    """Ŵ (N, K) from the CUDA kernels' re-laid-out copy alone (``cuda_fp4.prepare``'s ``CudaFP4Weight``): the
+    same values as ``dequantize_into`` of the compressed-tensors tensors wherever ``cuda_fp4.relayout_is_exact``
+    holds (float32 products, then ``out``'s dtype). ``out``: a contiguous (N, K) float tensor (bfloat16 (N, K)
+    when None); None off the Triton path (no Triton, or CPU tensors without ``TRITON_INTERPRET=1``). So a layer
+    whose decode kernels read the re-laid-out copy can rebuild the dense weight for cuBLAS (large M, the backward)
+    without keeping the compressed-tensors copy as well. ``backend``: "auto" (the CUDA kernel ``cuda_fp4.dequantize``
+    for a bfloat16 ``out`` where ``cuda_dequant_enabled``, else Triton), "triton" (``_relaid_dequant_kernel``, any
+    float dtype; ``bn``/``bk`` its tile) or "cuda". The two give the same bits; on an H100 the Triton kernel wrote a
+    7B layer at ~0.7 TB/s (``python -m qerl.bench update``)."""
+    if backend not in ("auto", "triton", "cuda"):
+        raise ValueError(f"dequantize_relaid: backend={backend!r}; valid: 'auto', 'triton', 'cuda'")
     if not _triton_ok(w.qweight):
         return None
     if out is None:
@@ -400,6 +412,9 @@ def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int 
     if out.shape != (w.n, w.k) or not out.is_contiguous():
         raise ValueError(f"dequantize_relaid: out must be contiguous {(w.n, w.k)}, got {tuple(out.shape)}")
     from qerl.kernels import cuda_fp4
+    if backend == "cuda" or (backend == "auto" and out.dtype == torch.bfloat16 and out.is_cuda
+                             and out.data_ptr() % 16 == 0 and cuda_dequant_enabled(out.device)):
+        return cuda_fp4.dequantize(w, out)
     gs = w.global_scale if w.global_scale is not None else w.qweight  # dummy pointer when HAS_G is off
     grid = (triton.cdiv(w.n, bn), triton.cdiv(w.k, bk))
     _k._relaid_dequant_kernel[grid](w.qweight, w.scales, gs, out, w.n, w.k, FMT=int(w.fmt == "mxfp4"),
@@ -708,5 +723,5 @@ def dequantize_into(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None
     return _quant.dequantize_into(get_format(fmt), q, out)
 
 
-__all__ = ["cuda_gemv_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "dequantize_relaid", "supports", "backend_for", "prepare", "kernel_config",
+__all__ = ["cuda_gemv_enabled", "cuda_dequant_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "dequantize_relaid", "supports", "backend_for", "prepare", "kernel_config",
            "PackedFP4", "BACKENDS", "HAS_TRITON", "FP4Kernels", "BnbKernels"]

@@ -423,6 +423,7 @@ extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int,
                          int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
+extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
 
 // act = 1 (silu * up): out holds N / 2 columns
 static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
@@ -500,6 +501,22 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
+void dequant(torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt, bool has_g) {
+  TORCH_CHECK(qw.is_cuda() && sc.is_cuda() && out.is_cuda() && gs.is_cuda(), "tensors must be on CUDA");
+  TORCH_CHECK(qw.dim() == 4 && sc.dim() == 3 && out.dim() == 2, "bad ranks");
+  TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.stride(1) == 1, "out must be bf16 with unit column stride");
+  const int S = (int)qw.size(0), C = (int)qw.size(1);
+  TORCH_CHECK(out.size(0) == 16 * S && out.size(1) == 64 * C, "out shape mismatch");
+  TORCH_CHECK(!has_g || gs.scalar_type() == at::kFloat, "global scale must be float32");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int err = qfp4_dequant(qw.data_ptr(), sc.data_ptr(), has_g ? gs.data_ptr<float>() : nullptr,
+                               out.data_ptr(), (long)out.stride(0), S, C, (int)fmt,
+                               (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+  TORCH_CHECK(err == 0, "qfp4_dequant: ", err == -1 ? "unsupported out layout (row stride % 8, 16-byte alignment)"
+                                                     : cudaGetErrorString((cudaError_t)err));
+}
+
 int64_t gemm_occupancy(int64_t fmt, int64_t nt, int64_t sw, int64_t r, int64_t ks) {
   return qfp4_gemm_occupancy((int)fmt, (int)nt, (int)sw, (int)r, (int)ks);
 }
@@ -529,11 +546,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &gemm);
   m.def("gemm_occupancy", &gemm_occupancy);
   m.def("gemm_attributes", &gemm_attributes);
+  m.def("dequant", &dequant);
 }
 """
 
 _CSRC = Path(__file__).with_name("csrc")
-_CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu")
+_CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu", _CSRC / "fp4_dequant.cu")
 _HEADERS = (_CSRC / "fp4_mma_common.cuh",)
 _STATE: dict = {}
 
@@ -1002,6 +1020,26 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     return out
 
 
+def dequantize(w: CudaFP4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ŵ (N, K) bf16 from the re-laid-out weight alone, by the CUDA kernel of ``csrc/fp4_dequant.cu`` (one warp per
+    16-row strip and 4 chunks of 64 columns, the GEMV's bit decode, ~4 instructions per element): the values of
+    ``qerl.kernels.dequantize_relaid`` (the Triton kernel) bit for bit, at the copy bandwidth. ``out``: bf16
+    (N, K) with unit column stride, a row stride that is a multiple of 8 and a 16-byte aligned start (allocated when
+    None). On the current CUDA stream; graph capturable."""
+    if not w.qweight.is_cuda:
+        raise ValueError("dequantize needs CUDA tensors (qerl.kernels.dequantize_relaid runs elsewhere)")
+    if out is None:
+        out = torch.empty((w.n, w.k), device=w.qweight.device, dtype=torch.bfloat16)
+    if out.shape != (w.n, w.k) or out.dtype != torch.bfloat16 or out.stride(1) != 1 or out.stride(0) % 8 \
+            or out.data_ptr() % 16:
+        raise ValueError(f"dequantize: out must be bf16 {(w.n, w.k)}, unit column stride, row stride a multiple of 8, "
+                         f"16-byte aligned; got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+    has_g = w.global_scale is not None
+    _ext().dequant(w.qweight, w.scales, w.global_scale if has_g else w.qweight, out, 0 if w.fmt == "nvfp4" else 1,
+                   has_g)
+    return out
+
+
 def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     key = ("gemm", idx, w.fmt, w.n, w.k, m)
@@ -1014,7 +1052,7 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
     return cfg
 
 
-__all__ = ["CudaFP4Weight", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
+__all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
            "gemv", "emulate", "ACTS", "GEMV_VARIANTS", "check_gemv_config", "load_gemv_table",
            "install_gemv_table", "tuned_gemv_config", "heuristic_gemv_config", "forget_gemv_configs", "gemv_table_enabled", "gemv_warp_cap", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",

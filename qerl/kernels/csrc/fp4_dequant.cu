@@ -1,0 +1,122 @@
+// Dense BF16 weight from the re-laid-out FP4 weight (the layout of fp4_mma_gemv.cu), for cuBLAS at large M (the
+// update's forward, its gradient-checkpointing recompute and its backward, the prefill): out (N, K) row-major.
+//
+// One warp per (16-row strip, CPW consecutive 64-column chunks): lane (g, t) loads its 16-byte word group of each
+// chunk (the warp reads 512 contiguous bytes per chunk) and its 16-bit scale pair, decodes its 32 nibbles with the
+// GEMV's bit masks (e2m1 * 2^-126 as bf16 halves, times 2^126 in one bf16x2 multiply: exact), and writes rows g and
+// g + 8, columns 64 c + 16 t ... + 15: 32 contiguous bytes per row. The values are the reference's, bit for bit:
+// float32 fp4 * scale (NVFP4: E4M3 / global scale, as Triton's _scale_val and div_rn compute it; MXFP4: 2^(e-127)),
+// rounded once to bf16 (no fast-math: float32 subnormals are kept).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "fp4_mma_common.cuh"
+
+namespace {
+
+constexpr int kCPW = 4;                 // chunks per warp
+constexpr int kWarps = 8;               // warps per CTA
+constexpr uint32_t kOne = 0x7E807E80u;  // bf16x2 (2^126, 2^126)
+
+// The scale byte -> float32, exactly as qerl.kernels.fp4_triton._scale_val.
+template <int FMT>
+__device__ __forceinline__ float scale_val(uint32_t s) {
+  if constexpr (FMT == 0) {
+    const uint32_t e = (s >> 3) & 15u, m = s & 7u;
+    float v = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (s & 128u) ? -v : v;
+  } else {
+    return __uint_as_float(s << 23);
+  }
+}
+
+// Two e2m1 * 2^-126 bf16 halves -> bf16x2 of (value * sv) each, rounded once from float32.
+__device__ __forceinline__ uint32_t scaled_pair(uint32_t masked, float sv) {
+  const uint32_t p = qfp4::bmul2(masked, kOne);  // exact e2m1 values as bf16
+  const float lo = __uint_as_float(p << 16) * sv;
+  const float hi = __uint_as_float(p & 0xFFFF0000u) * sv;
+  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <int FMT, bool HAS_G>
+__global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __restrict__ qw,
+                                                              const uint16_t* __restrict__ sc,
+                                                              const float* __restrict__ gs,
+                                                              __nv_bfloat16* __restrict__ out, long ldo, int S,
+                                                              int C) {
+  constexpr int GPC = FMT == 0 ? 4 : 2;  // scale groups per 64-column chunk (G = 16 / 32)
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int cb = (C + kCPW - 1) / kCPW;  // chunk batches per strip
+  const long task = (long)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (task >= (long)S * cb) return;
+  const int s = (int)(task / cb), c0 = (int)(task % cb) * kCPW;
+  const int nc = min(kCPW, C - c0);
+  const long blk0 = (long)s * C + c0;
+  uint4 w[kCPW];
+  uint32_t pr[kCPW];
+#pragma unroll
+  for (int i = 0; i < kCPW; ++i) {
+    if (i < nc) {
+      w[i] = qfp4::ld_stream(qw + (blk0 + i) * 32 + lane);
+      pr[i] = qfp4::ld_stream_u16(sc + (blk0 + i) * (8 * GPC) + g * GPC + (FMT == 0 ? t : t >> 1));
+    }
+  }
+  const float inv = HAS_G ? *gs : 1.0f;
+  __nv_bfloat16* r0 = out + (long)(16 * s + g) * ldo + 64L * c0 + 16 * t;
+  __nv_bfloat16* r8 = r0 + 8 * ldo;
+#pragma unroll
+  for (int i = 0; i < kCPW; ++i) {
+    if (i < nc) {
+      float s0 = scale_val<FMT>(pr[i] & 0xFFu), s8 = scale_val<FMT>((pr[i] >> 8) & 0xFFu);
+      if (HAS_G) {
+        s0 = __fdiv_rn(s0, inv);
+        s8 = __fdiv_rn(s8, inv);
+      }
+      const uint32_t v[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+      uint32_t a[8], b[8];  // row g / row g + 8: columns 4 j + {0, 1}, {2, 3} of word j
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        a[2 * j] = scaled_pair(v[j] & qfp4::kMask, s0);
+        b[2 * j] = scaled_pair(qfp4::rotr(v[j], 3) & qfp4::kMask, s8);
+        a[2 * j + 1] = scaled_pair(qfp4::rotr(v[j], 6) & qfp4::kMask, s0);
+        b[2 * j + 1] = scaled_pair(((v[j] & qfp4::kRest) * qfp4::kSpread) & qfp4::kMask, s8);
+      }
+      uint4* p0 = reinterpret_cast<uint4*>(r0 + 64 * i);
+      uint4* p8 = reinterpret_cast<uint4*>(r8 + 64 * i);
+      p0[0] = make_uint4(a[0], a[1], a[2], a[3]);
+      p0[1] = make_uint4(a[4], a[5], a[6], a[7]);
+      p8[0] = make_uint4(b[0], b[1], b[2], b[3]);
+      p8[1] = make_uint4(b[4], b[5], b[6], b[7]);
+    }
+  }
+}
+
+template <int FMT, bool HAS_G>
+int launch(const void* qw, const void* sc, const float* gs, void* out, long ldo, int S, int C, cudaStream_t st) {
+  const long tasks = (long)S * ((C + kCPW - 1) / kCPW);
+  const long grid = (tasks + kWarps - 1) / kWarps;
+  if (grid <= 0) return 0;
+  if (grid >= (1L << 31)) return -1;
+  dequant_kernel<FMT, HAS_G><<<(unsigned)grid, 32 * kWarps, 0, st>>>(
+      static_cast<const uint4*>(qw), static_cast<const uint16_t*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
+      S, C);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// out (16 S, 64 C) bf16 with row stride ldo (elements, a multiple of 8) = the weight of qw (S, C, 32, 4) int32 and
+// sc (S, C, 8 * groups per chunk) int16; gs: the NVFP4 global scale (device float) or null. 0, -1 (bad
+// arguments) or a CUDA error code.
+extern "C" int qfp4_dequant(const void* qw, const void* sc, const float* gs, void* out, long ldo, int S, int C,
+                            int fmt, void* stream) {
+  if (ldo % 8 || reinterpret_cast<uintptr_t>(out) % 16 || ldo < 64L * C) return -1;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (fmt == 0) {
+    return gs ? launch<0, true>(qw, sc, gs, out, ldo, S, C, st) : launch<0, false>(qw, sc, gs, out, ldo, S, C, st);
+  }
+  return launch<1, false>(qw, sc, nullptr, out, ldo, S, C, st);
+}
