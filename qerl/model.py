@@ -418,9 +418,12 @@ def load_policy(source: str, fmt: QuantFormat | str = "bf16", lora: LoraSpec | N
         if layout == "kernel":
             layout = _relayout(model, device)
         finalize_trainable(model, train_norms)
+    from qerl.kernels import train_fused
+
+    fused = train_fused.install(model)  # RMSNorm and SiLU·up as one kernel each way (QERL_FUSED_TRAIN=0: HF's ops)
     model.eval()
     model.qerl = dict(source=source, fmt=fmt, lora=None if lora is None or full_finetune else vars(lora).copy(),
-                      train_norms=train_norms, full_finetune=full_finetune, layout=layout,
+                      train_norms=train_norms, full_finetune=full_finetune, layout=layout, fused_train=fused,
                       dtype=str(dtype).removeprefix("torch."),
                       device=str(device), directory=None if kind == "preset" else str(obj))
     tok = gguf_file.load_tokenizer(obj) if kind == "gguf" and tokenizer is None else load_tokenizer(directory, tokenizer)

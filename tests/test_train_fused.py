@@ -1,0 +1,153 @@
+"""The fused training kernels (``qerl.kernels.train_fused``): RMSNorm and SiLU·up forward and backward against the
+Hugging Face formulas under autograd (Triton interpreter on the CPU in float32, compiled kernels in bf16 on a GPU),
+and their installation into a policy (the same Parameters, AQN still finds the norms, the same loss and gradients)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qerl.kernels import train_fused as tf
+
+
+def _ref_grads(fn, inputs, gy):
+    ins = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = fn(*ins)
+    y.backward(gy)
+    return y.detach(), [t.grad for t in ins]
+
+
+def _interpreter_main() -> None:
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for m, d in ((37, 96), (16, 64), (5, 200)):  # rows not a multiple of the backward's 16, D not a power of two
+        x = 3 * torch.randn(m, d, generator=g)
+        w = 1 + 0.1 * torch.randn(d, generator=g)
+        gy = torch.randn(m, d, generator=g)
+        y0, (dx0, dw0) = _ref_grads(lambda a, b: tf.rms_norm_ref(a, b, 1e-6), (x, w), gy)
+        y1, (dx1, dw1) = _ref_grads(lambda a, b: tf.rms_norm(a, b, 1e-6), (x, w), gy)
+        torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx1, dx0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dw1, dw0, rtol=1e-4, atol=1e-4)
+        xs = torch.randn(2, m, d, generator=g)  # (..., D) input, weight frozen: no weight gradient
+        x3 = xs.clone().requires_grad_(True)
+        tf.rms_norm(x3, w, 1e-5).backward(torch.ones_like(xs))
+        x4 = xs.clone().requires_grad_(True)
+        tf.rms_norm_ref(x4, w, 1e-5).backward(torch.ones_like(xs))
+        torch.testing.assert_close(x3.grad, x4.grad, rtol=1e-4, atol=1e-5)
+    for shape in ((3, 5000), (2, 7, 300), (1, 1)):
+        a, b = 4 * torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        gy = torch.randn(*shape, generator=g)
+        y0, (da0, db0) = _ref_grads(tf.silu_mul_ref, (a, b), gy)
+        y1, (da1, db1) = _ref_grads(tf.silu_mul, (a, b), gy)
+        torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(da1, da0, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(db1, db0, rtol=1e-5, atol=1e-6)
+    print("TRAIN-FUSED-INTERPRETER-OK")
+
+
+def test_train_fused_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", "import test_train_fused as t; t._interpreter_main()"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "TRAIN-FUSED-INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def _policy(device="cpu", fused="1", train_norms=False):
+    from qerl.lora import LoraSpec
+    from qerl.model import load_policy
+
+    old = os.environ.get("QERL_FUSED_TRAIN")
+    os.environ["QERL_FUSED_TRAIN"] = fused
+    try:
+        return load_policy("preset:tiny", "bf16", LoraSpec(rank=4, alpha=8), device=device, seed=3,
+                           train_norms=train_norms)[0]
+    finally:
+        if old is None:
+            os.environ.pop("QERL_FUSED_TRAIN")
+        else:
+            os.environ["QERL_FUSED_TRAIN"] = old
+
+
+def test_install_keeps_parameters_and_aqn_targets():
+    """Every norm becomes a FusedRMSNorm over the same weight Parameter, every SiLU MLP uses silu_mul; AQN finds
+    the same norms; QERL_FUSED_TRAIN=0 leaves the HF modules; on the CPU the policy computes what HF's does."""
+    from qerl.aqn import find_noise_targets
+
+    p = _policy()
+    q = _policy(fused="0")
+    cfg = p.config
+    assert p.qerl["fused_train"] == {"rms_norm": 2 * cfg.num_hidden_layers + 1, "silu_mul": cfg.num_hidden_layers}
+    assert q.qerl["fused_train"] == {"rms_norm": 0, "silu_mul": 0}
+    assert all(type(m).__name__ == "FusedRMSNorm" for n, m in p.named_modules() if n.endswith("layernorm"))
+    assert all(type(m).__name__ != "FusedRMSNorm" for m in q.modules())
+    assert [n for n, _ in find_noise_targets(p)] == [n for n, _ in find_noise_targets(q)]
+    assert {n for n, _ in p.named_parameters()} == {n for n, _ in q.named_parameters()}
+    q.load_state_dict(p.state_dict())
+    ids = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    for m in (p, q):
+        m.train()
+        m(input_ids=ids).logits.float().square().mean().backward()
+    lp, lq = p(input_ids=ids).logits, q(input_ids=ids).logits
+    assert torch.equal(lp, lq)
+    gp = {n: t.grad for n, t in p.named_parameters() if t.requires_grad}
+    gq = {n: t.grad for n, t in q.named_parameters() if t.requires_grad}
+    assert gp.keys() == gq.keys() and gp
+    for n in gp:
+        torch.testing.assert_close(gp[n], gq[n], rtol=0, atol=0)
+
+
+def test_trained_norms_use_the_fused_function():
+    """train_norms: MasterRMSNorm (fp32 masters, not replaced) takes its weight gradient through rms_norm."""
+    p = _policy(train_norms=True)
+    norms = [m for n, m in p.named_modules() if n.endswith("layernorm")]
+    assert norms and all(type(m).__name__ == "MasterRMSNorm" for m in norms)
+    ids = torch.randint(0, 500, (2, 7), generator=torch.Generator().manual_seed(1))
+    p.train()
+    p(input_ids=ids).logits.float().mean().backward()
+    assert all(m.weight.grad is not None and m.weight.grad.dtype == torch.float32 for m in norms)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_train_fused_bf16_matches_hf_ops():
+    """bf16 on the GPU: forward within one bf16 ulp of the HF ops (mean(x²) is summed in another order), input and
+    weight gradients close; and a 7B-width policy's loss and LoRA gradients with and without the fused kernels."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, d in ((4096, 3584), (33, 5120)):
+        x = (2 * torch.randn(m, d, device="cuda", generator=g)).bfloat16()
+        w = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16()
+        gy = torch.randn(m, d, device="cuda", generator=g).bfloat16()
+        y0, (dx0, dw0) = _ref_grads(lambda a, b: tf.rms_norm_ref(a, b, 1e-6), (x, w), gy)
+        y1, (dx1, dw1) = _ref_grads(lambda a, b: tf.rms_norm(a, b, 1e-6), (x, w), gy)
+        assert ((y1.float() - y0.float()).abs() <= 2**-7 * y0.float().abs() + 1e-6).all()
+        assert (y1 != y0).float().mean() < 0.01
+        torch.testing.assert_close(dx1.float(), dx0.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dw1.float(), dw0.float(), rtol=2e-2, atol=1.0)
+        a = (3 * torch.randn(m, 4 * d, device="cuda", generator=g)).bfloat16()
+        b = torch.randn(m, 4 * d, device="cuda", generator=g).bfloat16()
+        gy = torch.randn(m, 4 * d, device="cuda", generator=g).bfloat16()
+        y0, (da0, db0) = _ref_grads(tf.silu_mul_ref, (a, b), gy)
+        y1, (da1, db1) = _ref_grads(tf.silu_mul, (a, b), gy)
+        assert (y1 != y0).float().mean() < 0.01 and torch.allclose(y1.float(), y0.float(), rtol=2**-7, atol=1e-6)
+        assert torch.equal(db1, db0) or (db1 != db0).float().mean() < 0.01
+        torch.testing.assert_close(da1.float(), da0.float(), rtol=2**-6, atol=1e-3)
+    p, q = _policy("cuda"), _policy("cuda", fused="0")
+    q.load_state_dict(p.state_dict())
+    ids = torch.randint(0, 500, (4, 64), device="cuda", generator=g)
+    losses = []
+    for m in (p, q):
+        m.train()
+        loss = m(input_ids=ids).logits.float().log_softmax(-1).mean()
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[1])
+    for (n, a), (_, b) in zip(p.named_parameters(), q.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert (a.grad - b.grad).norm() <= 0.05 * b.grad.norm() + 1e-6, n
