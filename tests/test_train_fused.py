@@ -120,24 +120,29 @@ def test_gpu_train_fused_bf16_matches_hf_ops():
     """bf16 on the GPU: forward within one bf16 ulp of the HF ops (mean(x²) is summed in another order), input and
     weight gradients close; and a 7B-width policy's loss and LoRA gradients with and without the fused kernels."""
     g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
     for m, d in ((4096, 3584), (33, 5120)):
         x = (2 * torch.randn(m, d, device="cuda", generator=g)).bfloat16()
         w = (1 + 0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16()
         gy = torch.randn(m, d, device="cuda", generator=g).bfloat16()
         y0, (dx0, dw0) = _ref_grads(lambda a, b: tf.rms_norm_ref(a, b, 1e-6), (x, w), gy)
         y1, (dx1, dw1) = _ref_grads(lambda a, b: tf.rms_norm(a, b, 1e-6), (x, w), gy)
-        assert ((y1.float() - y0.float()).abs() <= 2**-7 * y0.float().abs() + 1e-6).all()
-        assert (y1 != y0).float().mean() < 0.01
-        torch.testing.assert_close(dx1.float(), dx0.float(), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(dw1.float(), dw0.float(), rtol=2e-2, atol=1.0)
+        ulp = (y1.float() - y0.float()).abs() / y0.float().abs().clamp(min=1e-30)
+        assert float(ulp.max()) <= 2**-7, ("rms forward", m, d, float(ulp.max()))
+        assert float((y1 != y0).float().mean()) < 0.01, ("rms forward mismatches", float((y1 != y0).float().mean()))
+        assert rel(dx1, dx0) < 1e-2, ("rms dx", m, d, rel(dx1, dx0))
+        assert rel(dw1, dw0) < 1e-2, ("rms dw", m, d, rel(dw1, dw0))
         a = (3 * torch.randn(m, 4 * d, device="cuda", generator=g)).bfloat16()
         b = torch.randn(m, 4 * d, device="cuda", generator=g).bfloat16()
         gy = torch.randn(m, 4 * d, device="cuda", generator=g).bfloat16()
         y0, (da0, db0) = _ref_grads(tf.silu_mul_ref, (a, b), gy)
         y1, (da1, db1) = _ref_grads(tf.silu_mul, (a, b), gy)
-        assert (y1 != y0).float().mean() < 0.01 and torch.allclose(y1.float(), y0.float(), rtol=2**-7, atol=1e-6)
-        assert torch.equal(db1, db0) or (db1 != db0).float().mean() < 0.01
-        torch.testing.assert_close(da1.float(), da0.float(), rtol=2**-6, atol=1e-3)
+        assert float((y1 != y0).float().mean()) < 0.01, ("silu forward mismatches", float((y1 != y0).float().mean()))
+        assert rel(y1, y0) < 1e-2 and rel(da1, da0) < 1e-2 and rel(db1, db0) < 1e-2, \
+            ("silu", rel(y1, y0), rel(da1, da0), rel(db1, db0))
     p, q = _policy("cuda"), _policy("cuda", fused="0")
     q.load_state_dict(p.state_dict())
     ids = torch.randint(0, 500, (4, 64), device="cuda", generator=g)
@@ -147,7 +152,7 @@ def test_gpu_train_fused_bf16_matches_hf_ops():
         loss = m(input_ids=ids).logits.float().log_softmax(-1).mean()
         loss.backward()
         losses.append(loss.item())
-    assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[1])
-    for (n, a), (_, b) in zip(p.named_parameters(), q.named_parameters(), strict=True):
-        if a.requires_grad:
-            assert (a.grad - b.grad).norm() <= 0.05 * b.grad.norm() + 1e-6, n
+    assert abs(losses[0] - losses[1]) < 1e-3 * abs(losses[1]), losses
+    ga = torch.cat([t.grad.flatten() for t in p.parameters() if t.requires_grad])
+    gb = torch.cat([t.grad.flatten() for t in q.parameters() if t.requires_grad])
+    assert rel(ga, gb) < 0.05, ("policy gradients", rel(ga, gb))
