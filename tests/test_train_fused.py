@@ -131,7 +131,7 @@ def test_gpu_train_fused_bf16_matches_hf_ops():
         y0, (dx0, dw0) = _ref_grads(lambda a, b: tf.rms_norm_ref(a, b, 1e-6), (x, w), gy)
         y1, (dx1, dw1) = _ref_grads(lambda a, b: tf.rms_norm(a, b, 1e-6), (x, w), gy)
         ulp = (y1.float() - y0.float()).abs() / y0.float().abs().clamp(min=1e-30)
-        assert float(ulp.max()) <= 2**-7, ("rms forward", m, d, float(ulp.max()))
+        assert float(ulp.max()) <= 2**-6, ("rms forward", m, d, float(ulp.max()))  # two bf16 roundings
         assert float((y1 != y0).float().mean()) < 0.01, ("rms forward mismatches", float((y1 != y0).float().mean()))
         assert rel(dx1, dx0) < 1e-2, ("rms dx", m, d, rel(dx1, dx0))
         assert rel(dw1, dw0) < 1e-2, ("rms dw", m, d, rel(dw1, dw0))
