@@ -5,7 +5,8 @@
     python -m experiments.speed --merge OUT --name h100_run5  # keep a GPU session's CSVs under raw/ and merge
     python -m experiments.speed --run scaling                 # on a multi-GPU host: data-parallel steps, 1/2/4 GPUs
 
-Rendering reads only ``results/speed/{memory,rollout,step,scaling}.csv`` (written by ``qerl.bench``) and the paper's
+Rendering reads only ``results/speed/{memory,rollout,step,scaling,update,dequant}.csv`` (written by ``qerl.bench`` and
+``benchmarks.dequant_bench``), raw runs named in the text, and the paper's
 numbers (``paper_figures/paper/*.csv``); ratios are always ours against our own BF16-LoRA in the same run
 (same git SHA and device), never against the paper's. Paper numbers come from vLLM 0.10.1 (Marlin FP4 kernel);
 ours from qerl's own sampler and Triton kernels.
@@ -21,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from qerl.bench import IDENT as BENCH_IDENT
-from qerl.bench import SCALING_IDENT
+from qerl.bench import SCALING_IDENT, UPDATE_IDENT
 
 STAGES = {
     "core": [["memory", "--models", "7b", "--formats", "bf16,nf4,mxfp4,nvfp4"],
@@ -303,11 +304,14 @@ def scaling_table(root: Path) -> str:
     d = _read(root, "scaling.csv")
     if d is None:
         return "_no scaling.csv (python -m experiments.speed --run scaling on a multi-GPU host)_\n"
-    def host(r):  # the host's GPUs where recorded (host_gpus, from later runs)
-        n = r.get("host_gpus")
-        return f"{r['device']} x{int(n)}" if n == n and n is not None and int(n) > 1 else r["device"]
-
-    devs = sorted({f"{r.get('run', '')}: {host(r)}" for _, r in d.iterrows() if isinstance(r.get("device"), str)})
+    hosts: dict[str, tuple[str, int]] = {}  # run -> (device, the most GPUs a row of it saw: host_gpus, later runs)
+    for _, r in d.iterrows():
+        if isinstance(r.get("device"), str):
+            n = r.get("host_gpus")
+            n = int(n) if n is not None and n == n else 1
+            dev, m = hosts.get(r.get("run", ""), (r["device"], 1))
+            hosts[r.get("run", "")] = (dev, max(m, n))
+    devs = sorted(f"{run}: {dev}" + (f" x{n}" if n > 1 else "") for run, (dev, n) in hosts.items())
     head = f"Devices: {'; '.join(devs)}.\n\n" if devs else ""
     lines = ["| model | method | GPUs | completions/GPU | status | s/step | rollout s | log-prob s | update s | "
              "all-reduce s (% of step) | tokens/s | tokens/s/GPU | efficiency | rollout × | log-prob × | update × | "
@@ -387,6 +391,79 @@ def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
     return "\n".join(rows) + "\n"
 
 
+#: update.csv's kernel categories in the order the table shows them (others are summed into "other")
+UPDATE_COLUMNS = ("cublas_gemm", "elementwise", "norm", "activation", "dequantize", "attention")
+
+
+def update_table(root: Path) -> str:
+    """Where a GRPO micro-batch's GPU time goes (``qerl.bench update``): per raw run, device and variant (fused
+    training kernels, CUDA dequantization), each format's log-prob pass and forward + backward, NVFP4/MXFP4 against
+    BF16-LoRA of the same run and variant, and the profiled kernel time by category."""
+    d = _read(root, "update.csv")
+    if d is None or not len(d):
+        return "_no update.csv (python -m qerl.bench update)_\n"
+    d = d[d["kernel"].isna() | (d["kernel"].astype(str) == "")]
+    for c in ("fused_train", "cuda_dequant"):
+        d[c] = d[c].astype(str).str.lower() == "true" if c in d else False
+    d["run"] = d["run"] if "run" in d else ""
+    keys = ["run", "device", "model", "micro_batch", "prompt_len", "new_tokens", "gc", "fused_train"]
+    lines = ["| run | device | fused norm/SiLU | dequantize | weights | tokens | log-prob pass ms | fwd + bwd ms | "
+             "vs BF16 | " + " | ".join(UPDATE_COLUMNS) + " | other |", "|---" * (10 + len(UPDATE_COLUMNS)) + "|"]
+    for key, g in d.groupby(keys, sort=False, dropna=False):
+        cats = g.pivot_table(index="weights", columns="category", values="kernel_ms", aggfunc="sum")
+        first = g.drop_duplicates("weights").set_index("weights")
+        ref = first.loc["BF16"] if "BF16" in first.index else None
+        for w, r in first.iterrows():
+            ratio = "—" if ref is None or w == "BF16" else f"{float(r['update_ms']) / float(ref['update_ms']):.3f}×"
+            row = cats.loc[w] if w in cats.index else pd.Series(dtype=float)
+            shown = [row.get(c, float("nan")) for c in UPDATE_COLUMNS]
+            other = float(row.drop([c for c in UPDATE_COLUMNS if c in row.index]).sum())
+            dq = ("CUDA" if r["cuda_dequant"] else "Triton") if w in _FP4_WEIGHTS else "—"
+            lines.append(f"| {key[0]} | {key[1]} | {'yes' if key[7] else 'no'} | {dq} | {w} | {int(r['tokens'])} | "
+                         f"{_fmt(r['logprob_ms'], 0)} | {_fmt(r['update_ms'], 0)} | {ratio} | "
+                         + " | ".join(_fmt(x, 0) if x == x else "—" for x in shown) + f" | {_fmt(other, 0)} |")
+    return "\n".join(lines) + "\n"
+
+
+_FP4_WEIGHTS = ("NVFP4", "MXFP4")
+
+
+def dequant_table(root: Path) -> str:
+    """The dense BF16 weight rebuilt from the kernel layout (``benchmarks.dequant_bench``): Triton vs CUDA per linear."""
+    d = _read(root, "dequant.csv")
+    if d is None or not len(d):
+        return "_no dequant.csv (python -m benchmarks.dequant_bench)_\n"
+    lines = ["| device | model | format | linear | N × K | Triton µs (TB/s) | CUDA µs (TB/s) | CUDA vs Triton | same bits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key, g in d.groupby(["device", "model", "fmt", "linear", "n", "k"], sort=False):
+        b = g.set_index("backend")
+        if not {"triton", "cuda"} <= set(b.index):
+            continue
+        t, c = b.loc["triton"], b.loc["cuda"]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {key[4]} × {key[5]} | {_fmt(t['us'])} "
+                     f"({_fmt(t['tb_s'], 2)}) | {_fmt(c['us'])} ({_fmt(c['tb_s'], 2)}) | {float(t['us']) / float(c['us']):.2f}× | "
+                     f"{'yes' if str(c['bits_equal']).lower() == 'true' else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def step_ab_table(root: Path, new: str, old: str, what: str) -> str:
+    """Two raw step runs of the same configuration on one machine (``raw/<new>/step.csv`` against
+    ``raw/<old>/step.csv``): each phase's seconds and the change, per format."""
+    a, b = _read(root / "raw" / new, "step.csv"), _read(root / "raw" / old, "step.csv")
+    if a is None or b is None:
+        return "_not measured_\n"
+    lines = [f"| weights | s/step ({what} / before) | rollout s | log-prob s | update s | peak GB |", "|---|---|---|---|---|---|"]
+    for _, r in a.iterrows():
+        o = b[b["weights"] == r["weights"]]
+        if not len(o):
+            continue
+        o = o.iloc[0]
+        cells = [f"{_fmt(r[c], 2)} / {_fmt(o[c], 2)} ({(float(r[c]) / float(o[c]) - 1) * 100:+.1f}%)"
+                 for c in ("step_s", "rollout_s", "logprob_s", "update_s")]
+        lines.append(f"| {r['weights']} | " + " | ".join(cells) + f" | {_fmt(r['peak_mem_gb'])} / {_fmt(o['peak_mem_gb'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
@@ -453,6 +530,19 @@ measured in the same session on the same machine (`scripts/layout_gpu.sh`; `raw/
 The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
 2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).
 {step_table(root)}
+### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
+`raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
+kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against
+`raw/h100_s29f_unfused` (the same build with `QERL_FUSED_TRAIN=0 QERL_CUDA_DEQUANT=0`: Hugging Face's RMSNorm and
+SwiGLU ops and the Triton dequantization; the addmm is in both), one measured step each after a warm-up step:
+{step_ab_table(root, "h100_s29e", "h100_s29f_unfused", "fused")}
+### Where a GRPO micro-batch's GPU time goes (`python -m qerl.bench update`)
+One micro-batch of the realistic step (16 completions of 64 + 1024 tokens, GC, r32) through the training forward:
+the log-prob pass (no grad) and forward + backward, timed (mean of 2 after a warm-up), then profiled (kernel time by
+category; "other" includes the fused kernels' names before session 29 grouped them). Runs in order: `h100_s29a`
+(before: HF ops, Triton dequantization, LoRA as F.linear + scale + add), `h100_s29b` (CUDA dequantization, LoRA
+addmm), `h200_s29c` (an H200: the fused kernels on and off, same process order).
+{update_table(root)}
 ## Data-parallel GRPO steps on several GPUs (issue 13; `python -m experiments.speed --run scaling`)
 The same global batch on 1, 2 and 4 GPUs of one host: 128 completions per step (16 prompts × G 8, whole groups per
 rank), 1024 new tokens, micro-batches of 8, gradient checkpointing, GRPO, LoRA rank 32, `torchrun` with NCCL
@@ -473,6 +563,11 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
 ## Decoder linears at GRPO batch sizes (M > 16): the CUDA mma GEMM (`python -m benchmarks.cuda_gemm_bench`)
 Issue 10. The same re-laid-out weights as the GEMV, tokens staged in shared memory; `prev` is the path before it.
 {gemm}
+### The dense weight for large M (prefill, the update) from the kernel layout (`python -m benchmarks.dequant_bench`)
+What dequantize + cuBLAS pays per call at M > the tuned crossover: the Triton kernel (per element gathers) against the
+CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run; TB/s = packed bytes read + BF16
+bytes written per second:
+{dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
 Now (session 20, GEMM g6 with the fused q|k|v and gate|up shapes tuned, commit 45292f0; `raw/h100_s20_rollout3/`, one
 run; the first such run, `raw/h100_s20_g6/`, NVFP4 and BF16 only, gave 1.42× / 1.17× / 0.95× / 0.80×):
@@ -487,6 +582,10 @@ Before (session 19, GEMM g2, untuned fused shapes; `raw/h100_s19_rollout/`):
 
 #: a merged row replaces an older one with the same values of these (qerl.bench's identities, every benchmark's)
 IDENT = tuple(dict.fromkeys(BENCH_IDENT + SCALING_IDENT))
+#: files merged with their own identities: every run's update profile is kept (the run is part of it: a code change
+#: between two runs is no column), a dequantization row replaces the same linear's on the same device
+MERGE_IDENT = {"update.csv": (*UPDATE_IDENT, "run"),
+               "dequant.csv": ("bench", "model", "fmt", "linear", "n", "k", "backend", "device")}
 
 
 def _ident(df: pd.DataFrame, keys: list[str]) -> list[tuple]:
@@ -523,7 +622,7 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         if f.is_file() and f.suffix in (".csv", ".json", ".log", ".txt", ".md"):
             shutil.copy2(f, dst / f.name)
     for f in sorted(dst.glob("*.csv")):
-        if f.name not in ("memory.csv", "rollout.csv", "step.csv", "scaling.csv"):
+        if f.name not in ("memory.csv", "rollout.csv", "step.csv", "scaling.csv", *MERGE_IDENT):
             continue
         new = pd.read_csv(f)
         new["run"] = name
@@ -539,7 +638,8 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         for df in (old, new):  # rows from before the kernels' layout existed held the compressed-tensors one
             if len(df):
                 df["layout"] = df["layout"].fillna("compressed") if "layout" in df else "compressed"
-        ident = (*IDENT, "device")  # an H200's row does not replace an H100's: both are kept (scaling: 2 H200s, 4 H100s)
+        # an H200's row does not replace an H100's: both are kept (scaling: 2 H200s, 4 H100s)
+        ident = MERGE_IDENT.get(f.name, (*IDENT, "device"))
         keys = [k for k in ident if k in new.columns and k in old.columns]
         if len(old) and keys:
             ids = set(_ident(new, keys))

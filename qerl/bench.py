@@ -68,7 +68,7 @@ IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch",
 SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
                  "new_tokens", "layout")
 UPDATE_IDENT = ("bench", "model", "weights", "micro_batch", "gc", "prompt_len", "new_tokens", "layout", "device",
-                "category", "kernel")
+                "fused_train", "cuda_dequant", "category", "kernel")
 #: how NVFP4/MXFP4 bases are held in this process's runs (``--layout``; ``qerl.kernels.relaid``) and on which
 #: device (``--device``): rows and training runs record the resolved layout (``auto`` is kernel where the CUDA FP4
 #: kernels run); other formats have one layout, "compressed"
@@ -473,7 +473,7 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
 
 
 #: Kernel-name fragments -> the phase table's categories (first match wins; lower-case names).
-UPDATE_CATEGORIES = (("dequant", "dequantize"), ("fp4", "fp4_gemm"), ("flash", "attention"), ("fmha", "attention"),
+UPDATE_CATEGORIES = (("dequant", "dequantize"), ("_rms", "norm"), ("_silu", "activation"), ("fp4", "fp4_gemm"), ("flash", "attention"), ("fmha", "attention"),
                      ("attn", "attention"), ("nvjet", "cublas_gemm"), ("gemm", "cublas_gemm"),
                      ("xmma", "cublas_gemm"), ("cutlass", "cublas_gemm"), ("softmax", "logprob"),
                      ("reduce", "reduce"), ("elementwise", "elementwise"), ("copy", "copy_cast"))
@@ -558,7 +558,10 @@ def bench_update(models, formats, micro: int, prompt_len: int, new_tokens: int, 
                 c = cats.setdefault(kernel_category(k), [0.0, 0])
                 c[0] += us
                 c[1] += n
+            from qerl.kernels.train_fused import fused_train_enabled
+
             base = dict(bench="update", model=PAPER_NAME.get(m, m), weights=get_format(f).label, micro_batch=micro,
+                        fused_train=fused_train_enabled(), cuda_dequant=os.environ.get("QERL_CUDA_DEQUANT", "1") != "0",
                         prompt_len=prompt_len, new_tokens=new_tokens, gc=use_gc, tokens=micro * (prompt_len + new_tokens),
                         logprob_ms=times["logprob"] * 1e3, update_ms=times["update"] * 1e3, kernels_ms=total / 1e3,
                         **_env())

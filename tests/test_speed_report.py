@@ -277,3 +277,53 @@ def test_rollout_ratios_compare_rows_of_one_gpu_model(tmp_path):
     cells = {line.split(" | ")[6]: line.split(" | ")[7] for line in table.splitlines() if "| QeRL |" in line}
     assert cells == {"2000": "2.00", "2500": "2.50†", "2900": "—"}, table
     assert all(line.endswith("| 256 + 2048 |") for line in table.splitlines()[2:])  # each row's lengths
+
+
+def test_bench_update_runs_on_cpu_and_renders(tmp_path):
+    """``qerl.bench update`` end to end on the tiny preset (CPU): a summary row per kernel category whose times add up
+    to the profiled total, the variant columns; merged twice (two runs) both runs stay in update.csv; the table
+    gives NVFP4 against BF16 of the same run and variant only."""
+    from qerl import bench
+
+    out = tmp_path / "out"
+    rows = bench.bench_update(["tiny"], ["nvfp4", "bf16"], 2, 8, 16, True, "cpu", repeats=1,
+                              sink=lambda r: bench._write_csv(r, out / "update.csv", bench.UPDATE_IDENT))
+    cats = [r for r in rows if r["kernel"] == ""]
+    for w in ("NVFP4", "BF16"):
+        sub = [r for r in cats if r["weights"] == w]
+        assert sub and sub[0]["update_ms"] > 0 and sub[0]["logprob_ms"] > 0 and sub[0]["fused_train"] is True
+        assert abs(sum(r["kernel_ms"] for r in sub) - sub[0]["kernels_ms"]) < 1e-6 * sub[0]["kernels_ms"] + 1e-9
+        assert len({r["category"] for r in sub}) == len(sub)
+    assert bench.kernel_category("void (anonymous namespace)::dequant_kernel<0, true>") == "dequantize"
+    assert bench.kernel_category("_rms_bwd_kernel") == "norm"
+    assert bench.kernel_category("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == "cublas_gemm"
+    assert bench.kernel_category("something_else") == "other"
+    root = tmp_path / "speed"
+    root.mkdir()
+    for run in ("r1", "r2"):
+        assert speed.merge_run(out, root, run) == [str(root / "update.csv")]
+    d = pd.read_csv(root / "update.csv")
+    assert set(d["run"]) == {"r1", "r2"} and len(d) == 2 * len(rows)
+    table = speed.update_table(root)
+    n = [r for r in cats if r["weights"] == "NVFP4"][0]["update_ms"]
+    b = [r for r in cats if r["weights"] == "BF16"][0]["update_ms"]
+    assert table.count(f"| {n / b:.3f}× |") == 2  # one per run, each against its own BF16 row
+
+
+def test_dequant_and_step_ab_tables(tmp_path):
+    root = tmp_path / "speed"
+    (root / "raw" / "new").mkdir(parents=True)
+    (root / "raw" / "old").mkdir(parents=True)
+    base = dict(bench="dequant", model="7b", fmt="nvfp4", linear="gate_proj", n=18944, k=3584, device="H100")
+    pd.DataFrame([dict(base, backend="triton", us=287.0, tb_s=0.61, bits_equal=True),
+                  dict(base, backend="cuda", us=129.0, tb_s=1.35, bits_equal=True)]).to_csv(root / "dequant.csv",
+                                                                                              index=False)
+    t = speed.dequant_table(root)
+    assert "| 287.0 (0.61) | 129.0 (1.35) | 2.22× | yes |" in t
+    step = dict(bench="step", step_s=31.0, rollout_s=11.4, logprob_s=5.1, update_s=14.5, peak_mem_gb=23.5)
+    pd.DataFrame([dict(step, weights="NVFP4")]).to_csv(root / "raw" / "new" / "step.csv", index=False)
+    pd.DataFrame([dict(step, weights="NVFP4", step_s=34.1, update_s=16.7)]).to_csv(root / "raw" / "old" / "step.csv",
+                                                                                   index=False)
+    t = speed.step_ab_table(root, "new", "old", "fused")
+    assert "31.00 / 34.10 (-9.1%)" in t and "14.50 / 16.70 (-13.2%)" in t and "11.40 / 11.40 (+0.0%)" in t
+    assert speed.step_ab_table(root, "new", "missing", "x") == "_not measured_\n"
