@@ -228,10 +228,11 @@ def step_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def layout_table(root: Path) -> str:
-    """Issue 10's one resident layout: each kernel-layout row of ``rollout.csv`` / ``step.csv`` beside the
-    compressed-layout row of the same configuration from the same session (``run``'s first path component), with
-    the speed ratio (> 1: the kernel layout is faster) and both peaks."""
+def layout_table(root: Path, sessions: tuple[str, ...] = ("h100_s27_layout",)) -> str:
+    """Issue 10's one resident layout: each kernel-layout row of ``rollout.csv`` / ``step.csv`` (the top-level rows
+    and those kept under ``raw/<session>/*/`` for ``sessions``, so a later run of the same configuration does not
+    unpair them) beside the compressed-layout row of the same configuration from the same session (``run``'s first
+    path component), with the speed ratio (> 1: the kernel layout is faster) and both peaks."""
     lines = ["| bench | model | configuration | compressed | kernel layout | kernel speed ÷ compressed | "
              "update s (c → k) | peak GB (c → k) | run (sha) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, value, unit, faster in (("rollout.csv", "tokens_per_s", "tok/s", "higher"),
@@ -239,6 +240,14 @@ def layout_table(root: Path) -> str:
         d = _read(root, name)
         if d is None or "layout" not in d or "run" not in d:
             continue
+        ident = [c for c in (*BENCH_IDENT, "device") if c in d.columns]
+        for s_ in sessions:  # a session's rows that a later run of the same configuration replaced at the top level
+            mine = set(_ident(d[d["run"].astype(str).str.split("/").str[0] == s_], ident))
+            for f in sorted((root / "raw" / s_).glob(f"*/{name}")):
+                r = pd.read_csv(f)
+                if "run" in r and all(c in r.columns for c in ident):
+                    d = pd.concat([d, r[[i not in mine for i in _ident(r, ident)]]], ignore_index=True)
+                    mine |= set(_ident(r, ident))
         d = d[d["status"].fillna("ok") == "ok"] if "status" in d else d
         d = d.assign(_session=d["run"].astype(str).str.split("/").str[0])
         keys = [k for k in BENCH_IDENT if k in d.columns and k != "layout"] + ["_session"]

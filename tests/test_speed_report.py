@@ -101,6 +101,16 @@ def test_kernel_layout_rows_pair_within_a_session(tmp_path):
     assert len(rows) == 1 and "2000.0 tok/s" in rows[0] and "2200.0 tok/s" in rows[0]
     assert "| 1.100 |" in rows[0] and "14.9 → 8.7" in rows[0]
     assert "no kernel-layout rows" in speed.layout_table(tmp_path / "missing")
+    # a later run of the same configuration replaces the s27 kernel row at the top level: the pair is taken from
+    # the session's raw folder (raw/s27/ab), not lost and not paired with the later row
+    (tmp_path / "raw" / "s27" / "ab").mkdir(parents=True)
+    d[d["run"] == "s27/ab"].to_csv(tmp_path / "raw" / "s27" / "ab" / "rollout.csv", index=False)
+    later = d.copy()
+    later.loc[(later["run"] == "s27/ab") & (later["layout"] == "kernel"), ["run", "tokens_per_s"]] = ["s29", 2500.0]
+    later.to_csv(tmp_path / "rollout.csv", index=False)
+    rows = [x for x in speed.layout_table(tmp_path, sessions=("s27",)).splitlines() if x.startswith("| rollout")]
+    assert len(rows) == 1 and "| 1.100 |" in rows[0] and "2500" not in rows[0]
+    assert not [x for x in speed.layout_table(tmp_path, sessions=()).splitlines() if x.startswith("| rollout")]
 
 
 def test_rank_table_beside_paper_table9(tmp_path):
