@@ -4,7 +4,7 @@
 // One warp per (16-row strip, CPW consecutive 64-column chunks): lane (g, t) loads its 16-byte word group of each
 // chunk (the warp reads 512 contiguous bytes per chunk) and its 16-bit scale pair, decodes its 32 nibbles with the
 // GEMV's bit masks (e2m1 * 2^-126 as bf16 halves, times 2^126 in one bf16x2 multiply: exact), and writes rows g and
-// g + 8, columns 64 c + 16 t ... + 15: 32 contiguous bytes per row. The values are the reference's, bit for bit:
+// g + 8 of the chunk, exchanged within the row's four lanes (store_row) so that every store covers whole sectors. The values are the reference's, bit for bit:
 // float32 fp4 * scale (NVFP4: E4M3 / global scale, as Triton's _scale_val and div_rn compute it; MXFP4: 2^(e-127)),
 // rounded once to bf16 (no fast-math: float32 subnormals are kept).
 #include <cuda_bf16.h>
@@ -40,6 +40,29 @@ __device__ __forceinline__ uint32_t scaled_pair(uint32_t masked, float sv) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// The four lanes t = 0..3 of a row hold its 128-byte chunk segment as 32 bytes each (lane t: bytes 32 t .. 32 t + 31,
+// halves h0, h1). Two butterfly exchanges (xor 1, then xor 2; 8 shuffles) give lane t bytes 16 t .. and 64 + 16 t ..,
+// so each of the two 16-byte store instructions writes whole 32-byte sectors (64 contiguous bytes per row) instead
+// of half of every sector of the segment. p: the row's chunk segment (16-byte aligned).
+__device__ __forceinline__ void store_row(__nv_bfloat16* p, const uint32_t (&w)[8], int t) {
+  uint32_t s1[4], s2[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // even t keeps its h0 and takes its partner's h0; odd t: the partner's h1, its own
+    const uint32_t r = __shfl_xor_sync(0xFFFFFFFFu, (t & 1) ? w[k] : w[4 + k], 1);
+    s1[k] = (t & 1) ? r : w[k];
+    s2[k] = (t & 1) ? w[4 + k] : r;
+  }
+  uint32_t o1[4], o2[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // lanes t, t ^ 2: t < 2 keep s1 for bytes 16 t and take s1 of t + 2 for 64 + 16 t
+    const uint32_t r = __shfl_xor_sync(0xFFFFFFFFu, (t & 2) ? s1[k] : s2[k], 2);
+    o1[k] = (t & 2) ? r : s1[k];
+    o2[k] = (t & 2) ? s2[k] : r;
+  }
+  *reinterpret_cast<uint4*>(p + 8 * t) = make_uint4(o1[0], o1[1], o1[2], o1[3]);
+  *reinterpret_cast<uint4*>(p + 32 + 8 * t) = make_uint4(o2[0], o2[1], o2[2], o2[3]);
+}
+
 template <int FMT, bool HAS_G>
 __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __restrict__ qw,
                                                               const uint16_t* __restrict__ sc,
@@ -65,7 +88,7 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
     }
   }
   const float inv = HAS_G ? *gs : 1.0f;
-  __nv_bfloat16* r0 = out + (long)(16 * s + g) * ldo + 64L * c0 + 16 * t;
+  __nv_bfloat16* r0 = out + (long)(16 * s + g) * ldo + 64L * c0;
   __nv_bfloat16* r8 = r0 + 8 * ldo;
 #pragma unroll
   for (int i = 0; i < kCPW; ++i) {
@@ -84,12 +107,8 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
         a[2 * j + 1] = scaled_pair(qfp4::rotr(v[j], 6) & qfp4::kMask, s0);
         b[2 * j + 1] = scaled_pair(((v[j] & qfp4::kRest) * qfp4::kSpread) & qfp4::kMask, s8);
       }
-      uint4* p0 = reinterpret_cast<uint4*>(r0 + 64 * i);
-      uint4* p8 = reinterpret_cast<uint4*>(r8 + 64 * i);
-      p0[0] = make_uint4(a[0], a[1], a[2], a[3]);
-      p0[1] = make_uint4(a[4], a[5], a[6], a[7]);
-      p8[0] = make_uint4(b[0], b[1], b[2], b[3]);
-      p8[1] = make_uint4(b[4], b[5], b[6], b[7]);
+      store_row(r0 + 64 * i, a, t);
+      store_row(r8 + 64 * i, b, t);
     }
   }
 }
