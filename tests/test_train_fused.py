@@ -22,6 +22,9 @@ def _ref_grads(fn, inputs, gy):
 
 
 def _interpreter_main() -> None:
+    from test_kernels import _interp_shim
+
+    _interp_shim()
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     for m, d in ((37, 96), (16, 64), (5, 200)):  # rows not a multiple of the backward's 16, D not a power of two
         x = 3 * torch.randn(m, d, generator=g)
@@ -46,6 +49,14 @@ def _interpreter_main() -> None:
         torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(da1, da0, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(db1, db0, rtol=1e-5, atol=1e-6)
+    for B, H, L, D, cb in ((2, 3, 5, 16, 2), (1, 2, 7, 64, 1), (3, 1, 4, 8, 1)):  # cos for every row or broadcast
+        q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)  # HF's view: heads and positions transposed
+        cos, sin = torch.randn(cb, L, D, generator=g), torch.randn(cb, L, D, generator=g)
+        gy = torch.randn(B, H, L, D, generator=g)
+        y0, (dq0,) = _ref_grads(lambda a, c=cos, s=sin: tf.rope_ref(a, c, s), (q,), gy)
+        y1, (dq1,) = _ref_grads(lambda a, c=cos, s=sin: tf.rope(a, c, s), (q,), gy)
+        torch.testing.assert_close(y1, y0, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dq1, dq0, rtol=1e-6, atol=1e-6)
     print("TRAIN-FUSED-INTERPRETER-OK")
 
 
@@ -83,8 +94,17 @@ def test_install_keeps_parameters_and_aqn_targets():
     p = _policy()
     q = _policy(fused="0")
     cfg = p.config
-    assert p.qerl["fused_train"] == {"rms_norm": 2 * cfg.num_hidden_layers + 1, "silu_mul": cfg.num_hidden_layers}
-    assert q.qerl["fused_train"] == {"rms_norm": 0, "silu_mul": 0}
+    assert p.qerl["fused_train"] == {"rms_norm": 2 * cfg.num_hidden_layers + 1, "silu_mul": cfg.num_hidden_layers,
+                                     "rope": cfg.num_hidden_layers}
+    assert q.qerl["fused_train"] == {"rms_norm": 0, "silu_mul": 0, "rope": 0}
+    import sys
+
+    hf = sys.modules[type(p.model.layers[0].self_attn).__module__]
+    orig = hf.apply_rotary_pos_emb.qerl_fused  # patched once per process, the original kept
+    x = torch.randn(2, 3, 5, 16).bfloat16()
+    cos, sin = torch.randn(2, 5, 16).bfloat16(), torch.randn(2, 5, 16).bfloat16()
+    assert torch.equal(tf.rope_ref(x, cos, sin), orig(x, x, cos, sin)[0])  # the reference is HF's, bit for bit
+    assert torch.equal(hf.apply_rotary_pos_emb(x, x, cos, sin)[1], orig(x, x, cos, sin)[1])  # CPU: the original
     assert all(type(m).__name__ == "FusedRMSNorm" for n, m in p.named_modules() if n.endswith("layernorm"))
     assert all(type(m).__name__ != "FusedRMSNorm" for m in q.modules())
     assert [n for n, _ in find_noise_targets(p)] == [n for n, _ in find_noise_targets(q)]
@@ -143,6 +163,15 @@ def test_gpu_train_fused_bf16_matches_hf_ops():
         assert float((y1 != y0).float().mean()) < 0.01, ("silu forward mismatches", float((y1 != y0).float().mean()))
         assert rel(y1, y0) < 1e-2 and rel(da1, da0) < 1e-2 and rel(db1, db0) < 1e-2, \
             ("silu", rel(y1, y0), rel(da1, da0), rel(db1, db0))
+    for B, H, L, D in ((4, 28, 300, 128), (2, 4, 33, 128)):
+        q = torch.randn(B, L, H, D, device="cuda", generator=g).bfloat16().transpose(1, 2)
+        cos = torch.randn(B, L, D, device="cuda", generator=g).bfloat16()
+        sin = torch.randn(B, L, D, device="cuda", generator=g).bfloat16()
+        gy = torch.randn(B, H, L, D, device="cuda", generator=g).bfloat16()
+        y0, (dq0,) = _ref_grads(lambda a, c=cos, s=sin: tf.rope_ref(a, c, s), (q,), gy)
+        y1, (dq1,) = _ref_grads(lambda a, c=cos, s=sin: tf.rope(a, c, s), (q,), gy)
+        assert torch.equal(y1, y0), ("rope forward", float((y1.float() - y0.float()).abs().max()))
+        assert float((dq1 != dq0).float().mean()) < 1e-3 and rel(dq1, dq0) < 1e-3, ("rope dq", rel(dq1, dq0))
     p, q = _policy("cuda"), _policy("cuda", fused="0")
     q.load_state_dict(p.state_dict())
     ids = torch.randint(0, 500, (4, 64), device="cuda", generator=g)

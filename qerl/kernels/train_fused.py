@@ -1,4 +1,4 @@
-"""RMSNorm and SiLU·up as single kernels with their backward, for the training forward/backward passes.
+"""RMSNorm, SiLU·up and the rotary embedding as single kernels with their backward, for the training passes.
 
 The Hugging Face modules compute both as chains of elementwise PyTorch ops, each a full pass over an (M, D) or
 (M, I) tensor (RMSNorm: a float32 copy, pow, mean, rsqrt, mul, a cast back, the weight product; SwiGLU: silu, then
@@ -8,6 +8,7 @@ update``). Here each is one Triton kernel forward and one backward, with the HF 
 
     RMSNorm:  n = dt(x · r), r = rsqrt(mean(x²) + eps) in float32;  y = dt(w · n)      (dt: the input dtype)
     SiLU·up:  s = dt(silu(g));  y = dt(s · u)
+    RoPE:     y = dt(dt(x · cos) + dt(rotate_half(x) · sin))    (bit for bit; 5 elementwise kernels and a cat in HF)
 
 (``MasterRMSNorm``'s fp32-master formula is the same expression). The backward takes autograd's path through
 those ops: ∂n = dt(∂y · w), ∂x = r ∂n − x r³ mean(∂n · x); ∂w = Σ_rows ∂y · n (float32, when the weight trains);
@@ -20,6 +21,7 @@ Results differ from the unfused ops by the float32 summation order of mean(x²) 
 from __future__ import annotations
 
 import os
+import sys
 import types
 
 import torch
@@ -94,6 +96,34 @@ if HAS_TRITON:
         ds = (dy * u).to(dt).to(tl.float32)
         tl.store(du_ptr + offs, (dy * s).to(dt), mask=m)
         tl.store(dg_ptr + offs, (ds * sig * (1.0 + g * (1.0 - sig))).to(dt), mask=m)
+
+
+    @triton.jit
+    def _rope_kernel(x_ptr, c_ptr, s_ptr, y_ptr, H, L, sxb, sxh, sxl, syb, syh, syl, scb, scl, ssb, ssl,
+                     D: tl.constexpr, BWD: tl.constexpr):
+        # one program per (batch, position): every head of x (B, H, L, D) at that position, cos/sin (B | 1, L, D)
+        pid = tl.program_id(0)
+        b = (pid // L).to(tl.int64)
+        pos = (pid % L).to(tl.int64)
+        i = tl.arange(0, D)
+        j = (i + D // 2) % D                               # the rotated partner of element i
+        sign = tl.where(i < D // 2, -1.0, 1.0)             # rotate_half(x)[i] = sign_i · x[j]
+        cos = tl.load(c_ptr + b * scb + pos * scl + i).to(tl.float32)
+        dt = y_ptr.dtype.element_ty
+        if BWD:
+            sin = tl.load(s_ptr + b * ssb + pos * ssl + j).to(tl.float32)
+        else:
+            sin = tl.load(s_ptr + b * ssb + pos * ssl + i).to(tl.float32)
+        for h in range(H):
+            xb = x_ptr + b * sxb + h * sxh + pos * sxl
+            xi = tl.load(xb + i).to(tl.float32)
+            xj = tl.load(xb + j).to(tl.float32)
+            a = (xi * cos).to(dt).to(tl.float32)
+            if BWD:  # ∂x[i] = dt(∂y[i]·cos[i]) − sign_i · dt(∂y[j]·sin[j])
+                r = -sign * (xj * sin).to(dt).to(tl.float32)
+            else:    # y[i] = dt(x[i]·cos[i]) + dt(sign_i · x[j]·sin[i])
+                r = (sign * xj * sin).to(dt).to(tl.float32)
+            tl.store(y_ptr + b * syb + h * syh + pos * syl + i, (a + r).to(dt))
 
 
 _ROWS = 16          # rows per backward program (the weight-gradient partial sums: one row of M / 16 per program)
@@ -188,6 +218,67 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _SiluMul.apply(g, u)
 
 
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor, bwd: bool) -> None:
+    B, H, L, D = x.shape
+    if B * L:
+        cb = 0 if cos.shape[0] == 1 else cos.stride(0)
+        sb = 0 if sin.shape[0] == 1 else sin.stride(0)
+        _rope_kernel[(B * L,)](x, cos, sin, y, H, L, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+                               y.stride(2), cb, cos.stride(1), sb, sin.stride(1), D=D, BWD=bwd,
+                               num_warps=1 if D <= 64 else 2)
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        y = torch.empty_like(x)
+        _rope_launch(x, cos, sin, y, False)
+        ctx.save_for_backward(cos, sin)  # the rotation is linear in x: nothing of x is kept
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        cos, sin = ctx.saved_tensors
+        if gy.stride(-1) != 1:
+            gy = gy.contiguous()
+        dx = torch.empty_like(gy)
+        _rope_launch(gy, cos, sin, dx, True)
+        return dx, None, None
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotary embedding of x (B, H, L, D) with cos/sin (B, L, D): x·cos + rotate_half(x)·sin, each op
+    rounded to x's dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def _rope_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    if x.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or not _triton_ok(x):
+        return False
+    B, _, L, D = x.shape
+    return (x.dtype == cos.dtype == sin.dtype and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and D >= 2 and D & (D - 1) == 0 and cos.shape[1:] == (L, D) and cos.shape[0] in (1, B)
+            and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope_ref`` (bit for bit forward, autograd's roundings backward) as one Triton kernel each way where it runs
+    (x (B, H, L, D) with unit last stride, any head/position strides; D a power of two), else ``rope_ref``."""
+    return _Rope.apply(x, cos, sin) if _rope_ok(x, cos, sin) else rope_ref(x, cos, sin)
+
+
+def _rope_wrapper(orig):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
+        if (unsqueeze_dim == 1 and not kwargs and fused_train_enabled() and _rope_ok(q, cos, sin)
+                and _rope_ok(k, cos, sin)):
+            return _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+        return orig(q, k, cos, sin, unsqueeze_dim, **kwargs)
+    apply_rotary_pos_emb.qerl_fused = orig  # marks the module as patched (and keeps the original)
+    return apply_rotary_pos_emb
+
+
 class FusedRMSNorm(nn.Module):
     """An RMSNorm module (the HF ``Qwen2RMSNorm``/``LlamaRMSNorm`` it replaces keeps its weight Parameter, so AQN's
     hooks and the optimizer see the same tensor) whose forward is ``rms_norm``."""
@@ -215,15 +306,25 @@ def fused_train_enabled() -> bool:
 
 def install(model: nn.Module) -> dict[str, int]:
     """Use the fused kernels in ``model`` (in place): every HF RMSNorm module (class name ending in "RMSNorm", a 1-D
-    weight and ``variance_epsilon``) becomes a ``FusedRMSNorm`` over the same weight Parameter, and every MLP with
-    gate_proj / up_proj / down_proj and a SiLU activation computes silu(gate) · up with ``silu_mul``. Returns the
-    counts; nothing is changed with ``QERL_FUSED_TRAIN=0``. ``MasterRMSNorm`` (trained norms) uses ``rms_norm``
-    itself."""
-    counts = {"rms_norm": 0, "silu_mul": 0}
+    weight and ``variance_epsilon``) becomes a ``FusedRMSNorm`` over the same weight Parameter, every MLP with
+    gate_proj / up_proj / down_proj and a SiLU activation computes silu(gate) · up with ``silu_mul``, and the
+    attention's ``apply_rotary_pos_emb`` (the module-level function of its Hugging Face modeling module, patched once
+    per process; it checks ``QERL_FUSED_TRAIN`` and its inputs at every call and otherwise calls the original) runs
+    ``rope`` for q and k. Returns the counts (attention layers for "rope"); nothing is changed with
+    ``QERL_FUSED_TRAIN=0``. ``MasterRMSNorm`` (trained norms) uses ``rms_norm`` itself."""
+    counts = {"rms_norm": 0, "silu_mul": 0, "rope": 0}
     if not fused_train_enabled():
         return counts
     for name, mod in list(model.named_modules()):
         cls = type(mod).__name__
+        if cls.endswith("Attention") and hasattr(mod, "q_proj"):
+            pymod = sys.modules.get(type(mod).__module__)
+            fn = getattr(pymod, "apply_rotary_pos_emb", None)
+            if fn is not None:
+                if not hasattr(fn, "qerl_fused"):
+                    pymod.apply_rotary_pos_emb = _rope_wrapper(fn)
+                counts["rope"] += 1
+            continue
         w = getattr(mod, "weight", None)
         if cls.endswith("RMSNorm") and cls not in ("FusedRMSNorm", "MasterRMSNorm") and isinstance(w, nn.Parameter) \
                 and w.dim() == 1 and hasattr(mod, "variance_epsilon") and not mod._forward_hooks \
@@ -238,4 +339,5 @@ def install(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-__all__ = ["rms_norm", "rms_norm_ref", "silu_mul", "silu_mul_ref", "FusedRMSNorm", "install", "fused_train_enabled"]
+__all__ = ["rms_norm", "rms_norm_ref", "silu_mul", "silu_mul_ref", "rope", "rope_ref", "FusedRMSNorm", "install",
+           "fused_train_enabled"]
