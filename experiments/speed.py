@@ -550,7 +550,8 @@ One micro-batch of the realistic step (16 completions of 64 + 1024 tokens, GC, r
 the log-prob pass (no grad) and forward + backward, timed (mean of 2 after a warm-up), then profiled (kernel time by
 category; "other" includes the fused kernels' names before session 29 grouped them). Runs in order: `h100_s29a`
 (before: HF ops, Triton dequantization, LoRA as F.linear + scale + add), `h100_s29b` (CUDA dequantization, LoRA
-addmm), `h200_s29c` (an H200: the fused kernels on and off, same process order).
+addmm), `h200_s29c` (an H200: fused RMSNorm and SiLU·up on and off, same process order), `h100_s29g` (the
+dequantization's whole-sector stores), `h100_s29h` (+ fused RoPE).
 {update_table(root)}
 ## Data-parallel GRPO steps on several GPUs (issue 13; `python -m experiments.speed --run scaling`)
 The same global batch on 1, 2 and 4 GPUs of one host: 128 completions per step (16 prompts × G 8, whole groups per
