@@ -7,6 +7,8 @@
     python -m qerl.bench layers  ...   (per-layer kernels: benchmarks.kernel_bench)
     python -m qerl.bench scaling --models 7b --formats nvfp4,bf16 --nproc 1,2,4 --batch 128 --group 8 --new 1024 \
                                  --micro 8 --gc on --steps 3      (data-parallel GRPO steps under torchrun)
+    python -m qerl.bench update  --models 7b --formats nvfp4,bf16 --micro 16 --prompt 64 --new 1024 --gc on
+                                 (one micro-batch of the update: timed, then its kernels by category)
 
 Models are the ``preset:qwen2.5-*`` shape presets (random weights, exact Qwen2.5-*-Instruct shapes): speed does
 not depend on the values, and nothing is downloaded. Methods are named as in the paper: LoRA = BF16 base +

@@ -12,6 +12,9 @@
 #                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
+#   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
+#                                fused training kernels and without (QERL_FUSED_TRAIN=0), and the kernel layout's
+#                                dense weight, Triton vs CUDA (benchmarks.dequant_bench)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -51,6 +54,12 @@ decode)
   $B rollout --models "${MODELS:-7b}" --formats bf16 --batch 8,2 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
   $B profile --models "${MODELS:-7b}" --formats nvfp4,bf16 --batch 8 --decode fused,fused-split-lora --out "$OUT" \
     2>&1 | grep -v Warn >> "$LOG" ;;
+update)
+  python3 -m pytest -q -m gpu tests/test_train_fused.py tests/test_cuda_fp4.py -k "fused or dequant or relaid" 2>&1 | tail -4 >> "$LOG"
+  python3 -m benchmarks.dequant_bench --models 7b --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+  U="python3 -m qerl.bench update --models 7b --micro 16 --prompt 64 --new 1024 --gc on --repeats 2"
+  $U --formats nvfp4,bf16 --out "$OUT" 2>&1 | grep "micro\|   [a-z]" >> "$LOG"
+  QERL_FUSED_TRAIN=0 $U --formats bf16 --out "$OUT" 2>&1 | grep "micro\|   [a-z]" >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \
