@@ -1,8 +1,8 @@
 """RMSNorm, SiLU·up and the rotary embedding as single kernels with their backward, for the training passes.
 
-The Hugging Face modules compute both as chains of elementwise PyTorch ops, each a full pass over an (M, D) or
+The Hugging Face modules compute all three as chains of elementwise PyTorch ops, each a full pass over an (M, D) or
 (M, I) tensor (RMSNorm: a float32 copy, pow, mean, rsqrt, mul, a cast back, the weight product; SwiGLU: silu, then
-the product) and autograd runs as many again backward. In a GRPO update (7B, 16 completions of 64 + 1024 tokens,
+the product; RoPE: two products, a negation, a cat, a sum, for q and for k) and autograd runs as many again backward. In a GRPO update (7B, 16 completions of 64 + 1024 tokens,
 gradient checkpointing) such elementwise kernels took 601 of 1857 ms of GPU time (H100, ``python -m qerl.bench
 update``). Here each is one Triton kernel forward and one backward, written with the HF formulas' roundings:
 
@@ -12,14 +12,14 @@ update``). Here each is one Triton kernel forward and one backward, written with
 
 (``MasterRMSNorm``'s fp32-master formula is the same expression). The backward takes autograd's path through
 those ops: ∂n = dt(∂y · w), ∂x = r ∂n − x r³ mean(∂n · x); ∂w = Σ_rows ∂y · n (float32, when the weight trains);
-∂s = dt(∂y · u), ∂u = dt(∂y · s), ∂g = ∂s · σ(g)(1 + g(1 − σ(g))). Only the per-row r (RMSNorm) is saved beside
-the inputs. Off the Triton path (CPU without ``TRITON_INTERPRET=1``) all three run the reference formulas in PyTorch.
-On the GPU the results are not bit for bit HF's: the float32 summation order of mean(x²) differs, and Triton's
-compiler turns the written round-trips through bf16 (``.to(dt).to(float32)``) followed by a product or sum into bf16
-arithmetic and FMAs (seen in the sm_90 PTX of the RoPE kernel: ``fma.rn.bf16``), so one intermediate rounding can be
-skipped. Measured on an H100 (session 29): RMSNorm forward within 1.5 bf16 ulps, RoPE within one rounding of its
-products; gradients within 1% (``tests/test_train_fused.py``). Rounding through integer bit operations would make
-them exact; not done (not measured).
+∂s = dt(∂y · u), ∂u = dt(∂y · s), ∂g = ∂s · σ(g)(1 + g(1 − σ(g))); ∂x = dt(dt(∂y · cos) + rotate_halfᵀ(dt(∂y · sin)))
+(RoPE). Only the per-row r (RMSNorm) is saved beside the inputs, and nothing of q / k (RoPE is linear in them). Off the Triton path (CPU without ``TRITON_INTERPRET=1``) all three run the reference formulas in PyTorch.
+Every written rounding is done by integer operations on the bits (``_rnd``): a
+``.to(bf16).to(float32)`` round trip followed by a sum was compiled by Triton into a bf16 FMA (``fma.rn.bf16`` in the
+sm_90 PTX; the RoPE kernel was 1-2 ulps off HF's on an H100 in session 29), integer operations cannot be. So the
+rotary embedding gives HF's bits forward and backward (the Triton interpreter checks it in bf16; the sm_90 PTX of all
+six kernels has no bf16 arithmetic left), SiLU·up differs only where exp does (a rare ulp), and RMSNorm by the float32
+summation order of mean(x²) and the rsqrt (measured within 1.5 bf16 ulps; gradients within 1%).
 ``QERL_FUSED_TRAIN=0`` keeps the Hugging Face modules (``install``).
 """
 
@@ -40,6 +40,18 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _rnd(x, dt: tl.constexpr):
+        """float32 x rounded to the nearest ``dt`` value (ties to even), as float32. For bf16 by integer operations on
+        the bits: a written ``.to(bf16).to(float32)`` round trip is folded by the compiler into bf16 arithmetic and
+        FMAs (one rounding skipped: seen as ``fma.rn.bf16`` in the sm_90 PTX), these cannot be."""
+        if dt == tl.bfloat16:
+            u = x.to(tl.uint32, bitcast=True)
+            u = u + 0x7FFF + ((u >> 16) & 1)
+            return ((u >> 16) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(dt).to(tl.float32)
+
+    @triton.jit
     def _rms_fwd_kernel(x_ptr, w_ptr, y_ptr, r_ptr, D, sx, sy, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -47,9 +59,9 @@ if HAS_TRITON:
         x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / D + eps)
         dt = y_ptr.dtype.element_ty
-        n = (x * r).to(dt).to(tl.float32)
+        n = _rnd(x * r, dt)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * sy + cols, (w * n).to(dt), mask=m)
+        tl.store(y_ptr + row * sy + cols, _rnd(w * n, dt).to(dt), mask=m)
         tl.store(r_ptr + row, r)
 
     @triton.jit
@@ -69,12 +81,12 @@ if HAS_TRITON:
             g = tl.load(g_ptr + row64 * sg + cols, mask=mm, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + row64 * sx + cols, mask=mm, other=0.0).to(tl.float32)
             r = tl.load(r_ptr + row, mask=ok, other=0.0)
-            gn = (g * w).to(dt).to(tl.float32)
+            gn = _rnd(g * w, dt)
             dot = tl.sum(gn * x, 0)
             dx = r * gn - x * (r * r * r) * (dot / D)
-            tl.store(dx_ptr + row64 * sdx + cols, dx.to(dt), mask=mm)
+            tl.store(dx_ptr + row64 * sdx + cols, _rnd(dx, dt).to(dt), mask=mm)
             if HAS_DW:
-                dw += g * (x * r).to(dt).to(tl.float32)
+                dw += g * _rnd(x * r, dt)
         if HAS_DW:
             tl.store(dw_ptr + pid * D + cols, dw, mask=m)
 
@@ -85,8 +97,8 @@ if HAS_TRITON:
         g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(y_ptr + offs, (s * u).to(dt), mask=m)
+        s = _rnd(g / (1.0 + tl.exp(-g)), dt)
+        tl.store(y_ptr + offs, _rnd(s * u, dt).to(dt), mask=m)
 
     @triton.jit
     def _silu_mul_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, BLOCK: tl.constexpr):
@@ -97,10 +109,10 @@ if HAS_TRITON:
         u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
         dt = dg_ptr.dtype.element_ty
         sig = 1.0 / (1.0 + tl.exp(-g))
-        s = (g * sig).to(dt).to(tl.float32)
-        ds = (dy * u).to(dt).to(tl.float32)
-        tl.store(du_ptr + offs, (dy * s).to(dt), mask=m)
-        tl.store(dg_ptr + offs, (ds * sig * (1.0 + g * (1.0 - sig))).to(dt), mask=m)
+        s = _rnd(g * sig, dt)
+        ds = _rnd(dy * u, dt)
+        tl.store(du_ptr + offs, _rnd(dy * s, dt).to(dt), mask=m)
+        tl.store(dg_ptr + offs, _rnd(ds * sig * (1.0 + g * (1.0 - sig)), dt).to(dt), mask=m)
 
 
     @triton.jit
@@ -123,12 +135,12 @@ if HAS_TRITON:
             xb = x_ptr + b * sxb + h * sxh + pos * sxl
             xi = tl.load(xb + i).to(tl.float32)
             xj = tl.load(xb + j).to(tl.float32)
-            a = (xi * cos).to(dt).to(tl.float32)
+            a = _rnd(xi * cos, dt)
             if BWD:  # ∂x[i] = dt(∂y[i]·cos[i]) − sign_i · dt(∂y[j]·sin[j])
-                r = -sign * (xj * sin).to(dt).to(tl.float32)
+                r = -sign * _rnd(xj * sin, dt)
             else:    # y[i] = dt(x[i]·cos[i]) + dt(sign_i · x[j]·sin[i])
-                r = (sign * xj * sin).to(dt).to(tl.float32)
-            tl.store(y_ptr + b * syb + h * syh + pos * syl + i, (a + r).to(dt))
+                r = _rnd(sign * xj * sin, dt)
+            tl.store(y_ptr + b * syb + h * syh + pos * syl + i, _rnd(a + r, dt).to(dt))
 
 
 _ROWS = 16          # rows per backward program (the weight-gradient partial sums: one row of M / 16 per program)
@@ -269,8 +281,7 @@ def _rope_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rope_ref`` (forward and autograd's backward, up to the roundings the compiler contracts: see the module's
-    notes) as one Triton kernel each way where it runs
+    """``rope_ref`` (its bits forward, autograd's backward) as one Triton kernel each way where it runs
     (x (B, H, L, D) with unit last stride, any head/position strides; D a power of two), else ``rope_ref``."""
     return _Rope.apply(x, cos, sin) if _rope_ok(x, cos, sin) else rope_ref(x, cos, sin)
 
