@@ -401,7 +401,7 @@ def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
 
 
 #: update.csv's kernel categories in the order the table shows them (others are summed into "other")
-UPDATE_COLUMNS = ("cublas_gemm", "elementwise", "norm", "activation", "dequantize", "attention")
+UPDATE_COLUMNS = ("cublas_gemm", "elementwise", "norm", "activation", "rope", "dequantize", "attention")
 
 
 def update_table(root: Path) -> str:
@@ -416,7 +416,7 @@ def update_table(root: Path) -> str:
         d[c] = d[c].astype(str).str.lower() == "true" if c in d else False
     d["run"] = d["run"] if "run" in d else ""
     keys = ["run", "device", "model", "micro_batch", "prompt_len", "new_tokens", "gc", "fused_train"]
-    lines = ["| run | device | fused norm/SiLU | dequantize | weights | tokens | log-prob pass ms | fwd + bwd ms | "
+    lines = ["| run | device | fused training kernels | dequantize | weights | tokens | log-prob pass ms | fwd + bwd ms | "
              "vs BF16 | " + " | ".join(UPDATE_COLUMNS) + " | other |", "|---" * (10 + len(UPDATE_COLUMNS)) + "|"]
     for key, g in d.groupby(keys, sort=False, dropna=False):
         cats = g.pivot_table(index="weights", columns="category", values="kernel_ms", aggfunc="sum")
@@ -548,7 +548,8 @@ SwiGLU ops and the Triton dequantization; the addmm is in both), one measured st
 ### Where a GRPO micro-batch's GPU time goes (`python -m qerl.bench update`)
 One micro-batch of the realistic step (16 completions of 64 + 1024 tokens, GC, r32) through the training forward:
 the log-prob pass (no grad) and forward + backward, timed (mean of 2 after a warm-up), then profiled (kernel time by
-category; "other" includes the fused kernels' names before session 29 grouped them). Runs in order: `h100_s29a`
+category; "other" holds the fused kernels in the runs made before their names were grouped: h200_s29c's norm and
+SiLU·up, h100_s29h's RoPE, 39 ms). Runs in order: `h100_s29a`
 (before: HF ops, Triton dequantization, LoRA as F.linear + scale + add), `h100_s29b` (CUDA dequantization, LoRA
 addmm), `h200_s29c` (an H200: fused RMSNorm and SiLU·up on and off, same process order), `h100_s29g` (the
 dequantization's whole-sector stores), `h100_s29h` (+ fused RoPE).

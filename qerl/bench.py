@@ -475,7 +475,7 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
 
 
 #: Kernel-name fragments -> the phase table's categories (first match wins; lower-case names).
-UPDATE_CATEGORIES = (("dequant", "dequantize"), ("_rms", "norm"), ("_silu", "activation"), ("fp4", "fp4_gemm"), ("flash", "attention"), ("fmha", "attention"),
+UPDATE_CATEGORIES = (("dequant", "dequantize"), ("_rms", "norm"), ("_silu", "activation"), ("_rope", "rope"), ("fp4", "fp4_gemm"), ("flash", "attention"), ("fmha", "attention"),
                      ("attn", "attention"), ("nvjet", "cublas_gemm"), ("gemm", "cublas_gemm"),
                      ("xmma", "cublas_gemm"), ("cutlass", "cublas_gemm"), ("softmax", "logprob"),
                      ("reduce", "reduce"), ("elementwise", "elementwise"), ("copy", "copy_cast"))

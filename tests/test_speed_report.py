@@ -305,7 +305,7 @@ def test_bench_update_runs_on_cpu_and_renders(tmp_path):
         assert abs(sum(r["kernel_ms"] for r in sub) - sub[0]["kernels_ms"]) < 1e-6 * sub[0]["kernels_ms"] + 1e-9
         assert len({r["category"] for r in sub}) == len(sub)
     assert bench.kernel_category("void (anonymous namespace)::dequant_kernel<0, true>") == "dequantize"
-    assert bench.kernel_category("_rms_bwd_kernel") == "norm"
+    assert bench.kernel_category("_rms_bwd_kernel") == "norm" and bench.kernel_category("_rope_kernel") == "rope"
     assert bench.kernel_category("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == "cublas_gemm"
     assert bench.kernel_category("something_else") == "other"
     root = tmp_path / "speed"
