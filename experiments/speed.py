@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from qerl.bench import _FP4_LABELS, SCALING_IDENT, UPDATE_IDENT
 from qerl.bench import IDENT as BENCH_IDENT
-from qerl.bench import SCALING_IDENT, UPDATE_IDENT
 
 STAGES = {
     "core": [["memory", "--models", "7b", "--formats", "bf16,nf4,mxfp4,nvfp4"],
@@ -427,14 +427,11 @@ def update_table(root: Path) -> str:
             row = cats.loc[w] if w in cats.index else pd.Series(dtype=float)
             shown = [row.get(c, float("nan")) for c in UPDATE_COLUMNS]
             other = float(row.drop([c for c in UPDATE_COLUMNS if c in row.index]).sum())
-            dq = ("CUDA" if r["cuda_dequant"] else "Triton") if w in _FP4_WEIGHTS else "—"
+            dq = ("CUDA" if r["cuda_dequant"] else "Triton") if w in _FP4_LABELS else "—"
             lines.append(f"| {key[0]} | {key[1]} | {'yes' if key[7] else 'no'} | {dq} | {w} | {int(r['tokens'])} | "
                          f"{_fmt(r['logprob_ms'], 0)} | {_fmt(r['update_ms'], 0)} | {ratio} | "
                          + " | ".join(_fmt(x, 0) if x == x else "—" for x in shown) + f" | {_fmt(other, 0)} |")
     return "\n".join(lines) + "\n"
-
-
-_FP4_WEIGHTS = ("NVFP4", "MXFP4")
 
 
 def dequant_table(root: Path) -> str:

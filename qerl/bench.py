@@ -407,6 +407,17 @@ def bench_scaling(models, formats, nprocs, batch: int, group: int, micro: int, u
     return rows
 
 
+def _kernel_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
+    """{kernel name: (µs, launches)} of a torch.profiler run: device time of the kernels only on CUDA (launch calls
+    and copies left out), CPU time of the ops elsewhere."""
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
+        if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
+            out[e.key] = (us, e.count)
+    return out
+
+
 def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused", "unfused"), steps: int = 8,
                   kv: int = 1024, sink=None) -> list[dict]:
     """Where a decode step's GPU time goes: the CUDA kernels of ``steps`` eager decode steps (torch.profiler,
@@ -452,11 +463,7 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
                             for _ in range(steps):
                                 sampler._decode_step(s, S)
                             sync()
-                    per = {}
-                    for e in prof.key_averages():
-                        us = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)  # kernels only
-                        if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
-                            per[e.key] = (us / steps, e.count / steps)
+                    per = {k: (us / steps, n / steps) for k, (us, n) in _kernel_times(prof, cuda).items()}
                     total = sum(v[0] for v in per.values())
                     launches = sum(v[1] for v in per.values())
                     print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
@@ -516,6 +523,7 @@ def bench_update(models, formats, micro: int, prompt_len: int, new_tokens: int, 
     from torch.profiler import ProfilerActivity, profile
 
     from qerl.devices import autocast_for
+    from qerl.kernels.train_fused import fused_train_enabled
     from qerl.rollout import Rollout
 
     cuda = torch.device(device).type == "cuda"
@@ -549,19 +557,13 @@ def bench_update(models, formats, micro: int, prompt_len: int, new_tokens: int, 
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 update_pass()
                 sync()
-            per = {}
-            for e in prof.key_averages():
-                us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
-                if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
-                    per[e.key] = (us, e.count)
+            per = _kernel_times(prof, cuda)
             total = sum(v[0] for v in per.values())
             cats: dict[str, list[float]] = {}
             for k, (us, n) in per.items():
                 c = cats.setdefault(kernel_category(k), [0.0, 0])
                 c[0] += us
                 c[1] += n
-            from qerl.kernels.train_fused import fused_train_enabled
-
             base = dict(bench="update", model=PAPER_NAME.get(m, m), weights=get_format(f).label, micro_batch=micro,
                         fused_train=fused_train_enabled(), cuda_dequant=os.environ.get("QERL_CUDA_DEQUANT", "1") != "0",
                         prompt_len=prompt_len, new_tokens=new_tokens, gc=use_gc, tokens=micro * (prompt_len + new_tokens),

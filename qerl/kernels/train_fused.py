@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.kernels import HAS_TRITON, _triton_ok
+from qerl.kernels.fused import _unit_cols
 
 if HAS_TRITON:
     import triton
@@ -148,8 +149,7 @@ _SILU_BLOCK = 2048
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+    return _unit_cols(t.reshape(-1, t.shape[-1]))
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -288,9 +288,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def _rope_wrapper(orig):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
-        if (unsqueeze_dim == 1 and not kwargs and fused_train_enabled() and _rope_ok(q, cos, sin)
-                and _rope_ok(k, cos, sin)):
-            return _Rope.apply(q, cos, sin), _Rope.apply(k, cos, sin)
+        if unsqueeze_dim == 1 and not kwargs and fused_train_enabled():
+            return rope(q, cos, sin), rope(k, cos, sin)  # (rope_ref, HF's formula, where the kernel does not apply)
         return orig(q, k, cos, sin, unsqueeze_dim, **kwargs)
     apply_rotary_pos_emb.qerl_fused = orig  # marks the module as patched (and keeps the original)
     return apply_rotary_pos_emb
