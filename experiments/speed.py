@@ -627,7 +627,8 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
     dst.mkdir(parents=True, exist_ok=True)
     merged = []
     for f in sorted(src.rglob("*")):
-        if f.is_file() and f.suffix in (".csv", ".json", ".log", ".txt", ".md"):
+        if f.is_file() and f.suffix in (".csv", ".json", ".log", ".txt", ".md") and \
+                f.resolve() != (dst / f.name).resolve():  # src may already be raw/<name>
             shutil.copy2(f, dst / f.name)
     for f in sorted(dst.glob("*.csv")):
         if f.name not in ("memory.csv", "rollout.csv", "step.csv", "scaling.csv", *MERGE_IDENT):
