@@ -55,7 +55,8 @@ class _env:
 
 def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     """Candidate (nt, sw, r, ks) for S strips, C chunks, M tokens: the two token-tile widths that suit M, every
-    split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks)."""
+    split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks); on sm_90 also the
+    wgmma kernel's variants (sw = 0) with the two token tiles that suit M."""
     nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8) if m <= 64 else (8, 16)
     out = []
     for nt in nts:
@@ -69,6 +70,9 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
                     except ValueError:
                         continue
                     out.append((nt, sw, r, ks))
+    if cf.wgmma_supported():  # the sm_90a wgmma kernel (sw = 0): token tiles that suit M
+        ntoks = (32,) if m <= 32 else (32, 64) if m <= 64 else (64, 128) if m <= 128 else (128, 256)
+        out += [cfg for cfg in cf.wgmma_configs(s, c) if 8 * cfg[0] in ntoks]
     return out
 
 
@@ -188,6 +192,9 @@ def markdown(rows: list[dict], header: str) -> str:
 def _header(name: str, argv) -> str:
     import triton
     attrs = {(f, *v): cf.gemm_kernel_attributes(f, *v) for f in cf.FORMATS for v in cf.gemm_variants()}
+    if cf.wgmma_supported():
+        attrs.update({(f, "wgmma", *v): cf.gemm_kernel_attributes(f, v[0] // 8, 0, v[1], v[2])
+                      for f in cf.FORMATS for v in cf.WGMMA_VARIANTS})
     return (f"## CUDA FP4 GEMM (M > 16) vs BF16 cuBLAS and the previous FP4 path: {name}\n\n"
             f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}. "
             f"Registers/local bytes per (fmt, n8 tiles, strips per warp, warps per group): {attrs}. Per linear: median over CUDA-graph "

@@ -214,6 +214,46 @@ def test_gemm_config_validation():
         cf.gemm(torch.randn(32, 128).bfloat16(), w)
 
 
+def test_wgmma_config_validation():
+    assert cf.check_gemm_config((16, 0, 2, 1), s=224, c=56) == (16, 0, 2, 1)
+    for bad in [(16, 0, 4, 1), (12, 0, 1, 1), (32, 0, 2, 2), (16, 0, 1, 4)]:  # not compiled
+        with pytest.raises(ValueError, match="wgmma GEMM config"):
+            cf.check_gemm_config(bad, s=224, c=56)
+    with pytest.raises(ValueError, match="ks <= C"):
+        cf.check_gemm_config((8, 0, 1, 4), s=224, c=3)
+    # the shared-memory formula is csrc's: 4 stages of (tokens + 4 rw strips x 576 B) rounded to 1 KB, + 1 KB
+    assert cf.wgmma_smem_bytes(128, 2, 1) == 4 * 21 * 1024 + 1024
+    assert cf.wgmma_smem_bytes(32, 1, 4) == 4 * 4 * 7 * 1024 + 1024
+    for ntok, rw, ks in cf.WGMMA_VARIANTS:  # every compiled variant fits some shape's opt-in shared memory
+        assert cf.wgmma_smem_bytes(ntok, rw, ks) <= cf.GEMM_SMEM_MAX, (ntok, rw, ks)
+    cfgs = cf.wgmma_configs(224, 56)
+    assert len(cfgs) == len(cf.WGMMA_VARIANTS) and all(cf.check_gemm_config(c, 224, 56) == c for c in cfgs)
+    assert all(c[3] == 1 for c in cf.wgmma_configs(224, 7))  # split-K groups keep >= 4 chunks
+    with pytest.raises(ValueError, match="no wgmma variant"):
+        cf.gemm_kernel_attributes("nvfp4", 16, 0, 4, 1)
+
+
+@pytest.mark.parametrize("fmt", FP4)
+def test_wgmma_token_permutation_matches_the_weight_words(fmt):
+    """The wgmma kernel feeds the mma.sync A fragments as they are and reads the tokens from shared memory in
+    wgmma's own K order, so the tokens are permuted instead (``permute_x_reference``, csrc ``permute_x_kernel``):
+    the weight in the MMAs' logical K order times the permuted tokens is the product, and the unpermuted tokens
+    (or a wrong permutation) are not."""
+    n, k = 48, 256
+    q = _quant(fmt, n, k, seed=31)
+    w = _prep(fmt, q)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ref = x.double() @ cf.emulate_weight(w).double().t()
+    got = cf.permute_x_reference(x).double() @ cf.wgmma_weight(w).double().t()
+    assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9 * float(ref.abs().max()))
+    for wrong in (x, x.reshape(5, 4, 8, 4, 2).permute(0, 1, 3, 2, 4).reshape(5, k)):  # none; the inverse
+        assert not torch.allclose(wrong.double() @ cf.wgmma_weight(w).double().t(), ref, rtol=1e-3, atol=1e-3)
+    # a permutation of the columns inside each chunk of 64, nothing else
+    idx = cf.permute_x_reference(torch.arange(k, dtype=torch.float64)[None])[0].long()
+    assert sorted(idx.tolist()) == list(range(k)) and ((idx // 64) == (torch.arange(k) // 64)).all()
+    assert idx[:10].tolist() == [0, 1, 16, 17, 32, 33, 48, 49, 2, 3]
+
+
 @pytest.mark.parametrize("s,c", [(224, 56), (32, 56), (1184, 56), (224, 296), (2, 1), (9504, 56)])
 @pytest.mark.parametrize("m", [17, 24, 32, 33, 64, 100, 256, 512, 4096])
 def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
@@ -738,3 +778,60 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
         ref, y = F.linear(x, wref).float(), qk.qmm(x, fmt, q).float()
         assert ((y - ref).abs() <= 1e-2 * ref.abs() + 2e-3 * (x.float().abs() @ wref.float().abs().t())).all()
         monkeypatch.delenv("QERL_CUDA_GEMM")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_gemm_every_variant(fmt):
+    """The sm_90a wgmma kernel, every compiled variant: partial row blocks (7 strips), uneven K splits, partial token
+    tiles, strided and misaligned x; the CUDA permutation equals the reference one bit for bit."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    n, k = 112, 1536
+    q = _quant(fmt, n, k, seed=7, device="cuda")
+    w = _prep(fmt, q)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    cfgs = cf.wgmma_configs(n // 16, k // 64)
+    assert len(cfgs) == len(cf.WGMMA_VARIANTS)
+    for m in (1, 17, 40, 129, 300):
+        xb = torch.randn(m, k + 8, device="cuda", generator=g).bfloat16()
+        for x in (xb[:, :k], xb[:, 8:k + 8]):
+            xp = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            cf._ext().permute_x(x, xp)
+            assert torch.equal(xp, cf.permute_x_reference(x.contiguous()))
+            emu = cf.emulate(x.contiguous(), w)
+            for cfg in cfgs:
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                _check(cf.gemm(x, w, out=out, config=cfg), x.contiguous(), fmt, q, w, emu)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt):
+    """The wgmma kernel over the Qwen2.5 3B-32B shapes at M = 17..512 (a config per M), and under CUDA-graph replay."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for i, (n, k) in enumerate(SHAPES):
+        q = _quant(fmt, n, k, seed=300 + i, device="cuda")
+        w = _prep(fmt, q)
+        cfgs = cf.wgmma_configs(n // 16, k // 64)
+        for j, m in enumerate((17, 64, 130, 512) if n * k <= 4096 * 4096 else (48, 256)):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            _check(cf.gemm(x, w, config=cfgs[(i + j) % len(cfgs)]), x, fmt, q, w)
+    n, k = 3584, 3584
+    q = _quant(fmt, n, k, seed=29, device="cuda")
+    w = _prep(fmt, q)
+    for cfg in ((8, 0, 1, 2), (16, 0, 2, 1)):
+        x = torch.randn(96, k, device="cuda").bfloat16()
+        cf.gemm(x, w, config=cfg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = cf.gemm(x, w, config=cfg)
+        for _ in range(2):
+            x.copy_(torch.randn(96, k, device="cuda").bfloat16())
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, cf.gemm(x, w, config=cfg))

@@ -424,6 +424,11 @@ extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int,
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
+extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
+extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int, const float*, float, unsigned, int,
+                               int, int, int, int, int, int, void*);
+extern "C" int qfp4_wgmma_occupancy(int, int, int, int);
+extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 
 // act = 1 (silu * up): out holds N / 2 columns
 static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
@@ -501,6 +506,47 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
+// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp.
+void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
+                torch::Tensor xp, int64_t fmt, double out_mult, int64_t bword, int64_t ntok, int64_t rw, int64_t ks) {
+  check_operands(x, qw, sc, out);
+  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  TORCH_CHECK(xp.is_cuda() && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous() && xp.dim() == 2 &&
+              xp.size(0) == M && xp.size(1) == 64 * C, "xp must be a contiguous bf16 (M, K) tensor");
+  const c10::cuda::CUDAGuard guard(x.device());
+  void* stream = (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  int err = qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
+  TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
+  const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
+  err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(), (int)out.stride(0), gp,
+                        (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok, (int)rw, (int)ks, stream);
+  TORCH_CHECK(err == 0, "qfp4_wgmma_gemm: ", err == -1 ? "unsupported device or configuration"
+                                                        : cudaGetErrorString((cudaError_t)err));
+}
+
+void permute_x(torch::Tensor x, torch::Tensor xp) {
+  TORCH_CHECK(x.is_cuda() && xp.is_cuda() && x.scalar_type() == at::kBFloat16 && xp.scalar_type() == at::kBFloat16,
+              "x, xp: bf16 CUDA tensors");
+  TORCH_CHECK(x.dim() == 2 && xp.sizes() == x.sizes() && xp.is_contiguous() && x.stride(1) == 1 &&
+              x.size(1) % 64 == 0, "x (M, K), K % 64 == 0; xp contiguous, same shape");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int err = qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), (int)x.size(0),
+                                 (int)(x.size(1) / 64),
+                                 (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+  TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
+}
+
+int64_t wgmma_occupancy(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
+  return qfp4_wgmma_occupancy((int)fmt, (int)ntok, (int)rw, (int)ks);
+}
+
+std::vector<int64_t> wgmma_attributes(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
+  int regs = -1, local = -1;
+  qfp4_wgmma_attributes((int)fmt, (int)ntok, (int)rw, (int)ks, &regs, &local);
+  return {regs, local};
+}
+
 void dequant(torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt, bool has_g) {
   TORCH_CHECK(qw.is_cuda() && sc.is_cuda() && out.is_cuda() && gs.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(qw.dim() == 4 && sc.dim() == 3 && out.dim() == 2, "bad ranks");
@@ -547,12 +593,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_occupancy", &gemm_occupancy);
   m.def("gemm_attributes", &gemm_attributes);
   m.def("dequant", &dequant);
+  m.def("wgmma_gemm", &wgmma_gemm);
+  m.def("permute_x", &permute_x);
+  m.def("wgmma_occupancy", &wgmma_occupancy);
+  m.def("wgmma_attributes", &wgmma_attributes);
 }
 """
 
 _CSRC = Path(__file__).with_name("csrc")
-_CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu", _CSRC / "fp4_dequant.cu")
-_HEADERS = (_CSRC / "fp4_mma_common.cuh",)
+_CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu", _CSRC / "fp4_dequant.cu", _CSRC / "fp4_wgmma_gemm.cu")
+_HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh")
 _STATE: dict = {}
 
 
@@ -913,10 +963,15 @@ def gemm_variants() -> list[tuple[int, int, int]]:
     return [(nt, sw, r) for nt in GEMM_NT for sw in GEMM_SW for r in GEMM_R if gemm_variant_ok(nt, sw, r)]
 
 
-def gemm_kernel_attributes(fmt: str, nt: int, sw: int, r: int = 4) -> tuple[int, int]:
+def gemm_kernel_attributes(fmt: str, nt: int, sw: int, r: int = 4, ks: int = 1) -> tuple[int, int]:
     """(registers, local-memory bytes) per thread of the GEMM variant (n8 token tiles, strips per warp, warps per
-    split-K group)."""
+    split-K group); sw = 0: the wgmma variant (8 nt tokens, r warpgroups, ks groups)."""
     _check_fmt(fmt)
+    if sw == 0:
+        if (8 * nt, r, ks) not in WGMMA_VARIANTS:
+            raise ValueError(f"no wgmma variant (tokens={8 * nt}, r={r}, ks={ks}); compiled: {list(WGMMA_VARIANTS)}")
+        a = _ext().wgmma_attributes(0 if fmt == "nvfp4" else 1, 8 * nt, r, ks)
+        return int(a[0]), int(a[1])
     if not gemm_variant_ok(nt, sw, r):
         raise ValueError(f"no GEMM variant (nt={nt}, sw={sw}, r={r}); compiled: {gemm_variants()}")
     a = _ext().gemm_attributes(0 if fmt == "nvfp4" else 1, nt, sw, r)
@@ -925,17 +980,83 @@ def gemm_kernel_attributes(fmt: str, nt: int, sw: int, r: int = 4) -> tuple[int,
 
 def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
     """Validate ``(nt, sw, r, ks)`` = (n8 token tiles per CTA, strips per warp, warps per split-K group, split-K
-    groups) for a weight of S strips and C chunks; returns it as a tuple of ints."""
+    groups) for a weight of S strips and C chunks; returns it as a tuple of ints. ``sw = 0`` names the sm_90a wgmma
+    kernel instead: (8 nt tokens per CTA, -, r warpgroups of 64 rows per split-K group, ks groups), one of
+    :data:`WGMMA_VARIANTS`."""
     try:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
+    if sw == 0:
+        if (8 * nt, r, ks) not in WGMMA_VARIANTS or ks > c:
+            raise ValueError(f"wgmma GEMM config {config!r} invalid for S={s} strips, C={c} chunks: (8 nt, r, ks) "
+                             f"must be one of {list(WGMMA_VARIANTS)} (tokens per CTA, warpgroups per group, split-K "
+                             f"groups) with ks <= C")
+        return nt, sw, r, ks
     if (not gemm_variant_ok(nt, sw, r) or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c
             or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
         raise ValueError(f"GEMM config {config!r} invalid for S={s} strips, C={c} chunks: nt in {list(GEMM_NT)}, "
-                         f"sw in {list(GEMM_SW)}, r in {list(GEMM_R)} (nt 16: sw 1 and r >= 2; sw 2: r <= 4), "
-                         f"1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, shared memory <= {GEMM_SMEM_MAX} B")
+                         f"sw in {list(GEMM_SW)} (or 0: the wgmma kernel), r in {list(GEMM_R)} (nt 16: sw 1 and "
+                         f"r >= 2; sw 2: r <= 4), 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, shared memory <= "
+                         f"{GEMM_SMEM_MAX} B")
     return nt, sw, r, ks
+
+
+# The sm_90a wgmma GEMM (csrc/fp4_wgmma_gemm.cu): compiled (tokens per CTA, warpgroups along the rows per split-K
+# group, split-K groups); a warpgroup owns 64 weight rows (4 strips).
+WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2),
+                  (64, 1, 1), (64, 2, 1), (64, 1, 2), (64, 1, 4), (64, 2, 2),
+                  (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2),
+                  (256, 1, 1), (256, 2, 1))
+WGMMA_STAGES = 4  # csrc kStages
+
+
+def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
+    """Dynamic shared memory of a wgmma launch (csrc ``smem_bytes``): ks groups x WGMMA_STAGES stages of (ntok x 128 B
+    tokens + 4 rw strips x 576 B weights and scales, rounded up to 1 KB), or the split-K reduction if larger, + 1 KB
+    of alignment slack."""
+    stage = -(-(ntok * 128 + rw * 4 * (512 + 64)) // 1024) * 1024
+    return max(ks * WGMMA_STAGES * stage, (ks - 1) * rw * 128 * (ntok // 2) * 4) + 1024
+
+
+def wgmma_supported(device: torch.device | int | None = None) -> bool:
+    """Whether the wgmma GEMM runs on this CUDA device (compute capability 9.0, built for sm_90a)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
+    """Every wgmma config (nt, 0, r, ks) that fits a weight of S strips and C chunks (shared memory <= the opt-in
+    limit, every split-K group >= 4 chunks)."""
+    return [(ntok // 8, 0, rw, ks) for ntok, rw, ks in WGMMA_VARIANTS
+            if (ks == 1 or c // ks >= 4) and wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
+
+
+def permute_x_reference(x: torch.Tensor) -> torch.Tensor:
+    """The tokens in the wgmma kernel's K permutation (csrc ``permute_x_kernel``), in pure torch: inside every chunk
+    of 64, xp[64 c + 8 u + 2 i + e] = x[64 c + 16 i + 2 u + e]."""
+    m, k = x.shape
+    return x.reshape(m, k // 64, 4, 8, 2).permute(0, 1, 3, 2, 4).reshape(m, k)
+
+
+def wgmma_weight(w: CudaFP4Weight) -> torch.Tensor:
+    """float32 (N, K) in the wgmma kernel's logical K order: column 64 c + 16 j + kl holds what lane (g, t) of strip
+    s feeds MMA step j of chunk c as A element (row, kl) -- the mma.sync A fragment order (registers 0/1: k 2t + h,
+    registers 2/3: k 2t + 8 + h; 1/3: row g + 8). ``wgmma_weight(w) @ permute_x_reference(x)ᵀ`` = ``x @ Ŵᵀ`` up to
+    summation order: the check, on the CPU, that the permutation of the tokens matches the weights'."""
+    v = w.qweight.to(torch.int64) & 0xFFFFFFFF  # (S, C, 32, 4)
+
+    def rotr(a, r):
+        return ((a >> r) | (a << (32 - r))) & 0xFFFFFFFF
+
+    regs = torch.stack((v & MASK, rotr(v, 3) & MASK, rotr(v, 6) & MASK,
+                        (((v & REST) * SPREAD) & 0xFFFFFFFF) & MASK), dim=-1)  # (S, C, 32, 4 j, 4 o)
+    nib = _bf16_bits_to_f32(torch.stack((regs & 0xFFFF, regs >> 16), dim=-1))  # (S, C, 32, j, o, h)
+    sg, sg8 = _scale_words(w)
+    dec = (nib * torch.stack((sg, sg8, sg, sg8), dim=-1)[:, :, :, None, :, None]).to(torch.bfloat16).float()
+    s, c = v.shape[0], v.shape[1]
+    # o = 2 kh + rh (kh: k + 8, rh: row + 8); logical k = 16 j + 8 kh + 2 t + h, row = 8 rh + g
+    d = dec.reshape(s, c, 8, 4, 4, 2, 2, 2)  # (S, C, g, t, j, kh, rh, h)
+    return (d.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(w.n, w.k) * (2.0 ** (126 - w.bexp)))
 
 
 def pick_gemm_config(s: int, c: int, m: int, sms: int) -> tuple[int, int, int, int]:
@@ -1016,7 +1137,16 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         config = _gemm_config(w, m, x.device)
     nt, sw, r, ks = check_gemm_config(config, s, c)
     gs = w.global_scale if w.global_scale is not None else w.qweight
-    _ext().gemm(x, w.qweight, w.scales, gs, out, 0 if w.fmt == "nvfp4" else 1, w.out_mult, w.bword, nt, sw, r, ks)
+    fmt = 0 if w.fmt == "nvfp4" else 1
+    if sw == 0:
+        if not wgmma_supported(x.device):
+            raise ValueError(f"GEMM config {config!r} names the sm_90a wgmma kernel; this device is "
+                             f"{torch.cuda.get_device_name(x.device)} (compute capability "
+                             f"{torch.cuda.get_device_capability(x.device)})")
+        xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
+        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks)
+        return out
+    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks)
     return out
 
 
@@ -1057,4 +1187,5 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "install_gemv_table", "tuned_gemv_config", "heuristic_gemv_config", "forget_gemv_configs", "gemv_table_enabled", "gemv_warp_cap", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
-           "gemm_variants"]
+           "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
+           "permute_x_reference", "wgmma_weight"]

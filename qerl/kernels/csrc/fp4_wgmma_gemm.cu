@@ -1,0 +1,334 @@
+// W4A16 GEMM for NVFP4 / MXFP4 weights at M = 17 .. a few hundred tokens on Hopper's warpgroup MMA (sm_90a
+// wgmma.mma_async, bf16 in, fp32 accumulators), over the SAME re-laid-out weights as the decode GEMV and the
+// mma.sync GEMM (fp4_mma_gemv.cu / fp4_mma_gemm.cu): one resident layout for every kernel.
+//
+// out (M, N) = x (M, K) @ W^T with the weight as wgmma's A operand (the MMA's M = 64 weight rows per warpgroup,
+// decoded into registers: warp w of a warpgroup holds strip w's A fragment, which is the mma.sync m16n8k16 A
+// fragment the GEMV decodes) and the tokens as the B operand (the MMA's N = the CTA's token tile, read by the tensor
+// cores straight from shared memory through a matrix descriptor). Per MMA instruction a warpgroup does 64 x N x 16
+// multiply-adds, so the per-MMA instruction cost of the mma.sync kernel (token fragments loaded by every warp,
+// ~4-13 instructions per m16n8k16) is gone; the weight decode (~3 instructions per 8 weights) is paid once per
+// chunk and overlaps the asynchronous MMAs of the previous chunk.
+//
+// The K permutation. The weight word j of lane (g, t) for chunk c holds k = 64 c + 16 t + 4 j + 0..3 of rows g and
+// g + 8 (see fp4_mma_gemv.cu); used as the A fragment of MMA step j, its logical k (2t, 2t+1 | 2t+8, 2t+9) stand for
+// those real k. The mma.sync kernels read the tokens with the same permutation from registers; wgmma reads B from
+// shared memory in its own fixed order, so the tokens are permuted ONCE per call instead (qfp4_permute_x): in the
+// permuted copy xp, chunk c's 16-byte unit u (logical k 8u .. 8u+7) holds the real 32-bit pairs (k, k+1) at
+// k = 64 c + 16 i + 2 u (i = 0..3), i.e. its four words are words u, u + 8, u + 16, u + 24 of the chunk: a 4 x 4
+// transpose of 32-bit words, one thread per (token, chunk, half). Then logical k 16 j + kl of step j is real
+// k 64 c + 16 (kl % 8 / 2) + 4 j + 2 (kl / 8) + kl % 2: exactly the weights' permutation.
+//
+// A CTA = KS split-K groups of RW warpgroups. A group owns a contiguous range of the K chunks; its RW warpgroups
+// own RW * 64 weight rows and share one token tile (NTOK tokens x 64 k per stage). Per group a kStages-deep
+// cp.async pipeline stages, per chunk: the tokens (NTOK rows of 128 B, 16-byte unit u of row r at unit u ^ (r & 7):
+// the 128-byte swizzle wgmma's descriptor names, 1024-byte aligned 8-row atoms), then each strip's 32 lanes' weight
+// words (512 B) and scale pairs (64 B). The MMAs of chunk i run asynchronously while chunk i + 1 is decoded; the
+// stage of chunk i - 2 is refilled only after every warpgroup of the group has waited for its MMAs of chunk i - 2
+// (wgmma.wait_group 1 at the end of chunk i - 1, then the group barrier at the top of chunk i): lookahead
+// kStages - 2 chunks. Split-K partials are reduced through shared memory at the end (one launch, no workspace,
+// CUDA-graph capturable).
+// Grid: x = token tiles (fastest, so CTAs in flight together share a row block's weights through L2), y = row blocks.
+
+#include "fp4_mma_common.cuh"
+#include "fp4_wgmma_ops.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QFP4_WGMMA 1
+#else
+#define QFP4_WGMMA 0
+#endif
+
+namespace qfp4 {
+namespace wg {
+
+constexpr int kStages = 4;  // a power of 2; lookahead kStages - 2 chunks (see above)
+constexpr int kSmemMax = 227 * 1024;
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void group_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+#if QFP4_WGMMA
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator across the (asynchronous) MMAs.
+__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// Matrix descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128 B (64 k), 8-row atoms of
+// 1024 B (stride byte offset), leading byte offset unused for this swizzle (1), start address >> 4. The k16 step
+// j of a 64-k chunk starts 32 j bytes into the row; the hardware applies the swizzle to the computed addresses.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+#endif
+
+// Bytes of one pipeline stage of a group (a multiple of 1024: every token tile starts on a swizzle atom).
+__host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
+  return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
+}
+
+template <int FMT, int NTOK, int RW, int KS>
+__global__ void __launch_bounds__(RW * KS * 128, 1)
+fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
+                 __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
+                 uint32_t bword, int M, int S, int C) {
+#if QFP4_WGMMA
+  constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
+  constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
+  constexpr int GT = RW * 128;            // threads of one split-K group
+  constexpr int UNITS = NTOK * 8;         // 16-byte token units per chunk
+  constexpr int UPT = (UNITS + GT - 1) / GT;
+  constexpr int RPP = GT / 8;             // token rows per pass of the group
+  constexpr int SB = stage_bytes(NTOK, RW);
+  constexpr int NA = NTOK / 2;            // accumulators per thread
+  extern __shared__ unsigned char smem_raw[];
+  // 1024-byte alignment of the stages (the launch asks for 1 KB more than the stages need)
+  const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pad = (1024u - (raw_s & 1023u)) & 1023u;
+  unsigned char* smem = smem_raw + pad;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wgi = warp >> 2, wq = warp & 3;
+  const int grp = wgi / RW, wr = wgi - grp * RW;
+  const int gtid = threadIdx.x - grp * GT;
+  const int tok0 = blockIdx.x * NTOK;
+  const int strip = (blockIdx.y * RW + wr) * 4 + wq;
+  const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
+  const int n = c1 - c0;  // >= 1: the caller keeps KS <= C
+  unsigned char* gbase = smem + grp * kStages * SB;
+  const uint32_t gbase_s = raw_s + pad + grp * kStages * SB;
+  const int my_w = XB + (wr * 4 + wq) * 512;             // this warp's weight words inside a stage
+  const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * 64;  // and its scale pairs
+
+  float acc[NA];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+
+  // Staging plan as in fp4_mma_gemm.cu: unit xu of token rows xr, xr + RPP, ... from one loop-carried pointer;
+  // rows >= M zero-filled (src-size 0).
+  const int xu = gtid & 7, xr = gtid >> 3;
+  const bool xact = UNITS % GT == 0 || xr < NTOK;
+  const int ldx = C * 64;
+  const int xval = M - tok0 - xr;
+  const __nv_bfloat16* xb = xp + (size_t)(tok0 + xr) * ldx + 8 * xu + 64 * (size_t)c0;
+  const size_t xstride = (size_t)RPP * ldx;
+  const int st = max(0, min(strip, S - 1));  // strips past S compute garbage that is never stored
+  const uint4* wq_p = qw + ((size_t)st * C + c0) * 32 + lane;
+  const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
+
+  auto stage = [&](int idx) {
+    if (idx < n) {
+      const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
+      if (xact) {
+#pragma unroll
+        for (int j = 0; j < UPT; ++j) {
+          const int row = xr + j * RPP;
+          cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xb + j * xstride, j * RPP < xval);
+        }
+        xb += 64;
+      }
+      cp_async16(dst + my_w + lane * 16, wq_p, true);
+      if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
+      wq_p += 32;
+      sq_p += SL;
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) stage(s);
+#pragma unroll
+  for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
+  // Chunk idx's A fragments are decoded while chunk idx - 1's MMAs run. They are fresh values every chunk (not
+  // loop-carried): ptxas allocates the registers of in-flight MMAs itself and serializes the MMAs (warning C7513)
+  // when the same PTX registers are redefined inside a pipeline stage, which a loop-carried double buffer did.
+  for (int idx = 0; idx < n; ++idx) {
+    cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
+    fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
+    group_sync(1 + grp, GT);        // every thread's; and chunk idx - 2's MMAs are done in every warpgroup
+    stage(idx + kStages - 2);       // into chunk idx - 2's stage
+    const int sidx = idx & (kStages - 1);
+    const unsigned char* sb = gbase + sidx * SB;
+    const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
+    const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
+    uint32_t sg, sg8;
+    scale_words<FMT>(s16, bword, sg, sg8);
+    uint32_t a[4][4];
+    decode_word(w.x, sg, sg8, a[0]);
+    decode_word(w.y, sg, sg8, a[1]);
+    decode_word(w.z, sg, sg8, a[2]);
+    decode_word(w.w, sg, sg8, a[3]);
+    const uint32_t tok_s = gbase_s + sidx * SB;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
+    wgmma_commit();
+    wgmma_wait<1>();  // chunk idx - 1's MMAs are done
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
+  cp_async_wait<0>();
+
+  if constexpr (KS > 1) {
+    __syncthreads();  // every group is done with its stages: shared memory is free for the reduction
+    float* red = reinterpret_cast<float*>(smem);
+    const int tw = threadIdx.x & 127;  // thread within the warpgroup
+    if (grp > 0) {
+#pragma unroll
+      for (int i = 0; i < NA; ++i) red[(((grp - 1) * RW + wr) * NA + i) * 128 + tw] = acc[i];
+    }
+    __syncthreads();
+    if (grp > 0) return;
+#pragma unroll
+    for (int sp = 1; sp < KS; ++sp)
+#pragma unroll
+      for (int i = 0; i < NA; ++i) acc[i] += red[(((sp - 1) * RW + wr) * NA + i) * 128 + tw];
+  }
+  if (strip >= S) return;
+  float mult = out_mult;
+  if (FMT == 0) mult = out_mult / __ldg(gs);
+  // accumulator 4 j + v: weight row 16 wq + g (+ 8 for v >= 2) of the warpgroup, token 8 j + 2 t (+ 1 for odd v)
+  const int n0 = strip * 16;
+#pragma unroll
+  for (int j = 0; j < NTOK / 8; ++j) {
+    const int tok = tok0 + 8 * j + 2 * t;
+    if (tok < M) {
+      out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 0] * mult);
+      out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 2] * mult);
+    }
+    if (tok + 1 < M) {
+      out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 1] * mult);
+      out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 3] * mult);
+    }
+  }
+#else
+  __trap();  // compiled for sm_90a only (the launcher refuses other devices)
+#endif
+}
+
+// The tokens in the kernels' K permutation (see the top of this file): xp[m, 64 c + 8 u + 2 i + e] =
+// x[m, 64 c + 16 i + 2 u + e] (u = 0..7, i = 0..3, e = 0..1). One thread per (token, chunk, half h): it loads
+// units h, h + 2, h + 4, h + 6 of the chunk and writes units 4 h .. 4 h + 3 (a 4 x 4 transpose of 32-bit words).
+__global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, int ldx, __nv_bfloat16* __restrict__ xp,
+                                 int M, int C) {
+  const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long per_row = 2ll * C;
+  if (id >= (long long)M * per_row) return;
+  const int m = (int)(id / per_row);
+  const int rem = (int)(id - (long long)m * per_row);
+  const int c = rem >> 1, h = rem & 1;
+  const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * ldx + 64 * (size_t)c);
+  uint4* dst = reinterpret_cast<uint4*>(xp + (size_t)m * C * 64 + 64 * (size_t)c);
+  const uint4 l0 = src[h], l1 = src[h + 2], l2 = src[h + 4], l3 = src[h + 6];
+  dst[4 * h + 0] = make_uint4(l0.x, l1.x, l2.x, l3.x);
+  dst[4 * h + 1] = make_uint4(l0.y, l1.y, l2.y, l3.y);
+  dst[4 * h + 2] = make_uint4(l0.z, l1.z, l2.z, l3.z);
+  dst[4 * h + 3] = make_uint4(l0.w, l1.w, l2.w, l3.w);
+}
+
+template <int FMT, int NTOK, int RW, int KS>
+const void* ptr() {
+  return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, NTOK, RW, KS>);
+}
+
+// Compiled (tokens per CTA, warpgroups along the rows, split-K groups): see qerl/kernels/cuda_fp4.py WGMMA_VARIANTS.
+template <int FMT>
+const void* pick_fmt(int ntok, int rw, int ks) {
+#define QFP4_WG(N, R, K) \
+  if (ntok == N && rw == R && ks == K) return ptr<FMT, N, R, K>();
+  QFP4_WG(32, 1, 1) QFP4_WG(32, 2, 1) QFP4_WG(32, 1, 2) QFP4_WG(32, 1, 4) QFP4_WG(32, 2, 2)
+  QFP4_WG(64, 1, 1) QFP4_WG(64, 2, 1) QFP4_WG(64, 1, 2) QFP4_WG(64, 1, 4) QFP4_WG(64, 2, 2)
+  QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2)
+  QFP4_WG(256, 1, 1) QFP4_WG(256, 2, 1)
+#undef QFP4_WG
+  return nullptr;
+}
+
+const void* pick(int fmt, int ntok, int rw, int ks) {
+  return fmt == 0 ? pick_fmt<0>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1>(ntok, rw, ks) : nullptr;
+}
+
+size_t smem_bytes(int ntok, int rw, int ks) {
+  const size_t pipe = (size_t)ks * kStages * stage_bytes(ntok, rw);
+  const size_t red = (size_t)(ks - 1) * rw * 128 * (ntok / 2) * 4;
+  return (pipe > red ? pipe : red) + 1024;  // + the 1024-byte alignment slack
+}
+
+bool device_ok() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev))
+    return false;
+  return major == 9 && minor == 0;
+}
+
+}  // namespace wg
+}  // namespace qfp4
+
+// xp (M, 64 C) <- x (M, 64 C; row stride ldx) in the wgmma kernel's K permutation. Returns a cudaError_t, -1 on
+// bad arguments.
+extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, void* stream) {
+  if (M < 1 || C < 1 || ldx < 64 * C || ldx % 8) return -1;
+  const long long threads = (long long)M * 2 * C;
+  const int block = 256;
+  const long long blocks = (threads + block - 1) / block;
+  if (blocks > 0x7FFFFFFFll) return -1;
+  qfp4::wg::permute_x_kernel<<<(unsigned)blocks, block, 0, (cudaStream_t)stream>>>(
+      static_cast<const __nv_bfloat16*>(x), ldx, static_cast<__nv_bfloat16*>(xp), M, C);
+  return (int)cudaGetLastError();
+}
+
+// out (M, N) <- xp (M, 64 C, permuted by qfp4_permute_x) @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm.
+// ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups. sm_90 only.
+// Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
+extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo, const float* gs,
+                               float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok, int rw, int ks,
+                               void* stream) {
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
+  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || ks > C ||
+      (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
+    return -1;
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
+  if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
+  const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return (int)e;
+  const int per = rw * 4;  // strips per CTA
+  const dim3 grid((unsigned)((M + ntok - 1) / ntok), (unsigned)((S + per - 1) / per));
+  if (grid.y > 65535u) return -1;
+  void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C};
+  return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
+}
+
+// Max resident CTAs per SM of one wgmma variant (-1: unsupported).
+extern "C" int qfp4_wgmma_occupancy(int fmt, int ntok, int rw, int ks) {
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
+  if (fn == nullptr || !qfp4::wg::device_ok()) return -1;
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
+  if (smem > (size_t)qfp4::wg::kSmemMax ||
+      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))
+    return -1;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, rw * ks * 128, smem)) return -1;
+  return blocks;
+}
+
+// Registers and local-memory bytes per thread of one wgmma variant (-1 on error).
+extern "C" int qfp4_wgmma_attributes(int fmt, int ntok, int rw, int ks, int* regs, int* local_bytes) {
+  return qfp4::kernel_attributes(qfp4::wg::pick(fmt, ntok, rw, ks), regs, local_bytes);
+}
