@@ -23,10 +23,10 @@
 // own RW * 64 weight rows and share one token tile (NTOK tokens x 64 k per stage). Per group a kStages-deep
 // cp.async pipeline stages, per chunk: the tokens (NTOK rows of 128 B, 16-byte unit u of row r at unit u ^ (r & 7):
 // the 128-byte swizzle wgmma's descriptor names, 1024-byte aligned 8-row atoms), then each strip's 32 lanes' weight
-// words (512 B) and scale pairs (64 B). The MMAs of chunk i run asynchronously while chunk i + 1 is decoded; the
-// stage of chunk i - 2 is refilled only after every warpgroup of the group has waited for its MMAs of chunk i - 2
-// (wgmma.wait_group 1 at the end of chunk i - 1, then the group barrier at the top of chunk i): lookahead
-// kStages - 2 chunks. Split-K partials are reduced through shared memory at the end (one launch, no workspace,
+// words (512 B) and scale pairs (64 B). The MMAs of chunk i run asynchronously while chunk i + 1 is acquired and
+// decoded; the stage of chunk i - 1 is refilled only after every warpgroup of the group has waited for its MMAs of
+// chunk i - 1 (wgmma.wait_group 0 at the end of chunk i - 1, then the group barrier that acquires chunk i + 1):
+// lookahead kStages - 2 chunks. Split-K partials are reduced through shared memory at the end (one launch, no workspace,
 // CUDA-graph capturable).
 // Grid: x = token tiles (fastest, so CTAs in flight together share a row block's weights through L2), y = row blocks.
 
@@ -66,6 +66,12 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Keeps the compiler from moving accesses of an accumulator across the (asynchronous) MMAs.
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// Keeps a chunk's A registers allocated and unmodified up to this point (see the main loop).
+__device__ __forceinline__ void keep_regs(const uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    asm volatile("" ::"r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]) : "memory");
+}
 
 // Matrix descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128 B (64 k), 8-row atoms of
 // 1024 B (stride byte offset), leading byte offset unused for this swizzle (1), start address >> 4. The k16 step
@@ -149,35 +155,53 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     cp_async_commit();
   };
 
-#pragma unroll
-  for (int s = 0; s < kStages - 2; ++s) stage(s);
-#pragma unroll
-  for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
-  // Chunk idx's A fragments are decoded while chunk idx - 1's MMAs run. They are fresh values every chunk (not
-  // loop-carried): ptxas allocates the registers of in-flight MMAs itself and serializes the MMAs (warning C7513)
-  // when the same PTX registers are redefined inside a pipeline stage, which a loop-carried double buffer did.
-  for (int idx = 0; idx < n; ++idx) {
+  // Chunk idx + 1 is acquired (landed, visible to the async proxy, the group synchronized, the next stage
+  // refilled) and decoded while chunk idx's MMAs run; then wgmma.wait_group 0. The asynchronous MMAs read their A
+  // registers after issue, and ptxas reuses the physical registers of an operand after its last PTX use (measured:
+  // with wait_group 1 at the end of the chunk the next chunk's decode overwrote the in-flight fragments at 128 and
+  // 256 tokens per CTA), so each chunk's fragments are kept alive (keep_regs) until the wait that completes them;
+  // holding the previous chunk's fragments across the loop's back edge instead makes ptxas serialize every MMA.
+  auto acquire = [&](int idx) {
     cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
     fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
     group_sync(1 + grp, GT);        // every thread's; and chunk idx - 2's MMAs are done in every warpgroup
     stage(idx + kStages - 2);       // into chunk idx - 2's stage
-    const int sidx = idx & (kStages - 1);
-    const unsigned char* sb = gbase + sidx * SB;
+  };
+  auto decode = [&](int idx, uint32_t (&a)[4][4]) {
+    const unsigned char* sb = gbase + (idx & (kStages - 1)) * SB;
     const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
     const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
     uint32_t sg, sg8;
     scale_words<FMT>(s16, bword, sg, sg8);
-    uint32_t a[4][4];
     decode_word(w.x, sg, sg8, a[0]);
     decode_word(w.y, sg, sg8, a[1]);
     decode_word(w.z, sg, sg8, a[2]);
     decode_word(w.w, sg, sg8, a[3]);
-    const uint32_t tok_s = gbase_s + sidx * SB;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) stage(s);
+#pragma unroll
+  for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
+  uint32_t a[4][4];
+  acquire(0);
+  decode(0, a);
+  for (int idx = 0; idx < n; ++idx) {
+    const uint32_t tok_s = gbase_s + (idx & (kStages - 1)) * SB;
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
     wgmma_commit();
-    wgmma_wait<1>();  // chunk idx - 1's MMAs are done
+    uint32_t an[4][4];
+    if (idx + 1 < n) {
+      acquire(idx + 1);
+      decode(idx + 1, an);
+    }
+    wgmma_wait<0>();
+    keep_regs(a);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int o = 0; o < 4; ++o) a[j][o] = an[j][o];
   }
   wgmma_wait<0>();
 #pragma unroll
