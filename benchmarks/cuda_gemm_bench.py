@@ -56,7 +56,7 @@ class _env:
 def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     """Candidate (nt, sw, r, ks) for S strips, C chunks, M tokens: the two token-tile widths that suit M, every
     split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks); on sm_90 also the
-    wgmma kernel's variants (sw = 0) with the two token tiles that suit M."""
+    wgmma kernel's variants (sw <= 0: 1 - sw splits of K across CTAs) with the two token tiles that suit M."""
     nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8) if m <= 64 else (8, 16)
     out = []
     for nt in nts:
@@ -70,9 +70,15 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
                     except ValueError:
                         continue
                     out.append((nt, sw, r, ks))
-    if cf.wgmma_supported():  # the sm_90a wgmma kernel (sw = 0): token tiles that suit M
+    if cf.wgmma_supported():  # the sm_90a wgmma kernel (sw <= 0): token tiles that suit M
         ntoks = (32,) if m <= 32 else (32, 64) if m <= 64 else (64, 128) if m <= 128 else (128, 256)
-        out += [cfg for cfg in cf.wgmma_configs(s, c) if 8 * cfg[0] in ntoks]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for cfg in cf.wgmma_configs(s, c):
+            nt, sw, r, ks = cfg
+            ctas = -(-m // (8 * nt)) * -(-s // (4 * r))
+            # splits of K across CTAs only where the grid without them leaves SMs idle
+            if 8 * nt in ntoks and (sw == 0 or ctas < sms):
+                out.append(cfg)
     return out
 
 

@@ -227,8 +227,16 @@ def test_wgmma_config_validation():
     for ntok, rw, ks in cf.WGMMA_VARIANTS:  # every compiled variant fits some shape's opt-in shared memory
         assert cf.wgmma_smem_bytes(ntok, rw, ks) <= cf.GEMM_SMEM_MAX, (ntok, rw, ks)
     cfgs = cf.wgmma_configs(224, 56)
-    assert len(cfgs) == len(cf.WGMMA_VARIANTS) and all(cf.check_gemm_config(c, 224, 56) == c for c in cfgs)
-    assert all(c[3] == 1 for c in cf.wgmma_configs(224, 7))  # split-K groups keep >= 4 chunks
+    # all variants x CTA splits but kz 4 x ks 4 (16 splits of 56 chunks: < 4 chunks each)
+    assert len(cfgs) == cf.WGMMA_MAX_KZ * len(cf.WGMMA_VARIANTS) - 2 and (4, -3, 1, 4) not in cfgs
+    assert all(cf.check_gemm_config(c, 224, 56) == c for c in cfgs)
+    assert cf.check_gemm_config((8, -3, 1, 2), s=224, c=8) == (8, -3, 1, 2)  # 4 CTA splits x 2 groups = C
+    with pytest.raises(ValueError, match="kz = 1 - sw"):
+        cf.check_gemm_config((8, -3, 1, 2), s=224, c=7)
+    with pytest.raises(ValueError, match="kz = 1 - sw"):
+        cf.check_gemm_config((8, -cf.WGMMA_MAX_KZ, 1, 1), s=224, c=56)
+    # every split of K keeps >= 4 chunks
+    assert all((1 - c[1]) * c[3] == 1 for c in cf.wgmma_configs(224, 7))
     with pytest.raises(ValueError, match="no wgmma variant"):
         cf.gemm_kernel_attributes("nvfp4", 16, 0, 4, 1)
 
@@ -793,7 +801,7 @@ def test_gpu_wgmma_gemm_every_variant(fmt):
     w = _prep(fmt, q)
     g = torch.Generator(device="cuda").manual_seed(4)
     cfgs = cf.wgmma_configs(n // 16, k // 64)
-    assert len(cfgs) == len(cf.WGMMA_VARIANTS)
+    assert len(cfgs) > len(cf.WGMMA_VARIANTS) and any(c[1] == 1 - cf.WGMMA_MAX_KZ for c in cfgs)
     for m in (1, 17, 40, 129, 300):
         xb = torch.randn(m, k + 8, device="cuda", generator=g).bfloat16()
         for x in (xb[:, :k], xb[:, 8:k + 8]):
@@ -824,7 +832,7 @@ def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt):
     n, k = 3584, 3584
     q = _quant(fmt, n, k, seed=29, device="cuda")
     w = _prep(fmt, q)
-    for cfg in ((8, 0, 1, 2), (16, 0, 2, 1)):
+    for cfg in ((8, 0, 1, 2), (16, 0, 2, 1), (8, -2, 1, 2)):  # the last: 3 CTA splits (counters reset per launch)
         x = torch.randn(96, k, device="cuda").bfloat16()
         cf.gemm(x, w, config=cfg)
         graph = torch.cuda.CUDAGraph()

@@ -426,7 +426,7 @@ extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
 extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
 extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int, const float*, float, unsigned, int,
-                               int, int, int, int, int, int, void*);
+                               int, int, int, int, int, int, int, void*, long long, void*, int, void*);
 extern "C" int qfp4_wgmma_occupancy(int, int, int, int);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 
@@ -508,7 +508,8 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
 
 // The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp.
 void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
-                torch::Tensor xp, int64_t fmt, double out_mult, int64_t bword, int64_t ntok, int64_t rw, int64_t ks) {
+                torch::Tensor xp, int64_t fmt, double out_mult, int64_t bword, int64_t ntok, int64_t rw, int64_t ks,
+                int64_t kz, torch::Tensor ws, torch::Tensor ctr) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   TORCH_CHECK(xp.is_cuda() && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous() && xp.dim() == 2 &&
@@ -518,8 +519,12 @@ void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tens
   int err = qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
   TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
+  TORCH_CHECK(kz == 1 || (ws.is_cuda() && ws.scalar_type() == at::kFloat && ctr.is_cuda() &&
+                          ctr.scalar_type() == at::kInt), "split-K workspace: fp32 ws, int32 ctr on CUDA");
   err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(), (int)out.stride(0), gp,
-                        (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok, (int)rw, (int)ks, stream);
+                        (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok, (int)rw, (int)ks, (int)kz,
+                        kz > 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(), kz > 1 ? ctr.data_ptr() : nullptr,
+                        (int)ctr.numel(), stream);
   TORCH_CHECK(err == 0, "qfp4_wgmma_gemm: ", err == -1 ? "unsupported device or configuration"
                                                         : cudaGetErrorString((cudaError_t)err));
 }
@@ -965,9 +970,9 @@ def gemm_variants() -> list[tuple[int, int, int]]:
 
 def gemm_kernel_attributes(fmt: str, nt: int, sw: int, r: int = 4, ks: int = 1) -> tuple[int, int]:
     """(registers, local-memory bytes) per thread of the GEMM variant (n8 token tiles, strips per warp, warps per
-    split-K group); sw = 0: the wgmma variant (8 nt tokens, r warpgroups, ks groups)."""
+    split-K group); sw <= 0: the wgmma variant (8 nt tokens, r warpgroups, ks groups)."""
     _check_fmt(fmt)
-    if sw == 0:
+    if sw <= 0:
         if (8 * nt, r, ks) not in WGMMA_VARIANTS:
             raise ValueError(f"no wgmma variant (tokens={8 * nt}, r={r}, ks={ks}); compiled: {list(WGMMA_VARIANTS)}")
         a = _ext().wgmma_attributes(0 if fmt == "nvfp4" else 1, 8 * nt, r, ks)
@@ -980,18 +985,19 @@ def gemm_kernel_attributes(fmt: str, nt: int, sw: int, r: int = 4, ks: int = 1) 
 
 def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
     """Validate ``(nt, sw, r, ks)`` = (n8 token tiles per CTA, strips per warp, warps per split-K group, split-K
-    groups) for a weight of S strips and C chunks; returns it as a tuple of ints. ``sw = 0`` names the sm_90a wgmma
-    kernel instead: (8 nt tokens per CTA, -, r warpgroups of 64 rows per split-K group, ks groups), one of
-    :data:`WGMMA_VARIANTS`."""
+    groups) for a weight of S strips and C chunks; returns it as a tuple of ints. ``sw <= 0`` names the sm_90a wgmma
+    kernel instead: (8 nt tokens per CTA, 1 - kz, r warpgroups of 64 rows per split-K group, ks groups per CTA) with
+    (8 nt, r, ks) one of :data:`WGMMA_VARIANTS` and kz = 1 - sw splits of K across CTAs (1..WGMMA_MAX_KZ)."""
     try:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
-    if sw == 0:
-        if (8 * nt, r, ks) not in WGMMA_VARIANTS or ks > c:
+    if sw <= 0:
+        kz = 1 - sw
+        if (8 * nt, r, ks) not in WGMMA_VARIANTS or kz > WGMMA_MAX_KZ or kz * ks > c:
             raise ValueError(f"wgmma GEMM config {config!r} invalid for S={s} strips, C={c} chunks: (8 nt, r, ks) "
                              f"must be one of {list(WGMMA_VARIANTS)} (tokens per CTA, warpgroups per group, split-K "
-                             f"groups) with ks <= C")
+                             f"groups), kz = 1 - sw in 1..{WGMMA_MAX_KZ} CTA splits, kz * ks <= C")
         return nt, sw, r, ks
     if (not gemm_variant_ok(nt, sw, r) or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c
             or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
@@ -1009,6 +1015,8 @@ WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2),
                   (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2),
                   (256, 1, 1), (256, 2, 1))
 WGMMA_STAGES = 4  # csrc kStages
+WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)
+WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
 
 def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
@@ -1025,10 +1033,20 @@ def wgmma_supported(device: torch.device | int | None = None) -> bool:
 
 
 def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
-    """Every wgmma config (nt, 0, r, ks) that fits a weight of S strips and C chunks (shared memory <= the opt-in
-    limit, every split-K group >= 4 chunks)."""
-    return [(ntok // 8, 0, rw, ks) for ntok, rw, ks in WGMMA_VARIANTS
-            if (ks == 1 or c // ks >= 4) and wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
+    """Every wgmma config (nt, 1 - kz, r, ks) that fits a weight of S strips and C chunks (shared memory <= the
+    opt-in limit, every split of K >= 4 chunks)."""
+    return [(ntok // 8, 1 - kz, rw, ks) for kz in range(1, WGMMA_MAX_KZ + 1) for ntok, rw, ks in WGMMA_VARIANTS
+            if (kz * ks == 1 or c // (kz * ks) >= 4) and wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
+
+
+def _wgmma_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K tile counters (int32, zero; every launch leaves the ones it used at zero)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = ("wgmma_ctr", idx)
+    ctr = _STATE.get(key)
+    if ctr is None:
+        ctr = _STATE[key] = torch.zeros(WGMMA_COUNTERS, device=device, dtype=torch.int32)
+    return ctr
 
 
 def permute_x_reference(x: torch.Tensor) -> torch.Tensor:
@@ -1138,13 +1156,22 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     nt, sw, r, ks = check_gemm_config(config, s, c)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fmt = 0 if w.fmt == "nvfp4" else 1
-    if sw == 0:
+    if sw <= 0:
         if not wgmma_supported(x.device):
             raise ValueError(f"GEMM config {config!r} names the sm_90a wgmma kernel; this device is "
                              f"{torch.cuda.get_device_name(x.device)} (compute capability "
                              f"{torch.cuda.get_device_capability(x.device)})")
         xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
-        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks)
+        kz = 1 - sw
+        if kz > 1:  # fp32 partial tiles of every CTA split; counters shared by the device's launches (one stream)
+            tiles = -(-m // (8 * nt)) * -(-s // (4 * r))
+            ws = torch.empty(kz * tiles * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
+            ctr = _wgmma_counters(x.device)
+            if tiles > ctr.numel():
+                raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
+        else:
+            ws = ctr = xp
+        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks)
     return out
@@ -1188,4 +1215,4 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
-           "permute_x_reference", "wgmma_weight"]
+           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ"]

@@ -91,7 +91,7 @@ template <int FMT, int NTOK, int RW, int KS>
 __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                 uint32_t bword, int M, int S, int C) {
+                 uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr) {
 #if QFP4_WGMMA
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
@@ -113,8 +113,10 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   const int gtid = threadIdx.x - grp * GT;
   const int tok0 = blockIdx.x * NTOK;
   const int strip = (blockIdx.y * RW + wr) * 4 + wq;
-  const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
-  const int n = c1 - c0;  // >= 1: the caller keeps KS <= C
+  // split q of the KZ * KS splits of K: CTA split blockIdx.z (gridDim.z = KZ), group grp inside it
+  const int KZ = gridDim.z, q = blockIdx.z * KS + grp;
+  const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
+  const int n = c1 - c0;  // >= 1: the caller keeps KZ * KS <= C
   unsigned char* gbase = smem + grp * kStages * SB;
   const uint32_t gbase_s = raw_s + pad + grp * kStages * SB;
   const int my_w = XB + (wr * 4 + wq) * 512;             // this warp's weight words inside a stage
@@ -223,6 +225,32 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
       for (int i = 0; i < NA; ++i) acc[i] += red[(((sp - 1) * RW + wr) * NA + i) * 128 + tw];
   }
+  // Split-K across CTAs (KZ > 1): every CTA of an output tile writes its partial sums (fp32, in fragment order) to
+  // the workspace; the last to finish (a per-tile counter) adds the KZ partials in split order -- deterministic, no
+  // floating-point atomics -- and writes the tile; it leaves the counter at zero for the next launch.
+  if (KZ > 1) {
+    __shared__ int last;
+    const int rt = threadIdx.x;  // group 0's threads: 0 .. GT - 1
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    const size_t tile_floats = (size_t)NA * GT;
+    float* mine = ws + ((size_t)blockIdx.z * gridDim.x * gridDim.y + tile) * tile_floats;
+#pragma unroll
+    for (int i = 0; i < NA; ++i) __stcg(mine + (size_t)i * GT + rt, acc[i]);
+    __threadfence();
+    group_sync(1, GT);
+    if (rt == 0) last = atomicAdd(ctr + tile, 1) == KZ - 1;
+    group_sync(1, GT);
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+    for (int z = 0; z < KZ; ++z) {
+      const float* part = ws + ((size_t)z * gridDim.x * gridDim.y + tile) * tile_floats;
+#pragma unroll
+      for (int i = 0; i < NA; ++i) acc[i] += __ldcg(part + (size_t)i * GT + rt);
+    }
+    if (rt == 0) ctr[tile] = 0;
+  }
   if (strip >= S) return;
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
@@ -318,13 +346,15 @@ extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, vo
 }
 
 // out (M, N) <- xp (M, 64 C, permuted by qfp4_permute_x) @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm.
-// ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups. sm_90 only.
+// ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups inside a CTA, kz: splits of K across
+// CTAs (kz > 1: ws holds >= kz * tiles * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints, tiles = the
+// output tiles; one GEMM at a time per counter buffer). sm_90 only.
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
 extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo, const float* gs,
                                float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok, int rw, int ks,
-                               void* stream) {
+                               int kz, void* ws, long long ws_floats, void* ctr, int ctr_len, void* stream) {
   const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
-  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || ks > C ||
+  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C ||
       (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
     return -1;
   const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
@@ -332,10 +362,16 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return (int)e;
   const int per = rw * 4;  // strips per CTA
-  const dim3 grid((unsigned)((M + ntok - 1) / ntok), (unsigned)((S + per - 1) / per));
-  if (grid.y > 65535u) return -1;
+  const dim3 grid((unsigned)((M + ntok - 1) / ntok), (unsigned)((S + per - 1) / per), (unsigned)kz);
+  if (grid.y > 65535u || kz > 64) return -1;
+  if (kz > 1) {  // the workspace holds kz partial tiles of every output tile, the counters one int per tile
+    const long long tiles = (long long)grid.x * grid.y;
+    if (ws == nullptr || ctr == nullptr || tiles > ctr_len ||
+        (long long)kz * tiles * (ntok / 2) * (rw * 128) > ws_floats)
+      return -1;
+  }
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C};
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
 }
 
