@@ -568,8 +568,10 @@ effect is within the seed-to-seed sd, differs when the interval excludes 0 (deta
 ## Decoder linears at decode size: the CUDA mma GEMV (`python -m benchmarks.cuda_bench`)
 The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns come from one run.
 {cuda}
-## Decoder linears at GRPO batch sizes (M > 16): the CUDA mma GEMM (`python -m benchmarks.cuda_gemm_bench`)
-Issue 10. The same re-laid-out weights as the GEMV, tokens staged in shared memory; `prev` is the path before it.
+## Decoder linears at GRPO batch sizes (M > 16): the CUDA GEMMs (`python -m benchmarks.cuda_gemm_bench`)
+Issue 10. The same re-laid-out weights as the GEMV: the mma.sync kernel (tokens staged in shared memory) and, on
+sm_90, the wgmma kernel (weights as the register operand, permuted tokens read by the tensor cores); the tuned table
+takes the faster per shape and M; `prev` is the path before both.
 {gemm}
 ### The dense weight for large M (prefill, the update) from the kernel layout (`python -m benchmarks.dequant_bench`)
 What dequantize + cuBLAS pays per call at M > the tuned crossover: the Triton kernel (per element gathers) against the
