@@ -271,6 +271,23 @@ def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
     ctas = -(-m // (8 * nt)) * -(-s // (r * sw))
     # split-K only while the grid has fewer warps than ~2 CTAs per SM, and never more groups than chunks
     assert ks == 1 or (ks <= c and (ks - 1) * ctas < 2 * 132)
+    # on sm_90 above 32 tokens: the wgmma kernel, split across CTAs only while the grid leaves SMs idle
+    nt, sw, r, ks = cfg = cf.pick_gemm_config(s, c, m, sms=132, wgmma=True)
+    assert cf.check_gemm_config(cfg, s, c) == cfg
+    assert (sw <= 0) == (m > 32)
+    if sw <= 0:
+        kz, ctas = 1 - sw, -(-m // (8 * nt)) * -(-s // (4 * r))
+        assert kz == 1 or (ctas * (kz - 1) < 132 and c // (kz * ks) >= 4)
+
+
+def test_pick_gemm_config_wgmma_matches_the_h100_sweep():
+    """Where the tuned table has no entry (another sm_90 part), the heuristic gives the configurations the H100
+    sweep chose for the 7B fused gate|up (M = 64, 128) and the down projection at 128 tokens; at 32 tokens and
+    without wgmma it keeps the mma.sync heuristic."""
+    assert cf.pick_gemm_config(2368, 56, 64, sms=132, wgmma=True) == (8, 0, 1, 2)
+    assert cf.pick_gemm_config(2368, 56, 128, sms=132, wgmma=True) == (16, 0, 2, 2)
+    assert cf.pick_gemm_config(224, 296, 128, sms=132, wgmma=True) == (16, -3, 2, 2)
+    assert cf.pick_gemm_config(224, 296, 32, sms=132, wgmma=True) == cf.pick_gemm_config(224, 296, 32, sms=132)
 
 
 def test_tuned_gemm_table(tmp_path, monkeypatch):

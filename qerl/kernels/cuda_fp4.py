@@ -1077,10 +1077,21 @@ def wgmma_weight(w: CudaFP4Weight) -> torch.Tensor:
     return (d.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(w.n, w.k) * (2.0 ** (126 - w.bexp)))
 
 
-def pick_gemm_config(s: int, c: int, m: int, sms: int) -> tuple[int, int, int, int]:
+def pick_gemm_config(s: int, c: int, m: int, sms: int, wgmma: bool = False) -> tuple[int, int, int, int]:
     """Heuristic (nt, sw, r, ks) for S strips, C chunks and M tokens on ``sms`` SMs, used where the tuned table
     (:func:`tuned_gemm_config`) has no entry: 64-token tiles from M > 32 (the decode of a weight chunk is shared by
-    NT MMAs), 4 warps along the strips, and split-K inside the CTA until about two CTAs' worth of warps per SM."""
+    NT MMAs), 4 warps along the strips, and split-K inside the CTA until about two CTAs' worth of warps per SM.
+    ``wgmma`` (an sm_90 device) and M > 32: the wgmma kernel instead, as the H100 sweep chose it for most 7B
+    shapes at M = 64-512 (it beats the mma.sync heuristic at 23 of that NVFP4 sweep's 24 shape x M points, by up to
+    2x; the exception: k/v 512 x 3584 at M = 512, 5% slower; `raw/h100_s30_splitk`): 64-token tiles and
+    one warpgroup up to M = 64, else 128-token tiles and 2 warpgroups (128 rows) per CTA; 2 split-K groups; splits
+    of K across CTAs while the grid has fewer CTAs than SMs (every split >= 4 chunks)."""
+    if wgmma and m > 32:
+        ntok, r = (64, 1) if m <= 64 else (128, 2 if s >= 8 else 1)
+        ks = 2 if c >= 8 else 1
+        ctas = math.ceil(m / ntok) * math.ceil(s / (4 * r))
+        kz = max(1, min(WGMMA_MAX_KZ, sms // max(1, ctas), c // (4 * ks)))
+        return ntok // 8, 1 - kz, r, ks
     nt = 2 if m <= 16 else 4 if m <= 32 else 8
     tiles = math.ceil(m / (8 * nt))
     r, sw = 4, 1
@@ -1204,7 +1215,8 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
     if cfg is None:
         props = torch.cuda.get_device_properties(idx)
         hit = tuned_gemm_config(w.fmt, w.n, w.k, m, props.name)
-        cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count)
+        cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count,
+                                                              wgmma=wgmma_supported(idx))
         _STATE[key] = cfg
     return cfg
 
