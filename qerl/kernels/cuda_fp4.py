@@ -1,10 +1,13 @@
-"""Hand-written CUDA W4A16 decode GEMV for NVFP4 / MXFP4 weights (opt-in backend), and its CPU emulator.
+"""Hand-written CUDA W4A16 kernels for NVFP4 / MXFP4 weights (decode GEMV, mma.sync and sm_90a wgmma GEMMs, the
+dense-weight rebuild), and their CPU emulator.
 
 ``prepare`` re-lays out a compressed-tensors FP4 weight once (pure torch, any device) so that each lane's
 128-bit load is its ``mma.sync.m16n8k16`` A fragments for one K chunk of 64 (see ``csrc/fp4_mma_gemv.cu`` for
 the fragment map and the decode); ``gemv`` runs y (M, N) = x (M, K) @ Ŵᵀ for M <= 16 in one launch (split-K
 reduced inside the CTA, CUDA-graph capturable); ``emulate`` computes the same thing on any device by decoding
 the re-laid-out tensors lane by lane with the kernel's own bit operations. Shapes: N % 16 == 0, K % 64 == 0.
+``gemm`` serves M > 16 on the same tensors (``csrc/fp4_mma_gemm.cu``; on sm_90 also ``csrc/fp4_wgmma_gemm.cu``, whose
+token permutation ``permute_x_reference`` and ``wgmma_weight`` check on the CPU); ``dequantize`` rebuilds Ŵ for large M.
 
 Decoded weights are exactly fp4 * s (NVFP4, E4M3 s; 1/g is applied to the fp32 accumulator) and
 fp4 * 2^(e - 127) (MXFP4), scaled by 2^(B - 126) inside the kernel (B = 119 for NVFP4; per tensor for MXFP4).
