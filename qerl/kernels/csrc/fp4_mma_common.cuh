@@ -100,6 +100,19 @@ __device__ __forceinline__ void decode_word(uint32_t v, uint32_t sg, uint32_t sg
   a[3] = bmul2(((v & kRest) * kSpread) & kMask, sg8);
 }
 
+// 16-byte cp.async into shared memory (src-size 0 when !valid: zero-fill, nothing read), its groups.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Barrier of one split-K group of the GEMMs (ids 1..KS; 0 is __syncthreads).
+__device__ __forceinline__ void group_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Host: registers and local-memory bytes per thread of a kernel (-1 when it is not compiled or the query fails).
 inline int kernel_attributes(const void* fn, int* regs, int* local_bytes) {
   cudaFuncAttributes a;

@@ -27,17 +27,6 @@ constexpr int kStages = 4;  // a power of 2 (stage of chunk idx = idx & (kStages
 constexpr int kGemmMaxWarps = 8;
 constexpr int kSmemMax = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-// Barrier of one split-K group (ids 1..KS; 0 is __syncthreads).
-__device__ __forceinline__ void group_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // Bytes of one pipeline stage of a group: TM x 64 tokens (bf16), then per strip of the group its 32 lanes' 16-byte
 // weight words (512 B) and its scale pairs (64 B: 32 for NVFP4, 16 used for MXFP4).
