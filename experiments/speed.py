@@ -579,7 +579,11 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 20, GEMM g6 with the fused q|k|v and gate|up shapes tuned, commit 45292f0; `raw/h100_s20_rollout3/`, one
+Now (session 30, the wgmma GEMM with the first wgmma table, commit 35381f5; `raw/h100_s30_step/`, one run, one process
+per format; the 32-sequence NVFP4 row was the first run on a fresh machine, which reads low; a second run at 64 and
+128, `raw/h100_s30_splitk/rollout_first_in_process.csv`, NVFP4 first: 8203 / 9075 vs 7156 / 11124):
+{batch_rollout_table(root, "h100_s30_step")}
+Session 20 (GEMM g6 with the fused q|k|v and gate|up shapes tuned, commit 45292f0; `raw/h100_s20_rollout3/`, one
 run; the first such run, `raw/h100_s20_g6/`, NVFP4 and BF16 only, gave 1.42× / 1.17× / 0.95× / 0.80×):
 {batch_rollout_table(root, "h100_s20_rollout3")}
 Before (session 19, GEMM g2, untuned fused shapes; `raw/h100_s19_rollout/`):
