@@ -244,8 +244,9 @@ def _scale_words(w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     return _bf16_bits_to_f32(sg), _bf16_bits_to_f32(sg8)
 
 
-def _decoded_fragments(w: CudaFP4Weight) -> torch.Tensor:
-    """float32 (N, K): the bf16 A operands the kernel feeds its MMAs, e2m1 * s * 2^(bexp - 126)."""
+def _fragment_values(w: CudaFP4Weight) -> torch.Tensor:
+    """float32 (S, C, 32 lanes, 4 MMA steps j, 4 A registers o, 2 halves h): the bf16 A operands the kernels feed
+    their MMAs, e2m1 * s * 2^(bexp - 126), decoded with the kernels' own bit operations."""
     v = w.qweight.to(torch.int64) & 0xFFFFFFFF  # (S, C, 32, 4)
 
     def rotr(a, r):
@@ -256,8 +257,13 @@ def _decoded_fragments(w: CudaFP4Weight) -> torch.Tensor:
     nib = _bf16_bits_to_f32(torch.stack((regs & 0xFFFF, regs >> 16), dim=-1))  # (S, C, 32, 4, 4, 2) e2m1*2^-126
     sg, sg8 = _scale_words(w)  # (S, C, 32)
     sw = torch.stack((sg, sg8, sg, sg8), dim=-1)[:, :, :, None, :, None]  # A registers 0, 2: row g
-    dec = (nib * sw).to(torch.bfloat16).to(torch.float32)  # mul.rn.bf16x2
-    s, c = v.shape[0], v.shape[1]
+    return (nib * sw).to(torch.bfloat16).to(torch.float32)  # mul.rn.bf16x2
+
+
+def _decoded_fragments(w: CudaFP4Weight) -> torch.Tensor:
+    """float32 (N, K): the bf16 A operands the kernel feeds its MMAs, e2m1 * s * 2^(bexp - 126), in the real K order."""
+    dec = _fragment_values(w)
+    s, c = dec.shape[0], dec.shape[1]
     # (S, C, g, t, j, ob, rh, h) -> (S, rh, g, C, t, j, ob, h) = (N, K)
     return dec.reshape(s, c, 8, 4, 4, 2, 2, 2).permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(w.n, w.k)
 
@@ -1005,7 +1011,7 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
     if (not gemm_variant_ok(nt, sw, r) or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c
             or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
         raise ValueError(f"GEMM config {config!r} invalid for S={s} strips, C={c} chunks: nt in {list(GEMM_NT)}, "
-                         f"sw in {list(GEMM_SW)} (or 0: the wgmma kernel), r in {list(GEMM_R)} (nt 16: sw 1 and "
+                         f"sw in {list(GEMM_SW)} (or <= 0: the wgmma kernel), r in {list(GEMM_R)} (nt 16: sw 1 and "
                          f"r >= 2; sw 2: r <= 4), 1 <= ks <= C, r * ks <= {GEMM_MAX_WARPS}, shared memory <= "
                          f"{GEMM_SMEM_MAX} B")
     return nt, sw, r, ks
@@ -1064,17 +1070,8 @@ def wgmma_weight(w: CudaFP4Weight) -> torch.Tensor:
     s feeds MMA step j of chunk c as A element (row, kl) -- the mma.sync A fragment order (registers 0/1: k 2t + h,
     registers 2/3: k 2t + 8 + h; 1/3: row g + 8). ``wgmma_weight(w) @ permute_x_reference(x)ᵀ`` = ``x @ Ŵᵀ`` up to
     summation order: the check, on the CPU, that the permutation of the tokens matches the weights'."""
-    v = w.qweight.to(torch.int64) & 0xFFFFFFFF  # (S, C, 32, 4)
-
-    def rotr(a, r):
-        return ((a >> r) | (a << (32 - r))) & 0xFFFFFFFF
-
-    regs = torch.stack((v & MASK, rotr(v, 3) & MASK, rotr(v, 6) & MASK,
-                        (((v & REST) * SPREAD) & 0xFFFFFFFF) & MASK), dim=-1)  # (S, C, 32, 4 j, 4 o)
-    nib = _bf16_bits_to_f32(torch.stack((regs & 0xFFFF, regs >> 16), dim=-1))  # (S, C, 32, j, o, h)
-    sg, sg8 = _scale_words(w)
-    dec = (nib * torch.stack((sg, sg8, sg, sg8), dim=-1)[:, :, :, None, :, None]).to(torch.bfloat16).float()
-    s, c = v.shape[0], v.shape[1]
+    dec = _fragment_values(w)
+    s, c = dec.shape[0], dec.shape[1]
     # o = 2 kh + rh (kh: k + 8, rh: row + 8); logical k = 16 j + 8 kh + 2 t + h, row = 8 rh + g
     d = dec.reshape(s, c, 8, 4, 4, 2, 2, 2)  # (S, C, g, t, j, kh, rh, h)
     return (d.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(w.n, w.k) * (2.0 ** (126 - w.bexp)))
@@ -1159,9 +1156,11 @@ def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tup
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable, no
-    allocation but ``out``), on the same re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many
-    sequences, prefill); ``config`` = (nt, sw, r, ks) overrides the tuned table / heuristic."""
+    """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
+    re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
+    (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
+    ``out``; the wgmma kernel (sw <= 0, sm_90) also takes the permuted tokens (M, K) and, split across CTAs, its fp32
+    partial tiles from the caching allocator (the graph's pool under capture) and the device's tile counters."""
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
     s, c = w.n // 16, w.k // 64
