@@ -9,7 +9,7 @@
 #   scripts/gpu_bench.sh gemm    issue 10: CUDA GEMM tests, tuning sweep (the mma.sync kernel and, on sm_90, the wgmma
 #                                kernel with its CTA splits; installs the tuned table into the tree and $OUT: copy it
 #                                back into qerl/kernels/tuned/), layer table, 7B rollouts at 16-256 sequences (NVFP4,
-#                                BF16; 16 = warm-up). On an H100 the sweep alone takes ~3 min per format
+#                                BF16; 16 = warm-up). The sweep took about a minute for both formats on an H100 (s30)
 #   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
 #                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
