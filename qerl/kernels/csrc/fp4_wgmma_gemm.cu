@@ -76,12 +76,16 @@ __host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
   return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
 }
 
-template <int FMT, int NTOK, int RW, int KS>
+// PERM: the kernel reads x itself (row stride ldx) and permutes while staging, 4-byte cp.async per word (lane q of
+// a warp copies word q of one token row's chunk to unit q & 7, word q >> 3: coalesced 128-byte reads, 32 distinct
+// banks); otherwise xp is x already permuted by qfp4_permute_x (ldx = 64 C) and staged in 16-byte units.
+template <int FMT, int NTOK, int RW, int KS, bool PERM>
 __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
-                 __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
+                 int ldx_arg, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
                  uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr) {
 #if QFP4_WGMMA
+  const int ldx = PERM ? ldx_arg : C * 64;  // xp is contiguous unless the kernel reads x itself
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
   constexpr int GT = RW * 128;            // threads of one split-K group
@@ -119,10 +123,16 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   // rows >= M zero-filled (src-size 0).
   const int xu = gtid & 7, xr = gtid >> 3;
   const bool xact = UNITS % GT == 0 || xr < NTOK;
-  const int ldx = C * 64;
   const int xval = M - tok0 - xr;
   const __nv_bfloat16* xb = xp + (size_t)(tok0 + xr) * ldx + 8 * xu + 64 * (size_t)c0;
   const size_t xstride = (size_t)RPP * ldx;
+  // PERM: warp gw of the group copies rows gw, gw + WPG, ...; its lane q word q of each
+  constexpr int WPG = GT / 32, RPW = NTOK / WPG;
+  const int gw = gtid >> 5;
+  const int pval = M - tok0 - gw;
+  const __nv_bfloat16* xw = xp + (size_t)(tok0 + gw) * ldx + 64 * (size_t)c0 + 2 * lane;
+  const uint32_t qword = 4u * (lane >> 3);
+  const int qunit = lane & 7;
   const int st = max(0, min(strip, S - 1));  // strips past S compute garbage that is never stored
   const uint4* wq_p = qw + ((size_t)st * C + c0) * 32 + lane;
   const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
@@ -130,7 +140,14 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   auto stage = [&](int idx) {
     if (idx < n) {
       const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
-      if (xact) {
+      if constexpr (PERM) {
+#pragma unroll
+        for (int j = 0; j < RPW; ++j) {
+          const int row = gw + j * WPG;
+          cp_async4(dst + row * 128 + ((qunit ^ (row & 7)) << 4) + qword, xw + (size_t)j * WPG * ldx, j * WPG < pval);
+        }
+        xw += 64;
+      } else if (xact) {
 #pragma unroll
         for (int j = 0; j < UPT; ++j) {
           const int row = xr + j * RPP;
@@ -283,15 +300,16 @@ __global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, int ldx, _
 }
 
 template <int FMT, int NTOK, int RW, int KS>
-const void* ptr() {
-  return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, NTOK, RW, KS>);
+const void* ptr(bool perm) {
+  return perm ? reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, NTOK, RW, KS, true>)
+              : reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, NTOK, RW, KS, false>);
 }
 
 // Compiled (tokens per CTA, warpgroups along the rows, split-K groups): see qerl/kernels/cuda_fp4.py WGMMA_VARIANTS.
 template <int FMT>
-const void* pick_fmt(int ntok, int rw, int ks) {
+const void* pick_fmt(int ntok, int rw, int ks, bool perm) {
 #define QFP4_WG(N, R, K) \
-  if (ntok == N && rw == R && ks == K) return ptr<FMT, N, R, K>();
+  if (ntok == N && rw == R && ks == K) return ptr<FMT, N, R, K>(perm);
   QFP4_WG(32, 1, 1) QFP4_WG(32, 2, 1) QFP4_WG(32, 1, 2) QFP4_WG(32, 1, 4) QFP4_WG(32, 2, 2)
   QFP4_WG(64, 1, 1) QFP4_WG(64, 2, 1) QFP4_WG(64, 1, 2) QFP4_WG(64, 1, 4) QFP4_WG(64, 2, 2)
   QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2)
@@ -300,8 +318,8 @@ const void* pick_fmt(int ntok, int rw, int ks) {
   return nullptr;
 }
 
-const void* pick(int fmt, int ntok, int rw, int ks) {
-  return fmt == 0 ? pick_fmt<0>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1>(ntok, rw, ks) : nullptr;
+const void* pick(int fmt, int ntok, int rw, int ks, bool perm = false) {
+  return fmt == 0 ? pick_fmt<0>(ntok, rw, ks, perm) : fmt == 1 ? pick_fmt<1>(ntok, rw, ks, perm) : nullptr;
 }
 
 size_t smem_bytes(int ntok, int rw, int ks) {
@@ -334,17 +352,19 @@ extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, vo
   return (int)cudaGetLastError();
 }
 
-// out (M, N) <- xp (M, 64 C, permuted by qfp4_permute_x) @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm.
+// out (M, N) <- x @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm. perm = 0: xp is x permuted by qfp4_permute_x
+// (row stride ldx = 64 C); perm = 1: xp is x itself (row stride ldx, 16-byte aligned rows) and the kernel permutes.
 // ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups inside a CTA, kz: splits of K across
 // CTAs (kz > 1: ws holds >= kz * tiles * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints, tiles = the
 // output tiles; one GEMM at a time per counter buffer). sm_90 only.
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
-extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo, const float* gs,
-                               float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok, int rw, int ks,
-                               int kz, void* ws, long long ws_floats, void* ctr, int ctr_len, void* stream) {
-  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
-  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C ||
-      (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
+extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, int ldx, int perm, void* out, int ldo,
+                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok,
+                               int rw, int ks, int kz, void* ws, long long ws_floats, void* ctr, int ctr_len,
+                               void* stream) {
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, perm != 0);
+  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C || ldx < 64 * C ||
+      ldx % 8 || (!perm && ldx != 64 * C) || (unsigned long long)M * (unsigned long long)ldx >= (1ull << 32))
     return -1;
   const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
   if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
@@ -359,7 +379,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
         (long long)kz * tiles * (ntok / 2) * (rw * 128) > ws_floats)
       return -1;
   }
-  void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
+  void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
 }
