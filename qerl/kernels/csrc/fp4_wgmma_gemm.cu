@@ -13,8 +13,8 @@
 // The K permutation. The weight word j of lane (g, t) for chunk c holds k = 64 c + 16 t + 4 j + 0..3 of rows g and
 // g + 8 (see fp4_mma_gemv.cu); used as the A fragment of MMA step j, its logical k (2t, 2t+1 | 2t+8, 2t+9) stand for
 // those real k. The mma.sync kernels read the tokens with the same permutation from registers; wgmma reads B from
-// shared memory in its own fixed order, so the tokens are permuted ONCE per call instead (qfp4_permute_x): in the
-// permuted copy xp, chunk c's 16-byte unit u (logical k 8u .. 8u+7) holds the real 32-bit pairs (k, k+1) at
+// shared memory in its own fixed order, so the tokens are permuted ONCE per call instead (qfp4_permute_x, or, PERM,
+// by the GEMM itself while it stages them; see the kernel): in the permuted copy xp, chunk c's 16-byte unit u (logical k 8u .. 8u+7) holds the real 32-bit pairs (k, k+1) at
 // k = 64 c + 16 i + 2 u (i = 0..3), i.e. its four words are words u, u + 8, u + 16, u + 24 of the chunk: a 4 x 4
 // transpose of 32-bit words, one thread per (token, chunk, half). Then logical k 16 j + kl of step j is real
 // k 64 c + 16 (kl % 8 / 2) + 4 j + 2 (kl / 8) + kl % 2: exactly the weights' permutation.
@@ -26,9 +26,11 @@
 // words (512 B) and scale pairs (64 B). The MMAs of chunk i run asynchronously while chunk i + 1 is acquired and
 // decoded; the stage of chunk i - 1 is refilled only after every warpgroup of the group has waited for its MMAs of
 // chunk i - 1 (wgmma.wait_group 0 at the end of chunk i - 1, then the group barrier that acquires chunk i + 1):
-// lookahead kStages - 2 chunks. Split-K partials are reduced through shared memory at the end (one launch, no workspace,
-// CUDA-graph capturable).
-// Grid: x = token tiles (fastest, so CTAs in flight together share a row block's weights through L2), y = row blocks.
+// lookahead kStages - 2 chunks. The groups' partials are reduced through shared memory at the end; with splits of K
+// across CTAs (gridDim.z = KZ > 1) the CTAs of a tile then add theirs through a workspace (see the epilogue). One
+// launch (two with qfp4_permute_x), CUDA-graph capturable.
+// Grid: x = token tiles (fastest, so CTAs in flight together share a row block's weights through L2), y = row blocks,
+// z = CTA splits of K.
 
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
