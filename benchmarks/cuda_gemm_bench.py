@@ -75,9 +75,8 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for cfg in cf.wgmma_configs(s, c):
             nt, sw, r, ks = cfg
-            ctas = -(-m // (8 * nt)) * -(-s // (4 * r))
             # splits of K across CTAs only where the grid without them leaves SMs idle
-            if 8 * nt in ntoks and (sw == 0 or ctas < sms):
+            if 8 * nt in ntoks and (sw == 0 or cf.wgmma_tiles(m, s, nt, r) < sms):
                 out.append(cfg)
     return out
 

@@ -436,7 +436,6 @@ extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long,
 extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
 extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, int, int, void*, int, const float*, float,
                                unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int, void*);
-extern "C" int qfp4_wgmma_occupancy(int, int, int, int);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 
 // act = 1 (silu * up): out holds N / 2 columns
@@ -557,10 +556,6 @@ void permute_x(torch::Tensor x, torch::Tensor xp) {
   TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
 }
 
-int64_t wgmma_occupancy(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
-  return qfp4_wgmma_occupancy((int)fmt, (int)ntok, (int)rw, (int)ks);
-}
-
 std::vector<int64_t> wgmma_attributes(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
   int regs = -1, local = -1;
   qfp4_wgmma_attributes((int)fmt, (int)ntok, (int)rw, (int)ks, &regs, &local);
@@ -615,7 +610,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant);
   m.def("wgmma_gemm", &wgmma_gemm);
   m.def("permute_x", &permute_x);
-  m.def("wgmma_occupancy", &wgmma_occupancy);
   m.def("wgmma_attributes", &wgmma_attributes);
 }
 """
@@ -1047,6 +1041,11 @@ def wgmma_supported(device: torch.device | int | None = None) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def wgmma_tiles(m: int, s: int, nt: int, r: int) -> int:
+    """Output tiles (CTAs per split of K) of a wgmma launch: token tiles of 8 nt x row blocks of 4 r strips."""
+    return -(-m // (8 * nt)) * -(-s // (4 * r))
+
+
 def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
     """Every wgmma config (nt, 1 - kz, r, ks) that fits a weight of S strips and C chunks (shared memory <= the
     opt-in limit, every split of K >= 4 chunks)."""
@@ -1120,8 +1119,7 @@ def pick_gemm_config(s: int, c: int, m: int, sms: int, wgmma: bool = False) -> t
     if wgmma and m > 32:
         ntok, r = (64, 1) if m <= 64 else (128, 2 if s >= 8 else 1)
         ks = 2 if c >= 8 else 1
-        ctas = math.ceil(m / ntok) * math.ceil(s / (4 * r))
-        kz = max(1, min(WGMMA_MAX_KZ, sms // max(1, ctas), c // (4 * ks)))
+        kz = max(1, min(WGMMA_MAX_KZ, sms // wgmma_tiles(m, s, ntok // 8, r), c // (4 * ks)))
         return ntok // 8, 1 - kz, r, ks
     nt = 2 if m <= 16 else 4 if m <= 32 else 8
     tiles = math.ceil(m / (8 * nt))
@@ -1211,7 +1209,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         xp = x if in_kernel else torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)
         kz = 1 - sw
         if kz > 1:  # fp32 partial tiles of every CTA split; counters shared by the device's launches (one stream)
-            tiles = -(-m // (8 * nt)) * -(-s // (4 * r))
+            tiles = wgmma_tiles(m, s, nt, r)
             ws = torch.empty(kz * tiles * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
             ctr = _wgmma_counters(x.device)
             if tiles > ctr.numel():
@@ -1265,4 +1263,4 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
            "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_permute_in_kernel",
-           "WGMMA_PERMUTE_MODES", "wgmma_staged_row"]
+           "WGMMA_PERMUTE_MODES", "wgmma_staged_row", "wgmma_tiles"]

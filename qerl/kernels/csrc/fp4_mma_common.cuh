@@ -112,6 +112,41 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+// The GEMMs' token staging: a group of GT threads copies the TM x 64 bf16 tokens of a chunk into a stage in 16-byte
+// units, unit u of token row r at unit u ^ (r & 7) of the row's 128 bytes (conflict-free fragment reads for mma.sync,
+// the 128-byte swizzle for wgmma's descriptor). Thread gtid copies unit xu = gtid & 7 of rows xr = gtid >> 3,
+// xr + RPP, ... (UPT of them) from one loop-carried source pointer advanced by one chunk per call (ptxas re-derives
+// loop-invariant index arithmetic inside a loop, which made a first version issue-bound; a value updated every
+// iteration cannot be rematerialized). Rows >= M are zero-filled (src-size 0: nothing is read).
+template <int TM, int GT>
+struct TokenStager {
+  static constexpr int UNITS = TM * 8;                  // 16-byte token units per chunk
+  static constexpr int UPT = (UNITS + GT - 1) / GT;      // units per thread and chunk
+  static constexpr int RPP = GT / 8;                    // token rows per pass of the group
+  const __nv_bfloat16* xb;
+  size_t xstride;  // elements between a thread's rows
+  int xu, xr, xval;
+  bool act;        // false only for threads past the tile (UNITS < GT)
+  __device__ __forceinline__ TokenStager(const __nv_bfloat16* x, int ldx, int tok0, int c0, int M, int gtid)
+      : xu(gtid & 7), xr(gtid >> 3) {
+    act = UNITS % GT == 0 || xr < TM;
+    xval = M - tok0 - xr;  // unit j is a real row iff j * RPP < xval
+    xb = x + (size_t)(tok0 + xr) * ldx + 8 * xu + 64 * (size_t)c0;
+    xstride = (size_t)RPP * ldx;
+  }
+  // The next chunk's tokens into the stage at shared address dst.
+  __device__ __forceinline__ void stage(uint32_t dst) {
+    if (act) {
+#pragma unroll
+      for (int j = 0; j < UPT; ++j) {
+        const int row = xr + j * RPP;  // (row & 7) == (xr & 7) unless RPP == 4
+        cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xb + j * xstride, j * RPP < xval);
+      }
+      xb += 64;
+    }
+  }
+};
+
 // Barrier of one split-K group of the GEMMs (ids 1..KS; 0 is __syncthreads).
 __device__ __forceinline__ void group_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -41,9 +41,6 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = TM * 128;            // bytes of one staged chunk of tokens
   constexpr int GT = R * 32;              // threads of one split-K group
-  constexpr int UNITS = TM * 8;           // 16-byte token units per chunk
-  constexpr int UPT = (UNITS + GT - 1) / GT;  // token units per thread and chunk
-  constexpr int RPP = GT / 8;             // token rows per pass of the group
   constexpr int SB = stage_bytes(NT, R * SW);
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -65,19 +62,11 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
 
-  // The staging plan (R is a template parameter, so every trip count is known): the thread copies 16-byte unit xu
-  // of token rows xr, xr + RPP, ... (UPT of them) of every chunk, from one loop-carried source pointer advanced by one
-  // chunk per stage (row j at a fixed stride from it); the weights, the lane's own 16-byte word per strip, the
-  // scales, lanes 0..SL/8-1, also through loop-carried pointers. ptxas re-derives loop-invariant index arithmetic
-  // inside the loop (rematerialization), which made the first version issue-bound at ~20 instructions per
-  // cp.async. Rows >= M are zero-filled (src-size 0: nothing is read, the address may lie past the tensor);
-  // copying a real row instead (row M - 1 for all of them) was measured 25% slower at M = 48 (many CTAs hitting one
-  // L2 line at once).
-  const int xu = gtid & 7, xr = gtid >> 3;
-  const bool xact = UNITS % GT == 0 || xr < TM;  // false only for threads past the tile (UNITS < GT)
-  const int xval = M - tok0 - xr;                // unit j is a real row iff j * RPP < xval
-  const __nv_bfloat16* xb = x + (size_t)(tok0 + xr) * ldx + 8 * xu + 64 * (size_t)c0;
-  const size_t xstride = (size_t)RPP * ldx;      // elements between a thread's rows
+  // The staging plan (R is a template parameter, so every trip count is known): TokenStager (fp4_mma_common.cuh) for
+  // the tokens; the weights, the lane's own 16-byte word per strip, and the scales, lanes 0..SL/8-1, through
+  // loop-carried pointers too. Copying a real row into the padding rows instead of zero-filling them (row M - 1 for
+  // all of them) was measured 25% slower at M = 48 (many CTAs hitting one L2 line at once).
+  TokenStager<TM, GT> tokens(x, ldx, tok0, c0, M, gtid);
   const uint4* wq[SW];
   const uint16_t* sq[SW];
 #pragma unroll
@@ -92,14 +81,7 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   auto stage = [&](int idx) {
     if (idx < n) {
       const uint32_t dst = gs_s + (idx & (kStages - 1)) * SB;
-      if (xact) {
-#pragma unroll
-        for (int j = 0; j < UPT; ++j) {
-          const int row = xr + j * RPP;  // (row & 7) == (xr & 7) unless RPP == 4 (R = 1)
-          cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xb + j * xstride, j * RPP < xval);
-        }
-        xb += 64;
-      }
+      tokens.stage(dst);
 #pragma unroll
       for (int i = 0; i < SW; ++i) {
         cp_async16(dst + my_w + i * 512 + lane * 16, wq[i], true);

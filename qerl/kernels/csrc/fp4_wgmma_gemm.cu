@@ -91,9 +91,6 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
   constexpr int GT = RW * 128;            // threads of one split-K group
-  constexpr int UNITS = NTOK * 8;         // 16-byte token units per chunk
-  constexpr int UPT = (UNITS + GT - 1) / GT;
-  constexpr int RPP = GT / 8;             // token rows per pass of the group
   constexpr int SB = stage_bytes(NTOK, RW);
   constexpr int NA = NTOK / 2;            // accumulators per thread
   extern __shared__ unsigned char smem_raw[];
@@ -121,13 +118,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
   for (int i = 0; i < NA; ++i) acc[i] = 0.f;
 
-  // Staging plan as in fp4_mma_gemm.cu: unit xu of token rows xr, xr + RPP, ... from one loop-carried pointer;
-  // rows >= M zero-filled (src-size 0).
-  const int xu = gtid & 7, xr = gtid >> 3;
-  const bool xact = UNITS % GT == 0 || xr < NTOK;
-  const int xval = M - tok0 - xr;
-  const __nv_bfloat16* xb = xp + (size_t)(tok0 + xr) * ldx + 8 * xu + 64 * (size_t)c0;
-  const size_t xstride = (size_t)RPP * ldx;
+  TokenStager<NTOK, GT> tokens(xp, ldx, tok0, c0, M, gtid);  // the permuted copy (not PERM)
   // PERM: warp gw of the group copies rows gw, gw + WPG, ...; its lane q word q of each
   constexpr int WPG = GT / 32, RPW = NTOK / WPG;
   const int gw = gtid >> 5;
@@ -149,13 +140,8 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
           cp_async4(dst + row * 128 + ((qunit ^ (row & 7)) << 4) + qword, xw + (size_t)j * WPG * ldx, j * WPG < pval);
         }
         xw += 64;
-      } else if (xact) {
-#pragma unroll
-        for (int j = 0; j < UPT; ++j) {
-          const int row = xr + j * RPP;
-          cp_async16(dst + row * 128 + ((xu ^ (row & 7)) << 4), xb + j * xstride, j * RPP < xval);
-        }
-        xb += 64;
+      } else {
+        tokens.stage(dst);
       }
       cp_async16(dst + my_w + lane * 16, wq_p, true);
       if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
@@ -384,19 +370,6 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, i
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
-}
-
-// Max resident CTAs per SM of one wgmma variant (-1: unsupported).
-extern "C" int qfp4_wgmma_occupancy(int fmt, int ntok, int rw, int ks) {
-  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
-  if (fn == nullptr || !qfp4::wg::device_ok()) return -1;
-  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
-  if (smem > (size_t)qfp4::wg::kSmemMax ||
-      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem))
-    return -1;
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, rw * ks * 128, smem)) return -1;
-  return blocks;
 }
 
 // Registers and local-memory bytes per thread of one wgmma variant (-1 on error).
