@@ -10,7 +10,8 @@
 #   scripts/multigpu_gpu.sh bench [N]      background: the 7B scaling benchmark (NVFP4 and BF16-LoRA, 128
 #                                          completions, 1024 new tokens): the 1-GPU rows of both formats at once,
 #                                          one per GPU, then 2 GPUs (and 4 when N=4 GPUs are there, once no
-#                                          curves run beside it), one at a time
+#                                          curves run beside it), one at a time; SPLIT=1 with N=4: the 2-GPU rows
+#                                          on GPUs 2,3 beside the 1-GPU rows on 0,1 (one call instead of two)
 #   scripts/multigpu_gpu.sh curves ARGS    background: nvfp4-lora at the shared rate, seeds 0-2, on 1 GPU (the
 #                                          last of CURVE_GPUS) and on 2 GPUs (its first two; torchrun, NCCL); with
 #                                          4 GPUs, CURVE_GPUS=2,3 runs them beside `bench 4`'s first rows; ARGS are
@@ -92,16 +93,23 @@ bench)
       > $RES/bench-w1-nvfp4.log 2>&1 &
     CUDA_VISIBLE_DEVICES=1 python3 -m qerl.bench scaling $BENCH --formats bf16 --nproc 1 --out $RES/speed-b \
       > $RES/bench-w1-bf16.log 2>&1 &
-    wait
-    python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 2 --out $RES/speed > $RES/bench-w2.log 2>&1
+    if [ \"\${SPLIT:-0}\" = 1 ] && [ $n -ge 4 ]; then  # the 2-GPU rows on GPUs 2,3 beside the 1-GPU rows on 0,1
+      CUDA_VISIBLE_DEVICES=2,3 python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 2 --out $RES/speed-c \
+        > $RES/bench-w2.log 2>&1
+      wait
+    else
+      wait
+      python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 2 --out $RES/speed > $RES/bench-w2.log 2>&1
+    fi
     if [ $n -ge 4 ]; then  # all GPUs: wait for curves (CURVE_GPUS=2,3) and side jobs beside the 1- and 2-GPU rows
       while pgrep -f 'experiments[.]evidence' > /dev/null || ls $RES/side-*.lock > /dev/null 2>&1; do sleep 5; done
       python3 -m qerl.bench scaling $BENCH --formats nvfp4,bf16 --nproc 4 --out $RES/speed > $RES/bench-w4.log 2>&1
     fi
     python3 - <<'EOF'
 import pandas as pd
-a, b = pd.read_csv('$RES/speed/scaling.csv'), pd.read_csv('$RES/speed-b/scaling.csv')
-pd.concat([a, b], ignore_index=True).sort_values(['weights', 'world_size']).to_csv('$RES/speed/scaling.csv', index=False)
+import os
+parts = [pd.read_csv(f'$RES/{d}/scaling.csv') for d in ('speed', 'speed-b', 'speed-c') if os.path.exists(f'$RES/{d}/scaling.csv')]
+pd.concat(parts, ignore_index=True).sort_values(['weights', 'world_size']).to_csv('$RES/speed/scaling.csv', index=False)
 EOF
     echo EXIT \$? > $RES/bench.done" > /dev/null 2>&1 < /dev/null &
   echo "bench started"
