@@ -262,26 +262,6 @@ def test_wgmma_token_permutation_matches_the_weight_words(fmt):
     assert idx[:10].tolist() == [0, 1, 16, 17, 32, 33, 48, 49, 2, 3]
 
 
-def test_wgmma_in_kernel_permutation_lands_where_the_descriptor_reads(monkeypatch):
-    """QERL_WGMMA_PERMUTE=kernel: the GEMM stages x itself, lane q of a warp writing word q of a token row's chunk
-    (``wgmma_staged_row`` mirrors the kernel's address expression). Undoing the 128-byte swizzle (unit u of row r
-    is stored at unit u ^ (r & 7)) must give the permuted row that the separate kernel writes, for every r & 7."""
-    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
-    want = cf.permute_x_reference(x).view(torch.int32)  # (9, 32) words in the wgmma K order
-    for row in range(9):
-        stored = cf.wgmma_staged_row(x[row].view(torch.int32), row).reshape(8, 4)  # (physical unit, word)
-        logical = stored[[u ^ (row & 7) for u in range(8)]].reshape(32)
-        assert torch.equal(logical, want[row]), row
-    assert not torch.equal(cf.wgmma_staged_row(x[1].view(torch.int32), 1), want[1])  # the swizzle moved something
-    monkeypatch.setenv("QERL_WGMMA_PERMUTE", "kernel")
-    assert cf.wgmma_permute_in_kernel()
-    monkeypatch.setenv("QERL_WGMMA_PERMUTE", "fused")
-    with pytest.raises(ValueError, match="QERL_WGMMA_PERMUTE='fused'; valid: launch, kernel"):
-        cf.wgmma_permute_in_kernel()
-    monkeypatch.delenv("QERL_WGMMA_PERMUTE")
-    assert not cf.wgmma_permute_in_kernel()
-
-
 @pytest.mark.parametrize("s,c", [(224, 56), (32, 56), (1184, 56), (224, 296), (2, 1), (9504, 56)])
 @pytest.mark.parametrize("m", [17, 24, 32, 33, 64, 100, 256, 512, 4096])
 def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
@@ -828,7 +808,7 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
-def test_gpu_wgmma_gemm_every_variant(fmt, monkeypatch):
+def test_gpu_wgmma_gemm_every_variant(fmt):
     """The sm_90a wgmma kernel, every compiled variant: partial row blocks (7 strips), uneven K splits, partial token
     tiles, strided and misaligned x; the CUDA permutation equals the reference one bit for bit."""
     if not cf.wgmma_supported():
@@ -846,19 +826,17 @@ def test_gpu_wgmma_gemm_every_variant(fmt, monkeypatch):
             cf._ext().permute_x(x, xp)
             assert torch.equal(xp, cf.permute_x_reference(x.contiguous()))
             emu = cf.emulate(x.contiguous(), w)
-            for mode in cf.WGMMA_PERMUTE_MODES:  # a separate permutation kernel, or inside the GEMM's staging
-                monkeypatch.setenv("QERL_WGMMA_PERMUTE", mode)
-                for cfg in cfgs:
-                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    _check(cf.gemm(x, w, out=out, config=cfg), x.contiguous(), fmt, q, w, emu)
+            for cfg in cfgs:
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                _check(cf.gemm(x, w, out=out, config=cfg), x.contiguous(), fmt, q, w, emu)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
-def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt, monkeypatch):
-    """The wgmma kernel over the Qwen2.5 3B-32B shapes at M = 17..512 (a config and a permutation mode per M), and
-    under CUDA-graph replay."""
+def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt):
+    """The wgmma kernel over the Qwen2.5 3B-32B shapes at M = 17..512 (a config per M), and under CUDA-graph
+    replay."""
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -868,14 +846,11 @@ def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt, monkeypatch):
         cfgs = cf.wgmma_configs(n // 16, k // 64)
         for j, m in enumerate((17, 64, 130, 512) if n * k <= 4096 * 4096 else (48, 256)):
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-            monkeypatch.setenv("QERL_WGMMA_PERMUTE", cf.WGMMA_PERMUTE_MODES[(i + j) % 2])
             _check(cf.gemm(x, w, config=cfgs[(i + j) % len(cfgs)]), x, fmt, q, w)
     n, k = 3584, 3584
     q = _quant(fmt, n, k, seed=29, device="cuda")
     w = _prep(fmt, q)
-    for cfg, mode in [((8, 0, 1, 2), "launch"), ((16, 0, 2, 1), "kernel"), ((8, -2, 1, 2), "launch"),
-                      ((8, -2, 1, 2), "kernel")]:  # 3 CTA splits: counters reset per launch
-        monkeypatch.setenv("QERL_WGMMA_PERMUTE", mode)
+    for cfg in [(8, 0, 1, 2), (16, 0, 2, 1), (8, -2, 1, 2), (4, -3, 2, 1)]:  # CTA splits: counters reset per launch
         x = torch.randn(96, k, device="cuda").bfloat16()
         cf.gemm(x, w, config=cfg)
         graph = torch.cuda.CUDAGraph()

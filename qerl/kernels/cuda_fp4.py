@@ -434,7 +434,7 @@ extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
 extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
-extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, int, int, void*, int, const float*, float,
+extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int, const float*, float,
                                unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int, void*);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 
@@ -514,28 +514,22 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
-// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp; or,
-// perm_in_kernel, the GEMM on x itself, permuting while it stages the tokens (xp unused).
+// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp.
 void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
                 torch::Tensor xp, int64_t fmt, double out_mult, int64_t bword, int64_t ntok, int64_t rw, int64_t ks,
-                int64_t kz, torch::Tensor ws, torch::Tensor ctr, bool perm_in_kernel) {
+                int64_t kz, torch::Tensor ws, torch::Tensor ctr) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   void* stream = (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  int err = 0;
-  if (!perm_in_kernel) {
-    TORCH_CHECK(xp.is_cuda() && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous() && xp.dim() == 2 &&
-                xp.size(0) == M && xp.size(1) == 64 * C, "xp must be a contiguous bf16 (M, K) tensor");
-    err = qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
-    TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
-  }
+  TORCH_CHECK(xp.is_cuda() && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous() && xp.dim() == 2 &&
+              xp.size(0) == M && xp.size(1) == 64 * C, "xp must be a contiguous bf16 (M, K) tensor");
+  int err = qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
+  TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   TORCH_CHECK(kz == 1 || (ws.is_cuda() && ws.scalar_type() == at::kFloat && ctr.is_cuda() &&
                           ctr.scalar_type() == at::kInt), "split-K workspace: fp32 ws, int32 ctr on CUDA");
-  const void* src = perm_in_kernel ? x.data_ptr() : xp.data_ptr();
-  const int ldx = perm_in_kernel ? (int)x.stride(0) : 64 * C;
-  err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), src, ldx, perm_in_kernel ? 1 : 0, out.data_ptr(),
+  err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(),
                         (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok,
                         (int)rw, (int)ks, (int)kz, kz > 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(),
                         kz > 1 ? ctr.data_ptr() : nullptr, (int)ctr.numel(), stream);
@@ -1053,19 +1047,6 @@ def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
             if (kz * ks == 1 or c // (kz * ks) >= 4) and wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
 
 
-WGMMA_PERMUTE_MODES = ("launch", "kernel")
-
-
-def wgmma_permute_in_kernel() -> bool:
-    """``QERL_WGMMA_PERMUTE``: ``launch`` (the default: a separate kernel writes the permuted tokens, then the GEMM reads
-    them in 16-byte units) or ``kernel`` (the GEMM reads x itself and permutes while staging, one 4-byte cp.async per
-    word: no extra launch and no (M, K) copy; not measured yet, so not the default)."""
-    mode = os.environ.get("QERL_WGMMA_PERMUTE", "launch")
-    if mode not in WGMMA_PERMUTE_MODES:
-        raise ValueError(f"QERL_WGMMA_PERMUTE={mode!r}; valid: {', '.join(WGMMA_PERMUTE_MODES)}")
-    return mode == "kernel"
-
-
 def _wgmma_counters(device: torch.device) -> torch.Tensor:
     """The device's split-K tile counters (int32, zero; every launch leaves the ones it used at zero)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -1081,18 +1062,6 @@ def permute_x_reference(x: torch.Tensor) -> torch.Tensor:
     of 64, xp[64 c + 8 u + 2 i + e] = x[64 c + 16 i + 2 u + e]."""
     m, k = x.shape
     return x.reshape(m, k // 64, 4, 8, 2).permute(0, 1, 3, 2, 4).reshape(m, k)
-
-
-def wgmma_staged_row(words: torch.Tensor, row: int) -> torch.Tensor:
-    """Where the in-kernel permutation (``QERL_WGMMA_PERMUTE=kernel``) puts one token row's chunk: ``words`` (32,)
-    are the row's 32-bit words of a chunk of 64 k; lane q's 4-byte cp.async writes word q at byte
-    ``row * 128 + (((q & 7) ^ (row & 7)) << 4) + 4 * (q >> 3)`` of the stage (csrc ``stage``); returns the 32 words of
-    the row's 128 bytes as stored (swizzled). Undoing the 128-byte swizzle must give ``permute_x_reference``'s row."""
-    out = torch.empty(32, dtype=words.dtype)
-    for q in range(32):
-        off = (((q & 7) ^ (row & 7)) << 4) + 4 * (q >> 3)  # minus row * 128: this row's bytes only
-        out[off // 4] = words[q]
-    return out
 
 
 def wgmma_weight(w: CudaFP4Weight) -> torch.Tensor:
@@ -1188,8 +1157,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
-    ``out``; the wgmma kernel (sw <= 0, sm_90) also takes the permuted tokens (M, K; not with
-    ``QERL_WGMMA_PERMUTE=kernel``) and, split across CTAs, its fp32 partial tiles from the caching allocator (the
+    ``out``; the wgmma kernel (sw <= 0, sm_90) also takes the permuted tokens (M, K) and, split across CTAs, its fp32 partial tiles from the caching allocator (the
     graph's pool under capture) and the device's tile counters."""
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1204,9 +1172,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
             raise ValueError(f"GEMM config {config!r} names the sm_90a wgmma kernel; this device is "
                              f"{torch.cuda.get_device_name(x.device)} (compute capability "
                              f"{torch.cuda.get_device_capability(x.device)})")
-        in_kernel = wgmma_permute_in_kernel()
-        # x in the kernel's K permutation, unless the kernel permutes while staging
-        xp = x if in_kernel else torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)
+        xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
         kz = 1 - sw
         if kz > 1:  # fp32 partial tiles of every CTA split; counters shared by the device's launches (one stream)
             tiles = wgmma_tiles(m, s, nt, r)
@@ -1216,8 +1182,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
                 raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
         else:
             ws = ctr = xp
-        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
-                          in_kernel)
+        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks)
     return out
@@ -1262,5 +1227,4 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
-           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_permute_in_kernel",
-           "WGMMA_PERMUTE_MODES", "wgmma_staged_row", "wgmma_tiles"]
+           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles"]

@@ -13,8 +13,9 @@
 // The K permutation. The weight word j of lane (g, t) for chunk c holds k = 64 c + 16 t + 4 j + 0..3 of rows g and
 // g + 8 (see fp4_mma_gemv.cu); used as the A fragment of MMA step j, its logical k (2t, 2t+1 | 2t+8, 2t+9) stand for
 // those real k. The mma.sync kernels read the tokens with the same permutation from registers; wgmma reads B from
-// shared memory in its own fixed order, so the tokens are permuted ONCE per call instead (qfp4_permute_x, or, PERM,
-// by the GEMM itself while it stages them; see the kernel): in the permuted copy xp, chunk c's 16-byte unit u (logical k 8u .. 8u+7) holds the real 32-bit pairs (k, k+1) at
+// shared memory in its own fixed order, so the tokens are permuted ONCE per call instead (qfp4_permute_x; permuting
+// inside the GEMM while staging, with one 4-byte cp.async per word, measured 10-18% slower on an H200, session 31):
+// in the permuted copy xp, chunk c's 16-byte unit u (logical k 8u .. 8u+7) holds the real 32-bit pairs (k, k+1) at
 // k = 64 c + 16 i + 2 u (i = 0..3), i.e. its four words are words u, u + 8, u + 16, u + 24 of the chunk: a 4 x 4
 // transpose of 32-bit words, one thread per (token, chunk, half). Then logical k 16 j + kl of step j is real
 // k 64 c + 16 (kl % 8 / 2) + 4 j + 2 (kl / 8) + kl % 2: exactly the weights' permutation.
@@ -78,16 +79,13 @@ __host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
   return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
 }
 
-// PERM: the kernel reads x itself (row stride ldx) and permutes while staging, 4-byte cp.async per word (lane q of
-// a warp copies word q of one token row's chunk to unit q & 7, word q >> 3: coalesced 128-byte reads, 32 distinct
-// banks); otherwise xp is x already permuted by qfp4_permute_x (ldx = 64 C) and staged in 16-byte units.
-template <int FMT, int NTOK, int RW, int KS, bool PERM>
+// xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units.
+template <int FMT, int NTOK, int RW, int KS>
 __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
-                 int ldx_arg, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
+                 __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
                  uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr) {
 #if QFP4_WGMMA
-  const int ldx = PERM ? ldx_arg : C * 64;  // xp is contiguous unless the kernel reads x itself
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
   constexpr int GT = RW * 128;            // threads of one split-K group
@@ -118,14 +116,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
   for (int i = 0; i < NA; ++i) acc[i] = 0.f;
 
-  TokenStager<NTOK, GT> tokens(xp, ldx, tok0, c0, M, gtid);  // the permuted copy (not PERM)
-  // PERM: warp gw of the group copies rows gw, gw + WPG, ...; its lane q word q of each
-  constexpr int WPG = GT / 32, RPW = NTOK / WPG;
-  const int gw = gtid >> 5;
-  const int pval = M - tok0 - gw;
-  const __nv_bfloat16* xw = xp + (size_t)(tok0 + gw) * ldx + 64 * (size_t)c0 + 2 * lane;
-  const uint32_t qword = 4u * (lane >> 3);
-  const int qunit = lane & 7;
+  TokenStager<NTOK, GT> tokens(xp, C * 64, tok0, c0, M, gtid);
   const int st = max(0, min(strip, S - 1));  // strips past S compute garbage that is never stored
   const uint4* wq_p = qw + ((size_t)st * C + c0) * 32 + lane;
   const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
@@ -133,16 +124,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   auto stage = [&](int idx) {
     if (idx < n) {
       const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
-      if constexpr (PERM) {
-#pragma unroll
-        for (int j = 0; j < RPW; ++j) {
-          const int row = gw + j * WPG;
-          cp_async4(dst + row * 128 + ((qunit ^ (row & 7)) << 4) + qword, xw + (size_t)j * WPG * ldx, j * WPG < pval);
-        }
-        xw += 64;
-      } else {
-        tokens.stage(dst);
-      }
+      tokens.stage(dst);
       cp_async16(dst + my_w + lane * 16, wq_p, true);
       if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
       wq_p += 32;
@@ -287,17 +269,11 @@ __global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, int ldx, _
   dst[4 * h + 3] = make_uint4(l0.w, l1.w, l2.w, l3.w);
 }
 
-template <int FMT, int NTOK, int RW, int KS>
-const void* ptr(bool perm) {
-  return perm ? reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, NTOK, RW, KS, true>)
-              : reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, NTOK, RW, KS, false>);
-}
-
 // Compiled (tokens per CTA, warpgroups along the rows, split-K groups): see qerl/kernels/cuda_fp4.py WGMMA_VARIANTS.
 template <int FMT>
-const void* pick_fmt(int ntok, int rw, int ks, bool perm) {
+const void* pick_fmt(int ntok, int rw, int ks) {
 #define QFP4_WG(N, R, K) \
-  if (ntok == N && rw == R && ks == K) return ptr<FMT, N, R, K>(perm);
+  if (ntok == N && rw == R && ks == K) return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, N, R, K>);
   QFP4_WG(32, 1, 1) QFP4_WG(32, 2, 1) QFP4_WG(32, 1, 2) QFP4_WG(32, 1, 4) QFP4_WG(32, 2, 2)
   QFP4_WG(64, 1, 1) QFP4_WG(64, 2, 1) QFP4_WG(64, 1, 2) QFP4_WG(64, 1, 4) QFP4_WG(64, 2, 2)
   QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2)
@@ -306,8 +282,8 @@ const void* pick_fmt(int ntok, int rw, int ks, bool perm) {
   return nullptr;
 }
 
-const void* pick(int fmt, int ntok, int rw, int ks, bool perm = false) {
-  return fmt == 0 ? pick_fmt<0>(ntok, rw, ks, perm) : fmt == 1 ? pick_fmt<1>(ntok, rw, ks, perm) : nullptr;
+const void* pick(int fmt, int ntok, int rw, int ks) {
+  return fmt == 0 ? pick_fmt<0>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1>(ntok, rw, ks) : nullptr;
 }
 
 size_t smem_bytes(int ntok, int rw, int ks) {
@@ -340,19 +316,18 @@ extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, vo
   return (int)cudaGetLastError();
 }
 
-// out (M, N) <- x @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm. perm = 0: xp is x permuted by qfp4_permute_x
-// (row stride ldx = 64 C); perm = 1: xp is x itself (row stride ldx, 16-byte aligned rows) and the kernel permutes.
+// out (M, N) <- x @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm; xp: x permuted by qfp4_permute_x (M, 64 C).
 // ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups inside a CTA, kz: splits of K across
 // CTAs (kz > 1: ws holds >= kz * tiles * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints, tiles = the
 // output tiles; one GEMM at a time per counter buffer). sm_90 only.
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
-extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, int ldx, int perm, void* out, int ldo,
+extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo,
                                const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok,
                                int rw, int ks, int kz, void* ws, long long ws_floats, void* ctr, int ctr_len,
                                void* stream) {
-  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, perm != 0);
-  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C || ldx < 64 * C ||
-      ldx % 8 || (!perm && ldx != 64 * C) || (unsigned long long)M * (unsigned long long)ldx >= (1ull << 32))
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
+  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C ||
+      (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
     return -1;
   const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
   if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
@@ -367,7 +342,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, i
         (long long)kz * tiles * (ntok / 2) * (rw * 128) > ws_floats)
       return -1;
   }
-  void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
+  void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
 }
