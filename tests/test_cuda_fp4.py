@@ -280,6 +280,19 @@ def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
         assert kz == 1 or (ctas * (kz - 1) < 132 and c // (kz * ks) >= 4)
 
 
+def test_wgmma_pipe_switch(monkeypatch):
+    """QERL_WGMMA_PIPE picks the wgmma main loop at build time: 1 (default) adds no flag (the measured build), 2 adds
+    -DQFP4_WGMMA_PIPE=2 (a separate build: the flags are part of its name); anything else is refused by name."""
+    monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
+    monkeypatch.delenv("QERL_WGMMA_PIPE", raising=False)
+    assert cf.wgmma_pipe() == 1 and not any("PIPE" in f for f in cf._build_flags())
+    monkeypatch.setenv("QERL_WGMMA_PIPE", "2")
+    assert cf.wgmma_pipe() == 2 and "-DQFP4_WGMMA_PIPE=2" in cf._build_flags()
+    monkeypatch.setenv("QERL_WGMMA_PIPE", "3")
+    with pytest.raises(ValueError, match="QERL_WGMMA_PIPE='3'; valid: 1, 2"):
+        cf._build_flags()
+
+
 def test_pick_gemm_config_wgmma_matches_the_h100_sweep():
     """Where the tuned table has no entry (another sm_90 part), the heuristic gives the configurations the H100
     sweep chose for the 7B fused gate|up (M = 64, 128) and the down projection at 128 tokens; at 32 tokens and

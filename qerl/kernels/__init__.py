@@ -17,7 +17,8 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
                    (mma.sync), or on sm_90 the wgmma kernel (the weight as wgmma's register operand, the tokens
                    permuted into the weights' K order and read by the tensor cores; 32-256 tokens per CTA), as the
-                   table's configuration names
+                   table's configuration names (``QERL_WGMMA_PIPE=2``, opt-in until measured: two chunks of MMAs in
+                   flight per warpgroup; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code)
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot

@@ -621,6 +621,26 @@ def _arch_flags() -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
+WGMMA_PIPES = ("1", "2")
+
+
+def wgmma_pipe() -> int:
+    """``QERL_WGMMA_PIPE``: chunks of MMAs a warpgroup of the wgmma GEMM keeps in flight, fixed when the extension is
+    built (a separate build per value). ``1`` (default, measured): it waits for chunk i's MMAs before issuing chunk
+    i + 1's. ``2`` (opt-in, passes ``benchmarks.wgmma_sass_check``, not yet measured on a GPU): two register sets
+    and ``wgmma.wait_group 1``, chunk i + 1's MMAs issued while chunk i's run."""
+    v = os.environ.get("QERL_WGMMA_PIPE", "1")
+    if v not in WGMMA_PIPES:
+        raise ValueError(f"QERL_WGMMA_PIPE={v!r}; valid: {', '.join(WGMMA_PIPES)}")
+    return int(v)
+
+
+def _build_flags() -> list[str]:
+    """nvcc flags of the extension (part of its build's name)."""
+    pipe = wgmma_pipe()
+    return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 1 else [])]
+
+
 def _ext():
     """The compiled extension (built once per source/arch into ~/.cache/qerl_kernels or TORCH_EXTENSIONS_DIR)."""
     mod = _STATE.get("mod")
@@ -629,7 +649,7 @@ def _ext():
     if "error" in _STATE:
         raise RuntimeError(_STATE["error"])
     from torch.utils.cpp_extension import load
-    flags = ["-O3", *_arch_flags()]
+    flags = _build_flags()
     src = "".join(p.read_text() for p in (*_CU, *_HEADERS))
     tag = hashlib.sha1((src + _BINDING + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     name = f"qerl_fp4_mma_{tag}"
@@ -1227,4 +1247,5 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
-           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles"]
+           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles",
+           "WGMMA_PIPES", "wgmma_pipe"]

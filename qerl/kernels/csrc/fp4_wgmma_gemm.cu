@@ -36,6 +36,17 @@
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 
+// QFP4_WGMMA_PIPE (the build's -D, set by QERL_WGMMA_PIPE; qerl/kernels/cuda_fp4.py): 1, the default, keeps one
+// chunk's MMAs in flight per warpgroup (wait_group 0 every chunk); 2 keeps two (two register sets, wait_group 1), so
+// a warpgroup issues chunk i + 1's MMAs before chunk i's complete. 2 passes the SASS check (no write to an in-flight
+// A register: benchmarks/wgmma_sass_check.py) and is not yet measured on a GPU, hence opt-in.
+#ifndef QFP4_WGMMA_PIPE
+#define QFP4_WGMMA_PIPE 1
+#endif
+#if QFP4_WGMMA_PIPE != 1 && QFP4_WGMMA_PIPE != 2
+#error "QFP4_WGMMA_PIPE must be 1 or 2"
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_WGMMA 1
 #else
@@ -160,26 +171,61 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   for (int s = 0; s < kStages - 2; ++s) stage(s);
 #pragma unroll
   for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
-  uint32_t a[4][4];
-  acquire(0);
-  decode(0, a);
-  for (int idx = 0; idx < n; ++idx) {
-    const uint32_t tok_s = gbase_s + (idx & (kStages - 1)) * SB;
-    wgmma_fence();
+  if constexpr (QFP4_WGMMA_PIPE == 2) {
+    auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
+      const uint32_t tok_s = gbase_s + (idx & (kStages - 1)) * SB;
+      wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
-    wgmma_commit();
-    uint32_t an[4][4];
-    if (idx + 1 < n) {
-      acquire(idx + 1);
-      decode(idx + 1, an);
-    }
-    wgmma_wait<0>();
-    keep_regs(a);
+      for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
+      wgmma_commit();
+    };
+    // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is copied):
+    // chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk idx - 1's, and
+    // only after that its set is refilled with chunk idx + 1 (acquired and decoded while chunk idx's MMAs run).
+    uint32_t a0[4][4], a1[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int o = 0; o < 4; ++o) a[j][o] = an[j][o];
+      for (int o = 0; o < 4; ++o) a1[j][o] = 0u;
+    acquire(0);
+    decode(0, a0);
+    for (int idx = 0; idx < n; idx += 2) {
+      mma(idx, a0);
+      wgmma_wait<1>();  // chunk idx - 1's MMAs (a1) are done; chunk idx's may run
+      keep_regs(a1);
+      if (idx + 1 >= n) break;
+      acquire(idx + 1);
+      decode(idx + 1, a1);
+      mma(idx + 1, a1);
+      wgmma_wait<1>();  // chunk idx's (a0) are done
+      keep_regs(a0);
+      if (idx + 2 < n) {
+        acquire(idx + 2);
+        decode(idx + 2, a0);
+      }
+    }
+  } else {
+    uint32_t a[4][4];
+    acquire(0);
+    decode(0, a);
+    for (int idx = 0; idx < n; ++idx) {
+      const uint32_t tok_s = gbase_s + (idx & (kStages - 1)) * SB;
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
+      wgmma_commit();
+      uint32_t an[4][4];
+      if (idx + 1 < n) {
+        acquire(idx + 1);
+        decode(idx + 1, an);
+      }
+      wgmma_wait<0>();
+      keep_regs(a);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int o = 0; o < 4; ++o) a[j][o] = an[j][o];
+    }
   }
   wgmma_wait<0>();
 #pragma unroll

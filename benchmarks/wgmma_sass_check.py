@@ -1,0 +1,173 @@
+"""Static check of the sm_90a wgmma GEMM's machine code (``qerl/kernels/csrc/fp4_wgmma_gemm.cu``): inside the main
+loop, no instruction may write a register that an in-flight warpgroup MMA still reads as its A operand.
+
+    python -m benchmarks.wgmma_sass_check [--pipe 1,2] [--nvcc nvcc] [--define NAME=VALUE ...]
+
+Why: ``wgmma.mma_async`` reads its register A operand after it has been issued, but ptxas treats the PTX value's
+last use as the instruction itself and may give the physical registers to later instructions. Session 30's first
+kernel (``wait_group 1`` with one register set) computed wrong rows that way on the GPU; this check finds that
+version's hazards in its SASS (``tests/test_wgmma_sass_check.py`` plants it) without a GPU.
+
+How: compile the file for sm_90a (``nvcc -cubin``, ``-DQFP4_WGMMA_PIPE=p``), disassemble it (``cuobjdump -sass``;
+the copy bundled with Triton when none is on the PATH), and for every ``fp4_wgmma_kernel`` find each loop holding
+``HGMMA`` instructions (a backward branch) and walk its body twice in address order, carrying the in-flight MMA
+groups over the back edge: an ``HGMMA`` adds its A registers (4 from its second operand) to the open group, ``gsb0``
+closes the group, ``WARPGROUP.DEPBAR.LE gsb0, N`` retires all but the newest N groups, and any other instruction
+whose destination registers meet an in-flight group's is a hazard. Walking in address order treats both sides of a
+branch inside the body as executed: conservative (it can report a write on a path that never runs with the MMA in
+flight, never miss one on the straight path). ptxas's own serialization warning (C7513) is reported too.
+Exit status 1 on any hazard or warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "qerl" / "kernels" / "csrc" / "fp4_wgmma_gemm.cu"
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRA = re.compile(r"\bBRA(?:\.U)?\s+(0x[0-9a-f]+)")
+_HGMMA_A = re.compile(r"HGMMA\S*\s+R\d+,\s*R(\d+),")
+_DEPBAR = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
+# opcodes whose first operand is not a register they write
+_NO_DEST = ("ST", "BAR", "BRA", "HGMMA", "WARPGROUP", "DEPBAR", "LDGSTS", "MEMBAR", "EXIT", "RED", "FENCE", "NOP",
+            "LDGDEPBAR", "CCTL", "ERRBAR", "WARPSYNC", "BSYNC", "BSSY", "RET", "CALL", "SYNCS", "UTMA", "ARRIVES")
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """``cuobjdump -sass`` text -> {mangled name: [(address, instruction without predicate comments)]}."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    cur = None
+    for line in sass.splitlines():
+        m = re.match(r"\s+Function : (\S+)", line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = _LINE.search(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def _dest_regs(ins: str) -> set[int]:
+    """Registers an instruction writes (its first operand; .64/.WIDE/CS2R write 2, .128 write 4); none for stores,
+    barriers, branches, MMAs and uniform-datapath instructions."""
+    ins = re.sub(r"^@!?U?P[T0-9]+\s+", "", ins)
+    op = ins.split()[0] if ins.split() else ""
+    if not op or op.startswith(_NO_DEST) or op.startswith("U"):
+        return set()
+    m = re.match(r"R(\d+)", ins[len(op):].strip())
+    if not m:
+        return set()
+    n = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op or op.startswith("CS2R")) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + n))
+
+
+def loop_hazards(ins: list[tuple[int, str]]) -> tuple[int, list[str]]:
+    """(loops with MMAs found, hazards as text) of one function's instructions (see the module docstring)."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, t) in enumerate(ins):
+        m = _BRA.search(t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
+            lo = index[int(m.group(1), 16)]
+            if any("HGMMA" in ins[k][1] for k in range(lo, i)):
+                loops.append((lo, i))
+    found = []
+    for lo, hi in loops:
+        groups: list[set[int]] = []
+        open_group: set[int] = set()
+        for rep in range(2):  # the second pass sees what the first left in flight over the back edge
+            for a, t in ins[lo:hi + 1]:
+                if "HGMMA" in t:
+                    m = _HGMMA_A.search(t)
+                    if m:
+                        open_group |= set(range(int(m.group(1)), int(m.group(1)) + 4))
+                    if "gsb0" in t:
+                        groups.append(open_group)
+                        open_group = set()
+                    continue
+                m = _DEPBAR.search(t)
+                if m:
+                    keep = int(m.group(1), 16)
+                    groups = groups[len(groups) - keep:] if keep else []
+                    continue
+                hit = _dest_regs(t) & set().union(set(), *groups)
+                if hit:
+                    found.append(f"{a:#06x} (pass {rep + 1}): {t}  writes in-flight A registers {sorted(hit)}")
+    return len(loops), found
+
+
+def _tool(name: str) -> str | None:
+    path = shutil.which(name)
+    if path:
+        return path
+    try:
+        import triton
+        cand = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        return str(cand) if cand.exists() else None
+    except ImportError:
+        return None
+
+
+def compile_sass(pipe: int = 1, source: str | None = None, defines: tuple[str, ...] = (), nvcc: str = "nvcc"
+                 ) -> tuple[str, str]:
+    """(SASS text, ptxas/nvcc messages) of the wgmma GEMM built for sm_90a; ``source`` replaces the file's text
+    (the include directory stays the real one)."""
+    nvcc_path, cuobjdump = _tool(nvcc), _tool("cuobjdump")
+    if nvcc_path is None or cuobjdump is None:
+        raise FileNotFoundError(f"needs nvcc ({nvcc_path}) and cuobjdump ({cuobjdump})")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.cu"
+        src.write_text(SRC.read_text() if source is None else source)
+        cubin = Path(tmp) / "k.cubin"
+        cmd = [nvcc_path, "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{SRC.parent}",
+               f"-DQFP4_WGMMA_PIPE={pipe}", *[f"-D{d}" for d in defines], "-o", str(cubin), str(src)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+        d = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True)
+        return d.stdout, r.stdout + r.stderr
+
+
+def check(sass: str, messages: str = "") -> dict:
+    """{'kernels': wgmma kernels checked, 'loops': loops with MMAs, 'hazards': [...], 'serialized': bool}."""
+    kernels = loops = 0
+    hazards = []
+    for name, ins in functions(sass).items():
+        if "fp4_wgmma_kernel" not in name:
+            continue
+        kernels += 1
+        n, found = loop_hazards(ins)
+        loops += n
+        hazards += [f"{name}: {h}" for h in found]
+    return {"kernels": kernels, "loops": loops, "hazards": hazards,
+            "serialized": "C7513" in messages or "serialized" in messages}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pipe", default="1,2", help="QFP4_WGMMA_PIPE values to build and check")
+    ap.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"))
+    ap.add_argument("--define", action="append", default=[], help="extra -D for nvcc (NAME=VALUE)")
+    a = ap.parse_args(argv)
+    bad = False
+    for pipe in [int(p) for p in a.pipe.split(",")]:
+        sass, msgs = compile_sass(pipe, defines=tuple(a.define), nvcc=a.nvcc)
+        r = check(sass, msgs)
+        print(f"pipe {pipe}: {r['kernels']} wgmma kernels, {r['loops']} MMA loops, {len(r['hazards'])} hazards, "
+              f"ptxas serialized the MMAs: {r['serialized']}")
+        for h in r["hazards"][:20]:
+            print("  " + h)
+        bad |= bool(r["hazards"]) or r["serialized"] or r["kernels"] == 0 or r["loops"] < r["kernels"]
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The wgmma SASS check (benchmarks/wgmma_sass_check.py): the loop walk on hand-written SASS, and, where nvcc and
+cuobjdump are installed, both pipelines of the real kernel clean and session 30's broken first version caught."""
+
+import shutil
+
+import pytest
+
+from benchmarks import wgmma_sass_check as wsc
+
+
+def _sass(body: list[str]) -> str:
+    lines = ["        Function : _ZN4qfp42wg16fp4_wgmma_kernelILi0ELi32ELi1ELi1EEEvv"]
+    for i, ins in enumerate(body):
+        lines.append(f"        /*{16 * i:04x}*/                   {ins} ;      /* 0x0000000000000000 */")
+    return "\n".join(lines) + "\n"
+
+
+def _loop(body: list[str]) -> str:
+    """body, then a branch back to its first instruction (a loop)."""
+    return _sass([*body, "@!P4 BRA 0x0"])
+
+
+MMA1 = ["WARPGROUP.ARRIVE", "HGMMA.64x32x16.F32.BF16 R24, R88, gdesc[UR8], R24",
+        "HGMMA.64x32x16.F32.BF16 R24, R92, gdesc[UR8], R24, gsb0"]
+MMA2 = ["WARPGROUP.ARRIVE", "HGMMA.64x32x16.F32.BF16 R24, R104, gdesc[UR8], R24",
+        "HGMMA.64x32x16.F32.BF16 R24, R108, gdesc[UR8], R24, gsb0"]
+
+
+def test_walk_finds_a_write_to_an_in_flight_operand_and_accepts_one_after_the_wait():
+    bad = wsc.check(_loop([*MMA1, "HMUL2.BF16_V2 R93, R116, R93", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]))
+    assert bad["kernels"] == 1 and bad["loops"] == 1 and len(bad["hazards"]) == 2  # both passes
+    assert "writes in-flight A registers [93]" in bad["hazards"][0]
+    ok = wsc.check(_loop([*MMA1, "WARPGROUP.DEPBAR.LE gsb0, 0x0", "HMUL2.BF16_V2 R93, R116, R93"]))
+    assert ok["loops"] == 1 and ok["hazards"] == []
+    # the accumulators are the MMAs' own; scalar and uniform registers, predicates and stores write none of A
+    ok = wsc.check(_loop([*MMA1, "IADD3 R7, R7, 0x1, RZ", "UIADD3 UR8, UR8, 0x20, URZ", "ISETP.GE.AND P4, PT, R7, R6, PT",
+                          "STS [R88], R5", "WARPGROUP.DEPBAR.LE gsb0, 0x0"]))
+    assert ok["hazards"] == []
+
+
+def test_walk_counts_groups_for_wait_group_1_and_carries_them_over_the_back_edge():
+    # two register sets, wait_group 1: refilling the retired set is fine, the newest one is not
+    two = [*MMA1, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "LDS.128 R104, [R2]", *MMA2, "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+           "LDS.128 R88, [R2]"]
+    assert wsc.check(_loop(two))["hazards"] == []
+    one = [*MMA1, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "LDS.128 R88, [R2]"]  # one set, wait_group 1: session 30's bug
+    found = wsc.check(_loop(one))["hazards"]
+    assert found and all("[88, 89, 90, 91]" in h for h in found)
+    # in flight only over the back edge: found on the second pass
+    edge = ["LDS.64 R92, [R2]", *MMA1, "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    found = wsc.check(_loop(edge))["hazards"]
+    assert len(found) == 1 and "(pass 2)" in found[0] and "[92, 93]" in found[0]
+    # a straight-line block (no loop) is not walked
+    assert wsc.check(_sass(one))["loops"] == 0
+
+
+def test_dest_regs_widths():
+    assert wsc._dest_regs("LDS.128 R8, [R0]") == {8, 9, 10, 11}
+    assert wsc._dest_regs("IMAD.WIDE.U32 R4, R2, 0x10, R4") == {4, 5}
+    assert wsc._dest_regs("CS2R R24, SRZ") == {24, 25}
+    assert wsc._dest_regs("@!P0 F2FP.BF16.F32.PACK_AB R3, R5, R4") == {3}
+    assert wsc._dest_regs("@!PT LDS RZ, [RZ]") == set()
+    assert wsc._dest_regs("LDGSTS.E.BYPASS.128 [R7], desc[UR4][R2.64]") == set()
+    assert wsc._dest_regs("R2UR UR4, R5") == set()
+
+
+_HAVE = shutil.which("nvcc") is not None and wsc._tool("cuobjdump") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
+    for pipe in (1, 2):
+        sass, msgs = wsc.compile_sass(pipe)
+        r = wsc.check(sass, msgs)
+        assert r["kernels"] == 32 and r["loops"] >= 32 and not r["serialized"], (pipe, r["kernels"], r["loops"])
+        assert r["hazards"] == [], r["hazards"][:3]
+    # session 30's first kernel: one register set, wait_group 1 (the next chunk decoded while the MMAs ran)
+    src = wsc.SRC.read_text()
+    old = "      wgmma_wait<0>();\n      keep_regs(a);\n"
+    assert src.count(old) == 1
+    sass, msgs = wsc.compile_sass(1, source=src.replace(old, "      wgmma_wait<1>();\n"))
+    r = wsc.check(sass, msgs)
+    assert len(r["hazards"]) > 32, len(r["hazards"])
