@@ -11,9 +11,12 @@
 #                                back into qerl/kernels/tuned/), layer table, 7B rollouts at 16-256 sequences (NVFP4,
 #                                BF16; 16 = warm-up). The sweep took about a minute for both formats on an H100 (s30)
 #   scripts/gpu_bench.sh pipe    issue 10: the wgmma GEMM's opt-in main loop (QERL_WGMMA_PIPE=2: two chunks of MMAs in
-#                                flight) against the default: both builds, its GPU tests, the layer table of each at
-#                                the installed table's configurations (1, 2, 1: drift shows), its own sweep ($OUT/pipe2s,
-#                                not installed), 7B rollouts at 16-256 sequences (NVFP4 with each, BF16; ~8 min)
+#                                flight) against the default: both builds, the wgmma GPU tests with each (LoRA epilogue
+#                                included), the layer table of each at the installed table's configurations (1, 2, 1:
+#                                drift shows), pipe 2's own sweep ($OUT/pipe2s, not installed); ~5 min
+#   scripts/gpu_bench.sh abroll  7B rollouts at 16-256 sequences (16 = warm-up), one process each: NVFP4, NVFP4 with
+#                                QERL_WGMMA_PIPE=2, NVFP4 with QERL_WGMMA_LORA=1 (LoRA in the wgmma GEMM's epilogue),
+#                                BF16-LoRA ($OUT/roll_*); ~5 min, after `pipe` on the same machine (builds cached)
 #   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
 #                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
@@ -59,18 +62,20 @@ pipe)
   p1=$!
   QERL_WGMMA_PIPE=2 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 2 build', c.available(), c.build_error())" >> "$LOG" 2>&1
   wait $p1
-  QERL_WGMMA_PIPE=2 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
+  for v in 1 2; do
+    QERL_WGMMA_PIPE=$v python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
+  done
   for v in 1a 2 1b; do
     QERL_WGMMA_PIPE=${v:0:1} python3 -m benchmarks.cuda_gemm_bench --models 7b --no-sweep --out "$OUT/pipe$v" 2>&1 \
       | grep -v Warn >> "$LOG"
   done
-  QERL_WGMMA_PIPE=2 python3 -m benchmarks.cuda_gemm_bench --models 7b --out "$OUT/pipe2s" 2>&1 | grep -v Warn >> "$LOG"
-  for v in 1 2; do
-    QERL_WGMMA_PIPE=$v $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-      --out "$OUT/roll$v" 2>&1 | grep -v Warn >> "$LOG"
-  done
-  $B rollout --models 7b --formats bf16 --batch 16,64,128,256 --prompt 256 --new 512 --out "$OUT/roll1" 2>&1 \
-    | grep -v Warn >> "$LOG" ;;
+  QERL_WGMMA_PIPE=2 python3 -m benchmarks.cuda_gemm_bench --models 7b --out "$OUT/pipe2s" 2>&1 | grep -v Warn >> "$LOG" ;;
+abroll)
+  for v in nvfp4:1:0 nvfp4:2:0 nvfp4:1:1 bf16:1:0; do
+    IFS=: read -r f p l <<< "$v"
+    QERL_WGMMA_PIPE=$p QERL_WGMMA_LORA=$l $B rollout --models 7b --formats $f --batch 16,64,128,256 --prompt 256 \
+      --new 512 --out "$OUT/roll_${f}_p${p}_l${l}" 2>&1 | grep -v Warn >> "$LOG"
+  done ;;
 decode)
   python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py 2>&1 | tail -4 >> "$LOG"
   $B rollout --models "${MODELS:-7b}" --formats nvfp4,mxfp4 --batch 8,2 --decode fused,fused-split-lora --out "$OUT" \

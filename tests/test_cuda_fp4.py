@@ -409,6 +409,23 @@ def _lora(members, k: int, seed: int, device="cpu") -> cf.LoraOperand:
     return cf.LoraOperand(a, cf.lora_bn(bts, members), members)
 
 
+def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
+    """LoRA in the wgmma GEMM's epilogue: opt-in by QERL_WGMMA_LORA (0 default, 1 on, anything else refused by name),
+    and only for ranks that are multiples of 8 (16-byte staging of t, whole Bn pairs)."""
+    from qerl import kernels as qk
+    monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
+    assert not qk.wgmma_lora_enabled()
+    monkeypatch.setenv("QERL_WGMMA_LORA", "1")
+    assert qk.wgmma_lora_enabled()
+    monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
+    with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1"):
+        qk.wgmma_lora_enabled()
+    assert cf.wgmma_lora_ok(_lora([(48, 32), (16, 16), (32, 48)], 128, seed=0))
+    assert cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 24)], 128, seed=0))
+    assert not cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 20)], 128, seed=0))  # 20: not a multiple of 8
+    assert not cf.wgmma_lora_ok(_lora([(48, 4), (16, 4)], 128, seed=0))
+
+
 def test_lora_operand_checks_and_launch_args():
     op = _lora([(48, 8), (16, 0), (32, 20)], 128, seed=0)
     assert op.rank == 28 and op.launch_args() == (48, 64, [0, 8, 8], [8, 0, 20])
@@ -618,11 +635,11 @@ def test_gpu_cuda_graph_replay(fmt):
             assert torch.equal(y2, cf.gemv(ref[:, :k].contiguous(), w))
 
 
-def _check_lora(y: torch.Tensor, x: torch.Tensor, w: cf.CudaFP4Weight, op: cf.LoraOperand) -> None:
+def _check_lora(y: torch.Tensor, x: torch.Tensor, w: cf.CudaFP4Weight, op: cf.LoraOperand, emu=None) -> None:
     """y vs the emulator with LoRA (other fp32 summation orders: one bf16 ulp plus fp32 rounding of both terms),
     and the counters left zero for the next launch."""
     torch.cuda.synchronize()
-    emu = cf.emulate(x, w, op).float()
+    emu = (cf.emulate(x, w, op) if emu is None else emu).float()
     mag = x.float().abs() @ cf.emulate_weight(w).abs().t().to(x.device)
     if w.global_scale is not None:
         mag = mag / w.global_scale.to(x.device)
@@ -874,3 +891,51 @@ def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, cf.gemm(x, w, config=cfg))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
+    """LoRA in the wgmma GEMM's epilogue (cf.gemm(lora=...)): member boundaries inside a warpgroup's 64 rows, a
+    member without ranks, R = 96 (two passes of 64 ranks), every wgmma configuration (CTA splits included), partial
+    token tiles, CUDA-graph replay; the dispatcher's opt-in path (QERL_WGMMA_LORA=1) where the GEMM is a wgmma one,
+    and None (the caller's addmm) where the mma.sync kernel serves the M or the switch is off."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    from qerl import kernels as qk
+    n, k = 208, 1536  # 13 strips: members 112 | 48 | 48 rows
+    q = _quant(fmt, n, k, seed=12, device="cuda")
+    w = _prep(fmt, q)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    ops = [_lora([(112, 32), (48, 16), (48, 48)], k, seed=7, device="cuda"),  # R = 96
+           _lora([(112, 8), (48, 0), (48, 24)], k, seed=8, device="cuda"),
+           _lora([(208, 64)], k, seed=9, device="cuda")]
+    cfgs = cf.wgmma_configs(n // 16, k // 64)
+    for m in (17, 130, 300):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in ops:
+            emu = cf.emulate(x, w, op)
+            for cfg in cfgs:
+                _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
+    with pytest.raises(ValueError, match="needs a wgmma config"):
+        cf.gemm(x, w, config=(4, 1, 4, 1), lora=ops[0])
+    op, cfg = ops[0], (8, -2, 1, 2)
+    x = torch.randn(96, k, device="cuda").bfloat16()
+    cf.gemm(x, w, config=cfg, lora=op)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cf.gemm(x, w, config=cfg, lora=op)
+    for _ in range(2):
+        x.copy_(torch.randn(96, k, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
+    # the dispatcher: forced onto the CUDA GEMM (an untuned shape: the heuristic's wgmma config above 32 tokens)
+    monkeypatch.setenv("QERL_CUDA_GEMM", "1")
+    monkeypatch.setenv("QERL_WGMMA_LORA", "1")
+    x = torch.randn(130, k, device="cuda").bfloat16()
+    _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
+    assert qk.FP4.linear_lora(FORMATS[fmt], x[:24], q, op) is None  # M = 24: the mma.sync kernel, LoRA by the caller
+    monkeypatch.setenv("QERL_WGMMA_LORA", "0")
+    assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None

@@ -18,7 +18,9 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    (mma.sync), or on sm_90 the wgmma kernel (the weight as wgmma's register operand, the tokens
                    permuted into the weights' K order and read by the tensor cores; 32-256 tokens per CTA), as the
                    table's configuration names (``QERL_WGMMA_PIPE=2``, opt-in until measured: two chunks of MMAs in
-                   flight per warpgroup; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code)
+                   flight per warpgroup; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code;
+                   ``QERL_WGMMA_LORA=1``, opt-in until measured: the rollout's LoRA term added by the wgmma GEMM's
+                   epilogue instead of an addmm after it)
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
@@ -571,14 +573,43 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     if w is None:
         return None
     m, n = x2.shape[0], w.n
-    if not _cuda_gemv_ok(x2, m, n, k) or (act is not None and n % 32):
-        return None
     if lora is not None and (lora.bn.shape[0] != n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k):
+        return None
+    if not _cuda_gemv_ok(x2, m, n, k):
+        y = _gemm_lora(fmt, x2, w, lora) if act is None and lora is not None else None
+        return None if y is None else y.reshape(*x.shape[:-1], n)
+    if act is not None and n % 32:
         return None
     # programmatic dependent launch only with the whole decode chain (pdl_enabled): alone, between Triton kernels
     # that never trigger it, it measured slower (H100, 7B batch 8: 2278 vs 2335 tokens/s; raw/h100_s22_pdl)
     y = cuda_fp4.gemv(x2, w, lora=lora, pdl=pdl_enabled(x2), act=act)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def wgmma_lora_enabled() -> bool:
+    """``QERL_WGMMA_LORA=1``: above decode size, the LoRA term of a linear whose product the wgmma GEMM runs is added
+    by that GEMM's epilogue (x·Aᵀ by cuBLAS, then one launch) instead of an addmm after it. Opt-in until measured on
+    a GPU (default ``0``)."""
+    v = os.environ.get("QERL_WGMMA_LORA", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_WGMMA_LORA={v!r}; valid: 0, 1")
+    return v == "1"
+
+
+def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
+    """x2 @ Ŵᵀ + the LoRA term by the wgmma GEMM with the term in its epilogue, where it is on
+    (:func:`wgmma_lora_enabled`), the dispatcher gives this (format, shape, M) to the CUDA GEMM, its configuration
+    is a wgmma one and the ranks fit (``cuda_fp4.wgmma_lora_ok``); None otherwise (the caller adds the LoRA)."""
+    m, n, k = x2.shape[0], w.n, w.k
+    if not wgmma_lora_enabled() or not cuda_gemm_choice(fmt, n, k, m, x2.device):
+        return None
+    from qerl.kernels import cuda_fp4
+    if not cuda_fp4.wgmma_lora_ok(lora):
+        return None
+    config = cuda_fp4._gemm_config(w, m, x2.device)
+    if config[1] > 0:  # the mma.sync kernel serves this M
+        return None
+    return cuda_fp4.gemm(x2, w, config=config, lora=lora)
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:

@@ -435,7 +435,8 @@ extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
 extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
 extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int, const float*, float,
-                               unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int, void*);
+                               unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int,
+                               const void*, int, const void*, int, int, int, int, const int*, const int*, void*);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 
 // act = 1 (silu * up): out holds N / 2 columns
@@ -514,10 +515,12 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
-// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp.
+// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp;
+// lora: + t Bn^T per member in its epilogue (t = bf16(x A^T) (M, R), bn (N, RP); see the kernel's WgLora).
 void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
                 torch::Tensor xp, int64_t fmt, double out_mult, int64_t bword, int64_t ntok, int64_t rw, int64_t ks,
-                int64_t kz, torch::Tensor ws, torch::Tensor ctr) {
+                int64_t kz, torch::Tensor ws, torch::Tensor ctr, bool lora, torch::Tensor t, torch::Tensor bn,
+                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -529,10 +532,26 @@ void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tens
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   TORCH_CHECK(kz == 1 || (ws.is_cuda() && ws.scalar_type() == at::kFloat && ctr.is_cuda() &&
                           ctr.scalar_type() == at::kInt), "split-K workspace: fp32 ws, int32 ctr on CUDA");
+  int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, R = 0, ldt = 0, RP = 0;
+  if (lora) {
+    TORCH_CHECK(t.is_cuda() && bn.is_cuda() && t.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16,
+                "LoRA t, bn: bf16 CUDA tensors");
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.stride(1) == 1 && bn.dim() == 2 && bn.is_contiguous() &&
+                bn.size(0) == 16 * S, "LoRA t (M, R) with unit column stride, bn (N, RP) contiguous");
+    TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
+    R = (int)t.size(1);
+    ldt = (int)t.stride(0);
+    RP = (int)bn.size(1);
+    for (int i = 0; i < 3; ++i) {
+      ro[i] = (int)roff[i];
+      rr[i] = (int)rk[i];
+    }
+  }
   err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(),
                         (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok,
                         (int)rw, (int)ks, (int)kz, kz > 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(),
-                        kz > 1 ? ctr.data_ptr() : nullptr, (int)ctr.numel(), stream);
+                        kz > 1 ? ctr.data_ptr() : nullptr, (int)ctr.numel(), lora ? t.data_ptr() : nullptr, ldt,
+                        lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1, (int)bound2, ro, rr, stream);
   TORCH_CHECK(err == 0, "qfp4_wgmma_gemm: ", err == -1 ? "unsupported device or configuration"
                                                         : cudaGetErrorString((cudaError_t)err));
 }
@@ -1172,19 +1191,30 @@ def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tup
     return rows[-1][1], False
 
 
+def wgmma_lora_ok(lora: LoraOperand) -> bool:
+    """Whether the wgmma GEMM's epilogue takes this LoRA (:func:`gemm` with ``lora``): every member's rank and so
+    the total a multiple of 8 (16-byte staging of t = x·Aᵀ, whole bf16 pairs of Bn)."""
+    return lora.rank % 8 == 0 and all(r % 8 == 0 for _, r in lora.members)
+
+
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
-    ``out``; the wgmma kernel (sw <= 0, sm_90) also takes the permuted tokens (M, K) and, split across CTAs, its fp32 partial tiles from the caching allocator (the
-    graph's pool under capture) and the device's tile counters."""
+    ``out``; the wgmma kernel (sw <= 0, sm_90) also takes the permuted tokens (M, K) and, split across CTAs, its fp32
+    partial tiles from the caching allocator (the graph's pool under capture) and the device's tile counters.
+    ``lora`` (wgmma configs only, :func:`wgmma_lora_ok`): + the LoRA term (:func:`emulate_lora`) before the one
+    bf16 rounding, t = x·Aᵀ by cuBLAS (bf16), t·Bnᵀ per member by the GEMM's epilogue MMAs."""
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
     s, c = w.n // 16, w.k // 64
     if config is None:
         config = _gemm_config(w, m, x.device)
     nt, sw, r, ks = check_gemm_config(config, s, c)
+    if lora is not None and (sw > 0 or not wgmma_lora_ok(lora)):
+        raise ValueError(f"gemm: LoRA in the GEMM needs a wgmma config (sw <= 0, got {config!r}) and ranks that are "
+                         f"multiples of 8 (members {lora.members})")
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fmt = 0 if w.fmt == "nvfp4" else 1
     if sw <= 0:
@@ -1202,7 +1232,15 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
                 raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
         else:
             ws = ctr = xp
-        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr)
+        if lora is None:
+            _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws,
+                              ctr, False, xp, xp, 0, 0, [0, 0, 0], [0, 0, 0])
+            return out
+        a, bn = _lora_tensors(lora, w)
+        t = torch.nn.functional.linear(x, a)  # (M, R) bf16: the rounding the GEMV's LoRA MMAs use too
+        bound1, bound2, roff, rk = lora.launch_args()
+        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
+                          True, t, bn, bound1, bound2, roff, rk)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks)
     return out
@@ -1247,5 +1285,5 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
-           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles",
+           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles", "wgmma_lora_ok",
            "WGMMA_PIPES", "wgmma_pipe"]

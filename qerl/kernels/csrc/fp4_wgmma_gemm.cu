@@ -29,7 +29,8 @@
 // chunk i - 1 (wgmma.wait_group 0 at the end of chunk i - 1, then the group barrier that acquires chunk i + 1):
 // lookahead kStages - 2 chunks. The groups' partials are reduced through shared memory at the end; with splits of K
 // across CTAs (gridDim.z = KZ > 1) the CTAs of a tile then add theirs through a workspace (see the epilogue). One
-// launch (two with qfp4_permute_x), CUDA-graph capturable.
+// launch (two with qfp4_permute_x), CUDA-graph capturable. The LORA variants add a LoRA term in the epilogue
+// (WgLora below: t = bf16(x A^T) computed beforehand, one more MMA per 16 ranks with the Bn rows as A).
 // Grid: x = token tiles (fastest, so CTAs in flight together share a row block's weights through L2), y = row blocks,
 // z = CTA splits of K.
 
@@ -90,12 +91,24 @@ __host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
   return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
 }
 
+// The LoRA term of the LORA variants, added in the epilogue: out += t Bn^T per member, t = bf16(x A^T) (M, R)
+// computed beforehand, Bn (N, rp) = each row's member's scaling * lora_B row, zero past its rank (the GEMV's Bn,
+// cuda_fp4.LoraOperand); member i's rows (starting at 0, bound1, bound2; multiples of 16) use ranks
+// [roff_i, roff_i + rk_i) of t. Ranks, offsets and R are multiples of 8 (16-byte staging of t, 32-bit Bn pairs).
+struct WgLora {
+  const __nv_bfloat16* t;
+  const __nv_bfloat16* bn;
+  int ldt, rp, R;
+  int bound1, bound2;
+  int roff[3], rk[3];
+};
+
 // xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units.
-template <int FMT, int NTOK, int RW, int KS>
+template <int FMT, int NTOK, int RW, int KS, bool LORA>
 __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                 uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr) {
+                 uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr, const WgLora la) {
 #if QFP4_WGMMA
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
@@ -273,9 +286,58 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     }
     if (rt == 0) ctr[tile] = 0;
   }
+  if constexpr (LORA) {
+    // The accumulators to output units, then the LoRA MMAs add t Bn^T onto them (stored with multiplier 1). Group 0's
+    // warpgroups only (the others returned after the reduction), 64 ranks per pass: t's tile staged like the tokens
+    // (128-byte swizzle, natural rank order, zero past M and R), this warp's A fragments = its 16 Bn rows at the
+    // ranks of its member (zero outside them).
+    const float m0 = FMT == 0 ? out_mult / __ldg(gs) : out_mult;
+#pragma unroll
+    for (int i = 0; i < NA; ++i) acc[i] *= m0;
+    const int gt0 = threadIdx.x;  // < GT
+    const int nrow = st * 16;
+    const int mb = nrow < la.bound1 ? 0 : nrow < la.bound2 ? 1 : 2;
+    const int r0 = mb == 0 ? la.roff[0] : mb == 1 ? la.roff[1] : la.roff[2];
+    const int rk = mb == 0 ? la.rk[0] : mb == 1 ? la.rk[1] : la.rk[2];
+    const uint32_t* bg = reinterpret_cast<const uint32_t*>(la.bn + (size_t)(nrow + g) * la.rp);
+    const uint32_t* b8 = bg + 4 * la.rp;  // row g + 8
+    const uint32_t ts = raw_s + pad;      // the tile at the start of (1024-aligned) shared memory
+    for (int c0 = 0; c0 < la.R; c0 += 64) {
+      group_sync(1, GT);  // shared memory free: the main loop's, the reduction's or the previous pass's reads done
+      for (int u = gt0; u < NTOK * 8; u += GT) {
+        const int row = u >> 3, unit = u & 7, r = c0 + 8 * unit;
+        const bool ok = tok0 + row < M && r < la.R;
+        cp_async16(ts + row * 128 + ((unit ^ (row & 7)) << 4), ok ? la.t + (size_t)(tok0 + row) * la.ldt + r : la.t,
+                   ok);
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_proxy_async();
+      group_sync(1, GT);
+      uint32_t a[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = c0 + 16 * j + 2 * t - r0;  // this lane's first rank pair in its member's Bn columns
+        const bool lo = kk >= 0 && kk < rk, hi = kk + 8 >= 0 && kk + 8 < rk;
+        a[j][0] = lo ? __ldg(bg + (kk >> 1)) : 0u;
+        a[j][1] = lo ? __ldg(b8 + (kk >> 1)) : 0u;
+        a[j][2] = hi ? __ldg(bg + ((kk + 8) >> 1)) : 0u;
+        a[j][3] = hi ? __ldg(b8 + ((kk + 8) >> 1)) : 0u;
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(ts + 32 * j));
+      wgmma_commit();
+      wgmma_wait<0>();
+      keep_regs(a);
+    }
+#pragma unroll
+    for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
+  }
   if (strip >= S) return;
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
+  if constexpr (LORA) mult = 1.f;  // applied before the LoRA term
   // accumulator 4 j + v: weight row 16 wq + g (+ 8 for v >= 2) of the warpgroup, token 8 j + 2 t (+ 1 for odd v)
   const int n0 = strip * 16;
 #pragma unroll
@@ -316,10 +378,10 @@ __global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, int ldx, _
 }
 
 // Compiled (tokens per CTA, warpgroups along the rows, split-K groups): see qerl/kernels/cuda_fp4.py WGMMA_VARIANTS.
-template <int FMT>
+template <int FMT, bool LORA>
 const void* pick_fmt(int ntok, int rw, int ks) {
 #define QFP4_WG(N, R, K) \
-  if (ntok == N && rw == R && ks == K) return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, N, R, K>);
+  if (ntok == N && rw == R && ks == K) return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, N, R, K, LORA>);
   QFP4_WG(32, 1, 1) QFP4_WG(32, 2, 1) QFP4_WG(32, 1, 2) QFP4_WG(32, 1, 4) QFP4_WG(32, 2, 2)
   QFP4_WG(64, 1, 1) QFP4_WG(64, 2, 1) QFP4_WG(64, 1, 2) QFP4_WG(64, 1, 4) QFP4_WG(64, 2, 2)
   QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2)
@@ -328,8 +390,9 @@ const void* pick_fmt(int ntok, int rw, int ks) {
   return nullptr;
 }
 
-const void* pick(int fmt, int ntok, int rw, int ks) {
-  return fmt == 0 ? pick_fmt<0>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1>(ntok, rw, ks) : nullptr;
+const void* pick(int fmt, int ntok, int rw, int ks, bool lora = false) {
+  if (lora) return fmt == 0 ? pick_fmt<0, true>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, true>(ntok, rw, ks) : nullptr;
+  return fmt == 0 ? pick_fmt<0, false>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, false>(ntok, rw, ks) : nullptr;
 }
 
 size_t smem_bytes(int ntok, int rw, int ks) {
@@ -366,15 +429,39 @@ extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, vo
 // ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups inside a CTA, kz: splits of K across
 // CTAs (kz > 1: ws holds >= kz * tiles * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints, tiles = the
 // output tiles; one GEMM at a time per counter buffer). sm_90 only.
+// LoRA (lt != nullptr): out += t Bn^T per member in the epilogue (WgLora above): lt (M, R) bf16 with row stride ldt,
+// 16-byte aligned; lbn (N, rp) bf16; members at rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
 extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo,
                                const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok,
                                int rw, int ks, int kz, void* ws, long long ws_floats, void* ctr, int ctr_len,
-                               void* stream) {
-  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks);
+                               const void* lt, int ldt, const void* lbn, int rp, int R, int bound1, int bound2,
+                               const int* roff, const int* rk, void* stream) {
+  const bool lora = lt != nullptr;
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, lora);
   if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C ||
       (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
     return -1;
+  qfp4::wg::WgLora la = {};
+  if (lora) {
+    const int N = S * 16;
+    if (lbn == nullptr || roff == nullptr || rk == nullptr || R < 8 || R % 8 || ldt < R || ldt % 8 || rp < 16 ||
+        rp % 16 || bound1 < 0 || bound1 % 16 || bound2 < bound1 || bound2 % 16 || bound2 > N ||
+        (reinterpret_cast<uintptr_t>(lt) & 15) || (reinterpret_cast<uintptr_t>(lbn) & 3))
+      return -1;
+    for (int i = 0; i < 3; ++i) {
+      if (roff[i] < 0 || roff[i] % 8 || rk[i] < 0 || rk[i] % 8 || rk[i] > rp || roff[i] + rk[i] > R) return -1;
+      la.roff[i] = roff[i];
+      la.rk[i] = rk[i];
+    }
+    la.t = static_cast<const __nv_bfloat16*>(lt);
+    la.bn = static_cast<const __nv_bfloat16*>(lbn);
+    la.ldt = ldt;
+    la.rp = rp;
+    la.R = R;
+    la.bound1 = bound1;
+    la.bound2 = bound2;
+  }
   const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
   if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
   const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -389,7 +476,8 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
       return -1;
   }
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr};
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr,
+                  (void*)&la};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
 }
 
