@@ -70,16 +70,20 @@ _HAVE = shutil.which("nvcc") is not None and wsc._tool("cuobjdump") is not None
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
-    for pipe in (1, 2):
-        sass, msgs = wsc.compile_sass(pipe)
-        r = wsc.check(sass, msgs)
-        # 16 variants x 2 formats x (without, with the LoRA epilogue, whose 64-rank passes are a loop with MMAs too)
-        assert r["kernels"] == 64 and r["loops"] >= 96 and not r["serialized"], (pipe, r["kernels"], r["loops"])
-        assert r["hazards"] == [], r["hazards"][:3]
+    from concurrent.futures import ThreadPoolExecutor
     # session 30's first kernel: one register set, wait_group 1 (the next chunk decoded while the MMAs ran)
     src = wsc.SRC.read_text()
     old = "      wgmma_wait<0>();\n      keep_regs(a);\n#pragma unroll\n"  # the main loop's (not the LoRA epilogue's)
     assert src.count(old) == 1
-    sass, msgs = wsc.compile_sass(1, source=src.replace(old, "      wgmma_wait<1>();\n#pragma unroll\n"))
-    r = wsc.check(sass, msgs)
+    planted = src.replace(old, "      wgmma_wait<1>();\n#pragma unroll\n")
+    with ThreadPoolExecutor(3) as pool:  # three nvcc processes at once
+        builds = [pool.submit(wsc.compile_sass, 1), pool.submit(wsc.compile_sass, 2),
+                  pool.submit(wsc.compile_sass, 1, planted)]
+        (s1, m1), (s2, m2), (s3, m3) = (b.result() for b in builds)
+    for pipe, (sass, msgs) in ((1, (s1, m1)), (2, (s2, m2))):
+        r = wsc.check(sass, msgs)
+        # 16 variants x 2 formats x (without, with the LoRA epilogue, whose 64-rank passes are a loop with MMAs too)
+        assert r["kernels"] == 64 and r["loops"] >= 96 and not r["serialized"], (pipe, r["kernels"], r["loops"])
+        assert r["hazards"] == [], r["hazards"][:3]
+    r = wsc.check(s3, m3)
     assert len(r["hazards"]) > 64, len(r["hazards"])
