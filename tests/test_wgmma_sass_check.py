@@ -87,3 +87,44 @@ def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
         assert r["hazards"] == [], r["hazards"][:3]
     r = wsc.check(s3, m3)
     assert len(r["hazards"]) > 64, len(r["hazards"])
+
+
+def _cuda_include() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    import os
+    for root in (os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"):
+        if os.path.exists(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
+                    reason="needs g++ and the CUDA headers (nvcc's include directory)")
+def test_extension_binding_compiles_against_torch_headers(tmp_path):
+    """The extension's C++ binding (cuda_fp4._BINDING: the launchers' declarations and the torch wrappers) passes
+    g++ -fsyntax-only against this torch's headers, so a signature slip fails here and not as a failed build on a GPU
+    host. A CPU-only torch wheel lacks c10/cuda/impl/cuda_cmake_macros.h: an empty one stands in."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from qerl.kernels import cuda_fp4
+    (tmp_path / "c10" / "cuda" / "impl").mkdir(parents=True)
+    (tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    good, bad = tmp_path / "binding.cpp", tmp_path / "slip.cpp"
+    good.write_text(cuda_fp4._BINDING)
+    # the check must fail on a slip: a launcher called with one argument too few
+    slip = cuda_fp4._BINDING.replace("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()", 1)
+    assert slip != cuda_fp4._BINDING
+    bad.write_text(slip)
+    incs = [*include_paths(), _cuda_include(), sysconfig.get_paths()["include"], str(tmp_path)]
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", *[f"-I{i}" for i in incs], "-DTORCH_EXTENSION_NAME=qerl_check"]
+    runs = [subprocess.Popen([*cmd, str(f)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for f in (good, bad)]  # both at once
+    (_, err_good), (_, err_bad) = (p.communicate() for p in runs)
+    assert runs[0].returncode == 0, err_good[-3000:]
+    assert runs[1].returncode != 0 and "too few arguments" in err_bad, err_bad[-2000:]
