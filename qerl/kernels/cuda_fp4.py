@@ -1232,15 +1232,13 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
                 raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
         else:
             ws = ctr = xp
-        if lora is None:
-            _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws,
-                              ctr, False, xp, xp, 0, 0, [0, 0, 0], [0, 0, 0])
-            return out
-        a, bn = _lora_tensors(lora, w)
-        t = torch.nn.functional.linear(x, a)  # (M, R) bf16: the rounding the GEMV's LoRA MMAs use too
-        bound1, bound2, roff, rk = lora.launch_args()
+        lora_args = (False, xp, xp, 0, 0, [0, 0, 0], [0, 0, 0])  # no LoRA (the tensors are not read)
+        if lora is not None:
+            a, bn = _lora_tensors(lora, w)
+            t = torch.nn.functional.linear(x, a)  # (M, R) bf16: the rounding the GEMV's LoRA MMAs use too
+            lora_args = (True, t, bn, *lora.launch_args())
         _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
-                          True, t, bn, bound1, bound2, roff, rk)
+                          *lora_args)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks)
     return out

@@ -84,6 +84,16 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
   return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
          (1ull << 62);
 }
+
+// One chunk of 64 k: the four k16 MMAs of a warpgroup, A from a[j] (this thread's fragments), B from the K-major,
+// 128-byte-swizzled tile at shared address b_s, committed as one group (the caller waits for it).
+template <int NTOK>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NTOK / 2], const uint32_t (&a)[4][4], uint32_t b_s) {
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(b_s + 32 * j));
+  wgmma_commit();
+}
 #endif
 
 // Bytes of one pipeline stage of a group (a multiple of 1024: every token tile starts on a swizzle atom).
@@ -186,11 +196,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
   if constexpr (QFP4_WGMMA_PIPE == 2) {
     auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
-      const uint32_t tok_s = gbase_s + (idx & (kStages - 1)) * SB;
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
-      wgmma_commit();
+      mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
     };
     // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is copied):
     // chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk idx - 1's, and
@@ -222,11 +228,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     acquire(0);
     decode(0, a);
     for (int idx = 0; idx < n; ++idx) {
-      const uint32_t tok_s = gbase_s + (idx & (kStages - 1)) * SB;
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(tok_s + 32 * j));
-      wgmma_commit();
+      mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
       uint32_t an[4][4];
       if (idx + 1 < n) {
         acquire(idx + 1);
@@ -324,10 +326,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
         a[j][2] = hi ? __ldg(bg + ((kk + 8) >> 1)) : 0u;
         a[j][3] = hi ? __ldg(b8 + ((kk + 8) >> 1)) : 0u;
       }
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(ts + 32 * j));
-      wgmma_commit();
+      mma_chunk<NTOK>(acc, a, ts);
       wgmma_wait<0>();
       keep_regs(a);
     }
@@ -390,9 +389,13 @@ const void* pick_fmt(int ntok, int rw, int ks) {
   return nullptr;
 }
 
+template <bool LORA>
+const void* pick_lora(int fmt, int ntok, int rw, int ks) {
+  return fmt == 0 ? pick_fmt<0, LORA>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, LORA>(ntok, rw, ks) : nullptr;
+}
+
 const void* pick(int fmt, int ntok, int rw, int ks, bool lora = false) {
-  if (lora) return fmt == 0 ? pick_fmt<0, true>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, true>(ntok, rw, ks) : nullptr;
-  return fmt == 0 ? pick_fmt<0, false>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, false>(ntok, rw, ks) : nullptr;
+  return lora ? pick_lora<true>(fmt, ntok, rw, ks) : pick_lora<false>(fmt, ntok, rw, ks);
 }
 
 size_t smem_bytes(int ntok, int rw, int ks) {
