@@ -17,6 +17,12 @@
 #   scripts/gpu_bench.sh abroll  7B rollouts at 16-256 sequences (16 = warm-up), one process each: NVFP4, NVFP4 with
 #                                QERL_WGMMA_PIPE=2, NVFP4 with QERL_WGMMA_LORA=1 (LoRA in the wgmma GEMM's epilogue),
 #                                BF16-LoRA ($OUT/roll_*); ~5 min, after `pipe` on the same machine (builds cached)
+#   scripts/gpu_bench.sh prof    issue 10: both builds (pipes 1 and 2), the wgmma GPU tests with each, bytes and FLOPs per
+#                                wgmma configuration against time (benchmarks.wgmma_profile, pipe 2: $OUT/prof), then
+#                                the tuning sweep with each pipe ($OUT/sweep1, $OUT/sweep2; each installs its table
+#                                for its own layer table, pipe 2's last); ~8 min
+#   scripts/gpu_bench.sh ncu     Nsight Compute on the 7B gate|up wgmma GEMM at M = 128 (NCU_CONFIGS), pipe 2
+#                                ($OUT/prof/ncu_*.txt); after `prof` on the same machine (builds cached)
 #   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
 #                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
@@ -70,6 +76,28 @@ pipe)
       | grep -v Warn >> "$LOG"
   done
   QERL_WGMMA_PIPE=2 python3 -m benchmarks.cuda_gemm_bench --models 7b --out "$OUT/pipe2s" 2>&1 | grep -v Warn >> "$LOG" ;;
+prof)
+  python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 1 build', c.available(), c.build_error())" >> "$LOG" 2>&1 &
+  p1=$!
+  QERL_WGMMA_PIPE=2 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 2 build', c.available(), c.build_error())" >> "$LOG" 2>&1
+  wait $p1
+  for v in 1 2; do
+    QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
+  done
+  QERL_WGMMA_PIPE=2 timeout 150 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 \
+    | grep -v Warn >> "$LOG"
+  for v in 1 2; do
+    QERL_WGMMA_PIPE=$v timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table --out "$OUT/sweep$v" \
+      2>&1 | grep -v Warn >> "$LOG"
+  done ;;
+ncu)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/prof"
+  QERL_WGMMA_PIPE=2 timeout 300 "$NCU" --clock-control none --kernel-name regex:fp4_wgmma_kernel --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats python3 -m benchmarks.wgmma_profile --ncu --shapes 37888x3584 --m 128 \
+    --configs "${NCU_CONFIGS:-16,0,2,2 16,0,4,1 8,0,4,1 16,0,2,1}" > "$OUT/prof/ncu_gateup_m128.txt" 2>&1
+  grep -E "fp4_wgmma_kernel|Throughput|Duration|Stall|Eligible|Issued Warp" "$OUT/prof/ncu_gateup_m128.txt" | head -80 >> "$LOG" ;;
 abroll)
   for v in nvfp4:1:0 nvfp4:2:0 nvfp4:1:1 bf16:1:0; do
     IFS=: read -r f p l <<< "$v"

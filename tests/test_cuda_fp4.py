@@ -216,7 +216,8 @@ def test_gemm_config_validation():
 
 def test_wgmma_config_validation():
     assert cf.check_gemm_config((16, 0, 2, 1), s=224, c=56) == (16, 0, 2, 1)
-    for bad in [(16, 0, 4, 1), (12, 0, 1, 1), (32, 0, 2, 2), (16, 0, 1, 4)]:  # not compiled
+    assert cf.check_gemm_config((16, 0, 4, 1), s=224, c=56) == (16, 0, 4, 1)  # 4 warpgroups x 64 rows
+    for bad in [(16, 0, 4, 2), (12, 0, 1, 1), (32, 0, 2, 2), (16, 0, 1, 4), (32, 0, 4, 1)]:  # not compiled
         with pytest.raises(ValueError, match="wgmma GEMM config"):
             cf.check_gemm_config(bad, s=224, c=56)
     with pytest.raises(ValueError, match="ks <= C"):
@@ -238,7 +239,7 @@ def test_wgmma_config_validation():
     # every split of K keeps >= 4 chunks
     assert all((1 - c[1]) * c[3] == 1 for c in cf.wgmma_configs(224, 7))
     with pytest.raises(ValueError, match="no wgmma variant"):
-        cf.gemm_kernel_attributes("nvfp4", 16, 0, 4, 1)
+        cf.gemm_kernel_attributes("nvfp4", 16, 0, 4, 2)
 
 
 @pytest.mark.parametrize("fmt", FP4)

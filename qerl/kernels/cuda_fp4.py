@@ -1052,9 +1052,9 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
 
 # The sm_90a wgmma GEMM (csrc/fp4_wgmma_gemm.cu): compiled (tokens per CTA, warpgroups along the rows per split-K
 # group, split-K groups); a warpgroup owns 64 weight rows (4 strips).
-WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2),
-                  (64, 1, 1), (64, 2, 1), (64, 1, 2), (64, 1, 4), (64, 2, 2),
-                  (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2),
+WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2), (32, 4, 1),
+                  (64, 1, 1), (64, 2, 1), (64, 1, 2), (64, 1, 4), (64, 2, 2), (64, 4, 1),
+                  (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2), (128, 4, 1),
                   (256, 1, 1), (256, 2, 1))
 WGMMA_STAGES = 4  # csrc kStages
 WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)

@@ -1,0 +1,168 @@
+"""Where the sm_90a wgmma FP4 GEMM's time goes at mid M (issue 10): bytes and FLOPs per launch configuration
+against the time measured, and (under Nsight Compute) the hardware's own account of the same launches.
+
+    python -m benchmarks.wgmma_profile --out DIR [--fmt nvfp4] [--shapes 37888x3584,3584x18944] [--m 64,128,256]
+    ncu --clock-control none --kernel-name regex:fp4_wgmma_kernel --section SpeedOfLight ... \\
+        python -m benchmarks.wgmma_profile --ncu [--fmt ...] [--shapes ...] [--m ...]
+
+Timing mode: for every (shape, M) every wgmma configuration the tuner would try (``cuda_gemm_bench.configs``) is
+timed as the tuner times it (CUDA-graph replays over weight copies larger than L2; the token permutation's launch
+included), next to a count of what the launch moves: the weight bytes (packed words and scales, read once per
+token tile: from HBM), the token bytes every CTA stages into shared memory (the token tile over its range of K, once
+per CTA: mostly L2 hits, x is small), and the FLOPs. The ``l2_tbps`` column is (weights + tokens) per second, the
+rate at which the SMs pull operands through L2; the ``tflops`` column the tensor rate. A configuration whose
+``l2_tbps`` is near the L2's ceiling while its ``tflops`` is far from the tensor cores' is bound by the token
+re-reads, which only more weight rows per CTA (or sharing one staged tile across CTAs) reduce.
+
+``--configs "16,0,2,2 8,0,4,1"`` limits either mode to those configurations. ``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
+(``--kernel-name regex:fp4_wgmma_kernel``; the permutation kernel is not profiled). Writes
+``wgmma_profile_<gpu>.csv`` / ``.md`` under ``--out`` in timing mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from benchmarks import cuda_gemm_bench as cgb
+from benchmarks import kernel_bench as bench
+from qerl.kernels import cuda_fp4 as cf
+
+DEFAULT_SHAPES = "37888x3584,3584x18944,4608x3584,3584x3584"  # 7B: gate|up, down, q|k|v, o
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``NxK,NxK`` -> [(N, K)]; N a multiple of 16 (strips), K of 64 (chunks)."""
+    out = []
+    for part in text.split(","):
+        try:
+            n, k = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--shapes entry {part!r}: expected NxK, e.g. 37888x3584") from None
+        if n < 16 or n % 16 or k < 64 or k % 64:
+            raise ValueError(f"--shapes entry {part!r}: N must be a multiple of 16 and K of 64")
+        out.append((n, k))
+    return out
+
+
+def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int]) -> dict:
+    """What one wgmma launch moves and computes: weight bytes (packed words + the scale pairs a stage holds, once
+    per token tile), token bytes staged (every CTA stages its token tile's rows that exist, over its range of K),
+    the fp32 partials of CTA splits of K (written and read once), and the useful FLOPs."""
+    nt, sw, r, ks = config
+    if sw > 0:
+        raise ValueError(f"config {config!r} is not a wgmma one (sw <= 0)")
+    ntok, kz = 8 * nt, 1 - sw
+    s, c = n // 16, k // 64
+    sl = 32 if fmt == "nvfp4" else 16  # uint16 scale pairs per (strip, chunk), as the kernel stages them
+    tiles_x = -(-m // ntok)
+    rows_per_cta = 4 * r * 16
+    tiles_y = -(-s // (4 * r))
+    w_bytes = tiles_x * s * c * (512 + 2 * sl)
+    tok_rows = m  # summed over token tiles: rows past M are zero-filled, not read
+    x_bytes = tiles_y * tok_rows * k * 2  # every row block (y) stages all of K (its kz x ks splits together)
+    ws_bytes = 0 if kz == 1 else 2 * kz * tiles_x * tiles_y * ntok * rows_per_cta * 4
+    return dict(weight_bytes=w_bytes, token_bytes=x_bytes, splitk_bytes=ws_bytes, flops=2 * m * n * k,
+                ctas=tiles_x * tiles_y * kz, threads=r * ks * 128)
+
+
+def _wgmma_configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
+    return [cfg for cfg in cgb.configs(s, c, m) if cfg[1] <= 0]
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int, int]]:
+    """``"16,0,2,2 8,0,4,1"`` (or ``;``-separated) -> [(16, 0, 2, 2), (8, 0, 4, 1)]: wgmma configs (sw <= 0)."""
+    out = []
+    for part in text.replace(";", " ").split():
+        try:
+            cfg = tuple(int(v) for v in part.split(","))
+        except ValueError:
+            raise ValueError(f"--configs entry {part!r}: expected nt,sw,r,ks, e.g. 16,0,2,2") from None
+        if len(cfg) != 4 or cfg[1] > 0:
+            raise ValueError(f"--configs entry {part!r}: expected nt,sw,r,ks with sw <= 0 (a wgmma config)")
+        out.append(cfg)
+    return out
+
+
+def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None) -> list[dict]:
+    rows = []
+    for i, (n, k) in enumerate(shapes):
+        wts = bench._Weights(fmt, n, k, seed=4000 + i)
+        cws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
+        s, c = n // 16, k // 64
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            tuned = tuple(cf._gemm_config(cws[0], m, torch.device("cuda")))
+            cfgs = _wgmma_configs(s, c, m)
+            if tuned[1] <= 0 and tuned not in cfgs:
+                cfgs.append(tuned)
+            if only:
+                cfgs = [cf.check_gemm_config(cfg, s, c) for cfg in only]
+            for cfg in cfgs:
+                if ncu:
+                    cf.gemm(x, cws[0], config=cfg)
+                    torch.cuda.synchronize()
+                    print(f"[ncu] {fmt} {n}x{k} M={m} config {cfg}", flush=True)
+                    continue
+                t = cgb._time_gemm(cws, m, rep_ms, cfg) * 1e-3  # s
+                tr = traffic(fmt, n, k, m, cfg)
+                row = dict(fmt=fmt, N=n, K=k, M=m, config=str(cfg), tuned=cfg == tuned, us=round(t * 1e6, 2),
+                           tflops=round(tr["flops"] / t / 1e12, 1),
+                           l2_tbps=round((tr["weight_bytes"] + tr["token_bytes"]) / t / 1e12, 2),
+                           weight_tbps=round(tr["weight_bytes"] / t / 1e12, 2), **tr)
+                rows.append(row)
+                print(f"[prof] {fmt} {n}x{k} M={m:4d} {cfg!s:18s}{'*' if row['tuned'] else ' '} {row['us']:8.1f} us "
+                      f"{row['tflops']:6.1f} TFLOP/s  L2->SM {row['l2_tbps']:5.2f} TB/s (weights "
+                      f"{row['weight_bytes'] / 1e6:6.1f} MB, tokens {row['token_bytes'] / 1e6:6.1f} MB)", flush=True)
+        del wts, cws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    out = [header, "", "| fmt | N×K | M | config (nt, 1-kz, r, ks) | µs | TFLOP/s | L2→SM TB/s | weights MB | tokens MB |"
+           " CTAs × threads |", "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["fmt"], -r["N"], r["K"], r["M"], r["us"])):
+        mark = " (tuned)" if r["tuned"] else ""
+        out.append(f"| {r['fmt']} | {r['N']}×{r['K']} | {r['M']} | {r['config']}{mark} | {r['us']:.1f} | "
+                   f"{r['tflops']:.0f} | {r['l2_tbps']:.2f} | {r['weight_bytes'] / 1e6:.1f} | "
+                   f"{r['token_bytes'] / 1e6:.1f} | {r['ctas']} × {r['threads']} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fmt", default="nvfp4", choices=list(cf.FORMATS))
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--m", default="64,128,256")
+    ap.add_argument("--rep", type=float, default=10.0, help="time spent replaying per measurement (ms)")
+    ap.add_argument("--configs", default="", help="only these wgmma configs, e.g. '16,0,2,2 8,0,4,1'")
+    ap.add_argument("--ncu", action="store_true", help="run each configuration once for ncu; no timing")
+    ap.add_argument("--out", default="results/speed")
+    a = ap.parse_args(argv)
+    shapes = parse_shapes(a.shapes)
+    ms = [int(v) for v in a.m.split(",")]
+    if any(m < 17 for m in ms):
+        raise ValueError(f"--m {a.m}: the wgmma GEMM serves M > 16")
+    if not (torch.cuda.is_available() and cf.wgmma_supported()):
+        sys.exit("needs a CUDA device of compute capability 9.0 (the wgmma GEMM is sm_90a only)")
+    rows = run(a.fmt, shapes, ms, a.rep, a.ncu, parse_configs(a.configs))
+    if a.ncu:
+        return
+    gpu = bench.gpu_tag()
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, f"wgmma_profile_{gpu}")
+    bench.write_csv(base + ".csv", rows)
+    header = (f"## wgmma GEMM: bytes and FLOPs per configuration against time ({torch.cuda.get_device_name(0)})\n\n"
+              f"Command: `python -m benchmarks.wgmma_profile {' '.join(argv if argv is not None else sys.argv[1:])}`"
+              f". L2→SM = (weights + tokens staged) / time; weights are read from HBM once per token tile.")
+    with open(base + ".md", "w") as f:
+        f.write(markdown(rows, header))
+    print(f"wrote {base}.csv / .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The wgmma profile's byte count (benchmarks/wgmma_profile.py): what a launch configuration moves, checked on a
+7B shape by hand, and the shapes argument's errors."""
+
+import pytest
+
+from benchmarks import wgmma_profile as wp
+
+
+def test_traffic_counts_weights_once_per_token_tile_and_tokens_once_per_row_block():
+    n, k = 37888, 3584  # 7B gate|up: 2368 strips of 16 rows, 56 chunks of 64 k
+    t = wp.traffic("nvfp4", n, k, 128, (16, 0, 2, 2))  # 128 tokens per CTA, 2 warpgroups (128 rows), 2 K groups
+    assert t["weight_bytes"] == 2368 * 56 * (512 + 64)  # one token tile: every packed word and scale pair once
+    assert t["token_bytes"] == (37888 // 128) * 128 * 3584 * 2  # 296 row blocks each stage all 128 tokens x K
+    assert t["splitk_bytes"] == 0 and t["flops"] == 2 * 128 * n * k and t["ctas"] == 296 and t["threads"] == 512
+    # four warpgroups along the rows halve the token re-reads; half the tokens per CTA double the weight reads
+    t4 = wp.traffic("nvfp4", n, k, 128, (8, 0, 4, 1))
+    assert t4["token_bytes"] * 2 == t["token_bytes"] and t4["weight_bytes"] == 2 * t["weight_bytes"]
+    # MXFP4 stages half the scale bytes; a partial token tile reads only the rows that exist
+    assert wp.traffic("mxfp4", n, k, 100, (16, 0, 2, 2))["weight_bytes"] == 2368 * 56 * (512 + 32)
+    assert wp.traffic("nvfp4", n, k, 100, (16, 0, 2, 2))["token_bytes"] == 296 * 100 * 3584 * 2
+    # CTA splits of K write and read fp32 partial tiles: kz x tiles x (tokens x rows) x 4 B, twice
+    tz = wp.traffic("nvfp4", 3584, 18944, 64, (8, -1, 1, 2))
+    assert tz["splitk_bytes"] == 2 * 2 * 1 * 56 * 64 * 64 * 4 and tz["ctas"] == 112
+    with pytest.raises(ValueError, match="not a wgmma one"):
+        wp.traffic("nvfp4", n, k, 128, (8, 1, 2, 1))
+
+
+def test_shapes_argument():
+    assert wp.parse_shapes("37888x3584,3584X18944") == [(37888, 3584), (3584, 18944)]
+    for bad in ["37888", "100x3584", "3584x100", "axb"]:
+        with pytest.raises(ValueError, match="--shapes entry"):
+            wp.parse_shapes(bad)
+
+
+def test_configs_argument():
+    assert wp.parse_configs("16,0,2,2 8,-1,4,1;4,0,1,1") == [(16, 0, 2, 2), (8, -1, 4, 1), (4, 0, 1, 1)]
+    assert wp.parse_configs("") == []
+    for bad in ["16,0,2", "8,1,2,1", "a,b,c,d"]:
+        with pytest.raises(ValueError, match="--configs entry"):
+            wp.parse_configs(bad)
