@@ -76,7 +76,7 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
         for cfg in cf.wgmma_configs(s, c):
             nt, sw, r, ks = cfg
             # splits of K across CTAs only where the grid without them leaves SMs idle
-            if 8 * nt in ntoks and (sw == 0 or cf.wgmma_tiles(m, s, nt, r) < sms):
+            if 8 * nt in ntoks and (sw in (0, cf.WGMMA_SK) or cf.wgmma_tiles(m, s, nt, r) < sms):
                 out.append(cfg)
     return out
 

@@ -48,14 +48,18 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int]) -> dict:
+def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int], sk_ctas: int | None = None) -> dict:
     """What one wgmma launch moves and computes: weight bytes (packed words + the scale pairs a stage holds, once
     per token tile), token bytes staged (every CTA stages its token tile's rows that exist, over its range of K),
-    the fp32 partials of CTA splits of K (written and read once), and the useful FLOPs."""
+    the fp32 partials of CTA splits of K or of stream-K's shared tiles (written and read once), and the useful FLOPs.
+    A stream-K config (sw = WGMMA_SK) needs ``sk_ctas`` (``cuda_fp4.wgmma_sk_ctas``: the device's CTAs)."""
     nt, sw, r, ks = config
     if sw > 0:
         raise ValueError(f"config {config!r} is not a wgmma one (sw <= 0)")
-    ntok, kz = 8 * nt, 1 - sw
+    sk = sw == cf.WGMMA_SK
+    if sk and not sk_ctas:
+        raise ValueError(f"stream-K config {config!r}: give sk_ctas (the launch's CTAs on the device)")
+    ntok, kz = 8 * nt, 1 if sk else 1 - sw
     s, c = n // 16, k // 64
     sl = 32 if fmt == "nvfp4" else 16  # uint16 scale pairs per (strip, chunk), as the kernel stages them
     tiles_x = -(-m // ntok)
@@ -64,9 +68,16 @@ def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int])
     w_bytes = tiles_x * s * c * (512 + 2 * sl)
     tok_rows = m  # summed over token tiles: rows past M are zero-filled, not read
     x_bytes = tiles_y * tok_rows * k * 2  # every row block (y) stages all of K (its kz x ks splits together)
-    ws_bytes = 0 if kz == 1 else 2 * kz * tiles_x * tiles_y * ntok * rows_per_cta * 4
+    tile_bytes = ntok * rows_per_cta * 4
+    if sk:
+        segs = cf.streamk_segments(tiles_x * tiles_y, c, sk_ctas * ks)
+        ws_bytes = 2 * tile_bytes * sum(1 for seg in segs if seg[4] >= 0)
+        ctas = min(sk_ctas, -(-tiles_x * tiles_y * c // ks))
+    else:
+        ws_bytes = 0 if kz == 1 else 2 * kz * tiles_x * tiles_y * tile_bytes
+        ctas = tiles_x * tiles_y * kz
     return dict(weight_bytes=w_bytes, token_bytes=x_bytes, splitk_bytes=ws_bytes, flops=2 * m * n * k,
-                ctas=tiles_x * tiles_y * kz, threads=r * ks * 128)
+                ctas=ctas, threads=r * ks * 128)
 
 
 def _wgmma_configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
@@ -108,7 +119,8 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None) -> list[dict]
                     print(f"[ncu] {fmt} {n}x{k} M={m} config {cfg}", flush=True)
                     continue
                 t = cgb._time_gemm(cws, m, rep_ms, cfg) * 1e-3  # s
-                tr = traffic(fmt, n, k, m, cfg)
+                sk = cf.wgmma_sk_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3]) if cfg[1] == cf.WGMMA_SK else None
+                tr = traffic(fmt, n, k, m, cfg, sk)
                 row = dict(fmt=fmt, N=n, K=k, M=m, config=str(cfg), tuned=cfg == tuned, us=round(t * 1e6, 2),
                            tflops=round(tr["flops"] / t / 1e12, 1),
                            l2_tbps=round((tr["weight_bytes"] + tr["token_bytes"]) / t / 1e12, 2),

@@ -17,10 +17,10 @@
 #   scripts/gpu_bench.sh abroll  7B rollouts at 16-256 sequences (16 = warm-up), one process each: NVFP4, NVFP4 with
 #                                QERL_WGMMA_PIPE=2, NVFP4 with QERL_WGMMA_LORA=1 (LoRA in the wgmma GEMM's epilogue),
 #                                BF16-LoRA ($OUT/roll_*); ~5 min, after `pipe` on the same machine (builds cached)
-#   scripts/gpu_bench.sh prof    issue 10: both builds (pipes 1 and 2), the wgmma GPU tests with each, bytes and FLOPs per
-#                                wgmma configuration against time (benchmarks.wgmma_profile, pipe 2: $OUT/prof), then
-#                                the tuning sweep with each pipe ($OUT/sweep1, $OUT/sweep2; each installs its table
-#                                for its own layer table, pipe 2's last); ~8 min
+#   scripts/gpu_bench.sh prof    issue 10: both builds (pipes 1 and 2), the wgmma GPU tests with each, the tuning sweep
+#                                with each pipe ($OUT/sweep1, $OUT/sweep2; each installs its table for its own layer
+#                                table, pipe 2's last), then bytes and FLOPs per wgmma configuration against time
+#                                (benchmarks.wgmma_profile, pipe 2: $OUT/prof); ~8-9 min
 #   scripts/gpu_bench.sh ncu     Nsight Compute on the 7B gate|up wgmma GEMM at M = 128 (NCU_CONFIGS), pipe 2
 #                                ($OUT/prof/ncu_*.txt); after `prof` on the same machine (builds cached)
 #   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
@@ -84,12 +84,12 @@ prof)
   for v in 1 2; do
     QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
   done
-  QERL_WGMMA_PIPE=2 timeout 150 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 \
-    | grep -v Warn >> "$LOG"
   for v in 1 2; do
     QERL_WGMMA_PIPE=$v timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table --out "$OUT/sweep$v" \
       2>&1 | grep -v Warn >> "$LOG"
-  done ;;
+  done
+  QERL_WGMMA_PIPE=2 timeout 120 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 \
+    | grep -v Warn >> "$LOG" ;;
 ncu)
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"

@@ -228,8 +228,11 @@ def test_wgmma_config_validation():
     for ntok, rw, ks in cf.WGMMA_VARIANTS:  # every compiled variant fits some shape's opt-in shared memory
         assert cf.wgmma_smem_bytes(ntok, rw, ks) <= cf.GEMM_SMEM_MAX, (ntok, rw, ks)
     cfgs = cf.wgmma_configs(224, 56)
-    # all variants x CTA splits but kz 4 x ks 4 (16 splits of 56 chunks: < 4 chunks each)
-    assert len(cfgs) == cf.WGMMA_MAX_KZ * len(cf.WGMMA_VARIANTS) - 2 and (4, -3, 1, 4) not in cfgs
+    # all variants x CTA splits but kz 4 x ks 4 (16 splits of 56 chunks: < 4 chunks each), + each one's stream-K
+    assert len(cfgs) == cf.WGMMA_MAX_KZ * len(cf.WGMMA_VARIANTS) - 2 + len(cf.WGMMA_SK_VARIANTS)
+    assert (4, -3, 1, 4) not in cfgs and (16, cf.WGMMA_SK, 2, 1) in cfgs and (16, cf.WGMMA_SK, 2, 2) not in cfgs
+    with pytest.raises(ValueError, match="stream-K, variants"):  # 128 tokens on 512 threads: no stream-K kernel
+        cf.check_gemm_config((16, cf.WGMMA_SK, 4, 1), s=224, c=56)
     assert all(cf.check_gemm_config(c, 224, 56) == c for c in cfgs)
     assert cf.check_gemm_config((8, -3, 1, 2), s=224, c=8) == (8, -3, 1, 2)  # 4 CTA splits x 2 groups = C
     with pytest.raises(ValueError, match="kz = 1 - sw"):
@@ -237,9 +240,45 @@ def test_wgmma_config_validation():
     with pytest.raises(ValueError, match="kz = 1 - sw"):
         cf.check_gemm_config((8, -cf.WGMMA_MAX_KZ, 1, 1), s=224, c=56)
     # every split of K keeps >= 4 chunks
-    assert all((1 - c[1]) * c[3] == 1 for c in cf.wgmma_configs(224, 7))
+    assert all((1 - c[1]) * c[3] == 1 for c in cf.wgmma_configs(224, 7) if c[1] != cf.WGMMA_SK)
     with pytest.raises(ValueError, match="no wgmma variant"):
         cf.gemm_kernel_attributes("nvfp4", 16, 0, 4, 2)
+
+
+@pytest.mark.parametrize("tiles,c,workers", [(296, 56, 264), (1, 56, 264), (72, 56, 528), (3, 5, 7), (10, 3, 40),
+                                             (7, 56, 6), (2368, 56, 132)])
+def test_streamk_schedule_covers_every_unit_once_and_counts_each_tiles_contributors(tiles, c, workers):
+    """The stream-K schedule (``streamk_segments``, the kernel's arithmetic): every (tile, chunk) unit in exactly one
+    segment; a tile's contributors are consecutive workers, counted by the kernel as owner(last unit) - owner(first
+    unit) + 1 (its 'last to finish' test), so no worker inside a shared tile may be empty; a whole tile has one
+    writer and no slot, a shared tile's partials distinct slots, at most 2 per worker (2 w, 2 w + 1)."""
+    segs = cf.streamk_segments(tiles, c, workers)
+    u_all = tiles * c
+    nw = min(workers, u_all)
+    units = [(t, ch) for _, t, a, b, _ in segs for ch in range(a, b)]
+    assert len(units) == len(set(units)) == u_all
+
+    def first(v):
+        return v * u_all // nw
+
+    def owner(u):  # csrc: v = u W / U, then forward past the workers whose first unit is <= u
+        v = u * nw // u_all
+        while v + 1 < nw and first(v + 1) <= u:
+            v += 1
+        return v
+
+    by_tile = {}
+    for w, t, a, b, slot in segs:
+        by_tile.setdefault(t, []).append((w, a, b, slot))
+        assert all(owner(t * c + ch) == w for ch in range(a, b))
+    slots = [sl for *_, sl in segs if sl >= 0]
+    assert len(slots) == len(set(slots)) and all(sl // 2 < nw for sl in slots)
+    for t, parts in by_tile.items():
+        ws = [p[0] for p in parts]
+        assert ws == list(range(owner(t * c), owner(t * c + c - 1) + 1))
+        assert (len(parts) == 1) == (parts[0][3] == -1) and all((p[3] >= 0) == (len(parts) > 1) for p in parts)
+    if u_all >= nw:  # every worker has work (the kernel's W = min(workers, U))
+        assert {s[0] for s in segs} == set(range(nw))
 
 
 @pytest.mark.parametrize("fmt", FP4)

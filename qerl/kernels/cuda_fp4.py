@@ -438,6 +438,7 @@ extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int
                                unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int,
                                const void*, int, const void*, int, int, int, int, const int*, const int*, void*);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
+extern "C" int qfp4_wgmma_sk_ctas(int, int, int, int);
 
 // act = 1 (silu * up): out holds N / 2 columns
 static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
@@ -549,8 +550,8 @@ void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tens
   }
   err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(),
                         (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok,
-                        (int)rw, (int)ks, (int)kz, kz > 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(),
-                        kz > 1 ? ctr.data_ptr() : nullptr, (int)ctr.numel(), lora ? t.data_ptr() : nullptr, ldt,
+                        (int)rw, (int)ks, (int)kz, kz != 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(),
+                        kz != 1 ? ctr.data_ptr() : nullptr, (int)ctr.numel(), lora ? t.data_ptr() : nullptr, ldt,
                         lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1, (int)bound2, ro, rr, stream);
   TORCH_CHECK(err == 0, "qfp4_wgmma_gemm: ", err == -1 ? "unsupported device or configuration"
                                                         : cudaGetErrorString((cudaError_t)err));
@@ -567,6 +568,10 @@ void permute_x(torch::Tensor x, torch::Tensor xp) {
                                  (int)(x.size(1) / 64),
                                  (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
+}
+
+int64_t wgmma_sk_ctas(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
+  return qfp4_wgmma_sk_ctas((int)fmt, (int)ntok, (int)rw, (int)ks);
 }
 
 std::vector<int64_t> wgmma_attributes(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
@@ -624,6 +629,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_gemm", &wgmma_gemm);
   m.def("permute_x", &permute_x);
   m.def("wgmma_attributes", &wgmma_attributes);
+  m.def("wgmma_sk_ctas", &wgmma_sk_ctas);
 }
 """
 
@@ -1029,17 +1035,20 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
     """Validate ``(nt, sw, r, ks)`` = (n8 token tiles per CTA, strips per warp, warps per split-K group, split-K
     groups) for a weight of S strips and C chunks; returns it as a tuple of ints. ``sw <= 0`` names the sm_90a wgmma
     kernel instead: (8 nt tokens per CTA, 1 - kz, r warpgroups of 64 rows per split-K group, ks groups per CTA) with
-    (8 nt, r, ks) one of :data:`WGMMA_VARIANTS` and kz = 1 - sw splits of K across CTAs (1..WGMMA_MAX_KZ)."""
+    (8 nt, r, ks) one of :data:`WGMMA_VARIANTS` and kz = 1 - sw splits of K across CTAs (1..WGMMA_MAX_KZ), or
+    sw = :data:`WGMMA_SK`: stream-K (persistent CTAs, the (tile, chunk) work split evenly between the groups)."""
     try:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
     if sw <= 0:
-        kz = 1 - sw
-        if (8 * nt, r, ks) not in WGMMA_VARIANTS or kz > WGMMA_MAX_KZ or kz * ks > c:
+        kz = 1 if sw == WGMMA_SK else 1 - sw
+        if ((8 * nt, r, ks) not in (WGMMA_SK_VARIANTS if sw == WGMMA_SK else WGMMA_VARIANTS) or kz > WGMMA_MAX_KZ
+                or kz * ks > c):
             raise ValueError(f"wgmma GEMM config {config!r} invalid for S={s} strips, C={c} chunks: (8 nt, r, ks) "
                              f"must be one of {list(WGMMA_VARIANTS)} (tokens per CTA, warpgroups per group, split-K "
-                             f"groups), kz = 1 - sw in 1..{WGMMA_MAX_KZ} CTA splits, kz * ks <= C")
+                             f"groups), kz = 1 - sw in 1..{WGMMA_MAX_KZ} CTA splits (or sw = {WGMMA_SK}: "
+                             f"stream-K, variants {list(WGMMA_SK_VARIANTS)}), kz * ks <= C")
         return nt, sw, r, ks
     if (not gemm_variant_ok(nt, sw, r) or ks < 1 or r * ks > GEMM_MAX_WARPS or ks > c
             or gemm_smem_bytes(nt, sw, r, ks) > GEMM_SMEM_MAX):
@@ -1056,8 +1065,13 @@ WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2), (3
                   (64, 1, 1), (64, 2, 1), (64, 1, 2), (64, 1, 4), (64, 2, 2), (64, 4, 1),
                   (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2), (128, 4, 1),
                   (256, 1, 1), (256, 2, 1))
+# the variants with a stream-K kernel (csrc sk_variant: not 128 tokens on 512 threads, where its loop spills)
+WGMMA_SK_VARIANTS = tuple(v for v in WGMMA_VARIANTS if not (v[0] >= 128 and v[1] * v[2] >= 4))
 WGMMA_STAGES = 4  # csrc kStages
 WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)
+# sw of a stream-K wgmma config (nt, WGMMA_SK, r, ks): as many CTAs as fit the device at once, each split-K group a
+# worker of an even share of the (output tile, chunk) units; shared tiles reduced in worker order (csrc kz = 0)
+WGMMA_SK = -16
 WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
 
@@ -1081,9 +1095,42 @@ def wgmma_tiles(m: int, s: int, nt: int, r: int) -> int:
 
 def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
     """Every wgmma config (nt, 1 - kz, r, ks) that fits a weight of S strips and C chunks (shared memory <= the
-    opt-in limit, every split of K >= 4 chunks)."""
-    return [(ntok // 8, 1 - kz, rw, ks) for kz in range(1, WGMMA_MAX_KZ + 1) for ntok, rw, ks in WGMMA_VARIANTS
-            if (kz * ks == 1 or c // (kz * ks) >= 4) and wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
+    opt-in limit, every split of K >= 4 chunks), then every variant's stream-K config (nt, WGMMA_SK, r, ks)."""
+    fits = [(ntok, rw, ks) for ntok, rw, ks in WGMMA_VARIANTS if wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
+    return ([(ntok // 8, 1 - kz, rw, ks) for kz in range(1, WGMMA_MAX_KZ + 1) for ntok, rw, ks in fits
+             if kz * ks == 1 or c // (kz * ks) >= 4]
+            + [(ntok // 8, WGMMA_SK, rw, ks) for ntok, rw, ks in fits if ks <= c and (ntok, rw, ks) in WGMMA_SK_VARIANTS])
+
+
+def streamk_segments(tiles: int, c: int, workers: int) -> list[tuple[int, int, int, int, int]]:
+    """The stream-K schedule of the wgmma kernel (csrc, the SK part), in pure Python: the U = tiles x c (tile,
+    chunk) units split between W = min(workers, U) workers, worker w taking [w U / W, (w + 1) U / W); returns
+    (worker, tile, first chunk, end chunk, slot) per segment, slot -1 for a tile the worker covers whole (stored at
+    once), else the fp32 partial's workspace slot 2 w (the worker's first tile) or 2 w + 1 (its last)."""
+    u_all = tiles * c
+    nw = min(workers, u_all)
+    first = [v * u_all // nw for v in range(nw + 1)]
+    out = []
+    for w in range(nw):
+        u, t_first = first[w], first[w] // c
+        while u < first[w + 1]:
+            tile, a = divmod(u, c)
+            b = min(c, a + first[w + 1] - u)
+            u += b - a
+            out.append((w, tile, a, b, -1 if (a, b) == (0, c) else 2 * w + (0 if tile == t_first else 1)))
+    return out
+
+
+def wgmma_sk_ctas(fmt: str, ntok: int, rw: int, ks: int) -> int:
+    """CTAs of a stream-K launch of the variant on the current device (SMs x the blocks per SM its registers and
+    shared memory allow), from the extension; cached."""
+    key = ("wgmma_sk_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks)
+    if key not in _STATE:
+        n = int(_ext().wgmma_sk_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks))
+        if n < 1:
+            raise RuntimeError(f"wgmma stream-K: no occupancy for (tokens={ntok}, r={rw}, ks={ks}) ({n})")
+        _STATE[key] = n
+    return _STATE[key]
 
 
 def _wgmma_counters(device: torch.device) -> torch.Tensor:
@@ -1223,10 +1270,11 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
                              f"{torch.cuda.get_device_name(x.device)} (compute capability "
                              f"{torch.cuda.get_device_capability(x.device)})")
         xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
-        kz = 1 - sw
-        if kz > 1:  # fp32 partial tiles of every CTA split; counters shared by the device's launches (one stream)
+        kz = 0 if sw == WGMMA_SK else 1 - sw
+        if kz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
             tiles = wgmma_tiles(m, s, nt, r)
-            ws = torch.empty(kz * tiles * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
+            slots = kz * tiles if kz > 1 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
+            ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
             ctr = _wgmma_counters(x.device)
             if tiles > ctr.numel():
                 raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")

@@ -113,8 +113,10 @@ struct WgLora {
   int roff[3], rk[3];
 };
 
-// xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units.
-template <int FMT, int NTOK, int RW, int KS, bool LORA>
+// xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units. SK false: the grid is
+// (token tiles, row blocks, CTA splits of K); SK true: stream-K (persistent CTAs, see the stream-K part below; its
+// segment loop costs ~35 registers at 128 tokens per CTA, so it is a variant of its own).
+template <int FMT, int NTOK, int RW, int KS, bool LORA, bool SK>
 __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
@@ -135,221 +137,290 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   const int wgi = warp >> 2, wq = warp & 3;
   const int grp = wgi / RW, wr = wgi - grp * RW;
   const int gtid = threadIdx.x - grp * GT;
-  const int tok0 = blockIdx.x * NTOK;
-  const int strip = (blockIdx.y * RW + wr) * 4 + wq;
-  // split q of the KZ * KS splits of K: CTA split blockIdx.z (gridDim.z = KZ), group grp inside it
-  const int KZ = gridDim.z, q = blockIdx.z * KS + grp;
-  const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
-  const int n = c1 - c0;  // >= 1: the caller keeps KZ * KS <= C
+  const int bar = 1 + grp;  // the group's named barrier
   unsigned char* gbase = smem + grp * kStages * SB;
   const uint32_t gbase_s = raw_s + pad + grp * kStages * SB;
   const int my_w = XB + (wr * 4 + wq) * 512;             // this warp's weight words inside a stage
   const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * 64;  // and its scale pairs
 
   float acc[NA];
-#pragma unroll
-  for (int i = 0; i < NA; ++i) acc[i] = 0.f;
 
-  TokenStager<NTOK, GT> tokens(xp, C * 64, tok0, c0, M, gtid);
-  const int st = max(0, min(strip, S - 1));  // strips past S compute garbage that is never stored
-  const uint4* wq_p = qw + ((size_t)st * C + c0) * 32 + lane;
-  const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
-
-  auto stage = [&](int idx) {
-    if (idx < n) {
-      const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
-      tokens.stage(dst);
-      cp_async16(dst + my_w + lane * 16, wq_p, true);
-      if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
-      wq_p += 32;
-      sq_p += SL;
-    }
-    cp_async_commit();
-  };
-
-  // Chunk idx + 1 is acquired (landed, visible to the async proxy, the group synchronized, the next stage
-  // refilled) and decoded while chunk idx's MMAs run; then wgmma.wait_group 0. The asynchronous MMAs read their A
-  // registers after issue, and ptxas reuses the physical registers of an operand after its last PTX use (measured:
-  // with wait_group 1 at the end of the chunk the next chunk's decode overwrote the in-flight fragments at 128 and
-  // 256 tokens per CTA), so each chunk's fragments are kept alive (keep_regs) until the wait that completes them;
-  // holding the previous chunk's fragments across the loop's back edge instead makes ptxas serialize every MMA.
-  auto acquire = [&](int idx) {
-    cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
-    fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
-    group_sync(1 + grp, GT);        // every thread's; and chunk idx - 2's MMAs are done in every warpgroup
-    stage(idx + kStages - 2);       // into chunk idx - 2's stage
-  };
-  auto decode = [&](int idx, uint32_t (&a)[4][4]) {
-    const unsigned char* sb = gbase + (idx & (kStages - 1)) * SB;
-    const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
-    const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
-    uint32_t sg, sg8;
-    scale_words<FMT>(s16, bword, sg, sg8);
-    decode_word(w.x, sg, sg8, a[0]);
-    decode_word(w.y, sg, sg8, a[1]);
-    decode_word(w.z, sg, sg8, a[2]);
-    decode_word(w.w, sg, sg8, a[3]);
-  };
+  // acc = the product over chunks [c0, c0 + n) (n >= 1) of the token tile at tok0 and this warp's strip.
+  auto mainloop = [&](int tok0, int strip, int c0, int n) {
 #pragma unroll
-  for (int s = 0; s < kStages - 2; ++s) stage(s);
-#pragma unroll
-  for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
-  if constexpr (QFP4_WGMMA_PIPE == 2) {
-    auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
-      mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
+    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+    TokenStager<NTOK, GT> tokens(xp, C * 64, tok0, c0, M, gtid);
+    const int st = max(0, min(strip, S - 1));  // strips past S compute garbage that is never stored
+    const uint4* wq_p = qw + ((size_t)st * C + c0) * 32 + lane;
+    const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
+
+    auto stage = [&](int idx) {
+      if (idx < n) {
+        const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
+        tokens.stage(dst);
+        cp_async16(dst + my_w + lane * 16, wq_p, true);
+        if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
+        wq_p += 32;
+        sq_p += SL;
+      }
+      cp_async_commit();
     };
-    // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is copied):
-    // chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk idx - 1's, and
-    // only after that its set is refilled with chunk idx + 1 (acquired and decoded while chunk idx's MMAs run).
-    uint32_t a0[4][4], a1[4][4];
+
+    // Chunk idx + 1 is acquired (landed, visible to the async proxy, the group synchronized, the next stage
+    // refilled) and decoded while chunk idx's MMAs run; then wgmma.wait_group 0. The asynchronous MMAs read their A
+    // registers after issue, and ptxas reuses the physical registers of an operand after its last PTX use
+    // (measured: with wait_group 1 at the end of the chunk the next chunk's decode overwrote the in-flight fragments
+    // at 128 and 256 tokens per CTA), so each chunk's fragments are kept alive (keep_regs) until the wait that
+    // completes them; holding the previous chunk's fragments across the loop's back edge instead makes ptxas
+    // serialize every MMA.
+    auto acquire = [&](int idx) {
+      cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
+      fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
+      group_sync(bar, GT);            // every thread's; and chunk idx - 2's MMAs are done in every warpgroup
+      stage(idx + kStages - 2);       // into chunk idx - 2's stage
+    };
+    auto decode = [&](int idx, uint32_t (&a)[4][4]) {
+      const unsigned char* sb = gbase + (idx & (kStages - 1)) * SB;
+      const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
+      const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
+      uint32_t sg, sg8;
+      scale_words<FMT>(s16, bword, sg, sg8);
+      decode_word(w.x, sg, sg8, a[0]);
+      decode_word(w.y, sg, sg8, a[1]);
+      decode_word(w.z, sg, sg8, a[2]);
+      decode_word(w.w, sg, sg8, a[3]);
+    };
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int s = 0; s < kStages - 2; ++s) stage(s);
 #pragma unroll
-      for (int o = 0; o < 4; ++o) a1[j][o] = 0u;
-    acquire(0);
-    decode(0, a0);
-    for (int idx = 0; idx < n; idx += 2) {
-      mma(idx, a0);
-      wgmma_wait<1>();  // chunk idx - 1's MMAs (a1) are done; chunk idx's may run
-      keep_regs(a1);
-      if (idx + 1 >= n) break;
-      acquire(idx + 1);
-      decode(idx + 1, a1);
-      mma(idx + 1, a1);
-      wgmma_wait<1>();  // chunk idx's (a0) are done
-      keep_regs(a0);
-      if (idx + 2 < n) {
-        acquire(idx + 2);
-        decode(idx + 2, a0);
-      }
-    }
-  } else {
-    uint32_t a[4][4];
-    acquire(0);
-    decode(0, a);
-    for (int idx = 0; idx < n; ++idx) {
-      mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
-      uint32_t an[4][4];
-      if (idx + 1 < n) {
-        acquire(idx + 1);
-        decode(idx + 1, an);
-      }
-      wgmma_wait<0>();
-      keep_regs(a);
+    for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
+    if constexpr (QFP4_WGMMA_PIPE == 2) {
+      auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
+        mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
+      };
+      // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is
+      // copied): chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk
+      // idx - 1's, and only after that its set is refilled with chunk idx + 1 (acquired and decoded while chunk
+      // idx's MMAs run).
+      uint32_t a0[4][4], a1[4][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int o = 0; o < 4; ++o) a[j][o] = an[j][o];
-    }
-  }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
-  cp_async_wait<0>();
-
-  if constexpr (KS > 1) {
-    __syncthreads();  // every group is done with its stages: shared memory is free for the reduction
-    float* red = reinterpret_cast<float*>(smem);
-    const int tw = threadIdx.x & 127;  // thread within the warpgroup
-    if (grp > 0) {
-#pragma unroll
-      for (int i = 0; i < NA; ++i) red[(((grp - 1) * RW + wr) * NA + i) * 128 + tw] = acc[i];
-    }
-    __syncthreads();
-    if (grp > 0) return;
-#pragma unroll
-    for (int sp = 1; sp < KS; ++sp)
-#pragma unroll
-      for (int i = 0; i < NA; ++i) acc[i] += red[(((sp - 1) * RW + wr) * NA + i) * 128 + tw];
-  }
-  // Split-K across CTAs (KZ > 1): every CTA of an output tile writes its partial sums (fp32, in fragment order) to
-  // the workspace; the last to finish (a per-tile counter) adds the KZ partials in split order -- deterministic, no
-  // floating-point atomics -- and writes the tile; it leaves the counter at zero for the next launch.
-  if (KZ > 1) {
-    __shared__ int last;
-    const int rt = threadIdx.x;  // group 0's threads: 0 .. GT - 1
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    const size_t tile_floats = (size_t)NA * GT;
-    float* mine = ws + ((size_t)blockIdx.z * gridDim.x * gridDim.y + tile) * tile_floats;
-#pragma unroll
-    for (int i = 0; i < NA; ++i) __stcg(mine + (size_t)i * GT + rt, acc[i]);
-    __threadfence();
-    group_sync(1, GT);
-    if (rt == 0) last = atomicAdd(ctr + tile, 1) == KZ - 1;
-    group_sync(1, GT);
-    if (!last) return;
-    __threadfence();
-#pragma unroll
-    for (int i = 0; i < NA; ++i) acc[i] = 0.f;
-    for (int z = 0; z < KZ; ++z) {
-      const float* part = ws + ((size_t)z * gridDim.x * gridDim.y + tile) * tile_floats;
-#pragma unroll
-      for (int i = 0; i < NA; ++i) acc[i] += __ldcg(part + (size_t)i * GT + rt);
-    }
-    if (rt == 0) ctr[tile] = 0;
-  }
-  if constexpr (LORA) {
-    // The accumulators to output units, then the LoRA MMAs add t Bn^T onto them (stored with multiplier 1). Group 0's
-    // warpgroups only (the others returned after the reduction), 64 ranks per pass: t's tile staged like the tokens
-    // (128-byte swizzle, natural rank order, zero past M and R), this warp's A fragments = its 16 Bn rows at the
-    // ranks of its member (zero outside them).
-    const float m0 = FMT == 0 ? out_mult / __ldg(gs) : out_mult;
-#pragma unroll
-    for (int i = 0; i < NA; ++i) acc[i] *= m0;
-    const int gt0 = threadIdx.x;  // < GT
-    const int nrow = st * 16;
-    const int mb = nrow < la.bound1 ? 0 : nrow < la.bound2 ? 1 : 2;
-    const int r0 = mb == 0 ? la.roff[0] : mb == 1 ? la.roff[1] : la.roff[2];
-    const int rk = mb == 0 ? la.rk[0] : mb == 1 ? la.rk[1] : la.rk[2];
-    const uint32_t* bg = reinterpret_cast<const uint32_t*>(la.bn + (size_t)(nrow + g) * la.rp);
-    const uint32_t* b8 = bg + 4 * la.rp;  // row g + 8
-    const uint32_t ts = raw_s + pad;      // the tile at the start of (1024-aligned) shared memory
-    for (int c0 = 0; c0 < la.R; c0 += 64) {
-      group_sync(1, GT);  // shared memory free: the main loop's, the reduction's or the previous pass's reads done
-      for (int u = gt0; u < NTOK * 8; u += GT) {
-        const int row = u >> 3, unit = u & 7, r = c0 + 8 * unit;
-        const bool ok = tok0 + row < M && r < la.R;
-        cp_async16(ts + row * 128 + ((unit ^ (row & 7)) << 4), ok ? la.t + (size_t)(tok0 + row) * la.ldt + r : la.t,
-                   ok);
+        for (int o = 0; o < 4; ++o) a1[j][o] = 0u;
+      acquire(0);
+      decode(0, a0);
+      for (int idx = 0; idx < n; idx += 2) {
+        mma(idx, a0);
+        wgmma_wait<1>();  // chunk idx - 1's MMAs (a1) are done; chunk idx's may run
+        keep_regs(a1);
+        if (idx + 1 >= n) break;
+        acquire(idx + 1);
+        decode(idx + 1, a1);
+        mma(idx + 1, a1);
+        wgmma_wait<1>();  // chunk idx's (a0) are done
+        keep_regs(a0);
+        if (idx + 2 < n) {
+          acquire(idx + 2);
+          decode(idx + 2, a0);
+        }
       }
-      cp_async_commit();
-      cp_async_wait<0>();
-      fence_proxy_async();
-      group_sync(1, GT);
+    } else {
       uint32_t a[4][4];
+      acquire(0);
+      decode(0, a);
+      for (int idx = 0; idx < n; ++idx) {
+        mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
+        uint32_t an[4][4];
+        if (idx + 1 < n) {
+          acquire(idx + 1);
+          decode(idx + 1, an);
+        }
+        wgmma_wait<0>();
+        keep_regs(a);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int kk = c0 + 16 * j + 2 * t - r0;  // this lane's first rank pair in its member's Bn columns
-        const bool lo = kk >= 0 && kk < rk, hi = kk + 8 >= 0 && kk + 8 < rk;
-        a[j][0] = lo ? __ldg(bg + (kk >> 1)) : 0u;
-        a[j][1] = lo ? __ldg(b8 + (kk >> 1)) : 0u;
-        a[j][2] = hi ? __ldg(bg + ((kk + 8) >> 1)) : 0u;
-        a[j][3] = hi ? __ldg(b8 + ((kk + 8) >> 1)) : 0u;
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int o = 0; o < 4; ++o) a[j][o] = an[j][o];
       }
-      mma_chunk<NTOK>(acc, a, ts);
-      wgmma_wait<0>();
-      keep_regs(a);
     }
+    wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
-  }
-  if (strip >= S) return;
-  float mult = out_mult;
-  if (FMT == 0) mult = out_mult / __ldg(gs);
-  if constexpr (LORA) mult = 1.f;  // applied before the LoRA term
-  // accumulator 4 j + v: weight row 16 wq + g (+ 8 for v >= 2) of the warpgroup, token 8 j + 2 t (+ 1 for odd v)
-  const int n0 = strip * 16;
+    cp_async_wait<0>();
+  };
+
+  // The finished tile (acc: the full sum over K, in fragment order) to out: the LoRA term first (LORA variants),
+  // then the bf16 rounding. The group's warpgroups only; the group's stages are free (its caller synchronized it).
+  auto epilogue = [&](int tok0, int strip) {
+    const int st = max(0, min(strip, S - 1));
+    if constexpr (LORA) {
+      // The accumulators to output units, then the LoRA MMAs add t Bn^T onto them (stored with multiplier 1), 64
+      // ranks per pass: t's tile staged like the tokens (128-byte swizzle, natural rank order, zero past M and R)
+      // in the group's first stage, this warp's A fragments = its 16 Bn rows at the ranks of its member (zero
+      // outside them).
+      const float m0 = FMT == 0 ? out_mult / __ldg(gs) : out_mult;
 #pragma unroll
-  for (int j = 0; j < NTOK / 8; ++j) {
-    const int tok = tok0 + 8 * j + 2 * t;
-    if (tok < M) {
-      out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 0] * mult);
-      out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 2] * mult);
+      for (int i = 0; i < NA; ++i) acc[i] *= m0;
+      const int nrow = st * 16;
+      const int mb = nrow < la.bound1 ? 0 : nrow < la.bound2 ? 1 : 2;
+      const int r0 = mb == 0 ? la.roff[0] : mb == 1 ? la.roff[1] : la.roff[2];
+      const int rk = mb == 0 ? la.rk[0] : mb == 1 ? la.rk[1] : la.rk[2];
+      const uint32_t* bg = reinterpret_cast<const uint32_t*>(la.bn + (size_t)(nrow + g) * la.rp);
+      const uint32_t* b8 = bg + 4 * la.rp;  // row g + 8
+      const uint32_t ts = gbase_s;          // the group's first stage (1024-aligned)
+      for (int c0 = 0; c0 < la.R; c0 += 64) {
+        group_sync(bar, GT);  // the stage free: the main loop's, the reduction's or the previous pass's reads done
+        for (int u = gtid; u < NTOK * 8; u += GT) {
+          const int row = u >> 3, unit = u & 7, r = c0 + 8 * unit;
+          const bool ok = tok0 + row < M && r < la.R;
+          cp_async16(ts + row * 128 + ((unit ^ (row & 7)) << 4),
+                     ok ? la.t + (size_t)(tok0 + row) * la.ldt + r : la.t, ok);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        group_sync(bar, GT);
+        uint32_t a[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int kk = c0 + 16 * j + 2 * t - r0;  // this lane's first rank pair in its member's Bn columns
+          const bool lo = kk >= 0 && kk < rk, hi = kk + 8 >= 0 && kk + 8 < rk;
+          a[j][0] = lo ? __ldg(bg + (kk >> 1)) : 0u;
+          a[j][1] = lo ? __ldg(b8 + (kk >> 1)) : 0u;
+          a[j][2] = hi ? __ldg(bg + ((kk + 8) >> 1)) : 0u;
+          a[j][3] = hi ? __ldg(b8 + ((kk + 8) >> 1)) : 0u;
+        }
+        mma_chunk<NTOK>(acc, a, ts);
+        wgmma_wait<0>();
+        keep_regs(a);
+      }
+#pragma unroll
+      for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     }
-    if (tok + 1 < M) {
-      out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 1] * mult);
-      out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 3] * mult);
+    if (strip >= S) return;
+    float mult = out_mult;
+    if (FMT == 0) mult = out_mult / __ldg(gs);
+    if constexpr (LORA) mult = 1.f;  // applied before the LoRA term
+    // accumulator 4 j + v: weight row 16 wq + g (+ 8 for v >= 2) of the warpgroup, token 8 j + 2 t (+ 1 for odd v)
+    const int n0 = strip * 16;
+#pragma unroll
+    for (int j = 0; j < NTOK / 8; ++j) {
+      const int tok = tok0 + 8 * j + 2 * t;
+      if (tok < M) {
+        out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 0] * mult);
+        out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 2] * mult);
+      }
+      if (tok + 1 < M) {
+        out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 1] * mult);
+        out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 3] * mult);
+      }
     }
+  };
+
+  if constexpr (!SK) {
+    const int tok0 = blockIdx.x * NTOK;
+    const int strip = (blockIdx.y * RW + wr) * 4 + wq;
+    // split q of the KZ * KS splits of K: CTA split blockIdx.z (gridDim.z = KZ), group grp inside it
+    const int KZ = gridDim.z, q = blockIdx.z * KS + grp;
+    const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
+    mainloop(tok0, strip, c0, c1 - c0);  // >= 1 chunk: the caller keeps KZ * KS <= C
+
+    if constexpr (KS > 1) {
+      __syncthreads();  // every group is done with its stages: shared memory is free for the reduction
+      float* red = reinterpret_cast<float*>(smem);
+      const int tw = threadIdx.x & 127;  // thread within the warpgroup
+      if (grp > 0) {
+#pragma unroll
+        for (int i = 0; i < NA; ++i) red[(((grp - 1) * RW + wr) * NA + i) * 128 + tw] = acc[i];
+      }
+      __syncthreads();
+      if (grp > 0) return;
+#pragma unroll
+      for (int sp = 1; sp < KS; ++sp)
+#pragma unroll
+        for (int i = 0; i < NA; ++i) acc[i] += red[(((sp - 1) * RW + wr) * NA + i) * 128 + tw];
+    }
+    // Split-K across CTAs (KZ > 1): every CTA of an output tile writes its partial sums (fp32, in fragment order) to
+    // the workspace; the last to finish (a per-tile counter) adds the KZ partials in split order -- deterministic,
+    // no floating-point atomics -- and writes the tile; it leaves the counter at zero for the next launch.
+    if (KZ > 1) {
+      __shared__ int last;
+      const int rt = threadIdx.x;  // group 0's threads: 0 .. GT - 1
+      const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+      const size_t tile_floats = (size_t)NA * GT;
+      float* mine = ws + ((size_t)blockIdx.z * gridDim.x * gridDim.y + tile) * tile_floats;
+#pragma unroll
+      for (int i = 0; i < NA; ++i) __stcg(mine + (size_t)i * GT + rt, acc[i]);
+      __threadfence();
+      group_sync(1, GT);
+      if (rt == 0) last = atomicAdd(ctr + tile, 1) == KZ - 1;
+      group_sync(1, GT);
+      if (!last) return;
+      __threadfence();
+#pragma unroll
+      for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+      for (int z = 0; z < KZ; ++z) {
+        const float* part = ws + ((size_t)z * gridDim.x * gridDim.y + tile) * tile_floats;
+#pragma unroll
+        for (int i = 0; i < NA; ++i) acc[i] += __ldcg(part + (size_t)i * GT + rt);
+      }
+      if (rt == 0) ctr[tile] = 0;
+    }
+    epilogue(tok0, strip);
+  } else {
+  // Stream-K (SK; a grid of P CTAs, at most as many as fit the device at once): the work is the U = tiles x C
+  // (output tile, chunk) units, tiles numbered token tile fastest; each split-K group of each CTA is one of
+  // W = min(P KS, U) workers and takes units [w U / W, (w + 1) U / W), walking them as segments of one tile each.
+  // A tile a worker covers whole is stored at once; a tile shared by several workers (at most the first and the
+  // last of a worker's segments) is written as an fp32 partial to slot 2 w (its first tile) or 2 w + 1 (its last),
+  // and the last contributor to finish (a per-tile counter) adds the partials in worker order -- deterministic --
+  // runs the epilogue and leaves the counter at zero. Every SM stays busy to the end instead of the last wave of
+  // tiles running on a fraction of them.
+  const int tx_n = (M + NTOK - 1) / NTOK, ty_n = (S + 4 * RW - 1) / (4 * RW);
+  const int U = tx_n * ty_n * C;  // the launcher keeps W * U < 2^31
+  const int W = min((int)gridDim.x * KS, U);
+  const int w = (int)blockIdx.x * KS + grp;
+  if (w >= W) return;  // the whole group (no CTA-wide barrier follows)
+  auto first_unit = [&](int v) { return v * U / W; };
+  auto owner = [&](int u) {  // the worker whose units hold u
+    int v = u * W / U;
+    while (v + 1 < W && first_unit(v + 1) <= u) ++v;
+    return v;
+  };
+  __shared__ int last_sk[KS];
+  const size_t tile_floats = (size_t)NA * GT;
+  const int u_end = first_unit(w + 1), t_first = first_unit(w) / C;
+  for (int u = first_unit(w); u < u_end;) {
+    const int tile = u / C;
+    const int a = u - tile * C;
+    const int b = min(C, a + (u_end - u));
+    u += b - a;
+    const int tok0 = (tile % tx_n) * NTOK;
+    const int strip = ((tile / tx_n) * RW + wr) * 4 + wq;
+    mainloop(tok0, strip, a, b - a);
+    group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
+    if (a > 0 || b < C) {
+      float* mine = ws + ((size_t)w * 2 + (tile == t_first ? 0 : 1)) * tile_floats;
+#pragma unroll
+      for (int i = 0; i < NA; ++i) __stcg(mine + (size_t)i * GT + gtid, acc[i]);
+      __threadfence();
+      group_sync(bar, GT);
+      const int v0 = owner(tile * C), v1 = owner(tile * C + C - 1);
+      if (gtid == 0) last_sk[grp] = atomicAdd(ctr + tile, 1) == v1 - v0;
+      group_sync(bar, GT);
+      if (!last_sk[grp]) continue;
+      __threadfence();
+#pragma unroll
+      for (int i = 0; i < NA; ++i) acc[i] = 0.f;
+      for (int v = v0; v <= v1; ++v) {
+        const float* part = ws + ((size_t)v * 2 + (tile == first_unit(v) / C ? 0 : 1)) * tile_floats;
+#pragma unroll
+        for (int i = 0; i < NA; ++i) acc[i] += __ldcg(part + (size_t)i * GT + gtid);
+      }
+      if (gtid == 0) ctr[tile] = 0;
+    }
+    epilogue(tok0, strip);
+  }
   }
 #else
   __trap();  // compiled for sm_90a only (the launcher refuses other devices)
@@ -376,11 +447,20 @@ __global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, int ldx, _
   dst[4 * h + 3] = make_uint4(l0.w, l1.w, l2.w, l3.w);
 }
 
+// Stream-K variants: all but 128 tokens on 512 threads (128 registers: the segment loop spills there, and with two
+// chunks in flight ptxas serializes the MMAs). qerl/kernels/cuda_fp4.py WGMMA_SK_VARIANTS.
+constexpr bool sk_variant(int ntok, int rw, int ks) { return !(ntok >= 128 && rw * ks >= 4); }
+
 // Compiled (tokens per CTA, warpgroups along the rows, split-K groups): see qerl/kernels/cuda_fp4.py WGMMA_VARIANTS.
-template <int FMT, bool LORA>
+template <int FMT, bool LORA, bool SK>
 const void* pick_fmt(int ntok, int rw, int ks) {
-#define QFP4_WG(N, R, K) \
-  if (ntok == N && rw == R && ks == K) return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, N, R, K, LORA>);
+#define QFP4_WG(N, R, K)                                                                          \
+  if (ntok == N && rw == R && ks == K) {                                                         \
+    if constexpr (!SK || sk_variant(N, R, K))                                                    \
+      return reinterpret_cast<const void*>(&fp4_wgmma_kernel<FMT, N, R, K, LORA, SK>);           \
+    else                                                                                         \
+      return nullptr;                                                                            \
+  }
   QFP4_WG(32, 1, 1) QFP4_WG(32, 2, 1) QFP4_WG(32, 1, 2) QFP4_WG(32, 1, 4) QFP4_WG(32, 2, 2) QFP4_WG(32, 4, 1)
   QFP4_WG(64, 1, 1) QFP4_WG(64, 2, 1) QFP4_WG(64, 1, 2) QFP4_WG(64, 1, 4) QFP4_WG(64, 2, 2) QFP4_WG(64, 4, 1)
   QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2) QFP4_WG(128, 4, 1)
@@ -389,13 +469,14 @@ const void* pick_fmt(int ntok, int rw, int ks) {
   return nullptr;
 }
 
-template <bool LORA>
+template <bool LORA, bool SK>
 const void* pick_lora(int fmt, int ntok, int rw, int ks) {
-  return fmt == 0 ? pick_fmt<0, LORA>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, LORA>(ntok, rw, ks) : nullptr;
+  return fmt == 0 ? pick_fmt<0, LORA, SK>(ntok, rw, ks) : fmt == 1 ? pick_fmt<1, LORA, SK>(ntok, rw, ks) : nullptr;
 }
 
-const void* pick(int fmt, int ntok, int rw, int ks, bool lora = false) {
-  return lora ? pick_lora<true>(fmt, ntok, rw, ks) : pick_lora<false>(fmt, ntok, rw, ks);
+const void* pick(int fmt, int ntok, int rw, int ks, bool lora = false, bool sk = false) {
+  return sk ? (lora ? pick_lora<true, true>(fmt, ntok, rw, ks) : pick_lora<false, true>(fmt, ntok, rw, ks))
+            : (lora ? pick_lora<true, false>(fmt, ntok, rw, ks) : pick_lora<false, false>(fmt, ntok, rw, ks));
 }
 
 size_t smem_bytes(int ntok, int rw, int ks) {
@@ -428,10 +509,26 @@ extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, vo
   return (int)cudaGetLastError();
 }
 
+// CTAs of a stream-K launch of a variant on the current device (every SM filled to the occupancy the variant
+// allows); -1 on error. The workspace of such a launch holds 2 x this x ks partial tiles.
+extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, false, true);
+  int dev = 0, sms = 0, per = 0;
+  if (fn == nullptr || cudaGetDevice(&dev) || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
+    return -1;
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
+  if (smem > (size_t)qfp4::wg::kSmemMax ||
+      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fn, rw * ks * 128, smem) || per < 1)
+    return -1;
+  return sms * per;
+}
+
 // out (M, N) <- x @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm; xp: x permuted by qfp4_permute_x (M, 64 C).
 // ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups inside a CTA, kz: splits of K across
 // CTAs (kz > 1: ws holds >= kz * tiles * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints, tiles = the
-// output tiles; one GEMM at a time per counter buffer). sm_90 only.
+// output tiles; one GEMM at a time per counter buffer); kz = 0: stream-K over qfp4_wgmma_sk_ctas CTAs (ws holds
+// >= 2 * ctas * ks * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints). sm_90 only.
 // LoRA (lt != nullptr): out += t Bn^T per member in the epilogue (WgLora above): lt (M, R) bf16 with row stride ldt,
 // 16-byte aligned; lbn (N, rp) bf16; members at rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
@@ -441,8 +538,8 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
                                const void* lt, int ldt, const void* lbn, int rp, int R, int bound1, int bound2,
                                const int* roff, const int* rk, void* stream) {
   const bool lora = lt != nullptr;
-  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, lora);
-  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 1 || kz * ks > C ||
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, lora, kz == 0);
+  if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 0 || kz * ks > C ||
       (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
     return -1;
   qfp4::wg::WgLora la = {};
@@ -470,13 +567,22 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return (int)e;
   const int per = rw * 4;  // strips per CTA
-  const dim3 grid((unsigned)((M + ntok - 1) / ntok), (unsigned)((S + per - 1) / per), (unsigned)kz);
-  if (grid.y > 65535u || kz > 64) return -1;
-  if (kz > 1) {  // the workspace holds kz partial tiles of every output tile, the counters one int per tile
-    const long long tiles = (long long)grid.x * grid.y;
-    if (ws == nullptr || ctr == nullptr || tiles > ctr_len ||
-        (long long)kz * tiles * (ntok / 2) * (rw * 128) > ws_floats)
+  const long long tiles = (long long)((M + ntok - 1) / ntok) * ((S + per - 1) / per);
+  const long long tile_floats = (long long)(ntok / 2) * (rw * 128);
+  dim3 grid((unsigned)((M + ntok - 1) / ntok), (unsigned)((S + per - 1) / per), (unsigned)(kz > 0 ? kz : 1));
+  if (kz == 0) {  // stream-K: as many CTAs as fit at once, never more workers than units
+    const int ctas = qfp4_wgmma_sk_ctas(fmt, ntok, rw, ks);
+    if (ctas < 1) return -1;
+    const long long units = tiles * C;
+    const long long need = (units + ks - 1) / ks;
+    grid = dim3((unsigned)(need < ctas ? need : ctas), 1u, 1u);
+    if ((long long)grid.x * ks * units >= (1ll << 31)) return -1;  // the kernel's 32-bit unit arithmetic
+    if (ws == nullptr || ctr == nullptr || tiles > ctr_len || 2ll * grid.x * ks * tile_floats > ws_floats)
       return -1;
+  } else {
+    if (grid.y > 65535u || kz > 64) return -1;
+    if (kz > 1 && (ws == nullptr || ctr == nullptr || tiles > ctr_len || (long long)kz * tiles * tile_floats > ws_floats))
+      return -1;  // the workspace holds kz partial tiles of every output tile, the counters one int per tile
   }
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr,
