@@ -23,13 +23,13 @@ def test_traffic_counts_weights_once_per_token_tile_and_tokens_once_per_row_bloc
     tz = wp.traffic("nvfp4", 3584, 18944, 64, (8, -1, 1, 2))
     assert tz["splitk_bytes"] == 2 * 2 * 1 * 56 * 64 * 64 * 4 and tz["ctas"] == 112
     # stream-K on 132 CTAs x 2 groups: the same operand bytes as kz = 1; the shared tiles' partials counted from
-    # the schedule (264 workers over 592 x 56 units: every worker's range ends inside a tile)
+    # the schedule (264 workers: 528 tiles whole, the other 64 x 56 units split)
     sk = (16, cf.WGMMA_SK, 1, 2)
     t = wp.traffic("nvfp4", n, k, 128, (16, 0, 1, 2))
     ts = wp.traffic("nvfp4", n, k, 128, sk, sk_ctas=132)
     assert (ts["weight_bytes"], ts["token_bytes"], ts["ctas"]) == (t["weight_bytes"], t["token_bytes"], 132)
-    parts = sum(1 for seg in cf.streamk_segments(592, 56, 264) if seg[4] >= 0)
-    assert ts["splitk_bytes"] == 2 * parts * 128 * 64 * 4 and 264 <= parts <= 2 * 264
+    parts = sum(1 for seg in cf.streamk_segments(592, 56, 264) if seg[4] >= 0)  # 2 x 264 whole, 64 tiles split
+    assert ts["splitk_bytes"] == 2 * parts * 128 * 64 * 4 and 64 <= parts <= 2 * 264
     with pytest.raises(ValueError, match="sk_ctas"):
         wp.traffic("nvfp4", n, k, 128, sk)
     with pytest.raises(ValueError, match="not a wgmma one"):

@@ -17,10 +17,11 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
                    (mma.sync), or on sm_90 the wgmma kernel (the weight as wgmma's register operand, the tokens
                    permuted into the weights' K order and read by the tensor cores; 32-256 tokens per CTA), as the
-                   table's configuration names (``QERL_WGMMA_PIPE=2``, opt-in until measured: two chunks of MMAs in
-                   flight per warpgroup; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code;
-                   ``QERL_WGMMA_LORA=1``, opt-in until measured: the rollout's LoRA term added by the wgmma GEMM's
-                   epilogue instead of an addmm after it)
+                   table's configuration names (two chunks of MMAs in flight per warpgroup, ``QERL_WGMMA_PIPE=1``
+                   for one; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code; a tile grid, splits
+                   of K across CTAs, or stream-K over persistent CTAs; ``QERL_WGMMA_LORA=1``, opt-in: the
+                   rollout's LoRA term added by the wgmma GEMM's epilogue instead of an addmm after it, measured
+                   +4% / -1% / -2% rollout tokens/s at 64 / 128 / 256 sequences on an H100)
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot

@@ -651,10 +651,11 @@ WGMMA_PIPES = ("1", "2")
 
 def wgmma_pipe() -> int:
     """``QERL_WGMMA_PIPE``: chunks of MMAs a warpgroup of the wgmma GEMM keeps in flight, fixed when the extension is
-    built (a separate build per value). ``1`` (default, measured): it waits for chunk i's MMAs before issuing chunk
-    i + 1's. ``2`` (opt-in, passes ``benchmarks.wgmma_sass_check``, not yet measured on a GPU): two register sets
-    and ``wgmma.wait_group 1``, chunk i + 1's MMAs issued while chunk i's run."""
-    v = os.environ.get("QERL_WGMMA_PIPE", "1")
+    built (a separate build per value). ``2`` (default since session 32): two register sets and ``wgmma.wait_group
+    1``, chunk i + 1's MMAs issued while chunk i's run -- on an H100 the 7B layer 3-5% faster at M = 48-512 than
+    ``1`` at the same configurations (three runs; `results/speed/raw/h100_s32`), rollouts 1-2%. ``1``: it waits for
+    chunk i's MMAs before issuing chunk i + 1's. Both pass ``benchmarks.wgmma_sass_check``."""
+    v = os.environ.get("QERL_WGMMA_PIPE", "2")
     if v not in WGMMA_PIPES:
         raise ValueError(f"QERL_WGMMA_PIPE={v!r}; valid: {', '.join(WGMMA_PIPES)}")
     return int(v)
@@ -663,7 +664,7 @@ def wgmma_pipe() -> int:
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name)."""
     pipe = wgmma_pipe()
-    return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 1 else [])]
+    return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else [])]
 
 
 def _ext():
@@ -1103,14 +1104,17 @@ def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
 
 
 def streamk_segments(tiles: int, c: int, workers: int) -> list[tuple[int, int, int, int, int]]:
-    """The stream-K schedule of the wgmma kernel (csrc, the SK part), in pure Python: the U = tiles x c (tile,
-    chunk) units split between W = min(workers, U) workers, worker w taking [w U / W, (w + 1) U / W); returns
-    (worker, tile, first chunk, end chunk, slot) per segment, slot -1 for a tile the worker covers whole (stored at
-    once), else the fp32 partial's workspace slot 2 w (the worker's first tile) or 2 w + 1 (its last)."""
-    u_all = tiles * c
+    """The stream-K schedule of the wgmma kernel (csrc, the SK part), in pure Python: the tiles up to the last whole
+    multiple of ``workers`` round-robin, whole (worker w: tiles w, w + workers, ...); then the U = rest x c (tile,
+    chunk) units of the rest split between W = min(workers, U) workers, worker w taking the units [w U / W,
+    (w + 1) U / W) after those. Returns (worker, tile, first chunk, end chunk, slot) per segment, slot -1 for a
+    tile the worker covers whole (stored at once), else the fp32 partial's workspace slot 2 w (the worker's first
+    tile of the split part) or 2 w + 1 (its last)."""
+    dp = tiles // workers * workers
+    out = [(w, t, 0, c, -1) for w in range(workers) for t in range(w, dp, workers)]
+    u_all, u0 = (tiles - dp) * c, dp * c
     nw = min(workers, u_all)
-    first = [v * u_all // nw for v in range(nw + 1)]
-    out = []
+    first = [u0 + v * u_all // nw for v in range(nw + 1)] if nw else [u0]
     for w in range(nw):
         u, t_first = first[w], first[w] // c
         while u < first[w + 1]:

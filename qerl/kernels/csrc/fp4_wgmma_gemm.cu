@@ -37,12 +37,12 @@
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 
-// QFP4_WGMMA_PIPE (the build's -D, set by QERL_WGMMA_PIPE; qerl/kernels/cuda_fp4.py): 1, the default, keeps one
-// chunk's MMAs in flight per warpgroup (wait_group 0 every chunk); 2 keeps two (two register sets, wait_group 1), so
-// a warpgroup issues chunk i + 1's MMAs before chunk i's complete. 2 passes the SASS check (no write to an in-flight
-// A register: benchmarks/wgmma_sass_check.py) and is not yet measured on a GPU, hence opt-in.
+// QFP4_WGMMA_PIPE (the build's -D, set by QERL_WGMMA_PIPE; qerl/kernels/cuda_fp4.py): 2, the default, keeps two
+// chunks' MMAs in flight per warpgroup (two register sets, wait_group 1), so a warpgroup issues chunk i + 1's MMAs
+// before chunk i's complete; 1 keeps one (wait_group 0 every chunk). Both pass the SASS check (no write to an
+// in-flight A register: benchmarks/wgmma_sass_check.py); 2 measured 3-5% faster on an H100 (session 32).
 #ifndef QFP4_WGMMA_PIPE
-#define QFP4_WGMMA_PIPE 1
+#define QFP4_WGMMA_PIPE 2
 #endif
 #if QFP4_WGMMA_PIPE != 1 && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_PIPE must be 1 or 2"
@@ -368,22 +368,33 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     }
     epilogue(tok0, strip);
   } else {
-  // Stream-K (SK; a grid of P CTAs, at most as many as fit the device at once): the work is the U = tiles x C
-  // (output tile, chunk) units, tiles numbered token tile fastest; each split-K group of each CTA is one of
-  // W = min(P KS, U) workers and takes units [w U / W, (w + 1) U / W), walking them as segments of one tile each.
-  // A tile a worker covers whole is stored at once; a tile shared by several workers (at most the first and the
-  // last of a worker's segments) is written as an fp32 partial to slot 2 w (its first tile) or 2 w + 1 (its last),
-  // and the last contributor to finish (a per-tile counter) adds the partials in worker order -- deterministic --
-  // runs the epilogue and leaves the counter at zero. Every SM stays busy to the end instead of the last wave of
-  // tiles running on a fraction of them.
+  // Stream-K (SK; a grid of P CTAs, at most as many as fit the device at once), after a data-parallel part: each
+  // split-K group of each CTA is one of P KS workers; the tiles (token tile fastest) up to the last whole multiple
+  // of P KS go round-robin, whole (worker w: tiles w, w + P KS, ...), and the U = rest x C (tile, chunk) units of
+  // the rest are split evenly: W = min(P KS, U) workers, worker w takes units [w U / W, (w + 1) U / W) after those,
+  // walking them as segments of one tile each. A tile a worker covers whole is stored at once; a tile shared by
+  // several workers (at most the first and the last of a worker's segments) is written as an fp32 partial to slot
+  // 2 w (its first tile) or 2 w + 1 (its last), and the last contributor to finish (a per-tile counter) adds the
+  // partials in worker order -- deterministic -- runs the epilogue and leaves the counter at zero. So the last,
+  // partial wave of tiles runs on every SM instead of a fraction of them, and only it pays for partials.
   const int tx_n = (M + NTOK - 1) / NTOK, ty_n = (S + 4 * RW - 1) / (4 * RW);
-  const int U = tx_n * ty_n * C;  // the launcher keeps W * U < 2^31
-  const int W = min((int)gridDim.x * KS, U);
+  const int tiles = tx_n * ty_n, P = (int)gridDim.x * KS;
   const int w = (int)blockIdx.x * KS + grp;
+  const int DP = tiles / P * P;  // tiles done whole, round-robin
+  for (int tile = w; tile < DP; tile += P) {
+    const int tok0 = (tile % tx_n) * NTOK;
+    const int strip = ((tile / tx_n) * RW + wr) * 4 + wq;
+    mainloop(tok0, strip, 0, C);
+    group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
+    epilogue(tok0, strip);
+    if constexpr (LORA) group_sync(bar, GT);  // and with the LoRA tile in the first stage
+  }
+  const int U = (tiles - DP) * C;  // the launcher keeps P * U < 2^31
+  const int W = min(P, U), u0 = DP * C;
   if (w >= W) return;  // the whole group (no CTA-wide barrier follows)
-  auto first_unit = [&](int v) { return v * U / W; };
+  auto first_unit = [&](int v) { return u0 + v * U / W; };
   auto owner = [&](int u) {  // the worker whose units hold u
-    int v = u * W / U;
+    int v = (u - u0) * W / U;
     while (v + 1 < W && first_unit(v + 1) <= u) ++v;
     return v;
   };
@@ -420,6 +431,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       if (gtid == 0) ctr[tile] = 0;
     }
     epilogue(tok0, strip);
+    if constexpr (LORA) group_sync(bar, GT);  // every warp done with the LoRA tile before the next segment stages
   }
   }
 #else
@@ -576,7 +588,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
     const long long units = tiles * C;
     const long long need = (units + ks - 1) / ks;
     grid = dim3((unsigned)(need < ctas ? need : ctas), 1u, 1u);
-    if ((long long)grid.x * ks * units >= (1ll << 31)) return -1;  // the kernel's 32-bit unit arithmetic
+    if ((long long)grid.x * ks * units >= (1ll << 31)) return -1;  // the kernel's 32-bit unit arithmetic (P U < U^2)
     if (ws == nullptr || ctr == nullptr || tiles > ctr_len || 2ll * grid.x * ks * tile_floats > ws_floats)
       return -1;
   } else {
