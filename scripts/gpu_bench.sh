@@ -27,7 +27,8 @@
 #                                into the tree and $OUT/sweep: copy it back into qerl/kernels/tuned/), the layer table,
 #                                bytes and FLOPs per wgmma configuration ($OUT/prof); ~6 min
 #   scripts/gpu_bench.sh roll    7B rollouts at 16-256 sequences (16 = warm-up): NVFP4, NVFP4 with QERL_WGMMA_LORA=1,
-#                                BF16-LoRA ($OUT/roll_*), then the realistic GRPO step (as `grpo`); ~7 min
+#                                BF16-LoRA ($OUT/roll_*; ROLLS="nvfp4:1 bf16:0" picks), then the realistic GRPO step
+#                                (as `grpo`; GRPO_LORA=1: with QERL_WGMMA_LORA=1); ~8 min
 #   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
 #                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
@@ -101,14 +102,14 @@ tune)
   timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table --out "$OUT/sweep" 2>&1 | grep -v Warn >> "$LOG"
   timeout 90 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 | grep -v Warn >> "$LOG" ;;
 roll)
-  for v in nvfp4:0 nvfp4:1 bf16:0; do
+  for v in ${ROLLS:-nvfp4:0 nvfp4:1 bf16:0}; do
     IFS=: read -r f l <<< "$v"
     QERL_WGMMA_LORA=$l $B rollout --models 7b --formats $f --batch 16,64,128,256 --prompt 256 --new 512 \
       --out "$OUT/roll_${f}_l${l}" 2>&1 | grep -v Warn >> "$LOG"
   done
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \
-    --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
+  QERL_WGMMA_LORA=${GRPO_LORA:-0} $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 \
+    --micro 16 --new 1024 --gc on --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
 ncu)
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"
