@@ -454,13 +454,13 @@ def _lora(members, k: int, seed: int, device="cpu") -> cf.LoraOperand:
 
 
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
-    """LoRA in the wgmma GEMM's epilogue: opt-in by QERL_WGMMA_LORA (0 default, 1 on, anything else refused by name),
+    """LoRA in the wgmma GEMM's epilogue: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
     and only for ranks that are multiples of 8 (16-byte staging of t, whole Bn pairs)."""
     from qerl import kernels as qk
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
-    assert not qk.wgmma_lora_enabled()
-    monkeypatch.setenv("QERL_WGMMA_LORA", "1")
     assert qk.wgmma_lora_enabled()
+    monkeypatch.setenv("QERL_WGMMA_LORA", "0")
+    assert not qk.wgmma_lora_enabled()
     monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
     with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1"):
         qk.wgmma_lora_enabled()

@@ -19,9 +19,8 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    permuted into the weights' K order and read by the tensor cores; 32-256 tokens per CTA), as the
                    table's configuration names (two chunks of MMAs in flight per warpgroup, ``QERL_WGMMA_PIPE=1``
                    for one; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code; a tile grid, splits
-                   of K across CTAs, or stream-K over persistent CTAs; ``QERL_WGMMA_LORA=1``, opt-in: the
-                   rollout's LoRA term added by the wgmma GEMM's epilogue instead of an addmm after it, measured
-                   +4% / -1% / -2% rollout tokens/s at 64 / 128 / 256 sequences on an H100)
+                   of K across CTAs, or stream-K over persistent CTAs; the rollout's LoRA term added by the wgmma
+                   GEMM's epilogue instead of an addmm after it, ``QERL_WGMMA_LORA=0`` for the addmm)
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
@@ -588,10 +587,11 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
 
 
 def wgmma_lora_enabled() -> bool:
-    """``QERL_WGMMA_LORA=1``: above decode size, the LoRA term of a linear whose product the wgmma GEMM runs is added
-    by that GEMM's epilogue (x·Aᵀ by cuBLAS, then one launch) instead of an addmm after it. Opt-in until measured on
-    a GPU (default ``0``)."""
-    v = os.environ.get("QERL_WGMMA_LORA", "0")
+    """``QERL_WGMMA_LORA`` (default ``1``): above decode size, the LoRA term of a linear whose product the wgmma GEMM
+    runs is added by that GEMM's epilogue (x·Aᵀ by cuBLAS, then one launch) instead of an addmm after it; ``0``: the
+    addmm. Measured on an H100 (7B rollouts, two runs, pipe 2): +2.4-3.8% tokens/s at 64, 128 and 256 sequences
+    (`results/speed/raw/h100_s32`)."""
+    v = os.environ.get("QERL_WGMMA_LORA", "1")
     if v not in ("0", "1"):
         raise ValueError(f"QERL_WGMMA_LORA={v!r}; valid: 0, 1")
     return v == "1"
