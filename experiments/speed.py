@@ -579,7 +579,13 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 30, the wgmma GEMM with the first wgmma table, commit 35381f5; `raw/h100_s30_step/`, one run, one process
+Now (session 32, build 3cc6ac2: the wgmma GEMM with two chunks of MMAs in flight, the re-swept table; `raw/h100_s32/roll/`,
+one run, one process per format, the LoRA term still by an addmm after the GEMM). With the LoRA term in the GEMM's
+epilogue (the default since 498df2f), the same run's log: NVFP4 8573 / 11660 / 14369 tok/s at 64 / 128 / 256 sequences
+= **1.18× / 1.02× / 0.90×** BF16-LoRA; a second run (`raw/h100_s32/roll2/`, NVFP4 only) 8562 / 11640 / 14311 with it
+and 8353 / 11252 / 13977 without:
+{batch_rollout_table(root, "h100_s32/roll")}
+Session 30 (the wgmma GEMM with the first wgmma table, commit 35381f5; `raw/h100_s30_step/`, one run, one process
 per format; the 32-sequence NVFP4 row was the first run on a fresh machine, which reads low; a second run at 64 and
 128, `raw/h100_s30_splitk/rollout_first_in_process.csv`, NVFP4 first: 8203 / 9075 vs 7156 / 11124):
 {batch_rollout_table(root, "h100_s30_step")}

@@ -30,9 +30,10 @@ def test_wgmma_candidates_split_k_across_ctas_only_where_the_grid_leaves_sms_idl
     down = [c for c in gb.configs(224, 296, 128) if c[1] <= 0]
     assert (16, -3, 2, 2) in down and (16, 0, 2, 2) in down
     assert {8 * nt for nt, _, _, _ in down} == {64, 128}  # the two token tiles that suit M = 128
-    # the fused gate|up at M = 128: 296+ CTAs without splits -> none tried
+    # the fused gate|up at M = 128: 296+ CTAs without splits -> none tried; stream-K (persistent CTAs) always
     gu = [c for c in gb.configs(2368, 56, 128) if c[1] <= 0]
-    assert gu and all(sw == 0 for _, sw, _, _ in gu)
+    assert gu and all(sw in (0, cf.WGMMA_SK) for _, sw, _, _ in gu) and (16, cf.WGMMA_SK, 2, 1) in gu
+    assert (16, cf.WGMMA_SK, 2, 1) in down
     # every candidate is valid for its shape, and small M keeps 32-token tiles
     assert all(cf.check_gemm_config(c, 224, 296) == c for c in down)
     assert {8 * c[0] for c in gb.configs(224, 296, 24) if c[1] <= 0} == {32}
