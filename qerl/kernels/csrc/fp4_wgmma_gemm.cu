@@ -32,7 +32,8 @@
 // launch (two with qfp4_permute_x), CUDA-graph capturable. The LORA variants add a LoRA term in the epilogue
 // (WgLora below: t = bf16(x A^T) computed beforehand, one more MMA per 16 ranks with the Bn rows as A).
 // Grid: x = token tiles (fastest, so CTAs in flight together share a row block's weights through L2), y = row blocks,
-// z = CTA splits of K.
+// z = CTA splits of K; or, for the stream-K variants (SK), as many persistent CTAs as fit the device, walking the
+// tiles in the same order (see the kernel's stream-K part).
 
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
