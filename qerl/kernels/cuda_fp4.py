@@ -1037,7 +1037,8 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
     groups) for a weight of S strips and C chunks; returns it as a tuple of ints. ``sw <= 0`` names the sm_90a wgmma
     kernel instead: (8 nt tokens per CTA, 1 - kz, r warpgroups of 64 rows per split-K group, ks groups per CTA) with
     (8 nt, r, ks) one of :data:`WGMMA_VARIANTS` and kz = 1 - sw splits of K across CTAs (1..WGMMA_MAX_KZ), or
-    sw = :data:`WGMMA_SK`: stream-K (persistent CTAs, the (tile, chunk) work split evenly between the groups)."""
+    sw = :data:`WGMMA_SK`: stream-K (persistent CTAs; whole waves of tiles, the last partial wave's (tile, chunk) units
+    split evenly between the split-K groups: :func:`streamk_segments`)."""
     try:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
@@ -1073,7 +1074,8 @@ WGMMA_SK_VARIANTS = tuple(v for v in WGMMA_VARIANTS if not (v[0] >= 128 and v[1]
 WGMMA_STAGES = 4  # csrc kStages
 WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)
 # sw of a stream-K wgmma config (nt, WGMMA_SK, r, ks): as many CTAs as fit the device at once, each split-K group a
-# worker of an even share of the (output tile, chunk) units; shared tiles reduced in worker order (csrc kz = 0)
+# worker; whole waves of tiles round-robin, then an even share of the rest's (output tile, chunk) units; shared tiles
+# reduced in worker order (csrc kz = 0; streamk_segments)
 WGMMA_SK = -16
 WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
