@@ -462,7 +462,11 @@ __global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, int ldx, _
 
 // Stream-K variants: all but 128 tokens on 512 threads (128 registers: the segment loop spills there, and with two
 // chunks in flight ptxas serializes the MMAs). qerl/kernels/cuda_fp4.py WGMMA_SK_VARIANTS.
-constexpr bool sk_variant(int ntok, int rw, int ks) { return !(ntok >= 128 && rw * ks >= 4); }
+// QFP4_WGMMA_NO_SK=1 (a -D for tools only: the SASS check's planted build) leaves every stream-K kernel out.
+#ifndef QFP4_WGMMA_NO_SK
+#define QFP4_WGMMA_NO_SK 0
+#endif
+constexpr bool sk_variant(int ntok, int rw, int ks) { return !QFP4_WGMMA_NO_SK && !(ntok >= 128 && rw * ks >= 4); }
 
 // Compiled (tokens per CTA, warpgroups along the rows, split-K groups): see qerl/kernels/cuda_fp4.py WGMMA_VARIANTS.
 template <int FMT, bool LORA, bool SK>
