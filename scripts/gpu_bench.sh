@@ -46,6 +46,18 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 QERL_REWARD_WORKERS=2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG"
 B="python3 -m qerl.bench"
+build() {  # the extension build for QERL_WGMMA_PIPE=$1 (a separate build per value: the flag is part of its name)
+  QERL_WGMMA_PIPE=$1 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe $1 build', c.available(), c.build_error())" >> "$LOG" 2>&1
+}
+both_pipes() {  # both builds at once (waiting on the PID only: never a bare wait), then the wgmma GPU tests with each
+  build 1 &
+  local p1=$!
+  build 2
+  wait $p1
+  for v in 1 2; do
+    QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
+  done
+}
 case "${1:-core}" in
 core)
   python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fused_decode.py tests/test_kernels.py tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
@@ -69,27 +81,14 @@ gemm)
   $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 --out "$OUT" 2>&1 \
     | grep -v Warn >> "$LOG" ;;
 pipe)
-  # the two builds at once (separate extension builds: the flag is part of the name); wait on the PID only
-  python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 1 build', c.available(), c.build_error())" >> "$LOG" 2>&1 &
-  p1=$!
-  QERL_WGMMA_PIPE=2 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 2 build', c.available(), c.build_error())" >> "$LOG" 2>&1
-  wait $p1
-  for v in 1 2; do
-    QERL_WGMMA_PIPE=$v python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
-  done
+  both_pipes
   for v in 1a 2 1b; do
     QERL_WGMMA_PIPE=${v:0:1} python3 -m benchmarks.cuda_gemm_bench --models 7b --no-sweep --out "$OUT/pipe$v" 2>&1 \
       | grep -v Warn >> "$LOG"
   done
   QERL_WGMMA_PIPE=2 python3 -m benchmarks.cuda_gemm_bench --models 7b --out "$OUT/pipe2s" 2>&1 | grep -v Warn >> "$LOG" ;;
 prof)
-  python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 1 build', c.available(), c.build_error())" >> "$LOG" 2>&1 &
-  p1=$!
-  QERL_WGMMA_PIPE=2 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe 2 build', c.available(), c.build_error())" >> "$LOG" 2>&1
-  wait $p1
-  for v in 1 2; do
-    QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
-  done
+  both_pipes
   for v in 1 2; do
     QERL_WGMMA_PIPE=$v timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table --out "$OUT/sweep$v" \
       2>&1 | grep -v Warn >> "$LOG"
@@ -97,7 +96,7 @@ prof)
   QERL_WGMMA_PIPE=2 timeout 120 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 \
     | grep -v Warn >> "$LOG" ;;
 tune)
-  python3 -c "from qerl.kernels import cuda_fp4 as c; print('build', c.available(), c.build_error())" >> "$LOG" 2>&1
+  build 2
   timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
   timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table --out "$OUT/sweep" 2>&1 | grep -v Warn >> "$LOG"
   timeout 90 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 | grep -v Warn >> "$LOG" ;;
