@@ -1,13 +1,17 @@
 """Decode attention (``qerl.kernels.fused.decode_attention``) per layer against the split target, on a GPU.
 
     python -m benchmarks.attn_bench [--models 7b,32b] [--batch 2,8,16] [--kv 256,1024,2048]
-                                    [--targets 264,528,1056] [--configs 64:4:0,128:4:0] [--out results/speed]
+                                    [--targets 264,528,1056] [--kernels triton,cuda] [--configs 64:4:0,128:4:0]
+                                    [--cuda-configs 2:64,3:64] [--out results/speed]
 
 For one layer's shapes (heads, KV heads, head dim of the model) and a static KV cache of S_max = 2304 slots, the
 split kernel + combine of one new token per row over the first S keys, timed as one CUDA graph over rotating caches
 (>= 160 MB, so the keys come from HBM), median replay per call; effective TB/s counts K and V of the S keys once.
-``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS`` (programs the key splits aim for), ``--configs`` the kernel's
-keys per tile : warps : pipeline stages (0 = Triton's default). Writes
+``--kernels`` picks the split kernels: Triton's (``--configs``: keys per tile : warps : pipeline stages, 0 = Triton's
+default; ``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS``) and the CUDA one of ``qerl.kernels.cuda_attn``
+(``--cuda-configs``: ring stages per warp : keys per split a multiple of; ``--targets`` sweeps its
+``TARGET_CTAS``), each followed by the same combine kernel, called as the decode step calls it (PDL where on, the
+cache slot S - 1 as the one the previous launch writes). Writes
 ``attn_<gpu>.csv`` (gpu = "h100", ...) under ``--out`` and prints a table.
 """
 
@@ -21,14 +25,28 @@ import os
 import torch
 
 from benchmarks import kernel_bench as bench
+from qerl.kernels import cuda_attn
 from qerl.kernels import fused as fk
 
 S_MAX = 2304
 
 
-def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),)) -> list[dict]:
+def _settings(kernel: str, target: int, cfg: tuple) -> tuple[dict, dict]:
+    """(module attributes to set for one measurement, their CSV columns): the Triton kernel's keys per tile, warps
+    and stages, or the CUDA kernel's ring stages and keys-per-split block; the split target either way."""
+    if kernel == "triton":
+        bs, warps, stages = cfg
+        return ({(fk, "ATTN_TARGET_PROGRAMS"): target, (fk, "ATTN_BS"): bs, (fk, "ATTN_WARPS"): warps,
+                 (fk, "ATTN_STAGES"): stages, (cuda_attn, "MODE"): "triton"},
+                dict(bs=bs, warps=warps, stages=stages))
+    nst, block = cfg
+    return ({(cuda_attn, "TARGET_CTAS"): target, (cuda_attn, "NST"): nst, (cuda_attn, "BLOCK"): block,
+             (cuda_attn, "MODE"): "cuda"}, dict(bs=block, warps=4, stages=nst))
+
+
+def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),), kernels=("triton",),
+        cuda_configs=((2, 64),)) -> list[dict]:
     rows = []
-    orig = (fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES)
     for mdl in models:
         _, _, nh, nkv, hd = bench.MODELS[mdl]
         for m in batches:
@@ -39,21 +57,29 @@ def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),)) -> 
             q = torch.randn(m, nh, hd, device="cuda").bfloat16()
             bias = torch.zeros(m, S_MAX, device="cuda")
             for s in kvs:
-                for t in targets:
-                    for bs, warps, stages in configs:
-                        fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES = t, bs, warps, stages
-                        try:
-                            calls = [functools.partial(fk.decode_attention, q, kc, vc, bias, s, hd ** -0.5)
-                                     for kc, vc in zip(kcs, vcs, strict=True)]
-                            us = bench._graph_ms(calls, rep_ms)[0] * 1e3
-                        finally:
-                            fk.ATTN_TARGET_PROGRAMS, fk.ATTN_BS, fk.ATTN_WARPS, fk.ATTN_STAGES = orig
-                        nsplit, _ = fk.attention_splits(m * nkv, s, block=bs, target_programs=t)
-                        nbytes = 2 * m * nkv * s * hd * 2
-                        rows.append(dict(model=mdl, batch=m, kv=s, target=t, bs=bs, warps=warps, stages=stages,
-                                         splits=nsplit, us=round(us, 2), TBps=round(nbytes / (us * 1e-6) / 1e12, 3)))
-                        print(f"[attn] {mdl} b{m} S={s:5d} target={t:5d} {bs}:{warps}:{stages} splits={nsplit:3d}: "
-                              f"{us:7.2f} us {rows[-1]['TBps']:.2f} TB/s", flush=True)
+                slot = torch.tensor([s - 1], device="cuda")
+                for kernel in kernels:
+                    for t in targets:
+                        for cfg in (configs if kernel == "triton" else cuda_configs):
+                            sets, cols = _settings(kernel, t, cfg)
+                            orig = {k: getattr(*k) for k in sets}
+                            try:
+                                for (mod, name), v in sets.items():
+                                    setattr(mod, name, v)
+                                calls = [functools.partial(fk.decode_attention, q, kc, vc, bias, s, hd ** -0.5, slot)
+                                         for kc, vc in zip(kcs, vcs, strict=True)]
+                                us = bench._graph_ms(calls, rep_ms)[0] * 1e3
+                            finally:
+                                for (mod, name), v in orig.items():
+                                    setattr(mod, name, v)
+                            nsplit, _ = fk.attention_splits(m * nkv, s, block=cols["bs"], target_programs=t)
+                            nbytes = 2 * m * nkv * s * hd * 2
+                            rows.append(dict(model=mdl, batch=m, kv=s, kernel=kernel, target=t, **cols,
+                                             splits=nsplit, us=round(us, 2),
+                                             TBps=round(nbytes / (us * 1e-6) / 1e12, 3)))
+                            print(f"[attn] {mdl} b{m} S={s:5d} {kernel:6s} target={t:5d} "
+                                  f"{cols['bs']}:{cols['warps']}:{cols['stages']} splits={nsplit:3d}: "
+                                  f"{us:7.2f} us {rows[-1]['TBps']:.2f} TB/s", flush=True)
             del kcs, vcs
             torch.cuda.empty_cache()
     return rows
@@ -65,7 +91,10 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", default="2,8,16")
     ap.add_argument("--kv", default="256,1024,2048")
     ap.add_argument("--targets", default="264,528,1056")
-    ap.add_argument("--configs", default="64:4:0", help="keys per tile:warps:stages, comma-separated")
+    ap.add_argument("--configs", default="64:4:0", help="Triton: keys per tile:warps:stages, comma-separated")
+    ap.add_argument("--kernels", default="triton,cuda", help="split kernels to time: triton, cuda")
+    ap.add_argument("--cuda-configs", default="2:64",
+                    help="CUDA: ring stages per warp (2/3/4):keys per split a multiple of (16·k), comma-separated")
     ap.add_argument("--rep", type=float, default=15.0)
     ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)
@@ -82,9 +111,19 @@ def main(argv=None) -> None:
     except (ValueError, AssertionError):
         raise SystemExit(f"--configs must be bs:warps:stages with bs in 16..256 (powers of 2), warps in 1/2/4/8, "
                          f"stages >= 0; got {a.configs!r}") from None
+    kernels = [k for k in a.kernels.split(",") if k]
+    if not kernels or any(k not in ("triton", "cuda") for k in kernels):
+        raise SystemExit(f"--kernels: triton and/or cuda; got {a.kernels!r}")
+    try:
+        cuda_configs = [tuple(int(v) for v in c.split(":")) for c in a.cuda_configs.split(",") if c]
+        assert cuda_configs and all(len(c) == 2 and c[0] in cuda_attn.NST_CHOICES and c[1] > 0 and c[1] % 16 == 0
+                                    for c in cuda_configs)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--cuda-configs must be stages:block with stages in {cuda_attn.NST_CHOICES} and block a "
+                         f"positive multiple of 16; got {a.cuda_configs!r}") from None
     if not torch.cuda.is_available():
         raise SystemExit("attn_bench needs a CUDA GPU")
-    rows = run(models, batches, kvs, targets, a.rep, configs)
+    rows = run(models, batches, kvs, targets, a.rep, configs, kernels, cuda_configs)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"attn_{bench.gpu_tag()}.csv")
     bench.write_csv(path, rows)

@@ -70,6 +70,10 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
                  hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=768, tie_word_embeddings=False, initializer_range=0.02),
+    # Tests of the CUDA decode attention, which takes head dims 64 and 128 (tiny's is 16).
+    "tiny-d64": dict(hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=768, tie_word_embeddings=False, initializer_range=0.02),
 }
 TOY_MODELS = ("smoke", "toy")
 

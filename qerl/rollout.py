@@ -292,7 +292,7 @@ class Sampler:
             p, a = s["plan"][i], layer.self_attn
             q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
-            o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling)  # (N, H*d)
+            o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot)  # (N, H*d)
             h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm))
             d = layer.mlp.down_proj(p["gate_up"].silu_mul(x))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.model.norm

@@ -40,6 +40,52 @@ def _naive_attention(q, kc, vc, bias, S, scale):
 
 # ------------------------------------------------------------------------------------------ references (CPU)
 
+def test_cuda_attention_dispatch_rules(monkeypatch):
+    """Where fused.decode_attention takes the CUDA split kernel: bf16, head dims 64/128, <= 16 query heads per KV head,
+    contiguous caches and an fp32 bias, on a CUDA device; QERL_ATTN=triton never, =cuda or an error naming why, a bad
+    value an error naming the valid ones."""
+    from qerl.kernels import cuda_attn
+    z = lambda *s, dt=BF: torch.zeros(*s, dtype=dt)  # noqa: E731
+    kc = z(2, 4, 32, 128)
+    assert cuda_attn.shape_ok(z(2, 28, 128), kc, kc, z(2, 32, dt=torch.float32))
+    assert cuda_attn.shape_ok(z(2, 14, 64), z(2, 2, 32, 64), z(2, 2, 32, 64), z(2, 32, dt=torch.float32))
+    assert not cuda_attn.shape_ok(z(2, 4, 16), z(2, 2, 32, 16), z(2, 2, 32, 16), z(2, 32, dt=torch.float32))  # d
+    assert not cuda_attn.shape_ok(z(2, 68, 128), kc, kc, z(2, 32, dt=torch.float32))  # 17 heads per KV head
+    assert not cuda_attn.shape_ok(z(2, 28, 128), kc, kc, z(2, 32, dt=BF))             # bf16 bias
+    assert not cuda_attn.shape_ok(z(2, 28, 128).float(), kc.float(), kc.float(), z(2, 32, dt=torch.float32))
+    assert not cuda_attn.shape_ok(z(2, 28, 128), kc, z(2, 32, 4, 128).transpose(1, 2), z(2, 32, dt=torch.float32))
+    args = (z(2, 28, 128), kc, kc, z(2, 32, dt=torch.float32))
+    monkeypatch.setenv("QERL_ATTN", "auto")
+    assert not cuda_attn.usable(*args)  # CPU tensors
+    monkeypatch.setenv("QERL_ATTN", "triton")
+    assert not cuda_attn.usable(*args)
+    monkeypatch.setenv("QERL_ATTN", "cuda")
+    with pytest.raises(RuntimeError, match="QERL_ATTN=cuda"):
+        cuda_attn.usable(*args)
+    monkeypatch.setenv("QERL_ATTN", "fast")
+    with pytest.raises(ValueError, match="'fast'.*auto, cuda, triton"):
+        cuda_attn.usable(*args)
+    monkeypatch.setattr(cuda_attn, "MODE", "triton")  # the benchmark's override wins over the environment
+    assert cuda_attn.attn_mode() == "triton"
+    with pytest.raises(ValueError, match="nst=5"):
+        cuda_attn.split(*args, 32, 0.1, None, 1, 32, z(0, dt=torch.float32), z(2, 28 * 128), False, nst=5)
+    # the CPU path (no Triton on CPU tensors) is the reference, slot or not
+    q, kv = torch.randn(2, 28, 128).to(BF), torch.randn(2, 4, 32, 128).to(BF)
+    monkeypatch.setattr(cuda_attn, "MODE", None)
+    monkeypatch.setenv("QERL_ATTN", "auto")
+    bias = torch.zeros(2, 32)
+    assert torch.equal(fk.decode_attention(q, kv, kv, bias, 20, 0.1, torch.tensor([19])),
+                       fk.decode_attention_ref(q, kv, kv, bias, 20, 0.1))
+
+
+def test_attn_bench_rejects_bad_arguments():
+    from benchmarks import attn_bench
+    for argv, msg in ((["--kernels", "cudnn"], "--kernels"), (["--cuda-configs", "5:64"], "--cuda-configs"),
+                      (["--cuda-configs", "2:40"], "--cuda-configs"), (["--kv", "0"], "--kv")):
+        with pytest.raises(SystemExit, match=msg):
+            attn_bench.main(argv)
+
+
 def test_add_rms_norm_ref_matches_hf_qwen2_rmsnorm():
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
@@ -419,14 +465,22 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
-def test_gpu_pdl_decode_is_bit_identical(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,preset", [("nvfp4", "tiny"), ("mxfp4", "tiny"), ("bf16", "tiny"),
+                                        ("nvfp4", "tiny-d64"), ("bf16", "tiny-d64")])
+def test_gpu_pdl_decode_is_bit_identical(fmt, preset, monkeypatch):
     """Programmatic dependent launch changes when kernels start, not what they compute: the graph sampler with
     QERL_PDL=1 draws the same tokens with the same log-probs as with QERL_PDL=0 (a read before a predecessor's
-    writes landed would show up as a difference somewhere in 3 x 4 x 300 tokens)."""
+    writes landed would show up as a difference somewhere in 3 x 4 x 300 tokens). ``tiny-d64`` runs the CUDA
+    decode attention, which requests the cache before it waits for the RoPE launch that writes the new slot."""
     from qerl import kernels
+    from qerl.kernels import cuda_attn
     torch.manual_seed(0)
-    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    policy, tok = load_policy(f"preset:{preset}", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    cfg = policy.config
+    d, H, hkv = cfg.hidden_size // cfg.num_attention_heads, cfg.num_attention_heads, cfg.num_key_value_heads
+    z = torch.zeros(1, hkv, 16, d, dtype=BF, device="cuda")
+    assert cuda_attn.usable(torch.zeros(1, H, d, dtype=BF, device="cuda"), z, z,
+                            torch.zeros(1, 16, device="cuda")) == (preset == "tiny-d64")
     perturb_lora_b(policy)
     ros = {}
     for mode in ("0", "1"):
@@ -439,6 +493,49 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, monkeypatch):
     assert torch.equal(ros["0"].completion_mask, ros["1"].completion_mask)
     assert torch.equal(ros["0"].completion_ids, ros["1"].completion_ids)
     assert torch.equal(ros["0"].logp, ros["1"].logp)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("H,hkv,d", [(28, 4, 128), (40, 8, 128), (16, 2, 128), (32, 2, 128), (14, 2, 64)])
+def test_gpu_cuda_decode_attention_matches_reference(H, hkv, d, monkeypatch):
+    """The CUDA split kernel (qerl.kernels.cuda_attn) against a float64 reference and the Triton split kernel, over
+    every ring depth, one split (its output written directly) and many (16-key splits, the combine kernel), key counts
+    around the 16-key subtiles and the 4-warp rounds, left-padded and holed masks, and a `slot` (the key the kernel
+    loads after its wait and stores from registers) in and out of the early-requested stages."""
+    from qerl.kernels import cuda_attn
+    if not cuda_attn.usable(torch.zeros(1, H, d, dtype=BF, device="cuda"),
+                            torch.zeros(1, hkv, 16, d, dtype=BF, device="cuda"),
+                            torch.zeros(1, hkv, 16, d, dtype=BF, device="cuda"), torch.zeros(1, 16, device="cuda")):
+        pytest.fail(f"CUDA decode attention not usable: {cuda_attn._STATE.get('error')}")
+    g = torch.Generator(device="cuda").manual_seed(H * 1000 + d)
+    m, smax, scale = 5, 700, d ** -0.5
+    q = torch.randn(m, H, d, device="cuda", generator=g).to(BF)
+    kc = torch.randn(m, hkv, smax, d, device="cuda", generator=g).to(BF)
+    vc = torch.randn(m, hkv, smax, d, device="cuda", generator=g).to(BF)
+    bias = torch.zeros(m, smax, device="cuda")
+    bias[0, :37] = -math.inf      # left padding over more than two subtiles
+    bias[1, 100:300] = -math.inf  # a hole spanning whole splits
+    bias[3, 1:16] = -math.inf
+    runs = 0
+    for S in (1, 15, 16, 17, 63, 64, 65, 300, 700):
+        ref = fk.decode_attention_ref(q.double(), kc.double(), vc.double(), bias.double(), S, scale).float()
+        monkeypatch.setattr(cuda_attn, "MODE", "triton")
+        tri = fk.decode_attention(q, kc, vc, bias, S, scale).float()
+        err_tri = (tri - ref).abs().max().item()
+        for nst in cuda_attn.NST_CHOICES:
+            for target, block in ((1, 64), (264, 64), (4096, 16)):
+                for slot in (None, S - 1, min(5, S - 1)):
+                    monkeypatch.setattr(cuda_attn, "MODE", "cuda")
+                    monkeypatch.setattr(cuda_attn, "NST", nst)
+                    monkeypatch.setattr(cuda_attn, "TARGET_CTAS", target)
+                    monkeypatch.setattr(cuda_attn, "BLOCK", block)
+                    st = None if slot is None else torch.tensor([slot], device="cuda")
+                    out = fk.decode_attention(q, kc, vc, bias, S, scale, st).float()
+                    err = (out - ref).abs().max().item()
+                    assert err <= max(2 * err_tri, 4e-3), (S, nst, target, slot, err, err_tri)
+                    runs += 1
+    assert runs == 9 * 3 * 3 * 3
 
 
 if __name__ == "__main__":

@@ -107,23 +107,26 @@ def _cuda_include() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
                     reason="needs g++ and the CUDA headers (nvcc's include directory)")
-def test_extension_binding_compiles_against_torch_headers(tmp_path):
-    """The extension's C++ binding (cuda_fp4._BINDING: the launchers' declarations and the torch wrappers) passes
+@pytest.mark.parametrize("ext", ["cuda_fp4", "cuda_attn"])
+def test_extension_binding_compiles_against_torch_headers(tmp_path, ext):
+    """An extension's C++ binding (``_BINDING``: the launchers' declarations and the torch wrappers) passes
     g++ -fsyntax-only against this torch's headers, so a signature slip fails here and not as a failed build on a GPU
     host. A CPU-only torch wheel lacks c10/cuda/impl/cuda_cmake_macros.h: an empty one stands in."""
+    import importlib
     import subprocess
     import sysconfig
 
     from torch.utils.cpp_extension import include_paths
 
-    from qerl.kernels import cuda_fp4
+    binding = importlib.import_module(f"qerl.kernels.{ext}")._BINDING
     (tmp_path / "c10" / "cuda" / "impl").mkdir(parents=True)
     (tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
     good, bad = tmp_path / "binding.cpp", tmp_path / "slip.cpp"
-    good.write_text(cuda_fp4._BINDING)
+    good.write_text(binding)
     # the check must fail on a slip: a launcher called with one argument too few
-    slip = cuda_fp4._BINDING.replace("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()", 1)
-    assert slip != cuda_fp4._BINDING
+    slip = binding.replace(*{"cuda_fp4": ("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()"),
+                             "cuda_attn": ("(float)scale, (int)nst, pdl ? 1 : 0", "(float)scale, (int)nst")}[ext], 1)
+    assert slip != binding
     bad.write_text(slip)
     incs = [*include_paths(), _cuda_include(), sysconfig.get_paths()["include"], str(tmp_path)]
     cmd = ["g++", "-std=c++17", "-fsyntax-only", *[f"-I{i}" for i in incs], "-DTORCH_EXTENSION_NAME=qerl_check"]

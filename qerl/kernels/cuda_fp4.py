@@ -15,13 +15,14 @@ fp4 * 2^(e - 127) (MXFP4), scaled by 2^(B - 126) inside the kernel (B = 119 for 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from qerl.kernels import cuda_build
 
 FORMATS = ("mxfp4", "nvfp4")
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
@@ -633,17 +634,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_CSRC = Path(__file__).with_name("csrc")
+_CSRC = cuda_build.CSRC
 _CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu", _CSRC / "fp4_dequant.cu", _CSRC / "fp4_wgmma_gemm.cu")
 _HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh")
 _STATE: dict = {}
 
 
 def _arch_flags() -> list[str]:
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) == (9, 0):
-        return ["-gencode=arch=compute_90a,code=sm_90a"]
-    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+    return cuda_build.arch_flags()
 
 
 WGMMA_PIPES = ("1", "2")
@@ -669,33 +667,7 @@ def _build_flags() -> list[str]:
 
 def _ext():
     """The compiled extension (built once per source/arch into ~/.cache/qerl_kernels or TORCH_EXTENSIONS_DIR)."""
-    mod = _STATE.get("mod")
-    if mod is not None:
-        return mod
-    if "error" in _STATE:
-        raise RuntimeError(_STATE["error"])
-    from torch.utils.cpp_extension import load
-    flags = _build_flags()
-    src = "".join(p.read_text() for p in (*_CU, *_HEADERS))
-    tag = hashlib.sha1((src + _BINDING + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"qerl_fp4_mma_{tag}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                  "qerl_kernels")
-    bdir = os.path.join(root, name)
-    os.makedirs(bdir, exist_ok=True)
-    cpp = os.path.join(bdir, "binding.cpp")
-    if not os.path.exists(cpp) or open(cpp).read() != _BINDING:
-        with open(cpp, "w") as fh:
-            fh.write(_BINDING)
-    try:
-        mod = load(name=name, sources=[cpp, *map(str, _CU)], extra_cflags=["-O3"],
-                   extra_cuda_cflags=[*flags, f"-I{_CSRC}"],
-                   build_directory=bdir, verbose=os.environ.get("QERL_KERNELS_VERBOSE") == "1")
-    except Exception as e:  # compiler missing or build failure: remembered, reported by available()
-        _STATE["error"] = f"{type(e).__name__}: {e}"
-        raise
-    _STATE["mod"] = mod
-    return mod
+    return cuda_build.load_extension("qerl_fp4_mma", _CU, _HEADERS, _BINDING, _build_flags(), _STATE)
 
 
 def available() -> bool:

@@ -377,23 +377,40 @@ def attention_splits(rows: int, S: int, block: int | None = None, target_program
     return -(-S // chunk), chunk
 
 
-def decode_attention(q, kc, vc, bias, S: int, scale: float):
+def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor | None = None):
     """Attention of one new token per row over cache slots [0, S): q (M, H, d), kc/vc (M, Hkv, S_max, d),
-    bias (M, S_max) fp32 additive mask. Returns (M, H·d)."""
+    bias (M, S_max) fp32 additive mask. Returns (M, H·d). On CUDA the split kernel is
+    :mod:`qerl.kernels.cuda_attn`'s where it applies (``QERL_ATTN``), else Triton's; ``slot`` (1,) int64, the one
+    cache slot the preceding launch (RoPE + cache write) may still be writing: with PDL the CUDA kernel requests
+    every other key before it waits for that launch (None: nothing before the wait)."""
     if not _triton_ok(q):
         return decode_attention_ref(q, kc, vc, bias, S, scale)
     m, H, d = q.shape
     hkv, s_max = kc.shape[1], kc.shape[2]
     g = H // hkv
-    nsplit, chunk = attention_splits(m * hkv, S)
-    part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
-    mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
     interp, pdl = _interpret(), _pdl(q)
-    _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
-                                          float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
-                                          BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
-                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
     o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
+    if not interp and q.is_cuda:
+        from qerl.kernels import cuda_attn
+        cuda = cuda_attn.usable(q, kc, vc, bias)
+    else:
+        cuda = False
+    if cuda:
+        nsplit, chunk = attention_splits(m * hkv, S, block=cuda_attn.BLOCK, target_programs=cuda_attn.TARGET_CTAS)
+    else:
+        nsplit, chunk = attention_splits(m * hkv, S)
+    part = torch.empty((m * H * nsplit * (d + 2),) if nsplit > 1 or not cuda else (0,), dtype=torch.float32,
+                       device=q.device)
+    if cuda:
+        cuda_attn.split(q.contiguous(), kc, vc, bias, S, scale, slot, nsplit, chunk, part, o, bool(pdl))
+        if nsplit == 1:
+            return o
+    mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
+    if not cuda:
+        _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
+                                              float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)),
+                                              D=d, BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
+                                              **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
                                    **pdl)
     return o

@@ -1,0 +1,54 @@
+"""Build-once loading of qerl's hand-written CUDA extensions (``torch.utils.cpp_extension.load``).
+
+Each extension is named after a hash of its sources, headers, binding and flags, so an edit or another flag set gets
+a build of its own; builds live under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/qerl_kernels``. A failed build is
+remembered in the caller's state (``state["error"]``) and not retried in the same process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+
+
+def arch_flags() -> list[str]:
+    """nvcc's -gencode for the current device (sm_90a on Hopper, for its wgmma and setmaxnreg)."""
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) == (9, 0):
+        return ["-gencode=arch=compute_90a,code=sm_90a"]
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+def load_extension(prefix: str, sources, headers, binding: str, flags: list[str], state: dict):
+    """The compiled module of ``binding`` (C++ source text) plus the ``sources`` (.cu paths), cached in ``state``."""
+    mod = state.get("mod")
+    if mod is not None:
+        return mod
+    if "error" in state:
+        raise RuntimeError(state["error"])
+    from torch.utils.cpp_extension import load
+    src = "".join(Path(p).read_text() for p in (*sources, *headers))
+    tag = hashlib.sha1((src + binding + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"{prefix}_{tag}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                  "qerl_kernels")
+    bdir = os.path.join(root, name)
+    os.makedirs(bdir, exist_ok=True)
+    cpp = os.path.join(bdir, "binding.cpp")
+    if not os.path.exists(cpp) or open(cpp).read() != binding:
+        with open(cpp, "w") as fh:
+            fh.write(binding)
+    try:
+        mod = load(name=name, sources=[cpp, *map(str, sources)], extra_cflags=["-O3"],
+                   extra_cuda_cflags=[*flags, f"-I{CSRC}"],
+                   build_directory=bdir, verbose=os.environ.get("QERL_KERNELS_VERBOSE") == "1")
+    except Exception as e:  # compiler missing or build failure: remembered, reported by the caller
+        state["error"] = f"{type(e).__name__}: {e}"
+        raise
+    state["mod"] = mod
+    return mod
