@@ -145,10 +145,12 @@ attn)
   bp=$!
   python3 -c "from qerl.kernels import cuda_attn as c, fused; import torch; q = torch.zeros(1, 28, 128, dtype=torch.bfloat16, device='cuda'); k = torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16, device='cuda'); print('attn build', c.usable(q, k, k, torch.zeros(1, 16, device='cuda')), c._STATE.get('error'))" >> "$LOG" 2>&1
   wait $bp
-  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -m gpu tests/test_fused_decode.py 2>&1 | tail -4 >> "$LOG"
+  [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -m gpu tests/test_fused_decode.py -rf --tb=short 2>&1 \
+    | tail -80 > "$OUT/tests_fused_decode.txt"
+  tail -4 "$OUT/tests_fused_decode.txt" >> "$LOG"
   mkdir -p "$OUT/attn"
-  [ -n "${SKIP_SWEEP:-}" ] || timeout 200 python3 -m benchmarks.attn_bench --models 7b,32b --batch ${ATTN_BATCH:-8,16,64} \
-    --kv 256,1024,2048 --targets ${ATTN_TARGETS:-132,264,396} --cuda-configs ${ATTN_CONFIGS:-2:64,3:64,4:64} \
+  [ -n "${SKIP_SWEEP:-}" ] || timeout 200 python3 -m benchmarks.attn_bench --models 7b,32b --batch ${ATTN_BATCH:-2,8,64} \
+    --kv 256,1024,2048 --targets ${ATTN_TARGETS:-132,264} --cuda-configs ${ATTN_CONFIGS:-2:64,3:64} \
     --out "$OUT/attn" 2>&1 | grep -v Warn | tail -n +1 > "$OUT/attn/log.txt"
   for f in ${FORMATS:-nvfp4}; do
     $B rollout --models "${MODELS:-7b}" --formats $f --batch ${BATCH:-8,2} --decode fused-triton-attn,fused,fused-triton-attn,fused \

@@ -389,28 +389,18 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor |
     hkv, s_max = kc.shape[1], kc.shape[2]
     g = H // hkv
     interp, pdl = _interpret(), _pdl(q)
-    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     if not interp and q.is_cuda:
         from qerl.kernels import cuda_attn
-        cuda = cuda_attn.usable(q, kc, vc, bias)
-    else:
-        cuda = False
-    if cuda:
-        nsplit, chunk = attention_splits(m * hkv, S, block=cuda_attn.BLOCK, target_programs=cuda_attn.TARGET_CTAS)
-    else:
-        nsplit, chunk = attention_splits(m * hkv, S)
-    part = torch.empty((m * H * nsplit * (d + 2),) if nsplit > 1 or not cuda else (0,), dtype=torch.float32,
-                       device=q.device)
-    if cuda:
-        cuda_attn.split(q.contiguous(), kc, vc, bias, S, scale, slot, nsplit, chunk, part, o, bool(pdl))
-        if nsplit == 1:
-            return o
+        if cuda_attn.usable(q, kc, vc, bias):
+            return cuda_attn.attend(q.contiguous(), kc, vc, bias, S, scale, slot, bool(pdl))
+    nsplit, chunk = attention_splits(m * hkv, S)
+    part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
-    if not cuda:
-        _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
-                                              float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)),
-                                              D=d, BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
-                                              **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
+    _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
+                                          float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
+                                          BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
+                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
+    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
                                    **pdl)
     return o
