@@ -2,16 +2,15 @@
 
     python -m benchmarks.attn_bench [--models 7b,32b] [--batch 2,8,16] [--kv 256,1024,2048]
                                     [--targets 264,528,1056] [--kernels triton,cuda] [--configs 64:4:0,128:4:0]
-                                    [--cuda-configs 2:64,3:64] [--out results/speed]
+                                    [--cuda-configs 2,3] [--out results/speed]
 
 For one layer's shapes (heads, KV heads, head dim of the model) and a static KV cache of S_max = 2304 slots, the
 split kernel + combine of one new token per row over the first S keys, timed as one CUDA graph over rotating caches
 (>= 160 MB, so the keys come from HBM), median replay per call; effective TB/s counts K and V of the S keys once.
 ``--kernels`` picks the split kernels: Triton's (``--configs``: keys per tile : warps : pipeline stages, 0 = Triton's
 default; ``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS``) and the CUDA one of ``qerl.kernels.cuda_attn``
-(``--cuda-configs``: ring stages per warp : keys per split a multiple of; ``--targets`` sweeps its
-``TARGET_CTAS``), each followed by the same combine kernel, called as the decode step calls it (PDL where on, the
-cache slot S - 1 as the one the previous launch writes). Writes
+(``--cuda-configs``: ring stages per warp; one CTA per (row, KV head), no split target), called as the decode step
+calls them (PDL where on, the cache slot S - 1 as the one the previous launch writes). Writes
 ``attn_<gpu>.csv`` (gpu = "h100", ...) under ``--out`` and prints a table.
 """
 
@@ -39,13 +38,12 @@ def _settings(kernel: str, target: int, cfg: tuple) -> tuple[dict, dict]:
         return ({(fk, "ATTN_TARGET_PROGRAMS"): target, (fk, "ATTN_BS"): bs, (fk, "ATTN_WARPS"): warps,
                  (fk, "ATTN_STAGES"): stages, (cuda_attn, "MODE"): "triton"},
                 dict(bs=bs, warps=warps, stages=stages))
-    nst, block = cfg
-    return ({(cuda_attn, "TARGET_CTAS"): target, (cuda_attn, "NST"): nst, (cuda_attn, "BLOCK"): block,
-             (cuda_attn, "MODE"): "cuda"}, dict(bs=block, warps=4, stages=nst))
+    (nst,) = cfg
+    return ({(cuda_attn, "NST"): nst, (cuda_attn, "MODE"): "cuda"}, dict(bs=16, warps=4, stages=nst))
 
 
 def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),), kernels=("triton",),
-        cuda_configs=((2, 64),)) -> list[dict]:
+        cuda_configs=((2,),)) -> list[dict]:
     rows = []
     for mdl in models:
         _, _, nh, nkv, hd = bench.MODELS[mdl]
@@ -59,7 +57,7 @@ def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),), ker
             for s in kvs:
                 slot = torch.tensor([s - 1], device="cuda")
                 for kernel in kernels:
-                    for t in targets:
+                    for t in (targets if kernel == "triton" else targets[:1]):  # the CUDA kernel never splits
                         for cfg in (configs if kernel == "triton" else cuda_configs):
                             sets, cols = _settings(kernel, t, cfg)
                             orig = {k: getattr(*k) for k in sets}
@@ -72,7 +70,8 @@ def run(models, batches, kvs, targets, rep_ms: float, configs=((64, 4, 0),), ker
                             finally:
                                 for (mod, name), v in orig.items():
                                     setattr(mod, name, v)
-                            nsplit, _ = fk.attention_splits(m * nkv, s, block=cols["bs"], target_programs=t)
+                            nsplit = (fk.attention_splits(m * nkv, s, block=cols["bs"], target_programs=t)[0]
+                                      if kernel == "triton" else 1)
                             nbytes = 2 * m * nkv * s * hd * 2
                             rows.append(dict(model=mdl, batch=m, kv=s, kernel=kernel, target=t, **cols,
                                              splits=nsplit, us=round(us, 2),
@@ -93,8 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--targets", default="264,528,1056")
     ap.add_argument("--configs", default="64:4:0", help="Triton: keys per tile:warps:stages, comma-separated")
     ap.add_argument("--kernels", default="triton,cuda", help="split kernels to time: triton, cuda")
-    ap.add_argument("--cuda-configs", default="2:64",
-                    help="CUDA: ring stages per warp (2/3/4):keys per split a multiple of (16·k), comma-separated")
+    ap.add_argument("--cuda-configs", default="2", help="CUDA: ring stages per warp (2/3/4), comma-separated")
     ap.add_argument("--rep", type=float, default=15.0)
     ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)
@@ -115,12 +113,11 @@ def main(argv=None) -> None:
     if not kernels or any(k not in ("triton", "cuda") for k in kernels):
         raise SystemExit(f"--kernels: triton and/or cuda; got {a.kernels!r}")
     try:
-        cuda_configs = [tuple(int(v) for v in c.split(":")) for c in a.cuda_configs.split(",") if c]
-        assert cuda_configs and all(len(c) == 2 and c[0] in cuda_attn.NST_CHOICES and c[1] > 0 and c[1] % 16 == 0
-                                    for c in cuda_configs)
+        cuda_configs = [(int(c),) for c in a.cuda_configs.split(",") if c]
+        assert cuda_configs and all(c[0] in cuda_attn.NST_CHOICES for c in cuda_configs)
     except (ValueError, AssertionError):
-        raise SystemExit(f"--cuda-configs must be stages:block with stages in {cuda_attn.NST_CHOICES} and block a "
-                         f"positive multiple of 16; got {a.cuda_configs!r}") from None
+        raise SystemExit(f"--cuda-configs must be ring stages in {cuda_attn.NST_CHOICES}; got {a.cuda_configs!r}"
+                         ) from None
     if not torch.cuda.is_available():
         raise SystemExit("attn_bench needs a CUDA GPU")
     rows = run(models, batches, kvs, targets, a.rep, configs, kernels, cuda_configs)

@@ -31,10 +31,11 @@
 #                                (as `grpo`; GRPO_LORA=1: with QERL_WGMMA_LORA=1); ~8 min
 #   scripts/gpu_bench.sh decode  issue 11: GEMV/LoRA/fused-decode GPU tests, 7B rollouts at batch 8/2 (256 + 2048) with
 #                                base + LoRA in one launch and split (same run), decode-step profiles (MODELS=7b)
-#   scripts/gpu_bench.sh attn    issue 11: the CUDA decode attention -- its GPU tests with the fused decode step's,
-#                                the sweep against the Triton kernel (benchmarks.attn_bench: ring stages, split
-#                                targets; $OUT/attn), rollouts at batch 8 and 2 (256 + 2048; MODELS, FORMATS) with it
-#                                and with the Triton one in the same process ($OUT/roll); ~8 min for 7B NVFP4
+#   scripts/gpu_bench.sh attn    decode attention: the GPU tests of the fused decode step (the CUDA kernel's among
+#                                them), the sweep of the CUDA kernel against the Triton split kernel (benchmarks.attn_bench:
+#                                ring stages, split targets; $OUT/attn), 7B rollouts at 64-256 sequences (256 + 512) with
+#                                each in one process (FORMATS="nvfp4 bf16"; $OUT/roll_big), 7B NVFP4 at batch 8 and 2
+#                                (256 + 2048, $OUT/roll_b8); ~7 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -143,19 +144,21 @@ update)
 attn)
   build 2 &
   bp=$!
-  python3 -c "from qerl.kernels import cuda_attn as c, fused; import torch; q = torch.zeros(1, 28, 128, dtype=torch.bfloat16, device='cuda'); k = torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16, device='cuda'); print('attn build', c.usable(q, k, k, torch.zeros(1, 16, device='cuda')), c._STATE.get('error'))" >> "$LOG" 2>&1
+  QERL_ATTN=cuda python3 -c "from qerl.kernels import cuda_attn as c, fused; import torch; q = torch.zeros(1, 28, 128, dtype=torch.bfloat16, device='cuda'); k = torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16, device='cuda'); print('attn build', c.usable(q, k, k, torch.zeros(1, 16, device='cuda')), c._STATE.get('error'))" >> "$LOG" 2>&1
   wait $bp
   [ -n "${SKIP_TESTS:-}" ] || timeout 300 python3 -m pytest -q -m gpu tests/test_fused_decode.py -rf --tb=short 2>&1 \
     | tail -80 > "$OUT/tests_fused_decode.txt"
   tail -4 "$OUT/tests_fused_decode.txt" >> "$LOG"
   mkdir -p "$OUT/attn"
-  [ -n "${SKIP_SWEEP:-}" ] || timeout 200 python3 -m benchmarks.attn_bench --models 7b,32b --batch ${ATTN_BATCH:-2,8,64} \
-    --kv 256,1024,2048 --targets ${ATTN_TARGETS:-132,264} --cuda-configs ${ATTN_CONFIGS:-2:64,3:64} \
-    --out "$OUT/attn" 2>&1 | grep -v Warn | tail -n +1 > "$OUT/attn/log.txt"
-  for f in ${FORMATS:-nvfp4}; do
-    $B rollout --models "${MODELS:-7b}" --formats $f --batch ${BATCH:-8,2} --decode fused-triton-attn,fused,fused-triton-attn,fused \
-      --out "$OUT/roll" 2>&1 | grep -v Warn >> "$LOG"
-  done ;;
+  [ -n "${SKIP_SWEEP:-}" ] || timeout 200 python3 -m benchmarks.attn_bench --models 7b,32b --batch ${ATTN_BATCH:-8,32,64,128,256} \
+    --kv ${ATTN_KV:-256,1024} --targets ${ATTN_TARGETS:-132,264} --cuda-configs ${ATTN_CONFIGS:-2,3} \
+    --out "$OUT/attn" 2>&1 | grep -v Warn > "$OUT/attn/log.txt"
+  for f in ${FORMATS:-nvfp4 bf16}; do  # 16 = warm-up; each decode twice, alternating
+    $B rollout --models 7b --formats $f --batch 16,64,128,256 --prompt 256 --new 512 \
+      --decode fused-triton-attn,fused,fused-triton-attn,fused --out "$OUT/roll_big" 2>&1 | grep -v Warn >> "$LOG"
+  done
+  $B rollout --models 7b --formats nvfp4 --batch 8,2 --decode fused,fused --out "$OUT/roll_b8" 2>&1 \
+    | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

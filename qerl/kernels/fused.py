@@ -358,8 +358,9 @@ def rope_qkv(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, v
 
 
 # decode_attention's launch: split programs to aim for, keys per tile, warps, software-pipeline stages (0: Triton's
-# default); benchmarks/attn_bench.py sweeps them
-ATTN_TARGET_PROGRAMS = 264
+# default); benchmarks/attn_bench.py sweeps them. 132 (one wave of an H100) since session 33: 1-8% faster than 264 at
+# batch 8-64 in two H100 runs (results/speed/raw/h100_s33_attn*), within 0.2 µs where slower
+ATTN_TARGET_PROGRAMS = 132
 ATTN_BS = 64
 ATTN_WARPS = 4
 ATTN_STAGES = 0
@@ -367,7 +368,7 @@ ATTN_STAGES = 0
 
 def attention_splits(rows: int, S: int, block: int | None = None, target_programs: int | None = None) -> tuple[int, int]:
     """(number of key splits, keys per split): enough programs (rows = M·Hkv of them per split; ``target_programs``,
-    default :data:`ATTN_TARGET_PROGRAMS`) to fill about two waves of an H100's 132 SMs, each split a whole number of
+    default :data:`ATTN_TARGET_PROGRAMS`) to fill about a wave of an H100's 132 SMs, each split a whole number of
     ``block``-key tiles (default :data:`ATTN_BS`)."""
     block = ATTN_BS if block is None else block
     target_programs = ATTN_TARGET_PROGRAMS if target_programs is None else target_programs

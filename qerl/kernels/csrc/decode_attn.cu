@@ -1,12 +1,9 @@
 // Decode attention (one new token per row, GQA) with mma.sync: softmax(q·Kᵀ·scale + bias)·V over cache slots
-// [0, S), flash-decoding style in one launch -- each CTA one (row, KV head, key split) writes its partial (max,
-// sum, accumulator), and the last CTA of a (row, KV head) to finish (a counter) merges them in split order; with one
-// split a CTA writes the output itself.
-//
-// Why a CUDA kernel: the Triton split kernel reads the cache at ~1.3 TB/s at decode batch 8 (7B, KV 1024: 12.9 µs a
-// layer for 16.8 MB): each program holds one 64-key tile in registers at a time, so a program with two tiles waits
-// for two DRAM round trips, and every key goes through a shared-memory layout conversion. Here each warp streams
-// its own 16-key subtiles through a ring of NST shared-memory stages with cp.async (no CTA barrier in the main loop),
+// [0, S), one CTA per (row, KV head) over all keys -- for decode batches with enough (row, KV head) pairs to fill the
+// GPU without splitting the keys (qerl.kernels.cuda_attn.usable; below that the Triton split kernel + combine runs).
+// A version that split the keys too (partials merged by a second launch, or by the last CTA of each pair) measured no
+// faster than Triton's at small batches, where a launch's fixed cost, not the bytes, sets the time (benchmarks/NOTES.md,
+// session 18). Each warp streams its own 16-key subtiles through a ring of NST shared-memory stages with cp.async (no CTA barrier in the main loop),
 // so a CTA has up to 4·NST subtiles (NST·32 KB) in flight from its first instruction; and under programmatic
 // dependent launch the first stages are requested *before* griddepcontrol.wait: the previous kernel (RoPE + cache
 // write) writes only q and cache slot `slot`, so every other key is already final. The slot's K and V rows, if they
@@ -28,7 +25,6 @@ constexpr int kWarps = 4;
 constexpr int kKeys = 16;  // keys per subtile: one MMA k-step of P·V
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNeg = -1.0e30f;  // qerl.kernels.fused.NEG: finite "minus infinity"
-constexpr int kMaxSplit = 256;    // key splits at most (the merge's weights live in shared memory)
 
 template <int D>
 struct Stage {  // one warp's subtile: K and V rows (swizzled 16-byte units), the keys' bias
@@ -42,7 +38,6 @@ template <int NST, int D>
 constexpr int smem_bytes() {
   constexpr int ring = kWarps * NST * Stage<D>::kBytes;
   constexpr int merge = kWarps * (16 * D + 32) * 4;  // per warp: acc (16 × D), m (16), l (16), fp32
-  static_assert(merge >= (16 * kMaxSplit + 16) * 4, "the splits' weights overlay the merge area");
   return ring > merge ? ring : merge;
 }
 
@@ -101,25 +96,21 @@ struct Args {
   const __nv_bfloat16* vc;
   const float* bias;        // (M, S_max): 0 valid, -inf masked
   const long long* slot;    // the cache slot the previous launch wrote (nullptr: load everything after the wait)
-  float* m;                 // partials (M·H, nsplit) / (M·H, nsplit, D); unused when nsplit == 1
-  float* l;
-  float* acc;
-  int* ctr;                 // (M·HKV) zeroed counters (each launch leaves them zero)
   __nv_bfloat16* o;         // (M, H·D)
-  int hkv, g, s, s_max, chunk, nsplit;
+  int hkv, g, s, s_max;
   float qk_scale;           // scale · log2(e)
 };
 
-// grid (M·HKV, nsplit), kWarps warps.
+// grid (M·HKV), kWarps warps: a CTA per (row, KV head) over all S keys.
 template <int NST, int D>
 __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   using St = Stage<D>;
   constexpr int U = St::kUnits;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int pid = blockIdx.x, sp = blockIdx.y;
+  const int pid = blockIdx.x;
   const int row = pid / a.hkv;
-  const int start = sp * a.chunk, stop = min(start + a.chunk, a.s);
+  const int start = 0, stop = a.s;
   const int nsub = (stop - start + kKeys - 1) / kKeys;
   const int mine = nsub > warp ? (nsub - warp + kWarps - 1) / kWarps : 0;  // subtiles warp, warp + 4, ...
   const long long base = (long long)pid * a.s_max;
@@ -306,56 +297,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
       num += wt * b[h * D + d];
       den += wt * b[16 * D + 16 + h];
     }
-    const long long rh = (long long)pid * a.g + h;  // row · H + head
-    if (a.nsplit == 1) {
-      a.o[rh * D + d] = __float2bfloat16_rn(num / den);
-    } else {
-      a.acc[(rh * a.nsplit + sp) * D + d] = num;
-      if (d == 0) {
-        a.m[rh * a.nsplit + sp] = mx;  // log2 domain
-        a.l[rh * a.nsplit + sp] = den;
-      }
-    }
-  }
-  if (a.nsplit == 1) return;
-
-  // The last CTA of this (row, KV head) to finish merges the splits' partials, in split order (deterministic: the
-  // same sums whichever CTA is last), and leaves the counter at zero for the next launch.
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(a.ctr + pid, 1) == a.nsplit - 1;
-    if (last) a.ctr[pid] = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float* wts = reinterpret_cast<float*>(smem);  // (g, nsplit) weights, then (g) denominators: the merge area's start
-  float* dens = wts + 16 * kMaxSplit;
-  const long long rh0 = (long long)pid * a.g;
-  for (int h = warp; h < a.g; h += kWarps) {  // a warp per head: max, weights, denominator
-    float mx = kNeg;
-    for (int t = lane; t < a.nsplit; t += 32) mx = fmaxf(mx, __ldcg(a.m + (rh0 + h) * a.nsplit + t));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float den = 0.f;
-    for (int t = lane; t < a.nsplit; t += 32) {
-      const float wt = exp2f(__ldcg(a.m + (rh0 + h) * a.nsplit + t) - mx);
-      wts[h * kMaxSplit + t] = wt;
-      den += wt * __ldcg(a.l + (rh0 + h) * a.nsplit + t);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
-    if (lane == 0) dens[h] = den;
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < a.g * D; idx += kWarps * 32) {
-    const int h = idx / D, d = idx % D;
-    const float* src = a.acc + (rh0 + h) * a.nsplit * D + d;
-    float num = 0.f;
-    for (int t = 0; t < a.nsplit; ++t) num += wts[h * kMaxSplit + t] * __ldcg(src + (long long)t * D);
-    a.o[(rh0 + h) * D + d] = __float2bfloat16_rn(num / dens[h]);
+    a.o[((long long)pid * a.g + h) * D + d] = __float2bfloat16_rn(num / den);  // row · H + head
   }
 }
 
@@ -365,7 +307,7 @@ int launch(const Args& a, int rows, int pdl, cudaStream_t stream) {
   cudaError_t e = cudaFuncSetAttribute(decode_attn_kernel<NST, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return (int)e;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(rows, a.nsplit);
+  cfg.gridDim = dim3(rows);
   cfg.blockDim = dim3(kWarps * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -387,19 +329,16 @@ int launch_d(const Args& a, int d, int rows, int pdl, cudaStream_t stream) {
 }  // namespace qattn
 
 // Returns 0, -1 for unsupported arguments, else a cudaError_t. Shapes: q (M, HKV·g, d) contiguous, kc/vc (M, HKV,
-// s_max, d) contiguous, bias (M, s_max) fp32 contiguous; d in {64, 128}, 1 <= g <= 16, nst in {2, 3, 4},
-// nsplit <= 256; o (M, HKV·g·d) bf16; when nsplit > 1 the partials m/l (M·HKV·g·nsplit) and acc
-// (M·HKV·g·nsplit·d) fp32 and ctr (M·HKV) int32, zero.
+// s_max, d) contiguous, bias (M, s_max) fp32 contiguous, o (M, HKV·g·d) bf16; d in {64, 128}, 1 <= g <= 16,
+// nst in {2, 3, 4}.
 extern "C" int qattn_decode(const void* q, const void* kc, const void* vc, const float* bias, const long long* slot,
-                            float* m, float* l, float* acc, int* ctr, void* o, int rows_m, int hkv, int g, int d, int s,
-                            int s_max, int chunk, int nsplit, float scale, int nst, int pdl, void* stream) {
+                            void* o, int rows_m, int hkv, int g, int d, int s, int s_max, float scale, int nst, int pdl,
+                            void* stream) {
   using namespace qattn;
-  if (g < 1 || g > 16 || s < 1 || s > s_max || chunk < 1 || chunk % kKeys || nsplit < 1 || nsplit > kMaxSplit ||
-      (long long)(nsplit - 1) * chunk >= s || (long long)nsplit * chunk < s)
-    return -1;
+  if (g < 1 || g > 16 || s < 1 || s > s_max) return -1;
   Args a{static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kc),
-         static_cast<const __nv_bfloat16*>(vc), bias, slot, m, l, acc, ctr, static_cast<__nv_bfloat16*>(o),
-         hkv, g, s, s_max, chunk, nsplit, scale * kLog2e};
+         static_cast<const __nv_bfloat16*>(vc), bias, slot, static_cast<__nv_bfloat16*>(o), hkv, g, s, s_max,
+         scale * kLog2e};
   const int rows = rows_m * hkv;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (nst) {
