@@ -511,6 +511,7 @@ def test_gpu_cuda_decode_attention_matches_reference(H, hkv, d, monkeypatch):
     around the 16-key subtiles and the 4-warp rounds, left-padded and holed masks, and a `slot` (the key the kernel
     loads after its wait and stores from registers) in and out of the early-requested stages."""
     from qerl.kernels import cuda_attn
+    monkeypatch.setattr(cuda_attn, "MODE", "cuda")
     if not cuda_attn.usable(torch.zeros(1, H, d, dtype=BF, device="cuda"),
                             torch.zeros(1, hkv, 16, d, dtype=BF, device="cuda"),
                             torch.zeros(1, hkv, 16, d, dtype=BF, device="cuda"), torch.zeros(1, 16, device="cuda")):

@@ -21,9 +21,11 @@ from qerl.kernels import cuda_build
 ATTN_MODES = ("auto", "cuda", "triton")
 NST_CHOICES = (2, 3, 4)
 NST = 2  # ring stages per warp (benchmarks.attn_bench --cuda-configs sweeps them)
-# (row, KV head) pairs from which `auto` takes this kernel: one wave of an H100's 132 SMs without splitting the keys,
-# the Triton path's split target (fused.ATTN_TARGET_PROGRAMS); below it the split kernel's key splits fill the GPU
-MIN_ROWS = 132
+# (row, KV head) pairs from which `auto` takes this kernel: about a wave of 132 SMs without splitting the keys. On an
+# H200 (session 33, benchmarks.attn_bench) it beat the Triton split kernel at 128-2048 pairs (7B batch 32: 8.5 vs
+# 10.4 µs at KV 256, 23.5 vs 24.1 at 1024; batch 64-256: 3-14% faster) and lost at 32 (7B batch 8, KV 1024: 14.2 vs
+# 10.2 µs: too few CTAs); 64 pairs (32B batch 8) about even
+MIN_ROWS = 128
 
 _BINDING = r"""
 #include <torch/extension.h>
