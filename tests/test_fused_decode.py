@@ -526,7 +526,9 @@ def test_gpu_cuda_decode_attention_matches_reference(H, hkv, d, monkeypatch):
     bias[1, 100:300] = -math.inf  # a hole spanning whole splits
     bias[3, 1:16] = -math.inf
     runs = 0
-    tol = dict(rtol=2 ** -7, atol=2e-3)  # bf16 output (half an ulp is 2^-9 relative) and P rounded to bf16
+    # bf16 output (half an ulp is 2^-9 relative) and P rounded to bf16 before P·V: the Triton path's largest error on
+    # these inputs was 2.5-3.3e-3 (H100, s33) where outputs are near zero; a misplaced key or head is off by ~0.1-1
+    tol = dict(rtol=2 ** -7, atol=5e-3)
     for S in (1, 15, 16, 17, 63, 64, 65, 300, 700):
         live = (bias[:, :S] == 0).any(1)  # a row with no unmasked key has no defined output
         ref = fk.decode_attention_ref(q.double(), kc.double(), vc.double(), bias.double(), S, scale).float()[live]
