@@ -5,7 +5,7 @@ One CTA per (row, KV head) over all keys: its four warps stream 16-key subtiles 
 ``nst`` shared-memory stages (cp.async), with the scores and P·V on mma.sync; under programmatic dependent launch the
 first stages are requested before ``griddepcontrol.wait`` (everything but q and the cache slot ``slot`` the
 preceding RoPE launch writes is final by then). No key splits, so no combine launch: it applies where the batch has
-:data:`MIN_ROWS` (row, KV head) pairs or more, where the Triton path does not split the keys either. ``QERL_ATTN``:
+:data:`MIN_ROWS` (row, KV head) pairs or more, i.e. where the batch alone about fills the GPU. ``QERL_ATTN``:
 ``auto`` (default: this kernel there, Triton's split kernel + combine below), ``cuda`` (this kernel at any batch, or
 an error), ``triton`` (never this kernel).
 """
@@ -35,7 +35,6 @@ _BINDING = r"""
 
 extern "C" int qattn_decode(const void*, const void*, const void*, const float*, const long long*, void*, int, int,
                             int, int, int, int, float, int, int, void*);
-extern "C" int qattn_smem_bytes(int, int);
 
 // q (M, H, d) bf16; kc, vc (M, HKV, S_max, d) bf16; bias (M, S_max) fp32; slot (1,) int64 or empty; o (M, H·d)
 // bf16.
@@ -60,11 +59,8 @@ void attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor b
   TORCH_CHECK(err == 0, "qattn_decode: ", err == -1 ? "unsupported arguments" : cudaGetErrorString((cudaError_t)err));
 }
 
-int64_t smem_bytes(int64_t nst, int64_t d) { return qattn_smem_bytes((int)nst, (int)d); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
-  m.def("smem_bytes", &smem_bytes);
 }
 """
 

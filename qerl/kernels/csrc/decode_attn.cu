@@ -348,17 +348,3 @@ extern "C" int qattn_decode(const void* q, const void* kc, const void* vc, const
     default: return -1;
   }
 }
-
-extern "C" int qattn_smem_bytes(int nst, int d) {
-  using namespace qattn;
-  const int k = nst * 10 + (d == 128 ? 1 : d == 64 ? 0 : -100);
-  switch (k) {
-    case 20: return smem_bytes<2, 64>();
-    case 21: return smem_bytes<2, 128>();
-    case 30: return smem_bytes<3, 64>();
-    case 31: return smem_bytes<3, 128>();
-    case 40: return smem_bytes<4, 64>();
-    case 41: return smem_bytes<4, 128>();
-    default: return -1;
-  }
-}
