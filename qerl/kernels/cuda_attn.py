@@ -93,14 +93,13 @@ def shape_ok(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Te
 
 
 def usable(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Tensor) -> bool:
-    """True where :func:`qerl.kernels.fused.decode_attention` runs this kernel (q's shape and dtype, on any device --
-    ``fused.rope_attention`` asks with a meta tensor; the caches' device decides) (``QERL_ATTN``; ``auto``: from
+    """True where :func:`qerl.kernels.fused.decode_attention` runs this kernel (``QERL_ATTN``; ``auto``: from
     :data:`MIN_ROWS` (row, KV head) pairs; a CUDA device of compute capability 8.0+ on which the extension builds);
     ``QERL_ATTN=cuda`` takes it at any batch and raises where it cannot run instead of falling back."""
     mode = attn_mode()
     if mode == "triton" or (mode == "auto" and q.shape[0] * kc.shape[1] < MIN_ROWS):
         return False
-    ok = kc.is_cuda and shape_ok(q, kc, vc, bias) and torch.cuda.get_device_capability(kc.device)[0] >= 8
+    ok = q.is_cuda and shape_ok(q, kc, vc, bias) and torch.cuda.get_device_capability(q.device)[0] >= 8
     if ok:
         try:
             _ext()

@@ -32,8 +32,6 @@ place: the scores stay in fp32 (the unfused path rounds q·k to bf16 first).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -196,14 +194,19 @@ if HAS_TRITON:
             tl.store(vc_ptr + ((row * HKV + (j - H - HKV)) * S_MAX + slot) * D + offs, x)
 
     @triton.jit
-    def _attn_split_body(q, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, pid, sp, row, S, S_MAX, CHUNK, NSPLIT, scale,
-                         knew, vnew, slot, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         DOT_F32: tl.constexpr, PATCH: tl.constexpr):
-        # the split's online softmax over keys [sp·CHUNK, min(+CHUNK, S)) of (row, kv head) pid for the query rows q
-        # (GP, D); PATCH: cache slot `slot` is taken as knew / vnew (D,) (this launch writes it, so it is not read back)
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
+                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
+        pid = tl.program_id(0)  # row * HKV + kv head
+        sp = tl.program_id(1)  # split of the keys
+        row = pid // HKV
         gi = tl.arange(0, GP)
         dm = tl.arange(0, D)
         gmask = gi < G
+        q = tl.load(q_ptr + (pid * G + gi)[:, None] * D + dm[None, :], mask=gmask[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
         m_i = tl.full([GP], _NEG, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -215,10 +218,6 @@ if HAS_TRITON:
             smask = offs < stop
             kb = tl.load(k_ptr + (base + offs)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
             vb = tl.load(v_ptr + (base + offs)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
-            if PATCH:
-                hit = (offs == slot)[:, None]
-                kb = tl.where(hit, knew[None, :], kb)
-                vb = tl.where(hit, vnew[None, :], vb)
             if DOT_F32:
                 kb = kb.to(tl.float32)
                 vb = vb.to(tl.float32)
@@ -239,76 +238,6 @@ if HAS_TRITON:
         tl.store(m_ptr + out, m_i, mask=gmask)
         tl.store(l_ptr + out, l_i, mask=gmask)
         tl.store(acc_ptr + out[:, None] * D + dm[None, :], acc, mask=gmask[:, None])
-
-    @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
-                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
-        pid = tl.program_id(0)  # row * HKV + kv head
-        sp = tl.program_id(1)  # split of the keys
-        gi = tl.arange(0, GP)
-        dm = tl.arange(0, D)
-        q = tl.load(q_ptr + (pid * G + gi)[:, None] * D + dm[None, :], mask=(gi < G)[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        _attn_split_body(q, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, pid, sp, pid // HKV, S, S_MAX, CHUNK, NSPLIT,
-                         scale, q, q, 0, G=G, GP=GP, D=D, BS=BS, DOT_F32=DOT_F32, PATCH=False)
-
-    @triton.jit
-    def _rope_head(qkv_ptr, b_ptr, cos_ptr, sin_ptr, row, col, stride_qkv, rmask, D: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ROT: tl.constexpr):
-        # heads starting at columns col (R,) of q|k|v row `row`: + bias, then (ROT) x·cos + roll(x, D/2)·ssin with
-        # _rope_qkv_kernel's roundings; (R, D) in qkv's dtype
-        dm = tl.arange(0, D)
-        x = tl.load(qkv_ptr + row * stride_qkv + col[:, None] + dm[None, :], mask=rmask[:, None], other=0.0)
-        if HAS_BIAS:
-            x = (x.to(tl.float32) + tl.load(b_ptr + col[:, None] + dm[None, :], mask=rmask[:, None],
-                                            other=0.0).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
-        if ROT:
-            roll = (dm + D // 2) % D
-            xr = tl.load(qkv_ptr + row * stride_qkv + col[:, None] + roll[None, :], mask=rmask[:, None], other=0.0)
-            if HAS_BIAS:
-                xr = (xr.to(tl.float32) + tl.load(b_ptr + col[:, None] + roll[None, :], mask=rmask[:, None],
-                                                  other=0.0).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
-            c = tl.load(cos_ptr + row * D + dm).to(tl.float32)
-            s = tl.load(sin_ptr + row * D + dm).to(tl.float32)
-            t = (x.to(tl.float32) * c[None, :]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-            x = (t + xr.to(tl.float32) * s[None, :]).to(qkv_ptr.dtype.element_ty)
-        return x
-
-    @triton.jit
-    def _rope_attn_split_kernel(qkv_ptr, qb_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, b_ptr, m_ptr, l_ptr,
-                                acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale, stride_qkv, H: tl.constexpr,
-                                HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                BS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
-                                PDL: tl.constexpr = False):
-        # _rope_qkv_kernel and _attn_split_kernel in one launch: each split rotates its KV group's q rows itself, and
-        # the split whose keys hold the new slot writes that slot's k and v into the cache (used from registers here)
-        _pdl_enter(PDL)
-        pid = tl.program_id(0)  # row * HKV + kv head
-        sp = tl.program_id(1)
-        row = pid // HKV
-        kvh = pid % HKV
-        gi = tl.arange(0, GP)
-        q = _rope_head(qkv_ptr, qb_ptr, cos_ptr, sin_ptr, row, (kvh * G + gi) * D, stride_qkv, gi < G, D=D,
-                       HAS_BIAS=HAS_BIAS, ROT=True)
-        one = tl.arange(0, 1)
-        ck = tl.full([1], (H + kvh) * D, tl.int32)
-        cv = tl.full([1], (H + HKV + kvh) * D, tl.int32)
-        knew = tl.sum(_rope_head(qkv_ptr, qb_ptr, cos_ptr, sin_ptr, row, ck, stride_qkv, one < 1, D=D,
-                                 HAS_BIAS=HAS_BIAS, ROT=True).to(tl.float32), axis=0).to(k_ptr.dtype.element_ty)
-        vnew = tl.sum(_rope_head(qkv_ptr, qb_ptr, cos_ptr, sin_ptr, row, cv, stride_qkv, one < 1, D=D,
-                                 HAS_BIAS=HAS_BIAS, ROT=False).to(tl.float32), axis=0).to(v_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr)
-        mine = (slot >= sp * CHUNK) & (slot < tl.minimum(sp * CHUNK + CHUNK, S))
-        dm = tl.arange(0, D)
-        tl.store(k_ptr + (pid.to(tl.int64) * S_MAX + slot) * D + dm, knew, mask=(dm < D) & mine)
-        tl.store(v_ptr + (pid.to(tl.int64) * S_MAX + slot) * D + dm, vnew, mask=(dm < D) & mine)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        _attn_split_body(q, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, pid, sp, row, S, S_MAX, CHUNK, NSPLIT,
-                         scale, knew, vnew, slot, G=G, GP=GP, D=D, BS=BS, DOT_F32=DOT_F32, PATCH=True)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr,
@@ -451,8 +380,8 @@ def attention_splits(rows: int, S: int, block: int | None = None, target_program
 
 def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor | None = None):
     """Attention of one new token per row over cache slots [0, S): q (M, H, d), kc/vc (M, Hkv, S_max, d),
-    bias (M, S_max) fp32 additive mask. Returns (M, H·d). On CUDA the kernel is :mod:`qerl.kernels.cuda_attn`'s
-    where it applies (``QERL_ATTN``: large batches), else Triton's split kernel + combine; ``slot`` (1,) int64, the one
+    bias (M, S_max) fp32 additive mask. Returns (M, H·d). On CUDA the split kernel is
+    :mod:`qerl.kernels.cuda_attn`'s where it applies (``QERL_ATTN``), else Triton's; ``slot`` (1,) int64, the one
     cache slot the preceding launch (RoPE + cache write) may still be writing: with PDL the CUDA kernel requests
     every other key before it waits for that launch (None: nothing before the wait)."""
     if not _triton_ok(q):
@@ -466,63 +395,16 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor |
         if cuda_attn.usable(q, kc, vc, bias):
             return cuda_attn.attend(q.contiguous(), kc, vc, bias, S, scale, slot, bool(pdl))
     nsplit, chunk = attention_splits(m * hkv, S)
-    part, mb, lb, acc = _attn_partials(m * H, nsplit, d, q.device)
+    part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
+    mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
     _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
                                           float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
                                           BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
                                           **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
-    return _attn_combine(mb, lb, acc, m, H, d, nsplit, q.dtype, q.device, pdl)
-
-
-def _attn_partials(rows: int, nsplit: int, d: int, device):
-    """The split kernels' fp32 partials: max, sum (rows·nsplit each) and accumulator (rows·nsplit·d), one buffer."""
-    part = torch.empty((rows * nsplit * (d + 2),), dtype=torch.float32, device=device)
-    n = rows * nsplit
-    return part, part[:n], part[n:2 * n], part[2 * n:]
-
-
-def _attn_combine(mb, lb, acc, m: int, H: int, d: int, nsplit: int, dtype, device, pdl: dict) -> torch.Tensor:
-    o = torch.empty((m, H * d), dtype=dtype, device=device)
+    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
                                    **pdl)
     return o
-
-
-def rope_attention_fused() -> bool:
-    """``QERL_FUSED_ROPE_ATTN`` (default "1"): :func:`rope_attention` runs RoPE inside the attention's split launch
-    where Triton's split kernel runs; "0": two launches, :func:`rope_qkv` then :func:`decode_attention`."""
-    v = os.environ.get("QERL_FUSED_ROPE_ATTN", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"QERL_FUSED_ROPE_ATTN={v!r}; valid: 0, 1")
-    return v == "1"
-
-
-def rope_attention(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, slot, attn_bias, S: int,
-                   scale: float) -> torch.Tensor:
-    """:func:`rope_qkv` (bias + RoPE of the fused q|k|v output, k and v into cache slot ``slot``) followed by
-    :func:`decode_attention` over slots [0, S), the decode step's pair, returning (M, H·d). Where Triton's split
-    kernel runs (not the CUDA attention's large batches) both happen in one launch (``QERL_FUSED_ROPE_ATTN``): every
-    key split rotates its KV group's q rows itself, and the split that holds ``slot`` writes the new k and v into the
-    cache and uses them from registers. Same roundings as the two launches, so the same bits."""
-    m = qkv.shape[0]
-    fused = rope_attention_fused() and _triton_ok(qkv)
-    if fused and qkv.is_cuda and not _interpret():
-        from qerl.kernels import cuda_attn
-        meta = torch.empty((m, n_heads, head_dim), dtype=qkv.dtype, device="meta")
-        fused = not cuda_attn.usable(meta, kc, vc, attn_bias)
-    if not fused:
-        q = rope_qkv(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
-        return decode_attention(q, kc, vc, attn_bias, S, scale, slot)
-    qkv = _unit_cols(qkv)
-    g, s_max, interp, pdl = n_heads // n_kv, kc.shape[2], _interpret(), _pdl(qkv)
-    nsplit, chunk = attention_splits(m * n_kv, S)
-    part, mb, lb, acc = _attn_partials(m * n_heads, nsplit, head_dim, qkv.device)
-    _rope_attn_split_kernel[(m * n_kv, nsplit)](
-        qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), kc, vc, slot, attn_bias, mb, lb,
-        acc, S, s_max, chunk, nsplit, float(scale), qkv.stride(0), H=n_heads, HKV=n_kv, G=g,
-        GP=max(16, triton.next_power_of_2(g)), D=head_dim, BS=ATTN_BS, HAS_BIAS=bias is not None, DOT_F32=interp,
-        num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
-    return _attn_combine(mb, lb, acc, m, n_heads, head_dim, nsplit, qkv.dtype, qkv.device, pdl)
 
 
 def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96) -> tuple[int, int]:
