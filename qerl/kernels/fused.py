@@ -10,7 +10,9 @@ functions cover all of it in 5 launches per layer (4 where the gate|up GEMV appl
 * :func:`rope_qkv`      bias, rotary embedding of q and k, and the K/V cache write of one token, from the
                         fused ``[q | k | v]`` projection output;
 * :func:`decode_attention`  softmax(q Kᵀ·scale + bias) V over the first S cache slots, GQA, split over
-                        the keys (flash-decoding: partial max/sum/accumulator per split, then a combine);
+                        the keys (flash-decoding: partial max/sum/accumulator per split, then a combine); on CUDA
+                        at large batches (>= 128 (row, KV head) pairs) :mod:`qerl.kernels.cuda_attn`'s kernel,
+                        one launch without splits;
 * :func:`silu_mul`      ``silu(gate) * up`` from the fused ``[gate | up]`` output;
 * :func:`lora_a`        the LoRA down-projection ``x·Aᵀ`` (M <= 16 rows, rank R): one split-K launch whose last
                         CTA per rank block sums the partials (cuBLAS takes a GEMM plus a split-K reduce).
