@@ -1,13 +1,15 @@
 // Decode attention (one new token per row, GQA) with mma.sync: softmax(q·Kᵀ·scale + bias)·V over cache slots
 // [0, S), one CTA per (row, KV head) over all keys -- for decode batches with enough (row, KV head) pairs to fill the
 // GPU without splitting the keys (qerl.kernels.cuda_attn.usable; below that the Triton split kernel + combine runs).
-// A version that split the keys too (partials merged by a second launch, or by the last CTA of each pair) measured no
-// faster than Triton's at small batches, where a launch's fixed cost, not the bytes, sets the time (benchmarks/NOTES.md,
-// session 18). Each warp streams its own 16-key subtiles through a ring of NST shared-memory stages with cp.async (no CTA barrier in the main loop),
-// so a CTA has up to 4·NST subtiles (NST·32 KB) in flight from its first instruction; and under programmatic
-// dependent launch the first stages are requested *before* griddepcontrol.wait: the previous kernel (RoPE + cache
-// write) writes only q and cache slot `slot`, so every other key is already final. The slot's K and V rows, if they
-// fall into a stage requested early, are skipped then and stored from registers after the wait.
+// A version that split the keys too (partials merged by a second launch, or by the last CTA of each pair) measured
+// no faster than Triton's at small batches, where a launch's fixed cost, not the bytes, sets the time
+// (benchmarks/NOTES.md, session 18).
+//
+// Each warp streams its own 16-key subtiles through a ring of NST shared-memory stages with cp.async (no CTA barrier
+// in the main loop), so a CTA has up to 4·NST subtiles (NST·32 KB) in flight from its first instruction; and under
+// programmatic dependent launch the first stages are requested *before* griddepcontrol.wait: the previous kernel
+// (RoPE + cache write) writes only q and cache slot `slot`, so every other key is already final. The slot's K and V
+// rows, if they fall into a stage requested early, are skipped then and stored from registers after the wait.
 //
 // Per warp and subtile (16 keys): scores (16 head rows × 16 keys) = Q (16 × D, the G ≤ 16 heads of the KV group,
 // zero rows above G) · Kᵀ as 2·D/16 m16n8k16 MMAs (K fragments by ldmatrix from the swizzled stage), an online
