@@ -1,11 +1,12 @@
-"""Decode attention (``qerl.kernels.fused.decode_attention``) per layer against the split target, on a GPU.
+"""Decode attention (``qerl.kernels.fused.decode_attention``) per layer: Triton's split kernel at each split target
+against the CUDA kernel, on a GPU.
 
     python -m benchmarks.attn_bench [--models 7b,32b] [--batch 2,8,16] [--kv 256,1024,2048]
                                     [--targets 264,528,1056] [--kernels triton,cuda] [--configs 64:4:0,128:4:0]
                                     [--cuda-configs 2,3] [--out results/speed]
 
 For one layer's shapes (heads, KV heads, head dim of the model) and a static KV cache of S_max = 2304 slots, the
-split kernel + combine of one new token per row over the first S keys, timed as one CUDA graph over rotating caches
+attention of one new token per row over the first S keys (Triton: split kernel + combine; CUDA: one launch), timed as one CUDA graph over rotating caches
 (>= 160 MB, so the keys come from HBM), median replay per call; effective TB/s counts K and V of the S keys once.
 ``--kernels`` picks the split kernels: Triton's (``--configs``: keys per tile : warps : pipeline stages, 0 = Triton's
 default; ``--targets`` sweeps ``fused.ATTN_TARGET_PROGRAMS``) and the CUDA one of ``qerl.kernels.cuda_attn``

@@ -506,10 +506,9 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, preset, monkeypatch):
 @pytest.mark.parametrize("H,hkv,d", [(28, 4, 128), (40, 8, 128), (16, 2, 128), (32, 2, 128), (14, 2, 64)])
 def test_gpu_cuda_decode_attention_matches_reference(H, hkv, d, monkeypatch):
     """The CUDA decode attention (qerl.kernels.cuda_attn) against a float64 reference (the Triton path within the same
-    bound), over every ring depth, one split (its output written directly) and many (16-key splits, merged by the last
-    CTA), key counts
-    around the 16-key subtiles and the 4-warp rounds, left-padded and holed masks, and a `slot` (the key the kernel
-    loads after its wait and stores from registers) in and out of the early-requested stages."""
+    bound), over every ring depth, key counts around the 16-key subtiles and the 4-warp rounds, left-padded and holed
+    masks, and a `slot` (the key the kernel loads after its wait and stores from registers) in and out of the
+    early-requested stages; `auto` takes it only from MIN_ROWS (row, KV head) pairs."""
     from qerl.kernels import cuda_attn
     monkeypatch.setattr(cuda_attn, "MODE", "cuda")
     if not cuda_attn.usable(torch.zeros(1, H, d, dtype=BF, device="cuda"),
