@@ -65,6 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _CU = (cuda_build.CSRC / "decode_attn.cu",)
+_HEADERS = (cuda_build.CSRC / "fp4_mma_common.cuh",)
 _STATE: dict = {}
 
 
@@ -80,7 +81,7 @@ def attn_mode() -> str:
 
 
 def _ext():
-    return cuda_build.load_extension("qerl_attn", _CU, (), _BINDING, ["-O3", *cuda_build.arch_flags()], _STATE)
+    return cuda_build.load_extension("qerl_attn", _CU, _HEADERS, _BINDING, ["-O3", *cuda_build.arch_flags()], _STATE)
 
 
 def shape_ok(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Tensor) -> bool:

@@ -17,11 +17,14 @@
 // P's accumulator fragments reused as the A operand (bf16) and V by ldmatrix.trans: D/8 MMAs. The 4 warps' states are
 // merged through shared memory at the end. Rounding points are the Triton kernel's: fp32 scores and sums, P rounded to
 // bf16 for the P·V product, fp32 accumulators.
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "fp4_mma_common.cuh"  // the bf16 mma.sync and the cp.async helpers
 
 namespace qattn {
+
+using qfp4::cp_async16;
+using qfp4::cp_async_commit;
+using qfp4::cp_async_wait;
+using qfp4::mma_bf16;
 
 constexpr int kWarps = 4;
 constexpr int kKeys = 16;  // keys per subtile: one MMA k-step of P·V
@@ -47,20 +50,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 __device__ __forceinline__ void cp4(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
                : "memory");
 }
-
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void wait_groups() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -70,14 +63,6 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r
 __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -137,8 +122,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
         const bool ok = key < stop;
         if (key != skip) {
           const long long off = (long long)(ok ? key : start) * D + u * 8;
-          cp16(sk + swz<D>(r, u), kg + off, ok);
-          cp16(sv + swz<D>(r, u), vg + off, ok);
+          cp_async16(sk + swz<D>(r, u), kg + off, ok);
+          cp_async16(sv + swz<D>(r, u), vg + off, ok);
         }
       }
       if (lane < kKeys) {
@@ -146,7 +131,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
         cp4(smem_u32(st + St::kBias + 4 * lane), bg + (key < stop ? key : start), key < stop);
       }
     }
-    commit();  // always: every iteration's wait counts NST groups
+    cp_async_commit();  // always: every iteration's wait counts NST groups
   };
 
 #pragma unroll
@@ -190,7 +175,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
   float m0 = kNeg, m1 = kNeg, l0 = 0.f, l1 = 0.f;  // rows gr, gr + 8 (log2 domain)
 
   for (int i = 0; i < mine; ++i) {
-    wait_groups<NST - 1>();
+    cp_async_wait<NST - 1>();
     __syncwarp();
     unsigned char* st = ring + (i % NST) * St::kBytes;
     if (i == fresh) {
@@ -207,8 +192,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t b0, b1, b2, b3;  // (keys 0-7, units 2kk, 2kk+1), (keys 8-15, ...)
       ldsm_x4(sk + swz<D>((mat >> 1) * 8 + mr, 2 * kk + (mat & 1)), b0, b1, b2, b3);
-      mma(sc[0], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
-      mma(sc[1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b2, b3);
+      mma_bf16(sc[0], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+      mma_bf16(sc[1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b2, b3);
     }
     const float* bs = reinterpret_cast<const float*>(st + St::kBias);
     float mx0 = kNeg, mx1 = kNeg;
@@ -259,13 +244,13 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
     for (int j = 0; j < D / 8; j += 2) {
       uint32_t b0, b1, b2, b3;  // (keys 0-7, unit j), (keys 8-15, unit j), (keys 0-7, unit j+1), (keys 8-15, j+1)
       ldsm_x4_t(sv + swz<D>((mat & 1) * 8 + mr, j + (mat >> 1)), b0, b1, b2, b3);
-      mma(acc[j], p0, p1, p2, p3, b0, b1);
-      mma(acc[j + 1], p0, p1, p2, p3, b2, b3);
+      mma_bf16(acc[j], p0, p1, p2, p3, b0, b1);
+      mma_bf16(acc[j + 1], p0, p1, p2, p3, b2, b3);
     }
     __syncwarp();
     issue(i + NST, -1);
   }
-  wait_groups<0>();
+  cp_async_wait<0>();
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);

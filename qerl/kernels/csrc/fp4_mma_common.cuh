@@ -1,6 +1,6 @@
 // Shared by the FP4 mma kernels (fp4_mma_gemv.cu: M <= 16, fp4_mma_gemm.cu: larger M): the A-fragment decode
 // of the re-laid-out weight words (see fp4_mma_gemv.cu for the layout), the scale words, the bf16 MMA and the
-// streaming loads.
+// streaming loads; decode_attn.cu takes the bf16 MMA and the cp.async helpers from here too.
 #pragma once
 
 #include <cuda_bf16.h>
