@@ -1,4 +1,5 @@
-"""Benchmark of the CUDA FP4 decode GEMV (``cuda_fp4``) against BF16 ``F.linear`` and the Triton path (``qmm``).
+"""Benchmark of the CUDA FP4 decode GEMV (``cuda_fp4``) against BF16 ``F.linear`` and the Triton path (``qmm``), and
+of the same GEMV over the BF16 weight (``cuda_fp4.dense_weight``: the BF16 baseline's decode products) against cuBLAS.
 
     python -m benchmarks.cuda_bench --out DIR [--models 7b,14b,32b] [--m 1,2,4,8,16] [--sweep]
 
@@ -37,6 +38,8 @@ def _nvcc_version() -> str:
 
 
 def _cuda_weights(fmt: str, wts: bench._Weights) -> list[cf.CudaFP4Weight]:
+    if fmt == "bf16":
+        return [cf.dense_weight(q["weight"]) for q in wts.qs]
     return [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
 
 
@@ -81,10 +84,11 @@ def _layer_cuda_ms(lins, cws: dict, m: int, rep_ms: float, pdl: bool) -> float:
     return bench._graph_ms(calls, rep_ms)[0] * len(lins)
 
 
-def _sweep_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
+def _sweep_configs(s: int, c: int, fmt: str = "nvfp4") -> list[tuple[int, int, int, int]]:
     out = []
-    for unroll, sw in ((4, 1), (8, 1), (2, 2), (4, 2), (2, 4)):
-        maxw = 8 if unroll * sw >= 8 else 16
+    variants = cf.gemv_variants(fmt) if fmt == "bf16" else ((4, 1), (8, 1), (2, 2), (4, 2), (2, 4))
+    for unroll, sw in variants:
+        maxw = cf.gemv_warp_cap(unroll, sw, cf.gemv_words(fmt))
         for splits in (1, 2, 4, 6, 8, 12, 16):
             if splits > maxw or (splits > 1 and c // splits < 2):
                 continue
@@ -99,7 +103,8 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
         shapes = list(dict.fromkeys((n, k) for _, n, k in lins))
         for fmt in (["bf16"] if "bf16" in paths else []) + list(fmts):
             wts = {(n, k): bench._Weights(fmt, n, k, seed=1000 + i) for i, (n, k) in enumerate(shapes)}
-            kinds = ["bf16"] if fmt == "bf16" else [p for p in ("triton", "cuda", "cuda_pdl") if p in paths]
+            kinds = ([p for p in ("bf16", "cuda", "cuda_pdl") if p in paths] if fmt == "bf16" else
+                     [p for p in ("triton", "cuda", "cuda_pdl") if p in paths])
             cuda = [p for p in kinds if p.startswith("cuda")]
             cws = {key: _cuda_weights(fmt, w) for key, w in wts.items()} if cuda else {}
             for path in kinds:
@@ -132,12 +137,12 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
                     print(f"[cuda_bench] {mdl} {fmt:6s} {path:6s} M={m:3d}: {total_t * 1e3:8.1f} us/layer "
                           f"{total_b / (total_t * 1e-3) / 1e12:5.2f} TB/s; layer graph {tg * 1e3:8.1f} us",
                           flush=True)
-            if sweep and mdl == models[0] and cuda and fmt == "nvfp4":
+            if sweep and mdl == models[0] and cuda and fmt in ("nvfp4", "bf16"):
                 for (n, k), ws in cws.items():
                     for m in (1, 4, 8, 16):
                         pick = cf._config(ws[0], m, torch.device("cuda"))
                         res = []
-                        for cfg in _sweep_configs(n // 16, k // 64):
+                        for cfg in _sweep_configs(n // 16, k // 64, fmt):
                             t = _time_cuda(ws, m, rep_ms / 2, config=cfg)
                             res.append((t, cfg))
                             sweep_rows.append(dict(model=mdl, fmt=fmt, N=n, K=k, M=m, config=str(cfg),
@@ -170,9 +175,10 @@ def markdown(rows, header: str) -> str:
     for mdl in dict.fromkeys(r["model"] for r in layer):
         out += [f"### Qwen2.5-{mdl.upper()} decoder linears (µs per layer = sum of the 7 per-linear medians)", "",
                 "Cell: µs/layer (speed-up vs BF16) effective TB/s · whole-layer graph µs.", ""]
-        cols = [("bf16", "bf16")] + [(f, p) for f in ("nvfp4", "mxfp4") for p in ("triton", "cuda", "cuda_pdl")]
+        cols = [("bf16", "bf16"), ("bf16", "cuda"), ("bf16", "cuda_pdl")] + [
+            (f, p) for f in ("nvfp4", "mxfp4") for p in ("triton", "cuda", "cuda_pdl")]
         cols = [c for c in cols if any(r["model"] == mdl and (r["fmt"], r["path"]) == c for r in layer)]
-        out.append("| M | " + " | ".join(f"{f} {p}" if f != p else "BF16" for f, p in cols) + " |")
+        out.append("| M | " + " | ".join(f"{f} {p}" if f != p else "BF16 (cuBLAS)" for f, p in cols) + " |")
         out.append("|---:|" + "---:|" * len(cols))
         for m in sorted({r["M"] for r in layer if r["model"] == mdl}):
             cells = []
@@ -182,7 +188,7 @@ def markdown(rows, header: str) -> str:
                 if r is None:
                     cells.append("–")
                     continue
-                sp = "" if f == "bf16" else f" ({r.get('speedup_vs_bf16', float('nan')):.2f}×)"
+                sp = "" if (f, p) == ("bf16", "bf16") else f" ({r.get('speedup_vs_bf16', float('nan')):.2f}×)"
                 cells.append(f"{r['us']:.1f}{sp} {r['TBps']:.2f} · {r['layer_graph_us']:.1f}")
             out.append(f"| {m} | " + " | ".join(cells) + " |")
         out.append("")
@@ -192,7 +198,7 @@ def markdown(rows, header: str) -> str:
                     "unroll, strips per warp):", "",
                     "| fmt | M | " + " | ".join(n for n, _, _ in bench.layer_linears(mdl)) + " |",
                     "|---|---:|" + "---:|" * 7]
-            for f in ("nvfp4", "mxfp4"):
+            for f in ("bf16", "nvfp4", "mxfp4"):
                 for m in sorted({r["M"] for r in per}):
                     sel = [r for r in per if r["fmt"] == f and r["M"] == m]
                     if sel:
@@ -220,7 +226,7 @@ def main(argv=None) -> None:
     os.makedirs(a.out, exist_ok=True)
     bw = bench.copy_bandwidth()
     attrs = {(f, nt, u, sw): cf.kernel_attributes(f, 1 if nt == 1 else 16, u, sw)
-             for f in ("nvfp4", "mxfp4") for nt in (1, 2) for u, sw in ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))}
+             for f in ("bf16", "nvfp4", "mxfp4") for nt in (1, 2) for u, sw in cf.gemv_variants(f)}
     print(f"[cuda_bench] {name}: copy {bw / 1e12:.2f} TB/s; kernel (regs, local bytes): {attrs}", flush=True)
     hdr = _header(name, bw, attrs, argv)
     rows, sweep_rows = [], []

@@ -1,4 +1,4 @@
-"""Tuner of the CUDA FP4 decode GEMV's launch configuration per (format, shape, M, LoRA rank, epilogue): measures
+"""Tuner of the CUDA decode GEMV's launch configuration per (format: nvfp4, mxfp4, bf16; shape, M, LoRA rank, epilogue): measures
 every candidate and writes the device table the dispatcher reads (``qerl/kernels/tuned/cuda_gemv_<device>.json``).
 
     python -m benchmarks.gemv_tune [--models 7b,14b,32b] [--m 1,2,4,8,16] [--fmts nvfp4,mxfp4] [--ranks 32,0]
@@ -45,14 +45,15 @@ def candidates(lin: _Linear, m: int, act: str | None, sms: int) -> list[tuple[in
     """Configurations of a launch of ``lin`` at M rows whose grid (output CTAs + LoRA CTAs) fits in one wave."""
     s, c = lin.n // 16, lin.k // 64
     op = lin.ops[0]
-    fid, nt = (0 if lin.ws[0].fmt == "nvfp4" else 1), (2 if m > 8 else 1)
+    fmt = lin.ws[0].fmt
+    fid, nt = cf._gemv_fid(fmt), (2 if m > 8 else 1)
     ext = cf._ext()
     out = []
-    for unroll, sw in cf.GEMV_VARIANTS:
+    for unroll, sw in cf.gemv_variants(fmt):
         if act is not None and sw != 2:
             continue
         groups_ = math.ceil(s / sw)
-        cap = cf.gemv_warp_cap(unroll, sw)
+        cap = cf.gemv_warp_cap(unroll, sw, cf.gemv_words(fmt))
         for splits in range(1, min(cap, max(1, c // unroll)) + 1):
             for per in PER:
                 warps = splits * per
@@ -149,8 +150,8 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"unknown --models {bad}; choose from {sorted(bench.MODELS)}")
     fmts = [s for s in a.fmts.split(",") if s]
-    if any(f not in cf.FORMATS for f in fmts):
-        raise SystemExit(f"--fmts must be among {', '.join(cf.FORMATS)} (the CUDA FP4 GEMV's formats), got {fmts}")
+    if any(f not in cf.GEMV_FORMATS for f in fmts):
+        raise SystemExit(f"--fmts must be among {', '.join(cf.GEMV_FORMATS)} (the CUDA GEMV's weights), got {fmts}")
     ms = [int(s) for s in a.m.split(",") if s]
     if not ms or any(not 1 <= m <= 16 for m in ms):
         raise SystemExit(f"--m must be decode sizes in [1, 16], got {a.m!r}")

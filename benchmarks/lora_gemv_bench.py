@@ -43,13 +43,14 @@ def groups(model: str, rank: int) -> list[tuple[str, list[tuple[int, int]], int]
 
 
 class _Linear:
-    """Rotating copies of one (fused) linear: CUDA FP4 weights, LoRA operands and the split path's A, Bᵀ (no LoRA
+    """Rotating copies of one (fused) linear: CUDA FP4 weights (or BF16 ones as stored), LoRA operands and the split path's A, Bᵀ (no LoRA
     when every member's rank is 0: ``ops`` then holds None per copy)."""
 
     def __init__(self, fmt: str, members, k: int, seed: int):
         n = sum(rows for rows, _ in members)
         wts = bench._Weights(fmt, n, k, seed)
-        self.ws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+        self.ws = [cf.dense_weight(q["weight"]) if fmt == "bf16" else
+                   cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
                    for q in wts.qs]
         del wts
         gen = torch.Generator(device="cuda").manual_seed(seed + 1)

@@ -309,9 +309,10 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: (M, K) -> (M, sum N)
         if self.q is None:
             return torch.cat([m(x) for m in self.mods], dim=-1)
-        if self.rows_live and x.dtype == self.ext.dtype:  # one GEMM for x·[W; A]ᵀ, one addmm: a row-strided view
+        y = linear_lora(self.fmt, x, self.q, self.lora) if self.lora is not None else None  # one launch (the GEMV)
+        if y is None and self.rows_live and x.dtype == self.ext.dtype:
+            # BF16 above the GEMV's M: one GEMM for x·[W; A]ᵀ, one addmm (a row-strided view)
             return rows_product(x, self.ext, self.out_features, self.Bt, None if self.defer_bias else self.bias)
-        y = linear_lora(self.fmt, x, self.q, self.lora) if self.lora is not None else None
         if y is None:  # no one-launch path for this format / M: the base, then x·Aᵀ and one addmm
             y = self.fmt.linear(x, self.q)
             if self.A is not None:

@@ -389,7 +389,7 @@ def test_installed_gemm_tables_are_valid():
 def test_gemv_config_validation():
     assert cf.check_gemv_config([8, 1, 4, 1]) == (8, 1, 4, 1)
     assert cf.check_gemv_config((2, 2, 2, 2), "silu_mul") == (2, 2, 2, 2)
-    for bad, why in [((8, 1, 3, 1), r"\(3, 1\) is not compiled; valid: \[\(2, 1\)"),
+    for bad, why in [((8, 1, 3, 1), r"\(3, 1\) is not compiled for nvfp4; valid: \[\(2, 1\)"),
                      ((8, 2, 8, 1), r"8 x 2 must be in \[1, 8\] warps"), ((0, 1, 4, 1), r"0 x 1 must be in \[1, 16\]"),
                      ((8, 1, 4), r"is \(splits, strip groups per CTA, unroll, strips per warp\)"),
                      ("abcd", r"is \(splits")]:
@@ -397,6 +397,41 @@ def test_gemv_config_validation():
             cf.check_gemv_config(bad)
     with pytest.raises(ValueError, match="act='silu_mul' runs with two strips per warp, got 1"):
         cf.check_gemv_config((8, 1, 4, 1), "silu_mul")
+    # a BF16 weight: its own compiled variants, and 8 warps per CTA at most (four words a lane per chunk)
+    assert cf.check_gemv_config((4, 2, 2, 1), None, "bf16") == (4, 2, 2, 1)
+    assert cf.check_gemv_config((1, 4, 2, 2), "silu_mul", "bf16") == (1, 4, 2, 2)
+    for bad, why in [((1, 1, 8, 1), r"\(8, 1\) is not compiled for bf16; valid: \[\(2, 1\), \(4, 1\), \(2, 2\)\]"),
+                     ((4, 4, 2, 1), r"4 x 4 must be in \[1, 8\] warps for bf16"),
+                     ((1, 1, 2, 1), r"unknown GEMV weight format 'fp8'")]:
+        with pytest.raises(ValueError, match=why):
+            cf.check_gemv_config(bad, None, "fp8" if "fp8" in why else "bf16")
+    assert cf.gemv_warp_cap(2, 1, cf.gemv_words("bf16")) == 8 and cf.gemv_warp_cap(2, 1, cf.gemv_words("nvfp4")) == 16
+    assert cf.variant_for(2368, 56, 8, "bf16") == (2, 1) and cf.variant_for(2368, 56, 8) == (2, 2)
+
+
+def test_dense_weight_operand_checks():
+    """``dense_weight``: a view of the stored BF16 weight (no copy), and a clear error for what the GEMV cannot
+    read — shape, dtype, strides, alignment; the GEMMs and the dequantization refuse it by name."""
+    buf = torch.randn(96 + 8, 128).bfloat16()
+    w = cf.dense_weight(buf[:96])
+    assert w.fmt == "bf16" and (w.n, w.k) == (96, 128) and w.qweight.data_ptr() == buf.data_ptr()
+    assert w.out_mult == 1.0 and w.global_scale is None and w.nbytes == 96 * 128 * 2
+    for bad, why in [(buf[:96].float(), "2-D bfloat16"), (buf[:40], r"N % 16 == 0 and K % 64 == 0, got \(40, 128\)"),
+                     (torch.randn(32, 96).bfloat16(), r"got \(32, 96\)"),
+                     (torch.randn(128, 32).bfloat16().t(), r"got strides \(1, 32\)"),
+                     (torch.randn(16 * 128 + 8).bfloat16()[4:4 + 16 * 128].view(16, 128), "at offset 8 mod 16")]:
+        with pytest.raises(ValueError, match=why):
+            cf.dense_weight(bad)
+    x = torch.randn(4, 128).bfloat16()
+    with pytest.raises(ValueError, match="unknown FP4 format 'bf16'"):
+        cf.gemm(x, w)
+    with pytest.raises(ValueError, match="unknown FP4 format 'bf16'"):
+        cf.dequantize(w)
+    # the CPU emulation of the GEMV over it: x Wᵀ in fp32, one rounding; + the LoRA term, + the SwiGLU epilogue
+    ref = (x.double() @ buf[:96].double().t())
+    assert torch.allclose(cf.emulate(x, w).double(), ref, rtol=2 ** -8, atol=1e-6)
+    g, u = cf.emulate(x, w).float().chunk(2, dim=-1)
+    assert torch.equal(cf.emulate(x, w, act="silu_mul"), (torch.nn.functional.silu(g.bfloat16()) * u.bfloat16()))
 
 
 def test_tuned_gemv_table(tmp_path, monkeypatch):
@@ -810,6 +845,106 @@ def test_gpu_gemv_lora_model_shapes_and_graphs(fmt):
         _check_lora(y1, x, w, op)
 
 
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_gemv_every_config_lora_epilogue_graphs(monkeypatch):
+    """The GEMV over a dense BF16 weight (format "bf16", ``dense_weight``: the stored rows, no copy): against a
+    float64 product at the Qwen shapes and M = 1..16; every compiled BF16 variant and split setting with and without
+    LoRA (members inside CTAs, a member without ranks) and PDL; the SwiGLU epilogue bit for bit the GEMV then
+    ``silu_mul_ref``; a weight that is a row view of a larger buffer ([W; A], as ``reserve_lora_rows`` makes);
+    graph replay of consecutive PDL launches; and the BF16 format's dispatch (``cuda_gemv`` up to M = 16, cuBLAS
+    above and with ``QERL_BF16_GEMV=0``)."""
+    from qerl import kernels as qk
+    from qerl.kernels import fused as fk
+    from qerl.quant import get_format
+    assert cf.available(), cf.build_error()
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def check(y, x, w, op=None):
+        torch.cuda.synchronize()
+        ref = x.double() @ w.qweight.double().t()
+        mag = x.double().abs() @ w.qweight.double().abs().t()
+        lmag = torch.zeros_like(mag)
+        if op is not None:
+            ref = ref + cf.emulate_lora(x, op).double()
+            lmag = cf.emulate_lora(x.abs(), cf.LoraOperand(op.a.abs(), op.bn.abs(), op.members)).double()
+            assert not cf.lora_workspace(x.device)[1].any(), "the launch left its LoRA counters set"
+        y = y.double()
+        assert torch.isfinite(y).all(), "unwritten or non-finite output"
+        # one bf16 rounding of the result (2^-9 relative), fp32 sums in another order, t rounded to bf16 for its MMA
+        bound = 2 ** -8 * ref.abs() + 4e-5 * mag + 2 ** -8 * lmag + 1e-6
+        assert ((y - ref).abs() <= bound).all(), float((y - ref).abs().max())
+
+    for n, k in SHAPES:
+        w = cf.dense_weight((torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16())
+        for m in (1, 3, 8, 9, 16):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert cf.gemv(x, w, out=out).data_ptr() == out.data_ptr()
+            check(out, x, w)
+    n, k = 208, 1536  # 13 strips, 24 chunks: members 112 | 48 | 48 rows; uneven splits, partial batches and CTAs
+    buf = (torch.randn(n + 48, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    w = cf.dense_weight(buf[:n])  # the rows of a [W; A] buffer
+    ops = [None, _lora([(112, 16), (48, 8), (48, 24)], k, seed=4, device="cuda"),
+           _lora([(112, 8), (48, 0), (48, 5)], k, seed=5, device="cuda")]
+    ops[1] = cf.LoraOperand(buf[n:], ops[1].bn, ops[1].members)  # A = the buffer's spare rows
+    cfgs = [(1, 1, 2, 1), (4, 2, 2, 1), (3, 1, 2, 1), (8, 1, 2, 1), (1, 8, 2, 1), (1, 1, 4, 1), (5, 1, 4, 1),
+            (2, 4, 4, 1), (1, 1, 2, 2), (3, 1, 2, 2), (2, 4, 2, 2), (8, 1, 2, 2)]
+    for m in (1, 7, 9, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in ops:
+            for cfg in cfgs:
+                for pdl in (False, True):
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    check(cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op), x, w, op)
+    with pytest.raises(RuntimeError, match="unsupported configuration"):  # (8, 1) is an FP4 variant only
+        cf._ext().gemv(x, buf[:n], buf[:0].view(torch.int16), buf, torch.empty(16, n, device="cuda",
+                       dtype=torch.bfloat16), 2, 1.0, 0, 1, 1, 8, 1, False, 0)
+    # SwiGLU epilogue: 14 row pairs
+    n2 = 448
+    w2 = cf.dense_weight((torch.randn(n2, k, device="cuda", generator=g) / k ** 0.5).bfloat16())
+    for m in (1, 8, 9, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in (None, _lora([(224, 16), (224, 16)], k, seed=7, device="cuda")):
+            for cfg in [(1, 1, 2, 2), (3, 1, 2, 2), (2, 3, 2, 2), (1, 5, 2, 2)]:
+                full = cf.gemv(x, w2, config=cfg, lora=op)
+                y = cf.gemv(x, w2, config=cfg, pdl=True, lora=op, act="silu_mul")
+                assert torch.equal(y, fk.silu_mul_ref(full)), (m, cfg, op is None)
+    # graph replay: consecutive launches, each consuming the previous output under PDL
+    n = k = 1024
+    w = cf.dense_weight((torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16())
+    op = _lora([(512, 16), (256, 16), (256, 16)], k, seed=8, device="cuda")
+    x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cf.gemv(x, w, lora=op)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1 = cf.gemv(x, w, lora=op)
+        y2 = cf.gemv(y1, w, pdl=True, lora=op)
+    for _ in range(3):
+        x.copy_(torch.randn(8, k, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        r1 = cf.gemv(x, w, lora=op)
+        assert torch.equal(y1, r1) and torch.equal(y2, cf.gemv(r1, w, lora=op))
+    # the format's dispatch: the GEMV at decode size, cuBLAS above it and when switched off
+    fmt = get_format("bf16")
+    q = fmt.quantize(torch.randn(3584 + 1024, 3584, device="cuda", generator=g) / 60)
+    for m, want in ((1, "cuda_gemv"), (16, "cuda_gemv"), (17, "dense")):
+        x = torch.randn(m, 3584, device="cuda", generator=g).bfloat16()
+        assert qk.backend_for("bf16", x, q) == want, (m, want)
+        y = qk.qmm(x, "bf16", q)
+        if want == "cuda_gemv":
+            assert torch.equal(y, cf.gemv(x, cf.dense_weight(q["weight"])))
+        else:
+            assert torch.equal(y, F.linear(x, q["weight"]))
+    monkeypatch.setenv("QERL_BF16_GEMV", "0")
+    x = torch.randn(8, 3584, device="cuda", generator=g).bfloat16()
+    assert qk.backend_for("bf16", x, q) == "dense" and torch.equal(qk.qmm(x, "bf16", q), F.linear(x, q["weight"]))
 
 GEMM_MS = (17, 24, 31, 32, 33, 64, 100, 128, 256, 512, 1000, 4096)
 

@@ -455,10 +455,12 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt, preset, monkeypatc
         launches = cuda_fp4.lora_launches()
         ro = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=300, temperature=1.0, seed=1)
         assert ro.stats["fused_decode"] is fused and s.use_graphs
-        # NVFP4/MXFP4: the decode step's base + LoRA ran as one CUDA launch (the tiny shapes qualify)
-        assert (cuda_fp4.lora_launches() > launches) == (fmt in ("nvfp4", "mxfp4")), fmt
-        if fused and fmt == "bf16":  # x·[W; A]ᵀ in one GEMM per product (reserve_lora_rows), inside the graphs
+        # NVFP4/MXFP4/BF16: the decode step's base + LoRA ran as one CUDA launch (the tiny shapes qualify; BF16's
+        # from the stored rows, A = the spare rows of reserve_lora_rows)
+        assert (cuda_fp4.lora_launches() > launches) == (fmt in ("nvfp4", "mxfp4", "bf16")), fmt
+        if fused and fmt == "bf16":  # the A rows are live (the GEMV reads them; above M = 16: x·[W; A]ᵀ)
             assert all(e["qkv"].rows_live and e["gate_up"].rows_live for e in s._plan)
+            assert all(e["qkv"].lora.a.data_ptr() == e["qkv"].rows.data_ptr() for e in s._plan)
         with torch.no_grad():
             lp, _ = completion_logprobs(policy, ro, slice(0, 12), 1.0, True)
         m = ro.completion_mask

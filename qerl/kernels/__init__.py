@@ -1,6 +1,6 @@
 """Fast paths for the formats that own them, registered on import: the FP4 family (NVFP4, MXFP4) shares one
 dispatcher (:class:`FP4Kernels`, given block size and scale type by the format); NF4 calls bitsandbytes
-(:class:`BnbKernels`). ``qerl.quant.base`` calls them from ``fmt.linear`` / ``fmt.linear_t``; a kernel that
+(:class:`BnbKernels`); BF16 takes the FP4 GEMV's kernel over its stored weight at decode size (:class:`BF16Kernels`). ``qerl.quant.base`` calls them from ``fmt.linear`` / ``fmt.linear_t``; a kernel that
 declines an input (CPU, no Triton) returns None and the format runs its reference (dequantize + matmul).
 
 ``qmm`` (x Wᵀ), ``qmm_t`` (g W) and ``dequantize_into`` are the same calls by format (object or registered name);
@@ -30,7 +30,10 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    layout, ``dequantize_relaid`` (the same values from the fragment words) for every M the CUDA
                    GEMV/GEMM do not take
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
-``dense``          BF16 weights: ``F.linear`` (the BF16 format's reference)
+``cuda_gemv``      also BF16 weights at M <= 16 on CUDA (N % 16 == 0, K % 64 == 0, rows contiguous): the same kernel
+                   reading the stored weight row-major (``cuda_fp4.dense_weight``, no copy), with the same LoRA and
+                   SwiGLU epilogues (``QERL_BF16_GEMV=0`` turns it off: cuBLAS, for same-process comparisons)
+``dense``          BF16 weights otherwise: ``F.linear`` (cuBLAS; the BF16 format's reference)
 ``torch_reference`` CPU, no Triton, or a format without kernels (INT4): ``fmt.dequantize`` then ``F.linear``
 =================  =======================================================================================
 
@@ -52,7 +55,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from qerl.kernels import configs, relaid
-from qerl.quant import MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
+from qerl.quant import BF16Format, MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
 from qerl.quant import base as _quant
 
 try:  # Triton is optional: CPU hosts without it use the reference path.
@@ -720,11 +723,81 @@ class BnbKernels:
         return w if out is None else out.copy_(w)
 
 
+# ----------------------------------------------------------------------------------------- BF16 (dense) decode
+
+def bf16_gemv_enabled() -> bool:
+    """``QERL_BF16_GEMV`` (default ``1``): BF16 weights at decode size (M <= 16, CUDA) run the CUDA GEMV over the
+    stored weight, base + LoRA (+ SwiGLU) in one launch as for FP4; ``0``: cuBLAS (``F.linear``), the LoRA by the
+    caller. ``QERL_CUDA_GEMV=0`` turns it off too."""
+    v = os.environ.get("QERL_BF16_GEMV", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_BF16_GEMV={v!r}; valid: 0, 1")
+    return v == "1"
+
+
+def _dense_gemv_weight(x2: torch.Tensor, w: torch.Tensor):
+    """``cuda_fp4.dense_weight(w)`` when the CUDA GEMV takes x2 (M, K) @ wᵀ, else None."""
+    m, k = x2.shape
+    if (w.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_cuda or w.shape[1] != k or not 1 <= m
+            or w.stride(1) != 1 or w.stride(0) != k or w.data_ptr() % 16 or not bf16_gemv_enabled()
+            or not _cuda_gemv_ok(x2, m, w.shape[0], k)):
+        return None
+    from qerl.kernels import cuda_fp4
+    return cuda_fp4.dense_weight(w)
+
+
+def _bf16_linear_lora(x: torch.Tensor, w: torch.Tensor, lora=None, act=None) -> torch.Tensor | None:
+    """x (..., K) @ wᵀ (+ ``lora``'s term) (+ ``act``'s epilogue) by the CUDA GEMV in one launch at decode size;
+    None where it does not run (CPU, M > 16, a shape or layout it does not take, ``QERL_CUDA_LORA=0`` with a LoRA)."""
+    from qerl.kernels import cuda_fp4
+    if act is not None and act not in cuda_fp4.ACTS:
+        raise ValueError(f"act={act!r}: valid epilogues are None, {', '.join(map(repr, cuda_fp4.ACTS))}")
+    if not x.is_cuda or x.dtype != torch.bfloat16 or (lora is not None and os.environ.get("QERL_CUDA_LORA",
+                                                                                        "1") == "0"):
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    dw = _dense_gemv_weight(x2, w)
+    if dw is None or (act is not None and dw.n % 32):
+        return None
+    if lora is not None and (lora.bn.shape[0] != dw.n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != dw.k):
+        return None
+    y = cuda_fp4.gemv(x2, dw, lora=lora, pdl=pdl_enabled(x2), act=act)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class BF16Kernels:
+    """The BF16 baseline's decode products: the FP4 GEMV's kernel over the stored weight (``cuda_gemv``, M <= 16;
+    measured against cuBLAS in ``benchmarks.cuda_bench``); None elsewhere, so ``F.linear`` (cuBLAS) runs large M,
+    the backward and the CPU."""
+
+    def backend(self, fmt, x, q=None):
+        if not (x.is_cuda and x.dtype == torch.bfloat16 and bf16_gemv_enabled()):
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        if q is None:
+            return "cuda_gemv" if _cuda_gemv_ok(x2, x2.shape[0], 16, 64) and x2.shape[1] % 64 == 0 else None
+        return "cuda_gemv" if _dense_gemv_weight(x2, q["weight"]) is not None else None
+
+    def linear(self, fmt, x, q):
+        return _bf16_linear_lora(x, q["weight"])
+
+    def linear_t(self, fmt, g, q):
+        return None
+
+    def linear_lora(self, fmt, x, q, lora, act=None):
+        return _bf16_linear_lora(x, q["weight"], lora, act)
+
+    def dequantize(self, fmt, q, out):
+        return None
+
+
 FP4 = FP4Kernels()
 BNB = BnbKernels()
+BF16 = BF16Kernels()
 register_kernels(NVFP4Format, FP4)
 register_kernels(MXFP4Format, FP4)
 register_kernels(NF4Format, BNB)
+register_kernels(BF16Format, BF16)
 
 
 # ----------------------------------------------------------------------------------------- by format
@@ -759,5 +832,5 @@ def dequantize_into(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None
     return _quant.dequantize_into(get_format(fmt), q, out)
 
 
-__all__ = ["cuda_gemv_enabled", "cuda_dequant_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "dequantize_relaid", "supports", "backend_for", "prepare", "kernel_config",
+__all__ = ["cuda_gemv_enabled", "bf16_gemv_enabled", "BF16Kernels", "cuda_dequant_enabled", "cuda_gemm_choice", "qmm", "qmm_t", "dequantize_into", "dequantize_relaid", "supports", "backend_for", "prepare", "kernel_config",
            "PackedFP4", "BACKENDS", "HAS_TRITON", "FP4Kernels", "BnbKernels"]

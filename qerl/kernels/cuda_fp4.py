@@ -6,7 +6,8 @@ dense-weight rebuild), and their CPU emulator.
 the fragment map and the decode); ``gemv`` runs y (M, N) = x (M, K) @ Ŵᵀ for M <= 16 in one launch (split-K
 reduced inside the CTA, CUDA-graph capturable); ``emulate`` computes the same thing on any device by decoding
 the re-laid-out tensors lane by lane with the kernel's own bit operations. Shapes: N % 16 == 0, K % 64 == 0.
-``gemm`` serves M > 16 on the same tensors (``csrc/fp4_mma_gemm.cu``; on sm_90 also ``csrc/fp4_wgmma_gemm.cu``, whose
+``dense_weight`` wraps a BF16 (N, K) weight as stored (no copy) for the same ``gemv`` (format "bf16": the BF16
+baseline's decode products, with the same LoRA and SwiGLU epilogues). ``gemm`` serves M > 16 on the FP4 tensors (``csrc/fp4_mma_gemm.cu``; on sm_90 also ``csrc/fp4_wgmma_gemm.cu``, whose
 token permutation ``permute_x_reference`` and ``wgmma_weight`` check on the CPU); ``dequantize`` rebuilds Ŵ for large M.
 
 Decoded weights are exactly fp4 * s (NVFP4, E4M3 s; 1/g is applied to the fp32 accumulator) and
@@ -25,6 +26,8 @@ import torch
 from qerl.kernels import cuda_build
 
 FORMATS = ("mxfp4", "nvfp4")
+GEMV_FORMATS = ("bf16", "mxfp4", "nvfp4")  # the GEMV's weights: the FP4 layouts, and a dense BF16 weight as stored
+_FID = {"nvfp4": 0, "mxfp4": 1, "bf16": 2}  # csrc FMT
 _GROUP = {"nvfp4": 16, "mxfp4": 32}
 MASK = 0x81C081C0  # per bf16 half: sign bit 15, e2m1 magnitude bits 8..6
 REST = 0x001B001B  # bits of the fourth register of a word
@@ -44,7 +47,9 @@ NV_BEXP = 119  # NVFP4 scale words are s * 2^119 (448 * 2^119 < bf16 max)
 class CudaFP4Weight:
     """A re-laid-out FP4 weight: ``qweight`` (N/16, K/64, 32, 4) int32 (lane-major A fragments), ``scales``
     (N/16, K/64, 32) int16 E4M3 pairs (NVFP4) or (N/16, K/64, 16) int16 E8M0 pairs (MXFP4), the per-tensor
-    global scale (NVFP4), the decode exponent ``bexp`` and the accumulator multiplier 2^(126 - bexp)."""
+    global scale (NVFP4), the decode exponent ``bexp`` and the accumulator multiplier 2^(126 - bexp).
+    Format "bf16" (:func:`dense_weight`, the GEMV only): ``qweight`` is the dense (N, K) bf16 weight itself, no
+    scales, multiplier 1."""
 
     fmt: str
     n: int
@@ -59,7 +64,21 @@ class CudaFP4Weight:
     @property
     def nbytes(self) -> int:
         """Bytes the kernel reads per call (packed weights + scales)."""
-        return self.qweight.numel() * 4 + self.scales.numel() * 2
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
+
+
+def dense_weight(w: torch.Tensor) -> CudaFP4Weight:
+    """A BF16 weight (N, K) as the GEMV's operand, read where it lies (a view, no copy): N % 16 == 0, K % 64 == 0,
+    rows contiguous (row stride K) and 16-byte aligned; ValueError naming what does not fit."""
+    if w.dim() != 2 or w.dtype != torch.bfloat16:
+        raise ValueError(f"dense_weight: a 2-D bfloat16 weight is needed, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    if n % 16 or k % 64 or n == 0:
+        raise ValueError(f"dense_weight: the GEMV needs N % 16 == 0 and K % 64 == 0, got ({n}, {k})")
+    if w.stride(1) != 1 or w.stride(0) != k or w.data_ptr() % 16:
+        raise ValueError(f"dense_weight: rows must be contiguous (strides ({k}, 1)) and 16-byte aligned, got strides "
+                         f"{tuple(w.stride())} at offset {w.data_ptr() % 16} mod 16")
+    return CudaFP4Weight("bf16", n, k, w, w.new_empty(0, dtype=torch.int16), None, 0, 0, 1.0)
 
 
 def weight_from(fmt: str, qweight: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None,
@@ -270,7 +289,10 @@ def _decoded_fragments(w: CudaFP4Weight) -> torch.Tensor:
 
 
 def emulate_weight(w: CudaFP4Weight) -> torch.Tensor:
-    """float32 (N, K) weight as the kernel decodes it, before NVFP4's 1/g: fp4 * s or fp4 * 2^(e-127)."""
+    """float32 (N, K) weight as the kernel decodes it, before NVFP4's 1/g: fp4 * s or fp4 * 2^(e-127) (a BF16
+    weight: itself)."""
+    if w.fmt == "bf16":
+        return w.qweight.to(torch.float32)
     return _decoded_fragments(w) * (2.0 ** (126 - w.bexp))
 
 
@@ -280,7 +302,8 @@ def emulate(x: torch.Tensor, w: CudaFP4Weight, lora: LoraOperand | None = None, 
     ``gemv`` up to fp32 summation order. ``act="silu_mul"``: silu(y[:, :N/2]) · y[:, N/2:] (M, N/2), rounded as
     the unfused path rounds it (``qerl.kernels.fused.silu_mul_ref``)."""
     _check_act(act)
-    acc = x.to(torch.float32) @ _decoded_fragments(w).to(x.device).t()  # (M, N)
+    wd = w.qweight.to(torch.float32) if w.fmt == "bf16" else _decoded_fragments(w)
+    acc = x.to(torch.float32) @ wd.to(x.device).t()  # (M, N)
     mult = torch.tensor(w.out_mult, dtype=torch.float32, device=x.device)
     if w.global_scale is not None:
         mult = mult / w.global_scale.to(x.device)
@@ -441,24 +464,44 @@ extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_wgmma_sk_ctas(int, int, int, int);
 
-// act = 1 (silu * up): out holds N / 2 columns
+// Strips S = N / 16 and chunks C = K / 64 of the weight: FP4 (S, C, 32, 4) int32 fragments, fmt 2 a BF16 (N, K)
+static void weight_dims(const torch::Tensor& qw, int64_t fmt, int& S, int& C) {
+  if (fmt == 2) {
+    TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kBFloat16 && qw.size(0) % 16 == 0 && qw.size(1) % 64 == 0,
+                "bf16 weight: (N, K) bf16 with N % 16 == 0, K % 64 == 0");
+    TORCH_CHECK(qw.stride(1) == 1 && qw.stride(0) == qw.size(1) &&
+                reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0, "bf16 weight: contiguous rows, 16-byte aligned");
+    S = (int)(qw.size(0) / 16);
+    C = (int)(qw.size(1) / 64);
+    return;
+  }
+  TORCH_CHECK(qw.dim() == 4, "bad ranks");
+  S = (int)qw.size(0);
+  C = (int)qw.size(1);
+}
+
+// act = 1 (silu * up): out holds N / 2 columns; fmt 2: qw a BF16 (N, K) weight, sc unused
 static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, const torch::Tensor& sc,
-                           const torch::Tensor& out, int64_t act = 0) {
+                           const torch::Tensor& out, int64_t act = 0, int64_t fmt = 0) {
   TORCH_CHECK(x.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "x, out must be bf16");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && qw.dim() == 4 && sc.dim() == 3, "bad ranks");
-  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && (fmt == 2 || sc.dim() == 3), "bad ranks");
+  int S = 0, C = 0;
+  weight_dims(qw, fmt, S, C);
+  const int M = (int)x.size(0);
   TORCH_CHECK(x.size(1) == 64 * C && out.size(0) == M && out.size(1) == (act ? 8 : 16) * S, "shape mismatch");
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 8 == 0 && out.stride(1) == 1, "x/out layout");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
-  TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
+  TORCH_CHECK(fmt == 2 || (qw.is_contiguous() && sc.is_contiguous()), "qweight/scales must be contiguous");
 }
 
 void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
           bool pdl, int64_t act) {
-  check_operands(x, qw, sc, out, act);
-  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  check_operands(x, qw, sc, out, act, fmt);
+  int S = 0, C = 0;
+  weight_dims(qw, fmt, S, C);
+  const int M = (int)x.size(0);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
@@ -475,8 +518,10 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                bool pdl, int64_t act, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
                int64_t parts,
                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
-  check_operands(x, qw, sc, out, act);
-  const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  check_operands(x, qw, sc, out, act, fmt);
+  int S = 0, C = 0;
+  weight_dims(qw, fmt, S, C);
+  const int M = (int)x.size(0);
   TORCH_CHECK((int64_t)C * splits < (1LL << 31), "too many chunks");
   TORCH_CHECK(a.is_cuda() && bn.is_cuda() && part.is_cuda() && ctr.is_cuda(),
               "LoRA tensors must be on CUDA");
@@ -686,30 +731,39 @@ def build_error() -> str | None:
     return _STATE.get("error")
 
 
+def _gemv_fid(fmt: str) -> int:
+    if fmt not in _FID:
+        raise ValueError(f"unknown GEMV weight format {fmt!r}; valid: {list(GEMV_FORMATS)}")
+    return _FID[fmt]
+
+
 def kernel_attributes(fmt: str, m: int, unroll: int, sw: int = 1) -> tuple[int, int]:
-    """(registers, local-memory bytes) per thread of the kernel variant (unroll, strips per warp) at M rows."""
-    _check_fmt(fmt)
-    r = _ext().attributes(0 if fmt == "nvfp4" else 1, 2 if m > 8 else 1, unroll, sw)
+    """(registers, local-memory bytes) per thread of the GEMV variant (unroll, strips per warp) at M rows."""
+    r = _ext().attributes(_gemv_fid(fmt), 2 if m > 8 else 1, unroll, sw)
     return int(r[0]), int(r[1])
 
 
 # ----------------------------------------------------------------------------------------- launch
 
-def variant_for(s: int, c: int, m: int = 1) -> tuple[int, int]:
+def variant_for(s: int, c: int, m: int = 1, fmt: str = "nvfp4") -> tuple[int, int]:
     """(unroll U, strips per warp SW) for S = N/16 strips, C = K/64 chunks and M rows: many strips take two
     strips per warp (one x fragment serves both) with batches of 2 chunks, the rest one strip with batches of 4
     (measured on the H100: ``cuda_bench --sweep``, 7B shapes, M = 1..16). Few strips over a long K (down_proj) at
     M <= 8 take one strip per warp: two per warp left them too few strip groups to fill the GPU (7B: 112 CTAs of 16
     warps on 132 SMs) and the sweep of s24 measured them 10-13% slower than the best one-strip configuration (M = 8:
     7B 22.3 vs 19.8 µs, 14B 23.4 vs 20.5, 32B 37.8 vs 33.7; the heuristic's one-strip pick: 7B 20.0, 14B and 32B not
-    in the top 6; ``raw/h100_s24_sweep``). At M = 16 the two are within 2-4% and keep the rule of s22."""
+    in the top 6; ``raw/h100_s24_sweep``). At M = 16 the two are within 2-4% and keep the rule of s22.
+    A BF16 weight (four words a lane per chunk) takes one strip per warp in batches of 2 chunks: the bytes of FP4's
+    (8, 1) batches, 116-146 registers (sm_90a), two CTAs of 8 warps per SM."""
+    if fmt == "bf16":
+        return 2, 1
     if s >= 512 or (c >= 128 and m > 8):
         return 2, 2
     return 4, 1
 
 
 def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
-                extra_ctas=None) -> tuple[int, int, int, int]:
+                extra_ctas=None, words: int = 1) -> tuple[int, int, int, int]:
     """(splits, strip groups per CTA, unroll, strips per warp) for S = N/16 strips, C = K/64 chunks.
 
     Enough warps for the loads in flight to cover HBM latency (~16 warps per SM with 4 loads a batch, 8 with 8),
@@ -717,10 +771,11 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
     resident CTAs per SM). ``extra_ctas(warps, splits)``: CTAs the launch adds (the LoRA CTAs), which must fit in
     the same wave — a second wave of output CTAs costs a whole CTA's main loop (measured: gate|up at M = 8 took
     53 µs instead of 34 when its LoRA variant, four registers more per thread, fitted 4 CTAs per SM instead of 5).
+    ``words``: 128-bit weight words a lane loads per (strip, chunk) (1 for FP4, 4 for BF16).
     """
     groups = math.ceil(s / sw)
-    target = sms * (16 if unroll * sw <= 4 else 8)
-    maxw = 8 if unroll * sw >= 8 else 16
+    target = sms * (16 if unroll * sw * words <= 4 else 8)
+    maxw = gemv_warp_cap(unroll, sw, words)
     splits = max(1, min(math.ceil(target / groups), max(1, c // unroll), maxw))
     while True:
         per = max(1, min(maxw // splits, 4 // splits))
@@ -732,29 +787,41 @@ def pick_config(s: int, c: int, sms: int, unroll: int, occupancy, sw: int = 1,
         splits -= 1
 
 
-GEMV_VARIANTS = ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))  # compiled (unroll, strips per warp)
+GEMV_VARIANTS = ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (2, 4))  # compiled (unroll, strips per warp), FP4
+GEMV_VARIANTS_BF16 = ((2, 1), (4, 1), (2, 2))  # the same for a BF16 weight (four words a lane per chunk)
 
 
-def gemv_warp_cap(unroll: int, sw: int) -> int:
-    """Warps per CTA at most (csrc ``max_warps``): 16 while a warp keeps <= 4 chunk loads per batch, else 8."""
-    return 8 if unroll * sw >= 8 else 16
+def gemv_variants(fmt: str) -> tuple[tuple[int, int], ...]:
+    """The compiled (unroll, strips per warp) of the GEMV for a weight format."""
+    return GEMV_VARIANTS_BF16 if _gemv_fid(fmt) == 2 else GEMV_VARIANTS
 
 
-def check_gemv_config(config, act: str | None = None) -> tuple[int, int, int, int]:
+def gemv_words(fmt: str) -> int:
+    """128-bit weight words a lane loads per (strip, chunk): 1 for FP4, 4 for BF16 (csrc ``wwords``)."""
+    return 4 if _gemv_fid(fmt) == 2 else 1
+
+
+def gemv_warp_cap(unroll: int, sw: int, words: int = 1) -> int:
+    """Warps per CTA at most (csrc ``max_warps``): 16 while a warp keeps <= 4 weight words per batch, else 8."""
+    return 8 if unroll * sw * words >= 8 else 16
+
+
+def check_gemv_config(config, act: str | None = None, fmt: str = "nvfp4") -> tuple[int, int, int, int]:
     """``config`` = (splits, strip groups per CTA, unroll, strips per warp) as ints, or ValueError naming what is
-    wrong: a compiled (unroll, strips per warp), splits x groups within the variant's warps per CTA, two strips per
-    warp with an epilogue (``act``)."""
+    wrong: a compiled (unroll, strips per warp) of ``fmt``'s kernels, splits x groups within the variant's warps
+    per CTA, two strips per warp with an epilogue (``act``)."""
     try:
         splits, per, unroll, sw = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"a GEMV config is (splits, strip groups per CTA, unroll, strips per warp), got {config!r}") \
             from None
-    if (unroll, sw) not in GEMV_VARIANTS:
-        raise ValueError(f"GEMV config {tuple(config)}: (unroll, strips per warp) = {(unroll, sw)} is not compiled; "
-                         f"valid: {list(GEMV_VARIANTS)}")
-    if splits < 1 or per < 1 or splits * per > gemv_warp_cap(unroll, sw):
+    if (unroll, sw) not in gemv_variants(fmt):
+        raise ValueError(f"GEMV config {tuple(config)}: (unroll, strips per warp) = {(unroll, sw)} is not compiled "
+                         f"for {fmt}; valid: {list(gemv_variants(fmt))}")
+    cap = gemv_warp_cap(unroll, sw, gemv_words(fmt))
+    if splits < 1 or per < 1 or splits * per > cap:
         raise ValueError(f"GEMV config {tuple(config)}: splits x strip groups = {splits} x {per} must be in [1, "
-                         f"{gemv_warp_cap(unroll, sw)}] warps for unroll {unroll}, {sw} strips per warp")
+                         f"{cap}] warps for {fmt}, unroll {unroll}, {sw} strips per warp")
     if act is not None and sw != 2:
         raise ValueError(f"GEMV config {tuple(config)}: act={act!r} runs with two strips per warp, got {sw}")
     return splits, per, unroll, sw
@@ -777,7 +844,7 @@ def load_gemv_table(device_name: str) -> dict:
         import json
         for e in json.loads(path.read_text())["entries"]:
             act = e.get("act") or None
-            cfg = check_gemv_config(e["config"], act)
+            cfg = check_gemv_config(e["config"], act, e["fmt"])
             table.setdefault((e["fmt"], e["N"], e["K"], e["rank"], e["rp"], act or ""), []).append((e["M"], cfg))
         for v in table.values():
             v.sort()
@@ -826,17 +893,19 @@ def heuristic_gemv_config(w: CudaFP4Weight, m: int, dev: torch.device, lora: Lor
     """The launch configuration by rule (``variant_for`` + ``pick_config`` with the variant's occupancy on ``dev``;
     an epilogue over strip pairs takes two strips per warp), what an untuned point gets."""
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    unroll, sw = variant_for(w.n // 16, w.k // 64, m) if act is None else (2, 2)
+    unroll, sw = variant_for(w.n // 16, w.k // 64, m, w.fmt) if act is None else (2, 2)
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
-    ext, fid, nt = _ext(), 0 if w.fmt == "nvfp4" else 1, 2 if m > 8 else 1
+    ext, fid, nt, words = _ext(), _gemv_fid(w.fmt), 2 if m > 8 else 1, gemv_words(w.fmt)
     c = w.k // 64
     if lora is None:
         return pick_config(w.n // 16, c, sms, unroll,
-                           lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw)
+                           lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 0), sw,
+                           words=words)
     # the LoRA variant's own occupancy, with its LoRA CTAs in the same wave
     return pick_config(w.n // 16, c, sms, unroll,
                        lambda warps, splits: ext.occupancy(fid, nt, unroll, sw, warps, splits, 1), sw,
-                       extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps))
+                       extra_ctas=lambda warps, splits: -(-lora.rank // 16) * lora_parts(lora.rank, c, warps),
+                       words=words)
 
 
 def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None,
@@ -905,11 +974,11 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         raise ValueError(f"gemv(act={act!r}) needs N/2 = {w.n / 2:g} to be a multiple of 16 rows")
     x, out = _operands("gemv", x, w, out, w.n // 2 if act is not None else None)
     m = x.shape[0]
-    splits, per, unroll, sw = (check_gemv_config(config, act) if config is not None else
+    splits, per, unroll, sw = (check_gemv_config(config, act, w.fmt) if config is not None else
                                _config(w, m, x.device, lora, act))
     code = 0 if act is None else 1 + ACTS.index(act)
     gs = w.global_scale if w.global_scale is not None else w.qweight
-    fid = 0 if w.fmt == "nvfp4" else 1
+    fid = _gemv_fid(w.fmt)
     if lora is None:
         _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code)
         return out
@@ -1233,6 +1302,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     partial tiles from the caching allocator (the graph's pool under capture) and the device's tile counters.
     ``lora`` (wgmma configs only, :func:`wgmma_lora_ok`): + the LoRA term (:func:`emulate_lora`) before the one
     bf16 rounding, t = x·Aᵀ by cuBLAS (bf16), t·Bnᵀ per member by the GEMM's epilogue MMAs."""
+    _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
     s, c = w.n // 16, w.k // 64
@@ -1278,6 +1348,7 @@ def dequantize(w: CudaFP4Weight, out: torch.Tensor | None = None) -> torch.Tenso
     ``qerl.kernels.dequantize_relaid`` (the Triton kernel) bit for bit, at the copy bandwidth. ``out``: bf16
     (N, K) with unit column stride, a row stride that is a multiple of 8 and a 16-byte aligned start (allocated when
     None). On the current CUDA stream; graph capturable."""
+    _check_fmt(w.fmt)
     if not w.qweight.is_cuda:
         raise ValueError("dequantize needs CUDA tensors (qerl.kernels.dequantize_relaid runs elsewhere)")
     if out is None:

@@ -1,4 +1,5 @@
-// W4A16 decode GEMV for NVFP4 / MXFP4 weights on tensor cores (mma.sync m16n8k16, bf16 in, fp32 acc).
+// W4A16 decode GEMV for NVFP4 / MXFP4 weights on tensor cores (mma.sync m16n8k16, bf16 in, fp32 acc), and the
+// same kernel over a dense BF16 weight (FMT = 2, the BF16 baseline's decode products; see "BF16 weights" below).
 //
 // out (M, N) = x (M, K) @ W^T for M <= 16. W is re-laid out once by qerl/kernels/cuda_fp4.py (prepare) so that
 // one 128-bit load per lane and K chunk of 64 is that lane's A fragments for four MMAs:
@@ -17,6 +18,11 @@
 // Scale words: NVFP4 E4M3 through the exact hardware E4M3->FP16 conversion, exponent moved by 112 + B (B = 119:
 // 448 * 2^119 < bf16 max); zero scales are remapped at prepare time (codes zeroed, scale 1). MXFP4 E8M0 e gives
 // the bf16 exponent field e + B, B chosen per tensor at prepare time (exactness window e + B in [128, 254]).
+//
+// BF16 weights (FMT = 2): W (N, K) row-major as stored (no re-layout, no second copy), strip = 16 rows, chunk = 64
+//   K. Lane (g, t) reads 16 contiguous bf16 of rows g and g+8 at k = 64c + 16t (four 128-bit loads; the four lanes of
+//   a row cover 128 contiguous bytes), i.e. the same K permutation as the FP4 chunks: register 2j / 2j+1 of a row's 8
+//   words is MMA step j's A register 0 (1 for row g+8) / 2 (3); no scales, the accumulator is the result.
 //
 // Split-K inside the CTA: each strip is worked on by `splits` warps (contiguous K ranges), partial sums are
 // reduced through shared memory, so one launch, no workspace, no atomics: CUDA-graph capturable.
@@ -43,9 +49,14 @@
 
 namespace qfp4 {
 
-// Warps per CTA at most: 16 while a warp keeps <= 4 chunk loads per batch (<= 128 registers), else 8.
-template <int U, int SW>
-constexpr int max_warps() { return U * SW >= 8 ? 8 : 16; }
+// 128-bit weight words per lane and (strip, chunk): one for FP4 (16 rows x 64 K x 4 bits = 512 bytes a warp), four
+// for BF16 (2 KB a warp).
+template <int FMT>
+__host__ __device__ constexpr int wwords() { return FMT == 2 ? 4 : 1; }
+
+// Warps per CTA at most: 16 while a warp keeps <= 4 weight words per batch (<= 128 registers), else 8.
+template <int U, int SW, int WN = 1>
+constexpr int max_warps() { return U * SW * WN >= 8 ? 8 : 16; }
 
 template <int NT>
 struct XFrag {
@@ -120,6 +131,20 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[A2][NT][4], const uint4& 
   }
 }
 
+// One K chunk of one strip of a BF16 weight (or of LoRA A): w[0..1] the lane's 16 bf16 of row g, w[2..3] of row
+// g+8 (see "BF16 weights" above).
+template <int NT, int A2>
+__device__ __forceinline__ void chunk_mma_dense(float (&acc)[A2][NT][4], const uint4 (&w)[4], const XFrag<NT>& xf) {
+  const uint32_t w0[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+  const uint32_t w1[8] = {w[2].x, w[2].y, w[2].z, w[2].w, w[3].x, w[3].y, w[3].z, w[3].w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      mma_bf16(acc[j % A2][nt], w0[2 * j], w1[2 * j], w0[2 * j + 1], w1[2 * j + 1], xf.r[nt][2 * j],
+               xf.r[nt][2 * j + 1]);
+}
+
 // A LoRA CTA: CTA c takes 16-rank strip c / parts and K part c % parts; its warps split the part's chunks (two in
 // flight), reduce through shared memory into one partial la.part[c] (16 tokens x 16 ranks). Direct: it counts itself
 // done and the output warps sum the parts (the chain from the launch to the LoRA term: the A loads, one reduction,
@@ -166,8 +191,8 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
     for (int h = 0; h < 2; ++h)
       if (c + h < c1) load_x<NT>(xf[h], xq + 64 * (c + h), 8 * ldx, g < M, g + 8 < M);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (c + h >= c1) break;
+    for (int h = 0; h < 2; ++h) {  // the MMAs of chunk_mma_dense, kept inline: that call compiles these kernels
+      if (c + h >= c1) break;      // (SW = 1) to other, not measured, machine code
       const uint32_t w0[8] = {w[h][0].x, w[h][0].y, w[h][0].z, w[h][0].w, w[h][1].x, w[h][1].y, w[h][1].z, w[h][1].w};
       const uint32_t w1[8] = {w[h][2].x, w[h][2].y, w[h][2].z, w[h][2].w, w[h][3].x, w[h][3].y, w[h][3].z, w[h][3].w};
 #pragma unroll
@@ -378,6 +403,9 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   // least the LoRA CTAs' per-warp partials: launch_smem)
   extern __shared__ __align__(16) float red[];
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
+  constexpr bool DENSE = FMT == 2;        // a BF16 weight: row-major, no scales
+  constexpr int WN = wwords<FMT>();       // weight words per lane and (strip, chunk)
+  constexpr int WSTEP = DENSE ? 8 : 32;   // uint4 from one chunk to the next along a lane's pointer
   constexpr int A2 = SW == 1 ? 2 : 1;
   constexpr int TOK = 8 * NT;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -413,16 +441,21 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   const uint4* wq[SW];
   const uint16_t* sq[SW];
   const int soff = FMT == 0 ? lane : (lane >> 1);  // this lane's scale pair in a (strip, chunk)
+  const size_t r8 = (size_t)64 * C;  // BF16: uint4 from row g to row g + 8 (8 rows of 8 C)
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
     const int st = max(0, min(strip0 + i * sstep, S - 1));
-    wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
-    sq[i] = sc + ((size_t)st * C + c0) * SL + soff;
+    if constexpr (DENSE) {
+      wq[i] = qw + ((size_t)(st * 16 + g) * C + c0) * 8 + 2 * t;
+    } else {
+      wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
+      sq[i] = sc + ((size_t)st * C + c0) * SL + soff;
+    }
   }
   const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
   const int ldx8 = 8 * ldx;
   const bool xv0 = g < M, xv1 = g + 8 < M;
-  uint4 wa[U][SW], wb[U][SW];
+  uint4 wa[U][SW][WN], wb[U][SW][WN];
   uint32_t sa[U][SW], sb[U][SW];
   XFrag<NT> xf[2];
   xf[0].zero();
@@ -430,17 +463,23 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 
   // Loads of the batch at the current pointers (n valid chunks, warp-uniform); early: the first batch, issued
   // before griddepcontrol.wait through the coherent path (see ld_stream_early).
-  auto load_batch = [&](uint4 (&w)[U][SW], uint32_t (&s)[U][SW], int n, auto early) {
+  auto load_batch = [&](uint4 (&w)[U][SW][WN], uint32_t (&s)[U][SW], int n, auto early) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (u < n) {
 #pragma unroll
         for (int i = 0; i < SW; ++i) {
-          if constexpr (decltype(early)::value) {
-            w[u][i] = ld_stream_early(wq[i] + u * 32);
+          if constexpr (DENSE) {  // rows g (words 0, 1) and g + 8 (words 2, 3)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const uint4* p = wq[i] + u * WSTEP + (q >> 1) * r8 + (q & 1);
+              w[u][i][q] = decltype(early)::value ? ld_stream_early(p) : ld_stream(p);
+            }
+          } else if constexpr (decltype(early)::value) {
+            w[u][i][0] = ld_stream_early(wq[i] + u * 32);
             s[u][i] = ld_stream_early_u16(sq[i] + u * SL);
           } else {
-            w[u][i] = ld_stream(wq[i] + u * 32);
+            w[u][i][0] = ld_stream(wq[i] + u * 32);
             s[u][i] = ld_stream_u16(sq[i] + u * SL);
           }
         }
@@ -450,19 +489,24 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   auto advance = [&]() {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
-      wq[i] += U * 32;
-      sq[i] += U * SL;
+      wq[i] += U * WSTEP;
+      if constexpr (!DENSE) sq[i] += U * SL;
     }
   };
   // Chunk u uses x fragment (u & 1) and prefetches chunk u + 1's (possibly the next batch's first) into the
   // other one; U is even, so parities carry over between batches.
-  auto compute_batch = [&](const uint4 (&w)[U][SW], const uint32_t (&s)[U][SW], int left) {
+  auto compute_batch = [&](const uint4 (&w)[U][SW][WN], const uint32_t (&s)[U][SW], int left) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (u < left) {
         if (u + 1 < left) load_x<NT>(xf[(u + 1) & 1], xq + 64 * (u + 1), ldx8, xv0, xv1);
 #pragma unroll
-        for (int i = 0; i < SW; ++i) chunk_mma<FMT, NT, A2>(acc[i], w[u][i], s[u][i], bword, xf[u & 1]);
+        for (int i = 0; i < SW; ++i) {
+          if constexpr (DENSE)
+            chunk_mma_dense<NT, A2>(acc[i], w[u][i], xf[u & 1]);
+          else
+            chunk_mma<FMT, NT, A2>(acc[i], w[u][i][0], s[u][i], bword, xf[u & 1]);
+        }
       }
     }
   };
@@ -471,12 +515,20 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   load_batch(wa, sa, left, std::true_type{});
   {  // and the next kPrefetch chunks of each strip into L2 (lane: chunk U + lane / 4, 128-byte line lane % 4; the
      // scale lines by the first lanes): under programmatic dependent launch they arrive while the previous grid runs
-    const int pc = U + (lane >> 2);
-    if (pc < left && pc < U + kPrefetch) {
+    if constexpr (DENSE) {  // the same bytes: two chunks of 16 rows x 128 bytes (lane: row lane % 16)
+      const int pc = U + (lane >> 4), row = lane & 15;
+      if (pc < left) {
 #pragma unroll
-      for (int i = 0; i < SW; ++i) {
-        prefetch_l2(wq[i] - lane + pc * 32 + (lane & 3) * 8);
-        if ((lane & 3) == 0) prefetch_l2(sq[i] - soff + pc * SL);
+        for (int i = 0; i < SW; ++i) prefetch_l2(wq[i] - ((size_t)g * C * 8 + 2 * t) + (size_t)row * C * 8 + pc * 8);
+      }
+    } else {
+      const int pc = U + (lane >> 2);
+      if (pc < left && pc < U + kPrefetch) {
+#pragma unroll
+        for (int i = 0; i < SW; ++i) {
+          prefetch_l2(wq[i] - lane + pc * 32 + (lane & 3) * 8);
+          if ((lane & 3) == 0) prefetch_l2(sq[i] - soff + pc * SL);
+        }
       }
     }
   }
@@ -602,18 +654,20 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
       int S, int C, int splits, int R, int act, LoraArgs la
 
 template <int FMT, int NT, int U, int SW>
-__global__ void __launch_bounds__(max_warps<U, SW>() * 32) fp4_gemv_kernel(QFP4_GEMV_PARAMS) {
+__global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) fp4_gemv_kernel(QFP4_GEMV_PARAMS) {
   gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
 
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
 // granule and cost a resident CTA per SM (one n8 tile, U = 2, SW = 2: 97 -> 104 registers would fit 4 CTAs of 4 warps
 // per SM instead of 5, and 7B's gate|up grid then ran in two waves); elsewhere the launch bound's own limit.
-template <int NT, int U, int SW>
-constexpr int lora_max_regs() { return NT == 1 && U == 2 && SW == 2 ? 96 : max_warps<U, SW>() == 16 ? 128 : 255; }
+template <int FMT, int NT, int U, int SW>
+constexpr int lora_max_regs() {
+  return FMT != 2 && NT == 1 && U == 2 && SW == 2 ? 96 : max_warps<U, SW, wwords<FMT>()>() == 16 ? 128 : 255;
+}
 
 template <int FMT, int NT, int U, int SW>
-__global__ void __launch_bounds__(max_warps<U, SW>() * 32) __maxnreg__((lora_max_regs<NT, U, SW>()))
+__global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) __maxnreg__((lora_max_regs<FMT, NT, U, SW>()))
     fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
   gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
@@ -625,8 +679,16 @@ const void* kernel_ptr(bool lora) {
               : reinterpret_cast<const void*>(&fp4_gemv_kernel<FMT, NT, U, SW>);
 }
 
-// Compiled variants: (U, SW) in {(2,1), (4,1), (8,1), (2,2), (4,2), (2,4)} for both formats and 1 or 2 n8 tiles,
-// each with and without LoRA (a separate instantiation: the LoRA code costs the plain kernel no registers).
+// Compiled variants: (U, SW) in {(2,1), (4,1), (8,1), (2,2), (4,2), (2,4)} for both FP4 formats, {(2,1), (4,1),
+// (2,2)} for BF16 (four words a chunk: the same registers as FP4's (8,1), (16,1), (8,2)), and 1 or 2 n8 tiles, each
+// with and without LoRA (a separate instantiation: the LoRA code costs the plain kernel no registers).
+template <int NT>
+const void* pick_us_dense(int unroll, int sw, bool lora) {
+  if (sw == 1) return unroll == 2 ? kernel_ptr<2, NT, 2, 1>(lora) : unroll == 4 ? kernel_ptr<2, NT, 4, 1>(lora) : nullptr;
+  if (sw == 2) return unroll == 2 ? kernel_ptr<2, NT, 2, 2>(lora) : nullptr;
+  return nullptr;
+}
+
 template <int FMT, int NT>
 const void* pick_us(int unroll, int sw, bool lora) {
   if (sw == 1) return unroll == 2 ? kernel_ptr<FMT, NT, 2, 1>(lora) : unroll == 4 ? kernel_ptr<FMT, NT, 4, 1>(lora)
@@ -640,10 +702,12 @@ const void* pick_us(int unroll, int sw, bool lora) {
 const void* pick(int fmt, int nt, int unroll, int sw, bool lora = false) {
   if (fmt == 0) return nt == 1 ? pick_us<0, 1>(unroll, sw, lora) : nt == 2 ? pick_us<0, 2>(unroll, sw, lora) : nullptr;
   if (fmt == 1) return nt == 1 ? pick_us<1, 1>(unroll, sw, lora) : nt == 2 ? pick_us<1, 2>(unroll, sw, lora) : nullptr;
+  if (fmt == 2) return nt == 1 ? pick_us_dense<1>(unroll, sw, lora) : nt == 2 ? pick_us_dense<2>(unroll, sw, lora)
+                                                                            : nullptr;
   return nullptr;
 }
 
-int warp_cap(int unroll, int sw) { return unroll * sw >= 8 ? 8 : 16; }
+int warp_cap(int fmt, int unroll, int sw) { return unroll * sw * (fmt == 2 ? 4 : 1) >= 8 ? 8 : 16; }
 
 size_t smem_bytes(int nt, int warps, int splits, int sw) {
   return splits > 1 ? (size_t)warps * sw * 16 * 8 * nt * 4 : 0;
@@ -666,7 +730,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   const int nt = M > 8 ? 2 : 1;
   const void* fn = pick(fmt, nt, unroll, sw, la.a != nullptr);
   const int warps = splits * strips_per_cta;
-  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(unroll, sw))
+  if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(fmt, unroll, sw))
     return -1;
   if (act < 0 || act > 1 || (act && (sw != 2 || S % 2))) return -1;  // silu * up: strip pairs, two per warp
   const int per_cta = strips_per_cta * sw;
@@ -703,7 +767,8 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
 // C entry points for the torch binding (cuda_fp4.py): plain pointers, the caller checks shapes.
 // Return a cudaError_t (0 = success); -1 = unsupported variant / configuration.
 
-// out (M, N) <- x (M, K) @ W^T; qw (S, C, 32) uint4, sc (S, C, 32 | 16) uint16, gs (1,) f32 (nvfp4 only).
+// out (M, N) <- x (M, K) @ W^T; qw (S, C, 32) uint4, sc (S, C, 32 | 16) uint16, gs (1,) f32 (nvfp4 only); fmt 2:
+// qw the BF16 weight (N, K) = (16 S, 64 C) row-major, 16-byte aligned, sc and gs unused (out_mult 1).
 // pdl: launch with programmatic stream serialization (overlaps the previous kernel's tail). act = 1: out (M, N / 2)
 // <- silu(y[:, :N/2]) * y[:, N/2:] (the rows of W are gate then up; sw = 2, S even).
 extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
