@@ -42,7 +42,8 @@ PER = (1, 2, 4)  # strip groups per CTA tried
 
 
 def candidates(lin: _Linear, m: int, act: str | None, sms: int) -> list[tuple[int, int, int, int]]:
-    """Configurations of a launch of ``lin`` at M rows whose grid (output CTAs + LoRA CTAs) fits in one wave."""
+    """Configurations of a launch of ``lin`` at M rows whose grid (output CTAs + LoRA CTAs) fits in one wave; where
+    none does (BF16's gate|up with its SwiGLU: two strips per warp at 174+ registers), every valid one."""
     s, c = lin.n // 16, lin.k // 64
     op = lin.ops[0]
     fmt = lin.ws[0].fmt
@@ -65,9 +66,9 @@ def candidates(lin: _Linear, m: int, act: str | None, sms: int) -> list[tuple[in
                 blocks = math.ceil(groups_ / per)
                 if op is not None:
                     blocks += -(-op.rank // 16) * cf.lora_parts(op.rank, c, warps)
-                if blocks <= occ * sms:
-                    out.append((splits, per, unroll, sw))
-    return out
+                out.append((blocks <= occ * sms, (splits, per, unroll, sw)))
+    one_wave = [c for fits, c in out if fits]
+    return one_wave or [c for _, c in out]
 
 
 def _time(lin: _Linear, x: torch.Tensor, out: torch.Tensor, cfg, act, rep_ms: float) -> float:

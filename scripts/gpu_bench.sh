@@ -37,10 +37,11 @@
 #                                each in one process (FORMATS="nvfp4 bf16"; $OUT/roll_big), 7B NVFP4 at batch 8 and 2
 #                                (256 + 2048, $OUT/roll_b8); ~7 min
 #   scripts/gpu_bench.sh bf16    issue 11, the BF16 baseline's decode GEMV: its GPU tests and the fused decode's
-#                                ($OUT/tests_bf16.txt), 7B rollouts at batch 8 and 2 (256 + 512) with cuBLAS and with the
-#                                GEMV alternating in one process ($OUT/roll_ab), the launch tuner's best against the
-#                                heuristic for the BF16 products ($OUT/tune), the per-layer table (7B: cuBLAS, the GEMV,
-#                                NVFP4; $OUT/bench), issue 11's BF16 rows (256 + 2048, $OUT/roll_b8); ~9 min
+#                                ($OUT/tests_bf16.txt; SKIP_TESTS=1 skips), the launch tuner for the BF16 products
+#                                (installs its table; $OUT/tune), 7B rollouts at batch 8 and 2 (256 + 512) alternating
+#                                cuBLAS / the GEMV / the GEMV by the heuristic / the GEMV under PDL in one process
+#                                ($OUT/roll_ab), issue 11's BF16 rows (256 + 2048, $OUT/roll_b8), the per-layer table
+#                                (7B: cuBLAS and the GEMV; $OUT/bench); ~8 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -168,14 +169,20 @@ bf16)
   build 2
   [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
     -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
-  tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
-  timeout 200 $B rollout --models 7b --formats bf16 --batch 8,2 --prompt 256 --new 512 \
-    --decode fused-cublas-bf16,fused,fused-cublas-bf16,fused --out "$OUT/roll_ab" 2>&1 | grep -v Warn >> "$LOG"
-  timeout 120 python3 -m benchmarks.gemv_tune --models 7b --fmts bf16 --m 2,8 --ranks 32 --out "$OUT/tune" 2>&1 \
-    | grep -v Warn >> "$LOG"
-  timeout 120 python3 -m benchmarks.cuda_bench --models 7b --m 1,2,8,16 --fmts nvfp4 --out "$OUT/bench" 2>&1 \
-    | grep -v Warn | tail -30 >> "$LOG"
-  timeout 100 $B rollout --models 7b --formats bf16 --batch 8,2 --out "$OUT/roll_b8" 2>&1 | grep -v Warn >> "$LOG" ;;
+  [ -n "${SKIP_TESTS:-}" ] || tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
+  # the tuner's best launch configurations for the BF16 products, installed (the tree's table; copied to $OUT/tune)
+  timeout 150 python3 -m benchmarks.gemv_tune --models 7b --fmts bf16 --m 2,8 --ranks 32 --out "$OUT/tune" \
+    --write-table 2>&1 | grep -v Warn >> "$LOG"
+  cp qerl/kernels/tuned/cuda_gemv_*.json "$OUT/tune/" 2>/dev/null
+  # 256 + 512, one process per batch: cuBLAS, the GEMV (tuned table), by the heuristic, under PDL; twice, alternating
+  for b in 8 2; do
+    timeout 150 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 --decode \
+      fused-cublas-bf16,fused,fused-heuristic-gemv,fused-bf16-pdl,fused-cublas-bf16,fused,fused-heuristic-gemv,fused-bf16-pdl \
+      --out "$OUT/roll_ab" 2>&1 | grep -v Warn >> "$LOG"
+  done
+  timeout 100 $B rollout --models 7b --formats bf16 --batch 8,2 --out "$OUT/roll_b8" 2>&1 | grep -v Warn >> "$LOG"
+  timeout 100 python3 -m benchmarks.cuda_bench --models 7b --m 1,8 --fmts "" --out "$OUT/bench" 2>&1 \
+    | grep -v Warn | tail -24 >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -487,6 +487,27 @@ def _lora(members, k: int, seed: int, device="cpu") -> cf.LoraOperand:
     return cf.LoraOperand(a, cf.lora_bn(bts, members), members)
 
 
+def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
+    """QERL_BF16_GEMV: 1 (default) and pdl on, 0 off, anything else refused by name; off the GPU the BF16 format's
+    kernels decline (F.linear, the reference, runs: ``dense``)."""
+    from qerl import kernels as qk
+    from qerl.quant import get_format
+    monkeypatch.delenv("QERL_BF16_GEMV", raising=False)
+    assert qk.bf16_gemv_enabled()
+    for v, on in (("pdl", True), ("0", False), ("1", True)):
+        monkeypatch.setenv("QERL_BF16_GEMV", v)
+        assert qk.bf16_gemv_enabled() is on
+    monkeypatch.setenv("QERL_BF16_GEMV", "yes")
+    with pytest.raises(ValueError, match="QERL_BF16_GEMV='yes'; valid: 0, 1, pdl"):
+        qk.bf16_gemv_enabled()
+    monkeypatch.setenv("QERL_BF16_GEMV", "1")
+    q = get_format("bf16").quantize(torch.randn(32, 64))
+    x = torch.randn(2, 64).bfloat16()
+    assert qk.backend_for("bf16", x, q) == "dense"
+    assert torch.equal(qk.qmm(x, "bf16", q), F.linear(x, q["weight"]))
+    assert get_format("bf16").kernels.linear_lora(get_format("bf16"), x, q, None) is None
+
+
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     """LoRA in the wgmma GEMM's epilogue: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
     and only for ranks that are multiples of 8 (16-byte staging of t, whole Bn pairs)."""
