@@ -42,6 +42,9 @@
 #                                cuBLAS / the GEMV / the GEMV by the heuristic / the GEMV under PDL in one process
 #                                ($OUT/roll_ab), issue 11's BF16 rows (256 + 2048, $OUT/roll_b8), the per-layer table
 #                                (7B: cuBLAS and the GEMV; $OUT/bench); ~8 min
+#   scripts/gpu_bench.sh bf16pdl PDL for the BF16 GEMV by batch (PDL_BATCHES, 7B, 256 + 512: cuBLAS, never, always, auto
+#                                alternating in one process; $OUT/roll_pdl), decode-step profiles of BF16 and NVFP4 at
+#                                batch 8 ($OUT/prof), issue 11's BF16 rows ($OUT/roll_b8); ~6 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -183,6 +186,21 @@ bf16)
   timeout 100 $B rollout --models 7b --formats bf16 --batch 8,2 --out "$OUT/roll_b8" 2>&1 | grep -v Warn >> "$LOG"
   timeout 100 python3 -m benchmarks.cuda_bench --models 7b --m 1,8 --fmts "" --out "$OUT/bench" 2>&1 \
     | grep -v Warn | tail -24 >> "$LOG" ;;
+bf16pdl)
+  build 2
+  [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
+    -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
+  [ -n "${SKIP_TESTS:-}" ] || tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
+  # PDL for the BF16 GEMV by batch (256 + 512; cuBLAS first as the warm-up, then never / always / auto alternating)
+  for b in ${PDL_BATCHES:-1 2 4}; do
+    timeout 120 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 --decode \
+      fused-cublas-bf16,fused-bf16-no-pdl,fused-bf16-pdl,fused,fused-bf16-no-pdl,fused-bf16-pdl,fused \
+      --out "$OUT/roll_pdl" 2>&1 | grep -v Warn >> "$LOG"
+  done
+  mkdir -p "$OUT/prof"
+  timeout 150 $B profile --models 7b --formats bf16,nvfp4 --batch 8 --out "$OUT/prof" 2>&1 | grep -v Warn \
+    > "$OUT/prof/log.txt"
+  timeout 100 $B rollout --models 7b --formats bf16 --batch 8,2 --out "$OUT/roll_b8" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -386,6 +386,26 @@ def test_installed_gemm_tables_are_valid():
             assert cf.check_gemm_config(e["config"], e["N"] // 16, e["K"] // 64) == tuple(e["config"])
 
 
+def test_installed_gemv_tables_are_valid():
+    """Every GEMV table shipped under qerl/kernels/tuned/ loads (its configs checked against the format's compiled
+    variants) and keys decode-size points; the H100's (BF16 entries, session 34) gives the 7B gate|up + SwiGLU its
+    tuned configuration at M = 1..8 and none above 8 (the heuristic's)."""
+    import json
+    paths = sorted(cf._GEMM_TABLE_DIR.glob("cuda_gemv_*.json"))
+    assert paths
+    for path in paths:
+        doc = json.loads(path.read_text())
+        table = cf.load_gemv_table(doc["device"])
+        assert table and len(doc["entries"]) == sum(len(v) for v in table.values()), path
+        for e in doc["entries"]:
+            assert e["fmt"] in cf.GEMV_FORMATS and 1 <= e["M"] <= 16 and e["us"] <= e["heuristic_us"]
+    h100 = "NVIDIA H100 80GB HBM3"
+    if (cf._GEMM_TABLE_DIR / "cuda_gemv_nvidia_h100_80gb_hbm3.json").exists():
+        for m in (1, 2, 8):
+            assert cf.tuned_gemv_config("bf16", 37888, 3584, m, (64, 32), "silu_mul", h100) == (2, 1, 2, 2)
+        assert cf.tuned_gemv_config("bf16", 37888, 3584, 9, (64, 32), "silu_mul", h100) is None
+
+
 def test_gemv_config_validation():
     assert cf.check_gemv_config([8, 1, 4, 1]) == (8, 1, 4, 1)
     assert cf.check_gemv_config((2, 2, 2, 2), "silu_mul") == (2, 2, 2, 2)
@@ -488,17 +508,22 @@ def _lora(members, k: int, seed: int, device="cpu") -> cf.LoraOperand:
 
 
 def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
-    """QERL_BF16_GEMV: 1 (default) and pdl on, 0 off, anything else refused by name; off the GPU the BF16 format's
-    kernels decline (F.linear, the reference, runs: ``dense``)."""
+    """QERL_BF16_GEMV: auto (default), 1 and pdl on, 0 off, anything else refused by name; PDL by mode and M (off the
+    GPU never); off the GPU the BF16 format's kernels decline (F.linear, the reference, runs: ``dense``)."""
     from qerl import kernels as qk
     from qerl.quant import get_format
     monkeypatch.delenv("QERL_BF16_GEMV", raising=False)
     assert qk.bf16_gemv_enabled()
-    for v, on in (("pdl", True), ("0", False), ("1", True)):
+    for v, on in (("pdl", True), ("0", False), ("1", True), ("auto", True)):
         monkeypatch.setenv("QERL_BF16_GEMV", v)
         assert qk.bf16_gemv_enabled() is on
+        assert not qk._bf16_pdl(torch.zeros(1, 64))  # a CPU tensor: no PDL in any mode
+    monkeypatch.setattr(qk, "pdl_enabled", lambda t: True)  # as on an sm_90 GPU
+    for v, want in (("pdl", (True, True)), ("1", (False, False)), ("auto", (True, False))):
+        monkeypatch.setenv("QERL_BF16_GEMV", v)
+        assert (qk._bf16_pdl(torch.zeros(qk.BF16_PDL_MAX_M, 64)), qk._bf16_pdl(torch.zeros(8, 64))) == want, v
     monkeypatch.setenv("QERL_BF16_GEMV", "yes")
-    with pytest.raises(ValueError, match="QERL_BF16_GEMV='yes'; valid: 0, 1, pdl"):
+    with pytest.raises(ValueError, match="QERL_BF16_GEMV='yes'; valid: auto, 0, 1, pdl"):
         qk.bf16_gemv_enabled()
     monkeypatch.setenv("QERL_BF16_GEMV", "1")
     q = get_format("bf16").quantize(torch.randn(32, 64))

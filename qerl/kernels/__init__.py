@@ -32,8 +32,8 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
 ``cuda_gemv``      also BF16 weights at M <= 16 on CUDA (N % 16 == 0, K % 64 == 0, rows contiguous): the same kernel
                    reading the stored weight row-major (``cuda_fp4.dense_weight``, no copy), with the same LoRA and
-                   SwiGLU epilogues, without PDL (``QERL_BF16_GEMV=0`` turns it off: cuBLAS, for same-process
-                   comparisons; ``pdl``: under PDL)
+                   SwiGLU epilogues, under PDL at M <= 2 only (``QERL_BF16_GEMV=0`` turns it off: cuBLAS, for
+                   same-process comparisons; ``1``: never under PDL, ``pdl``: always)
 ``dense``          BF16 weights otherwise: ``F.linear`` (cuBLAS; the BF16 format's reference)
 ``torch_reference`` CPU, no Triton, or a format without kernels (INT4): ``fmt.dequantize`` then ``F.linear``
 =================  =======================================================================================
@@ -726,23 +726,32 @@ class BnbKernels:
 
 # ----------------------------------------------------------------------------------------- BF16 (dense) decode
 
-BF16_GEMV_MODES = ("0", "1", "pdl")
+BF16_GEMV_MODES = ("auto", "0", "1", "pdl")
+# auto: the BF16 GEMV under PDL up to this M, without above (H100, 7B, 256 + 512, same process, two pairs each:
+# batch 2 336 vs 328 tokens/s with PDL, batch 8 1184 vs 1252; raw/h100_s34_bf16/call2)
+BF16_PDL_MAX_M = 2
 
 
 def _bf16_gemv_mode() -> str:
-    v = os.environ.get("QERL_BF16_GEMV", "1")
+    v = os.environ.get("QERL_BF16_GEMV", "auto")
     if v not in BF16_GEMV_MODES:
         raise ValueError(f"QERL_BF16_GEMV={v!r}; valid: {', '.join(BF16_GEMV_MODES)}")
     return v
 
 
 def bf16_gemv_enabled() -> bool:
-    """``QERL_BF16_GEMV`` (default ``1``): BF16 weights at decode size (M <= 16, CUDA) run the CUDA GEMV over the
-    stored weight, base + LoRA (+ SwiGLU) in one launch as for FP4, launched without programmatic dependent launch;
-    ``pdl``: the same under PDL where the decode chain has it (measured slower on the H100: a 7B layer's seven GEMVs
-    in one graph 180.5 µs without, 231 µs with, at M = 1; ``raw/h100_s34_bf16``); ``0``: cuBLAS (``F.linear``), the
+    """``QERL_BF16_GEMV`` (default ``auto``): BF16 weights at decode size (M <= 16, CUDA) run the CUDA GEMV over the
+    stored weight, base + LoRA (+ SwiGLU) in one launch as for FP4 — under programmatic dependent launch (where the
+    decode chain has it) up to :data:`BF16_PDL_MAX_M` rows, without it above; ``1``: never under PDL; ``pdl``: always
+    (a 7B layer's seven GEMVs back to back in one graph measured 180.5 µs without PDL and 229-247 µs with it on the
+    H100, ``raw/h100_s34_bf16``; in the decode step PDL paid at batch 2 only); ``0``: cuBLAS (``F.linear``), the
     LoRA by the caller. ``QERL_CUDA_GEMV=0`` turns it off too."""
     return _bf16_gemv_mode() != "0"
+
+
+def _bf16_pdl(x2: torch.Tensor) -> bool:
+    mode = _bf16_gemv_mode()
+    return (mode == "pdl" or (mode == "auto" and x2.shape[0] <= BF16_PDL_MAX_M)) and pdl_enabled(x2)
 
 
 def _dense_gemv_weight(x2: torch.Tensor, w: torch.Tensor):
@@ -771,7 +780,7 @@ def _bf16_linear_lora(x: torch.Tensor, w: torch.Tensor, lora=None, act=None) -> 
         return None
     if lora is not None and (lora.bn.shape[0] != dw.n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != dw.k):
         return None
-    y = cuda_fp4.gemv(x2, dw, lora=lora, pdl=_bf16_gemv_mode() == "pdl" and pdl_enabled(x2), act=act)
+    y = cuda_fp4.gemv(x2, dw, lora=lora, pdl=_bf16_pdl(x2), act=act)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
