@@ -169,7 +169,7 @@ def decode_mode(sampler, dec: str):
     tuned table, ``QERL_GEMV_TABLE=0``), "fused-triton-attn" (the Triton split kernel for decode attention, not
     ``qerl.kernels.cuda_attn``'s, ``QERL_ATTN=triton``), "fused-cublas-bf16" (BF16 weights by cuBLAS, not the CUDA
     GEMV, ``QERL_BF16_GEMV=0``), "fused-bf16-pdl" / "fused-bf16-no-pdl" (the BF16 GEMV always / never under PDL,
-    ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 2) — the last eight other builds, for same-run
+    ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4) — the last eight other builds, for same-run
     comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""

@@ -45,6 +45,9 @@
 #   scripts/gpu_bench.sh bf16pdl PDL for the BF16 GEMV by batch (PDL_BATCHES, 7B, 256 + 512: cuBLAS, never, always, auto
 #                                alternating in one process; $OUT/roll_pdl), decode-step profiles of BF16 and NVFP4 at
 #                                batch 8 ($OUT/prof), issue 11's BF16 rows ($OUT/roll_b8); ~6 min
+#   scripts/gpu_bench.sh bf16tune the BF16 GEMV's launch tuner on another GPU (the rule against the best; installs the
+#                                table: copy $OUT/tune/*.json into qerl/kernels/tuned/), 7B rollouts cuBLAS / table /
+#                                rule alternating at batch 8 and 2 ($OUT/roll_ab); ~5 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -201,6 +204,17 @@ bf16pdl)
   timeout 150 $B profile --models 7b --formats bf16,nvfp4 --batch 8 --out "$OUT/prof" 2>&1 | grep -v Warn \
     > "$OUT/prof/log.txt"
   timeout 100 $B rollout --models 7b --formats bf16 --batch 8,2 --out "$OUT/roll_b8" 2>&1 | grep -v Warn >> "$LOG" ;;
+bf16tune)  # another GPU: the tuner for the BF16 products (the rule's pick against the best; installs the table),
+           # then 7B rollouts with cuBLAS, the table and the rule alternating (256 + 512)
+  build 2
+  timeout 150 python3 -m benchmarks.gemv_tune --models 7b --fmts bf16 --m 2,8 --ranks 32 --out "$OUT/tune" \
+    --write-table 2>&1 | grep -v Warn >> "$LOG"
+  cp qerl/kernels/tuned/cuda_gemv_*.json "$OUT/tune/" 2>/dev/null
+  for b in 8 2; do
+    timeout 120 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 --decode \
+      fused-cublas-bf16,fused,fused-heuristic-gemv,fused-cublas-bf16,fused,fused-heuristic-gemv \
+      --out "$OUT/roll_ab" 2>&1 | grep -v Warn >> "$LOG"
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -427,6 +427,14 @@ def test_gemv_config_validation():
             cf.check_gemv_config(bad, None, "fp8" if "fp8" in why else "bf16")
     assert cf.gemv_warp_cap(2, 1, cf.gemv_words("bf16")) == 8 and cf.gemv_warp_cap(2, 1, cf.gemv_words("nvfp4")) == 16
     assert cf.variant_for(2368, 56, 8, "bf16") == (2, 1) and cf.variant_for(2368, 56, 8) == (2, 2)
+    # the BF16 rule: one strip group per CTA, K split toward 10 warps per SM (7B on 132 SMs: the H100 tuner's picks
+    # for q|k|v, o and gate|up + SwiGLU; down 6 where the tuner took 8), at most 8 splits, each >= one batch
+    picks = [cf.bf16_gemv_config(s, c, 132, act) for s, c, act in ((288, 56, None), (224, 56, None),
+                                                                     (2368, 56, "silu_mul"), (224, 296, None))]
+    assert picks == [(5, 1, 2, 1), (6, 1, 2, 1), (2, 1, 2, 2), (6, 1, 2, 1)]
+    assert cf.bf16_gemv_config(4, 3, 132) == (1, 1, 2, 1) and cf.bf16_gemv_config(8, 4096, 132) == (8, 1, 2, 1)
+    for cfg, act in zip(picks, (None, None, "silu_mul", None), strict=True):
+        assert cf.check_gemv_config(cfg, act, "bf16") == cfg
 
 
 def test_dense_weight_operand_checks():

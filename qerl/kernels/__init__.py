@@ -32,7 +32,7 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
 ``cuda_gemv``      also BF16 weights at M <= 16 on CUDA (N % 16 == 0, K % 64 == 0, rows contiguous): the same kernel
                    reading the stored weight row-major (``cuda_fp4.dense_weight``, no copy), with the same LoRA and
-                   SwiGLU epilogues, under PDL at M <= 2 only (``QERL_BF16_GEMV=0`` turns it off: cuBLAS, for
+                   SwiGLU epilogues, under PDL at M <= 4 only (``QERL_BF16_GEMV=0`` turns it off: cuBLAS, for
                    same-process comparisons; ``1``: never under PDL, ``pdl``: always)
 ``dense``          BF16 weights otherwise: ``F.linear`` (cuBLAS; the BF16 format's reference)
 ``torch_reference`` CPU, no Triton, or a format without kernels (INT4): ``fmt.dequantize`` then ``F.linear``
@@ -727,9 +727,10 @@ class BnbKernels:
 # ----------------------------------------------------------------------------------------- BF16 (dense) decode
 
 BF16_GEMV_MODES = ("auto", "0", "1", "pdl")
-# auto: the BF16 GEMV under PDL up to this M, without above (H100, 7B, 256 + 512, same process, two pairs each:
-# batch 2 336 vs 328 tokens/s with PDL, batch 8 1184 vs 1252; raw/h100_s34_bf16/call2)
-BF16_PDL_MAX_M = 2
+# auto: the BF16 GEMV under PDL up to this M, without above (H100, 7B, 256 + 512, same process, two pairs each, with
+# / without PDL: batch 1 170 / 165, batch 2 337 / 326, batch 4 659 / 640 tokens/s (raw/h100_s34_bf16/call3), batch 8
+# 1184 / 1252 (call2))
+BF16_PDL_MAX_M = 4
 
 
 def _bf16_gemv_mode() -> str:
@@ -744,7 +745,7 @@ def bf16_gemv_enabled() -> bool:
     stored weight, base + LoRA (+ SwiGLU) in one launch as for FP4 — under programmatic dependent launch (where the
     decode chain has it) up to :data:`BF16_PDL_MAX_M` rows, without it above; ``1``: never under PDL; ``pdl``: always
     (a 7B layer's seven GEMVs back to back in one graph measured 180.5 µs without PDL and 229-247 µs with it on the
-    H100, ``raw/h100_s34_bf16``; in the decode step PDL paid at batch 2 only); ``0``: cuBLAS (``F.linear``), the
+    H100, ``raw/h100_s34_bf16``; in the decode step PDL paid at batches 1-4, +3%, and cost 6% at batch 8); ``0``: cuBLAS (``F.linear``), the
     LoRA by the caller. ``QERL_CUDA_GEMV=0`` turns it off too."""
     return _bf16_gemv_mode() != "0"
 

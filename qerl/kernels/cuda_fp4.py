@@ -888,11 +888,32 @@ def tuned_gemv_config(fmt: str, n: int, k: int, m: int, lora_sig: tuple[int, int
     return None
 
 
+BF16_WARPS_PER_SM = 10  # the BF16 rule's warps per SM (one strip group per CTA, splits of K to reach them)
+
+
+def bf16_gemv_config(s: int, c: int, sms: int, act: str | None = None) -> tuple[int, int, int, int]:
+    """The rule for a BF16 weight (S = N/16 strips, C = K/64 chunks): batches of 2 chunks, one strip per warp (two
+    with an epilogue over strip pairs), one strip group per CTA, K split until the grid has ~``BF16_WARPS_PER_SM``
+    warps per SM (at most 8 splits, each >= one batch). It reproduces the tuner's best on the H100 for 7B's q|k|v
+    (5 splits), o (6) and gate|up + SwiGLU (2, two waves of CTAs); down's best took 8 (rule: 6) — the tuner's best
+    against the FP4 rule applied to BF16: 15.0 / 12.2 / 103 / 51 µs against 17.8 / 14.4 / 120 / 55 at M = 2
+    (``raw/h100_s34_bf16/call2/tune``)."""
+    unroll, sw = (2, 2) if act is not None else (2, 1)
+    groups = math.ceil(s / sw)
+    splits = max(1, min(math.ceil(BF16_WARPS_PER_SM * sms / groups), max(1, c // unroll),
+                        gemv_warp_cap(unroll, sw, gemv_words("bf16"))))
+    return splits, 1, unroll, sw
+
+
 def heuristic_gemv_config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | None = None,
                           act: str | None = None) -> tuple[int, int, int, int]:
     """The launch configuration by rule (``variant_for`` + ``pick_config`` with the variant's occupancy on ``dev``;
-    an epilogue over strip pairs takes two strips per warp), what an untuned point gets."""
+    an epilogue over strip pairs takes two strips per warp; a BF16 weight: :func:`bf16_gemv_config`), what an
+    untuned point gets."""
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if w.fmt == "bf16":
+        return bf16_gemv_config(w.n // 16, w.k // 64, torch.cuda.get_device_properties(idx).multi_processor_count,
+                                act)
     unroll, sw = variant_for(w.n // 16, w.k // 64, m, w.fmt) if act is None else (2, 2)
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
     ext, fid, nt, words = _ext(), _gemv_fid(w.fmt), 2 if m > 8 else 1, gemv_words(w.fmt)
