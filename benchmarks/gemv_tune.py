@@ -19,6 +19,10 @@ Triton kernels. On the H100 (session 25, ``results/speed/raw/h100_s25_*``) the t
 launch than the heuristic but not in the rollout (7B batch 8 2398 vs 2419 tok/s, 7B batch 2 666 vs 671, 14B batch 8
 1285 vs 1299 — the heuristic ahead in 3 of 3 same-run pairs, by 0.4-1.1%), so no table ships: install one only
 with a same-run rollout A/B (``qerl.bench rollout --decode fused,fused-heuristic-gemv``) that shows it helps.
+For BF16 weights (session 34, ``raw/h100_s34_bf16``) the tuner's picks for 7B on the H100 set the BF16 rule
+(``cuda_fp4.bf16_gemv_config``); re-tuned against that rule it chose the rule for q|k|v, o and gate|up and was within
+1.2% on down, and the rollouts with its table and with the rule tied (batch 8: 1251 / 1257 vs 1260 / 1251 tokens/s,
+batch 2: 336.1 / 336.4 vs 335.4 / 336.6), so no BF16 table ships either.
 
 Writes ``gemv_tune_<gpu><tag>.csv`` / ``.md`` under ``--out`` (one row per point: best and pick configurations and
 times, candidates timed); ``--write-table`` installs the entries into the device's table (entries for other points

@@ -387,23 +387,18 @@ def test_installed_gemm_tables_are_valid():
 
 
 def test_installed_gemv_tables_are_valid():
-    """Every GEMV table shipped under qerl/kernels/tuned/ loads (its configs checked against the format's compiled
-    variants) and keys decode-size points; the H100's (BF16 entries, session 34) gives the 7B gate|up + SwiGLU its
-    tuned configuration at M = 1..8 and none above 8 (the heuristic's)."""
+    """Every GEMV table shipped under qerl/kernels/tuned/ (none at present: the rules matched the tuner's picks in
+    the rollout, ``benchmarks.gemv_tune``'s docstring) loads with its configs checked against the format's compiled
+    variants and keys decode-size points; a device without a table gets {} (the rules decide)."""
     import json
-    paths = sorted(cf._GEMM_TABLE_DIR.glob("cuda_gemv_*.json"))
-    assert paths
-    for path in paths:
+    for path in sorted(cf._GEMM_TABLE_DIR.glob("cuda_gemv_*.json")):
         doc = json.loads(path.read_text())
         table = cf.load_gemv_table(doc["device"])
         assert table and len(doc["entries"]) == sum(len(v) for v in table.values()), path
         for e in doc["entries"]:
             assert e["fmt"] in cf.GEMV_FORMATS and 1 <= e["M"] <= 16 and e["us"] <= e["heuristic_us"]
-    h100 = "NVIDIA H100 80GB HBM3"
-    if (cf._GEMM_TABLE_DIR / "cuda_gemv_nvidia_h100_80gb_hbm3.json").exists():
-        for m in (1, 2, 8):
-            assert cf.tuned_gemv_config("bf16", 37888, 3584, m, (64, 32), "silu_mul", h100) == (2, 1, 2, 2)
-        assert cf.tuned_gemv_config("bf16", 37888, 3584, 9, (64, 32), "silu_mul", h100) is None
+    assert cf.load_gemv_table("no such GPU") == {}
+    assert cf.tuned_gemv_config("bf16", 37888, 3584, 8, (64, 32), "silu_mul", "no such GPU") is None
 
 
 def test_gemv_config_validation():
