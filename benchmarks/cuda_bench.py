@@ -231,8 +231,8 @@ def main(argv=None) -> None:
     hdr = _header(name, bw, attrs, argv)
     rows, sweep_rows = [], []
     for i, mdl in enumerate(a.models.split(",")):  # files rewritten after each model (partial runs keep data)
-        r, sr = run([mdl], [int(v) for v in a.m.split(",")], [f for f in a.fmts.split(",") if f], a.paths.split(","), a.rep,
-                    a.sweep and i == 0)
+        fmts = [f for f in a.fmts.split(",") if f]
+        r, sr = run([mdl], [int(v) for v in a.m.split(",")], fmts, a.paths.split(","), a.rep, a.sweep and i == 0)
         rows += r
         sweep_rows += sr
         _write(a.out, tag, rows, sweep_rows, hdr)

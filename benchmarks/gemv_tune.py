@@ -1,5 +1,6 @@
-"""Tuner of the CUDA decode GEMV's launch configuration per (format: nvfp4, mxfp4, bf16; shape, M, LoRA rank, epilogue): measures
-every candidate and writes the device table the dispatcher reads (``qerl/kernels/tuned/cuda_gemv_<device>.json``).
+"""Tuner of the CUDA decode GEMV's launch configuration per (format: nvfp4, mxfp4, bf16; shape, M, LoRA rank,
+epilogue): measures every candidate and writes the device table the dispatcher reads
+(``qerl/kernels/tuned/cuda_gemv_<device>.json``).
 
     python -m benchmarks.gemv_tune [--models 7b,14b,32b] [--m 1,2,4,8,16] [--fmts nvfp4,mxfp4] [--ranks 32,0]
                                    [--rep 10] [--out results/speed] [--tag NAME] [--write-table]

@@ -43,8 +43,8 @@ def groups(model: str, rank: int) -> list[tuple[str, list[tuple[int, int]], int]
 
 
 class _Linear:
-    """Rotating copies of one (fused) linear: CUDA FP4 weights (or BF16 ones as stored), LoRA operands and the split path's A, Bᵀ (no LoRA
-    when every member's rank is 0: ``ops`` then holds None per copy)."""
+    """Rotating copies of one (fused) linear: CUDA FP4 weights (or BF16 ones as stored), LoRA operands and the
+    split path's A, Bᵀ (no LoRA when every member's rank is 0: ``ops`` then holds None per copy)."""
 
     def __init__(self, fmt: str, members, k: int, seed: int):
         n = sum(rows for rows, _ in members)

@@ -1,7 +1,8 @@
 """Fast paths for the formats that own them, registered on import: the FP4 family (NVFP4, MXFP4) shares one
 dispatcher (:class:`FP4Kernels`, given block size and scale type by the format); NF4 calls bitsandbytes
-(:class:`BnbKernels`); BF16 takes the FP4 GEMV's kernel over its stored weight at decode size (:class:`BF16Kernels`). ``qerl.quant.base`` calls them from ``fmt.linear`` / ``fmt.linear_t``; a kernel that
-declines an input (CPU, no Triton) returns None and the format runs its reference (dequantize + matmul).
+(:class:`BnbKernels`); BF16 runs the FP4 GEMV's kernel over its stored weight at decode size (:class:`BF16Kernels`).
+``qerl.quant.base`` calls them from ``fmt.linear`` / ``fmt.linear_t``; a kernel that declines an input (CPU, no
+Triton) returns None and the format runs its reference (dequantize + matmul).
 
 ``qmm`` (x Wᵀ), ``qmm_t`` (g W) and ``dequantize_into`` are the same calls by format (object or registered name);
 the path is picked by device, format and M (rows of x flattened) and named by :func:`backend_for`:
@@ -745,8 +746,8 @@ def bf16_gemv_enabled() -> bool:
     stored weight, base + LoRA (+ SwiGLU) in one launch as for FP4 — under programmatic dependent launch (where the
     decode chain has it) up to :data:`BF16_PDL_MAX_M` rows, without it above; ``1``: never under PDL; ``pdl``: always
     (a 7B layer's seven GEMVs back to back in one graph measured 180.5 µs without PDL and 229-247 µs with it on the
-    H100, ``raw/h100_s34_bf16``; in the decode step PDL paid at batches 1-4, +3%, and cost 6% at batch 8); ``0``: cuBLAS (``F.linear``), the
-    LoRA by the caller. ``QERL_CUDA_GEMV=0`` turns it off too."""
+    H100, ``raw/h100_s34_bf16``; in the decode step PDL paid at batches 1-4, +3%, and cost 6% at batch 8); ``0``:
+    cuBLAS (``F.linear``), the LoRA by the caller. ``QERL_CUDA_GEMV=0`` turns it off too."""
     return _bf16_gemv_mode() != "0"
 
 

@@ -7,8 +7,9 @@ the fragment map and the decode); ``gemv`` runs y (M, N) = x (M, K) @ Ŵᵀ for 
 reduced inside the CTA, CUDA-graph capturable); ``emulate`` computes the same thing on any device by decoding
 the re-laid-out tensors lane by lane with the kernel's own bit operations. Shapes: N % 16 == 0, K % 64 == 0.
 ``dense_weight`` wraps a BF16 (N, K) weight as stored (no copy) for the same ``gemv`` (format "bf16": the BF16
-baseline's decode products, with the same LoRA and SwiGLU epilogues). ``gemm`` serves M > 16 on the FP4 tensors (``csrc/fp4_mma_gemm.cu``; on sm_90 also ``csrc/fp4_wgmma_gemm.cu``, whose
-token permutation ``permute_x_reference`` and ``wgmma_weight`` check on the CPU); ``dequantize`` rebuilds Ŵ for large M.
+baseline's decode products, with the same LoRA and SwiGLU epilogues). ``gemm`` serves M > 16 on the FP4 tensors
+(``csrc/fp4_mma_gemm.cu``; on sm_90 also ``csrc/fp4_wgmma_gemm.cu``, whose token permutation ``permute_x_reference``
+and ``wgmma_weight`` check on the CPU); ``dequantize`` rebuilds Ŵ for large M.
 
 Decoded weights are exactly fp4 * s (NVFP4, E4M3 s; 1/g is applied to the fp32 accumulator) and
 fp4 * 2^(e - 127) (MXFP4), scaled by 2^(B - 126) inside the kernel (B = 119 for NVFP4; per tensor for MXFP4).
