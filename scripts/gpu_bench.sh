@@ -75,6 +75,12 @@ both_pipes() {  # both builds at once (waiting on the PID only: never a bare wai
     QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
   done
 }
+bf16_tests() {  # the BF16 GEMV's GPU tests, the FP4 GEMV's and the fused decode's (SKIP_TESTS=1 skips)
+  [ -n "${SKIP_TESTS:-}" ] && return
+  timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
+    -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
+  tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
+}
 case "${1:-core}" in
 core)
   python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fused_decode.py tests/test_kernels.py tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
@@ -173,9 +179,7 @@ attn)
     | grep -v Warn >> "$LOG" ;;
 bf16)
   build 2
-  [ -n "${SKIP_TESTS:-}" ] || timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
-    -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
-  [ -n "${SKIP_TESTS:-}" ] || tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
+  bf16_tests
   # the tuner's best launch configurations for the BF16 products, installed (the tree's table; copied to $OUT/tune)
   timeout 150 python3 -m benchmarks.gemv_tune --models 7b --fmts bf16 --m 2,8 --ranks 32 --out "$OUT/tune" \
     --write-table 2>&1 | grep -v Warn >> "$LOG"
@@ -191,9 +195,7 @@ bf16)
     | grep -v Warn | tail -24 >> "$LOG" ;;
 bf16pdl)
   build 2
-  [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
-    -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
-  [ -n "${SKIP_TESTS:-}" ] || tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
+  bf16_tests
   # PDL for the BF16 GEMV by batch (256 + 512; cuBLAS first as the warm-up, then never / always / auto alternating)
   for b in ${PDL_BATCHES:-1 2 4}; do
     timeout 120 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 --decode \

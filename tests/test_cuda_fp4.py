@@ -853,6 +853,34 @@ def test_gpu_gemv_silu_mul_epilogue(fmt):
         assert torch.equal(cf.gemv(x, w, lora=op, act="silu_mul"), fk.silu_mul_ref(cf.gemv(x, w, config=cfg, lora=op)))
 
 
+def _graph_chain_replay(w: cf.CudaFP4Weight, op: cf.LoraOperand, g: torch.Generator, launches: int,
+                        check=None) -> None:
+    """A captured graph of ``launches`` LoRA GEMVs on w (K = N), each consuming the previous output (PDL edges after
+    the first), replayed three times on fresh x (8 rows): every output equals the eager chain bit for bit;
+    ``check(first output, x)`` after each replay."""
+    x = torch.randn(8, w.k, device="cuda", generator=g).bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cf.gemv(x, w, lora=op)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = [cf.gemv(x, w, lora=op)]
+        for _ in range(launches - 1):
+            ys.append(cf.gemv(ys[-1], w, pdl=True, lora=op))
+    for _ in range(3):
+        x.copy_(torch.randn(8, w.k, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        r = x
+        for y in ys:
+            r = cf.gemv(r, w, lora=op)
+            assert torch.equal(y, r)
+        if check is not None:
+            check(ys[0], x)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
@@ -873,25 +901,7 @@ def test_gpu_gemv_lora_model_shapes_and_graphs(fmt):
     q = _quant(fmt, n, k, seed=9, device="cuda")
     w = _prep(fmt, q)
     op = _lora([(512, 16), (256, 16), (256, 16)], k, seed=8, device="cuda")
-    x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        cf.gemv(x, w, lora=op)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y1 = cf.gemv(x, w, lora=op)
-        y2 = cf.gemv(y1, w, pdl=True, lora=op)
-        y3 = cf.gemv(y2, w, pdl=True, lora=op)
-    for _ in range(3):
-        x.copy_(torch.randn(8, k, device="cuda", generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        r1 = cf.gemv(x, w, lora=op)
-        r2 = cf.gemv(r1, w, lora=op)
-        assert torch.equal(y1, r1) and torch.equal(y2, r2) and torch.equal(y3, cf.gemv(r2, w, lora=op))
-        _check_lora(y1, x, w, op)
+    _graph_chain_replay(w, op, g, 3, check=lambda y1, x: _check_lora(y1, x, w, op))
 
 
 
@@ -964,22 +974,7 @@ def test_gpu_bf16_gemv_every_config_lora_epilogue_graphs(monkeypatch):
     n = k = 1024
     w = cf.dense_weight((torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16())
     op = _lora([(512, 16), (256, 16), (256, 16)], k, seed=8, device="cuda")
-    x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        cf.gemv(x, w, lora=op)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y1 = cf.gemv(x, w, lora=op)
-        y2 = cf.gemv(y1, w, pdl=True, lora=op)
-    for _ in range(3):
-        x.copy_(torch.randn(8, k, device="cuda", generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        r1 = cf.gemv(x, w, lora=op)
-        assert torch.equal(y1, r1) and torch.equal(y2, cf.gemv(r1, w, lora=op))
+    _graph_chain_replay(w, op, g, 2)
     # the format's dispatch: the GEMV at decode size, cuBLAS above it and when switched off
     fmt = get_format("bf16")
     q = fmt.quantize(torch.randn(3584 + 1024, 3584, device="cuda", generator=g) / 60)

@@ -759,12 +759,14 @@ def _bf16_pdl(x2: torch.Tensor) -> bool:
 def _dense_gemv_weight(x2: torch.Tensor, w: torch.Tensor):
     """``cuda_fp4.dense_weight(w)`` when the CUDA GEMV takes x2 (M, K) @ wᵀ, else None."""
     m, k = x2.shape
-    if (w.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_cuda or w.shape[1] != k or not 1 <= m
-            or w.stride(1) != 1 or w.stride(0) != k or w.data_ptr() % 16 or not bf16_gemv_enabled()
+    if (w.dim() != 2 or not w.is_cuda or w.shape[1] != k or not 1 <= m or not bf16_gemv_enabled()
             or not _cuda_gemv_ok(x2, m, w.shape[0], k)):
         return None
     from qerl.kernels import cuda_fp4
-    return cuda_fp4.dense_weight(w)
+    try:  # dtype, row layout and alignment: dense_weight's checks
+        return cuda_fp4.dense_weight(w)
+    except ValueError:
+        return None
 
 
 def _bf16_linear_lora(x: torch.Tensor, w: torch.Tensor, lora=None, act=None) -> torch.Tensor | None:

@@ -899,7 +899,7 @@ def bf16_gemv_config(s: int, c: int, sms: int, act: str | None = None) -> tuple[
     (5 splits), o (6) and gate|up + SwiGLU (2, two waves of CTAs); down's best took 8 (rule: 6) — the tuner's best
     against the FP4 rule applied to BF16: 15.0 / 12.2 / 103 / 51 µs against 17.8 / 14.4 / 120 / 55 at M = 2
     (``raw/h100_s34_bf16/call2/tune``)."""
-    unroll, sw = (2, 2) if act is not None else (2, 1)
+    unroll, sw = (2, 2) if act is not None else variant_for(s, c, fmt="bf16")
     groups = math.ceil(s / sw)
     splits = max(1, min(math.ceil(BF16_WARPS_PER_SM * sms / groups), max(1, c // unroll),
                         gemv_warp_cap(unroll, sw, gemv_words("bf16"))))
@@ -915,7 +915,7 @@ def heuristic_gemv_config(w: CudaFP4Weight, m: int, dev: torch.device, lora: Lor
     if w.fmt == "bf16":
         return bf16_gemv_config(w.n // 16, w.k // 64, torch.cuda.get_device_properties(idx).multi_processor_count,
                                 act)
-    unroll, sw = variant_for(w.n // 16, w.k // 64, m, w.fmt) if act is None else (2, 2)
+    unroll, sw = variant_for(w.n // 16, w.k // 64, m) if act is None else (2, 2)
     sms = torch.cuda.get_device_properties(idx).multi_processor_count
     ext, fid, nt, words = _ext(), _gemv_fid(w.fmt), 2 if m > 8 else 1, gemv_words(w.fmt)
     c = w.k // 64
