@@ -143,14 +143,12 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
 
 DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-heuristic-gemv",
            "fused-triton-attn", "fused-cublas-bf16", "fused-bf16-pdl", "fused-bf16-no-pdl",
-           "fused-l2warm-normal", "fused-l2warm-last", "fused-no-l2warm", "fused-pdl", "fused-no-pdl", "unfused")
+           "fused-pdl", "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
                "fused-triton-attn": {"QERL_ATTN": "triton"}, "fused-cublas-bf16": {"QERL_BF16_GEMV": "0"},
                "fused-bf16-pdl": {"QERL_BF16_GEMV": "pdl"}, "fused-bf16-no-pdl": {"QERL_BF16_GEMV": "1"},
-               "fused-l2warm-normal": {"QERL_L2_WARM": "normal"}, "fused-l2warm-last": {"QERL_L2_WARM": "last"},
-               "fused-no-l2warm": {"QERL_L2_WARM": "0"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
 
@@ -171,9 +169,8 @@ def decode_mode(sampler, dec: str):
     tuned table, ``QERL_GEMV_TABLE=0``), "fused-triton-attn" (the Triton split kernel for decode attention, not
     ``qerl.kernels.cuda_attn``'s, ``QERL_ATTN=triton``), "fused-cublas-bf16" (BF16 weights by cuBLAS, not the CUDA
     GEMV, ``QERL_BF16_GEMV=0``), "fused-bf16-pdl" / "fused-bf16-no-pdl" (the BF16 GEMV always / never under PDL,
-    ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4), "fused-l2warm-normal" / "fused-l2warm-last" /
-    "fused-no-l2warm" (each decode GEMV warms the next one's operands in L2 with that cache policy / never,
-    ``QERL_L2_WARM``) — the last eleven other builds, for same-run comparisons —, "fused-pdl" /
+    ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4) — the last eight other builds, for same-run
+    comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

@@ -31,7 +31,6 @@ from torch import nn
 from qerl.devices import autocast_for
 from qerl.fastdecode import build_decode_plan
 from qerl.kernels import fused as fk
-from qerl.kernels import gemv_launch_log, plan_l2_warm
 from qerl.lora import lora_inference_cache
 
 
@@ -345,10 +344,9 @@ class Sampler:
             backup = {k: v.clone() for k, v in tensors.items()}
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), gemv_launch_log() as log:  # warm-up outside the capture (lazy init,
-                self._decode_step(s, S)                               # Triton autotuning); its GEMV launches
+            with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, Triton autotuning)
+                self._decode_step(s, S)
             torch.cuda.current_stream().wait_stream(side)
-            plan_l2_warm(log, self.device)  # each decode GEMV warms the next one's operands in L2 (QERL_L2_WARM)
             for k, v in backup.items():
                 tensors[k].copy_(v)
             g = torch.cuda.CUDAGraph()

@@ -48,10 +48,6 @@
 #   scripts/gpu_bench.sh bf16tune the BF16 GEMV's launch tuner on another GPU (the rule against the best; installs the
 #                                table: copy $OUT/tune/*.json into qerl/kernels/tuned/), 7B rollouts cuBLAS / table /
 #                                rule alternating at batch 8 and 2 ($OUT/roll_ab); ~5 min
-#   scripts/gpu_bench.sh warm    issue 11, the L2 warm-up of the next decode GEMV: its GPU tests and the fused decode's
-#                                ($OUT/tests_warm.txt), 7B rollouts (256 + 512; WARM_ROLLS="nvfp4:8 nvfp4:2 mxfp4:8")
-#                                alternating off / evict_normal / evict_last in one process ($OUT/roll_warm), and the
-#                                tree in .ab_old (carried: the commit before) at NVFP4 batch 8 ($OUT/roll_old); ~8 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -221,28 +217,6 @@ bf16tune)  # another GPU: the tuner for the BF16 products (the rule's pick again
       fused-cublas-bf16,fused,fused-heuristic-gemv,fused-cublas-bf16,fused,fused-heuristic-gemv \
       --out "$OUT/roll_ab" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
-warm)  # issue 11: each decode GEMV warms the next one's operands in L2 (QERL_L2_WARM); an older tree in .ab_old
-        # (git archive of the commit before, carried) is the same-machine baseline of the kernels without the change
-  ao=$(cd "$OUT" && pwd)  # absolute: the old tree's commands run from .ab_old
-  if [ -d .ab_old ]; then
-    (cd .ab_old && QERL_WGMMA_PIPE=2 python3 -c "from qerl.kernels import cuda_fp4 as c; print('old build', c.available(), c.build_error())" >> "$ao/log.txt" 2>&1) &
-    oldb=$!
-  fi
-  build 2
-  [ -n "${oldb:-}" ] && wait $oldb
-  timeout 200 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
-    -k "l2_warm or bf16_gemv or lora_model or teacher" -rf --tb=short 2>&1 | tail -40 > "$OUT/tests_warm.txt"
-  tail -3 "$OUT/tests_warm.txt" >> "$LOG"
-  # 256 + 512, one process per (format, batch): off / evict_normal / evict_last, twice, alternating
-  for spec in ${WARM_ROLLS:-nvfp4:8 nvfp4:2 mxfp4:8}; do
-    timeout 150 $B rollout --models 7b --formats ${spec%:*} --batch ${spec#*:} --prompt 256 --new 512 --decode \
-      fused-no-l2warm,fused-l2warm-normal,fused-l2warm-last,fused-no-l2warm,fused-l2warm-normal,fused-l2warm-last \
-      --out "$OUT/roll_warm" 2>&1 | grep -v Warn >> "$LOG"
-  done
-  if [ -d .ab_old ]; then  # the kernels before the change, same machine (the first run of a process is a warm-up)
-    (cd .ab_old && timeout 120 python3 -m qerl.bench rollout --models 7b --formats nvfp4 --batch 8 --prompt 256 \
-      --new 512 --decode fused,fused,fused --out "$ao/roll_old" 2>&1 | grep -v Warn >> "$ao/log.txt")
-  fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

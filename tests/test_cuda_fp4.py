@@ -457,61 +457,6 @@ def test_dense_weight_operand_checks():
     assert torch.equal(cf.emulate(x, w, act="silu_mul"), (torch.nn.functional.silu(g.bfloat16()) * u.bfloat16()))
 
 
-def test_l2_warm_ranges_plan_and_switch(monkeypatch):
-    """The L2 warm-up of the next decode GEMV, host side: operand ranges (16-byte multiples, touching ranges merged,
-    empty / strided / misaligned tensors skipped, at most 4), the plan from a recorded step (each launch linked to the
-    next, none past ``max_bytes``, none for the last launch or a repeated key), links that die with their tensors,
-    and the switch's values."""
-    buf = torch.zeros(4096, dtype=torch.uint8)
-    w, a = buf[:1024], buf[1024:1536]  # touching: one range (a BF16 weight and its A in spare rows)
-    assert cf.operand_ranges(w, a) == [(buf.data_ptr(), 1536)]
-    odd = buf[2048:2048 + 40]  # 40 bytes: 32 prefetched
-    assert cf.operand_ranges(w, None, buf[:0], odd) == [(buf.data_ptr(), 1024), (odd.data_ptr(), 32)]
-    assert cf.operand_ranges(torch.zeros(8, 8)[:, ::2], buf[1:17]) == []  # strided; not 16-byte aligned
-    many = [buf[i * 512 + 16:i * 512 + 32] for i in range(6)]
-    assert len(cf.operand_ranges(*many)) == 4
-    monkeypatch.delenv("QERL_L2_WARM", raising=False)
-    assert cf.l2_warm_policy() == cf.L2_WARM_MODES[cf.L2_WARM_DEFAULT]
-    for mode, pol in (("0", None), ("normal", 0), ("last", 1)):
-        monkeypatch.setenv("QERL_L2_WARM", mode)
-        assert cf.l2_warm_policy() == pol
-    monkeypatch.setenv("QERL_L2_WARM", "yes")
-    with pytest.raises(ValueError, match="QERL_L2_WARM='yes': choose 0 .off., normal, last or 1"):
-        cf.l2_warm_policy()
-    monkeypatch.setenv("QERL_L2_WARM_MAX_MB", "1.5")
-    assert cf.l2_warm_max_bytes() == 3 * 2 ** 19
-    for bad in ("-1", "lots"):
-        monkeypatch.setenv("QERL_L2_WARM_MAX_MB", bad)
-        with pytest.raises(ValueError, match=f"QERL_L2_WARM_MAX_MB={bad!r}: a size in MB >= 0"):
-            cf.l2_warm_max_bytes()
-    monkeypatch.delenv("QERL_L2_WARM_MAX_MB")
-    assert cf.l2_warm_max_bytes(torch.device("cpu")) == 0
-
-    # a recorded step of four launches: qkv (small), o (small), gate|up (large), down (large)
-    ts = {n: torch.zeros(size, dtype=torch.uint8) for n, size in (("qkv", 256), ("o", 128), ("gu", 4096),
-                                                                   ("down", 2048), ("qkv2", 256))}
-    log = [((n,), cf.operand_ranges(t), (t,)) for n, t in ts.items()]
-    cf.clear_l2_warm()
-    monkeypatch.setenv("QERL_L2_WARM", "last")
-    assert cf.plan_l2_warm(log, max_bytes=1024) == 2  # qkv -> o, down -> qkv2; o -> gu and gu -> down too large
-    assert cf._warm_args(("qkv",)) == ([ts["o"].data_ptr()], [128], 1)
-    assert cf._warm_args(("down",)) == ([ts["qkv2"].data_ptr()], [256], 1)
-    assert cf._warm_args(("o",)) == ([], [], 0) and cf._warm_args(("gu",)) == ([], [], 0)
-    assert cf._warm_args(("qkv2",)) == ([], [], 0)  # the step's last launch
-    monkeypatch.setenv("QERL_L2_WARM", "normal")
-    assert cf._warm_args(("qkv",))[2] == 0
-    monkeypatch.setenv("QERL_L2_WARM", "0")
-    assert cf._warm_args(("qkv",)) == ([], [], 0)  # off: the plan is kept, not used
-    monkeypatch.setenv("QERL_L2_WARM", "last")
-    del ts["o"], log  # the link's tensors are gone: the link goes with them
-    assert cf._warm_args(("qkv",)) == ([], [], 0) and ("qkv",) not in cf._WARM
-    assert cf.plan_l2_warm([(("x",), [(16, 16)], ()), (("x",), [(16, 16)], ())], 1024) == 0  # one launch twice
-    cf.clear_l2_warm()
-    with cf.record_gemv_launches() as rec:
-        assert cf._RECORD is rec and rec == []
-    assert cf._RECORD is None
-
-
 def test_tuned_gemv_table(tmp_path, monkeypatch):
     """The GEMV table: lookup by (fmt, N, K, LoRA rank and Bn row length, act) at the smallest tuned M >= m on m's
     side of the 8-row boundary, None elsewhere; the tuner's JSON merges into an existing table; bad configs are
@@ -962,74 +907,6 @@ def test_gpu_gemv_lora_model_shapes_and_graphs(fmt):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
-def test_gpu_gemv_l2_warm_is_bit_identical(fmt, monkeypatch):
-    """A GEMV that warms another product's operands in L2 computes what it computes without (plain and LoRA, both
-    cache policies, eager and graph replay), the warmed bytes are untouched, and the binding refuses bad ranges by
-    name. Then through ``gemv()``: a recorded pair of launches, planned, makes the first carry the second's ranges."""
-    g = torch.Generator(device="cuda").manual_seed(5)
-    n, k = 512, 1024
-    if fmt == "bf16":
-        w = cf.dense_weight((torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16())
-        w2 = cf.dense_weight((torch.randn(256, k, device="cuda", generator=g) / k ** 0.5).bfloat16())
-    else:
-        w = _prep(fmt, _quant(fmt, n, k, 11, device="cuda"))
-        w2 = _prep(fmt, _quant(fmt, 256, k, 12, device="cuda"))
-    op = _lora([(n, 16)], k, seed=3, device="cuda")
-    other = torch.randn(3 << 20, device="cuda", generator=g)  # 12 MB to warm, as the next product's bytes would be
-    before = other.clone()
-    ranges = cf.operand_ranges(other[:1 << 20], other[(1 << 20) + 4:], w2.qweight)  # 4 MB, 8 MB - 16 B, w2
-    wp, wn = [p for p, _ in ranges], [b for _, b in ranges]
-    fid = cf._gemv_fid(fmt)
-    gs = w.global_scale if w.global_scale is not None else w.qweight
-    for m in (1, 8, 16):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for lora in (None, op):
-            ref = cf.gemv(x, w, lora=lora)
-            cfg = cf._config(w, m, x.device, lora, None)
-            for pol in (0, 1):
-                out = torch.full_like(ref, float("nan"))
-                if lora is None:
-                    cf._ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, *cfg, False, 0, wp, wn,
-                                   pol)
-                else:
-                    a, bn = cf._lora_tensors(lora, w)
-                    part, ctr = cf.lora_workspace(x.device)
-                    b1, b2, roff, rk = lora.launch_args()
-                    cf._ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, *cfg, True, 0, a,
-                                        bn, part, ctr, cf.lora_parts(lora.rank, k // 64, cfg[0] * cfg[1]), b1, b2,
-                                        roff, rk, wp, wn, pol)
-                assert torch.equal(out, ref), (fmt, m, lora is not None, pol)
-    assert torch.equal(other, before)
-    x = torch.randn(4, k, device="cuda", generator=g).bfloat16()
-    args = (x, w.qweight, w.scales, gs, torch.empty(4, n, device="cuda", dtype=torch.bfloat16), fid, w.out_mult,
-            w.bword, *cf._config(w, 4, x.device, None, None), False, 0)
-    for bad_p, bad_n, pol, why in [(wp[:1], [8], 0, "warm range 0"), ([wp[0] + 8], [16], 0, "warm range 0"),
-                                   (wp * 2, wn * 2, 0, "at most 4"), (wp[:1], wn[:1], 2, "warm policy must be 0"),
-                                   (wp[:2], wn[:1], 0, "at most 4 .address, bytes. ranges, got 2 addresses and 1")]:
-        with pytest.raises(RuntimeError, match=why):
-            cf._ext().gemv(*args, bad_p, bad_n, pol)
-    # through gemv(): record two launches, plan, and the first launch warms the second's operands (graph replay)
-    monkeypatch.setenv("QERL_L2_WARM", "last")
-    cf.clear_l2_warm()
-    x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
-    with cf.record_gemv_launches() as log:
-        y1, y2 = cf.gemv(x, w, lora=op), cf.gemv(x, w2)
-    assert log[1][1] == cf.operand_ranges(w2.qweight, w2.scales)
-    assert cf.plan_l2_warm(log, max_bytes=1 << 30) == 1
-    warm0 = cf.warm_launches()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        z1, z2 = cf.gemv(x, w, lora=op), cf.gemv(x, w2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert cf.warm_launches() == warm0 + 1
-    assert torch.equal(z1, y1) and torch.equal(z2, y2)
-    cf.clear_l2_warm()
-
-
-@pytest.mark.gpu
-@needs_cuda
 def test_gpu_bf16_gemv_every_config_lora_epilogue_graphs(monkeypatch):
     """The GEMV over a dense BF16 weight (format "bf16", ``dense_weight``: the stored rows, no copy): against a
     float64 product at the Qwen shapes and M = 1..16; every compiled BF16 variant and split setting with and without
@@ -1082,7 +959,7 @@ def test_gpu_bf16_gemv_every_config_lora_epilogue_graphs(monkeypatch):
                     check(cf.gemv(x, w, out=out, config=cfg, pdl=pdl, lora=op), x, w, op)
     with pytest.raises(RuntimeError, match="unsupported configuration"):  # (8, 1) is an FP4 variant only
         cf._ext().gemv(x, buf[:n], buf[:0].view(torch.int16), buf, torch.empty(16, n, device="cuda",
-                       dtype=torch.bfloat16), 2, 1.0, 0, 1, 1, 8, 1, False, 0, [], [], 0)
+                       dtype=torch.bfloat16), 2, 1.0, 0, 1, 1, 8, 1, False, 0)
     # SwiGLU epilogue: 14 row pairs
     n2 = 448
     w2 = cf.dense_weight((torch.randn(n2, k, device="cuda", generator=g) / k ** 0.5).bfloat16())

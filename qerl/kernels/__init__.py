@@ -591,22 +591,6 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def gemv_launch_log():
-    """Context manager recording the CUDA GEMV launches inside it (``cuda_fp4.record_gemv_launches``): the log
-    :func:`plan_l2_warm` links. A no-op log where the CUDA kernels are not in use."""
-    from qerl.kernels import cuda_fp4
-    return cuda_fp4.record_gemv_launches()
-
-
-def plan_l2_warm(log: list, device: torch.device) -> int:
-    """Link each GEMV of a recorded decode step to the next one, which it then warms in L2 (``cuda_fp4.plan_l2_warm``;
-    ``QERL_L2_WARM``); nothing when the warm-up is off or the log is empty. Returns the links made."""
-    from qerl.kernels import cuda_fp4
-    if not log or cuda_fp4.l2_warm_policy() is None:
-        return 0
-    return cuda_fp4.plan_l2_warm(log, cuda_fp4.l2_warm_max_bytes(device))
-
-
 def wgmma_lora_enabled() -> bool:
     """``QERL_WGMMA_LORA`` (default ``1``): above decode size, the LoRA term of a linear whose product the wgmma GEMM
     runs is added by that GEMM's epilogue (x·Aᵀ by cuBLAS, then one launch) instead of an addmm after it; ``0``: the

@@ -446,13 +446,11 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 
 extern "C" int qfp4_gemv(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned,
-                         int, int, int, int, int, int, int, int, int, int, void*, const long long*, const long long*,
-                         int, int);
+                         int, int, int, int, int, int, int, int, int, int, void*);
 extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*, int, const float*, float,
                               unsigned, int, int, int, int, int, int, int, int, int, int, void*, const void*,
                               const void*,
-                              void*, void*, int, int, int, int, int, const int*, const int*, const long long*,
-                              const long long*, int, int);
+                              void*, void*, int, int, int, int, int, const int*, const int*);
 extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
@@ -498,20 +496,9 @@ static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, cons
   TORCH_CHECK(fmt == 2 || (qw.is_contiguous() && sc.is_contiguous()), "qweight/scales must be contiguous");
 }
 
-// The L2 warm-up ranges of a GEMV launch (addresses, bytes; csrc/fp4_mma_gemv.cu's L2Warm): checked here
-static void check_warm(const std::vector<int64_t>& wp, const std::vector<int64_t>& wn, int64_t policy) {
-  TORCH_CHECK(wp.size() == wn.size() && wp.size() <= 4, "warm: at most 4 (address, bytes) ranges, got ", wp.size(),
-              " addresses and ", wn.size(), " sizes");
-  TORCH_CHECK(policy == 0 || policy == 1, "warm policy must be 0 (evict_normal) or 1 (evict_last), got ", policy);
-  for (size_t i = 0; i < wp.size(); ++i)
-    TORCH_CHECK(wp[i] != 0 && wp[i] % 16 == 0 && wn[i] > 0 && wn[i] % 16 == 0,
-                "warm range ", i, ": a 16-byte aligned address and a positive multiple of 16 bytes");
-}
-
 void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
-          bool pdl, int64_t act, std::vector<int64_t> warm_p, std::vector<int64_t> warm_n, int64_t warm_policy) {
-  check_warm(warm_p, warm_n, warm_policy);
+          bool pdl, int64_t act) {
   check_operands(x, qw, sc, out, act, fmt);
   int S = 0, C = 0;
   weight_dims(qw, fmt, S, C);
@@ -522,9 +509,7 @@ void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   const int err = qfp4_gemv(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt,
                             (int)splits, (int)strips_per_cta, (int)unroll, (int)sw, pdl ? 1 : 0, (int)act,
-                            (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
-                            reinterpret_cast<const long long*>(warm_p.data()),
-                            reinterpret_cast<const long long*>(warm_n.data()), (int)warm_p.size(), (int)warm_policy);
+                            (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_gemv: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
 }
@@ -533,10 +518,8 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
                bool pdl, int64_t act, torch::Tensor a, torch::Tensor bn, torch::Tensor part, torch::Tensor ctr,
                int64_t parts,
-               int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk,
-               std::vector<int64_t> warm_p, std::vector<int64_t> warm_n, int64_t warm_policy) {
+               int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
   check_operands(x, qw, sc, out, act, fmt);
-  check_warm(warm_p, warm_n, warm_policy);
   int S = 0, C = 0;
   weight_dims(qw, fmt, S, C);
   const int M = (int)x.size(0);
@@ -561,9 +544,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                                  (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
                                  a.data_ptr(), bn.data_ptr(), part.data_ptr(), ctr.data_ptr(), R, RP,
                                  (int)parts,
-                                 (int)bound1, (int)bound2, ro, rr, reinterpret_cast<const long long*>(warm_p.data()),
-                                 reinterpret_cast<const long long*>(warm_n.data()), (int)warm_p.size(),
-                                 (int)warm_policy);
+                                 (int)bound1, (int)bound2, ro, rr);
   TORCH_CHECK(err == 0, "qfp4_gemv_lora: ", err == -1 ? "unsupported configuration"
                                                        : cudaGetErrorString((cudaError_t)err));
 }
@@ -1020,144 +1001,16 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     code = 0 if act is None else 1 + ACTS.index(act)
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fid = _gemv_fid(w.fmt)
-    a, bn = _lora_tensors(lora, w) if lora is not None else (None, None)
-    key = _launch_key(w)
-    if _RECORD is not None:
-        ops = tuple(t for t in (w.qweight, w.scales, a, bn) if t is not None and t.numel())
-        _RECORD.append((key, operand_ranges(*ops), ops))
-    wp, wn, wpol = _warm_args(key)
-    if wp:
-        _STATE["warm_launches"] = _STATE.get("warm_launches", 0) + 1
     if lora is None:
-        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
-                    wp, wn, wpol)
+        _ext().gemv(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code)
         return out
+    a, bn = _lora_tensors(lora, w)
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
-                     a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk,
-                     wp, wn, wpol)
+                     a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
     return out
-
-
-# ------------------------------------------------------------------ L2 warm-up of the next decode GEMV
-# A decode step runs its GEMVs in a fixed order (per layer q|k|v, o, gate|up, down). The small ones (q|k|v and o at
-# 7B: 9 and 7 MB) read their weights at ~1.2 TB/s — too few bytes to reach HBM's rate between one launch's ramp and
-# its tail. With a plan (``plan_l2_warm``, made from a recorded step), a GEMV's output warps prefetch the *next*
-# GEMV's operands into L2 (``cp.async.bulk.prefetch``) right after their own main loop, so the bytes arrive while this
-# launch drains and the small kernels between the two (add + RMSNorm, RoPE, attention) run. ``QERL_L2_WARM``:
-# "0" off, "normal" (evict_normal), "last" (evict_last: the lines should outlive the attention's KV stream), "1" /
-# unset = :data:`L2_WARM_DEFAULT`. Links go only to operands of at most ``QERL_L2_WARM_MAX_MB`` (default: a third of
-# the device's L2), so gate|up and down (76 / 38 MB at 7B) are never prefetched whole.
-L2_WARM_MODES = {"0": None, "normal": 0, "last": 1}
-L2_WARM_DEFAULT = "0"
-_RECORD: list | None = None
-_WARM: dict = {}  # launch key -> (weakrefs of the next launch's operand tensors, their (address, bytes) ranges)
-
-
-def l2_warm_policy() -> int | None:
-    """The cache policy of the L2 warm-up (0 evict_normal, 1 evict_last) by ``QERL_L2_WARM``, or None when off."""
-    mode = os.environ.get("QERL_L2_WARM", "1")
-    mode = L2_WARM_DEFAULT if mode == "1" else mode
-    if mode not in L2_WARM_MODES:
-        raise ValueError(f"QERL_L2_WARM={mode!r}: choose 0 (off), normal, last or 1 (the default, {L2_WARM_DEFAULT!r})")
-    return L2_WARM_MODES[mode]
-
-
-def _launch_key(w: CudaFP4Weight) -> tuple:
-    return (w.qweight.data_ptr(), tuple(w.qweight.shape), w.fmt)
-
-
-def operand_ranges(*tensors) -> list[tuple[int, int]]:
-    """(address, bytes) of each given contiguous tensor (None / empty skipped), bytes rounded down to 16, ranges
-    that touch merged (a BF16 weight and its LoRA A in spare rows are one range); at most 4."""
-    out: list[list[int]] = []
-    for t in tensors:
-        if t is None or t.numel() == 0 or not t.is_contiguous() or t.data_ptr() % 16:
-            continue
-        p, n = t.data_ptr(), t.numel() * t.element_size() // 16 * 16
-        if n == 0:
-            continue
-        if out and out[-1][0] + out[-1][1] == p:
-            out[-1][1] += n
-        else:
-            out.append([p, n])
-    return [tuple(r) for r in out[:4]]
-
-
-class record_gemv_launches:
-    """Context manager: the log of GEMV launches inside it, [(launch key, operand ranges, operand tensors)], in
-    launch order (what :func:`plan_l2_warm` links)."""
-
-    def __enter__(self) -> list:
-        global _RECORD
-        self._prev, _RECORD = _RECORD, []
-        return _RECORD
-
-    def __exit__(self, *exc) -> None:
-        global _RECORD
-        _RECORD = self._prev
-
-
-def l2_warm_max_bytes(device: torch.device | None = None) -> int:
-    """Largest set of operands a GEMV prefetches for the next one: ``QERL_L2_WARM_MAX_MB`` or a third of L2."""
-    mb = os.environ.get("QERL_L2_WARM_MAX_MB")
-    if mb is not None:
-        try:
-            v = float(mb)
-        except ValueError:
-            v = -1.0
-        if not v >= 0:
-            raise ValueError(f"QERL_L2_WARM_MAX_MB={mb!r}: a size in MB >= 0")
-        return int(v * 2 ** 20)
-    if device is None or device.type != "cuda":
-        return 0
-    return int(torch.cuda.get_device_properties(device).L2_cache_size) // 3
-
-
-def plan_l2_warm(log: list, max_bytes: int) -> int:
-    """Link each launch of a recorded step (``log`` from :func:`record_gemv_launches`) to the one after it: while
-    the plan holds, it prefetches that launch's operand ranges into L2 when they total at most ``max_bytes``. The last
-    launch of the step gets no link (lm_head's 1 GB read comes between it and the next step's first). The tensors
-    behind the ranges are held weakly: a link dies with them. Returns the links made."""
-    import weakref
-    from itertools import pairwise
-
-    made = 0
-    for (k1, _, _), (k2, r2, ts) in pairwise(log):
-        if k1 != k2 and r2 and sum(n for _, n in r2) <= max_bytes:
-            _WARM[k1] = (tuple(weakref.ref(t) for t in ts), tuple(r2))
-            made += 1
-        else:
-            _WARM.pop(k1, None)
-    if log:
-        _WARM.pop(log[-1][0], None)
-    return made
-
-
-def clear_l2_warm() -> None:
-    _WARM.clear()
-
-
-def warm_launches() -> int:
-    """GEMV launches issued so far with an L2 warm-up of the next one (tests: the plan is live)."""
-    return _STATE.get("warm_launches", 0)
-
-
-def _warm_args(key) -> tuple[list[int], list[int], int]:
-    """The binding's (addresses, bytes, policy) for a launch: its link's ranges when the warm-up is on."""
-    hit = _WARM.get(key) if _WARM else None
-    if hit is None:
-        return [], [], 0
-    pol = l2_warm_policy()
-    if pol is None:
-        return [], [], 0
-    refs, ranges = hit
-    if any(r() is None for r in refs):
-        _WARM.pop(key, None)
-        return [], [], 0
-    return [p for p, _ in ranges], [n for _, n in ranges], pol
 
 
 def _lora_tensors(lora: LoraOperand, w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,13 +24,6 @@
 //   a row cover 128 contiguous bytes), i.e. the same K permutation as the FP4 chunks: register 2j / 2j+1 of a row's 8
 //   words is MMA step j's A register 0 (1 for row g+8) / 2 (3); no scales, the accumulator is the result.
 //
-// L2 warm-up of the next product (optional, `L2Warm`): up to four byte ranges — the operands of the GEMV that the
-// decode step runs next (weight, scales, LoRA A and Bn; `cuda_fp4.plan_l2_warm` links each launch to the next one
-// from a recorded step) — are split over the output warps, and lane 0 of each warp issues one bulk L2 prefetch
-// (cp.async.bulk.prefetch, sm_90) of its share once its own main loop has issued its last weight load. The bytes
-// then arrive while this launch drains and the small kernels between the two run, when HBM is otherwise idle, and
-// the next GEMV reads them from L2. Policy 1 marks them evict_last (they must outlive the attention's KV stream).
-//
 // Split-K inside the CTA: each strip is worked on by `splits` warps (contiguous K ranges), partial sums are
 // reduced through shared memory, so one launch, no workspace, no atomics: CUDA-graph capturable.
 //
@@ -92,37 +85,6 @@ struct LoraArgs {
   int bound1, bound2;       // output rows where members 1 and 2 start (N when absent)
   int roff[3], rk[3];       // first rank and rank count of each member (member rows are multiples of 16)
 };
-
-constexpr int kWarmMax = 4;  // byte ranges an L2Warm carries
-
-struct L2Warm {
-  const char* p[kWarmMax];            // 16-byte aligned
-  unsigned long long n[kWarmMax];     // bytes, multiples of 16
-  unsigned per[kWarmMax];             // 16-byte granules per output warp (set by launch_gemv from the grid)
-  int count;                          // 0: nothing to prefetch
-  int policy;                         // 0: evict_normal, 1: evict_last
-};
-
-// Output warp `unit` prefetches its share (wm.per granules of 16 bytes, in order) of every range of wm into L2.
-__device__ __forceinline__ void l2_warm(const L2Warm& wm, int unit) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint64_t pol = 0;
-  if (wm.policy) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-#pragma unroll 1
-  for (int r = 0; r < wm.count && r < kWarmMax; ++r) {
-    const unsigned long long g = wm.n[r] >> 4, lo = (unsigned long long)unit * wm.per[r];
-    if (lo >= g) continue;
-    const unsigned long long hi = lo + wm.per[r] < g ? lo + wm.per[r] : g;
-    const char* p = wm.p[r] + (lo << 4);
-    const unsigned bytes = (unsigned)((hi - lo) << 4);
-    if (wm.policy)
-      asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(pol)
-                   : "memory");
-    else
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-  }
-#endif
-}
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
@@ -436,7 +398,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
                                           const __nv_bfloat16* __restrict__ x, int ldx,
                                           __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs,
                                           float out_mult, uint32_t bword, int M, int S, int C, int splits, int R,
-                                          int act, const LoraArgs& la, const L2Warm& wm) {
+                                          int act, const LoraArgs& la) {
   // dynamic shared memory: the split-K partials (warps, SW, 16 rows, 8 * NT tokens) when splits > 1 (with LoRA at
   // least the LoRA CTAs' per-warp partials: launch_smem)
   extern __shared__ __align__(16) float red[];
@@ -591,7 +553,6 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
       if (left <= 0) break;
     }
   }
-  if (wm.count && lane == 0) l2_warm(wm, blk * (int)(blockDim.x >> 5) + warp);  // its loads are all issued
 
 #pragma unroll
   for (int i = 0; i < SW; ++i)
@@ -690,11 +651,11 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #define QFP4_GEMV_PARAMS                                                                                          \
   const uint4 *__restrict__ qw, const uint16_t *__restrict__ sc, const __nv_bfloat16 *__restrict__ x, int ldx,      \
       __nv_bfloat16 *__restrict__ out, int ldo, const float *__restrict__ gs, float out_mult, uint32_t bword, int M, \
-      int S, int C, int splits, int R, int act, LoraArgs la, L2Warm wm
+      int S, int C, int splits, int R, int act, LoraArgs la
 
 template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) fp4_gemv_kernel(QFP4_GEMV_PARAMS) {
-  gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la, wm);
+  gemv_body<FMT, NT, U, SW, false>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
 
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
@@ -708,7 +669,7 @@ constexpr int lora_max_regs() {
 template <int FMT, int NT, int U, int SW>
 __global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) __maxnreg__((lora_max_regs<FMT, NT, U, SW>()))
     fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
-  gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la, wm);
+  gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
 #undef QFP4_GEMV_PARAMS
 
@@ -765,16 +726,13 @@ inline int opt_in_smem(const void* fn, size_t smem) {
 
 int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                 float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits, int strips_per_cta,
-                int unroll, int sw, int pdl, int act, void* stream, LoraArgs la, const L2Warm& wm) {
+                int unroll, int sw, int pdl, int act, void* stream, LoraArgs la) {
   const int nt = M > 8 ? 2 : 1;
   const void* fn = pick(fmt, nt, unroll, sw, la.a != nullptr);
   const int warps = splits * strips_per_cta;
   if (fn == nullptr || M < 1 || M > 16 || splits < 1 || strips_per_cta < 1 || warps > warp_cap(fmt, unroll, sw))
     return -1;
   if (act < 0 || act > 1 || (act && (sw != 2 || S % 2))) return -1;  // silu * up: strip pairs, two per warp
-  if (wm.count < 0 || wm.count > kWarmMax || wm.policy < 0 || wm.policy > 1) return -1;
-  for (int r = 0; r < wm.count; ++r)
-    if (wm.p[r] == nullptr || reinterpret_cast<uintptr_t>(wm.p[r]) % 16 || wm.n[r] % 16) return -1;
   const int per_cta = strips_per_cta * sw;
   int lora_ctas = 0;
   if (la.a != nullptr) {
@@ -787,13 +745,6 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   }
   const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr);
   if (smem > 200 * 1024) return -1;
-  L2Warm w2 = wm;  // each range in equal shares over the output warps
-  const unsigned long long units = (unsigned long long)((S + per_cta - 1) / per_cta) * warps;
-  for (int r = 0; r < w2.count; ++r) {
-    const unsigned long long per = ((w2.n[r] >> 4) + units - 1) / units;
-    if (per > (1ull << 27)) return -1;  // 2 GB per warp: not a prefetch this kernel is meant for
-    w2.per[r] = (unsigned)per;
-  }
   if (const int e = opt_in_smem(fn, smem)) return e;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas));
@@ -807,21 +758,8 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   cfg.numAttrs = pdl ? 1 : 0;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
-                  (void*)&strips_per_cta, (void*)&act, (void*)&la, (void*)&w2};
+                  (void*)&strips_per_cta, (void*)&act, (void*)&la};
   return (int)cudaLaunchKernelExC(&cfg, fn, args);
-}
-
-// The L2Warm of a launch from the binding's arrays (addresses, byte counts); nonzero: bad arguments.
-inline int make_warm(L2Warm& wm, const long long* p, const long long* n, int count, int policy) {
-  if (count < 0 || count > kWarmMax || policy < 0 || policy > 1 || (count && (p == nullptr || n == nullptr))) return 1;
-  wm.count = count;
-  wm.policy = policy;
-  for (int r = 0; r < count; ++r) {
-    if (n[r] <= 0) return 1;
-    wm.p[r] = reinterpret_cast<const char*>(static_cast<uintptr_t>(p[r]));
-    wm.n[r] = (unsigned long long)n[r];
-  }
-  return 0;
 }
 
 }  // namespace qfp4
@@ -832,18 +770,13 @@ inline int make_warm(L2Warm& wm, const long long* p, const long long* n, int cou
 // out (M, N) <- x (M, K) @ W^T; qw (S, C, 32) uint4, sc (S, C, 32 | 16) uint16, gs (1,) f32 (nvfp4 only); fmt 2:
 // qw the BF16 weight (N, K) = (16 S, 64 C) row-major, 16-byte aligned, sc and gs unused (out_mult 1).
 // pdl: launch with programmatic stream serialization (overlaps the previous kernel's tail). act = 1: out (M, N / 2)
-// <- silu(y[:, :N/2]) * y[:, N/2:] (the rows of W are gate then up; sw = 2, S even). warm_p / warm_n: nwarm (<= 4)
-// byte ranges (16-byte aligned, multiples of 16 bytes) prefetched into L2 by the output warps after their main loop
-// (the next product's operands; warm_policy 1: evict_last), nwarm = 0: none.
+// <- silu(y[:, :N/2]) * y[:, N/2:] (the rows of W are gate then up; sw = 2, S even).
 extern "C" int qfp4_gemv(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo,
                          const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int splits,
-                         int strips_per_cta, int unroll, int sw, int pdl, int act, void* stream,
-                         const long long* warm_p, const long long* warm_n, int nwarm, int warm_policy) {
+                         int strips_per_cta, int unroll, int sw, int pdl, int act, void* stream) {
   qfp4::LoraArgs la = {};
-  qfp4::L2Warm wm = {};
-  if (qfp4::make_warm(wm, warm_p, warm_n, nwarm, warm_policy)) return -1;
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
-                           unroll, sw, pdl, act, stream, la, wm);
+                           unroll, sw, pdl, act, stream, la);
 }
 
 // The same plus LoRA in the launch: out += bf16(x A^T)[member ranks] Bn^T; a (R, K) bf16, bn (N, rp) bf16, workspaces
@@ -853,11 +786,8 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
                               const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt,
                               int splits, int strips_per_cta, int unroll, int sw, int pdl, int act, void* stream,
                               const void* a, const void* bn, void* part, void* ctr, int R, int rp,
-                              int parts, int bound1, int bound2, const int* roff, const int* rk,
-                              const long long* warm_p, const long long* warm_n, int nwarm, int warm_policy) {
+                              int parts, int bound1, int bound2, const int* roff, const int* rk) {
   qfp4::LoraArgs la = {};
-  qfp4::L2Warm wm = {};
-  if (qfp4::make_warm(wm, warm_p, warm_n, nwarm, warm_policy)) return -1;
   la.a = static_cast<const __nv_bfloat16*>(a);
   la.bn = static_cast<const __nv_bfloat16*>(bn);
   la.part = static_cast<float*>(part);
@@ -873,7 +803,7 @@ extern "C" int qfp4_gemv_lora(const void* qw, const void* sc, const void* x, int
   }
   if (a == nullptr || bn == nullptr || part == nullptr || ctr == nullptr) return -1;
   return qfp4::launch_gemv(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, fmt, splits, strips_per_cta,
-                           unroll, sw, pdl, act, stream, la, wm);
+                           unroll, sw, pdl, act, stream, la);
 }
 
 // Max resident CTAs per SM of one variant with `warps` warps per CTA (-1: unsupported variant); lora != 0: the
