@@ -181,11 +181,14 @@ def _interpreter_main() -> None:
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
-    for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128)):  # split-K, ragged R and K
+    os.environ["QERL_LORA_A_MAX_M"] = "64"  # the opt-in's 32- and 64-row tiles too
+    for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128), (17, 96, 700), (32, 32, 1000),
+                    (40, 64, 2048), (64, 16, 128)):  # split-K, ragged R and K, tiles of 16, 32 and 64 rows
         assert fk.lora_a_splits(r, k)[0] > 1 or k <= 128
         x, a = torch.randn(m, k, generator=g), torch.randn(r, k, generator=g)
         for _ in range(2):  # twice: the split-K counters must be back at zero
             torch.testing.assert_close(fk.lora_a(x, a), x @ a.t(), rtol=1e-5, atol=1e-4)
+    del os.environ["QERL_LORA_A_MAX_M"]
     for n, v in ((3, 5000), (2, 4096), (1, 9000)):  # 2, 1 and 3 chunks of SAMPLE_BLOCK
         z = 3 * torch.randn(n, v, generator=g)
         z[0, :100] = -math.inf  # masked vocabulary entries (as a top-k filter leaves them)
@@ -252,9 +255,34 @@ def test_fused_kernels_compile_for_sm90():
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"),
           dict(D=128, SP=16, PDL=True))
     build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024, PDL=True))
-    build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32", R="i32",
-                                  K="i32", stride_xm="i32", PER="i32"),
-          dict(BM=16, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False))
+    for bm in (16, 32, 64):  # decode size; the QERL_LORA_A_MAX_M opt-in's tiles
+        build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32", R="i32",
+                                      K="i32", stride_xm="i32", PER="i32"),
+              dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False))
+
+
+def test_lora_a_max_m_switch(monkeypatch):
+    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (16 by default, 32 or 64 opt in), F.linear
+    above; a bad value is refused by name with the choices (it is read only where it decides: M > 16)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    calls = []
+    monkeypatch.setattr(fk, "F", SimpleNamespace(linear=lambda x, a: calls.append(x.shape[0]) or F.linear(x, a)))
+    monkeypatch.setattr(fk, "_triton_ok", lambda x: False)  # no Triton here: every call falls back; count the M
+    x, a = torch.randn(24, 64), torch.randn(8, 64)
+    for v, limit in (("16", 16), ("32", 32), ("64", 64)):
+        monkeypatch.setenv("QERL_LORA_A_MAX_M", v)
+        assert fk.lora_a_max_m() == limit
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "48")
+    with pytest.raises(ValueError, match="QERL_LORA_A_MAX_M='48': choose one of 16, 32, 64"):
+        fk.lora_a(x, a)
+    assert fk.lora_a(x[:8], a).shape == (8, 8) and calls == [8]  # M <= 16: the switch is not read
+    monkeypatch.setattr(fk, "_triton_ok", lambda x: True)
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "16")
+    calls.clear()
+    torch.testing.assert_close(fk.lora_a(x, a), x @ a.t())  # 24 > 16: F.linear
+    assert calls == [24]
 
 
 def test_pdl_switch(monkeypatch):
@@ -398,7 +426,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_fused_kernels_bf16():
+def test_gpu_fused_kernels_bf16(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(3)
 
     def rn(*shape):
@@ -426,7 +454,9 @@ def test_gpu_fused_kernels_bf16():
             o = fk.decode_attention(q2, kc, vc, bias, S, d ** -0.5)
             ref = _naive_attention(q2.cpu(), kc.cpu(), vc.cpu(), bias.cpu(), S, d ** -0.5)
             assert (o.double().cpu() - ref).abs().max() < 0.03, (H, S)
-    for m, r, k in ((8, 96, 3584), (8, 32, 18944), (2, 64, 5120), (16, 32, 27648)):
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "64")  # and the opt-in's 32- and 64-row tiles
+    for m, r, k in ((8, 96, 3584), (8, 32, 18944), (2, 64, 5120), (16, 32, 27648), (24, 96, 3584), (32, 32, 18944),
+                    (64, 64, 3584)):
         x, a = rn(m, k).to(BF), (0.02 * rn(r, k)).to(BF)
         ref = x.double() @ a.double().t()
         for _ in range(3):

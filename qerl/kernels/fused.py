@@ -34,6 +34,8 @@ place: the scores stay in fp32 (the unfused path rounds q·k to bf16 first).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -418,10 +420,26 @@ def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96)
     return -(-k // per), per
 
 
+LORA_A_MAX_M = ("16", "32", "64")
+
+
+def lora_a_max_m() -> int:
+    """Largest M that :func:`lora_a` runs in its Triton kernel: ``QERL_LORA_A_MAX_M`` = 16 (default: decode size),
+    32 or 64 (an opt-in for same-run A/Bs at 17-64 sequences, where the FP4 GEMM's LoRA runs as x·Aᵀ + addmm and
+    cuBLAS takes x·Aᵀ as a split-K GEMM plus a reduce launch; profile at 32 sequences, 7B: 0.78 ms of a 5.29 ms step,
+    `results/speed/raw/h100_s35_prof32`). Not measured with 32 or 64 yet."""
+    v = os.environ.get("QERL_LORA_A_MAX_M", "16")
+    if v not in LORA_A_MAX_M:
+        raise ValueError(f"QERL_LORA_A_MAX_M={v!r}: choose one of {', '.join(LORA_A_MAX_M)}")
+    return int(v)
+
+
 def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, for decode-size M (<= 16) on CUDA; F.linear elsewhere."""
+    """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, on CUDA for M <= :func:`lora_a_max_m` (decode size by
+    default) by one Triton launch (split over K with an in-kernel reduction); F.linear elsewhere."""
     m, k = x.shape
-    if m > 16 or not _triton_ok(x) or x.stride(1) != 1 or not a.is_contiguous() or a.dtype != x.dtype:
+    if m > 16 and m > lora_a_max_m() or not _triton_ok(x) or x.stride(1) != 1 or not a.is_contiguous() \
+            or a.dtype != x.dtype:
         return F.linear(x, a)
     r = a.shape[0]
     split, per = lora_a_splits(r, k)
@@ -430,7 +448,8 @@ def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     ws = torch.empty((split, m, r), dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = _counters(x.device) if split > 1 else out
     interp = _interpret()
-    _lora_a_kernel[(nrb, split)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=16, BR=16, BK=128, SPLIT=split,
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64  # token rows per program: one tile of M
+    _lora_a_kernel[(nrb, split)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=bm, BR=16, BK=128, SPLIT=split,
                                 FENCE=x.is_cuda and not interp, DOT_F32=interp, num_warps=4)
     return out
 
