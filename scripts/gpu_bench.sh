@@ -48,10 +48,11 @@
 #   scripts/gpu_bench.sh bf16tune the BF16 GEMV's launch tuner on another GPU (the rule against the best; installs the
 #                                table: copy $OUT/tune/*.json into qerl/kernels/tuned/), 7B rollouts cuBLAS / table /
 #                                rule alternating at batch 8 and 2 ($OUT/roll_ab); ~5 min
-#   scripts/gpu_bench.sh loraa   issue 10 / 13: at 17-64 sequences the LoRA x·Aᵀ that runs outside the FP4 GEMM by the
-#                                Triton kernel (decode mode fused-lora-a-64) against cuBLAS's split-K GEMM + reduce:
-#                                the fused-kernel GPU tests, decode-step profiles at 32 sequences ($OUT/prof), 7B NVFP4
-#                                rollouts at 32 and 64 sequences alternating ($OUT/roll_loraa); ~5 min
+#   scripts/gpu_bench.sh loraa   issue 10 / 13: the LoRA term at 17-64 sequences — x·Aᵀ by the Triton kernel (decode
+#                                mode fused-lora-a-64) against cuBLAS's split-K GEMM + reduce, the mma.sync GEMM's LoRA
+#                                epilogue (fused-gemm-lora) against the addmm, both (fused-gemm-lora-a-64): their GPU
+#                                tests, decode-step profiles at 32 sequences ($OUT/prof), 7B NVFP4 rollouts at 32 and
+#                                64 sequences, the four modes alternating ($OUT/roll_loraa); ~8 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -221,17 +222,20 @@ bf16tune)  # another GPU: the tuner for the BF16 products (the rule's pick again
       fused-cublas-bf16,fused,fused-heuristic-gemv,fused-cublas-bf16,fused,fused-heuristic-gemv \
       --out "$OUT/roll_ab" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
-loraa)  # issue 10 / 13: the LoRA x·Aᵀ outside the GEMM at 17-64 sequences, Triton (QERL_LORA_A_MAX_M=64) vs cuBLAS
+loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: x·Aᵀ by Triton (QERL_LORA_A_MAX_M=64) vs cuBLAS, and the
+        # mma.sync GEMM's LoRA epilogue (QERL_GEMM_LORA=1) vs the addmm after it
   build 2
-  timeout 150 python3 -m pytest -q -m gpu tests/test_fused_decode.py -k "fused_kernels_bf16 or teacher" -rf \
-    --tb=short 2>&1 | tail -20 > "$OUT/tests_loraa.txt"
+  timeout 200 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
+    -k "fused_kernels_bf16 or teacher or gemm_lora or (gemm and every_config)" -rf --tb=short 2>&1 | tail -20 \
+    > "$OUT/tests_loraa.txt"
   tail -3 "$OUT/tests_loraa.txt" >> "$LOG"
   mkdir -p "$OUT/prof"
-  timeout 150 $B profile --models 7b --formats nvfp4 --batch 32 --decode fused,fused-lora-a-64 --out "$OUT/prof" \
-    2>&1 | grep -v Warn > "$OUT/prof/log.txt"
-  # 256 + 512, one process, batch 16 first (the process's first run reads low), the two modes alternating twice
-  timeout 200 $B rollout --models 7b --formats nvfp4 --batch 16,32,64 --prompt 256 --new 512 \
-    --decode fused,fused-lora-a-64,fused,fused-lora-a-64 --out "$OUT/roll_loraa" 2>&1 | grep -v Warn >> "$LOG" ;;
+  timeout 150 $B profile --models 7b --formats nvfp4 --batch 32 --decode fused,fused-gemm-lora-a-64 \
+    --out "$OUT/prof" 2>&1 | grep -v Warn > "$OUT/prof/log.txt"
+  # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
+  m="fused,fused-lora-a-64,fused-gemm-lora,fused-gemm-lora-a-64"
+  timeout 240 $B rollout --models 7b --formats nvfp4 --batch 16,32,64 --prompt 256 --new 512 --decode "$m,$m" \
+    --out "$OUT/roll_loraa" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

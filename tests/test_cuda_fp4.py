@@ -537,8 +537,9 @@ def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
 
 
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
-    """LoRA in the wgmma GEMM's epilogue: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
-    and only for ranks that are multiples of 8 (16-byte staging of t, whole Bn pairs)."""
+    """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
+    QERL_GEMM_LORA for the mma.sync kernel (0 default), and only for ranks that are multiples of 8 (16-byte staging
+    of t, whole Bn pairs)."""
     from qerl import kernels as qk
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
     assert qk.wgmma_lora_enabled()
@@ -547,6 +548,14 @@ def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
     with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1"):
         qk.wgmma_lora_enabled()
+    # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, off by default (not measured yet), 1 on
+    monkeypatch.delenv("QERL_GEMM_LORA", raising=False)
+    assert not qk.mma_lora_enabled()
+    monkeypatch.setenv("QERL_GEMM_LORA", "1")
+    assert qk.mma_lora_enabled()
+    monkeypatch.setenv("QERL_GEMM_LORA", "on")
+    with pytest.raises(ValueError, match="QERL_GEMM_LORA='on'; valid: 0, 1"):
+        qk.mma_lora_enabled()
     assert cf.wgmma_lora_ok(_lora([(48, 32), (16, 16), (32, 48)], 128, seed=0))
     assert cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 24)], 128, seed=0))
     assert not cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 20)], 128, seed=0))  # 20: not a multiple of 8
@@ -1033,6 +1042,59 @@ def test_gpu_gemm_every_config_and_layout(fmt):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
+def test_gpu_mma_gemm_lora(fmt, monkeypatch):
+    """LoRA in the mma.sync GEMM's epilogue (cf.gemm(lora=...) with an mma.sync config): member boundaries inside a
+    warp's strips, a member without ranks, R = 96 and ranks of 8 / 24 (a partial 16-rank block), every compiled
+    variant with K splits, partial token tiles, a given t equal to the default one, CUDA-graph replay; the dispatcher
+    with QERL_GEMM_LORA=1 where the mma.sync kernel serves the M (t by the Triton kernel with QERL_LORA_A_MAX_M=64
+    too), and None (the caller's addmm) with the switch off."""
+    from qerl import kernels as qk
+    from qerl.kernels import fused as fk
+    n, k = 208, 1536  # 13 strips: members 112 | 48 | 48 rows
+    q = _quant(fmt, n, k, seed=12, device="cuda")
+    w = _prep(fmt, q)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    ops = [_lora([(112, 32), (48, 16), (48, 48)], k, seed=7, device="cuda"),  # R = 96
+           _lora([(112, 8), (48, 0), (48, 24)], k, seed=8, device="cuda"),
+           _lora([(208, 64)], k, seed=9, device="cuda")]
+    cfgs = [(nt, sw, r, ks) for nt, sw, r in cf.gemm_variants() for ks in (1, 3)
+            if r * ks <= cf.GEMM_MAX_WARPS and cf.gemm_smem_bytes(nt, sw, r, ks) <= cf.GEMM_SMEM_MAX]
+    assert len(cfgs) > 20
+    for m in (17, 40, 130):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in ops:
+            emu = cf.emulate(x, w, op)
+            for cfg in cfgs:
+                _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
+    op, cfg = ops[0], (4, 2, 2, 2)
+    x = torch.randn(32, k, device="cuda", generator=g).bfloat16()
+    t = torch.nn.functional.linear(x, op.a)
+    assert torch.equal(cf.gemm(x, w, config=cfg, lora=op, t=t), cf.gemm(x, w, config=cfg, lora=op))
+    with pytest.raises(ValueError, match="t must be bf16 \\(32, 96\\)"):
+        cf.gemm(x, w, config=cfg, lora=op, t=t[:, :64])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cf.gemm(x, w, config=cfg, lora=op)
+    for _ in range(2):
+        x.copy_(torch.randn(32, k, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
+    # the dispatcher at an M the mma.sync kernel serves (forced onto the CUDA GEMM; the heuristic's pick at 24 tokens)
+    monkeypatch.setenv("QERL_CUDA_GEMM", "1")
+    x = torch.randn(24, k, device="cuda", generator=g).bfloat16()
+    assert cf._gemm_config(w, 24, x.device)[1] > 0
+    assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None  # QERL_GEMM_LORA off (the default)
+    monkeypatch.setenv("QERL_GEMM_LORA", "1")
+    _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "64")  # t by the Triton kernel
+    assert fk.lora_a(x, op.a).shape == (24, 96)
+    _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
     from qerl import kernels as qk
     n, k = 3584, 3584
@@ -1144,8 +1206,8 @@ def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
             emu = cf.emulate(x, w, op)
             for cfg in cfgs:
                 _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
-    with pytest.raises(ValueError, match="needs a wgmma config"):
-        cf.gemm(x, w, config=(4, 1, 4, 1), lora=ops[0])
+    with pytest.raises(ValueError, match="needs ranks that are multiples of 8"):
+        cf.gemm(x, w, config=cfgs[0], lora=_lora([(112, 4), (48, 0), (48, 8)], k, seed=3, device="cuda"))
     op, cfg = ops[0], (8, -2, 1, 2)
     x = torch.randn(96, k, device="cuda").bfloat16()
     cf.gemm(x, w, config=cfg, lora=op)
@@ -1162,6 +1224,7 @@ def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_LORA", "1")
     x = torch.randn(130, k, device="cuda").bfloat16()
     _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
-    assert qk.FP4.linear_lora(FORMATS[fmt], x[:24], q, op) is None  # M = 24: the mma.sync kernel, LoRA by the caller
+    # M = 24: the mma.sync kernel; its LoRA epilogue is opt-in (QERL_GEMM_LORA, off by default): LoRA by the caller
+    assert qk.FP4.linear_lora(FORMATS[fmt], x[:24], q, op) is None
     monkeypatch.setenv("QERL_WGMMA_LORA", "0")
     assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None

@@ -602,20 +602,34 @@ def wgmma_lora_enabled() -> bool:
     return v == "1"
 
 
+def mma_lora_enabled() -> bool:
+    """``QERL_GEMM_LORA`` (default ``0``): above decode size, the LoRA term of a linear whose product the mma.sync GEMM
+    runs (the H100 table's pick at 17-32 tokens) is added by that GEMM's epilogue (t = x·Aᵀ by
+    ``qerl.kernels.fused.lora_a``, then one launch) instead of an addmm after it; ``1`` on. Built in session 35 after
+    a profile at 32 sequences (7B NVFP4: the LoRA term's ~8 cuBLAS launches a layer took 1.17 ms of a 5.29 ms step,
+    `results/speed/raw/h100_s35_prof32`); not measured on a GPU yet, so off by default."""
+    v = os.environ.get("QERL_GEMM_LORA", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_GEMM_LORA={v!r}; valid: 0, 1")
+    return v == "1"
+
+
 def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
-    """x2 @ Ŵᵀ + the LoRA term by the wgmma GEMM with the term in its epilogue, where it is on
-    (:func:`wgmma_lora_enabled`), the dispatcher gives this (format, shape, M) to the CUDA GEMM, its configuration
-    is a wgmma one and the ranks fit (``cuda_fp4.wgmma_lora_ok``); None otherwise (the caller adds the LoRA)."""
+    """x2 @ Ŵᵀ + the LoRA term by the CUDA GEMM with the term in its epilogue, where the dispatcher gives this
+    (format, shape, M) to the CUDA GEMM, the ranks fit (``cuda_fp4.wgmma_lora_ok``) and the switch of its kernel is
+    on (a wgmma configuration: :func:`wgmma_lora_enabled`; an mma.sync one: :func:`mma_lora_enabled`); None otherwise
+    (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M bound)."""
     m, n, k = x2.shape[0], w.n, w.k
-    if not wgmma_lora_enabled() or not cuda_gemm_choice(fmt, n, k, m, x2.device):
+    if not cuda_gemm_choice(fmt, n, k, m, x2.device):
         return None
     from qerl.kernels import cuda_fp4
+    from qerl.kernels.fused import lora_a
     if not cuda_fp4.wgmma_lora_ok(lora):
         return None
     config = cuda_fp4._gemm_config(w, m, x2.device)
-    if config[1] > 0:  # the mma.sync kernel serves this M
+    if not (mma_lora_enabled() if config[1] > 0 else wgmma_lora_enabled()):
         return None
-    return cuda_fp4.gemm(x2, w, config=config, lora=lora)
+    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a))
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:

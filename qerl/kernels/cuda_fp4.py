@@ -454,7 +454,8 @@ extern "C" int qfp4_gemv_lora(const void*, const void*, const void*, int, void*,
 extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
-                         int, int, int, int, int, int, int, void*);
+                         int, int, int, int, int, int, int, void*, const void*, int, const void*, int, int, int,
+                         const int*, const int*);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
@@ -549,16 +550,37 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                                                        : cudaGetErrorString((cudaError_t)err));
 }
 
+// lora: + t Bn^T per member in the epilogue (t = bf16(x A^T) (M, R) with an even row stride, bn (N, RP))
 void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
-          double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks) {
+          double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks, bool lora, torch::Tensor t,
+          torch::Tensor bn, int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
+  int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, ldt = 0, RP = 0;
+  if (lora) {
+    TORCH_CHECK(t.is_cuda() && bn.is_cuda() && t.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16,
+                "LoRA t, bn: bf16 CUDA tensors");
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.stride(1) == 1 && t.stride(0) % 2 == 0 && bn.dim() == 2 &&
+                bn.is_contiguous() && bn.size(0) == 16 * S,
+                "LoRA t (M, R) with unit column stride and an even row stride, bn (N, RP) contiguous");
+    TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
+    ldt = (int)t.stride(0);
+    RP = (int)bn.size(1);
+    for (int i = 0; i < 3; ++i) {
+      ro[i] = (int)roff[i];
+      rr[i] = (int)rk[i];
+      TORCH_CHECK(ro[i] + rr[i] <= t.size(1), "LoRA member ", i, ": ranks [", ro[i], ", ", ro[i] + rr[i],
+                  ") past t's ", t.size(1), " columns");
+    }
+  }
   const int err = qfp4_gemm(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)nt,
                             (int)sw, (int)r, (int)ks,
-                            (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+                            (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
+                            lora ? t.data_ptr() : nullptr, ldt, lora ? bn.data_ptr() : nullptr, RP, (int)bound1,
+                            (int)bound2, ro, rr);
   TORCH_CHECK(err == 0, "qfp4_gemm: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
 }
@@ -1310,20 +1332,22 @@ def tuned_gemm_config(fmt: str, n: int, k: int, m: int, device_name: str) -> tup
 
 
 def wgmma_lora_ok(lora: LoraOperand) -> bool:
-    """Whether the wgmma GEMM's epilogue takes this LoRA (:func:`gemm` with ``lora``): every member's rank and so
-    the total a multiple of 8 (16-byte staging of t = x·Aᵀ, whole bf16 pairs of Bn)."""
+    """Whether the GEMMs' epilogues take this LoRA (:func:`gemm` with ``lora``, the wgmma and the mma.sync kernel):
+    every member's rank and so the total a multiple of 8 (16-byte staging of t = x·Aᵀ, whole bf16 pairs of Bn)."""
     return lora.rank % 8 == 0 and all(r % 8 == 0 for _, r in lora.members)
 
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
-         config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None,
+         t: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
     ``out``; the wgmma kernel (sw <= 0, sm_90) also takes the permuted tokens (M, K) and, split across CTAs, its fp32
     partial tiles from the caching allocator (the graph's pool under capture) and the device's tile counters.
-    ``lora`` (wgmma configs only, :func:`wgmma_lora_ok`): + the LoRA term (:func:`emulate_lora`) before the one
-    bf16 rounding, t = x·Aᵀ by cuBLAS (bf16), t·Bnᵀ per member by the GEMM's epilogue MMAs."""
+    ``lora`` (:func:`wgmma_lora_ok`): + the LoRA term (:func:`emulate_lora`) before the one bf16 rounding, t·Bnᵀ per
+    member by the GEMM's epilogue MMAs (both kernels); t = x·Aᵀ (M, R) bf16 as given (``t``: e.g.
+    ``qerl.kernels.fused.lora_a``'s) or by cuBLAS."""
     _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1331,9 +1355,17 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     if config is None:
         config = _gemm_config(w, m, x.device)
     nt, sw, r, ks = check_gemm_config(config, s, c)
-    if lora is not None and (sw > 0 or not wgmma_lora_ok(lora)):
-        raise ValueError(f"gemm: LoRA in the GEMM needs a wgmma config (sw <= 0, got {config!r}) and ranks that are "
-                         f"multiples of 8 (members {lora.members})")
+    if lora is not None and not wgmma_lora_ok(lora):
+        raise ValueError(f"gemm: LoRA in the GEMM needs ranks that are multiples of 8 (members {lora.members})")
+    lora_args = (False, x, x, 0, 0, [0, 0, 0], [0, 0, 0])  # no LoRA (the tensors are not read)
+    if lora is not None:
+        a, bn = _lora_tensors(lora, w)
+        if t is None:
+            t = torch.nn.functional.linear(x, a)  # (M, R) bf16: the rounding the GEMV's LoRA MMAs use too
+        elif t.shape != (m, a.shape[0]) or t.dtype != torch.bfloat16 or t.device != x.device or t.stride(1) != 1:
+            raise ValueError(f"gemm: t must be bf16 {(m, a.shape[0])} on {x.device} with unit column stride, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        lora_args = (True, t, bn, *lora.launch_args())
     gs = w.global_scale if w.global_scale is not None else w.qweight
     fmt = 0 if w.fmt == "nvfp4" else 1
     if sw <= 0:
@@ -1352,15 +1384,10 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
                 raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
         else:
             ws = ctr = xp
-        lora_args = (False, xp, xp, 0, 0, [0, 0, 0], [0, 0, 0])  # no LoRA (the tensors are not read)
-        if lora is not None:
-            a, bn = _lora_tensors(lora, w)
-            t = torch.nn.functional.linear(x, a)  # (M, R) bf16: the rounding the GEMV's LoRA MMAs use too
-            lora_args = (True, t, bn, *lora.launch_args())
         _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
                           *lora_args)
         return out
-    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks)
+    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args)
     return out
 
 

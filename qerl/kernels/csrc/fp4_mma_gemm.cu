@@ -18,6 +18,10 @@
 //    steps, the same K permutation as the A fragments (see fp4_mma_gemv.cu).
 // Grid: x = token tiles (fastest, so CTAs in flight together share a strip group's weights through L2),
 // y = strip groups of R * SW strips.
+// LoRA in the epilogue (the LORA variants, `GemmLora`): out = bf16((acc + t Bn^T / mult) * mult) with t = bf16(x A^T)
+// (M, R) computed before the launch and Bn (N, rp) the members' scaling * lora_B rows (zero past each member's rk
+// ranks); after the split-K reduction each warp adds, per strip and 16 ranks of its member, one m16n8k16 per n8
+// tile (A = Bn rows g, g + 8 from global memory, B = t of its tokens), as the decode GEMV's LoRA term does.
 
 #include "fp4_mma_common.cuh"
 
@@ -32,11 +36,54 @@ constexpr int kSmemMax = 227 * 1024;  // opt-in dynamic shared memory per CTA on
 // weight words (512 B) and its scale pairs (64 B: 32 for NVFP4, 16 used for MXFP4).
 __host__ __device__ constexpr int stage_bytes(int nt, int strips) { return 8 * nt * 128 + strips * (512 + 64); }
 
-template <int FMT, int NT, int SW, int R>
+struct GemmLora {
+  const __nv_bfloat16* t;   // (M, R) bf16, row stride ldt (even; ranks of member i from roff[i])
+  const __nv_bfloat16* bn;  // (N, rp) bf16 row-major: row n = its member's scaling * lora_B row, zero past rk
+  int ldt, rp, bound1, bound2;  // output rows where members 1 and 2 start (N when absent)
+  int roff[3], rk[3];           // first rank and rank count (multiples of 8) of each member
+};
+
+// acc += (t Bn^T) / mult for this warp's SW strips and NT n8 token tiles (the mma fragments of the main loop).
+template <int NT, int SW>
+__device__ __forceinline__ void gemm_lora_term(const GemmLora& lo, int M, int tok0, int strip0, int S, float inv,
+                                               float (&acc)[SW][NT][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < SW; ++i) {
+    const int n0 = (strip0 + i) * 16;
+    if (strip0 + i >= S) continue;
+    const int mb = n0 < lo.bound1 ? 0 : n0 < lo.bound2 ? 1 : 2;  // member rows are multiples of 16
+    const int r0 = mb == 0 ? lo.roff[0] : mb == 1 ? lo.roff[1] : lo.roff[2];
+    const int rk = mb == 0 ? lo.rk[0] : mb == 1 ? lo.rk[1] : lo.rk[2];
+    const uint32_t* b0 = reinterpret_cast<const uint32_t*>(lo.bn + (size_t)(n0 + g) * lo.rp + 2 * t);
+    const uint32_t* b8 = b0 + 4 * lo.rp;  // 8 rows on
+    float c[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+    for (int j = 0; j < rk; j += 16) {
+      const bool lo_ok = j + 2 * t < rk, hi_ok = j + 2 * t + 8 < rk;  // rk % 8 == 0: whole pairs
+      const uint32_t a0 = lo_ok ? __ldg(b0 + j / 2) : 0u, a1 = lo_ok ? __ldg(b8 + j / 2) : 0u;
+      const uint32_t a2 = hi_ok ? __ldg(b0 + j / 2 + 4) : 0u, a3 = hi_ok ? __ldg(b8 + j / 2 + 4) : 0u;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int tok = tok0 + nt * 8 + g;
+        const uint32_t* tp = reinterpret_cast<const uint32_t*>(lo.t + (size_t)tok * lo.ldt + r0 + j + 2 * t);
+        const uint32_t v0 = tok < M && lo_ok ? __ldg(tp) : 0u, v1 = tok < M && hi_ok ? __ldg(tp + 4) : 0u;
+        mma_bf16(c[nt], a0, a1, a2, a3, v0, v1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][nt][e] = fmaf(c[nt][e], inv, acc[i][nt][e]);
+  }
+}
+
+template <int FMT, int NT, int SW, int R, bool LORA>
 __global__ void __launch_bounds__(kGemmMaxWarps * 32)
 fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
                 int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                uint32_t bword, int M, int S, int C, int KS) {
+                uint32_t bword, int M, int S, int C, int KS, GemmLora lo) {
   constexpr int TM = 8 * NT;
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = TM * 128;            // bytes of one staged chunk of tokens
@@ -156,6 +203,7 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   }
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
+  if constexpr (LORA) gemm_lora_term<NT, SW>(lo, M, tok0, strip0, S, 1.f / mult, acc);
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
     if (strip0 + i >= S) continue;
@@ -176,38 +224,39 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
 }
 
 template <int FMT, int NT, int SW, int R>
-const void* gemm_ptr() {
-  return reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW, R>);
+const void* gemm_ptr(bool lora) {
+  return lora ? reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW, R, true>)
+              : reinterpret_cast<const void*>(&fp4_gemm_kernel<FMT, NT, SW, R, false>);
 }
 
 template <int FMT, int NT, int SW>
-const void* pick_gemm_r(int r) {
+const void* pick_gemm_r(int r, bool lora) {
   if constexpr (NT == 16) {  // 128 tokens: at least 2 warps per group (a lone warp would stage 32 units per chunk)
-    return r == 2 ? gemm_ptr<FMT, NT, SW, 2>() : r == 4 ? gemm_ptr<FMT, NT, SW, 4>()
-         : r == 8 ? gemm_ptr<FMT, NT, SW, 8>() : nullptr;
+    return r == 2 ? gemm_ptr<FMT, NT, SW, 2>(lora) : r == 4 ? gemm_ptr<FMT, NT, SW, 4>(lora)
+         : r == 8 ? gemm_ptr<FMT, NT, SW, 8>(lora) : nullptr;
   } else if constexpr (SW == 2) {  // 2 strips per warp: at most 4 warps per group
-    return r == 1 ? gemm_ptr<FMT, NT, SW, 1>() : r == 2 ? gemm_ptr<FMT, NT, SW, 2>()
-         : r == 4 ? gemm_ptr<FMT, NT, SW, 4>() : nullptr;
+    return r == 1 ? gemm_ptr<FMT, NT, SW, 1>(lora) : r == 2 ? gemm_ptr<FMT, NT, SW, 2>(lora)
+         : r == 4 ? gemm_ptr<FMT, NT, SW, 4>(lora) : nullptr;
   } else {
-    return r == 1 ? gemm_ptr<FMT, NT, SW, 1>() : r == 2 ? gemm_ptr<FMT, NT, SW, 2>()
-         : r == 4 ? gemm_ptr<FMT, NT, SW, 4>() : r == 8 ? gemm_ptr<FMT, NT, SW, 8>() : nullptr;
+    return r == 1 ? gemm_ptr<FMT, NT, SW, 1>(lora) : r == 2 ? gemm_ptr<FMT, NT, SW, 2>(lora)
+         : r == 4 ? gemm_ptr<FMT, NT, SW, 4>(lora) : r == 8 ? gemm_ptr<FMT, NT, SW, 8>(lora) : nullptr;
   }
 }
 
 // Compiled variants: NT in {2, 4, 8} n8 token tiles (16, 32, 64 tokens per CTA) with SW in {1, 2} strips per warp,
 // and NT = 16 (128 tokens) with SW = 1; R (warps per split-K group) in {1, 2, 4, 8}, but 2-4 for NT = 16 and 1-4
-// for SW = 2.
+// for SW = 2; each without and with the LoRA epilogue.
 template <int FMT>
-const void* pick_gemm_fmt(int nt, int sw, int r) {
-  if (sw == 1) return nt == 2 ? pick_gemm_r<FMT, 2, 1>(r) : nt == 4 ? pick_gemm_r<FMT, 4, 1>(r)
-                    : nt == 8 ? pick_gemm_r<FMT, 8, 1>(r) : nt == 16 ? pick_gemm_r<FMT, 16, 1>(r) : nullptr;
-  if (sw == 2) return nt == 2 ? pick_gemm_r<FMT, 2, 2>(r) : nt == 4 ? pick_gemm_r<FMT, 4, 2>(r)
-                    : nt == 8 ? pick_gemm_r<FMT, 8, 2>(r) : nullptr;
+const void* pick_gemm_fmt(int nt, int sw, int r, bool lora) {
+  if (sw == 1) return nt == 2 ? pick_gemm_r<FMT, 2, 1>(r, lora) : nt == 4 ? pick_gemm_r<FMT, 4, 1>(r, lora)
+                    : nt == 8 ? pick_gemm_r<FMT, 8, 1>(r, lora) : nt == 16 ? pick_gemm_r<FMT, 16, 1>(r, lora) : nullptr;
+  if (sw == 2) return nt == 2 ? pick_gemm_r<FMT, 2, 2>(r, lora) : nt == 4 ? pick_gemm_r<FMT, 4, 2>(r, lora)
+                    : nt == 8 ? pick_gemm_r<FMT, 8, 2>(r, lora) : nullptr;
   return nullptr;
 }
 
-const void* pick_gemm(int fmt, int nt, int sw, int r) {
-  return fmt == 0 ? pick_gemm_fmt<0>(nt, sw, r) : fmt == 1 ? pick_gemm_fmt<1>(nt, sw, r) : nullptr;
+const void* pick_gemm(int fmt, int nt, int sw, int r, bool lora = false) {
+  return fmt == 0 ? pick_gemm_fmt<0>(nt, sw, r, lora) : fmt == 1 ? pick_gemm_fmt<1>(nt, sw, r, lora) : nullptr;
 }
 
 size_t gemm_smem(int nt, int sw, int r, int ks) {
@@ -220,11 +269,32 @@ size_t gemm_smem(int nt, int sw, int r, int ks) {
 
 // out (M, N) <- x (M, K) @ W^T for any M >= 1; same weight tensors as qfp4_gemv. nt: n8 token tiles per CTA,
 // sw: strips per warp, r: warps per split-K group, ks: split-K groups (r * ks <= 8, ks <= C).
+// t != nullptr: + the LoRA term in the epilogue (GemmLora above): t (M, >= roff + rk) bf16 with an even row stride
+// ldt, bn (N, rp) bf16 (rp a multiple of 16), members starting at rows 0, bound1, bound2 (multiples of 16) with
+// ranks [roff_i, roff_i + rk_i) (multiples of 8).
 // Returns a cudaError_t (0 = success), -1 = unsupported variant / configuration.
 extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                          float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
-                         void* stream) {
-  const void* fn = qfp4::pick_gemm(fmt, nt, sw, r);
+                         void* stream, const void* t, int ldt, const void* bn, int rp, int bound1, int bound2,
+                         const int* roff, const int* rk) {
+  qfp4::GemmLora lo = {};
+  if (t != nullptr) {
+    if (bn == nullptr || roff == nullptr || rk == nullptr || ldt < 2 || ldt % 2 || rp < 16 || rp % 16 ||
+        reinterpret_cast<uintptr_t>(t) % 4 || reinterpret_cast<uintptr_t>(bn) % 4)
+      return -1;
+    lo.t = static_cast<const __nv_bfloat16*>(t);
+    lo.bn = static_cast<const __nv_bfloat16*>(bn);
+    lo.ldt = ldt;
+    lo.rp = rp;
+    lo.bound1 = bound1;
+    lo.bound2 = bound2;
+    for (int i = 0; i < 3; ++i) {
+      if (roff[i] < 0 || rk[i] < 0 || roff[i] % 8 || rk[i] % 8 || rk[i] > rp || roff[i] + rk[i] > ldt) return -1;
+      lo.roff[i] = roff[i];
+      lo.rk[i] = rk[i];
+    }
+  }
+  const void* fn = qfp4::pick_gemm(fmt, nt, sw, r, t != nullptr);
   // token rows are addressed by 32-bit element offsets (M * ldx < 2^32)
   if (fn == nullptr || M < 1 || S < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C ||
       (unsigned long long)M * (unsigned long long)ldx >= (1ull << 32))
@@ -239,7 +309,7 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
   const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per));
   if (grid.y > 65535u) return -1;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ks};
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ks, (void*)&lo};
   return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(r * ks * 32)), args, smem, (cudaStream_t)stream);
 }
 
