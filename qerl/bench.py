@@ -172,7 +172,8 @@ def decode_mode(sampler, dec: str):
     ``qerl.kernels.cuda_attn``'s, ``QERL_ATTN=triton``), "fused-cublas-bf16" (BF16 weights by cuBLAS, not the CUDA
     GEMV, ``QERL_BF16_GEMV=0``), "fused-bf16-pdl" / "fused-bf16-no-pdl" (the BF16 GEMV always / never under PDL,
     ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4), "fused-lora-a-64" (x·Aᵀ of the LoRA terms that are
-    not inside a GEMV/GEMM launch by the Triton kernel up to M = 64, not cuBLAS above 16, ``QERL_LORA_A_MAX_M=64``),
+    not inside a GEMV launch, and the GEMMs' t, by the Triton kernel up to M = 64, not cuBLAS above 16,
+    ``QERL_LORA_A_MAX_M=64``),
     "fused-gemm-lora" (the LoRA term in the mma.sync GEMM's epilogue, ``QERL_GEMM_LORA=1``), "fused-gemm-lora-a-64"
     (both) — the last eleven other builds, for same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,

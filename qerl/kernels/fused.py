@@ -425,9 +425,9 @@ LORA_A_MAX_M = ("16", "32", "64")
 
 def lora_a_max_m() -> int:
     """Largest M that :func:`lora_a` runs in its Triton kernel: ``QERL_LORA_A_MAX_M`` = 16 (default: decode size),
-    32 or 64 (an opt-in for same-run A/Bs at 17-64 sequences, where the FP4 GEMM's LoRA runs as x·Aᵀ + addmm and
-    cuBLAS takes x·Aᵀ as a split-K GEMM plus a reduce launch; profile at 32 sequences, 7B: 0.78 ms of a 5.29 ms step,
-    `results/speed/raw/h100_s35_prof32`). Not measured with 32 or 64 yet."""
+    32 or 64 (an opt-in for same-run A/Bs at 17-64 sequences: there the LoRA term's x·Aᵀ — before the addmm, or as
+    the t of a GEMM's LoRA epilogue — is otherwise cuBLAS's split-K GEMM plus a reduce launch; profile at 32
+    sequences, 7B: 0.78 ms of a 5.29 ms step, `results/speed/raw/h100_s35_prof32`). Not measured with 32 or 64 yet."""
     v = os.environ.get("QERL_LORA_A_MAX_M", "16")
     if v not in LORA_A_MAX_M:
         raise ValueError(f"QERL_LORA_A_MAX_M={v!r}: choose one of {', '.join(LORA_A_MAX_M)}")
