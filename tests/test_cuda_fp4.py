@@ -1039,6 +1039,41 @@ def test_gpu_gemm_every_config_and_layout(fmt):
                 _check(cf.gemm(x, w, config=cfg), x.contiguous(), fmt, q, w, emu)
 
 
+def _gemm_lora_case(fmt: str):
+    """The GEMM LoRA tests' weight and operands: 208 rows (13 strips: members 112 | 48 | 48 rows, boundaries inside a
+    warp's strips), K 1536; LoRA with R = 96, with ranks of 8 / 0 / 24 (a member without ranks, a partial 16-rank
+    block), one member of rank 64. Returns (q, w, ops, k)."""
+    n, k = 208, 1536
+    q = _quant(fmt, n, k, seed=12, device="cuda")
+    ops = [_lora([(112, 32), (48, 16), (48, 48)], k, seed=7, device="cuda"),  # R = 96
+           _lora([(112, 8), (48, 0), (48, 24)], k, seed=8, device="cuda"),
+           _lora([(208, 64)], k, seed=9, device="cuda")]
+    return q, _prep(fmt, q), ops, k
+
+
+def _check_gemm_lora_configs(w, ops, cfgs, ms, g) -> None:
+    """cf.gemm with each LoRA operand and config against the emulator, at each M (fresh tokens per M)."""
+    for m in ms:
+        x = torch.randn(m, w.k, device="cuda", generator=g).bfloat16()
+        for op in ops:
+            emu = cf.emulate(x, w, op)
+            for cfg in cfgs:
+                _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
+
+
+def _check_gemm_lora_graph(w, op, cfg, x) -> None:
+    """cf.gemm with LoRA captured in a CUDA graph: two replays on new tokens equal the eager launch."""
+    cf.gemm(x, w, config=cfg, lora=op)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cf.gemm(x, w, config=cfg, lora=op)
+    for _ in range(2):
+        x.copy_(torch.randn(*x.shape, device="cuda").bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
@@ -1050,36 +1085,19 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     too), and None (the caller's addmm) with the switch off."""
     from qerl import kernels as qk
     from qerl.kernels import fused as fk
-    n, k = 208, 1536  # 13 strips: members 112 | 48 | 48 rows
-    q = _quant(fmt, n, k, seed=12, device="cuda")
-    w = _prep(fmt, q)
+    q, w, ops, k = _gemm_lora_case(fmt)
     g = torch.Generator(device="cuda").manual_seed(7)
-    ops = [_lora([(112, 32), (48, 16), (48, 48)], k, seed=7, device="cuda"),  # R = 96
-           _lora([(112, 8), (48, 0), (48, 24)], k, seed=8, device="cuda"),
-           _lora([(208, 64)], k, seed=9, device="cuda")]
     cfgs = [(nt, sw, r, ks) for nt, sw, r in cf.gemm_variants() for ks in (1, 3)
             if r * ks <= cf.GEMM_MAX_WARPS and cf.gemm_smem_bytes(nt, sw, r, ks) <= cf.GEMM_SMEM_MAX]
     assert len(cfgs) > 20
-    for m in (17, 40, 130):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for op in ops:
-            emu = cf.emulate(x, w, op)
-            for cfg in cfgs:
-                _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
+    _check_gemm_lora_configs(w, ops, cfgs, (17, 40, 130), g)
     op, cfg = ops[0], (4, 2, 2, 2)
     x = torch.randn(32, k, device="cuda", generator=g).bfloat16()
     t = torch.nn.functional.linear(x, op.a)
     assert torch.equal(cf.gemm(x, w, config=cfg, lora=op, t=t), cf.gemm(x, w, config=cfg, lora=op))
     with pytest.raises(ValueError, match="t must be bf16 \\(32, 96\\)"):
         cf.gemm(x, w, config=cfg, lora=op, t=t[:, :64])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = cf.gemm(x, w, config=cfg, lora=op)
-    for _ in range(2):
-        x.copy_(torch.randn(32, k, device="cuda").bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
+    _check_gemm_lora_graph(w, op, cfg, x)
     # the dispatcher at an M the mma.sync kernel serves (forced onto the CUDA GEMM; the heuristic's pick at 24 tokens)
     monkeypatch.setenv("QERL_CUDA_GEMM", "1")
     x = torch.randn(24, k, device="cuda", generator=g).bfloat16()
@@ -1192,33 +1210,15 @@ def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     from qerl import kernels as qk
-    n, k = 208, 1536  # 13 strips: members 112 | 48 | 48 rows
-    q = _quant(fmt, n, k, seed=12, device="cuda")
-    w = _prep(fmt, q)
+    q, w, ops, k = _gemm_lora_case(fmt)
     g = torch.Generator(device="cuda").manual_seed(6)
-    ops = [_lora([(112, 32), (48, 16), (48, 48)], k, seed=7, device="cuda"),  # R = 96
-           _lora([(112, 8), (48, 0), (48, 24)], k, seed=8, device="cuda"),
-           _lora([(208, 64)], k, seed=9, device="cuda")]
-    cfgs = cf.wgmma_configs(n // 16, k // 64)
-    for m in (17, 130, 300):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for op in ops:
-            emu = cf.emulate(x, w, op)
-            for cfg in cfgs:
-                _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
+    cfgs = cf.wgmma_configs(w.n // 16, k // 64)
+    _check_gemm_lora_configs(w, ops, cfgs, (17, 130, 300), g)
+    x = torch.randn(300, k, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="needs ranks that are multiples of 8"):
         cf.gemm(x, w, config=cfgs[0], lora=_lora([(112, 4), (48, 0), (48, 8)], k, seed=3, device="cuda"))
-    op, cfg = ops[0], (8, -2, 1, 2)
-    x = torch.randn(96, k, device="cuda").bfloat16()
-    cf.gemm(x, w, config=cfg, lora=op)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = cf.gemm(x, w, config=cfg, lora=op)
-    for _ in range(2):
-        x.copy_(torch.randn(96, k, device="cuda").bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
+    op = ops[0]
+    _check_gemm_lora_graph(w, op, (8, -2, 1, 2), torch.randn(96, k, device="cuda").bfloat16())
     # the dispatcher: forced onto the CUDA GEMM (an untuned shape: the heuristic's wgmma config above 32 tokens)
     monkeypatch.setenv("QERL_CUDA_GEMM", "1")
     monkeypatch.setenv("QERL_WGMMA_LORA", "1")

@@ -455,7 +455,7 @@ extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
                          int, int, int, int, int, int, int, void*, const void*, int, const void*, int, int, int,
-                         const int*, const int*);
+                         int, const int*, const int*);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
@@ -558,7 +558,7 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
-  int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, ldt = 0, RP = 0;
+  int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, ldt = 0, RP = 0, R = 0;
   if (lora) {
     TORCH_CHECK(t.is_cuda() && bn.is_cuda() && t.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16,
                 "LoRA t, bn: bf16 CUDA tensors");
@@ -566,6 +566,7 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                 bn.is_contiguous() && bn.size(0) == 16 * S,
                 "LoRA t (M, R) with unit column stride and an even row stride, bn (N, RP) contiguous");
     TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
+    R = (int)t.size(1);
     ldt = (int)t.stride(0);
     RP = (int)bn.size(1);
     for (int i = 0; i < 3; ++i) {
@@ -579,7 +580,7 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)nt,
                             (int)sw, (int)r, (int)ks,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
-                            lora ? t.data_ptr() : nullptr, ldt, lora ? bn.data_ptr() : nullptr, RP, (int)bound1,
+                            lora ? t.data_ptr() : nullptr, ldt, lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1,
                             (int)bound2, ro, rr);
   TORCH_CHECK(err == 0, "qfp4_gemm: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));

@@ -148,6 +148,30 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The LoRA members of a product (the GEMV's and the GEMMs' LoRA terms; cuda_fp4.LoraOperand): member i's output rows
+// start at 0, bound1, bound2 and use ranks [roff_i, roff_i + rk_i) of t. The member of output row n:
+template <class L>
+__device__ __forceinline__ int member_of(const L& la, int n) {
+  return n < la.bound1 ? 0 : n < la.bound2 ? 1 : 2;
+}
+
+// roff / rk of member mb by selects (a dynamic index into the kernel parameter would copy it to local memory)
+__device__ __forceinline__ int pick3(const int (&v)[3], int mb) { return mb == 0 ? v[0] : mb == 1 ? v[1] : v[2]; }
+
+// Host: whether a GEMM's LoRA members fit its epilogue — rows starting at 0 <= bound1 <= bound2 <= N (multiples of
+// 16), ranks [roff_i, roff_i + rk_i) inside t's R columns and Bn's rp, multiples of 8 — and, if so, copied into ro / rr.
+inline bool lora_members(const int* roff, const int* rk, int R, int rp, int bound1, int bound2, int N, int (&ro)[3],
+                         int (&rr)[3]) {
+  if (roff == nullptr || rk == nullptr || bound1 < 0 || bound1 % 16 || bound2 < bound1 || bound2 % 16 || bound2 > N)
+    return false;
+  for (int i = 0; i < 3; ++i) {
+    if (roff[i] < 0 || roff[i] % 8 || rk[i] < 0 || rk[i] % 8 || rk[i] > rp || roff[i] + rk[i] > R) return false;
+    ro[i] = roff[i];
+    rr[i] = rk[i];
+  }
+  return true;
+}
+
 // Host: registers and local-memory bytes per thread of a kernel (-1 when it is not compiled or the query fails).
 inline int kernel_attributes(const void* fn, int* regs, int* local_bytes) {
   cudaFuncAttributes a;

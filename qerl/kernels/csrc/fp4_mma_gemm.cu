@@ -52,9 +52,8 @@ __device__ __forceinline__ void gemm_lora_term(const GemmLora& lo, int M, int to
   for (int i = 0; i < SW; ++i) {
     const int n0 = (strip0 + i) * 16;
     if (strip0 + i >= S) continue;
-    const int mb = n0 < lo.bound1 ? 0 : n0 < lo.bound2 ? 1 : 2;  // member rows are multiples of 16
-    const int r0 = mb == 0 ? lo.roff[0] : mb == 1 ? lo.roff[1] : lo.roff[2];
-    const int rk = mb == 0 ? lo.rk[0] : mb == 1 ? lo.rk[1] : lo.rk[2];
+    const int mb = member_of(lo, n0);  // member rows are multiples of 16
+    const int r0 = pick3(lo.roff, mb), rk = pick3(lo.rk, mb);
     const uint32_t* b0 = reinterpret_cast<const uint32_t*>(lo.bn + (size_t)(n0 + g) * lo.rp + 2 * t);
     const uint32_t* b8 = b0 + 4 * lo.rp;  // 8 rows on
     float c[NT][4];
@@ -269,18 +268,19 @@ size_t gemm_smem(int nt, int sw, int r, int ks) {
 
 // out (M, N) <- x (M, K) @ W^T for any M >= 1; same weight tensors as qfp4_gemv. nt: n8 token tiles per CTA,
 // sw: strips per warp, r: warps per split-K group, ks: split-K groups (r * ks <= 8, ks <= C).
-// t != nullptr: + the LoRA term in the epilogue (GemmLora above): t (M, >= roff + rk) bf16 with an even row stride
-// ldt, bn (N, rp) bf16 (rp a multiple of 16), members starting at rows 0, bound1, bound2 (multiples of 16) with
-// ranks [roff_i, roff_i + rk_i) (multiples of 8).
+// t != nullptr: + the LoRA term in the epilogue (GemmLora above): t (M, R) bf16 with an even row stride ldt >= R,
+// bn (N, rp) bf16 (rp a multiple of 16), members starting at rows 0, bound1, bound2 (multiples of 16) with ranks
+// [roff_i, roff_i + rk_i) (multiples of 8; qfp4::lora_members).
 // Returns a cudaError_t (0 = success), -1 = unsupported variant / configuration.
 extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                          float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
-                         void* stream, const void* t, int ldt, const void* bn, int rp, int bound1, int bound2,
-                         const int* roff, const int* rk) {
+                         void* stream, const void* t, int ldt, const void* bn, int rp, int R, int bound1,
+                         int bound2, const int* roff, const int* rk) {
   qfp4::GemmLora lo = {};
   if (t != nullptr) {
-    if (bn == nullptr || roff == nullptr || rk == nullptr || ldt < 2 || ldt % 2 || rp < 16 || rp % 16 ||
-        reinterpret_cast<uintptr_t>(t) % 4 || reinterpret_cast<uintptr_t>(bn) % 4)
+    if (bn == nullptr || R < 8 || ldt < R || ldt % 2 || rp < 16 || rp % 16 || reinterpret_cast<uintptr_t>(t) % 4 ||
+        reinterpret_cast<uintptr_t>(bn) % 4 || !qfp4::lora_members(roff, rk, R, rp, bound1, bound2, S * 16, lo.roff,
+                                                                    lo.rk))
       return -1;
     lo.t = static_cast<const __nv_bfloat16*>(t);
     lo.bn = static_cast<const __nv_bfloat16*>(bn);
@@ -288,11 +288,6 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
     lo.rp = rp;
     lo.bound1 = bound1;
     lo.bound2 = bound2;
-    for (int i = 0; i < 3; ++i) {
-      if (roff[i] < 0 || rk[i] < 0 || roff[i] % 8 || rk[i] % 8 || rk[i] > rp || roff[i] + rk[i] > ldt) return -1;
-      lo.roff[i] = roff[i];
-      lo.rk[i] = rk[i];
-    }
   }
   const void* fn = qfp4::pick_gemm(fmt, nt, sw, r, t != nullptr);
   // token rows are addressed by 32-bit element offsets (M * ldx < 2^32)

@@ -92,13 +92,6 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
-__device__ __forceinline__ int member_of(const LoraArgs& la, int n) {
-  return n < la.bound1 ? 0 : n < la.bound2 ? 1 : 2;
-}
-
-// roff / rk of member mb by selects (a dynamic index into the kernel parameter would copy it to local memory)
-__device__ __forceinline__ int pick3(const int (&v)[3], int mb) { return mb == 0 ? v[0] : mb == 1 ? v[1] : v[2]; }
-
 // x fragment of the chunk at p (16 bf16 of token g, and of token g+8 for NT = 2); rows >= M keep stale values,
 // which only reach output columns that are never stored.
 template <int NT>

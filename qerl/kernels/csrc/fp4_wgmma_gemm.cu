@@ -562,15 +562,10 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   qfp4::wg::WgLora la = {};
   if (lora) {
     const int N = S * 16;
-    if (lbn == nullptr || roff == nullptr || rk == nullptr || R < 8 || R % 8 || ldt < R || ldt % 8 || rp < 16 ||
-        rp % 16 || bound1 < 0 || bound1 % 16 || bound2 < bound1 || bound2 % 16 || bound2 > N ||
-        (reinterpret_cast<uintptr_t>(lt) & 15) || (reinterpret_cast<uintptr_t>(lbn) & 3))
+    if (lbn == nullptr || R < 8 || R % 8 || ldt < R || ldt % 8 || rp < 16 || rp % 16 ||
+        (reinterpret_cast<uintptr_t>(lt) & 15) || (reinterpret_cast<uintptr_t>(lbn) & 3) ||
+        !qfp4::lora_members(roff, rk, R, rp, bound1, bound2, N, la.roff, la.rk))
       return -1;
-    for (int i = 0; i < 3; ++i) {
-      if (roff[i] < 0 || roff[i] % 8 || rk[i] < 0 || rk[i] % 8 || rk[i] > rp || roff[i] + rk[i] > R) return -1;
-      la.roff[i] = roff[i];
-      la.rk[i] = rk[i];
-    }
     la.t = static_cast<const __nv_bfloat16*>(lt);
     la.bn = static_cast<const __nv_bfloat16*>(lbn);
     la.ldt = ldt;
