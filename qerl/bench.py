@@ -143,14 +143,18 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
 
 DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-heuristic-gemv",
            "fused-triton-attn", "fused-cublas-bf16", "fused-bf16-pdl", "fused-bf16-no-pdl", "fused-lora-a-64",
-           "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-pdl", "fused-no-pdl", "unfused")
+           "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-pdl",
+           "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
                "fused-triton-attn": {"QERL_ATTN": "triton"}, "fused-cublas-bf16": {"QERL_BF16_GEMV": "0"},
                "fused-bf16-pdl": {"QERL_BF16_GEMV": "pdl"}, "fused-bf16-no-pdl": {"QERL_BF16_GEMV": "1"},
-               "fused-lora-a-64": {"QERL_LORA_A_MAX_M": "64"}, "fused-gemm-lora": {"QERL_GEMM_LORA": "1"},
+               "fused-lora-a-64": {"QERL_LORA_A_MAX_M": "64", "QERL_GEMM_LORA": "0"},
+               "fused-gemm-lora": {"QERL_GEMM_LORA": "1", "QERL_LORA_A_MAX_M": "16"},
                "fused-gemm-lora-a-64": {"QERL_GEMM_LORA": "1", "QERL_LORA_A_MAX_M": "64"},
+               "fused-gemm-lora-pdl": {"QERL_GEMM_LORA": "pdl", "QERL_LORA_A_MAX_M": "64"},
+               "fused-cublas-lora": {"QERL_GEMM_LORA": "0", "QERL_LORA_A_MAX_M": "16"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
 
@@ -171,11 +175,12 @@ def decode_mode(sampler, dec: str):
     tuned table, ``QERL_GEMV_TABLE=0``), "fused-triton-attn" (the Triton split kernel for decode attention, not
     ``qerl.kernels.cuda_attn``'s, ``QERL_ATTN=triton``), "fused-cublas-bf16" (BF16 weights by cuBLAS, not the CUDA
     GEMV, ``QERL_BF16_GEMV=0``), "fused-bf16-pdl" / "fused-bf16-no-pdl" (the BF16 GEMV always / never under PDL,
-    ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4), "fused-lora-a-64" (x·Aᵀ of the LoRA terms that are
-    not inside a GEMV launch, and the GEMMs' t, by the Triton kernel up to M = 64, not cuBLAS above 16,
-    ``QERL_LORA_A_MAX_M=64``),
-    "fused-gemm-lora" (the LoRA term in the mma.sync GEMM's epilogue, ``QERL_GEMM_LORA=1``), "fused-gemm-lora-a-64"
-    (both) — the last eleven other builds, for same-run comparisons —, "fused-pdl" /
+    ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4), the LoRA term at 17-64 tokens: "fused-cublas-lora"
+    (x·Aᵀ by cuBLAS, an addmm after the GEMM: ``QERL_GEMM_LORA=0 QERL_LORA_A_MAX_M=16``, session 35's default),
+    "fused-lora-a-64" (x·Aᵀ by the Triton kernel, the addmm), "fused-gemm-lora" (x·Aᵀ by cuBLAS, the term in the
+    mma.sync GEMM's epilogue), "fused-gemm-lora-a-64" (both: the default's settings, spelled out),
+    "fused-gemm-lora-pdl" (both, the GEMM under PDL overlapping the x·Aᵀ kernel: ``QERL_GEMM_LORA=pdl``) — the last
+    fourteen other builds, for same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

@@ -48,11 +48,12 @@
 #   scripts/gpu_bench.sh bf16tune the BF16 GEMV's launch tuner on another GPU (the rule against the best; installs the
 #                                table: copy $OUT/tune/*.json into qerl/kernels/tuned/), 7B rollouts cuBLAS / table /
 #                                rule alternating at batch 8 and 2 ($OUT/roll_ab); ~5 min
-#   scripts/gpu_bench.sh loraa   issue 10 / 13: the LoRA term at 17-64 sequences — x·Aᵀ by the Triton kernel (decode
-#                                mode fused-lora-a-64) against cuBLAS's split-K GEMM + reduce, the mma.sync GEMM's LoRA
-#                                epilogue (fused-gemm-lora) against the addmm, both (fused-gemm-lora-a-64): their GPU
-#                                tests, decode-step profiles at 32 sequences ($OUT/prof), 7B NVFP4 rollouts at 32 and
-#                                64 sequences, the four modes alternating ($OUT/roll_loraa); ~8 min
+#   scripts/gpu_bench.sh loraa   issue 10 / 13: the LoRA term at 17-64 sequences — session 35's path (x·Aᵀ by cuBLAS,
+#                                an addmm: fused-cublas-lora), the default (x·Aᵀ by the Triton kernel, the term in the
+#                                mma.sync GEMM's epilogue: fused), the GEMM under PDL overlapping the x·Aᵀ kernel
+#                                (fused-gemm-lora-pdl): their GPU tests, decode-step profiles at 32 sequences
+#                                ($OUT/prof), 7B NVFP4 rollouts at 32 and 64 sequences, the three alternating
+#                                ($OUT/roll_loraa); ~7 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -222,18 +223,18 @@ bf16tune)  # another GPU: the tuner for the BF16 products (the rule's pick again
       fused-cublas-bf16,fused,fused-heuristic-gemv,fused-cublas-bf16,fused,fused-heuristic-gemv \
       --out "$OUT/roll_ab" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
-loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: x·Aᵀ by Triton (QERL_LORA_A_MAX_M=64) vs cuBLAS, and the
-        # mma.sync GEMM's LoRA epilogue (QERL_GEMM_LORA=1) vs the addmm after it
+loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: session 35's cuBLAS x·Aᵀ + addmm, the default (Triton
+        # x·Aᵀ, the mma.sync GEMM's LoRA epilogue), the GEMM under PDL overlapping the x·Aᵀ kernel
   build 2
   timeout 200 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
-    -k "fused_kernels_bf16 or teacher or gemm_lora or (gemm and every_config)" -rf --tb=short 2>&1 | tail -20 \
-    > "$OUT/tests_loraa.txt"
+    -k "fused_kernels_bf16 or teacher or gemm_lora or pdl_decode or (gemm and every_config)" -rf --tb=short 2>&1 \
+    | tail -20 > "$OUT/tests_loraa.txt"
   tail -3 "$OUT/tests_loraa.txt" >> "$LOG"
   mkdir -p "$OUT/prof"
-  timeout 150 $B profile --models 7b --formats nvfp4 --batch 32 --decode fused,fused-gemm-lora-a-64 \
+  timeout 150 $B profile --models 7b --formats nvfp4 --batch 32 --decode fused,fused-gemm-lora-pdl \
     --out "$OUT/prof" 2>&1 | grep -v Warn > "$OUT/prof/log.txt"
-  # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
-  m="fused,fused-lora-a-64,fused-gemm-lora,fused-gemm-lora-a-64"
+  # 256 + 512, one process, batch 16 first (the process's first run reads low), the three modes alternating twice
+  m="fused-cublas-lora,fused,fused-gemm-lora-pdl"
   timeout 240 $B rollout --models 7b --formats nvfp4 --batch 16,32,64 --prompt 256 --new 512 --decode "$m,$m" \
     --out "$OUT/roll_loraa" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)

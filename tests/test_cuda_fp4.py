@@ -538,8 +538,8 @@ def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
 
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
-    QERL_GEMM_LORA for the mma.sync kernel (0 default), and only for ranks that are multiples of 8 (16-byte staging
-    of t, whole Bn pairs)."""
+    QERL_GEMM_LORA for the mma.sync kernel (1 default, pdl, 0), and only for ranks that are multiples of 8 (16-byte
+    staging of t, whole Bn pairs)."""
     from qerl import kernels as qk
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
     assert qk.wgmma_lora_enabled()
@@ -548,14 +548,15 @@ def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
     with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1"):
         qk.wgmma_lora_enabled()
-    # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, off by default (not measured yet), 1 on
+    # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, on by default, pdl, 0 off
     monkeypatch.delenv("QERL_GEMM_LORA", raising=False)
-    assert not qk.mma_lora_enabled()
-    monkeypatch.setenv("QERL_GEMM_LORA", "1")
-    assert qk.mma_lora_enabled()
+    assert qk.mma_lora_mode() == "1"
+    for v in ("0", "pdl"):
+        monkeypatch.setenv("QERL_GEMM_LORA", v)
+        assert qk.mma_lora_mode() == v
     monkeypatch.setenv("QERL_GEMM_LORA", "on")
-    with pytest.raises(ValueError, match="QERL_GEMM_LORA='on'; valid: 0, 1"):
-        qk.mma_lora_enabled()
+    with pytest.raises(ValueError, match="QERL_GEMM_LORA='on'; valid: 0, 1, pdl"):
+        qk.mma_lora_mode()
     assert cf.wgmma_lora_ok(_lora([(48, 32), (16, 16), (32, 48)], 128, seed=0))
     assert cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 24)], 128, seed=0))
     assert not cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 20)], 128, seed=0))  # 20: not a multiple of 8
@@ -1080,9 +1081,10 @@ def _check_gemm_lora_graph(w, op, cfg, x) -> None:
 def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     """LoRA in the mma.sync GEMM's epilogue (cf.gemm(lora=...) with an mma.sync config): member boundaries inside a
     warp's strips, a member without ranks, R = 96 and ranks of 8 / 24 (a partial 16-rank block), every compiled
-    variant with K splits, partial token tiles, a given t equal to the default one, CUDA-graph replay; the dispatcher
-    with QERL_GEMM_LORA=1 where the mma.sync kernel serves the M (t by the Triton kernel with QERL_LORA_A_MAX_M=64
-    too), and None (the caller's addmm) with the switch off."""
+    variant with K splits, partial token tiles, a given t equal to the default one, CUDA-graph replay; under PDL right
+    after lora_a(trigger=True) (the main loop overlapping it) equal to the plain launch, eagerly and replayed in a
+    graph; the dispatcher where the mma.sync kernel serves the M with QERL_GEMM_LORA=1 (the default: t by the Triton
+    kernel) and pdl, t by cuBLAS with QERL_LORA_A_MAX_M=16, and None (the caller's addmm) with QERL_GEMM_LORA=0."""
     from qerl import kernels as qk
     from qerl.kernels import fused as fk
     q, w, ops, k = _gemm_lora_case(fmt)
@@ -1098,16 +1100,36 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     with pytest.raises(ValueError, match="t must be bf16 \\(32, 96\\)"):
         cf.gemm(x, w, config=cfg, lora=op, t=t[:, :64])
     _check_gemm_lora_graph(w, op, cfg, x)
+    with pytest.raises(ValueError, match="pdl=True needs lora, a given t and an mma.sync config"):
+        cf.gemm(x, w, config=cfg, lora=op, pdl=True)
+    # under PDL after the trigger: the same bits, eagerly (every token tile count) and in a graph on new tokens
+    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # 64: t by the Triton kernel up to 64 tokens
+    for m in (17, 32, 64):
+        xm = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for c in ((4, 2, 2, 2), (4, 2, 1, 8), (8, 1, 2, 4)):
+            ref = cf.gemm(xm, w, config=c, lora=op, t=fk.lora_a(xm, op.a))
+            for _ in range(2):
+                assert torch.equal(cf.gemm(xm, w, config=c, lora=op, t=fk.lora_a(xm, op.a, trigger=True), pdl=True),
+                                   ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a, trigger=True), pdl=True)
+    for _ in range(2):
+        x.copy_(torch.randn(*x.shape, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
     # the dispatcher at an M the mma.sync kernel serves (forced onto the CUDA GEMM; the heuristic's pick at 24 tokens)
     monkeypatch.setenv("QERL_CUDA_GEMM", "1")
     x = torch.randn(24, k, device="cuda", generator=g).bfloat16()
     assert cf._gemm_config(w, 24, x.device)[1] > 0
-    assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None  # QERL_GEMM_LORA off (the default)
-    monkeypatch.setenv("QERL_GEMM_LORA", "1")
-    _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
-    monkeypatch.setenv("QERL_LORA_A_MAX_M", "64")  # t by the Triton kernel
-    assert fk.lora_a(x, op.a).shape == (24, 96)
-    _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
+    monkeypatch.delenv("QERL_GEMM_LORA", raising=False)  # 1: in the epilogue, t by the Triton kernel
+    for mode, max_m in (("1", "64"), ("pdl", "64"), ("1", "16")):  # 16: t by cuBLAS
+        monkeypatch.setenv("QERL_GEMM_LORA", mode)
+        monkeypatch.setenv("QERL_LORA_A_MAX_M", max_m)
+        _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
+    monkeypatch.setenv("QERL_GEMM_LORA", "0")
+    assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None
 
 
 @pytest.mark.gpu
@@ -1224,7 +1246,8 @@ def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_LORA", "1")
     x = torch.randn(130, k, device="cuda").bfloat16()
     _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
-    # M = 24: the mma.sync kernel; its LoRA epilogue is opt-in (QERL_GEMM_LORA, off by default): LoRA by the caller
+    # M = 24: the mma.sync kernel, whose LoRA epilogue QERL_GEMM_LORA=0 turns off: LoRA by the caller
+    monkeypatch.setenv("QERL_GEMM_LORA", "0")
     assert qk.FP4.linear_lora(FORMATS[fmt], x[:24], q, op) is None
     monkeypatch.setenv("QERL_WGMMA_LORA", "0")
     assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None

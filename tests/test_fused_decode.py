@@ -181,7 +181,7 @@ def _interpreter_main() -> None:
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
-    os.environ["QERL_LORA_A_MAX_M"] = "64"  # the opt-in's 32- and 64-row tiles too
+    os.environ["QERL_LORA_A_MAX_M"] = "64"  # the 32- and 64-row tiles too (the default, set against the caller's env)
     for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128), (17, 96, 700), (32, 32, 1000),
                     (40, 64, 2048), (64, 16, 128)):  # split-K, ragged R and K, tiles of 16, 32 and 64 rows
         assert fk.lora_a_splits(r, k)[0] > 1 or k <= 128
@@ -226,6 +226,7 @@ def test_fused_kernels_compile_for_sm90():
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
         assert ck.asm["cubin"]
+        return ck
 
     bf, f32 = "*bf16", "*fp32"
     for wdt in (bf, f32):
@@ -255,14 +256,15 @@ def test_fused_kernels_compile_for_sm90():
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"),
           dict(D=128, SP=16, PDL=True))
     build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024, PDL=True))
-    for bm in (16, 32, 64):  # decode size; the QERL_LORA_A_MAX_M opt-in's tiles
-        build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32", R="i32",
-                                      K="i32", stride_xm="i32", PER="i32"),
-              dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False))
+    for bm in (16, 32, 64):  # decode size; 17-32 and 33-64 tokens (QERL_LORA_A_MAX_M); the PDL trigger with 32
+        ck = build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32",
+                                           R="i32", K="i32", stride_xm="i32", PER="i32"),
+                   dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False, TRIGGER=bm == 32))
+        assert ("griddepcontrol.launch_dependents" in ck.asm["ptx"]) == (bm == 32)
 
 
 def test_lora_a_max_m_switch(monkeypatch):
-    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (16 by default, 32 or 64 opt in), F.linear
+    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (64 by default, 32 or 16), F.linear
     above; a bad value is refused by name with the choices (it is read only where it decides: M > 16)."""
     from types import SimpleNamespace
 
@@ -271,6 +273,8 @@ def test_lora_a_max_m_switch(monkeypatch):
     monkeypatch.setattr(fk, "F", SimpleNamespace(linear=lambda x, a: calls.append(x.shape[0]) or F.linear(x, a)))
     monkeypatch.setattr(fk, "_triton_ok", lambda x: False)  # no Triton here: every call falls back; count the M
     x, a = torch.randn(24, 64), torch.randn(8, 64)
+    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)
+    assert fk.lora_a_max_m() == 64
     for v, limit in (("16", 16), ("32", 32), ("64", 64)):
         monkeypatch.setenv("QERL_LORA_A_MAX_M", v)
         assert fk.lora_a_max_m() == limit
@@ -454,7 +458,7 @@ def test_gpu_fused_kernels_bf16(monkeypatch):
             o = fk.decode_attention(q2, kc, vc, bias, S, d ** -0.5)
             ref = _naive_attention(q2.cpu(), kc.cpu(), vc.cpu(), bias.cpu(), S, d ** -0.5)
             assert (o.double().cpu() - ref).abs().max() < 0.03, (H, S)
-    monkeypatch.setenv("QERL_LORA_A_MAX_M", "64")  # and the opt-in's 32- and 64-row tiles
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "64")  # and the 32- and 64-row tiles (the default; against the env)
     for m, r, k in ((8, 96, 3584), (8, 32, 18944), (2, 64, 5120), (16, 32, 27648), (24, 96, 3584), (32, 32, 18944),
                     (64, 64, 3584)):
         x, a = rn(m, k).to(BF), (0.02 * rn(r, k)).to(BF)
@@ -531,6 +535,39 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, preset, monkeypatch):
     assert torch.equal(ros["0"].completion_mask, ros["1"].completion_mask)
     assert torch.equal(ros["0"].completion_ids, ros["1"].completion_ids)
     assert torch.equal(ros["0"].logp, ros["1"].logp)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, monkeypatch):
+    """The mma.sync GEMM with the LoRA term in its epilogue, launched under PDL so its main loop overlaps the x·Aᵀ
+    kernel (QERL_GEMM_LORA=pdl), draws the same tokens with the same log-probs as the plain launch (QERL_GEMM_LORA=1)
+    in the graph sampler at 24 sequences (the mma.sync GEMM's M); the PDL launches are counted, so the comparison
+    cannot pass by both modes taking another path."""
+    from qerl.kernels import cuda_fp4 as cf
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # t by the Triton kernel (the default up to 64 tokens)
+    monkeypatch.setenv("QERL_PDL", "1")
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny-d64", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    launches = {"1": [], "pdl": []}
+    gemm = cf.gemm
+    ros = {}
+    for mode in ("1", "pdl"):
+        monkeypatch.setenv("QERL_GEMM_LORA", mode)
+        monkeypatch.setattr(cf, "gemm", lambda *a, seen=launches[mode], **k: seen.append(k.get("pdl", False))
+                            or gemm(*a, **k))
+        s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+        ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 8, max_new_tokens=300, temperature=1.0, seed=3)
+        assert ros[mode].stats["fused_decode"] and s.use_graphs
+    assert launches["1"] and not any(launches["1"])
+    assert launches["pdl"] and all(launches["pdl"]), launches["pdl"][:8]
+    assert torch.equal(ros["1"].completion_mask, ros["pdl"].completion_mask)
+    assert torch.equal(ros["1"].completion_ids, ros["pdl"].completion_ids)
+    assert torch.equal(ros["1"].logp, ros["pdl"].logp)
 
 
 @pytest.mark.gpu

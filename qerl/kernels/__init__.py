@@ -602,22 +602,28 @@ def wgmma_lora_enabled() -> bool:
     return v == "1"
 
 
-def mma_lora_enabled() -> bool:
-    """``QERL_GEMM_LORA`` (default ``0``): above decode size, the LoRA term of a linear whose product the mma.sync GEMM
-    runs (the H100 table's pick at 17-32 tokens) is added by that GEMM's epilogue (t = x·Aᵀ by
-    ``qerl.kernels.fused.lora_a``, then one launch) instead of an addmm after it; ``1`` on. Built in session 35 after
-    a profile at 32 sequences (7B NVFP4: the LoRA term's ~8 cuBLAS launches a layer took 1.17 ms of a 5.29 ms step,
-    `results/speed/raw/h100_s35_prof32`); not measured on a GPU yet, so off by default."""
-    v = os.environ.get("QERL_GEMM_LORA", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"QERL_GEMM_LORA={v!r}; valid: 0, 1")
-    return v == "1"
+GEMM_LORA_MODES = ("0", "1", "pdl")
+
+
+def mma_lora_mode() -> str:
+    """``QERL_GEMM_LORA``: above decode size, the LoRA term of a linear whose product the mma.sync GEMM runs (the
+    H100 table's pick at 17-32 tokens, and at 64 for 7B's o projection) is added by that GEMM's epilogue (t = x·Aᵀ
+    by ``qerl.kernels.fused.lora_a``, then one launch) with ``1`` (default), the same with the GEMM launched under
+    programmatic dependent launch with ``pdl`` (its main loop runs while lora_a finishes; only the epilogue waits for
+    t), or as an addmm after the GEMM with ``0``. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, four modes
+    alternating twice in one process): the epilogue with t by the Triton kernel (``QERL_LORA_A_MAX_M=64``) 6088 / 6066
+    tokens/s at 32 sequences against 5682 / 5781 for cuBLAS's x·Aᵀ and the addmm, 9015 / 8971 against 8705 / 8880 at
+    64 (`results/speed/raw/h100_s36_loraa`)."""
+    v = os.environ.get("QERL_GEMM_LORA", "1")
+    if v not in GEMM_LORA_MODES:
+        raise ValueError(f"QERL_GEMM_LORA={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
+    return v
 
 
 def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
     """x2 @ Ŵᵀ + the LoRA term by the CUDA GEMM with the term in its epilogue, where the dispatcher gives this
     (format, shape, M) to the CUDA GEMM, the ranks fit (``cuda_fp4.wgmma_lora_ok``) and the switch of its kernel is
-    on (a wgmma configuration: :func:`wgmma_lora_enabled`; an mma.sync one: :func:`mma_lora_enabled`); None otherwise
+    on (a wgmma configuration: :func:`wgmma_lora_enabled`; an mma.sync one: :func:`mma_lora_mode`); None otherwise
     (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M bound)."""
     m, n, k = x2.shape[0], w.n, w.k
     if not cuda_gemm_choice(fmt, n, k, m, x2.device):
@@ -627,9 +633,11 @@ def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
     if not cuda_fp4.wgmma_lora_ok(lora):
         return None
     config = cuda_fp4._gemm_config(w, m, x2.device)
-    if not (mma_lora_enabled() if config[1] > 0 else wgmma_lora_enabled()):
+    mode = mma_lora_mode() if config[1] > 0 else "1" if wgmma_lora_enabled() else "0"
+    if mode == "0":
         return None
-    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a))
+    pdl = mode == "pdl" and pdl_enabled(x2)  # t's kernel lets the GEMM start, whose epilogue waits for t
+    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl)
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:

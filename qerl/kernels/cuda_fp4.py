@@ -455,7 +455,7 @@ extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
                          int, int, int, int, int, int, int, void*, const void*, int, const void*, int, int, int,
-                         int, const int*, const int*);
+                         int, const int*, const int*, int);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
@@ -550,10 +550,12 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                                                        : cudaGetErrorString((cudaError_t)err));
 }
 
-// lora: + t Bn^T per member in the epilogue (t = bf16(x A^T) (M, R) with an even row stride, bn (N, RP))
+// lora: + t Bn^T per member in the epilogue (t = bf16(x A^T) (M, R) with an even row stride, bn (N, RP));
+// pdl (with lora): the main loop overlaps the previous kernel, the epilogue waits for it (qfp4_gemm)
 void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks, bool lora, torch::Tensor t,
-          torch::Tensor bn, int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
+          torch::Tensor bn, int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk,
+          bool pdl) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -581,7 +583,7 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                             (int)sw, (int)r, (int)ks,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
                             lora ? t.data_ptr() : nullptr, ldt, lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1,
-                            (int)bound2, ro, rr);
+                            (int)bound2, ro, rr, (int)pdl);
   TORCH_CHECK(err == 0, "qfp4_gemm: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
 }
@@ -1340,7 +1342,7 @@ def wgmma_lora_ok(lora: LoraOperand) -> bool:
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None,
-         t: torch.Tensor | None = None) -> torch.Tensor:
+         t: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
@@ -1348,7 +1350,10 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     partial tiles from the caching allocator (the graph's pool under capture) and the device's tile counters.
     ``lora`` (:func:`wgmma_lora_ok`): + the LoRA term (:func:`emulate_lora`) before the one bf16 rounding, t·Bnᵀ per
     member by the GEMM's epilogue MMAs (both kernels); t = x·Aᵀ (M, R) bf16 as given (``t``: e.g.
-    ``qerl.kernels.fused.lora_a``'s) or by cuBLAS."""
+    ``qerl.kernels.fused.lora_a``'s) or by cuBLAS. ``pdl`` (an mma.sync config with ``lora`` and ``t``, sm_90): launch
+    under programmatic dependent launch, so the main loop runs while the kernel that computed ``t`` finishes and only
+    the LoRA epilogue waits for it; only right after that kernel (``lora_a(x, a, trigger=True)``), which itself
+    started after x was written (the main loop reads x before the wait)."""
     _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1359,6 +1364,9 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     if lora is not None and not wgmma_lora_ok(lora):
         raise ValueError(f"gemm: LoRA in the GEMM needs ranks that are multiples of 8 (members {lora.members})")
     lora_args = (False, x, x, 0, 0, [0, 0, 0], [0, 0, 0])  # no LoRA (the tensors are not read)
+    if pdl and (lora is None or t is None or sw <= 0):
+        raise ValueError(f"gemm: pdl=True needs lora, a given t and an mma.sync config (sw >= 1), got lora="
+                         f"{lora is not None}, t={t is not None}, config={config!r}")
     if lora is not None:
         a, bn = _lora_tensors(lora, w)
         if t is None:
@@ -1388,7 +1396,8 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
                           *lora_args)
         return out
-    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args)
+    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args,
+                pdl and torch.cuda.get_device_capability(x.device)[0] >= 9)  # PDL: sm_90 on
     return out
 
 

@@ -120,7 +120,9 @@ if HAS_TRITON:
     @triton.jit
     def _lora_a_kernel(x_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, PER,
                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                       FENCE: tl.constexpr, DOT_F32: tl.constexpr):
+                       FENCE: tl.constexpr, DOT_F32: tl.constexpr, TRIGGER: tl.constexpr = False):
+        if TRIGGER:  # a dependent launched under PDL (the GEMM with t in its epilogue) may start now
+            gdc_launch_dependents()
         rb = tl.program_id(0)
         sp = tl.program_id(1)
         rows = tl.arange(0, BM)
@@ -424,19 +426,22 @@ LORA_A_MAX_M = ("16", "32", "64")
 
 
 def lora_a_max_m() -> int:
-    """Largest M that :func:`lora_a` runs in its Triton kernel: ``QERL_LORA_A_MAX_M`` = 16 (default: decode size),
-    32 or 64 (an opt-in for same-run A/Bs at 17-64 sequences: there the LoRA term's x·Aᵀ — before the addmm, or as
-    the t of a GEMM's LoRA epilogue — is otherwise cuBLAS's split-K GEMM plus a reduce launch; profile at 32
-    sequences, 7B: 0.78 ms of a 5.29 ms step, `results/speed/raw/h100_s35_prof32`). Not measured with 32 or 64 yet."""
-    v = os.environ.get("QERL_LORA_A_MAX_M", "16")
+    """Largest M that :func:`lora_a` runs in its Triton kernel: ``QERL_LORA_A_MAX_M`` = 64 (default), 32 or 16
+    (decode size: above it cuBLAS's split-K GEMM plus a reduce launch). x·Aᵀ of the LoRA terms outside a GEMV launch
+    and the GEMMs' t. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, alternating in one process): 64 against 16,
+    with the addmm after the GEMM, 5927 / 5914 vs 5682 / 5781 tokens/s at 32 sequences, 8930 / 8912 vs 8705 / 8880 at
+    64 (`results/speed/raw/h100_s36_loraa`)."""
+    v = os.environ.get("QERL_LORA_A_MAX_M", "64")
     if v not in LORA_A_MAX_M:
         raise ValueError(f"QERL_LORA_A_MAX_M={v!r}: choose one of {', '.join(LORA_A_MAX_M)}")
     return int(v)
 
 
-def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, on CUDA for M <= :func:`lora_a_max_m` (decode size by
-    default) by one Triton launch (split over K with an in-kernel reduction); F.linear elsewhere."""
+def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Tensor:
+    """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, on CUDA for M <= :func:`lora_a_max_m` by one Triton
+    launch (split over K with an in-kernel reduction); F.linear elsewhere. ``trigger`` (sm_90): the launch lets a
+    next kernel launched under programmatic dependent launch start at once (``cuda_fp4.gemm(..., pdl=True)``; its
+    main loop then overlaps this one, and it waits for t before reading it)."""
     m, k = x.shape
     if m > 16 and m > lora_a_max_m() or not _triton_ok(x) or x.stride(1) != 1 or not a.is_contiguous() \
             or a.dtype != x.dtype:
@@ -450,7 +455,8 @@ def lora_a(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     interp = _interpret()
     bm = 16 if m <= 16 else 32 if m <= 32 else 64  # token rows per program: one tile of M
     _lora_a_kernel[(nrb, split)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=bm, BR=16, BK=128, SPLIT=split,
-                                FENCE=x.is_cuda and not interp, DOT_F32=interp, num_warps=4)
+                                FENCE=x.is_cuda and not interp, DOT_F32=interp,
+                                TRIGGER=trigger and pdl_enabled(x), num_warps=4)
     return out
 
 

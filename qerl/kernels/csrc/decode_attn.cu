@@ -293,17 +293,10 @@ int launch(const Args& a, int rows, int pdl, cudaStream_t stream) {
   constexpr int smem = smem_bytes<NST, D>();
   cudaError_t e = cudaFuncSetAttribute(decode_attn_kernel<NST, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return (int)e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(rows);
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, decode_attn_kernel<NST, D>, a);
+  Args arg = a;
+  void* args[] = {(void*)&arg};
+  return (int)qfp4::launch_pdl(reinterpret_cast<const void*>(&decode_attn_kernel<NST, D>), dim3(rows),
+                               dim3(kWarps * 32), smem, stream, args, pdl != 0);
 }
 
 template <int NST>

@@ -181,4 +181,21 @@ inline int kernel_attributes(const void* fn, int* regs, int* local_bytes) {
   return 0;
 }
 
+// Host: launch fn (args as cudaLaunchKernel takes them), with programmatic stream serialization when pdl (the kernel
+// starts while the previous one drains and must griddepcontrol.wait before reading what that one writes).
+inline cudaError_t launch_pdl(const void* fn, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, void** args,
+                              bool pdl) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelExC(&cfg, fn, args);
+}
+
 }  // namespace qfp4

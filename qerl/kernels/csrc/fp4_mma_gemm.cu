@@ -202,7 +202,14 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   }
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if constexpr (LORA) gemm_lora_term<NT, SW>(lo, M, tok0, strip0, S, 1.f / mult, acc);
+  if constexpr (LORA) {
+    // Launched under programmatic dependent launch (qfp4_gemm's pdl), the main loop above ran while the previous
+    // grid (the one computing t) finished: wait for it before reading t or storing out (a no-op otherwise).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    gemm_lora_term<NT, SW>(lo, M, tok0, strip0, S, 1.f / mult, acc);
+  }
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
     if (strip0 + i >= S) continue;
@@ -271,12 +278,17 @@ size_t gemm_smem(int nt, int sw, int r, int ks) {
 // t != nullptr: + the LoRA term in the epilogue (GemmLora above): t (M, R) bf16 with an even row stride ldt >= R,
 // bn (N, rp) bf16 (rp a multiple of 16), members starting at rows 0, bound1, bound2 (multiples of 16) with ranks
 // [roff_i, roff_i + rk_i) (multiples of 8; qfp4::lora_members).
+// pdl (LoRA only): launch with programmatic stream serialization, so the main loop overlaps the previous kernel
+// and only the LoRA epilogue waits for it (griddepcontrol.wait). Only for a previous kernel that writes t and nothing
+// else this launch reads, itself launched after x's producer finished (t = x A^T by qerl.kernels.fused.lora_a just
+// before, which triggers its dependents as it starts); nothing is stored before the wait.
 // Returns a cudaError_t (0 = success), -1 = unsupported variant / configuration.
 extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                          float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
                          void* stream, const void* t, int ldt, const void* bn, int rp, int R, int bound1,
-                         int bound2, const int* roff, const int* rk) {
+                         int bound2, const int* roff, const int* rk, int pdl) {
   qfp4::GemmLora lo = {};
+  if (pdl && t == nullptr) return -1;  // the plain variants never wait: under PDL they could read x early
   if (t != nullptr) {
     if (bn == nullptr || R < 8 || ldt < R || ldt % 2 || rp < 16 || rp % 16 || reinterpret_cast<uintptr_t>(t) % 4 ||
         reinterpret_cast<uintptr_t>(bn) % 4 || !qfp4::lora_members(roff, rk, R, rp, bound1, bound2, S * 16, lo.roff,
@@ -305,7 +317,7 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
   if (grid.y > 65535u) return -1;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ks, (void*)&lo};
-  return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(r * ks * 32)), args, smem, (cudaStream_t)stream);
+  return (int)qfp4::launch_pdl(fn, grid, dim3((unsigned)(r * ks * 32)), smem, (cudaStream_t)stream, args, pdl != 0);
 }
 
 // Max resident CTAs per SM of one GEMM variant and launch shape (-1: unsupported).

@@ -739,20 +739,11 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr);
   if (smem > 200 * 1024) return -1;
   if (const int e = opt_in_smem(fn, smem)) return e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas));
-  cfg.blockDim = dim3((unsigned)(warps * 32));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
                   (void*)&strips_per_cta, (void*)&act, (void*)&la};
-  return (int)cudaLaunchKernelExC(&cfg, fn, args);
+  return (int)launch_pdl(fn, dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas)), dim3((unsigned)(warps * 32)),
+                         smem, (cudaStream_t)stream, args, pdl != 0);
 }
 
 }  // namespace qfp4
