@@ -544,7 +544,7 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, monkeypatch):
     """The mma.sync GEMM with the LoRA term in its epilogue, launched under PDL so its main loop overlaps the x·Aᵀ
     kernel (QERL_GEMM_LORA=pdl), draws the same tokens with the same log-probs as the plain launch (QERL_GEMM_LORA=1)
     in the graph sampler at 24 sequences (the mma.sync GEMM's M); the PDL launches are counted, so the comparison
-    cannot pass by both modes taking another path."""
+    cannot pass by both modes taking another path. Failures print the first differing position."""
     from qerl.kernels import cuda_fp4 as cf
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
@@ -563,11 +563,11 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, monkeypatch):
         s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
         ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 8, max_new_tokens=300, temperature=1.0, seed=3)
         assert ros[mode].stats["fused_decode"] and s.use_graphs
-    assert launches["1"] and not any(launches["1"])
-    assert launches["pdl"] and all(launches["pdl"]), launches["pdl"][:8]
-    assert torch.equal(ros["1"].completion_mask, ros["pdl"].completion_mask)
-    assert torch.equal(ros["1"].completion_ids, ros["pdl"].completion_ids)
-    assert torch.equal(ros["1"].logp, ros["pdl"].logp)
+    # the same GEMM launches in both (prefill's at more tokens may take the wgmma kernel: never under PDL)
+    assert len(launches["1"]) == len(launches["pdl"]) and not any(launches["1"]) and any(launches["pdl"])
+    for key in ("completion_mask", "completion_ids", "logp"):
+        a, b = getattr(ros["1"], key), getattr(ros["pdl"], key)
+        assert torch.equal(a, b), (key, (a != b).nonzero()[:4].tolist())
 
 
 @pytest.mark.gpu
