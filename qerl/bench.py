@@ -178,9 +178,9 @@ def decode_mode(sampler, dec: str):
     ``QERL_BF16_GEMV=pdl|1``; "fused": under PDL at M <= 4), the LoRA term at 17-64 tokens: "fused-cublas-lora"
     (x·Aᵀ by cuBLAS, an addmm after the GEMM: ``QERL_GEMM_LORA=0 QERL_LORA_A_MAX_M=16``, session 35's default),
     "fused-lora-a-64" (x·Aᵀ by the Triton kernel, the addmm), "fused-gemm-lora" (x·Aᵀ by cuBLAS, the term in the
-    mma.sync GEMM's epilogue), "fused-gemm-lora-a-64" (both: the default's settings, spelled out),
-    "fused-gemm-lora-pdl" (both, the GEMM under PDL overlapping the x·Aᵀ kernel: ``QERL_GEMM_LORA=pdl``) — the last
-    fourteen other builds, for same-run comparisons —, "fused-pdl" /
+    mma.sync GEMM's epilogue), "fused-gemm-lora-a-64" (both, ``QERL_GEMM_LORA=1``: 84d081f's default),
+    "fused-gemm-lora-pdl" (both, the GEMM under PDL overlapping the x·Aᵀ kernel: the default's settings spelled
+    out) — the last fourteen other builds, for same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

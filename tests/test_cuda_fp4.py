@@ -538,7 +538,7 @@ def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
 
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
-    QERL_GEMM_LORA for the mma.sync kernel (1 default, pdl, 0), and only for ranks that are multiples of 8 (16-byte
+    QERL_GEMM_LORA for the mma.sync kernel (pdl default, 1, 0), and only for ranks that are multiples of 8 (16-byte
     staging of t, whole Bn pairs)."""
     from qerl import kernels as qk
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
@@ -548,10 +548,10 @@ def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
     with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1"):
         qk.wgmma_lora_enabled()
-    # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, on by default, pdl, 0 off
+    # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, under PDL by default, 1 without, 0 off
     monkeypatch.delenv("QERL_GEMM_LORA", raising=False)
-    assert qk.mma_lora_mode() == "1"
-    for v in ("0", "pdl"):
+    assert qk.mma_lora_mode() == "pdl"
+    for v in ("0", "1"):
         monkeypatch.setenv("QERL_GEMM_LORA", v)
         assert qk.mma_lora_mode() == v
     monkeypatch.setenv("QERL_GEMM_LORA", "on")
@@ -1083,8 +1083,8 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     warp's strips, a member without ranks, R = 96 and ranks of 8 / 24 (a partial 16-rank block), every compiled
     variant with K splits, partial token tiles, a given t equal to the default one, CUDA-graph replay; under PDL right
     after lora_a(trigger=True) (the main loop overlapping it) equal to the plain launch, eagerly and replayed in a
-    graph; the dispatcher where the mma.sync kernel serves the M with QERL_GEMM_LORA=1 (the default: t by the Triton
-    kernel) and pdl, t by cuBLAS with QERL_LORA_A_MAX_M=16, and None (the caller's addmm) with QERL_GEMM_LORA=0."""
+    graph; the dispatcher where the mma.sync kernel serves the M with QERL_GEMM_LORA=pdl (the default; t by the
+    Triton kernel) and 1, t by cuBLAS with QERL_LORA_A_MAX_M=16, and None (the caller's addmm) with QERL_GEMM_LORA=0."""
     from qerl import kernels as qk
     from qerl.kernels import fused as fk
     q, w, ops, k = _gemm_lora_case(fmt)
@@ -1123,8 +1123,8 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     monkeypatch.setenv("QERL_CUDA_GEMM", "1")
     x = torch.randn(24, k, device="cuda", generator=g).bfloat16()
     assert cf._gemm_config(w, 24, x.device)[1] > 0
-    monkeypatch.delenv("QERL_GEMM_LORA", raising=False)  # 1: in the epilogue, t by the Triton kernel
-    for mode, max_m in (("1", "64"), ("pdl", "64"), ("1", "16")):  # 16: t by cuBLAS
+    monkeypatch.delenv("QERL_GEMM_LORA", raising=False)  # pdl: in the epilogue, t by the Triton kernel
+    for mode, max_m in (("pdl", "64"), ("1", "64"), ("pdl", "16")):  # 16: t by cuBLAS
         monkeypatch.setenv("QERL_GEMM_LORA", mode)
         monkeypatch.setenv("QERL_LORA_A_MAX_M", max_m)
         _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)

@@ -606,15 +606,16 @@ GEMM_LORA_MODES = ("0", "1", "pdl")
 
 
 def mma_lora_mode() -> str:
-    """``QERL_GEMM_LORA``: above decode size, the LoRA term of a linear whose product the mma.sync GEMM runs (the
-    H100 table's pick at 17-32 tokens, and at 64 for 7B's o projection) is added by that GEMM's epilogue (t = x·Aᵀ
-    by ``qerl.kernels.fused.lora_a``, then one launch) with ``1`` (default), the same with the GEMM launched under
-    programmatic dependent launch with ``pdl`` (its main loop runs while lora_a finishes; only the epilogue waits for
-    t), or as an addmm after the GEMM with ``0``. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, four modes
-    alternating twice in one process): the epilogue with t by the Triton kernel (``QERL_LORA_A_MAX_M=64``) 6088 / 6066
-    tokens/s at 32 sequences against 5682 / 5781 for cuBLAS's x·Aᵀ and the addmm, 9015 / 8971 against 8705 / 8880 at
-    64 (`results/speed/raw/h100_s36_loraa`)."""
-    v = os.environ.get("QERL_GEMM_LORA", "1")
+    """``QERL_GEMM_LORA``: above decode size, how the LoRA term of a linear whose product the mma.sync GEMM runs (the
+    H100 table's pick at 17-32 tokens, and at 64 for 7B's o projection) is added: ``pdl`` (default) in that GEMM's
+    epilogue (t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` first), the GEMM launched under programmatic dependent
+    launch so its main loop runs while lora_a finishes and only the epilogue waits for t; ``1`` the same without PDL;
+    ``0`` an addmm after the GEMM. Measured on one H100 (7B NVFP4 rollouts, 256 + 512, the modes alternating twice in
+    one process; `results/speed/raw/h100_s36_pdl`): at 32 sequences pdl 6843 / 6791 tokens/s, 1 6083 / 6090, 0 with
+    x·Aᵀ by cuBLAS (session 35's path) 5590 / 5766; at 64, 9149 / 9151, 8958 / 8944, 8731 / 8844; the 32-sequence
+    graph step 4441 vs 5026 µs. Same tokens and log-probs with and without PDL
+    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``)."""
+    v = os.environ.get("QERL_GEMM_LORA", "pdl")
     if v not in GEMM_LORA_MODES:
         raise ValueError(f"QERL_GEMM_LORA={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
     return v
