@@ -54,6 +54,12 @@
 #                                (fused-gemm-lora-pdl): their GPU tests, decode-step profiles at 32 sequences
 #                                ($OUT/prof), 7B NVFP4 rollouts at 32 and 64 sequences, the three alternating
 #                                ($OUT/roll_loraa); ~7 min
+#   scripts/gpu_bench.sh wgpdl   issue 10: the LoRA term at 64-256 sequences — the default (x·Aᵀ by cuBLAS above 64,
+#                                the wgmma GEMM's epilogue: fused), x·Aᵀ by the Triton kernel up to 256 (fused-lora-a-256),
+#                                the wgmma GEMM under PDL overlapping the x·Aᵀ launch (fused-wgmma-lora-pdl, its own
+#                                build), both (fused-wgmma-lora-pdl-a-256): the GPU tests, 7B NVFP4 rollouts at 64, 128
+#                                and 256 sequences, the four alternating twice ($OUT/roll_wgpdl), a profile at 128
+#                                ($OUT/prof); ~8 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -237,6 +243,22 @@ loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: session 35's cuBLAS x
   m="fused-cublas-lora,fused,fused-gemm-lora-pdl"
   timeout 240 $B rollout --models 7b --formats nvfp4 --batch 16,32,64 --prompt 256 --new 512 --decode "$m,$m" \
     --out "$OUT/roll_loraa" 2>&1 | grep -v Warn >> "$LOG" ;;
+wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pdl: its own build) and x·Aᵀ by Triton
+        # up to 256 tokens (QERL_LORA_A_MAX_M=256) against the default, at 64-256 sequences
+  build 2 &
+  p1=$!
+  QERL_WGMMA_LORA=pdl build 2
+  wait $p1
+  timeout 240 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
+    -k "fused_kernels_bf16 or gemm_lora or pdl_decode" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_wgpdl.txt"
+  tail -3 "$OUT/tests_wgpdl.txt" >> "$LOG"
+  mkdir -p "$OUT/prof"
+  timeout 120 $B profile --models 7b --formats nvfp4 --batch 128 --decode fused,fused-wgmma-lora-pdl-a-256 \
+    --out "$OUT/prof" 2>&1 | grep -v Warn > "$OUT/prof/log.txt"
+  # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
+  m="fused,fused-lora-a-256,fused-wgmma-lora-pdl,fused-wgmma-lora-pdl-a-256"
+  timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 --decode "$m,$m" \
+    --out "$OUT/roll_wgpdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -325,10 +325,16 @@ def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
 
 def test_wgmma_pipe_switch(monkeypatch):
     """QERL_WGMMA_PIPE picks the wgmma main loop at build time: 2 (default) adds no flag (the measured build), 1 adds
-    -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name."""
+    -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.
+    QERL_WGMMA_LORA=pdl adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing."""
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     monkeypatch.delenv("QERL_WGMMA_PIPE", raising=False)
-    assert cf.wgmma_pipe() == 2 and not any("PIPE" in f for f in cf._build_flags())
+    monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
+    assert cf.wgmma_pipe() == 2 and cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
+    for v in ("0", "1", "pdl"):
+        monkeypatch.setenv("QERL_WGMMA_LORA", v)
+        assert ("-DQFP4_WGMMA_PDL=1" in cf._build_flags()) == (v == "pdl")
+    monkeypatch.delenv("QERL_WGMMA_LORA")
     monkeypatch.setenv("QERL_WGMMA_PIPE", "1")
     assert cf.wgmma_pipe() == 1 and "-DQFP4_WGMMA_PIPE=1" in cf._build_flags()
     monkeypatch.setenv("QERL_WGMMA_PIPE", "3")
@@ -537,17 +543,18 @@ def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
 
 
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
-    """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (1 default, 0 off: the addmm; anything else refused by name),
+    """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (1 default, pdl, 0 off: the addmm; anything else refused by name),
     QERL_GEMM_LORA for the mma.sync kernel (pdl default, 1, 0), and only for ranks that are multiples of 8 (16-byte
     staging of t, whole Bn pairs)."""
     from qerl import kernels as qk
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
-    assert qk.wgmma_lora_enabled()
-    monkeypatch.setenv("QERL_WGMMA_LORA", "0")
-    assert not qk.wgmma_lora_enabled()
+    assert qk.wgmma_lora_mode() == "1"
+    for v in ("0", "pdl"):
+        monkeypatch.setenv("QERL_WGMMA_LORA", v)
+        assert qk.wgmma_lora_mode() == v
     monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
-    with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1"):
-        qk.wgmma_lora_enabled()
+    with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1, pdl"):
+        qk.wgmma_lora_mode()
     # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, under PDL by default, 1 without, 0 off
     monkeypatch.delenv("QERL_GEMM_LORA", raising=False)
     assert qk.mma_lora_mode() == "pdl"
@@ -1130,6 +1137,56 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
         _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
     monkeypatch.setenv("QERL_GEMM_LORA", "0")
     assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_gemm_lora_pdl(fmt, monkeypatch):
+    """QERL_WGMMA_LORA=pdl: the build whose wgmma LoRA variants wait (griddepcontrol.wait) after each main loop; the
+    tokens permuted first (cf.permute_tokens, the reference permutation), then t = lora_a(trigger=True) (one Triton
+    launch up to QERL_LORA_A_MAX_M=256 tokens, tiles of 64 rows), then the GEMM under PDL: bit-identical to the plain
+    launch with the same t for every wgmma configuration (CTA splits and stream-K, whose fp32 partials are stored only
+    after the wait) at 17-256 tokens, and in a CUDA graph on new tokens; the dispatcher's pdl path; refused by the
+    default build (no waits compiled) and without xp."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    from qerl import kernels as qk
+    from qerl.kernels import fused as fk
+    q, w, ops, k = _gemm_lora_case(fmt)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    op, cfgs = ops[0], cf.wgmma_configs(w.n // 16, k // 64)
+    x = torch.randn(130, k, device="cuda", generator=g).bfloat16()
+    xp = cf.permute_tokens(x)
+    assert torch.equal(xp, cf.permute_x_reference(x))
+    monkeypatch.setenv("QERL_WGMMA_LORA", "1")  # the default build: no waits compiled, a PDL launch refused
+    with pytest.raises(RuntimeError, match="unsupported device or configuration"):
+        cf.gemm(x, w, config=cfgs[0], lora=op, t=fk.lora_a(x, op.a), pdl=True, xp=xp)
+    with pytest.raises(ValueError, match="for a wgmma config \\(sw <= 0\\), the permuted xp"):
+        cf.gemm(x, w, config=cfgs[0], lora=op, t=fk.lora_a(x, op.a), pdl=True)
+    monkeypatch.setenv("QERL_WGMMA_LORA", "pdl")
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "256")
+    for m in (17, 64, 130, 256):
+        xm = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        t = fk.lora_a(xm, op.a)
+        for c in cfgs:
+            ref = cf.gemm(xm, w, config=c, lora=op, t=t)
+            for _ in range(2):
+                xpm = cf.permute_tokens(xm)
+                got = cf.gemm(xm, w, config=c, lora=op, t=fk.lora_a(xm, op.a, trigger=True), pdl=True, xp=xpm)
+                assert torch.equal(got, ref), (m, c)
+    cfg = (8, -2, 1, 2)  # two CTAs per output tile: fp32 partials in the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a, trigger=True), pdl=True, xp=cf.permute_tokens(x))
+    for _ in range(2):
+        x.copy_(torch.randn(*x.shape, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a)))
+    monkeypatch.setenv("QERL_CUDA_GEMM", "1")  # the dispatcher (the heuristic's wgmma config at 130 tokens)
+    assert cf._gemm_config(w, 130, x.device)[1] <= 0
+    _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
 
 
 @pytest.mark.gpu

@@ -181,9 +181,9 @@ def _interpreter_main() -> None:
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
-    os.environ["QERL_LORA_A_MAX_M"] = "64"  # the 32- and 64-row tiles too (the default, set against the caller's env)
+    os.environ["QERL_LORA_A_MAX_M"] = "256"  # the 32- and 64-row tiles too, and several tiles of 64 rows (opt-in)
     for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128), (17, 96, 700), (32, 32, 1000),
-                    (40, 64, 2048), (64, 16, 128)):  # split-K, ragged R and K, tiles of 16, 32 and 64 rows
+                    (40, 64, 2048), (64, 16, 128), (100, 48, 700), (256, 32, 1000)):  # split-K, ragged R, K and M
         assert fk.lora_a_splits(r, k)[0] > 1 or k <= 128
         x, a = torch.randn(m, k, generator=g), torch.randn(r, k, generator=g)
         for _ in range(2):  # twice: the split-K counters must be back at zero
@@ -264,7 +264,7 @@ def test_fused_kernels_compile_for_sm90():
 
 
 def test_lora_a_max_m_switch(monkeypatch):
-    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (64 by default, 32 or 16), F.linear
+    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (64 by default, 16-256), F.linear
     above; a bad value is refused by name with the choices (it is read only where it decides: M > 16)."""
     from types import SimpleNamespace
 
@@ -275,11 +275,11 @@ def test_lora_a_max_m_switch(monkeypatch):
     x, a = torch.randn(24, 64), torch.randn(8, 64)
     monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)
     assert fk.lora_a_max_m() == 64
-    for v, limit in (("16", 16), ("32", 32), ("64", 64)):
+    for v, limit in (("16", 16), ("32", 32), ("64", 64), ("128", 128), ("256", 256)):
         monkeypatch.setenv("QERL_LORA_A_MAX_M", v)
         assert fk.lora_a_max_m() == limit
     monkeypatch.setenv("QERL_LORA_A_MAX_M", "48")
-    with pytest.raises(ValueError, match="QERL_LORA_A_MAX_M='48': choose one of 16, 32, 64"):
+    with pytest.raises(ValueError, match="QERL_LORA_A_MAX_M='48': choose one of 16, 32, 64, 128, 256"):
         fk.lora_a(x, a)
     assert fk.lora_a(x[:8], a).shape == (8, 8) and calls == [8]  # M <= 16: the switch is not read
     monkeypatch.setattr(fk, "_triton_ok", lambda x: True)
@@ -458,9 +458,9 @@ def test_gpu_fused_kernels_bf16(monkeypatch):
             o = fk.decode_attention(q2, kc, vc, bias, S, d ** -0.5)
             ref = _naive_attention(q2.cpu(), kc.cpu(), vc.cpu(), bias.cpu(), S, d ** -0.5)
             assert (o.double().cpu() - ref).abs().max() < 0.03, (H, S)
-    monkeypatch.setenv("QERL_LORA_A_MAX_M", "64")  # and the 32- and 64-row tiles (the default; against the env)
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "256")  # the 32- and 64-row tiles, and several of 64 rows (opt-in)
     for m, r, k in ((8, 96, 3584), (8, 32, 18944), (2, 64, 5120), (16, 32, 27648), (24, 96, 3584), (32, 32, 18944),
-                    (64, 64, 3584)):
+                    (64, 64, 3584), (128, 96, 3584), (200, 32, 18944), (256, 64, 3584)):
         x, a = rn(m, k).to(BF), (0.02 * rn(r, k)).to(BF)
         ref = x.double() @ a.double().t()
         for _ in range(3):
@@ -540,16 +540,20 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, preset, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, monkeypatch):
-    """The mma.sync GEMM with the LoRA term in its epilogue, launched under PDL so its main loop overlaps the x·Aᵀ
-    kernel (QERL_GEMM_LORA=pdl), draws the same tokens with the same log-probs as the plain launch (QERL_GEMM_LORA=1)
-    in the graph sampler at 24 sequences (the mma.sync GEMM's M); the PDL launches are counted, so the comparison
-    cannot pass by both modes taking another path. Failures print the first differing position."""
+@pytest.mark.parametrize("switch,per_prompt", [("QERL_GEMM_LORA", 8), ("QERL_WGMMA_LORA", 16)])
+def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, monkeypatch):
+    """A GEMM with the LoRA term in its epilogue, launched under PDL so its main loop overlaps the x·Aᵀ kernel
+    (``switch`` = pdl), draws the same tokens with the same log-probs as the plain launch (``switch`` = 1) in the graph
+    sampler: the mma.sync GEMM at 24 sequences (QERL_GEMM_LORA), the wgmma GEMM at 48 (QERL_WGMMA_LORA=pdl: its own
+    build with the waits; the heuristic's wgmma configuration for these untuned shapes), the other GEMM's switch at 1.
+    The PDL launches are counted, so the comparison cannot pass by both modes taking another path. Failures print the
+    first differing position."""
     from qerl.kernels import cuda_fp4 as cf
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # t by the Triton kernel (the default up to 64 tokens)
     monkeypatch.setenv("QERL_PDL", "1")
+    monkeypatch.setenv("QERL_WGMMA_LORA" if switch == "QERL_GEMM_LORA" else "QERL_GEMM_LORA", "1")
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny-d64", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
     perturb_lora_b(policy)
@@ -557,13 +561,14 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, monkeypatch):
     gemm = cf.gemm
     ros = {}
     for mode in ("1", "pdl"):
-        monkeypatch.setenv("QERL_GEMM_LORA", mode)
+        monkeypatch.setenv(switch, mode)
         monkeypatch.setattr(cf, "gemm", lambda *a, seen=launches[mode], **k: seen.append(k.get("pdl", False))
                             or gemm(*a, **k))
         s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
-        ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 8, max_new_tokens=300, temperature=1.0, seed=3)
+        ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], per_prompt, max_new_tokens=300, temperature=1.0,
+                               seed=3)
         assert ros[mode].stats["fused_decode"] and s.use_graphs
-    # the same GEMM launches in both (prefill's at more tokens may take the wgmma kernel: never under PDL)
+    # the same GEMM launches in both (prefill's at other token counts may take the other kernel: never under PDL)
     assert len(launches["1"]) == len(launches["pdl"]) and not any(launches["1"]) and any(launches["pdl"])
     for key in ("completion_mask", "completion_ids", "logp"):
         a, b = getattr(ros["1"], key), getattr(ros["pdl"], key)

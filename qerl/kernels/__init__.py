@@ -593,18 +593,20 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def wgmma_lora_enabled() -> bool:
-    """``QERL_WGMMA_LORA`` (default ``1``): above decode size, the LoRA term of a linear whose product the wgmma GEMM
-    runs is added by that GEMM's epilogue (x·Aᵀ by cuBLAS, then one launch) instead of an addmm after it; ``0``: the
-    addmm. Measured on an H100 (7B rollouts, two runs, pipe 2): +2.4-3.8% tokens/s at 64, 128 and 256 sequences
-    (`results/speed/raw/h100_s32`)."""
+GEMM_LORA_MODES = ("0", "1", "pdl")  # QERL_GEMM_LORA / QERL_WGMMA_LORA
+
+
+def wgmma_lora_mode() -> str:
+    """``QERL_WGMMA_LORA``: above decode size, how the LoRA term of a linear whose product the wgmma GEMM runs is
+    added: ``1`` (default) by that GEMM's epilogue (t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` first, then one launch),
+    ``0`` as an addmm after it, ``pdl`` (opt-in, session 36, not measured yet) the epilogue with x permuted first, then
+    t's launch, then the GEMM under programmatic dependent launch so its main loop overlaps t's launch (where that
+    launch is lora_a's Triton kernel: up to ``QERL_LORA_A_MAX_M`` tokens). Measured on an H100 for ``1`` against
+    ``0`` (7B rollouts, two runs, pipe 2): +2.4-3.8% tokens/s at 64, 128 and 256 sequences (`results/speed/raw/h100_s32`)."""
     v = os.environ.get("QERL_WGMMA_LORA", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"QERL_WGMMA_LORA={v!r}; valid: 0, 1")
-    return v == "1"
-
-
-GEMM_LORA_MODES = ("0", "1", "pdl")
+    if v not in GEMM_LORA_MODES:
+        raise ValueError(f"QERL_WGMMA_LORA={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
+    return v
 
 
 def mma_lora_mode() -> str:
@@ -626,8 +628,9 @@ def mma_lora_mode() -> str:
 def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
     """x2 @ Ŵᵀ + the LoRA term by the CUDA GEMM with the term in its epilogue, where the dispatcher gives this
     (format, shape, M) to the CUDA GEMM, the ranks fit (``cuda_fp4.wgmma_lora_ok``) and the switch of its kernel is
-    on (a wgmma configuration: :func:`wgmma_lora_enabled`; an mma.sync one: :func:`mma_lora_mode`); None otherwise
-    (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M bound)."""
+    on (a wgmma configuration: :func:`wgmma_lora_mode`; an mma.sync one: :func:`mma_lora_mode`); None otherwise
+    (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M bound); in mode
+    ``pdl`` that launch triggers the GEMM (under PDL) at once, and for the wgmma kernel x is permuted before it."""
     m, n, k = x2.shape[0], w.n, w.k
     if not cuda_gemm_choice(fmt, n, k, m, x2.device):
         return None
@@ -636,11 +639,15 @@ def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
     if not cuda_fp4.wgmma_lora_ok(lora):
         return None
     config = cuda_fp4._gemm_config(w, m, x2.device)
-    mode = mma_lora_mode() if config[1] > 0 else "1" if wgmma_lora_enabled() else "0"
+    wg = config[1] <= 0
+    mode = wgmma_lora_mode() if wg else mma_lora_mode()
     if mode == "0":
         return None
-    pdl = mode == "pdl" and pdl_enabled(x2)  # t's kernel lets the GEMM start, whose epilogue waits for t
-    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl)
+    # t's kernel lets the GEMM start, which waits for it before its epilogue; the wgmma kernel's tokens are permuted
+    # first, so that t's launch is the GEMM's immediate predecessor (x2 16-byte aligned: no copy in between)
+    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or x2.data_ptr() % 16 == 0 and x2.stride(1) == 1)
+    xp = cuda_fp4.permute_tokens(x2) if pdl and wg else None
+    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp)
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:

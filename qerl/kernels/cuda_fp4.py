@@ -462,7 +462,8 @@ extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long,
 extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
 extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int, const float*, float,
                                unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int,
-                               const void*, int, const void*, int, int, int, int, const int*, const int*, void*);
+                               const void*, int, const void*, int, int, int, int, const int*, const int*, void*,
+                               int);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_wgmma_sk_ctas(int, int, int, int);
 
@@ -588,19 +589,21 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
-// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu), then the GEMM on xp;
-// lora: + t Bn^T per member in its epilogue (t = bf16(x A^T) (M, R), bn (N, RP); see the kernel's WgLora).
+// The sm_90a wgmma GEMM: x permuted into xp (M, K contiguous; csrc/fp4_wgmma_gemm.cu; permuted: xp already holds
+// it), then the GEMM on xp; lora: + t Bn^T per member in its epilogue (t = bf16(x A^T) (M, R), bn (N, RP); see the
+// kernel's WgLora); pdl (with lora): the main loop overlaps the previous kernel (qfp4_wgmma_gemm).
 void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
                 torch::Tensor xp, int64_t fmt, double out_mult, int64_t bword, int64_t ntok, int64_t rw, int64_t ks,
                 int64_t kz, torch::Tensor ws, torch::Tensor ctr, bool lora, torch::Tensor t, torch::Tensor bn,
-                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk) {
+                int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk, bool permuted,
+                bool pdl) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   void* stream = (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
   TORCH_CHECK(xp.is_cuda() && xp.scalar_type() == at::kBFloat16 && xp.is_contiguous() && xp.dim() == 2 &&
               xp.size(0) == M && xp.size(1) == 64 * C, "xp must be a contiguous bf16 (M, K) tensor");
-  int err = qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
+  int err = permuted ? 0 : qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
   TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   TORCH_CHECK(kz == 1 || (ws.is_cuda() && ws.scalar_type() == at::kFloat && ctr.is_cuda() &&
@@ -624,7 +627,8 @@ void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tens
                         (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok,
                         (int)rw, (int)ks, (int)kz, kz != 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(),
                         kz != 1 ? ctr.data_ptr() : nullptr, (int)ctr.numel(), lora ? t.data_ptr() : nullptr, ldt,
-                        lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1, (int)bound2, ro, rr, stream);
+                        lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1, (int)bound2, ro, rr, stream,
+                        (int)pdl);
   TORCH_CHECK(err == 0, "qfp4_wgmma_gemm: ", err == -1 ? "unsupported device or configuration"
                                                         : cudaGetErrorString((cudaError_t)err));
 }
@@ -731,9 +735,13 @@ def wgmma_pipe() -> int:
 
 
 def _build_flags() -> list[str]:
-    """nvcc flags of the extension (part of its build's name)."""
+    """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
+    ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
+    stays the measured one)."""
+    from qerl.kernels import wgmma_lora_mode
     pipe = wgmma_pipe()
-    return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else [])]
+    return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
+            *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else [])]
 
 
 def _ext():
@@ -1342,7 +1350,7 @@ def wgmma_lora_ok(lora: LoraOperand) -> bool:
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None,
-         t: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
@@ -1350,10 +1358,12 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     partial tiles from the caching allocator (the graph's pool under capture) and the device's tile counters.
     ``lora`` (:func:`wgmma_lora_ok`): + the LoRA term (:func:`emulate_lora`) before the one bf16 rounding, t·Bnᵀ per
     member by the GEMM's epilogue MMAs (both kernels); t = x·Aᵀ (M, R) bf16 as given (``t``: e.g.
-    ``qerl.kernels.fused.lora_a``'s) or by cuBLAS. ``pdl`` (an mma.sync config with ``lora`` and ``t``, sm_90): launch
-    under programmatic dependent launch, so the main loop runs while the kernel that computed ``t`` finishes and only
-    the LoRA epilogue waits for it; only right after that kernel (``lora_a(x, a, trigger=True)``), which itself
-    started after x was written (the main loop reads x before the wait)."""
+    ``qerl.kernels.fused.lora_a``'s) or by cuBLAS. ``xp`` (a wgmma config): x already in the kernel's K permutation
+    (:func:`permute_tokens`), instead of a permute launch here. ``pdl`` (with ``lora`` and ``t``; a wgmma config also
+    with ``xp``; sm_90): launch under programmatic dependent launch, so the main loop runs while the kernel that
+    computed ``t`` finishes and every global store and the read of t wait for it; only right after that kernel
+    (``lora_a(x, a, trigger=True)``), which itself started after x (and xp) were written: the main loop reads them
+    before the wait."""
     _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1364,9 +1374,14 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     if lora is not None and not wgmma_lora_ok(lora):
         raise ValueError(f"gemm: LoRA in the GEMM needs ranks that are multiples of 8 (members {lora.members})")
     lora_args = (False, x, x, 0, 0, [0, 0, 0], [0, 0, 0])  # no LoRA (the tensors are not read)
-    if pdl and (lora is None or t is None or sw <= 0):
-        raise ValueError(f"gemm: pdl=True needs lora, a given t and an mma.sync config (sw >= 1), got lora="
-                         f"{lora is not None}, t={t is not None}, config={config!r}")
+    if pdl and (lora is None or t is None or (sw <= 0 and xp is None)):
+        raise ValueError(f"gemm: pdl=True needs lora, a given t and, for a wgmma config (sw <= 0), the permuted xp; "
+                         f"got lora={lora is not None}, t={t is not None}, xp={xp is not None}, config={config!r}")
+    if xp is not None and (sw > 0 or xp.shape != (m, w.k) or xp.dtype != torch.bfloat16 or xp.device != x.device
+                           or not xp.is_contiguous()):
+        raise ValueError(f"gemm: xp (the permuted tokens) needs a wgmma config and a contiguous bf16 {(m, w.k)} "
+                         f"tensor on {x.device}; got config={config!r}, xp {xp.dtype} {tuple(xp.shape)}")
+    pdl = pdl and torch.cuda.get_device_capability(x.device)[0] >= 9  # PDL: sm_90 on
     if lora is not None:
         a, bn = _lora_tensors(lora, w)
         if t is None:
@@ -1382,7 +1397,9 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
             raise ValueError(f"GEMM config {config!r} names the sm_90a wgmma kernel; this device is "
                              f"{torch.cuda.get_device_name(x.device)} (compute capability "
                              f"{torch.cuda.get_device_capability(x.device)})")
-        xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
+        permuted = xp is not None
+        if not permuted:
+            xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
         kz = 0 if sw == WGMMA_SK else 1 - sw
         if kz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
             tiles = wgmma_tiles(m, s, nt, r)
@@ -1394,11 +1411,22 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         else:
             ws = ctr = xp
         _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
-                          *lora_args)
+                          *lora_args, permuted, pdl)
         return out
-    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args,
-                pdl and torch.cuda.get_device_capability(x.device)[0] >= 9)  # PDL: sm_90 on
+    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl)
     return out
+
+
+def permute_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bf16 in the wgmma kernel's K permutation (:func:`permute_x_reference`'s values) by the CUDA permute
+    launch, for :func:`gemm`'s ``xp``. x: CUDA, unit column stride, 16-byte aligned, K a multiple of 64."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 64 or x.stride(1) != 1 \
+            or x.data_ptr() % 16:
+        raise ValueError(f"permute_tokens: x must be a CUDA bf16 (M, K) tensor, K % 64 == 0, unit column stride, "
+                         f"16-byte aligned; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    xp = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
+    _ext().permute_x(x, xp)
+    return xp
 
 
 def dequantize(w: CudaFP4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1441,5 +1469,5 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
-           "permute_x_reference", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles", "wgmma_lora_ok",
+           "permute_x_reference", "permute_tokens", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles", "wgmma_lora_ok",
            "WGMMA_PIPES", "wgmma_pipe"]

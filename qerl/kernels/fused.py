@@ -125,7 +125,8 @@ if HAS_TRITON:
             gdc_launch_dependents()
         rb = tl.program_id(0)
         sp = tl.program_id(1)
-        rows = tl.arange(0, BM)
+        mt = tl.program_id(2)  # tile of BM token rows (one below 65 tokens)
+        rows = mt * BM + tl.arange(0, BM)
         rr = rb * BR + tl.arange(0, BR)
         rmask = rr < R
         acc = tl.zeros([BM, BR], tl.float32)
@@ -142,7 +143,7 @@ if HAS_TRITON:
                 at = at.to(tl.float32)
             acc += tl.dot(xt, tl.trans(at))
         # the FP4 GEMM's epilogue: cast and store, or (split-K) the last split of this rank block sums them
-        _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, rows, rr, M, R, R, rb, sp,
+        _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, rows, rr, M, R, R, mt * tl.num_programs(0) + rb, sp,
                   SPLIT_K=SPLIT, HAS_G=False, OUT_C=1.0, FENCE=FENCE)
 
     @triton.jit
@@ -422,13 +423,14 @@ def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96)
     return -(-k // per), per
 
 
-LORA_A_MAX_M = ("16", "32", "64")
+LORA_A_MAX_M = ("16", "32", "64", "128", "256")
 
 
 def lora_a_max_m() -> int:
     """Largest M that :func:`lora_a` runs in its Triton kernel: ``QERL_LORA_A_MAX_M`` = 64 (default), 32 or 16
-    (decode size: above it cuBLAS's split-K GEMM plus a reduce launch). x·Aᵀ of the LoRA terms outside a GEMV launch
-    and the GEMMs' t. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, alternating in one process): 64 against 16,
+    (decode size: above it cuBLAS's split-K GEMM plus a reduce launch), or 128 / 256 (opt-in, session 36, not measured:
+    tiles of 64 token rows; with ``QERL_WGMMA_LORA=pdl`` the wgmma GEMM's main loop then overlaps t's launch at 128-256
+    sequences too). x·Aᵀ of the LoRA terms outside a GEMV launch and the GEMMs' t. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, alternating in one process): 64 against 16,
     with the addmm after the GEMM, 5927 / 5914 vs 5682 / 5781 tokens/s at 32 sequences, 8930 / 8912 vs 8705 / 8880 at
     64 (`results/speed/raw/h100_s36_loraa`)."""
     v = os.environ.get("QERL_LORA_A_MAX_M", "64")
@@ -447,16 +449,17 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Ten
             or a.dtype != x.dtype:
         return F.linear(x, a)
     r = a.shape[0]
-    split, per = lora_a_splits(r, k)
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64  # token rows per program: one tile of M (tiles of 64 above)
+    mtiles = -(-m // bm)
+    split, per = lora_a_splits(r, k, target=max(16, 96 // mtiles))
     out = torch.empty((m, r), dtype=x.dtype, device=x.device)
     nrb = -(-r // 16)
     ws = torch.empty((split, m, r), dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = _counters(x.device) if split > 1 else out
     interp = _interpret()
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64  # token rows per program: one tile of M
-    _lora_a_kernel[(nrb, split)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=bm, BR=16, BK=128, SPLIT=split,
-                                FENCE=x.is_cuda and not interp, DOT_F32=interp,
-                                TRIGGER=trigger and pdl_enabled(x), num_warps=4)
+    _lora_a_kernel[(nrb, split, mtiles)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=bm, BR=16, BK=128,
+                                         SPLIT=split, FENCE=x.is_cuda and not interp, DOT_F32=interp,
+                                         TRIGGER=trigger and pdl_enabled(x), num_warps=4)
     return out
 
 

@@ -49,6 +49,13 @@
 #error "QFP4_WGMMA_PIPE must be 1 or 2"
 #endif
 
+// QFP4_WGMMA_PDL (the build's -D, set by QERL_WGMMA_LORA=pdl): 1 compiles a griddepcontrol.wait after each main loop
+// of the LORA variants, so they can be launched under programmatic dependent launch (qfp4_wgmma_gemm's pdl); 0, the
+// default, leaves their machine code as measured (the wait reschedules the stream-K variants' code).
+#ifndef QFP4_WGMMA_PDL
+#define QFP4_WGMMA_PDL 0
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_WGMMA 1
 #else
@@ -63,6 +70,10 @@ constexpr int kSmemMax = 227 * 1024;
 
 #if QFP4_WGMMA
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Launched under programmatic dependent launch (qfp4_wgmma_gemm's pdl, LORA variants only), the main loop ran while
+// the previous grid (the one computing t) finished: wait for it before the first global store or read of t (a no-op
+// when launched without PDL, and after the first wait).
+__device__ __forceinline__ void wait_prior_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -325,6 +336,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     const int KZ = gridDim.z, q = blockIdx.z * KS + grp;
     const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
     mainloop(tok0, strip, c0, c1 - c0);  // >= 1 chunk: the caller keeps KZ * KS <= C
+    if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
 
     if constexpr (KS > 1) {
       __syncthreads();  // every group is done with its stages: shared memory is free for the reduction
@@ -386,6 +398,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     const int tok0 = (tile % tx_n) * NTOK;
     const int strip = ((tile / tx_n) * RW + wr) * 4 + wq;
     mainloop(tok0, strip, 0, C);
+    if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
     group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
     epilogue(tok0, strip);
     if constexpr (LORA) group_sync(bar, GT);  // and with the LoRA tile in the first stage
@@ -410,6 +423,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     const int tok0 = (tile % tx_n) * NTOK;
     const int strip = ((tile / tx_n) * RW + wr) * 4 + wq;
     mainloop(tok0, strip, a, b - a);
+    if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
     group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
     if (a > 0 || b < C) {
       float* mine = ws + ((size_t)w * 2 + (tile == t_first ? 0 : 1)) * tile_floats;
@@ -548,13 +562,17 @@ extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
 // >= 2 * ctas * ks * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints). sm_90 only.
 // LoRA (lt != nullptr): out += t Bn^T per member in the epilogue (WgLora above): lt (M, R) bf16 with row stride ldt,
 // 16-byte aligned; lbn (N, rp) bf16; members at rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
+// pdl (LoRA only, a QFP4_WGMMA_PDL build): launch with programmatic stream serialization: the main loop overlaps the previous kernel, which
+// must write nothing this launch reads but t (t = x A^T by qerl.kernels.fused.lora_a, triggering its dependents, right
+// after qfp4_permute_x wrote xp); every global store and the read of t wait for it.
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
 extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo,
                                const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok,
                                int rw, int ks, int kz, void* ws, long long ws_floats, void* ctr, int ctr_len,
                                const void* lt, int ldt, const void* lbn, int rp, int R, int bound1, int bound2,
-                               const int* roff, const int* rk, void* stream) {
+                               const int* roff, const int* rk, void* stream, int pdl) {
   const bool lora = lt != nullptr;
+  if (pdl && (!lora || !QFP4_WGMMA_PDL)) return -1;  // the plain variants (and a build without the waits) never wait
   const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, lora, kz == 0);
   if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 0 || kz * ks > C ||
       (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
@@ -599,7 +617,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr,
                   (void*)&la};
-  return (int)cudaLaunchKernel(fn, grid, dim3((unsigned)(rw * ks * 128)), args, smem, (cudaStream_t)stream);
+  return (int)qfp4::launch_pdl(fn, grid, dim3((unsigned)(rw * ks * 128)), smem, (cudaStream_t)stream, args, pdl != 0);
 }
 
 // Registers and local-memory bytes per thread of one wgmma variant (-1 on error).
