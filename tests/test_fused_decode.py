@@ -256,10 +256,11 @@ def test_fused_kernels_compile_for_sm90():
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"),
           dict(D=128, SP=16, PDL=True))
     build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024, PDL=True))
-    for bm in (16, 32, 64):  # decode size; 17-32 and 33-64 tokens (QERL_LORA_A_MAX_M); the PDL trigger with 32
+    for bm in (16, 32, 64):  # decode size; 17-32 and 33-64 tokens; the PDL trigger with 32; tiles of 64 rows (> 64)
         ck = build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32",
                                            R="i32", K="i32", stride_xm="i32", PER="i32"),
-                   dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False, TRIGGER=bm == 32))
+                   dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False, TRIGGER=bm == 32,
+                        MTILES=bm == 64))
         assert ("griddepcontrol.launch_dependents" in ck.asm["ptx"]) == (bm == 32)
 
 

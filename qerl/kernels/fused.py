@@ -120,13 +120,19 @@ if HAS_TRITON:
     @triton.jit
     def _lora_a_kernel(x_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, PER,
                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                       FENCE: tl.constexpr, DOT_F32: tl.constexpr, TRIGGER: tl.constexpr = False):
+                       FENCE: tl.constexpr, DOT_F32: tl.constexpr, TRIGGER: tl.constexpr = False,
+                       MTILES: tl.constexpr = False):
         if TRIGGER:  # a dependent launched under PDL (the GEMM with t in its epilogue) may start now
             gdc_launch_dependents()
         rb = tl.program_id(0)
         sp = tl.program_id(1)
-        mt = tl.program_id(2)  # tile of BM token rows (one below 65 tokens)
-        rows = mt * BM + tl.arange(0, BM)
+        if MTILES:  # tiles of BM token rows along grid axis 2 (above 64 tokens)
+            mt = tl.program_id(2)
+            rows = mt * BM + tl.arange(0, BM)
+            tile = mt * tl.num_programs(0) + rb
+        else:
+            rows = tl.arange(0, BM)
+            tile = rb
         rr = rb * BR + tl.arange(0, BR)
         rmask = rr < R
         acc = tl.zeros([BM, BR], tl.float32)
@@ -143,7 +149,7 @@ if HAS_TRITON:
                 at = at.to(tl.float32)
             acc += tl.dot(xt, tl.trans(at))
         # the FP4 GEMM's epilogue: cast and store, or (split-K) the last split of this rank block sums them
-        _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, rows, rr, M, R, R, mt * tl.num_programs(0) + rb, sp,
+        _epilogue(acc, out_ptr, ws_ptr, cnt_ptr, out_ptr, rows, rr, M, R, R, tile, sp,
                   SPLIT_K=SPLIT, HAS_G=False, OUT_C=1.0, FENCE=FENCE)
 
     @triton.jit
@@ -459,7 +465,7 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Ten
     interp = _interpret()
     _lora_a_kernel[(nrb, split, mtiles)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=bm, BR=16, BK=128,
                                          SPLIT=split, FENCE=x.is_cuda and not interp, DOT_F32=interp,
-                                         TRIGGER=trigger and pdl_enabled(x), num_warps=4)
+                                         TRIGGER=trigger and pdl_enabled(x), MTILES=mtiles > 1, num_warps=4)
     return out
 
 
