@@ -323,6 +323,17 @@ def test_pick_gemm_config_is_valid_and_fills_the_gpu(s, c, m):
         assert kz == 1 or (ctas * (kz - 1) < 132 and c // (kz * ks) >= 4)
 
 
+def test_rows_aligned_and_permute_tokens_refuse_bad_input():
+    """rows_aligned: unit column stride, rows and start 16-byte aligned (what the kernels read in place); permute_tokens
+    refuses anything else (and CPU tensors) by name before a launch."""
+    x = torch.zeros(4, 136, dtype=torch.bfloat16)
+    assert cf.rows_aligned(x[:, :128]) and cf.rows_aligned(x[:, 8:])
+    assert not cf.rows_aligned(x[:, 4:]) and not cf.rows_aligned(x.t()) and not cf.rows_aligned(x[:, ::2])
+    assert not cf.rows_aligned(torch.zeros(4, 130, dtype=torch.bfloat16)[:, :128])  # rows 260 bytes apart
+    with pytest.raises(ValueError, match="permute_tokens: x must be a CUDA bf16 \\(M, K\\) tensor, K % 64 == 0"):
+        cf.permute_tokens(x[:, :128])
+
+
 def test_wgmma_pipe_switch(monkeypatch):
     """QERL_WGMMA_PIPE picks the wgmma main loop at build time: 2 (default) adds no flag (the measured build), 1 adds
     -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.

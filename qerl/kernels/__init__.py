@@ -644,8 +644,8 @@ def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
     if mode == "0":
         return None
     # t's kernel lets the GEMM start, which waits for it before its epilogue; the wgmma kernel's tokens are permuted
-    # first, so that t's launch is the GEMM's immediate predecessor (x2 16-byte aligned: no copy in between)
-    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or x2.data_ptr() % 16 == 0 and x2.stride(1) == 1)
+    # first, so that t's launch is the GEMM's immediate predecessor (rows read in place: no copy in between)
+    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or cuda_fp4.rows_aligned(x2))
     xp = cuda_fp4.permute_tokens(x2) if pdl and wg else None
     return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp)
 

@@ -980,6 +980,11 @@ def _config(w: CudaFP4Weight, m: int, dev: torch.device, lora: LoraOperand | Non
     return cfg
 
 
+def rows_aligned(x: torch.Tensor) -> bool:
+    """Whether the kernels read x's rows in place: unit column stride, rows and start 16-byte aligned (bf16)."""
+    return x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
 def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None, cols: int | None = None):
     """The checked (x, out) of ``gemv`` (M in [1, 16]) or ``gemm`` (M >= 1, rows addressed by 32-bit offsets): x
     2-D bf16 on CUDA with w's K, copied when its rows are not 16-byte aligned; out bf16 (M, cols) (cols = N unless
@@ -999,7 +1004,7 @@ def _operands(op: str, x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | No
                          f"{m} * {max(x.stride(0), k)}")
     if k != w.k:
         raise ValueError(f"{op}: x has K={k}, the weight is {(w.n, w.k)}")
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if not rows_aligned(x):
         x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
     if out is None:
         out = torch.empty((m, cols), device=x.device, dtype=torch.bfloat16)
@@ -1419,11 +1424,11 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
 
 def permute_tokens(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) bf16 in the wgmma kernel's K permutation (:func:`permute_x_reference`'s values) by the CUDA permute
-    launch, for :func:`gemm`'s ``xp``. x: CUDA, unit column stride, 16-byte aligned, K a multiple of 64."""
-    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 64 or x.stride(1) != 1 \
-            or x.data_ptr() % 16:
-        raise ValueError(f"permute_tokens: x must be a CUDA bf16 (M, K) tensor, K % 64 == 0, unit column stride, "
-                         f"16-byte aligned; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    launch, for :func:`gemm`'s ``xp``. x: CUDA bf16 (M, K), K a multiple of 64, rows read in place (:func:`rows_aligned`)."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] % 64 or not rows_aligned(x):
+        raise ValueError(f"permute_tokens: x must be a CUDA bf16 (M, K) tensor, K % 64 == 0, unit column stride, rows "
+                         f"and start 16-byte aligned; got {x.dtype} {tuple(x.shape)} strides {tuple(x.stride())} on "
+                         f"{x.device}")
     xp = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
     _ext().permute_x(x, xp)
     return xp
@@ -1469,5 +1474,5 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
            "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
-           "permute_x_reference", "permute_tokens", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles", "wgmma_lora_ok",
+           "permute_x_reference", "permute_tokens", "rows_aligned", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles", "wgmma_lora_ok",
            "WGMMA_PIPES", "wgmma_pipe"]
