@@ -562,9 +562,9 @@ extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
 // >= 2 * ctas * ks * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints). sm_90 only.
 // LoRA (lt != nullptr): out += t Bn^T per member in the epilogue (WgLora above): lt (M, R) bf16 with row stride ldt,
 // 16-byte aligned; lbn (N, rp) bf16; members at rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
-// pdl (LoRA only, a QFP4_WGMMA_PDL build): launch with programmatic stream serialization: the main loop overlaps the previous kernel, which
-// must write nothing this launch reads but t (t = x A^T by qerl.kernels.fused.lora_a, triggering its dependents, right
-// after qfp4_permute_x wrote xp); every global store and the read of t wait for it.
+// pdl (LoRA only, a QFP4_WGMMA_PDL build): launch with programmatic stream serialization: the main loop overlaps the
+// previous kernel, which must write nothing this launch reads but t (t = x A^T by qerl.kernels.fused.lora_a,
+// triggering its dependents, right after qfp4_permute_x wrote xp); every global store and the read of t wait for it.
 // Returns a cudaError_t (0 = success), -1 = unsupported device / variant / configuration.
 extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, void* out, int ldo,
                                const float* gs, float out_mult, unsigned bword, int M, int S, int C, int fmt, int ntok,
