@@ -581,8 +581,12 @@ bytes written per second:
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
 Now (session 36, c364dc4: the LoRA term at 17-32 tokens in the mma.sync GEMM's epilogue, its x·Aᵀ by one Triton launch
 that the GEMM's main loop overlaps under PDL; `raw/h100_s36_cmp/`, one run, both formats in one process, 256 not run;
-the same-process A/B of the LoRA paths: `raw/h100_s36_pdl/README.md`):
+the same-process A/B of the LoRA paths below and in `raw/h100_s36_pdl/README.md`):
 {batch_rollout_table(root, "h100_s36_cmp")}
+The LoRA term at 16-64 sequences, three paths alternating in one process (NVFP4; the second of two passes, the first in
+the README; `fused` = 84d081f's default, the epilogue without PDL; `fused-gemm-lora-pdl` = the default since;
+`fused-cublas-lora` = session 35's x·Aᵀ by cuBLAS and an addmm):
+{_raw_rollouts(root, "h100_s36_pdl/roll_loraa")}
 Session 32 (build 3cc6ac2: the wgmma GEMM with two chunks of MMAs in flight, the re-swept table; `raw/h100_s32/roll/`,
 one run, one process per format, the LoRA term still by an addmm after the GEMM). With the LoRA term in the GEMM's
 epilogue (the default since 498df2f), the same run's log: NVFP4 8573 / 11660 / 14369 tok/s at 64 / 128 / 256 sequences
