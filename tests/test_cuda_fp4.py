@@ -558,23 +558,17 @@ def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     QERL_GEMM_LORA for the mma.sync kernel (pdl default, 1, 0), and only for ranks that are multiples of 8 (16-byte
     staging of t, whole Bn pairs)."""
     from qerl import kernels as qk
-    monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
-    assert qk.wgmma_lora_mode() == "1"
-    for v in ("0", "pdl"):
-        monkeypatch.setenv("QERL_WGMMA_LORA", v)
-        assert qk.wgmma_lora_mode() == v
-    monkeypatch.setenv("QERL_WGMMA_LORA", "yes")
-    with pytest.raises(ValueError, match="QERL_WGMMA_LORA='yes'; valid: 0, 1, pdl"):
-        qk.wgmma_lora_mode()
-    # the mma.sync GEMM's epilogue: QERL_GEMM_LORA, under PDL by default, 1 without, 0 off
-    monkeypatch.delenv("QERL_GEMM_LORA", raising=False)
-    assert qk.mma_lora_mode() == "pdl"
-    for v in ("0", "1"):
-        monkeypatch.setenv("QERL_GEMM_LORA", v)
-        assert qk.mma_lora_mode() == v
-    monkeypatch.setenv("QERL_GEMM_LORA", "on")
-    with pytest.raises(ValueError, match="QERL_GEMM_LORA='on'; valid: 0, 1, pdl"):
-        qk.mma_lora_mode()
+    # the wgmma GEMM's epilogue (1 by default) and the mma.sync GEMM's (under PDL by default): the other values, a bad one
+    for name, mode, default, others, bad in (("QERL_WGMMA_LORA", qk.wgmma_lora_mode, "1", ("0", "pdl"), "yes"),
+                                             ("QERL_GEMM_LORA", qk.mma_lora_mode, "pdl", ("0", "1"), "on")):
+        monkeypatch.delenv(name, raising=False)
+        assert mode() == default
+        for v in others:
+            monkeypatch.setenv(name, v)
+            assert mode() == v
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}='{bad}'; valid: 0, 1, pdl"):
+            mode()
     assert cf.wgmma_lora_ok(_lora([(48, 32), (16, 16), (32, 48)], 128, seed=0))
     assert cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 24)], 128, seed=0))
     assert not cf.wgmma_lora_ok(_lora([(48, 8), (16, 0), (32, 20)], 128, seed=0))  # 20: not a multiple of 8

@@ -603,10 +603,7 @@ def wgmma_lora_mode() -> str:
     t's launch, then the GEMM under programmatic dependent launch so its main loop overlaps t's launch (where that
     launch is lora_a's Triton kernel: up to ``QERL_LORA_A_MAX_M`` tokens). Measured on an H100 for ``1`` against
     ``0`` (7B rollouts, two runs, pipe 2): +2.4-3.8% tokens/s at 64, 128 and 256 sequences (`results/speed/raw/h100_s32`)."""
-    v = os.environ.get("QERL_WGMMA_LORA", "1")
-    if v not in GEMM_LORA_MODES:
-        raise ValueError(f"QERL_WGMMA_LORA={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
-    return v
+    return _gemm_lora_switch("QERL_WGMMA_LORA", "1")
 
 
 def mma_lora_mode() -> str:
@@ -619,9 +616,13 @@ def mma_lora_mode() -> str:
     x·Aᵀ by cuBLAS (session 35's path) 5590 / 5766; at 64, 9149 / 9151, 8958 / 8944, 8731 / 8844; the 32-sequence
     graph step 4441 vs 5026 µs. Same tokens and log-probs with and without PDL
     (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``)."""
-    v = os.environ.get("QERL_GEMM_LORA", "pdl")
+    return _gemm_lora_switch("QERL_GEMM_LORA", "pdl")
+
+
+def _gemm_lora_switch(name: str, default: str) -> str:
+    v = os.environ.get(name, default)
     if v not in GEMM_LORA_MODES:
-        raise ValueError(f"QERL_GEMM_LORA={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
+        raise ValueError(f"{name}={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
     return v
 
 

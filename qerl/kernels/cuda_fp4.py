@@ -551,6 +551,28 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
                                                        : cudaGetErrorString((cudaError_t)err));
 }
 
+// The LoRA operands of the GEMMs' epilogues as their C entries take them: t (M, R) bf16 with unit column stride and
+// an even row stride, bn (16 S, RP) contiguous bf16, 3 members whose ranks lie inside t's columns.
+static void gemm_lora_args(const torch::Tensor& t, const torch::Tensor& bn, int M, int S,
+                           const std::vector<int64_t>& roff, const std::vector<int64_t>& rk, int& R, int& ldt, int& RP,
+                           int ro[3], int rr[3]) {
+  TORCH_CHECK(t.is_cuda() && bn.is_cuda() && t.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16,
+              "LoRA t, bn: bf16 CUDA tensors");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.stride(1) == 1 && t.stride(0) % 2 == 0 && bn.dim() == 2 &&
+              bn.is_contiguous() && bn.size(0) == 16 * S,
+              "LoRA t (M, R) with unit column stride and an even row stride, bn (N, RP) contiguous");
+  TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
+  R = (int)t.size(1);
+  ldt = (int)t.stride(0);
+  RP = (int)bn.size(1);
+  for (int i = 0; i < 3; ++i) {
+    ro[i] = (int)roff[i];
+    rr[i] = (int)rk[i];
+    TORCH_CHECK(ro[i] + rr[i] <= R, "LoRA member ", i, ": ranks [", ro[i], ", ", ro[i] + rr[i], ") past t's ", R,
+                " columns");
+  }
+}
+
 // lora: + t Bn^T per member in the epilogue (t = bf16(x A^T) (M, R) with an even row stride, bn (N, RP));
 // pdl (with lora): the main loop overlaps the previous kernel, the epilogue waits for it (qfp4_gemm)
 void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
@@ -562,23 +584,7 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, ldt = 0, RP = 0, R = 0;
-  if (lora) {
-    TORCH_CHECK(t.is_cuda() && bn.is_cuda() && t.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16,
-                "LoRA t, bn: bf16 CUDA tensors");
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.stride(1) == 1 && t.stride(0) % 2 == 0 && bn.dim() == 2 &&
-                bn.is_contiguous() && bn.size(0) == 16 * S,
-                "LoRA t (M, R) with unit column stride and an even row stride, bn (N, RP) contiguous");
-    TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
-    R = (int)t.size(1);
-    ldt = (int)t.stride(0);
-    RP = (int)bn.size(1);
-    for (int i = 0; i < 3; ++i) {
-      ro[i] = (int)roff[i];
-      rr[i] = (int)rk[i];
-      TORCH_CHECK(ro[i] + rr[i] <= t.size(1), "LoRA member ", i, ": ranks [", ro[i], ", ", ro[i] + rr[i],
-                  ") past t's ", t.size(1), " columns");
-    }
-  }
+  if (lora) gemm_lora_args(t, bn, M, S, roff, rk, R, ldt, RP, ro, rr);
   const int err = qfp4_gemm(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), (int)x.stride(0), out.data_ptr(),
                             (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)nt,
                             (int)sw, (int)r, (int)ks,
@@ -609,20 +615,7 @@ void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tens
   TORCH_CHECK(kz == 1 || (ws.is_cuda() && ws.scalar_type() == at::kFloat && ctr.is_cuda() &&
                           ctr.scalar_type() == at::kInt), "split-K workspace: fp32 ws, int32 ctr on CUDA");
   int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, R = 0, ldt = 0, RP = 0;
-  if (lora) {
-    TORCH_CHECK(t.is_cuda() && bn.is_cuda() && t.scalar_type() == at::kBFloat16 && bn.scalar_type() == at::kBFloat16,
-                "LoRA t, bn: bf16 CUDA tensors");
-    TORCH_CHECK(t.dim() == 2 && t.size(0) == M && t.stride(1) == 1 && bn.dim() == 2 && bn.is_contiguous() &&
-                bn.size(0) == 16 * S, "LoRA t (M, R) with unit column stride, bn (N, RP) contiguous");
-    TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
-    R = (int)t.size(1);
-    ldt = (int)t.stride(0);
-    RP = (int)bn.size(1);
-    for (int i = 0; i < 3; ++i) {
-      ro[i] = (int)roff[i];
-      rr[i] = (int)rk[i];
-    }
-  }
+  if (lora) gemm_lora_args(t, bn, M, S, roff, rk, R, ldt, RP, ro, rr);
   err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(),
                         (int)out.stride(0), gp, (float)out_mult, (unsigned)bword, M, S, C, (int)fmt, (int)ntok,
                         (int)rw, (int)ks, (int)kz, kz != 1 ? ws.data_ptr() : nullptr, (long long)ws.numel(),

@@ -158,17 +158,28 @@ __device__ __forceinline__ int member_of(const L& la, int n) {
 // roff / rk of member mb by selects (a dynamic index into the kernel parameter would copy it to local memory)
 __device__ __forceinline__ int pick3(const int (&v)[3], int mb) { return mb == 0 ? v[0] : mb == 1 ? v[1] : v[2]; }
 
-// Host: whether a GEMM's LoRA members fit its epilogue — rows starting at 0 <= bound1 <= bound2 <= N (multiples of
-// 16), ranks [roff_i, roff_i + rk_i) inside t's R columns and Bn's rp, multiples of 8 — and, if so, copied into ro / rr.
-inline bool lora_members(const int* roff, const int* rk, int R, int rp, int bound1, int bound2, int N, int (&ro)[3],
-                         int (&rr)[3]) {
-  if (roff == nullptr || rk == nullptr || bound1 < 0 || bound1 % 16 || bound2 < bound1 || bound2 % 16 || bound2 > N)
+// Host: whether a GEMM's LoRA operands fit its epilogue -- t with R >= 8 columns and a row stride ldt >= R that is a
+// multiple of t_align / 2 elements, t_align-byte aligned; Bn with rp (a multiple of 16) columns, 4-byte aligned;
+// member rows starting at 0 <= bound1 <= bound2 <= N (multiples of 16), ranks [roff_i, roff_i + rk_i) inside t's R
+// columns and Bn's rp, multiples of 8 -- and, if so, lo (the kernel's GemmLora / WgLora) filled with them.
+template <class L>
+inline bool gemm_lora(L& lo, const void* t, const void* bn, int ldt, int rp, int R, int bound1, int bound2,
+                      const int* roff, const int* rk, int N, int t_align) {
+  if (t == nullptr || bn == nullptr || R < 8 || ldt < R || ldt % (t_align / 2) || rp < 16 || rp % 16 ||
+      reinterpret_cast<uintptr_t>(t) % t_align || reinterpret_cast<uintptr_t>(bn) % 4 || roff == nullptr ||
+      rk == nullptr || bound1 < 0 || bound1 % 16 || bound2 < bound1 || bound2 % 16 || bound2 > N)
     return false;
   for (int i = 0; i < 3; ++i) {
     if (roff[i] < 0 || roff[i] % 8 || rk[i] < 0 || rk[i] % 8 || rk[i] > rp || roff[i] + rk[i] > R) return false;
-    ro[i] = roff[i];
-    rr[i] = rk[i];
+    lo.roff[i] = roff[i];
+    lo.rk[i] = rk[i];
   }
+  lo.t = static_cast<const __nv_bfloat16*>(t);
+  lo.bn = static_cast<const __nv_bfloat16*>(bn);
+  lo.ldt = ldt;
+  lo.rp = rp;
+  lo.bound1 = bound1;
+  lo.bound2 = bound2;
   return true;
 }
 

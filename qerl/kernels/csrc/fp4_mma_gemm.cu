@@ -289,18 +289,7 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
                          int bound2, const int* roff, const int* rk, int pdl) {
   qfp4::GemmLora lo = {};
   if (pdl && t == nullptr) return -1;  // the plain variants never wait: under PDL they could read x early
-  if (t != nullptr) {
-    if (bn == nullptr || R < 8 || ldt < R || ldt % 2 || rp < 16 || rp % 16 || reinterpret_cast<uintptr_t>(t) % 4 ||
-        reinterpret_cast<uintptr_t>(bn) % 4 || !qfp4::lora_members(roff, rk, R, rp, bound1, bound2, S * 16, lo.roff,
-                                                                    lo.rk))
-      return -1;
-    lo.t = static_cast<const __nv_bfloat16*>(t);
-    lo.bn = static_cast<const __nv_bfloat16*>(bn);
-    lo.ldt = ldt;
-    lo.rp = rp;
-    lo.bound1 = bound1;
-    lo.bound2 = bound2;
-  }
+  if (t != nullptr && !qfp4::gemm_lora(lo, t, bn, ldt, rp, R, bound1, bound2, roff, rk, S * 16, 4)) return -1;
   const void* fn = qfp4::pick_gemm(fmt, nt, sw, r, t != nullptr);
   // token rows are addressed by 32-bit element offsets (M * ldx < 2^32)
   if (fn == nullptr || M < 1 || S < 1 || ks < 1 || r * ks > qfp4::kGemmMaxWarps || ks > C ||

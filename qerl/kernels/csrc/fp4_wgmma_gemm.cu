@@ -579,18 +579,8 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
     return -1;
   qfp4::wg::WgLora la = {};
   if (lora) {
-    const int N = S * 16;
-    if (lbn == nullptr || R < 8 || R % 8 || ldt < R || ldt % 8 || rp < 16 || rp % 16 ||
-        (reinterpret_cast<uintptr_t>(lt) & 15) || (reinterpret_cast<uintptr_t>(lbn) & 3) ||
-        !qfp4::lora_members(roff, rk, R, rp, bound1, bound2, N, la.roff, la.rk))
-      return -1;
-    la.t = static_cast<const __nv_bfloat16*>(lt);
-    la.bn = static_cast<const __nv_bfloat16*>(lbn);
-    la.ldt = ldt;
-    la.rp = rp;
+    if (R % 8 || !qfp4::gemm_lora(la, lt, lbn, ldt, rp, R, bound1, bound2, roff, rk, S * 16, 16)) return -1;
     la.R = R;
-    la.bound1 = bound1;
-    la.bound2 = bound2;
   }
   const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
   if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
