@@ -25,12 +25,15 @@ def arch_flags() -> list[str]:
 
 
 def load_extension(prefix: str, sources, headers, binding: str, flags: list[str], state: dict):
-    """The compiled module of ``binding`` (C++ source text) plus the ``sources`` (.cu paths), cached in ``state``."""
-    mod = state.get("mod")
+    """The compiled module of ``binding`` (C++ source text) plus the ``sources`` (.cu paths), cached in ``state`` per
+    ``flags``: a switch read when the extension loads (``QERL_WGMMA_PIPE``, ``QERL_WGMMA_LORA=pdl``) selects its own
+    build even after another build was loaded in the same process (each is a module of its own name)."""
+    key = ("mod", tuple(flags))
+    mod = state.get(key)
     if mod is not None:
         return mod
-    if "error" in state:
-        raise RuntimeError(state["error"])
+    if ("error", key) in state:
+        raise RuntimeError(state[("error", key)])
     from torch.utils.cpp_extension import load
     src = "".join(Path(p).read_text() for p in (*sources, *headers))
     tag = hashlib.sha1((src + binding + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
@@ -48,7 +51,7 @@ def load_extension(prefix: str, sources, headers, binding: str, flags: list[str]
                    extra_cuda_cflags=[*flags, f"-I{CSRC}"],
                    build_directory=bdir, verbose=os.environ.get("QERL_KERNELS_VERBOSE") == "1")
     except Exception as e:  # compiler missing or build failure: remembered, reported by the caller
-        state["error"] = f"{type(e).__name__}: {e}"
+        state["error"] = state[("error", key)] = f"{type(e).__name__}: {e}"
         raise
-    state["mod"] = mod
+    state[key] = mod
     return mod
