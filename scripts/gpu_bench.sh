@@ -60,6 +60,10 @@
 #                                build), both (fused-wgmma-lora-pdl-a-256): the GPU tests, 7B NVFP4 rollouts at 64, 128
 #                                and 256 sequences, the four alternating twice ($OUT/roll_wgpdl); ~8-9 min (the
 #                                steps' timeouts sum to the device's 10-minute limit with the two builds)
+#   scripts/gpu_bench.sh cmp     issue 10 with the defaults: the LoRA-path GPU tests, 7B rollouts NVFP4 and BF16-LoRA at
+#                                16 (warm-up), 32, 64, 128 and 256 sequences in one process, the default (fused) and
+#                                session 36's (fused-s36) alternating ($OUT/roll_cmp), then the realistic GRPO step
+#                                (as `grpo`, $OUT/grpo); ~8 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -257,6 +261,16 @@ wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pd
   m="fused,fused-lora-a-256,fused-wgmma-lora-pdl,fused-wgmma-lora-pdl-a-256"
   timeout 270 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 --decode "$m,$m" \
     --out "$OUT/roll_wgpdl" 2>&1 | grep -v Warn >> "$LOG" ;;
+cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's settings beside them), the GRPO step
+  build 2
+  timeout 150 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
+    -k "pdl_decode or teacher or lora_a" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_cmp.txt"
+  tail -3 "$OUT/tests_cmp.txt" >> "$LOG"
+  timeout 240 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
+    --decode fused,fused-s36 --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG"
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  timeout 200 $B step --models 7b --formats nvfp4,bf16 --batch 128 --group 8 --micro 16 --new 1024 --gc on \
+    --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -337,11 +337,12 @@ def test_rows_aligned_and_permute_tokens_refuse_bad_input():
 def test_wgmma_pipe_switch(monkeypatch):
     """QERL_WGMMA_PIPE picks the wgmma main loop at build time: 2 (default) adds no flag (the measured build), 1 adds
     -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.
-    QERL_WGMMA_LORA=pdl adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing."""
+    QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing."""
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     monkeypatch.delenv("QERL_WGMMA_PIPE", raising=False)
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
-    assert cf.wgmma_pipe() == 2 and cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a"]
+    assert cf.wgmma_pipe() == 2
+    assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
     for v in ("0", "1", "pdl"):
         monkeypatch.setenv("QERL_WGMMA_LORA", v)
         assert ("-DQFP4_WGMMA_PDL=1" in cf._build_flags()) == (v == "pdl")
@@ -554,12 +555,12 @@ def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
 
 
 def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
-    """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (1 default, pdl, 0 off: the addmm; anything else refused by name),
+    """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (pdl default, 1, 0 off: the addmm; anything else refused by name),
     QERL_GEMM_LORA for the mma.sync kernel (pdl default, 1, 0), and only for ranks that are multiples of 8 (16-byte
     staging of t, whole Bn pairs)."""
     from qerl import kernels as qk
-    # the wgmma GEMM's epilogue (1 by default) and the mma.sync GEMM's (under PDL by default): the other values, a bad one
-    for name, mode, default, others, bad in (("QERL_WGMMA_LORA", qk.wgmma_lora_mode, "1", ("0", "pdl"), "yes"),
+    # both GEMMs' epilogues (under PDL by default): the other values, a bad one
+    for name, mode, default, others, bad in (("QERL_WGMMA_LORA", qk.wgmma_lora_mode, "pdl", ("0", "1"), "yes"),
                                              ("QERL_GEMM_LORA", qk.mma_lora_mode, "pdl", ("0", "1"), "on")):
         monkeypatch.delenv(name, raising=False)
         assert mode() == default
@@ -1115,7 +1116,7 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     with pytest.raises(ValueError, match="pdl=True needs lora, a given t and an mma.sync config"):
         cf.gemm(x, w, config=cfg, lora=op, pdl=True)
     # under PDL after the trigger: the same bits, eagerly (every token tile count) and in a graph on new tokens
-    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # 64: t by the Triton kernel up to 64 tokens
+    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # 256: t by the Triton kernel up to 256 tokens
     for m in (17, 32, 64):
         xm = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         for c in ((4, 2, 2, 2), (4, 2, 1, 8), (8, 1, 2, 4)):

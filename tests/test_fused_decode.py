@@ -181,7 +181,7 @@ def _interpreter_main() -> None:
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
-    os.environ["QERL_LORA_A_MAX_M"] = "256"  # the 32- and 64-row tiles too, and several tiles of 64 rows (opt-in)
+    os.environ["QERL_LORA_A_MAX_M"] = "256"  # the 32- and 64-row tiles too, and several tiles of 64 rows (the default)
     for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128), (17, 96, 700), (32, 32, 1000),
                     (40, 64, 2048), (64, 16, 128), (100, 48, 700), (256, 32, 1000)):  # split-K, ragged R, K and M
         assert fk.lora_a_splits(r, k)[0] > 1 or k <= 128
@@ -265,7 +265,7 @@ def test_fused_kernels_compile_for_sm90():
 
 
 def test_lora_a_max_m_switch(monkeypatch):
-    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (64 by default, 16-256), F.linear
+    """QERL_LORA_A_MAX_M: which M ``lora_a`` takes into its Triton kernel (256 by default, 16-128), F.linear
     above; a bad value is refused by name with the choices (it is read only where it decides: M > 16)."""
     from types import SimpleNamespace
 
@@ -275,7 +275,7 @@ def test_lora_a_max_m_switch(monkeypatch):
     monkeypatch.setattr(fk, "_triton_ok", lambda x: False)  # no Triton here: every call falls back; count the M
     x, a = torch.randn(24, 64), torch.randn(8, 64)
     monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)
-    assert fk.lora_a_max_m() == 64
+    assert fk.lora_a_max_m() == 256
     for v, limit in (("16", 16), ("32", 32), ("64", 64), ("128", 128), ("256", 256)):
         monkeypatch.setenv("QERL_LORA_A_MAX_M", v)
         assert fk.lora_a_max_m() == limit
@@ -459,7 +459,7 @@ def test_gpu_fused_kernels_bf16(monkeypatch):
             o = fk.decode_attention(q2, kc, vc, bias, S, d ** -0.5)
             ref = _naive_attention(q2.cpu(), kc.cpu(), vc.cpu(), bias.cpu(), S, d ** -0.5)
             assert (o.double().cpu() - ref).abs().max() < 0.03, (H, S)
-    monkeypatch.setenv("QERL_LORA_A_MAX_M", "256")  # the 32- and 64-row tiles, and several of 64 rows (opt-in)
+    monkeypatch.setenv("QERL_LORA_A_MAX_M", "256")  # the 32- and 64-row tiles, and several of 64 rows (the default)
     for m, r, k in ((8, 96, 3584), (8, 32, 18944), (2, 64, 5120), (16, 32, 27648), (24, 96, 3584), (32, 32, 18944),
                     (64, 64, 3584), (128, 96, 3584), (200, 32, 18944), (256, 64, 3584)):
         x, a = rn(m, k).to(BF), (0.02 * rn(r, k)).to(BF)
@@ -552,7 +552,7 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, monk
     from qerl.kernels import cuda_fp4 as cf
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
-    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # t by the Triton kernel (the default up to 64 tokens)
+    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # t by the Triton kernel (the default up to 256 tokens)
     monkeypatch.setenv("QERL_PDL", "1")
     monkeypatch.setenv("QERL_WGMMA_LORA" if switch == "QERL_GEMM_LORA" else "QERL_GEMM_LORA", "1")
     torch.manual_seed(0)

@@ -598,12 +598,17 @@ GEMM_LORA_MODES = ("0", "1", "pdl")  # QERL_GEMM_LORA / QERL_WGMMA_LORA
 
 def wgmma_lora_mode() -> str:
     """``QERL_WGMMA_LORA``: above decode size, how the LoRA term of a linear whose product the wgmma GEMM runs is
-    added: ``1`` (default) by that GEMM's epilogue (t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` first, then one launch),
-    ``0`` as an addmm after it, ``pdl`` (opt-in, session 36, not measured yet) the epilogue with x permuted first, then
-    t's launch, then the GEMM under programmatic dependent launch so its main loop overlaps t's launch (where that
-    launch is lora_a's Triton kernel: up to ``QERL_LORA_A_MAX_M`` tokens). Measured on an H100 for ``1`` against
-    ``0`` (7B rollouts, two runs, pipe 2): +2.4-3.8% tokens/s at 64, 128 and 256 sequences (`results/speed/raw/h100_s32`)."""
-    return _gemm_lora_switch("QERL_WGMMA_LORA", "1")
+    added: ``pdl`` (default since session 37) by that GEMM's epilogue with x permuted first, then t = x·Aᵀ's launch
+    (``qerl.kernels.fused.lora_a``), then the GEMM under programmatic dependent launch so its main loop overlaps t's
+    launch (where that launch is lora_a's Triton kernel: up to ``QERL_LORA_A_MAX_M`` tokens) and waits for t only
+    after it (a build of its own: ``-DQFP4_WGMMA_PDL=1``); ``1`` the same epilogue without PDL (the build without the
+    waits); ``0`` an addmm after the GEMM. Measured on one H100 (7B NVFP4 rollouts, 256 + 512, the modes alternating
+    twice in one process; `results/speed/raw/h100_s37_wgpdl`), tokens/s pdl with lora_a up to 256 tokens (the
+    defaults) vs 1 with lora_a up to 64 (session 36's): 9752 / 9755 vs 9035 / 9171 at 64 sequences, 12583 / 12585 vs
+    11792 / 11876 at 128, 14945 / 14960 vs 14535 / 14568 at 256; ``1`` against ``0`` +2.4-3.8% at 64-256
+    (`results/speed/raw/h100_s32`). Same tokens and log-probs with and without PDL
+    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``)."""
+    return _gemm_lora_switch("QERL_WGMMA_LORA", "pdl")
 
 
 def mma_lora_mode() -> str:

@@ -433,13 +433,15 @@ LORA_A_MAX_M = ("16", "32", "64", "128", "256")
 
 
 def lora_a_max_m() -> int:
-    """Largest M that :func:`lora_a` runs in its Triton kernel: ``QERL_LORA_A_MAX_M`` = 64 (default), 32 or 16
-    (decode size: above it cuBLAS's split-K GEMM plus a reduce launch), or 128 / 256 (opt-in, session 36, not measured:
-    tiles of 64 token rows; with ``QERL_WGMMA_LORA=pdl`` the wgmma GEMM's main loop then overlaps t's launch at 128-256
-    sequences too). x·Aᵀ of the LoRA terms outside a GEMV launch and the GEMMs' t. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, alternating in one process): 64 against 16,
-    with the addmm after the GEMM, 5927 / 5914 vs 5682 / 5781 tokens/s at 32 sequences, 8930 / 8912 vs 8705 / 8880 at
-    64 (`results/speed/raw/h100_s36_loraa`)."""
-    v = os.environ.get("QERL_LORA_A_MAX_M", "64")
+    """Largest M that :func:`lora_a` runs in its Triton kernel (tiles of 64 token rows above 64):
+    ``QERL_LORA_A_MAX_M`` = 256 (default since session 37), 128, 64, 32 or 16 (decode size); above it cuBLAS's split-K
+    GEMM plus a reduce launch. x·Aᵀ of the LoRA terms outside a GEMV launch and the GEMMs' t; with the GEMMs' PDL
+    modes their main loops overlap its launch. Measured on an H100 (7B NVFP4 rollouts, 256 + 512, alternating in one
+    process): 64 against 16, with the addmm after the GEMM, 5927 / 5914 vs 5682 / 5781 tokens/s at 32 sequences,
+    8930 / 8912 vs 8705 / 8880 at 64 (`results/speed/raw/h100_s36_loraa`); 256 against 64 with the wgmma GEMM under
+    PDL, 12583 / 12585 vs 12065 / 12078 at 128 sequences, 14945 / 14960 vs 14728 / 14692 at 256, equal at 64
+    (`results/speed/raw/h100_s37_wgpdl`)."""
+    v = os.environ.get("QERL_LORA_A_MAX_M", "256")
     if v not in LORA_A_MAX_M:
         raise ValueError(f"QERL_LORA_A_MAX_M={v!r}: choose one of {', '.join(LORA_A_MAX_M)}")
     return int(v)
