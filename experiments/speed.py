@@ -536,6 +536,10 @@ measured in the same session on the same machine (`scripts/layout_gpu.sh`; `raw/
 The step benchmark runs `qerl.train` on the shape preset with the toy task's prompts (~60 tokens, not 256) and
 2048 new tokens per completion (random weights never stop early, unlike the paper's first 30 steps).
 {step_table(root)}
+The realistic step (7B, 16 prompts × G 8, micro 16, 1024 new, GC) with session 37's defaults (`raw/h100_s37_cmp/`,
+098d2c0; both formats in one process, BF16-LoRA first, two steps each; one run): NVFP4 27.47 s vs BF16-LoRA 28.43 s
+(rollout 8.88 vs 10.00 s, log-probs 4.89 vs 4.86, update 13.70 vs 13.57); the NVFP4 step alone in the call before
+(`grpo/`): 27.21 s (rollout 8.96). Session 32's pair (`raw/h100_s32_grpo`): 28.28 vs 28.28 s.
 ### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
 `raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
 kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against
@@ -579,7 +583,18 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 36, c364dc4: the LoRA term at 17-32 tokens in the mma.sync GEMM's epilogue, its x·Aᵀ by one Triton launch
+Now (session 37, 098d2c0: x·Aᵀ by the Triton kernel up to 256 tokens, and the wgmma GEMM, which serves most 7B
+products at 64-256 tokens, launched under PDL after it so that its main loop overlaps that launch, `QERL_WGMMA_LORA=pdl
+QERL_LORA_A_MAX_M=256`; `raw/h100_s37_cmp/`, one run, both formats in one process, the default and session 36's
+settings alternating once per batch — with the same settings at 32 the second of the pair read 2-4% higher, so a
+one-pass difference below that is noise):
+{batch_rollout_table(root, "h100_s37_cmp")}
+The four settings at 64-256 sequences alternating twice in one process (NVFP4, 822e14c; the second pass; both in
+`raw/h100_s37_wgpdl/README.md`): `fused` = session 36's default (the wgmma epilogue without PDL, x·Aᵀ by cuBLAS above
+64 tokens), `fused-lora-a-256` = x·Aᵀ by Triton up to 256, `fused-wgmma-lora-pdl` = the wgmma GEMM under PDL (x·Aᵀ by
+Triton up to 64), `fused-wgmma-lora-pdl-a-256` = both (the default since 098d2c0):
+{_raw_rollouts(root, "h100_s37_wgpdl/roll_wgpdl")}
+Session 36 (c364dc4: the LoRA term at 17-32 tokens in the mma.sync GEMM's epilogue, its x·Aᵀ by one Triton launch
 that the GEMM's main loop overlaps under PDL; `raw/h100_s36_cmp/`, one run, both formats in one process, 256 not run;
 the same-process A/B of the LoRA paths below and in `raw/h100_s36_pdl/README.md`):
 {batch_rollout_table(root, "h100_s36_cmp")}
