@@ -1153,8 +1153,9 @@ def test_gpu_wgmma_gemm_lora_pdl(fmt, monkeypatch):
     tokens permuted first (cf.permute_tokens, the reference permutation), then t = lora_a(trigger=True) (one Triton
     launch up to QERL_LORA_A_MAX_M=256 tokens, tiles of 64 rows), then the GEMM under PDL: bit-identical to the plain
     launch with the same t for every wgmma configuration (CTA splits and stream-K, whose fp32 partials are stored only
-    after the wait) at 17-256 tokens, and in a CUDA graph on new tokens; the dispatcher's pdl path; refused by the
-    default build (no waits compiled) and without xp."""
+    after the wait) at 17-256 tokens, and both equal to the launch of the build without the waits (QERL_WGMMA_LORA=1;
+    both builds load side by side in one process), and in a CUDA graph on new tokens; the dispatcher's pdl path;
+    refused by the build without the waits and without xp."""
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     from qerl import kernels as qk
@@ -1165,18 +1166,21 @@ def test_gpu_wgmma_gemm_lora_pdl(fmt, monkeypatch):
     x = torch.randn(130, k, device="cuda", generator=g).bfloat16()
     xp = cf.permute_tokens(x)
     assert torch.equal(xp, cf.permute_x_reference(x))
-    monkeypatch.setenv("QERL_WGMMA_LORA", "1")  # the default build: no waits compiled, a PDL launch refused
+    monkeypatch.setenv("QERL_WGMMA_LORA", "1")  # the build without waits: a PDL launch refused
     with pytest.raises(RuntimeError, match="unsupported device or configuration"):
         cf.gemm(x, w, config=cfgs[0], lora=op, t=fk.lora_a(x, op.a), pdl=True, xp=xp)
     with pytest.raises(ValueError, match="for a wgmma config \\(sw <= 0\\), the permuted xp"):
         cf.gemm(x, w, config=cfgs[0], lora=op, t=fk.lora_a(x, op.a), pdl=True)
-    monkeypatch.setenv("QERL_WGMMA_LORA", "pdl")
     monkeypatch.setenv("QERL_LORA_A_MAX_M", "256")
-    for m in (17, 64, 130, 256):
+    cases = []
+    for m in (17, 64, 130, 256):  # the references by the build without the waits
         xm = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         t = fk.lora_a(xm, op.a)
-        for c in cfgs:
-            ref = cf.gemm(xm, w, config=c, lora=op, t=t)
+        cases.append((m, xm, t, {c: cf.gemm(xm, w, config=c, lora=op, t=t) for c in cfgs}))
+    monkeypatch.setenv("QERL_WGMMA_LORA", "pdl")
+    for m, xm, t, refs in cases:
+        for c, ref in refs.items():
+            assert torch.equal(cf.gemm(xm, w, config=c, lora=op, t=t), ref), (m, c)  # the PDL build, plain launch
             for _ in range(2):
                 xpm = cf.permute_tokens(xm)
                 got = cf.gemm(xm, w, config=c, lora=op, t=fk.lora_a(xm, op.a, trigger=True), pdl=True, xp=xpm)

@@ -21,9 +21,9 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    table's configuration names (two chunks of MMAs in flight per warpgroup, ``QERL_WGMMA_PIPE=1``
                    for one; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code; a tile grid, splits
                    of K across CTAs, or stream-K over persistent CTAs); the rollout's LoRA term added by either
-                   GEMM's epilogue instead of an addmm after it (t = x·Aᵀ by ``fused.lora_a`` first; the mma.sync
-                   GEMM launched under PDL so its main loop overlaps that launch: ``QERL_GEMM_LORA=pdl|1|0``;
-                   ``QERL_WGMMA_LORA=0`` for the wgmma GEMM's addmm)
+                   GEMM's epilogue instead of an addmm after it (t = x·Aᵀ by ``fused.lora_a`` first; each GEMM
+                   launched under PDL so its main loop overlaps that launch: ``QERL_GEMM_LORA=pdl|1|0`` for the
+                   mma.sync kernel, ``QERL_WGMMA_LORA=pdl|1|0`` for the wgmma kernel)
 ``triton_gemv``    NVFP4/MXFP4, CUDA, BF16 x, M <= 16 otherwise: split-K tiled kernel (BM=16 mma), in-register
                    FP4->BF16 by bit manipulation
 ``triton_gemm``    NVFP4/MXFP4, CUDA, BF16 x, 16 < M <= 256: tiled GEMM, in-register dequantization -> tl.dot
