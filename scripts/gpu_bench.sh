@@ -54,8 +54,9 @@
 #                                (fused-gemm-lora-pdl): their GPU tests, decode-step profiles at 32 sequences
 #                                ($OUT/prof), 7B NVFP4 rollouts at 32 and 64 sequences, the three alternating
 #                                ($OUT/roll_loraa); ~7 min
-#   scripts/gpu_bench.sh wgpdl   issue 10: the LoRA term at 64-256 sequences — the default (x·Aᵀ by cuBLAS above 64,
-#                                the wgmma GEMM's epilogue: fused), x·Aᵀ by the Triton kernel up to 256 (fused-lora-a-256),
+#   scripts/gpu_bench.sh wgpdl   issue 10: the LoRA term at 64-256 sequences — session 36's default (x·Aᵀ by cuBLAS above
+#                                64, the wgmma GEMM's epilogue: fused-s36; `fused` when session 37 ran it), x·Aᵀ by the
+#                                Triton kernel up to 256 (fused-lora-a-256),
 #                                the wgmma GEMM under PDL overlapping the x·Aᵀ launch (fused-wgmma-lora-pdl, its own
 #                                build), both (fused-wgmma-lora-pdl-a-256): the GPU tests, 7B NVFP4 rollouts at 64, 128
 #                                and 256 sequences, the four alternating twice ($OUT/roll_wgpdl); ~8-9 min (the
@@ -249,7 +250,7 @@ loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: session 35's cuBLAS x
     --out "$OUT/roll_loraa" 2>&1 | grep -v Warn >> "$LOG" ;;
 wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pdl: its own build) and x·Aᵀ by Triton
         # up to 256 tokens (QERL_LORA_A_MAX_M=256) against the default, at 64-256 sequences
-  build 2 &
+  QERL_WGMMA_LORA=1 build 2 &
   p1=$!
   QERL_WGMMA_LORA=pdl build 2
   wait $p1
@@ -258,7 +259,7 @@ wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pd
   tail -3 "$OUT/tests_wgpdl.txt" >> "$LOG"
   # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
   # (a profile at 128 sequences, if wanted: $B profile --batch 128 --decode fused,fused-wgmma-lora-pdl-a-256)
-  m="fused,fused-lora-a-256,fused-wgmma-lora-pdl,fused-wgmma-lora-pdl-a-256"
+  m="fused-s36,fused-lora-a-256,fused-wgmma-lora-pdl,fused-wgmma-lora-pdl-a-256"
   timeout 270 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 --decode "$m,$m" \
     --out "$OUT/roll_wgpdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's settings beside them), the GRPO step
