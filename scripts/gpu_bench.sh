@@ -64,7 +64,8 @@
 #   scripts/gpu_bench.sh cmp     issue 10 with the defaults: the LoRA-path GPU tests, 7B rollouts NVFP4 and BF16-LoRA at
 #                                16 (warm-up), 32, 64, 128 and 256 sequences in one process, the default (fused) and
 #                                session 36's (fused-s36) alternating ($OUT/roll_cmp), then the realistic GRPO step
-#                                (as `grpo`, $OUT/grpo); ~8 min
+#                                (as `grpo`, $OUT/grpo); session 37's run hit the 10-minute limit in the step's
+#                                second format: SKIP_TESTS=1 skips the tests (~150 s)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -263,10 +264,15 @@ wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pd
   timeout 270 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 --decode "$m,$m" \
     --out "$OUT/roll_wgpdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's settings beside them), the GRPO step
+  QERL_WGMMA_LORA=1 build 2 &  # fused-s36's build, beside the default's
+  p1=$!
   build 2
-  timeout 150 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
-    -k "pdl_decode or teacher or lora_a" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_cmp.txt"
-  tail -3 "$OUT/tests_cmp.txt" >> "$LOG"
+  wait $p1
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    timeout 150 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
+      -k "pdl_decode or teacher or lora_a" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_cmp.txt"
+    tail -3 "$OUT/tests_cmp.txt" >> "$LOG"
+  fi
   timeout 240 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
     --decode fused,fused-s36 --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG"
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
