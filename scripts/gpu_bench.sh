@@ -66,6 +66,10 @@
 #                                session 36's (fused-s36) alternating ($OUT/roll_cmp), then the realistic GRPO step
 #                                (as `grpo`, $OUT/grpo); session 37's run hit the 10-minute limit in the step's
 #                                second format: SKIP_TESTS=1 skips the tests (~150 s)
+#   scripts/gpu_bench.sh prof128 issue 10 after session 37: where the 7B decode step at 128 and 256 sequences spends its
+#                                GPU time, NVFP4 and BF16-LoRA with the defaults ($OUT/prof; the remaining gap at 128 is
+#                                1.07x against the 1.3x target), after the wgmma PDL GPU test session 37 changed
+#                                without a GPU ($OUT/tests_prof128.txt); ~5 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -278,6 +282,16 @@ cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's se
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   timeout 200 $B step --models 7b --formats nvfp4,bf16 --batch 128 --group 8 --micro 16 --new 1024 --gc on \
     --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
+prof128)  # issue 10: the decode step's kernels at 128 / 256 sequences with the defaults, NVFP4 and BF16-LoRA
+  QERL_WGMMA_LORA=1 build 2 &  # the test's reference build, beside the default's
+  p1=$!
+  build 2
+  wait $p1
+  timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k "wgmma_gemm_lora_pdl" -rf --tb=short 2>&1 \
+    | tail -20 > "$OUT/tests_prof128.txt"
+  tail -3 "$OUT/tests_prof128.txt" >> "$LOG"
+  timeout 240 $B profile --models 7b --formats nvfp4,bf16 --batch 128,256 --decode fused --out "$OUT/prof" 2>&1 \
+    | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \
