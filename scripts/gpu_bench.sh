@@ -97,6 +97,12 @@ both_pipes() {  # both builds at once (waiting on the PID only: never a bare wai
     QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
   done
 }
+lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QERL_WGMMA_LORA=1's (without), at once
+  QERL_WGMMA_LORA=1 build 2 &
+  local p1=$!
+  QERL_WGMMA_LORA=pdl build 2
+  wait $p1
+}
 bf16_tests() {  # the BF16 GEMV's GPU tests, the FP4 GEMV's and the fused decode's (SKIP_TESTS=1 skips)
   [ -n "${SKIP_TESTS:-}" ] && return
   timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
@@ -255,10 +261,7 @@ loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: session 35's cuBLAS x
     --out "$OUT/roll_loraa" 2>&1 | grep -v Warn >> "$LOG" ;;
 wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pdl: its own build) and x·Aᵀ by Triton
         # up to 256 tokens (QERL_LORA_A_MAX_M=256) against the default, at 64-256 sequences
-  QERL_WGMMA_LORA=1 build 2 &
-  p1=$!
-  QERL_WGMMA_LORA=pdl build 2
-  wait $p1
+  lora_builds
   timeout 180 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
     -k "wgmma_gemm_lora or pdl_decode or fused_kernels_bf16" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_wgpdl.txt"
   tail -3 "$OUT/tests_wgpdl.txt" >> "$LOG"
@@ -268,10 +271,7 @@ wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pd
   timeout 270 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 --decode "$m,$m" \
     --out "$OUT/roll_wgpdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's settings beside them), the GRPO step
-  QERL_WGMMA_LORA=1 build 2 &  # fused-s36's build, beside the default's
-  p1=$!
-  build 2
-  wait $p1
+  lora_builds
   if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 150 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
       -k "pdl_decode or teacher or lora_a" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_cmp.txt"
@@ -283,10 +283,7 @@ cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's se
   timeout 200 $B step --models 7b --formats nvfp4,bf16 --batch 128 --group 8 --micro 16 --new 1024 --gc on \
     --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
 prof128)  # issue 10: the decode step's kernels at 128 / 256 sequences with the defaults, NVFP4 and BF16-LoRA
-  QERL_WGMMA_LORA=1 build 2 &  # the test's reference build, beside the default's
-  p1=$!
-  build 2
-  wait $p1
+  lora_builds
   timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k "wgmma_gemm_lora_pdl" -rf --tb=short 2>&1 \
     | tail -20 > "$OUT/tests_prof128.txt"
   tail -3 "$OUT/tests_prof128.txt" >> "$LOG"
