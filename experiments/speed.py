@@ -114,6 +114,9 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
     d["_step"] = d["decode"]  # the decode step the rows are grouped (and compared with BF16-LoRA) by
     kl = _kernel_layout(d)  # a base held only in the kernels' layout: the same decode step, marked
     d.loc[kl, "decode"] = d.loc[kl, "decode"] + KL
+    if "pass" in d:  # an A/B's later passes in one process (raw runs; the top level keeps one pass)
+        again = d["pass"].notna()
+        d.loc[again, "decode"] = d.loc[again, "decode"] + d.loc[again, "pass"].map(lambda p: f", pass {int(p)}")
     if "lora_rank" not in d:
         d["lora_rank"] = 32
     if decode is not None:
@@ -675,6 +678,10 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         if f.name == "rollout.csv" and "decode" in new:
             new["decode"] = new["decode"].fillna("unfused")
         new.to_csv(f, index=False)
+        if "pass" in new:  # an A/B repeated in one process: raw/<name> keeps every pass, the top level the last
+            last = new.assign(_p=new["pass"].fillna(1)).sort_values("_p", kind="stable")
+            keys = [k for k in MERGE_IDENT.get(f.name, (*IDENT, "device")) if k in new.columns and k != "pass"]
+            new = last.drop_duplicates(keys, keep="last").sort_index().drop(columns=["_p", "pass"])
         top = root / f.name
         old = pd.read_csv(top) if top.exists() else pd.DataFrame()
         if f.name == "rollout.csv" and len(old):

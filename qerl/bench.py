@@ -66,7 +66,7 @@ def _free() -> None:
 
 #: The columns that identify a row of a benchmark CSV (a new row replaces an old one with the same values).
 IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch", "lora_rank", "gc", "prompt_len",
-         "new_tokens", "decode", "layout")
+         "new_tokens", "decode", "layout", "pass")
 SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
                  "new_tokens", "layout")
 UPDATE_IDENT = ("bench", "model", "weights", "micro_batch", "gc", "prompt_len", "new_tokens", "layout", "device",
@@ -210,7 +210,9 @@ def decode_mode(sampler, dec: str):
 def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, device, repeats: int = 1,
                   sink=None, decodes=("fused",)) -> list[dict]:
     """Rollout throughput (Tables 5-9): B sequences x `new_tokens` tokens after a `prompt_len`-token prompt.
-    ``decodes``: the sampler's decode step (:func:`decode_mode`), same policy."""
+    ``decodes``: the sampler's decode step (:func:`decode_mode`), same policy; a step named again (``a,b,a,b``: an A/B
+    alternating in one process) is run again, and its row records ``pass`` = 2, 3, ... (the first pass none), so the
+    CSV keeps every pass."""
     check_decodes(decodes)
     rows = []
     for m in models:
@@ -227,7 +229,9 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                     continue
                 size = resident_weight_bytes(policy)
                 sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
+                seen: dict[tuple[int, str], int] = {}
                 for b, dec in [(b, d) for b in batches for d in decodes]:
+                    seen[b, dec] = n_pass = seen.get((b, dec), 0) + 1
                     g = torch.Generator().manual_seed(b)
                     vocab = min(policy.config.vocab_size, 150_000)
                     prompts = [torch.randint(vocab // 10, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
@@ -256,9 +260,11 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                         except torch.OutOfMemoryError as e:
                             rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
                                              lora_rank=r, batch_size=b, decode=dec, status=f"OOM: {e}"[:200], **_env()))
+                    if n_pass > 1:
+                        rows[-1]["pass"] = n_pass
                     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
-                           if k in ("model", "method", "lora_rank", "batch_size", "decode", "tokens_per_s", "status",
-                                    "capture_s", "peak_mem_gb")}, flush=True)
+                           if k in ("model", "method", "lora_rank", "batch_size", "decode", "pass", "tokens_per_s",
+                                    "status", "capture_s", "peak_mem_gb")}, flush=True)
                     if sink:
                         sink(rows[-1])
                     sampler.release()

@@ -164,6 +164,31 @@ def test_bench_profile_runs_on_cpu(tmp_path):
         bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=50)
 
 
+def test_bench_rollout_keeps_every_pass_of_an_ab(tmp_path):
+    """``qerl.bench rollout --decode a,b,a,b`` on the CPU: the repeated settings' rows carry pass = 2 and the CSV keeps
+    all four (it used to keep the last pass only: a later row of the same identity replaced the first); merging keeps
+    every pass under raw/<name> and the last one at the top level; the raw table labels the later pass."""
+    from qerl import bench
+
+    out, root = tmp_path / "out", tmp_path / "speed"
+    out.mkdir()
+    root.mkdir()
+    rows = bench.bench_rollout(["tiny"], ["nvfp4"], [2], [8], 16, 4, "cpu", decodes=("fused", "unfused") * 2,
+                               sink=lambda r: bench._write_csv([r], out / "rollout.csv"))
+    assert [(r["decode"], r.get("pass")) for r in rows] == [("fused", None), ("unfused", None), ("fused", 2),
+                                                             ("unfused", 2)]
+    d = pd.read_csv(out / "rollout.csv")
+    assert len(d) == 4 and sorted(d["pass"].fillna(1)) == [1, 1, 2, 2]
+    assert list(d["tokens_per_s"]) == [r["tokens_per_s"] for r in rows]
+    speed.merge_run(out, root, "cpu_ab", sha="cafe125")
+    top = pd.read_csv(root / "rollout.csv")
+    assert "pass" not in top and sorted(top["decode"]) == ["fused", "unfused"]
+    assert sorted(top["tokens_per_s"]) == sorted(r["tokens_per_s"] for r in rows[2:])  # the last pass
+    assert len(pd.read_csv(root / "raw" / "cpu_ab" / "rollout.csv")) == 4
+    md = speed.rollout_table(root / "raw" / "cpu_ab", decode=None, rank=8)
+    assert md.count(", pass 2 |") == 2 and md.count("| fused") == 2, md
+
+
 def test_batch_rollout_table_gemm_on_and_off(tmp_path):
     """Ratios against the GEMM-off process's BF16-LoRA row (the 'auto' process's BF16 is not used), per batch."""
     raw = tmp_path / "raw" / "run"
