@@ -49,9 +49,10 @@
 #error "QFP4_WGMMA_PIPE must be 1 or 2"
 #endif
 
-// QFP4_WGMMA_PDL (the build's -D, set by QERL_WGMMA_LORA=pdl): 1 compiles a griddepcontrol.wait after each main loop
-// of the LORA variants, so they can be launched under programmatic dependent launch (qfp4_wgmma_gemm's pdl); 0, the
-// default, leaves their machine code as measured (the wait reschedules the stream-K variants' code).
+// QFP4_WGMMA_PDL (the build's -D, set by QERL_WGMMA_LORA=pdl, the default since session 37): 1 compiles a
+// griddepcontrol.wait after each main loop of the LORA variants, so they can be launched under programmatic dependent
+// launch (qfp4_wgmma_gemm's pdl); 0 (QERL_WGMMA_LORA=1 or 0) leaves them without it (the plain variants' machine code
+// is the same in both builds).
 #ifndef QFP4_WGMMA_PDL
 #define QFP4_WGMMA_PDL 0
 #endif
