@@ -678,9 +678,11 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         if f.name == "rollout.csv" and "decode" in new:
             new["decode"] = new["decode"].fillna("unfused")
         new.to_csv(f, index=False)
+        # an H200's row does not replace an H100's: both are kept (scaling: 2 H200s, 4 H100s)
+        ident = MERGE_IDENT.get(f.name, (*IDENT, "device"))
         if "pass" in new:  # an A/B repeated in one process: raw/<name> keeps every pass, the top level the last
             last = new.assign(_p=new["pass"].fillna(1)).sort_values("_p", kind="stable")
-            keys = [k for k in MERGE_IDENT.get(f.name, (*IDENT, "device")) if k in new.columns and k != "pass"]
+            keys = [k for k in ident if k in new.columns and k != "pass"]
             new = last.drop_duplicates(keys, keep="last").sort_index().drop(columns=["_p", "pass"])
         top = root / f.name
         old = pd.read_csv(top) if top.exists() else pd.DataFrame()
@@ -689,8 +691,6 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         for df in (old, new):  # rows from before the kernels' layout existed held the compressed-tensors one
             if len(df):
                 df["layout"] = df["layout"].fillna("compressed") if "layout" in df else "compressed"
-        # an H200's row does not replace an H100's: both are kept (scaling: 2 H200s, 4 H100s)
-        ident = MERGE_IDENT.get(f.name, (*IDENT, "device"))
         keys = [k for k in ident if k in new.columns and k in old.columns]
         if len(old) and keys:
             ids = set(_ident(new, keys))

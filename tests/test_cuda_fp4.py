@@ -1075,17 +1075,24 @@ def _check_gemm_lora_configs(w, ops, cfgs, ms, g) -> None:
                 _check_lora(cf.gemm(x, w, config=cfg, lora=op), x, w, op, emu)
 
 
+def _check_graph_replay(launch, x, eager=None, g=None) -> None:
+    """launch() captured in a CUDA graph: after each of two replays on new tokens written into x, its output equals
+    eager() (the same product launched without the graph; launch() itself by default)."""
+    eager = eager or launch
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = launch()
+    for _ in range(2):
+        x.copy_(torch.randn(*x.shape, device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager())
+
+
 def _check_gemm_lora_graph(w, op, cfg, x) -> None:
     """cf.gemm with LoRA captured in a CUDA graph: two replays on new tokens equal the eager launch."""
     cf.gemm(x, w, config=cfg, lora=op)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = cf.gemm(x, w, config=cfg, lora=op)
-    for _ in range(2):
-        x.copy_(torch.randn(*x.shape, device="cuda").bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op))
+    _check_graph_replay(lambda: cf.gemm(x, w, config=cfg, lora=op), x)
 
 
 @pytest.mark.gpu
@@ -1124,14 +1131,8 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
             for _ in range(2):
                 assert torch.equal(cf.gemm(xm, w, config=c, lora=op, t=fk.lora_a(xm, op.a, trigger=True), pdl=True),
                                    ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a, trigger=True), pdl=True)
-    for _ in range(2):
-        x.copy_(torch.randn(*x.shape, device="cuda", generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a)))  # the same t rounding
+    _check_graph_replay(lambda: cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a, trigger=True), pdl=True),
+                        x, lambda: cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a)), g)  # the same t rounding
     # the dispatcher at an M the mma.sync kernel serves (forced onto the CUDA GEMM; the heuristic's pick at 24 tokens)
     monkeypatch.setenv("QERL_CUDA_GEMM", "1")
     x = torch.randn(24, k, device="cuda", generator=g).bfloat16()
@@ -1186,14 +1187,9 @@ def test_gpu_wgmma_gemm_lora_pdl(fmt, monkeypatch):
                 got = cf.gemm(xm, w, config=c, lora=op, t=fk.lora_a(xm, op.a, trigger=True), pdl=True, xp=xpm)
                 assert torch.equal(got, ref), (m, c)
     cfg = (8, -2, 1, 2)  # two CTAs per output tile: fp32 partials in the workspace
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a, trigger=True), pdl=True, xp=cf.permute_tokens(x))
-    for _ in range(2):
-        x.copy_(torch.randn(*x.shape, device="cuda", generator=g).bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a)))
+    _check_graph_replay(lambda: cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a, trigger=True), pdl=True,
+                                        xp=cf.permute_tokens(x)),
+                        x, lambda: cf.gemm(x, w, config=cfg, lora=op, t=fk.lora_a(x, op.a)), g)
     monkeypatch.setenv("QERL_CUDA_GEMM", "1")  # the dispatcher (the heuristic's wgmma config at 130 tokens)
     assert cf._gemm_config(w, 130, x.device)[1] <= 0
     _check_lora(qk.FP4.linear_lora(FORMATS[fmt], x, q, op), x, w, op)
@@ -1210,14 +1206,7 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
     for m in (24, 64, 256):
         x = torch.randn(m, k, device="cuda").bfloat16()
         cf.gemm(x, w)  # config + build outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = cf.gemm(x, w)
-        for _ in range(2):
-            x.copy_(torch.randn(m, k, device="cuda").bfloat16())
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(y, cf.gemm(x, w))
+        _check_graph_replay(lambda x=x: cf.gemm(x, w), x)
         # the dispatcher: forced on, it takes this path (same bits); off, the previous path (same values)
         monkeypatch.setenv("QERL_CUDA_GEMM", "1")
         assert qk.backend_for(fmt, x, q) == "cuda_gemm"
@@ -1278,14 +1267,7 @@ def test_gpu_wgmma_gemm_model_shapes_and_graphs(fmt):
     for cfg in [(8, 0, 1, 2), (16, 0, 2, 1), (8, -2, 1, 2), (4, -3, 2, 1)]:  # CTA splits: counters reset per launch
         x = torch.randn(96, k, device="cuda").bfloat16()
         cf.gemm(x, w, config=cfg)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = cf.gemm(x, w, config=cfg)
-        for _ in range(2):
-            x.copy_(torch.randn(96, k, device="cuda").bfloat16())
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(y, cf.gemm(x, w, config=cfg))
+        _check_graph_replay(lambda x=x, cfg=cfg: cf.gemm(x, w, config=cfg), x)
 
 
 @pytest.mark.gpu
