@@ -103,6 +103,12 @@ lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QE
   QERL_WGMMA_LORA=pdl build 2
   wait $p1
 }
+gpu_tests() {  # NAME SECONDS PYTEST-ARGS...: the GPU tests' tail in $OUT/tests_NAME.txt, their summary in the log
+  local name=$1 secs=$2
+  shift 2
+  timeout "$secs" python3 -m pytest -q -m gpu "$@" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_$name.txt"
+  tail -3 "$OUT/tests_$name.txt" >> "$LOG"
+}
 bf16_tests() {  # the BF16 GEMV's GPU tests, the FP4 GEMV's and the fused decode's (SKIP_TESTS=1 skips)
   [ -n "${SKIP_TESTS:-}" ] && return
   timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
@@ -262,9 +268,7 @@ loraa)  # issue 10 / 13: the LoRA term at 17-64 sequences: session 35's cuBLAS x
 wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pdl: its own build) and x·Aᵀ by Triton
         # up to 256 tokens (QERL_LORA_A_MAX_M=256) against the default, at 64-256 sequences
   lora_builds
-  timeout 180 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
-    -k "wgmma_gemm_lora or pdl_decode or fused_kernels_bf16" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_wgpdl.txt"
-  tail -3 "$OUT/tests_wgpdl.txt" >> "$LOG"
+  gpu_tests wgpdl 180 tests/test_fused_decode.py tests/test_cuda_fp4.py -k "wgmma_gemm_lora or pdl_decode or fused_kernels_bf16"
   # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
   # (a profile at 128 sequences, if wanted: $B profile --batch 128 --decode fused,fused-wgmma-lora-pdl-a-256)
   m="fused-s36,fused-lora-a-256,fused-wgmma-lora-pdl,fused-wgmma-lora-pdl-a-256"
@@ -272,11 +276,7 @@ wgpdl)  # issue 10: the wgmma GEMM's LoRA epilogue under PDL (QERL_WGMMA_LORA=pd
     --out "$OUT/roll_wgpdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's settings beside them), the GRPO step
   lora_builds
-  if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout 150 python3 -m pytest -q -m gpu tests/test_fused_decode.py tests/test_cuda_fp4.py \
-      -k "pdl_decode or teacher or lora_a" -rf --tb=short 2>&1 | tail -30 > "$OUT/tests_cmp.txt"
-    tail -3 "$OUT/tests_cmp.txt" >> "$LOG"
-  fi
+  [ -n "${SKIP_TESTS:-}" ] || gpu_tests cmp 150 tests/test_fused_decode.py tests/test_cuda_fp4.py -k "pdl_decode or teacher or lora_a"
   timeout 240 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
     --decode fused,fused-s36 --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG"
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -284,9 +284,7 @@ cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's se
     --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
 prof128)  # issue 10: the decode step's kernels at 128 / 256 sequences with the defaults, NVFP4 and BF16-LoRA
   lora_builds
-  timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k "wgmma_gemm_lora_pdl" -rf --tb=short 2>&1 \
-    | tail -20 > "$OUT/tests_prof128.txt"
-  tail -3 "$OUT/tests_prof128.txt" >> "$LOG"
+  gpu_tests prof128 150 tests/test_cuda_fp4.py -k "wgmma_gemm_lora_pdl"
   timeout 240 $B profile --models 7b --formats nvfp4,bf16 --batch 128,256 --decode fused --out "$OUT/prof" 2>&1 \
     | grep -v Warn >> "$LOG" ;;
 grpo)
