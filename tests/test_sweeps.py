@@ -132,6 +132,46 @@ def test_sigterm_mid_trial_reenqueues_it_and_the_retry_resumes_its_run(tmp_path)
     assert len(census(study.get_trials())[0]) == 1
 
 
+def test_sigterm_inside_a_storage_transaction_lands_after_it(tmp_path):
+    """A SIGTERM that arrives while the main thread is inside a storage transaction (here: from SQLAlchemy's commit hook
+    of trial.report's write, after BEGIN IMMEDIATE) is held until the call has returned: the write commits, the
+    interrupt follows, and the next writes (the trial marked failed, as Worker does) find no transaction left open.
+    Raised inside, it used to leave the connection in its transaction: the next write failed ("cannot start a
+    transaction within a transaction" here; "database is locked" from another connection after the busy timeout, as
+    test_sigterm_mid_trial_... did once)."""
+    from sqlalchemy import event
+
+    from sweeps.aqn import _sigterm_to_interrupt
+
+    _, study = _setup(tmp_path, "held")
+    storage = study._storage
+    engine = getattr(storage, "engine", None) or storage._backend.engine  # RDBStorage, or wrapped in a cache
+    trial = study.ask()
+    fired = []
+
+    def _term_in_commit(conn):
+        if not fired:
+            fired.append(time.perf_counter())
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, between this hook's bytecodes
+            time.sleep(0.05)
+
+    event.listen(engine, "commit", _term_in_commit)
+    old = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="signal 15"):
+            trial.report(0.5, 1)
+            time.sleep(5)  # the interrupt arrives here, once the write has returned
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        event.remove(engine, "commit", _term_in_commit)
+    assert fired and time.perf_counter() - fired[0] < 4
+    assert study.get_trials()[0].intermediate_values == {1: 0.5}  # the write committed
+    study.tell(trial, state=TrialState.FAIL)
+    trial2 = study.ask()
+    trial2.report(0.25, 1)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.RUNNING]
+
+
 def test_build_sweep_space_and_refusals(tmp_path):
     sw = build_sweep("s", (*FAST, "train.steps=5"), "smoke")
     assert sw.space["stages"] == [2, 5] and sw.steps == 5  # paper mode needs steps >= stages
