@@ -27,7 +27,7 @@ from torch import nn
 from qerl.arch import FUSED_GROUPS
 from qerl.kernels.fused import lora_a, silu_mul
 from qerl.lora import QuantLoRALinear, _lora_operand, lora_rows_enabled, rows_product
-from qerl.quant.base import linear_lora
+from qerl.quant.base import linear_lora, wants_permuted
 
 
 def _row_tensors(mods: list[QuantLoRALinear]) -> tuple[list[str], list[str]] | None:
@@ -321,10 +321,11 @@ class FusedLinear:
             y.add_(self.bias.to(y.dtype))
         return y
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, permuted: bool = False) -> torch.Tensor:
         """silu(gate) · up of a gate|up group (M, I): in the GEMV's epilogue where the format has that path (the
         FP4 GEMV at decode size: one launch for base, LoRA and SwiGLU; ``QERL_FUSED_SILU=0`` turns it off), else
-        the group's output, then ``qerl.kernels.fused.silu_mul``. The same rounding either way."""
+        the group's output, then ``qerl.kernels.fused.silu_mul`` (``permuted``: which also writes the copy the next
+        linear's wgmma GEMM reads, :func:`permuted_input`). The same rounding either way."""
         if (self.q is not None and len(self.mods) == 2 and self.bias is None
                 and self.mods[0].out_features == self.mods[1].out_features
                 and (self.lora is not None) == (self.A is not None)
@@ -332,7 +333,23 @@ class FusedLinear:
             y = linear_lora(self.fmt, x, self.q, self.lora, act="silu_mul")
             if y is not None:
                 return y
-        return silu_mul(self(x))
+        return silu_mul(self(x), permuted)
+
+
+def permuted_input(mod, m: int, dtype: torch.dtype) -> bool:
+    """Whether the decode step's producer of ``mod``'s (M, K) input (a :class:`FusedLinear` or a
+    ``QuantLoRALinear`` inside ``lora_inference_cache``) should also write it in the K permutation of the GEMM that
+    will read it (the FP4 wgmma GEMM with the LoRA term in its epilogue; ``qerl.quant.base.wants_permuted``): one
+    permute launch fewer per such linear. ``QERL_FUSED_PERMUTE=0`` turns it off (the GEMM's own permute launch,
+    session 37's step)."""
+    if os.environ.get("QERL_FUSED_PERMUTE", "1") == "0":
+        return False
+    if isinstance(mod, FusedLinear):
+        return mod.q is not None and mod.lora is not None and mod.lora.a.dtype == dtype and wants_permuted(
+            mod.fmt, mod.q, mod.lora, m, mod.device)
+    op = getattr(mod, "_lora_op", None)
+    return (op is not None and op.a.dtype == dtype
+            and wants_permuted(mod.fmt, mod.packed, op, m, op.a.device))
 
 
 def build_decode_plan(model: nn.Module) -> list[dict[str, FusedLinear]] | None:

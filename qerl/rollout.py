@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.devices import autocast_for
-from qerl.fastdecode import build_decode_plan
+from qerl.fastdecode import build_decode_plan, permuted_input
 from qerl.kernels import fused as fk
 from qerl.lora import lora_inference_cache
 
@@ -286,17 +286,22 @@ class Sampler:
         n = h.shape[0]
         cos, ssin = self._rope_tables(h[:, None], pos)             # (N, 1, d)
         cos, ssin = cos.reshape(n, -1), ssin.reshape(n, -1)
-        layers = self._layers
-        h, x = fk.add_rms_norm(h, None, *self._norm_args(layers[0].input_layernorm))
+        layers, dt = self._layers, h.dtype
+        # inputs of the linears whose GEMM reads them in its own K order are written in it by their producer too
+        perm = [(permuted_input(e["qkv"], n, dt), permuted_input(e["gate_up"], n, dt),
+                 permuted_input(layer.mlp.down_proj, n, dt)) for e, layer in zip(s["plan"], layers, strict=True)]
+        h, x = fk.add_rms_norm(h, None, *self._norm_args(layers[0].input_layernorm), permuted=perm[0][0])
         for i, layer in enumerate(layers):
             p, a = s["plan"][i], layer.self_attn
             q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
             o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot)  # (N, H*d)
-            h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm))
-            d = layer.mlp.down_proj(p["gate_up"].silu_mul(x))
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.model.norm
-            h, x = fk.add_rms_norm(h, d, *self._norm_args(nxt))
+            h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm),
+                                   permuted=perm[i][1])
+            d = layer.mlp.down_proj(p["gate_up"].silu_mul(x, permuted=perm[i][2]))
+            last = i + 1 == len(layers)
+            nxt = self.model.model.norm if last else layers[i + 1].input_layernorm
+            h, x = fk.add_rms_norm(h, d, *self._norm_args(nxt), permuted=not last and perm[i + 1][0])
         self._sample_into(s, self.model.lm_head(x).float())
 
     def _decode_plan(self):

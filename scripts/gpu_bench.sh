@@ -69,7 +69,8 @@
 #   scripts/gpu_bench.sh prof128 issue 10 after session 37: where the 7B decode step at 128 and 256 sequences spends its
 #                                GPU time, NVFP4 and BF16-LoRA with the defaults ($OUT/prof; the remaining gap at 128 is
 #                                1.07x against the 1.3x target), after the wgmma PDL GPU test session 37 changed
-#                                without a GPU ($OUT/tests_prof128.txt); ~5 min
+#                                without a GPU and the GEMM tests on the shared graph-replay helper
+#                                ($OUT/tests_prof128.txt); ~6 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -284,7 +285,7 @@ cmp)  # issue 10: NVFP4 vs BF16-LoRA rollouts with the defaults (session 36's se
     --steps 2 --out "$OUT/grpo" 2>&1 | grep -v Warn >> "$LOG" ;;
 prof128)  # issue 10: the decode step's kernels at 128 / 256 sequences with the defaults, NVFP4 and BF16-LoRA
   lora_builds
-  gpu_tests prof128 150 tests/test_cuda_fp4.py -k "wgmma_gemm_lora_pdl"
+  gpu_tests prof128 200 tests/test_cuda_fp4.py -k "gemm_lora or graph_replay or model_shapes_and_graphs"
   timeout 240 $B profile --models 7b --formats nvfp4,bf16 --batch 128,256 --decode fused --out "$OUT/prof" 2>&1 \
     | grep -v Warn >> "$LOG" ;;
 grpo)

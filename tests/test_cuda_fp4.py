@@ -1120,7 +1120,7 @@ def test_gpu_mma_gemm_lora(fmt, monkeypatch):
     with pytest.raises(ValueError, match="t must be bf16 \\(32, 96\\)"):
         cf.gemm(x, w, config=cfg, lora=op, t=t[:, :64])
     _check_gemm_lora_graph(w, op, cfg, x)
-    with pytest.raises(ValueError, match="pdl=True needs lora, a given t and an mma.sync config"):
+    with pytest.raises(ValueError, match="pdl=True needs lora, a given t and, for a wgmma config"):
         cf.gemm(x, w, config=cfg, lora=op, pdl=True)
     # under PDL after the trigger: the same bits, eagerly (every token tile count) and in a graph on new tokens
     monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # 256: t by the Triton kernel up to 256 tokens

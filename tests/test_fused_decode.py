@@ -13,8 +13,10 @@ import pytest
 import torch
 from conftest import assert_teacher_forced, perturb_lora_b
 
+from qerl import kernels
 from qerl.fastdecode import FusedLinear, build_decode_plan, concat_rows, fuse_projection_storage
 from qerl.kernels import fused as fk
+from qerl.kernels.cuda_fp4 import permute_x_reference
 from qerl.lora import LoraSpec, lora_inference_cache, swap_linears
 from qerl.model import load_policy
 from qerl.quant import FORMATS
@@ -130,6 +132,38 @@ def test_attention_and_silu_refs_match_naive():
     torch.testing.assert_close(fk.silu_mul_ref(gu), gu[:, :10] * torch.sigmoid(gu[:, :10]) * gu[:, 10:])
 
 
+def test_permuted_twin_tags_and_reference_paths():
+    """The tag the decode step's producers leave for the wgmma GEMM: on the reference paths (CPU) add_rms_norm and
+    silu_mul with permuted=True tag their output with the permuted copy (cuda_fp4.permute_x_reference's values, the
+    kernel's K permutation: inside each 64-chunk k = 16 i + 2 u + e lands at 8 u + 2 i + e), none for K not a multiple
+    of 64; a view, an in-place change or another tensor does not carry it; on the CPU no linear asks for it."""
+    from qerl.fastdecode import permuted_input
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(3, 128, generator=g), torch.randn(128, generator=g)
+    _, x = fk.add_rms_norm(h.clone(), None, w, 1e-6, permuted=True)
+    xp = kernels.permuted_twin(x)
+    assert torch.equal(x, fk.add_rms_norm_ref(h.clone(), None, w, 1e-6)[1])
+    k = torch.arange(128)
+    r = k % 64
+    dest = k - r + (r // 2 % 8) * 8 + (r // 16) * 2 + r % 2  # the kernels' K permutation, spelled out
+    assert sorted(dest.tolist()) == k.tolist()
+    assert torch.equal(xp[:, dest], x)
+    assert kernels.permuted_twin(x.view(3, 128)) is None and kernels.permuted_twin(x.clone()) is None
+    x.add_(1)  # an in-place change voids the tag
+    assert kernels.permuted_twin(x) is None
+    assert kernels.permuted_twin(fk.add_rms_norm(h[:, :96].clone(), None, w[:96], 1e-6, permuted=True)[1]) is None
+    gu = torch.randn(2, 256, generator=g)
+    out = fk.silu_mul(gu, permuted=True)
+    assert torch.equal(out, fk.silu_mul_ref(gu)) and torch.equal(kernels.permuted_twin(out)[:, dest], out)
+    policy, _ = load_policy("preset:tiny-d64", "nvfp4", LoraSpec(rank=8), device="cpu")
+    plan = build_decode_plan(policy)
+    with lora_inference_cache(policy, torch.float32):
+        for e in plan:
+            e["qkv"].refresh(torch.float32)
+            assert not permuted_input(e["qkv"], 64, torch.float32)
+        assert not permuted_input(policy.model.layers[0].mlp.down_proj, 64, torch.float32)
+
+
 def test_attention_splits_cover_the_keys():
     for rows, S in ((32, 1), (32, 300), (2, 2304), (512, 4096), (8, 64)):
         n, chunk = fk.attention_splits(rows, S)
@@ -156,6 +190,13 @@ def _interpreter_main() -> None:
             h2, x2 = fk.add_rms_norm(h.clone(), delta, w, 1e-6)
             assert torch.equal(h1, h2)
             torch.testing.assert_close(x2, x1, rtol=1e-6, atol=1e-6)
+            # the same launch writing the wgmma GEMM's permuted copy too (D a multiple of 64; none otherwise)
+            h3, x3 = fk.add_rms_norm(h.clone(), delta, w, 1e-6, permuted=True)
+            assert torch.equal(h3, h2) and torch.equal(x3, x2)
+            twin = kernels.permuted_twin(x3)
+            assert (twin is None) == (D % 64 != 0)
+            if twin is not None:
+                assert torch.equal(twin, permute_x_reference(x3)) and not torch.equal(twin, x3)
     H, hkv, d, m = 4, 2, 16, 3
     qkv, b = torch.randn(m, (H + 2 * hkv) * d, generator=g), torch.randn((H + 2 * hkv) * d, generator=g)
     cos, ssin = torch.randn(m, d, generator=g), torch.randn(m, d, generator=g)
@@ -181,6 +222,10 @@ def _interpreter_main() -> None:
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
+    gu = torch.randn(3, 2 * 1088 + 32, generator=g)[:, :2176]  # I = 1088: a second, partial block of 1024
+    out = fk.silu_mul(gu, permuted=True)
+    assert torch.equal(out, fk.silu_mul(gu))
+    assert torch.equal(kernels.permuted_twin(out), permute_x_reference(out))
     os.environ["QERL_LORA_A_MAX_M"] = "256"  # the 32- and 64-row tiles too, and several tiles of 64 rows (the default)
     for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128), (17, 96, 700), (32, 32, 1000),
                     (40, 64, 2048), (64, 16, 128), (100, 48, 700), (256, 32, 1000)):  # split-K, ragged R, K and M
@@ -230,24 +275,27 @@ def test_fused_kernels_compile_for_sm90():
 
     bf, f32 = "*bf16", "*fp32"
     for wdt in (bf, f32):
-        build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=wdt, x_ptr=bf, D="i32", stride_d="i32",
-                                                eps="fp32"),
-              dict(HAS_DELTA=True, BLOCK=4096))
+        for perm in (False, True):  # with the permuted copy for the wgmma GEMM too
+            build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=wdt, x_ptr=bf, xp_ptr=bf, D="i32",
+                                                    stride_d="i32", eps="fp32"),
+                  dict(HAS_DELTA=True, BLOCK=4096, PERM=perm))
     build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
                                     slot_ptr="*i64", S_MAX="i32", stride_qkv="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=True), 1)
     build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
                                       S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"), dict(D=128, SP=16))
-    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024))
+    for perm in (False, True):
+        build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, op_ptr=bf, NI="i32", stride_gu="i32"),
+              dict(BLOCK=1024, PERM=perm))
     build(fk._sample_part_kernel, dict(z_ptr=f32, e_ptr=f32, ws_ptr=f32, idx_ptr="*i32", V="i32", temp="fp32",
                                        S="i32"), dict(BLOCK=fk.SAMPLE_BLOCK), 8)
     build(fk._sample_combine_kernel, dict(z_ptr=f32, ws_ptr=f32, idx_ptr="*i32", tok_ptr="*i64", lp_ptr=f32,
                                           ent_ptr=f32, V="i32", temp="fp32", S="i32"), dict(SB=64), 1)
     # the programmatic-dependent-launch variants (griddepcontrol.wait / launch_dependents first)
-    build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=bf, x_ptr=bf, D="i32", stride_d="i32",
-                                                eps="fp32"),
-          dict(HAS_DELTA=True, BLOCK=4096, PDL=True))
+    build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=bf, x_ptr=bf, xp_ptr=bf, D="i32",
+                                            stride_d="i32", eps="fp32"),
+          dict(HAS_DELTA=True, BLOCK=4096, PDL=True, PERM=True))
     build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
                                     slot_ptr="*i64", S_MAX="i32", stride_qkv="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=False, PDL=True), 1)
     build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
@@ -255,7 +303,8 @@ def test_fused_kernels_compile_for_sm90():
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False, PDL=True))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"),
           dict(D=128, SP=16, PDL=True))
-    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, NI="i32", stride_gu="i32"), dict(BLOCK=1024, PDL=True))
+    build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, op_ptr=bf, NI="i32", stride_gu="i32"),
+          dict(BLOCK=1024, PDL=True, PERM=True))
     for bm in (16, 32, 64):  # decode size; 17-32 and 33-64 tokens; the PDL trigger with 32; tiles of 64 rows (> 64)
         ck = build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32",
                                            R="i32", K="i32", stride_xm="i32", PER="i32"),
@@ -574,6 +623,43 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, monk
     for key in ("completion_mask", "completion_ids", "logp"):
         a, b = getattr(ros["1"], key), getattr(ros["pdl"], key)
         assert torch.equal(a, b), (key, (a != b).nonzero()[:4].tolist())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_permuted_inputs_decode_is_bit_identical(fmt, monkeypatch):
+    """The norm and SwiGLU launches writing the wgmma GEMM's permuted tokens beside their output
+    (QERL_FUSED_PERMUTE=1, the default) draw the same tokens with the same log-probs as the GEMM's own permute launch
+    (0), in the graph sampler at 48 sequences, with and without PDL; the twins are counted (q|k|v, gate|up and down
+    take them: three per layer and step in the capture), and so are the permute launches left (o_proj's)."""
+    from qerl.kernels import cuda_fp4 as cf
+    monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny-d64", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    twin, permute = kernels.permuted_twin, cf.permute_tokens
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("QERL_PDL", pdl)
+        ros, seen = {}, {}
+        for mode in ("0", "1"):
+            monkeypatch.setenv("QERL_FUSED_PERMUTE", mode)
+            seen[mode] = c = {"twins": 0, "permutes": 0}
+            monkeypatch.setattr(kernels, "permuted_twin", lambda x, c=c: (lambda t: c.update(
+                twins=c["twins"] + (t is not None)) or t)(twin(x)))
+            monkeypatch.setattr(cf, "permute_tokens", lambda x, c=c: c.update(permutes=c["permutes"] + 1)
+                                or permute(x))
+            s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+            ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 16, max_new_tokens=300, temperature=1.0,
+                                   seed=3)
+            assert ros[mode].stats["fused_decode"] and s.use_graphs
+        layers = len(policy.model.layers)
+        assert seen["0"]["twins"] == 0 and seen["1"]["twins"] >= 3 * layers, seen
+        if pdl == "1":  # without PDL the GEMM permutes inside its own launch (not through permute_tokens)
+            assert seen["1"]["permutes"] < seen["0"]["permutes"], seen
+        for key in ("completion_mask", "completion_ids", "logp"):
+            a, b = getattr(ros["0"], key), getattr(ros["1"], key)
+            assert torch.equal(a, b), (pdl, key, (a != b).nonzero()[:4].tolist())
 
 
 @pytest.mark.gpu

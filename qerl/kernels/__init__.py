@@ -583,7 +583,7 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     if lora is not None and (lora.bn.shape[0] != n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k):
         return None
     if not _cuda_gemv_ok(x2, m, n, k):
-        y = _gemm_lora(fmt, x2, w, lora) if act is None and lora is not None else None
+        y = _gemm_lora(fmt, x2, w, lora, permuted_twin(x)) if act is None and lora is not None else None
         return None if y is None else y.reshape(*x.shape[:-1], n)
     if act is not None and n % 32:
         return None
@@ -631,29 +631,78 @@ def _gemm_lora_switch(name: str, default: str) -> str:
     return v
 
 
-def _gemm_lora(fmt, x2: torch.Tensor, w, lora) -> torch.Tensor | None:
-    """x2 @ Ŵᵀ + the LoRA term by the CUDA GEMM with the term in its epilogue, where the dispatcher gives this
-    (format, shape, M) to the CUDA GEMM, the ranks fit (``cuda_fp4.wgmma_lora_ok``) and the switch of its kernel is
-    on (a wgmma configuration: :func:`wgmma_lora_mode`; an mma.sync one: :func:`mma_lora_mode`); None otherwise
-    (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M bound); in mode
-    ``pdl`` that launch triggers the GEMM (under PDL) at once, and for the wgmma kernel x is permuted before it."""
-    m, n, k = x2.shape[0], w.n, w.k
-    if not cuda_gemm_choice(fmt, n, k, m, x2.device):
+def _gemm_lora_route(fmt, m: int, w, lora, dev: torch.device) -> tuple[tuple, bool, str] | None:
+    """(config, wgmma?, mode) of the CUDA GEMM with the LoRA term in its epilogue for M tokens, where the dispatcher
+    gives this (format, shape, M) to the CUDA GEMM, the ranks fit (``cuda_fp4.wgmma_lora_ok``) and the switch of its
+    kernel is on (a wgmma configuration: :func:`wgmma_lora_mode`; an mma.sync one: :func:`mma_lora_mode`); None
+    otherwise (the caller adds the LoRA)."""
+    if not cuda_gemm_choice(fmt, w.n, w.k, m, dev):
+        return None
+    from qerl.kernels import cuda_fp4
+    if not cuda_fp4.wgmma_lora_ok(lora):
+        return None
+    config = cuda_fp4._gemm_config(w, m, dev)
+    wg = config[1] <= 0
+    mode = wgmma_lora_mode() if wg else mma_lora_mode()
+    return None if mode == "0" else (config, wg, mode)
+
+
+def _gemm_lora(fmt, x2: torch.Tensor, w, lora, xp: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x2 @ Ŵᵀ + the LoRA term by the CUDA GEMM with the term in its epilogue (:func:`_gemm_lora_route`); None where
+    that path does not run (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M
+    bound); in mode ``pdl`` that launch triggers the GEMM (under PDL) at once. The wgmma kernel reads x in its K
+    permutation: ``xp`` when given (x's producer wrote it: :func:`permuted_twin`), else permuted here, before t's
+    launch (which must be the GEMM's immediate predecessor under PDL)."""
+    route = _gemm_lora_route(fmt, x2.shape[0], w, lora, x2.device)
+    if route is None:
         return None
     from qerl.kernels import cuda_fp4
     from qerl.kernels.fused import lora_a
-    if not cuda_fp4.wgmma_lora_ok(lora):
-        return None
-    config = cuda_fp4._gemm_config(w, m, x2.device)
-    wg = config[1] <= 0
-    mode = wgmma_lora_mode() if wg else mma_lora_mode()
-    if mode == "0":
-        return None
-    # t's kernel lets the GEMM start, which waits for it before its epilogue; the wgmma kernel's tokens are permuted
-    # first, so that t's launch is the GEMM's immediate predecessor (rows read in place: no copy in between)
-    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or cuda_fp4.rows_aligned(x2))
-    xp = cuda_fp4.permute_tokens(x2) if pdl and wg else None
+    config, wg, mode = route
+    if not wg or (xp is not None and (xp.shape != x2.shape or not xp.is_contiguous())):
+        xp = None
+    # rows read in place: no copy between t's launch and the GEMM
+    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or xp is not None or cuda_fp4.rows_aligned(x2))
+    if xp is None and pdl and wg:
+        xp = cuda_fp4.permute_tokens(x2)
     return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp)
+
+
+def tag_permuted(x: torch.Tensor, xp: torch.Tensor) -> None:
+    """Record that ``xp`` holds x in the wgmma GEMM's K permutation (``cuda_fp4.permute_x_reference``), written by
+    the launch that writes x (``qerl.kernels.fused.add_rms_norm`` / ``silu_mul`` with ``permuted=True``): the GEMM
+    of the linear that takes x then reads xp instead of permuting x itself (:func:`permuted_twin`). The tag lives on
+    this tensor object only (a view of x carries none); an in-place change of x after tagging voids it."""
+    x._qerl_permuted = (xp, _version(x))
+
+
+def permuted_twin(x: torch.Tensor) -> torch.Tensor | None:
+    """x's copy in the wgmma GEMM's K permutation recorded by :func:`tag_permuted`, or None (none recorded, or x was
+    changed in place since)."""
+    tag = getattr(x, "_qerl_permuted", None)
+    if tag is None or tag[1] != _version(x) or tag[0].shape != x.shape:
+        return None
+    return tag[0]
+
+
+def _version(x: torch.Tensor) -> int | None:
+    try:
+        return x._version
+    except RuntimeError:  # inference-mode tensors keep no version counter (and cannot change outside it)
+        return None
+
+
+def _fp4_wants_permuted(fmt, q: Mapping[str, torch.Tensor], lora, m: int, device: torch.device) -> bool:
+    """Whether :func:`_fp4_linear_lora` on an (M, K) bf16 x on ``device`` runs the wgmma GEMM with the LoRA term in
+    its epilogue, the kernel that reads x in its K permutation: x's producer may then write that copy too."""
+    if (lora is None or device.type != "cuda" or m <= CUDA_GEMV_MAX_M or lora.a.dtype != torch.bfloat16
+            or os.environ.get("QERL_CUDA_LORA", "1") == "0"):
+        return False
+    w = _cuda_weight(fmt, q)
+    if w is None or lora.bn.shape[0] != w.n or lora.a.shape[1] != w.k:
+        return False
+    route = _gemm_lora_route(fmt, m, w, lora, device)
+    return route is not None and route[1]
 
 
 def sliced_rows(chunk: int, m: int, n: int) -> int:
@@ -711,6 +760,9 @@ class FP4Kernels:
 
     def linear_lora(self, fmt, x, q, lora, act=None):
         return _fp4_linear_lora(fmt, x, q, lora, act)
+
+    def wants_permuted(self, fmt, q, lora, m, device):
+        return _fp4_wants_permuted(fmt, q, lora, m, device)
 
     def dequantize(self, fmt, q, out):
         return _fp4_dequantize(fmt, q, out)

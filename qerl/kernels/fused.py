@@ -39,7 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from qerl.kernels import _counters, _interpret, _triton_ok, pdl_enabled
+from qerl.kernels import _counters, _interpret, _triton_ok, pdl_enabled, tag_permuted
 
 try:
     import triton
@@ -161,8 +161,15 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, D, stride_d, eps, HAS_DELTA: tl.constexpr,
-                             BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _wgmma_perm(offs):
+        # where column k of a row lands in the wgmma GEMM's K permutation (cuda_fp4.permute_x_reference): inside
+        # each chunk of 64, k = 16 i + 2 u + e goes to 8 u + 2 i + e
+        r = offs % 64
+        return offs - r + ((r // 2) % 8) * 8 + (r // 16) * 2 + r % 2
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, xp_ptr, D, stride_d, eps, HAS_DELTA: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr = False, PERM: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -176,7 +183,10 @@ if HAS_TRITON:
         var = tl.sum(hf * hf, axis=0) / D
         xn = (hf * (1.0 / tl.sqrt(var + eps))).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs, mask=msk, other=0.0).to(tl.float32)
-        tl.store(x_ptr + row * D + offs, (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=msk)
+        y = (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * D + offs, y, mask=msk)
+        if PERM:  # also the copy the wgmma GEMM reads (D a multiple of 64)
+            tl.store(xp_ptr + row * D + _wgmma_perm(offs), y, mask=msk)
 
     @triton.jit
     def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX, stride_qkv,
@@ -269,7 +279,8 @@ if HAS_TRITON:
         tl.store(o_ptr + rh * D + dm, o.to(o_ptr.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, o_ptr, NI, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _silu_mul_kernel(gu_ptr, o_ptr, op_ptr, NI, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                         PERM: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -277,7 +288,10 @@ if HAS_TRITON:
         g = tl.load(gu_ptr + row * stride_gu + offs, mask=msk, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + NI + offs, mask=msk, other=0.0)
         a = (g / (1.0 + tl.exp(-g))).to(o_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(o_ptr + row * NI + offs, (a * u.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=msk)
+        y = (a * u.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + row * NI + offs, y, mask=msk)
+        if PERM:  # also the copy the wgmma GEMM reads (NI and BLOCK multiples of 64)
+            tl.store(op_ptr + row * NI + _wgmma_perm(offs), y, mask=msk)
 
 
     @triton.jit
@@ -339,18 +353,24 @@ def _unit_cols(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 permuted: bool = False):
     """``h += delta`` (in place) and ``RMSNorm(h)·w``. h: (M, D) contiguous; delta: (M, D) with unit column stride
-    (its rows may lie further apart: a BF16 product's view, ``qerl.fastdecode.reserve_lora_rows``). Returns (h, x)."""
+    (its rows may lie further apart: a BF16 product's view, ``qerl.fastdecode.reserve_lora_rows``). Returns (h, x).
+    ``permuted`` (D a multiple of 64): the launch also writes x in the wgmma GEMM's K permutation and tags x with it
+    (``qerl.kernels.tag_permuted``), so the next linear's GEMM skips its permute launch; without the Triton kernel
+    the copy is made by torch (the same values)."""
     if not _triton_ok(h):
-        return add_rms_norm_ref(h, delta, weight, eps)
+        h, x = add_rms_norm_ref(h, delta, weight, eps)
+        return h, (_tag_reference(x) if permuted else x)
     delta = _unit_cols(delta)
     m, d = h.shape
     x = torch.empty_like(h)
-    _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, d,
+    xp = _twin(x, permuted)
+    _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, xp if xp is not None else x, d,
                                delta.stride(0) if delta is not None else d, float(eps),
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
-                               **_pdl(h))
+                               PERM=xp is not None, **_pdl(h))
     return h, x
 
 
@@ -471,17 +491,39 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Ten
     return out
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """silu(gate)·up from the fused (M, 2I) gate|up output (rows may lie further apart). Returns (M, I)."""
+def silu_mul(gu: torch.Tensor, permuted: bool = False) -> torch.Tensor:
+    """silu(gate)·up from the fused (M, 2I) gate|up output (rows may lie further apart). Returns (M, I).
+    ``permuted``: also the output in the wgmma GEMM's K permutation, as :func:`add_rms_norm`'s."""
     if not _triton_ok(gu):
-        return silu_mul_ref(gu)
+        out = silu_mul_ref(gu)
+        return _tag_reference(out) if permuted else out
     gu = _unit_cols(gu)
     m, i2 = gu.shape
     i = i2 // 2
     out = torch.empty((m, i), dtype=gu.dtype, device=gu.device)
+    op = _twin(out, permuted)
     block = 1024
-    _silu_mul_kernel[(m, -(-i // block))](gu, out, i, gu.stride(0), BLOCK=block, num_warps=4, **_pdl(gu))
+    _silu_mul_kernel[(m, -(-i // block))](gu, out, op if op is not None else out, i, gu.stride(0), BLOCK=block,
+                                          num_warps=4, PERM=op is not None, **_pdl(gu))
     return out
+
+
+def _twin(x: torch.Tensor, permuted: bool) -> torch.Tensor | None:
+    """The buffer for x's copy in the wgmma GEMM's K permutation, tagged on x (None: not wanted, or K not a
+    multiple of 64). Written by the launch that writes x, which runs right after this."""
+    if not permuted or x.shape[-1] % 64:
+        return None
+    xp = torch.empty_like(x)
+    tag_permuted(x, xp)
+    return xp
+
+
+def _tag_reference(x: torch.Tensor) -> torch.Tensor:
+    """x tagged with its permuted copy made by torch (the reference paths: CPU, no Triton)."""
+    if x.shape[-1] % 64 == 0:
+        from qerl.kernels.cuda_fp4 import permute_x_reference
+        tag_permuted(x, permute_x_reference(x).contiguous())
+    return x
 
 
 SAMPLE_BLOCK = 4096  # vocabulary entries per program of sample_race's first pass
