@@ -289,13 +289,15 @@ class Sampler:
         layers, dt = self._layers, h.dtype
         # inputs of the linears whose GEMM reads them in its own K order are written in it by their producer too
         perm = [(permuted_input(e["qkv"], n, dt), permuted_input(e["gate_up"], n, dt),
-                 permuted_input(layer.mlp.down_proj, n, dt)) for e, layer in zip(s["plan"], layers, strict=True)]
+                 permuted_input(layer.mlp.down_proj, n, dt), permuted_input(layer.self_attn.o_proj, n, dt))
+                for e, layer in zip(s["plan"], layers, strict=True)]
         h, x = fk.add_rms_norm(h, None, *self._norm_args(layers[0].input_layernorm), permuted=perm[0][0])
         for i, layer in enumerate(layers):
             p, a = s["plan"][i], layer.self_attn
             q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
-            o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot)  # (N, H*d)
+            o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot,
+                                    permuted=perm[i][3])  # (N, H*d)
             h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm),
                                    permuted=perm[i][1])
             d = layer.mlp.down_proj(p["gate_up"].silu_mul(x, permuted=perm[i][2]))

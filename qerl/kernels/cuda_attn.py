@@ -33,13 +33,15 @@ _BINDING = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-extern "C" int qattn_decode(const void*, const void*, const void*, const float*, const long long*, void*, int, int,
-                            int, int, int, int, float, int, int, void*);
+extern "C" int qattn_decode(const void*, const void*, const void*, const float*, const long long*, void*, void*, int,
+                            int, int, int, int, int, float, int, int, void*);
 
 // q (M, H, d) bf16; kc, vc (M, HKV, S_max, d) bf16; bias (M, S_max) fp32; slot (1,) int64 or empty; o (M, H·d)
-// bf16.
+// bf16; op empty or like o (o in the wgmma GEMM's K permutation too).
 void attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor bias, torch::Tensor slot,
-            torch::Tensor o, int64_t s, double scale, int64_t nst, bool pdl) {
+            torch::Tensor o, torch::Tensor op, int64_t s, double scale, int64_t nst, bool pdl) {
+  TORCH_CHECK(op.numel() == 0 || (op.is_cuda() && op.is_contiguous() && op.sizes() == o.sizes() &&
+              op.scalar_type() == at::kBFloat16), "op: empty or a contiguous bf16 tensor shaped like o");
   for (const auto* t : {&q, &kc, &vc, &bias, &o})
     TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "decode attention: CUDA tensors, contiguous");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kc.scalar_type() == at::kBFloat16 &&
@@ -54,7 +56,7 @@ void attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor b
   const c10::cuda::CUDAGuard guard(q.device());
   const long long* sl = slot.numel() ? reinterpret_cast<const long long*>(slot.data_ptr<int64_t>()) : nullptr;
   const int err = qattn_decode(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), bias.data_ptr<float>(), sl, o.data_ptr(),
-                               (int)m, (int)hkv, (int)(h / hkv), (int)d, (int)s, (int)smax, (float)scale, (int)nst,
+                               op.numel() ? op.data_ptr() : nullptr, (int)m, (int)hkv, (int)(h / hkv), (int)d, (int)s, (int)smax, (float)scale, (int)nst,
                                pdl ? 1 : 0, (void*)c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
   TORCH_CHECK(err == 0, "qattn_decode: ", err == -1 ? "unsupported arguments" : cudaGetErrorString((cudaError_t)err));
 }
@@ -113,14 +115,20 @@ def usable(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Tens
 
 
 def attend(q, kc, vc, bias, s: int, scale: float, slot: torch.Tensor | None, pdl: bool,
-           nst: int | None = None) -> torch.Tensor:
+           nst: int | None = None, permuted: bool = False) -> torch.Tensor:
     """softmax(q·Kᵀ·scale + bias)·V over cache slots [0, s), one CTA per (row, KV head): q (M, H, d), kc/vc (M, HKV,
-    S_max, d), bias (M, S_max) fp32. Returns (M, H·d) bf16. ``nst``: ring stages per warp (default :data:`NST`)."""
+    S_max, d), bias (M, S_max) fp32. Returns (M, H·d) bf16. ``nst``: ring stages per warp (default :data:`NST`).
+    ``permuted``: the launch also writes the output in the FP4 wgmma GEMM's K permutation, tagged on it
+    (``qerl.kernels.tag_permuted``: the o projection's GEMM reads it instead of permuting)."""
     nst = NST if nst is None else nst
     if nst not in NST_CHOICES:
         raise ValueError(f"nst={nst}; valid: {NST_CHOICES}")
     m, h, d = q.shape
     o = torch.empty((m, h * d), dtype=q.dtype, device=q.device)
     empty = torch.empty(0, dtype=torch.long, device=q.device)
-    _ext().attend(q, kc, vc, bias, empty if slot is None else slot, o, int(s), float(scale), int(nst), bool(pdl))
+    op = torch.empty_like(o) if permuted else torch.empty(0, dtype=o.dtype, device=o.device)
+    _ext().attend(q, kc, vc, bias, empty if slot is None else slot, o, op, int(s), float(scale), int(nst), bool(pdl))
+    if permuted:
+        from qerl.kernels import tag_permuted
+        tag_permuted(o, op)
     return o

@@ -411,12 +411,14 @@ def attention_splits(rows: int, S: int, block: int | None = None, target_program
     return -(-S // chunk), chunk
 
 
-def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor | None = None):
+def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor | None = None,
+                     permuted: bool = False):
     """Attention of one new token per row over cache slots [0, S): q (M, H, d), kc/vc (M, Hkv, S_max, d),
     bias (M, S_max) fp32 additive mask. Returns (M, H·d). On CUDA the split kernel is
     :mod:`qerl.kernels.cuda_attn`'s where it applies (``QERL_ATTN``), else Triton's; ``slot`` (1,) int64, the one
     cache slot the preceding launch (RoPE + cache write) may still be writing: with PDL the CUDA kernel requests
-    every other key before it waits for that launch (None: nothing before the wait)."""
+    every other key before it waits for that launch (None: nothing before the wait). ``permuted``: where the CUDA
+    kernel runs, it also writes the output in the wgmma GEMM's K permutation (tagged, as :func:`add_rms_norm`'s)."""
     if not _triton_ok(q):
         return decode_attention_ref(q, kc, vc, bias, S, scale)
     m, H, d = q.shape
@@ -426,7 +428,7 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor |
     if not interp and q.is_cuda:
         from qerl.kernels import cuda_attn
         if cuda_attn.usable(q, kc, vc, bias):
-            return cuda_attn.attend(q.contiguous(), kc, vc, bias, S, scale, slot, bool(pdl))
+            return cuda_attn.attend(q.contiguous(), kc, vc, bias, S, scale, slot, bool(pdl), permuted=permuted)
     nsplit, chunk = attention_splits(m * hkv, S)
     part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
     mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]

@@ -84,6 +84,7 @@ struct Args {
   const float* bias;        // (M, S_max): 0 valid, -inf masked
   const long long* slot;    // the cache slot the previous launch wrote (nullptr: load everything after the wait)
   __nv_bfloat16* o;         // (M, H·D)
+  __nv_bfloat16* op;        // nullptr, or (M, H·D): o again in the FP4 wgmma GEMM's K permutation (its next reader)
   int hkv, g, s, s_max;
   float qk_scale;           // scale · log2(e)
 };
@@ -284,7 +285,13 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attn_kernel(const Args a) 
       num += wt * b[h * D + d];
       den += wt * b[16 * D + 16 + h];
     }
-    a.o[((long long)pid * a.g + h) * D + d] = __float2bfloat16_rn(num / den);  // row · H + head
+    const long long at = ((long long)pid * a.g + h) * D;  // row · H + head
+    const __nv_bfloat16 v = __float2bfloat16_rn(num / den);
+    a.o[at + d] = v;
+    if (a.op != nullptr) {  // inside each 64-chunk, d = 16 i + 2 u + e lands at 8 u + 2 i + e (fp4_wgmma_gemm.cu)
+      const int r = d & 63;
+      a.op[at + (d - r) + ((r >> 1) & 7) * 8 + (r >> 4) * 2 + (r & 1)] = v;
+    }
   }
 }
 
@@ -309,16 +316,16 @@ int launch_d(const Args& a, int d, int rows, int pdl, cudaStream_t stream) {
 }  // namespace qattn
 
 // Returns 0, -1 for unsupported arguments, else a cudaError_t. Shapes: q (M, HKV·g, d) contiguous, kc/vc (M, HKV,
-// s_max, d) contiguous, bias (M, s_max) fp32 contiguous, o (M, HKV·g·d) bf16; d in {64, 128}, 1 <= g <= 16,
-// nst in {2, 3, 4}.
+// s_max, d) contiguous, bias (M, s_max) fp32 contiguous, o (M, HKV·g·d) bf16, op nullptr or as o (o in the wgmma
+// GEMM's K permutation too); d in {64, 128}, 1 <= g <= 16, nst in {2, 3, 4}.
 extern "C" int qattn_decode(const void* q, const void* kc, const void* vc, const float* bias, const long long* slot,
-                            void* o, int rows_m, int hkv, int g, int d, int s, int s_max, float scale, int nst, int pdl,
-                            void* stream) {
+                            void* o, void* op, int rows_m, int hkv, int g, int d, int s, int s_max, float scale,
+                            int nst, int pdl, void* stream) {
   using namespace qattn;
   if (g < 1 || g > 16 || s < 1 || s > s_max) return -1;
   Args a{static_cast<const __nv_bfloat16*>(q), static_cast<const __nv_bfloat16*>(kc),
-         static_cast<const __nv_bfloat16*>(vc), bias, slot, static_cast<__nv_bfloat16*>(o), hkv, g, s, s_max,
-         scale * kLog2e};
+         static_cast<const __nv_bfloat16*>(vc), bias, slot, static_cast<__nv_bfloat16*>(o),
+         static_cast<__nv_bfloat16*>(op), hkv, g, s, s_max, scale * kLog2e};
   const int rows = rows_m * hkv;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   switch (nst) {
