@@ -74,7 +74,7 @@
 #   scripts/gpu_bench.sh perm    issue 10, session 38: the wgmma GEMM's tokens written in its K permutation by the
 #                                norm / SwiGLU / attention launch before it (the default) against session 37's permute
 #                                launch (fused-s37): the GPU tests, 7B NVFP4 rollouts at 64-256 sequences alternating
-#                                twice ($OUT/roll_perm), then benchmarks.lora_a_bench --quick ($OUT/lora_a); ~8 min
+#                                twice ($OUT/roll_perm), then (LORA_A=1) benchmarks.lora_a_bench --quick; ~8 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -300,7 +300,7 @@ gemm_lora_pdl_decode or graph_sampler_matches or mma_gemm_lora"
   # 256 + 512, one process, batch 16 first (the process's first run reads low), the two modes alternating twice
   timeout 200 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
     --decode fused-s37,fused,fused-s37,fused --out "$OUT/roll_perm" 2>&1 | grep -v Warn >> "$LOG"
-  [ -f benchmarks/lora_a_bench.py ] && timeout 120 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 \
+  [ -n "${LORA_A:-}" ] && timeout 120 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 \
     --quick --out "$OUT/lora_a" 2>&1 | grep -v Warn > "$OUT/lora_a_log.txt" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
