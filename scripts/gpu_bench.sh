@@ -75,6 +75,9 @@
 #                                norm / SwiGLU / attention launch before it (the default) against session 37's permute
 #                                launch (fused-s37): the GPU tests, 7B NVFP4 rollouts at 64-256 sequences alternating
 #                                twice ($OUT/roll_perm), then (LORA_A=1) benchmarks.lora_a_bench --quick; ~8 min
+#   scripts/gpu_bench.sh cmp38   issue 10 after session 38's call 2: the permuted-input GPU test again, the x·Aᵀ
+#                                sweep (benchmarks.lora_a_bench --quick, $OUT/lora_a), 7B NVFP4 vs BF16-LoRA rollouts
+#                                at 16 (warm-up) to 256 sequences, one pass ($OUT/roll_cmp); ~7 min
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -302,6 +305,15 @@ gemm_lora_pdl_decode or graph_sampler_matches or mma_gemm_lora"
     --decode fused-s37,fused,fused-s37,fused --out "$OUT/roll_perm" 2>&1 | grep -v Warn >> "$LOG"
   [ -n "${LORA_A:-}" ] && timeout 120 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 \
     --quick --out "$OUT/lora_a" 2>&1 | grep -v Warn > "$OUT/lora_a_log.txt" ;;
+cmp38)  # issue 10 after session 38's call 2: the permuted-input GPU test, the x·Aᵀ sweep (quick), NVFP4 vs BF16-LoRA
+         # rollouts with the defaults (one pass, one process)
+  build 2
+  gpu_tests cmp38 120 tests/test_fused_decode.py -k "permuted_inputs"
+  mkdir -p "$OUT/lora_a"
+  timeout 130 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 --quick --out "$OUT/lora_a" 2>&1 \
+    | grep -v Warn > "$OUT/lora_a/log.txt"
+  timeout 200 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
+    --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \
