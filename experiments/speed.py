@@ -586,7 +586,18 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 37, 098d2c0: x·Aᵀ by the Triton kernel up to 256 tokens, and the wgmma GEMM, which serves most 7B
+Now (session 38, 561d7b8: the RMSNorm, SwiGLU and CUDA attention launches also write their output in the wgmma GEMM's
+K permutation, so the decode step's four permute launches per layer are gone, `QERL_FUSED_PERMUTE=1`; `raw/h100_s38_cmp/`,
+one run, both formats in one process, one pass — a one-pass difference below ~3% is noise):
+{batch_rollout_table(root, "h100_s38_cmp")}
+That change against session 37's step (`fused-s37`, the GEMM's own permute launch), alternating twice in one process
+(NVFP4, 6d3a5c5; both passes, `raw/h100_s38_perm/README.md`): +2.6 / +3.3 / +1.8% at 64 / 128 / 256 on
+the second pass, +5.7 / +5.0 / +2.2% on the first, where `fused-s37` ran first; +2.4% at 16, where nothing changed,
+is this design's order effect. Where the 128-sequence step goes now (`raw/h100_s38_cmp/prof_call4/`, KV 1024): NVFP4
+graph step 8990 µs (9355 before) vs BF16-LoRA 10146; what NVFP4 pays and BF16 does not: x·Aᵀ, 112 launches, 811 µs
+(`benchmarks.lora_a_bench`: ~6 µs a launch for every launch configuration and for cuBLAS alike, `raw/h100_s38_cmp/lora_a/`):
+{_raw_rollouts(root, "h100_s38_perm/roll_perm")}
+Session 37 (098d2c0: x·Aᵀ by the Triton kernel up to 256 tokens, and the wgmma GEMM, which serves most 7B
 products at 64-256 tokens, launched under PDL after it so that its main loop overlaps that launch, `QERL_WGMMA_LORA=pdl
 QERL_LORA_A_MAX_M=256`; `raw/h100_s37_cmp/`, one run, both formats in one process, the default and session 36's
 settings alternating once per batch — with the same settings at 32 the second of the pair read 2-4% higher, so a
