@@ -308,9 +308,24 @@ def test_fused_kernels_compile_for_sm90():
     for bm in (16, 32, 64):  # decode size; 17-32 and 33-64 tokens; the PDL trigger with 32; tiles of 64 rows (> 64)
         ck = build(fk._lora_a_kernel, dict(x_ptr=bf, a_ptr=bf, out_ptr=bf, ws_ptr=f32, cnt_ptr="*i32", M="i32",
                                            R="i32", K="i32", stride_xm="i32", PER="i32"),
-                   dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False, TRIGGER=bm == 32,
-                        MTILES=bm == 64))
-        assert ("griddepcontrol.launch_dependents" in ck.asm["ptx"]) == (bm == 32)
+                   dict(BM=bm, BR=16, BK=128, SPLIT=8, FENCE=True, DOT_F32=False, TRIGGER=bm >= 32,
+                        MTILES=bm == 64, WAIT=bm == 64))
+        ptx = ck.asm["ptx"]
+        assert ("griddepcontrol.launch_dependents" in ptx) == (bm >= 32)
+        assert ("griddepcontrol.wait" in ptx) == (bm == 64)  # launched under PDL itself (QERL_LORA_A_PDL)
+        if bm == 64:  # the wait comes before the trigger: the GEMM launched after it reads x's producer's output
+            assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+def test_lora_a_pdl_switch(monkeypatch):
+    """QERL_LORA_A_PDL: off by default, "1" on, anything else refused by name with the choices."""
+    monkeypatch.delenv("QERL_LORA_A_PDL", raising=False)
+    assert not fk.lora_a_pdl()
+    monkeypatch.setenv("QERL_LORA_A_PDL", "1")
+    assert fk.lora_a_pdl()
+    monkeypatch.setenv("QERL_LORA_A_PDL", "yes")
+    with pytest.raises(ValueError, match="QERL_LORA_A_PDL='yes': choose 1 \\(on\\) or 0 \\(off\\)"):
+        fk.lora_a_pdl()
 
 
 def test_lora_a_max_m_switch(monkeypatch):

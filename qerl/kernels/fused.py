@@ -121,7 +121,9 @@ if HAS_TRITON:
     def _lora_a_kernel(x_ptr, a_ptr, out_ptr, ws_ptr, cnt_ptr, M, R, K, stride_xm, PER,
                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                        FENCE: tl.constexpr, DOT_F32: tl.constexpr, TRIGGER: tl.constexpr = False,
-                       MTILES: tl.constexpr = False):
+                       MTILES: tl.constexpr = False, WAIT: tl.constexpr = False):
+        if WAIT:  # launched under PDL itself: the kernel before (x's producer) has finished after this
+            gdc_wait()
         if TRIGGER:  # a dependent launched under PDL (the GEMM with t in its epilogue) may start now
             gdc_launch_dependents()
         rb = tl.program_id(0)
@@ -469,11 +471,23 @@ def lora_a_max_m() -> int:
     return int(v)
 
 
+def lora_a_pdl() -> bool:
+    """``QERL_LORA_A_PDL``: "1" launches :func:`lora_a` with ``trigger`` under programmatic dependent launch too, so it
+    starts while x's producer drains (it waits for it first, then lets the GEMM launch: everything that GEMM's main
+    loop reads before its own wait is written by then; the decode mode ``fused-lora-a-pdl``); "0" (default until it
+    is measured and GPU-tested) launches it plainly after the producer."""
+    v = os.environ.get("QERL_LORA_A_PDL", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_LORA_A_PDL={v!r}: choose 1 (on) or 0 (off)")
+    return v == "1"
+
+
 def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Tensor:
     """x (M, K) · Aᵀ (A: (R, K)) -> (M, R) in x's dtype, on CUDA for M <= :func:`lora_a_max_m` by one Triton
     launch (split over K with an in-kernel reduction); F.linear elsewhere. ``trigger`` (sm_90): the launch lets a
     next kernel launched under programmatic dependent launch start at once (``cuda_fp4.gemm(..., pdl=True)``; its
-    main loop then overlaps this one, and it waits for t before reading it)."""
+    main loop then overlaps this one, and it waits for t before reading it); with :func:`lora_a_pdl` it is itself
+    launched under PDL, waiting for its predecessor before it lets that kernel launch."""
     m, k = x.shape
     if m > 16 and m > lora_a_max_m() or not _triton_ok(x) or x.stride(1) != 1 or not a.is_contiguous() \
             or a.dtype != x.dtype:
@@ -487,9 +501,12 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Ten
     ws = torch.empty((split, m, r), dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = _counters(x.device) if split > 1 else out
     interp = _interpret()
+    trig = trigger and pdl_enabled(x)
+    wait = trig and lora_a_pdl()
     _lora_a_kernel[(nrb, split, mtiles)](x, a, out, ws, cnt, m, r, k, x.stride(0), per, BM=bm, BR=16, BK=128,
                                          SPLIT=split, FENCE=x.is_cuda and not interp, DOT_F32=interp,
-                                         TRIGGER=trigger and pdl_enabled(x), MTILES=mtiles > 1, num_warps=4)
+                                         TRIGGER=trig, MTILES=mtiles > 1, WAIT=wait, num_warps=4,
+                                         **({"launch_pdl": True} if wait else {}))
     return out
 
 
