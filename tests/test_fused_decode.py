@@ -190,13 +190,16 @@ def _interpreter_main() -> None:
             h2, x2 = fk.add_rms_norm(h.clone(), delta, w, 1e-6)
             assert torch.equal(h1, h2)
             torch.testing.assert_close(x2, x1, rtol=1e-6, atol=1e-6)
-            # the same launch writing the wgmma GEMM's permuted copy too (D a multiple of 64; none otherwise)
-            h3, x3 = fk.add_rms_norm(h.clone(), delta, w, 1e-6, permuted=True)
-            assert torch.equal(h3, h2) and torch.equal(x3, x2)
-            twin = kernels.permuted_twin(x3)
-            assert (twin is None) == (D % 64 != 0)
-            if twin is not None:
-                assert torch.equal(twin, permute_x_reference(x3)) and not torch.equal(twin, x3)
+            # the same launch writing the wgmma GEMM's permuted copy too (D a multiple of 64; none otherwise), with
+            # either store (QERL_PERMUTE_STORE)
+            for store in fk.PERMUTE_STORES:
+                os.environ["QERL_PERMUTE_STORE"] = store
+                h3, x3 = fk.add_rms_norm(h.clone(), delta, w, 1e-6, permuted=True)
+                assert torch.equal(h3, h2) and torch.equal(x3, x2)
+                twin = kernels.permuted_twin(x3)
+                assert (twin is None) == (D % 64 != 0)
+                if twin is not None:
+                    assert torch.equal(twin, permute_x_reference(x3)) and not torch.equal(twin, x3), store
     H, hkv, d, m = 4, 2, 16, 3
     qkv, b = torch.randn(m, (H + 2 * hkv) * d, generator=g), torch.randn((H + 2 * hkv) * d, generator=g)
     cos, ssin = torch.randn(m, d, generator=g), torch.randn(m, d, generator=g)
@@ -223,9 +226,12 @@ def _interpreter_main() -> None:
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(3, 2 * 1088 + 32, generator=g)[:, :2176]  # I = 1088: a second, partial block of 1024
-    out = fk.silu_mul(gu, permuted=True)
-    assert torch.equal(out, fk.silu_mul(gu))
-    assert torch.equal(kernels.permuted_twin(out), permute_x_reference(out))
+    for store in fk.PERMUTE_STORES:
+        os.environ["QERL_PERMUTE_STORE"] = store
+        out = fk.silu_mul(gu, permuted=True)
+        assert torch.equal(out, fk.silu_mul(gu))
+        assert torch.equal(kernels.permuted_twin(out), permute_x_reference(out)), store
+    os.environ.pop("QERL_PERMUTE_STORE")
     os.environ["QERL_LORA_A_MAX_M"] = "256"  # the 32- and 64-row tiles too, and several tiles of 64 rows (the default)
     for m, r, k in ((3, 32, 700), (8, 96, 2048), (16, 40, 1000), (1, 16, 128), (17, 96, 700), (32, 32, 1000),
                     (40, 64, 2048), (64, 16, 128), (100, 48, 700), (256, 32, 1000)):  # split-K, ragged R, K and M
@@ -266,28 +272,32 @@ def test_fused_kernels_compile_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def build(fn, sig, const, warps=4):
+    def build(fn, sig, const, warps=4, attrs=None):  # attrs: e.g. the divisibility the JIT specializes on
         sig = dict(sig, **{c: "constexpr" for c in const})
-        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
+        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         assert ck.asm["cubin"]
         return ck
 
     bf, f32 = "*bf16", "*fp32"
     for wdt in (bf, f32):
-        for perm in (False, True):  # with the permuted copy for the wgmma GEMM too
+        for perm, vec in ((False, False), (True, False), (True, True)):  # the permuted copy too, both stores
             build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=wdt, x_ptr=bf, xp_ptr=bf, D="i32",
                                                     stride_d="i32", eps="fp32"),
-                  dict(HAS_DELTA=True, BLOCK=4096, PERM=perm))
+                  dict(HAS_DELTA=True, BLOCK=4096, PERM=perm, VEC=vec))
     build(fk._rope_qkv_kernel, dict(qkv_ptr=bf, b_ptr=bf, cos_ptr=bf, sin_ptr=bf, q_ptr=bf, kc_ptr=bf, vc_ptr=bf,
                                     slot_ptr="*i64", S_MAX="i32", stride_qkv="i32"), dict(H=28, HKV=4, D=128, HAS_BIAS=True), 1)
     build(fk._attn_split_kernel, dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
                                       S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"), dict(D=128, SP=16))
-    for perm in (False, True):
-        build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, op_ptr=bf, NI="i32", stride_gu="i32"),
-              dict(BLOCK=1024, PERM=perm))
+    for perm, vec in ((False, False), (True, False), (True, True)):
+        # with the sizes divisible by 16 (as every Qwen shape is, so the JIT specializes on it): the output in 16-byte
+        # stores; the permuted copy element by element, or (vec) permuted in registers and in 16-byte stores too
+        ck = build(fk._silu_mul_kernel, dict(gu_ptr=bf, o_ptr=bf, op_ptr=bf, NI="i32", stride_gu="i32"),
+                   dict(BLOCK=1024, PERM=perm, VEC=vec), attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+        ptx = ck.asm["ptx"]
+        assert "st.global.v4.b32" in ptx and ("st.global.b16" in ptx) == (perm and not vec), (perm, vec)
     build(fk._sample_part_kernel, dict(z_ptr=f32, e_ptr=f32, ws_ptr=f32, idx_ptr="*i32", V="i32", temp="fp32",
                                        S="i32"), dict(BLOCK=fk.SAMPLE_BLOCK), 8)
     build(fk._sample_combine_kernel, dict(z_ptr=f32, ws_ptr=f32, idx_ptr="*i32", tok_ptr="*i64", lp_ptr=f32,
@@ -315,6 +325,17 @@ def test_fused_kernels_compile_for_sm90():
         assert ("griddepcontrol.wait" in ptx) == (bm == 64)  # launched under PDL itself (QERL_LORA_A_PDL)
         if bm == 64:  # the wait comes before the trigger: the GEMM launched after it reads x's producer's output
             assert ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+def test_permute_store_switch(monkeypatch):
+    """QERL_PERMUTE_STORE: scatter by default, vector, anything else refused by name with the choices."""
+    monkeypatch.delenv("QERL_PERMUTE_STORE", raising=False)
+    assert fk.permute_store() == "scatter"
+    monkeypatch.setenv("QERL_PERMUTE_STORE", "vector")
+    assert fk.permute_store() == "vector"
+    monkeypatch.setenv("QERL_PERMUTE_STORE", "v4")
+    with pytest.raises(ValueError, match="QERL_PERMUTE_STORE='v4'; valid: scatter, vector"):
+        fk.permute_store()
 
 
 def test_lora_a_pdl_switch(monkeypatch):

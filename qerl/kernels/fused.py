@@ -170,8 +170,19 @@ if HAS_TRITON:
         return offs - r + ((r // 2) % 8) * 8 + (r // 16) * 2 + r % 2
 
     @triton.jit
+    def _store_permuted(p_ptr, offs, y, msk, BLOCK: tl.constexpr, VEC: tl.constexpr):
+        # y (BLOCK values at offs, whole 64-chunks) stored in the wgmma GEMM's K permutation: element by element at
+        # the permuted offsets, or (VEC) permuted in registers and stored contiguously (vectorizable stores)
+        if VEC:
+            yp = tl.reshape(tl.permute(tl.reshape(y, (BLOCK // 64, 4, 8, 2)), (0, 2, 1, 3)), (BLOCK,))
+            tl.store(p_ptr + offs, yp, mask=msk)
+        else:
+            tl.store(p_ptr + _wgmma_perm(offs), y, mask=msk)
+
+    @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, x_ptr, xp_ptr, D, stride_d, eps, HAS_DELTA: tl.constexpr,
-                             BLOCK: tl.constexpr, PDL: tl.constexpr = False, PERM: tl.constexpr = False):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr = False, PERM: tl.constexpr = False,
+                             VEC: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -188,7 +199,7 @@ if HAS_TRITON:
         y = (w * xn.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * D + offs, y, mask=msk)
         if PERM:  # also the copy the wgmma GEMM reads (D a multiple of 64)
-            tl.store(xp_ptr + row * D + _wgmma_perm(offs), y, mask=msk)
+            _store_permuted(xp_ptr + row * D, offs, y, msk, BLOCK, VEC)
 
     @triton.jit
     def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX, stride_qkv,
@@ -282,7 +293,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, o_ptr, op_ptr, NI, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                         PERM: tl.constexpr = False):
+                         PERM: tl.constexpr = False, VEC: tl.constexpr = False):
         _pdl_enter(PDL)
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -293,7 +304,7 @@ if HAS_TRITON:
         y = (a * u.to(tl.float32)).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + row * NI + offs, y, mask=msk)
         if PERM:  # also the copy the wgmma GEMM reads (NI and BLOCK multiples of 64)
-            tl.store(op_ptr + row * NI + _wgmma_perm(offs), y, mask=msk)
+            _store_permuted(op_ptr + row * NI, offs, y, msk, BLOCK, VEC)
 
 
     @triton.jit
@@ -372,7 +383,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, xp if xp is not None else x, d,
                                delta.stride(0) if delta is not None else d, float(eps),
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
-                               PERM=xp is not None, **_pdl(h))
+                               PERM=xp is not None, VEC=xp is not None and permute_store() == "vector", **_pdl(h))
     return h, x
 
 
@@ -523,8 +534,22 @@ def silu_mul(gu: torch.Tensor, permuted: bool = False) -> torch.Tensor:
     op = _twin(out, permuted)
     block = 1024
     _silu_mul_kernel[(m, -(-i // block))](gu, out, op if op is not None else out, i, gu.stride(0), BLOCK=block,
-                                          num_warps=4, PERM=op is not None, **_pdl(gu))
+                                          num_warps=4, PERM=op is not None,
+                                          VEC=op is not None and permute_store() == "vector", **_pdl(gu))
     return out
+
+
+PERMUTE_STORES = ("scatter", "vector")
+
+
+def permute_store() -> str:
+    """``QERL_PERMUTE_STORE``: how :func:`add_rms_norm` / :func:`silu_mul` write the permuted copy: ``scatter``
+    (default, measured in session 38: each element at its permuted offset, 2-byte stores) or ``vector`` (the block
+    permuted in registers, then stored contiguously; the same values, not yet measured on a GPU)."""
+    v = os.environ.get("QERL_PERMUTE_STORE", "scatter")
+    if v not in PERMUTE_STORES:
+        raise ValueError(f"QERL_PERMUTE_STORE={v!r}; valid: {', '.join(PERMUTE_STORES)}")
+    return v
 
 
 def _twin(x: torch.Tensor, permuted: bool) -> torch.Tensor | None:
