@@ -504,16 +504,18 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
                     per = {k: (us / steps, n / steps) for k, (us, n) in _kernel_times(prof, cuda).items()}
                     total = sum(v[0] for v in per.values())
                     launches = sum(v[1] for v in per.values())
-                    print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
-                          f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
-                    for k, (us, n) in sorted(per.items(), key=lambda kv_: -kv_[1][0]):
+                    ranked = sorted(per.items(), key=lambda kv_: -kv_[1][0])
+                    for k, (us, n) in ranked:
                         rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=get_format(f).label, batch_size=b,
                                          decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
                                          kernel=k[:120], kernel_us=us, calls=n, **_env()))
+                    if sink:  # written before the print: a run cut off while printing keeps them
+                        sink(rows[-len(per):])
+                    print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
+                          f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
+                    for k, (us, n) in ranked:
                         if us > 0.01 * total:
                             print(f"   {us:8.1f} us {n:6.1f}x  {k[:100]}")
-                    if sink:
-                        sink(rows[-len(per):])
                     sampler.release()
             del policy, sampler
     return rows
