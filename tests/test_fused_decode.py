@@ -625,20 +625,22 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, preset, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("switch,per_prompt", [("QERL_GEMM_LORA", 8), ("QERL_WGMMA_LORA", 16)])
-def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, monkeypatch):
+@pytest.mark.parametrize("fmt,switch,per_prompt,lora_a_pdl", [
+    (f, sw, pp, "0") for f in ("nvfp4", "mxfp4") for sw, pp in (("QERL_GEMM_LORA", 8), ("QERL_WGMMA_LORA", 16))] + [
+    ("nvfp4", "QERL_GEMM_LORA", 8, "1"), ("nvfp4", "QERL_WGMMA_LORA", 16, "1")])
+def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, lora_a_pdl, monkeypatch):
     """A GEMM with the LoRA term in its epilogue, launched under PDL so its main loop overlaps the x·Aᵀ kernel
     (``switch`` = pdl), draws the same tokens with the same log-probs as the plain launch (``switch`` = 1) in the graph
     sampler: the mma.sync GEMM at 24 sequences (QERL_GEMM_LORA), the wgmma GEMM at 48 (QERL_WGMMA_LORA=pdl: its own
     build with the waits; the heuristic's wgmma configuration for these untuned shapes), the other GEMM's switch at 1.
-    The PDL launches are counted, so the comparison cannot pass by both modes taking another path. Failures print the
-    first differing position."""
+    The PDL launches are counted, so the comparison cannot pass by both modes taking another path. ``lora_a_pdl`` 1:
+    the x·Aᵀ launch before the GEMM under PDL itself (QERL_LORA_A_PDL). Failures print the first differing position."""
     from qerl.kernels import cuda_fp4 as cf
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)  # t by the Triton kernel (the default up to 256 tokens)
     monkeypatch.setenv("QERL_PDL", "1")
+    monkeypatch.setenv("QERL_LORA_A_PDL", lora_a_pdl)  # 1: x·Aᵀ itself launched under PDL too (waits, then triggers)
     monkeypatch.setenv("QERL_WGMMA_LORA" if switch == "QERL_GEMM_LORA" else "QERL_GEMM_LORA", "1")
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny-d64", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
@@ -663,16 +665,17 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, monk
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_permuted_inputs_decode_is_bit_identical(fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,store", [("nvfp4", "scatter"), ("mxfp4", "scatter"), ("nvfp4", "vector")])
+def test_gpu_permuted_inputs_decode_is_bit_identical(fmt, store, monkeypatch):
     """The norm and SwiGLU launches writing the wgmma GEMM's permuted tokens beside their output
     (QERL_FUSED_PERMUTE=1, the default) draw the same tokens with the same log-probs as the GEMM's own permute launch
-    (0), in the graph sampler at 48 sequences, with and without PDL; the twins are counted (q|k|v, gate|up, down and
+    (0), in the graph sampler at 48 sequences, with and without PDL, with either store of the copy; the twins are counted (q|k|v, gate|up, down and
     o, whose input the CUDA attention writes (QERL_ATTN=cuda): four per layer and step in the capture), and so are
     the GEMM's own permute launches under PDL (one fewer per twin: only the prefill's are left)."""
     from qerl.kernels import cuda_fp4 as cf
     monkeypatch.delenv("QERL_LORA_A_MAX_M", raising=False)
     monkeypatch.setenv("QERL_ATTN", "cuda")
+    monkeypatch.setenv("QERL_PERMUTE_STORE", store)
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny-d64", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
     perturb_lora_b(policy)
