@@ -383,7 +383,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, xp if xp is not None else x, d,
                                delta.stride(0) if delta is not None else d, float(eps),
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
-                               PERM=xp is not None, VEC=xp is not None and permute_store() == "vector", **_pdl(h))
+                               **_perm_kw(xp), **_pdl(h))
     return h, x
 
 
@@ -534,8 +534,7 @@ def silu_mul(gu: torch.Tensor, permuted: bool = False) -> torch.Tensor:
     op = _twin(out, permuted)
     block = 1024
     _silu_mul_kernel[(m, -(-i // block))](gu, out, op if op is not None else out, i, gu.stride(0), BLOCK=block,
-                                          num_warps=4, PERM=op is not None,
-                                          VEC=op is not None and permute_store() == "vector", **_pdl(gu))
+                                          num_warps=4, **_perm_kw(op), **_pdl(gu))
     return out
 
 
@@ -560,6 +559,11 @@ def _twin(x: torch.Tensor, permuted: bool) -> torch.Tensor | None:
     xp = torch.empty_like(x)
     tag_permuted(x, xp)
     return xp
+
+
+def _perm_kw(xp: torch.Tensor | None) -> dict:
+    """The launch keywords of a producer kernel for its permuted copy ``xp`` (None: none written)."""
+    return {"PERM": xp is not None, "VEC": xp is not None and permute_store() == "vector"}
 
 
 def _tag_reference(x: torch.Tensor) -> torch.Tensor:
