@@ -79,9 +79,9 @@
 #                                sweep (benchmarks.lora_a_bench --quick, $OUT/lora_a), 7B NVFP4 vs BF16-LoRA rollouts
 #                                at 16 (warm-up) to 256 sequences, one pass ($OUT/roll_cmp); ~7 min
 #   scripts/gpu_bench.sh next38  issue 10 after session 38: its opt-ins GPU-tested (x·Aᵀ under PDL itself,
-#                                QERL_LORA_A_PDL=1; the permuted copy in 16-byte stores, QERL_PERMUTE_STORE=vector),
-#                                then 7B NVFP4 rollouts at 16-256 sequences, the default, each and both alternating
-#                                twice ($OUT/roll_next38); ~10 min (the steps' timeouts fill the device's limit)
+#                                QERL_LORA_A_PDL=1; the permuted copy in 16-byte stores, QERL_PERMUTE_STORE=vector;
+#                                ~6-8 min); NEXT38=roll: 7B NVFP4 rollouts at 16-256 sequences, the default, each and
+#                                both alternating twice ($OUT/roll_next38; ~8 min; session 37's 32 such runs: 270 s)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -319,13 +319,17 @@ cmp38)  # issue 10 after session 38's call 2: the permuted-input GPU test, the x
   timeout 200 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
     --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG" ;;
 next38)  # issue 10 after session 38: its two unmeasured opt-ins, x·Aᵀ under PDL itself (fused-lora-a-pdl) and the
-         # producers' permuted copy stored in 16-byte units (fused-vec-perm), GPU-tested, then against the default
-  lora_builds
-  gpu_tests next38 240 tests/test_fused_decode.py -k "permuted_inputs or gemm_lora_pdl_decode"
-  # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
-  m="fused,fused-vec-perm,fused-lora-a-pdl,fused-s38-next"
-  timeout 220 $B rollout --models 7b --formats nvfp4 --batch 16,32,64,128,256 --prompt 256 --new 512 \
-    --decode "$m,$m" --out "$OUT/roll_next38" 2>&1 | grep -v Warn >> "$LOG" ;;
+         # producers' permuted copy stored in 16-byte units (fused-vec-perm): their GPU tests (NEXT38=roll: the A/B)
+  if [ "${NEXT38:-tests}" = tests ]; then
+    lora_builds
+    gpu_tests next38 420 tests/test_fused_decode.py -k "permuted_inputs or gemm_lora_pdl_decode"
+  else
+    build 2
+    # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
+    m="fused,fused-vec-perm,fused-lora-a-pdl,fused-s38-next"
+    timeout 450 $B rollout --models 7b --formats nvfp4 --batch 16,32,64,128,256 --prompt 256 --new 512 \
+      --decode "$m,$m" --out "$OUT/roll_next38" 2>&1 | grep -v Warn >> "$LOG"
+  fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \
