@@ -81,7 +81,8 @@
 #   scripts/gpu_bench.sh next38  issue 10 after session 38: its opt-ins GPU-tested (x·Aᵀ under PDL itself,
 #                                QERL_LORA_A_PDL=1; the permuted copy in 16-byte stores, QERL_PERMUTE_STORE=vector;
 #                                ~6-8 min); NEXT38=roll: 7B NVFP4 rollouts at 16-256 sequences, the default, each and
-#                                both alternating twice ($OUT/roll_next38; ~8 min; session 37's 32 such runs: 270 s)
+#                                both, twice, the second pass reversed ($OUT/roll_next38; ~8 min; session 37's 32 such
+#                                runs: 270 s)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -325,10 +326,12 @@ next38)  # issue 10 after session 38: its two unmeasured opt-ins, x·Aᵀ under 
     gpu_tests next38 420 tests/test_fused_decode.py -k "permuted_inputs or gemm_lora_pdl_decode"
   else
     build 2
-    # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes alternating twice
+    # 256 + 512, one process, batch 16 first (the process's first run reads low), the four modes twice, the second
+    # pass in reverse order (A B C D D C B A: the order effect of sessions 37-38, ~2.5%, cancels in the mean)
     m="fused,fused-vec-perm,fused-lora-a-pdl,fused-s38-next"
+    r="fused-s38-next,fused-lora-a-pdl,fused-vec-perm,fused"
     timeout 450 $B rollout --models 7b --formats nvfp4 --batch 16,32,64,128,256 --prompt 256 --new 512 \
-      --decode "$m,$m" --out "$OUT/roll_next38" 2>&1 | grep -v Warn >> "$LOG"
+      --decode "$m,$r" --out "$OUT/roll_next38" 2>&1 | grep -v Warn >> "$LOG"
   fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
