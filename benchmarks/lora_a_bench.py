@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from qerl.bench import _env, _write_csv
 from qerl.kernels import _COUNTER_SLOTS, _counters, _interpret
+from qerl.kernels.fused import lora_a_config
+from qerl.kernels.fused import lora_a_splits as splits  # (K splits, K per split); cap: most splits
 from qerl.model import PRESETS
 
 IDENT = ("bench", "model", "shape", "m", "r", "k", "candidate", "bm", "br", "bk", "split", "per", "warps", "device")
@@ -55,15 +57,6 @@ def shapes(model: str, rank: int) -> list[tuple[str, int, int]]:
     h, i = c["hidden_size"], c["intermediate_size"]
     return [("qkv", 3 * rank, h), ("o", rank, c["num_attention_heads"] * (h // c["num_attention_heads"])),
             ("gate_up", 2 * rank, h), ("down", rank, i)]
-
-
-def splits(r: int, k: int, br: int, bk: int, target: int, cap: int = 16) -> tuple[int, int]:
-    """(K splits, K per split) by ``lora_a_splits``' rule (about ``target`` CTAs over the ceil(R/br) rank blocks,
-    each split a whole number of ``bk`` tiles, at most ``cap`` splits; cap 16 is ``lora_a_splits`` itself)."""
-    tiles = -(-k // bk)
-    split = max(1, min(cap, tiles, -(-target // -(-r // br))))
-    per = -(-tiles // split) * bk
-    return -(-k // per), per
 
 
 def geometry(m: int, r: int, cfg: dict) -> tuple[int, int]:
@@ -92,10 +85,8 @@ def candidates(m: int, r: int, k: int, quick: bool = False, max_split: int = MAX
 
 
 def default_config(m: int, r: int, k: int) -> dict:
-    """What ``lora_a`` launches for x (m, k) · Aᵀ (r, k) where it takes the Triton path (same rule as there)."""
-    from qerl.kernels.fused import lora_a_splits
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    split, per = lora_a_splits(r, k, target=max(16, 96 // -(-m // bm)))
+    """What ``lora_a`` launches for x (m, k) · Aᵀ (r, k) where it takes the Triton path (its own rule)."""
+    bm, split, per = lora_a_config(m, r, k)
     return dict(bm=bm, br=16, bk=128, split=split, per=per, warps=4)
 
 

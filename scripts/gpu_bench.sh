@@ -116,6 +116,11 @@ lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QE
   QERL_WGMMA_LORA=pdl build 2
   wait $p1
 }
+lora_a_sweep() {  # benchmarks.lora_a_bench --quick over 7B's four x·Aᵀ products at 64-256 tokens ($OUT/lora_a)
+  mkdir -p "$OUT/lora_a"
+  timeout 130 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 --quick --out "$OUT/lora_a" 2>&1 \
+    | grep -v Warn > "$OUT/lora_a/log.txt"
+}
 gpu_tests() {  # NAME SECONDS PYTEST-ARGS...: the GPU tests' tail in $OUT/tests_NAME.txt, their summary in the log
   local name=$1 secs=$2
   shift 2
@@ -308,15 +313,12 @@ gemm_lora_pdl_decode or graph_sampler_matches or mma_gemm_lora"
   # 256 + 512, one process, batch 16 first (the process's first run reads low), the two modes alternating twice
   timeout 200 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
     --decode fused-s37,fused,fused-s37,fused --out "$OUT/roll_perm" 2>&1 | grep -v Warn >> "$LOG"
-  [ -n "${LORA_A:-}" ] && timeout 120 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 \
-    --quick --out "$OUT/lora_a" 2>&1 | grep -v Warn > "$OUT/lora_a_log.txt" ;;
+  [ -n "${LORA_A:-}" ] && lora_a_sweep ;;
 cmp38)  # issue 10 after session 38's call 2: the permuted-input GPU test, the x·Aᵀ sweep (quick), NVFP4 vs BF16-LoRA
          # rollouts with the defaults (one pass, one process)
   build 2
   gpu_tests cmp38 120 tests/test_fused_decode.py -k "permuted_inputs"
-  mkdir -p "$OUT/lora_a"
-  timeout 130 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 --quick --out "$OUT/lora_a" 2>&1 \
-    | grep -v Warn > "$OUT/lora_a/log.txt"
+  lora_a_sweep
   timeout 200 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
     --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG" ;;
 next38)  # issue 10 after session 38: its two unmeasured opt-ins, x·Aᵀ under PDL itself (fused-lora-a-pdl) and the

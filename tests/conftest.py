@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from qerl.lora import lora_modules
@@ -26,3 +31,16 @@ def assert_teacher_forced(policy, ro, temperature: float, atol: float = 2e-5, en
     torch.testing.assert_close(lp[m], ro.logp[m], rtol=0, atol=atol)
     if entropy:
         torch.testing.assert_close(ent[m], ro.entropy[m], rtol=0, atol=atol)
+
+
+def run_under_triton_interpreter(test_file: str, marker: str, code: str | None = None, timeout: int = 300) -> None:
+    """Run ``test_file`` as a script (or ``code`` with ``python -c``) in a subprocess with TRITON_INTERPRET=1, the
+    tests folder and the repository on PYTHONPATH (the interpreter must be on before Triton is imported, hence the
+    subprocess); it must exit 0 and print ``marker`` (a failure shows the tail of its output)."""
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(test_file))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, os.path.abspath(test_file)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and marker in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

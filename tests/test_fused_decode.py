@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import assert_teacher_forced, perturb_lora_b
+from conftest import assert_teacher_forced, perturb_lora_b, run_under_triton_interpreter
 
 from qerl import kernels
 from qerl.fastdecode import FusedLinear, build_decode_plan, concat_rows, fuse_projection_storage
@@ -256,13 +254,7 @@ def _interpreter_main() -> None:
 
 
 def test_fused_kernels_under_triton_interpreter():
-    pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "FUSED-INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_under_triton_interpreter(__file__, "FUSED-INTERPRETER-OK")
 
 
 def test_fused_kernels_compile_for_sm90():
@@ -686,10 +678,17 @@ def test_gpu_permuted_inputs_decode_is_bit_identical(fmt, store, monkeypatch):
         for mode in ("0", "1"):
             monkeypatch.setenv("QERL_FUSED_PERMUTE", mode)
             seen[mode] = c = {"twins": 0, "permutes": 0}
-            monkeypatch.setattr(kernels, "permuted_twin", lambda x, c=c: (lambda t: c.update(
-                twins=c["twins"] + (t is not None)) or t)(twin(x)))
-            monkeypatch.setattr(cf, "permute_tokens", lambda x, c=c: c.update(permutes=c["permutes"] + 1)
-                                or permute(x))
+
+            def counted_twin(x, c=c):
+                t = twin(x)
+                c["twins"] += t is not None
+                return t
+
+            def counted_permute(x, c=c):
+                c["permutes"] += 1
+                return permute(x)
+            monkeypatch.setattr(kernels, "permuted_twin", counted_twin)
+            monkeypatch.setattr(cf, "permute_tokens", counted_permute)
             s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
             ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 16, max_new_tokens=300, temperature=1.0,
                                    seed=3)

@@ -8,12 +8,11 @@ compressed-tensors) in float32, then a float32 matmul; error is ‖out − ref�
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_under_triton_interpreter
 
 from qerl import kernels as qk
 from qerl.kernels import configs
@@ -236,12 +235,7 @@ def _interpreter_main() -> None:
 
 
 def test_kernels_under_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_under_triton_interpreter(__file__, "INTERPRETER-OK")
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -4,11 +4,10 @@ fp32 reference) and its argument errors (the timing itself needs a GPU and runs 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_under_triton_interpreter
 
 from benchmarks import lora_a_bench as lb
 from qerl.kernels.fused import lora_a_splits
@@ -170,13 +169,7 @@ def _rows_main() -> None:
 
 
 def test_launch_under_triton_interpreter():
-    pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "LORA-A-BENCH-INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_under_triton_interpreter(__file__, "LORA-A-BENCH-INTERPRETER-OK")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ and their installation into a policy (the same Parameters, AQN still finds the n
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import run_under_triton_interpreter
 
 from qerl.kernels import train_fused as tf
 
@@ -72,13 +72,8 @@ def _interpreter_main() -> None:
 
 
 def test_train_fused_kernels_under_triton_interpreter():
-    pytest.importorskip("triton")
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", "import test_train_fused as t; t._interpreter_main()"], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "TRAIN-FUSED-INTERPRETER-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_under_triton_interpreter(__file__, "TRAIN-FUSED-INTERPRETER-OK",
+                                 code="import test_train_fused as t; t._interpreter_main()", timeout=600)
 
 
 def _policy(device="cpu", fused="1", train_norms=False):
@@ -108,7 +103,6 @@ def test_install_keeps_parameters_and_aqn_targets():
     assert p.qerl["fused_train"] == {"rms_norm": 2 * cfg.num_hidden_layers + 1, "silu_mul": cfg.num_hidden_layers,
                                      "rope": cfg.num_hidden_layers}
     assert q.qerl["fused_train"] == {"rms_norm": 0, "silu_mul": 0, "rope": 0}
-    import sys
 
     hf = sys.modules[type(p.model.layers[0].self_attn).__module__]
     orig = hf.apply_rotary_pos_emb.qerl_fused  # patched once per process, the original kept

@@ -563,6 +563,11 @@ def _relaid_dequant_mm(x2: torch.Tensor, w, out: torch.Tensor, chunk: int) -> No
         torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
+def _lora_fits(lora, w) -> bool:
+    """The LoRA operand (bf16 A (R, K), Bn (N, RP)) matches the CUDA kernels' weight ``w``."""
+    return lora.bn.shape[0] == w.n and lora.a.dtype == torch.bfloat16 and lora.a.shape[1] == w.k
+
+
 def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, act=None) -> torch.Tensor | None:
     """x (..., K) @ Ŵᵀ + the LoRA term (``lora`` None: none) in one CUDA GEMV launch (``cuda_fp4.gemv(lora=...)``)
     for decode-size M (``QERL_CUDA_LORA=0`` turns the LoRA path off), with ``act`` ("silu_mul": silu(gate) · up of
@@ -580,7 +585,7 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     if w is None:
         return None
     m, n = x2.shape[0], w.n
-    if lora is not None and (lora.bn.shape[0] != n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != k):
+    if lora is not None and not _lora_fits(lora, w):
         return None
     if not _cuda_gemv_ok(x2, m, n, k):
         y = _gemm_lora(fmt, x2, w, lora, permuted_twin(x)) if act is None and lora is not None else None
@@ -695,11 +700,10 @@ def _version(x: torch.Tensor) -> int | None:
 def _fp4_wants_permuted(fmt, q: Mapping[str, torch.Tensor], lora, m: int, device: torch.device) -> bool:
     """Whether :func:`_fp4_linear_lora` on an (M, K) bf16 x on ``device`` runs the wgmma GEMM with the LoRA term in
     its epilogue, the kernel that reads x in its K permutation: x's producer may then write that copy too."""
-    if (lora is None or device.type != "cuda" or m <= CUDA_GEMV_MAX_M or lora.a.dtype != torch.bfloat16
-            or os.environ.get("QERL_CUDA_LORA", "1") == "0"):
+    if lora is None or device.type != "cuda" or m <= CUDA_GEMV_MAX_M or os.environ.get("QERL_CUDA_LORA", "1") == "0":
         return False
     w = _cuda_weight(fmt, q)
-    if w is None or lora.bn.shape[0] != w.n or lora.a.shape[1] != w.k:
+    if w is None or not _lora_fits(lora, w):
         return False
     route = _gemm_lora_route(fmt, m, w, lora, device)
     return route is not None and route[1]

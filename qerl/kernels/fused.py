@@ -455,13 +455,20 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor |
     return o
 
 
-def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96) -> tuple[int, int]:
+def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96, cap: int = 16) -> tuple[int, int]:
     """(K splits, K per split) for ``lora_a``: about ``target`` CTAs over the R/br rank blocks, each split
-    a whole number of ``bk`` tiles, at most 16 splits."""
+    a whole number of ``bk`` tiles, at most ``cap`` splits (16 for ``lora_a``)."""
     tiles = -(-k // bk)
-    split = max(1, min(16, tiles, -(-target // -(-r // br))))
+    split = max(1, min(cap, tiles, -(-target // -(-r // br))))
     per = -(-tiles // split) * bk
     return -(-k // per), per
+
+
+def lora_a_config(m: int, r: int, k: int) -> tuple[int, int, int]:
+    """(token rows per program BM, K splits, K per split) of :func:`lora_a`'s Triton launch for x (M, K) · Aᵀ (R, K):
+    one tile of M up to 64 rows (16 / 32 / 64), tiles of 64 above; about 96 CTAs in all (at least 16 per M tile)."""
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64
+    return (bm, *lora_a_splits(r, k, target=max(16, 96 // -(-m // bm))))
 
 
 LORA_A_MAX_M = ("16", "32", "64", "128", "256")
@@ -504,9 +511,8 @@ def lora_a(x: torch.Tensor, a: torch.Tensor, trigger: bool = False) -> torch.Ten
             or a.dtype != x.dtype:
         return F.linear(x, a)
     r = a.shape[0]
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64  # token rows per program: one tile of M (tiles of 64 above)
+    bm, split, per = lora_a_config(m, r, k)
     mtiles = -(-m // bm)
-    split, per = lora_a_splits(r, k, target=max(16, 96 // mtiles))
     out = torch.empty((m, r), dtype=x.dtype, device=x.device)
     nrb = -(-r // 16)
     ws = torch.empty((split, m, r), dtype=torch.float32, device=x.device) if split > 1 else out
