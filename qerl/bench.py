@@ -144,7 +144,8 @@ def bench_memory(models, formats, device, sink=None) -> list[dict]:
 DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu", "fused-heuristic-gemv",
            "fused-triton-attn", "fused-cublas-bf16", "fused-bf16-pdl", "fused-bf16-no-pdl", "fused-lora-a-64",
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
-           "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-pdl", "fused-no-pdl", "unfused")
+           "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
+           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-pdl", "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
@@ -160,6 +161,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-s36": {"QERL_WGMMA_LORA": "1", "QERL_LORA_A_MAX_M": "64"},
                "fused-s37": {"QERL_FUSED_PERMUTE": "0"},
                "fused-lora-a-pdl": {"QERL_LORA_A_PDL": "1"},
+               "fused-s38": {"QERL_LORA_A_PDL": "0"},
                "fused-vec-perm": {"QERL_PERMUTE_STORE": "vector"},
                "fused-s38-next": {"QERL_LORA_A_PDL": "1", "QERL_PERMUTE_STORE": "vector"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
@@ -195,7 +197,8 @@ def decode_mode(sampler, dec: str):
     "fused-wgmma-lora-pdl-a-256" (both: the default's settings spelled out), "fused-s37" (the wgmma GEMM's tokens
     permuted by a launch of their own, not written so by the norm / SwiGLU launch before it: ``QERL_FUSED_PERMUTE=0``,
     session 37's default), "fused-lora-a-pdl" (x·Aᵀ before a GEMM under PDL launched under PDL itself:
-    ``QERL_LORA_A_PDL=1``), "fused-vec-perm" (the producers' permuted copy permuted in registers and stored
+    ``QERL_LORA_A_PDL=1``, the default spelled out), "fused-s38" (x·Aᵀ launched plainly: ``QERL_LORA_A_PDL=0``,
+    session 38's default), "fused-vec-perm" (the producers' permuted copy permuted in registers and stored
     contiguously: ``QERL_PERMUTE_STORE=vector``), "fused-s38-next" (both of the last two) — all but "fused" for
     same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,

@@ -83,6 +83,10 @@
 #                                ~6-8 min); NEXT38=roll: 7B NVFP4 rollouts at 16-256 sequences, the default, each and
 #                                both, twice, the second pass reversed ($OUT/roll_next38; ~8 min; session 37's 32 such
 #                                runs: 270 s)
+#   scripts/gpu_bench.sh cmp39   issue 10 after session 39's call 2 (x·Aᵀ under PDL itself made the default): 7B NVFP4
+#                                vs BF16-LoRA rollouts at 16 (warm-up) to 256 sequences, two passes in one process
+#                                ($OUT/roll_cmp; ~6 min); CMP39=prof: where the step at 128 sequences spends its GPU time
+#                                now, both formats ($OUT/prof; ~3 min)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -334,6 +338,15 @@ next38)  # issue 10 after session 38: its two unmeasured opt-ins, x·Aᵀ under 
     r="fused-s38-next,fused-lora-a-pdl,fused-vec-perm,fused"
     timeout 450 $B rollout --models 7b --formats nvfp4 --batch 16,32,64,128,256 --prompt 256 --new 512 \
       --decode "$m,$r" --out "$OUT/roll_next38" 2>&1 | grep -v Warn >> "$LOG"
+  fi ;;
+cmp39)  # issue 10 after session 39's call 2: NVFP4 vs BF16-LoRA with x·Aᵀ under PDL itself (the new default)
+  build 2
+  if [ "${CMP39:-roll}" = roll ]; then
+    timeout 450 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,32,64,128,256 --prompt 256 --new 512 \
+      --decode fused,fused --out "$OUT/roll_cmp" 2>&1 | grep -v Warn >> "$LOG"
+  else
+    timeout 300 $B profile --models 7b --formats nvfp4,bf16 --batch 128 --decode fused --out "$OUT/prof" 2>&1 \
+      | grep -v Warn >> "$LOG"
   fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

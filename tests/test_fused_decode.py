@@ -331,11 +331,11 @@ def test_permute_store_switch(monkeypatch):
 
 
 def test_lora_a_pdl_switch(monkeypatch):
-    """QERL_LORA_A_PDL: off by default, "1" on, anything else refused by name with the choices."""
+    """QERL_LORA_A_PDL: on by default, "0" off, anything else refused by name with the choices."""
     monkeypatch.delenv("QERL_LORA_A_PDL", raising=False)
-    assert not fk.lora_a_pdl()
-    monkeypatch.setenv("QERL_LORA_A_PDL", "1")
     assert fk.lora_a_pdl()
+    monkeypatch.setenv("QERL_LORA_A_PDL", "0")
+    assert not fk.lora_a_pdl()
     monkeypatch.setenv("QERL_LORA_A_PDL", "yes")
     with pytest.raises(ValueError, match="QERL_LORA_A_PDL='yes': choose 1 \\(on\\) or 0 \\(off\\)"):
         fk.lora_a_pdl()

@@ -490,11 +490,13 @@ def lora_a_max_m() -> int:
 
 
 def lora_a_pdl() -> bool:
-    """``QERL_LORA_A_PDL``: "1" launches :func:`lora_a` with ``trigger`` under programmatic dependent launch too, so it
-    starts while x's producer drains (it waits for it first, then lets the GEMM launch: everything that GEMM's main
-    loop reads before its own wait is written by then; the decode mode ``fused-lora-a-pdl``); "0" (default until it
-    is measured and GPU-tested) launches it plainly after the producer."""
-    v = os.environ.get("QERL_LORA_A_PDL", "0")
+    """``QERL_LORA_A_PDL``: "1" (default) launches :func:`lora_a` with ``trigger`` under programmatic dependent launch
+    too, so it starts while x's producer drains (it waits for it first, then lets the GEMM launch: everything that
+    GEMM's main loop reads before its own wait is written by then); "0" (decode mode ``fused-s38``) launches it
+    plainly after the producer. Measured on an H200 (7B NVFP4 rollouts, 256 + 512, the two settings in one process,
+    the second pass in reverse order): +3.3 / +2.3 / +1.7 % at 64 / 128 / 256 sequences on the pass that favours
+    "0", +5.7 / +4.4 / +1.3 % on the other, -0.6 / -0.4 % and +82 / +3.7 % at 16 / 32 (`results/speed/raw/h200_s39_next38`)."""
+    v = os.environ.get("QERL_LORA_A_PDL", "1")
     if v not in ("0", "1"):
         raise ValueError(f"QERL_LORA_A_PDL={v!r}: choose 1 (on) or 0 (off)")
     return v == "1"
