@@ -371,7 +371,8 @@ def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
     sampler with the CUDA FP4 GEMM on (``QERL_CUDA_GEMM`` unset) and off (``=0``) as ``rollout_gemm_{auto,0}.csv``
     (the BF16-LoRA baseline is the ``0`` process's: the ``auto`` process measured BF16 first, with warm-up in its
     first row), or one ``rollout.csv`` with the dispatcher as committed, one process per format, whose smallest
-    batch (16) is the warm-up and is left out."""
+    batch (16) is the warm-up and is left out. Where a run measured several decode modes, the ``fused`` rows
+    (the default) are shown; where it measured a mode more than once (``pass``), the last pass."""
     on, off = _read(root / "raw" / run, "rollout_gemm_auto.csv"), _read(root / "raw" / run, "rollout_gemm_0.csv")
     if on is None or off is None:
         one = _read(root / "raw" / run, "rollout.csv")
@@ -379,6 +380,10 @@ def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
             return "_not measured_\n"
         rows = ["| model | sequences | BF16-LoRA tok/s | NVFP4 tok/s | × BF16-LoRA | MXFP4 tok/s | × BF16-LoRA |",
                 "|---|---:|---:|---:|---:|---:|---:|"]
+        if "decode" in one and (one.decode == "fused").any():
+            one = one[one.decode == "fused"]
+        if "pass" in one:  # the first pass has no number: it sorts first
+            one = one.assign(_pass=one["pass"].fillna(1)).sort_values("_pass", kind="stable").iloc[::-1]
         for (model, batch), g in one[one.batch_size >= 32].groupby(["model", "batch_size"], sort=True):
             base = g[g.weights == "BF16"].tokens_per_s
             if base.empty:
@@ -586,7 +591,18 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 38, 561d7b8: the RMSNorm, SwiGLU and CUDA attention launches also write their output in the wgmma GEMM's
+Now (session 39, 9e7b0b3, **on an H200** — the only kind lent that session, so these rows do not compare with the H100
+rows: BF16's decode gains more from the H200's 4.8 TB/s than NVFP4's does; the x·Aᵀ launch before a wgmma GEMM is itself
+launched under PDL, `QERL_LORA_A_PDL=1`; `raw/h200_s39_cmp/`, one process, each setting twice back to back, the second
+pass shown; the first in the CSV):
+{batch_rollout_table(root, "h200_s39_cmp")}
+That change against session 38's plain launch, with the other opt-in of session 38 (`fused-vec-perm`: the producers'
+permuted copy in 16-byte stores, not adopted) and both, at 16-256 sequences in one process, the second pass in reverse
+order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence step goes on the H200
+(`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
+BF16 GEMMs ~4450:
+{_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 38 (561d7b8, H100: the RMSNorm, SwiGLU and CUDA attention launches also write their output in the wgmma GEMM's
 K permutation, so the decode step's four permute launches per layer are gone, `QERL_FUSED_PERMUTE=1`; `raw/h100_s38_cmp/`,
 one run, both formats in one process, one pass — a one-pass difference below ~3% is noise):
 {batch_rollout_table(root, "h100_s38_cmp")}

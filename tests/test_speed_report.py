@@ -362,3 +362,17 @@ def test_dequant_and_step_ab_tables(tmp_path):
     t = speed.step_ab_table(root, "new", "old", "fused")
     assert "31.00 / 34.10 (-9.1%)" in t and "14.50 / 16.70 (-13.2%)" in t and "11.40 / 11.40 (+0.0%)" in t
     assert speed.step_ab_table(root, "new", "missing", "x") == "_not measured_\n"
+
+
+def test_batch_rollout_table_takes_the_default_mode_and_the_last_pass(tmp_path):
+    """A run with several decode modes and passes (session 39's `--decode fused,fused`; session 37's `fused,fused-s36`):
+    the table shows the `fused` rows of the last pass, whatever order the CSV holds them in."""
+    raw = tmp_path / "raw" / "p"
+    raw.mkdir(parents=True)
+    rows = [("7B", "BF16", 64, "fused", None, 1000.0), ("7B", "BF16", 64, "fused", 2, 1100.0),
+            ("7B", "NVFP4", 64, "fused", 2, 1650.0), ("7B", "NVFP4", 64, "fused", None, 1500.0),
+            ("7B", "NVFP4", 64, "fused-s36", 2, 9999.0), ("7B", "BF16", 64, "fused-s36", None, 1.0)]
+    pd.DataFrame(rows, columns=["model", "weights", "batch_size", "decode", "pass", "tokens_per_s"]).to_csv(
+        raw / "rollout.csv", index=False)
+    lines = speed.batch_rollout_table(tmp_path, "p").splitlines()
+    assert lines[2:] == ["| 7B | 64 | 1100 | 1650 | 1.50 | — | — |"]
