@@ -192,8 +192,8 @@ def rank_table(root: Path) -> str:
 
 def step_table(root: Path) -> str:
     """End-to-end GRPO steps (Table 3 beside ours): one row per (model, completions, groups, micro-batch, GC)
-    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration († when that
-    LoRA row comes from another run)."""
+    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration: that of the same
+    run, else († ) the first on the same device; none against another GPU's."""
     d = _read(root, "step.csv")
     if d is None:
         return "_no step.csv_\n"
@@ -209,10 +209,12 @@ def step_table(root: Path) -> str:
     d["_label"] = d["method"] + _kernel_layout(d).map({True: KL, False: ""})
     for (model, batch, group, micro, new, gc), g in d.groupby(keys, sort=False, dropna=False):
         base_rows = g[(g.method == "LoRA") & (g.status == "ok")]
-        base = base_rows["step_s"]
-        base_run = str(base_rows["run"].iloc[0]) if len(base_rows) and "run" in base_rows else ""
         one_group = group == batch
         for _, r in g.iterrows():
+            same_dev = base_rows[base_rows["device"] == r["device"]] if "device" in g else base_rows
+            same_run = same_dev[same_dev["run"] == r["run"]] if "run" in g else same_dev[:0]
+            base = (same_run if len(same_run) else same_dev)["step_s"]
+            other = not len(same_run)
             # Table 3 is one prompt per step (batch = G): compare only that configuration
             pp = t3[(t3.model == model) & (t3.batch_size == batch) & (t3.method == r["method"])] if one_group else t3[:0]
             pv = pp["e2e_speedup_vs_bf16_lora"].iloc[0] if len(pp) else None
@@ -225,7 +227,7 @@ def step_table(root: Path) -> str:
                 f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
                 f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "
                 f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'}"
-                f"{'†' if ok and len(base) and str(r.get('run', '')) != base_run else ''} | "
+                f"{'†' if ok and len(base) and other else ''} | "
                 f"{_fmt(pv) if pv == pv else '—'} | "
                 f"{r.get('run', '')} ({r.get('git_sha', '') if r.get('git_sha', '') == r.get('git_sha', '') else ''}) |")
     return "\n".join(lines) + "\n"
@@ -547,7 +549,9 @@ The step benchmark runs `qerl.train` on the shape preset with the toy task's pro
 The realistic step (7B, 16 prompts × G 8, micro 16, 1024 new, GC) with session 37's defaults (`raw/h100_s37_cmp/`,
 098d2c0; both formats in one process, BF16-LoRA first, two steps each; one run): NVFP4 27.47 s vs BF16-LoRA 28.43 s
 (rollout 8.88 vs 10.00 s, log-probs 4.89 vs 4.86, update 13.70 vs 13.57); the NVFP4 step alone in the call before
-(`grpo/`): 27.21 s (rollout 8.96). Session 32's pair (`raw/h100_s32_grpo`): 28.28 vs 28.28 s.
+(`grpo/`): 27.21 s (rollout 8.96). Session 32's pair (`raw/h100_s32_grpo`): 28.28 vs 28.28 s. On an H200 (session
+39, 9e7b0b3, `raw/h200_s39_grpo/`, the same design, one run): NVFP4 24.83 s vs BF16-LoRA 24.41 s, 0.98× (rollout 7.94
+vs 7.67, log-probs 4.48 vs 4.44, update 12.42 vs 12.30): the H200's bandwidth speeds BF16's decode more than NVFP4's.
 ### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
 `raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
 kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against

@@ -376,3 +376,21 @@ def test_batch_rollout_table_takes_the_default_mode_and_the_last_pass(tmp_path):
         raw / "rollout.csv", index=False)
     lines = speed.batch_rollout_table(tmp_path, "p").splitlines()
     assert lines[2:] == ["| 7B | 64 | 1100 | 1650 | 1.50 | — | — |"]
+
+
+def test_step_table_ratio_against_the_same_run_and_never_another_gpu(tmp_path):
+    """Each step row's ×LoRA: the LoRA row of its own run, else († ) one from the same device; a GPU without a LoRA
+    row of its own gets none (an H200's step against an H100's BF16 baseline would mix two machines)."""
+    cols = ["bench", "model", "method", "weights", "batch_size", "group_size", "micro_batch", "gc", "new_tokens",
+            "step_s", "rollout_s", "logprob_s", "update_s", "peak_mem_gb", "status", "device", "git_sha", "run"]
+    rows = [("step", "7B", "LoRA", "BF16", 128, 8, 16, True, 1024, 30.0, 1, 1, 1, 9, "ok", "H100", "a", "h1"),
+            ("step", "7B", "QeRL", "NVFP4", 128, 8, 16, True, 1024, 25.0, 1, 1, 1, 9, "ok", "H100", "a", "h1"),
+            ("step", "7B", "LoRA", "BF16", 128, 8, 16, True, 1024, 20.0, 1, 1, 1, 9, "ok", "H200", "b", "h2"),
+            ("step", "7B", "QeRL", "NVFP4", 128, 8, 16, True, 1024, 16.0, 1, 1, 1, 9, "ok", "H200", "b", "h2"),
+            ("step", "7B", "QLoRA", "NF4", 128, 8, 16, True, 1024, 40.0, 1, 1, 1, 9, "ok", "H100", "c", "h3"),
+            ("step", "7B", "MXFP4-LoRA", "MXFP4", 128, 8, 16, True, 1024, 10.0, 1, 1, 1, 9, "ok", "B200", "d", "b1")]
+    pd.DataFrame(rows, columns=cols).to_csv(tmp_path / "step.csv", index=False)
+    ratio = {(ln.split("|")[6].strip(), ln.split("|")[15].split("(")[0].strip()): ln.split("|")[13].strip()
+             for ln in speed.step_table(tmp_path).splitlines() if ln.startswith("| 7B")}
+    assert ratio == {("LoRA", "h1"): "1.00", ("QeRL", "h1"): "1.20", ("LoRA", "h2"): "1.00", ("QeRL", "h2"): "1.25",
+                     ("QLoRA", "h3"): "0.75†", ("MXFP4-LoRA", "b1"): "—"}
