@@ -192,8 +192,8 @@ def rank_table(root: Path) -> str:
 
 def step_table(root: Path) -> str:
     """End-to-end GRPO steps (Table 3 beside ours): one row per (model, completions, groups, micro-batch, GC)
-    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration: that of the same
-    run, else († ) the first on the same device; none against another GPU's."""
+    configuration and method, each method's speed-up against LoRA (BF16) of the same configuration (:func:`_reference`:
+    the same run's, else († ) the same GPU model's; none against another GPU's)."""
     d = _read(root, "step.csv")
     if d is None:
         return "_no step.csv_\n"
@@ -211,10 +211,7 @@ def step_table(root: Path) -> str:
         base_rows = g[(g.method == "LoRA") & (g.status == "ok")]
         one_group = group == batch
         for _, r in g.iterrows():
-            same_dev = base_rows[base_rows["device"] == r["device"]] if "device" in g else base_rows
-            same_run = same_dev[same_dev["run"] == r["run"]] if "run" in g else same_dev[:0]
-            base = (same_run if len(same_run) else same_dev)["step_s"]
-            other = not len(same_run)
+            ref, mark = _reference(base_rows, r)
             # Table 3 is one prompt per step (batch = G): compare only that configuration
             pp = t3[(t3.model == model) & (t3.batch_size == batch) & (t3.method == r["method"])] if one_group else t3[:0]
             pv = pp["e2e_speedup_vs_bf16_lora"].iloc[0] if len(pp) else None
@@ -226,8 +223,7 @@ def step_table(root: Path) -> str:
                 f"{_fmt(r['step_s']) if ok else '—'} | {_fmt(r['rollout_s']) if ok else '—'} | "
                 f"{_fmt(r['logprob_s'], 2) if ok else '—'} | {_fmt(r['update_s'], 2) if ok else '—'} | "
                 f"{_fmt(r['peak_mem_gb']) if ok else '—'} | "
-                f"{_fmt(base.iloc[0] / r['step_s'], 2) if ok and len(base) else '—'}"
-                f"{'†' if ok and len(base) and other else ''} | "
+                f"{_fmt(ref['step_s'] / r['step_s'], 2) + mark if ok and ref is not None else '—'} | "
                 f"{_fmt(pv) if pv == pv else '—'} | "
                 f"{r.get('run', '')} ({r.get('git_sha', '') if r.get('git_sha', '') == r.get('git_sha', '') else ''}) |")
     return "\n".join(lines) + "\n"
