@@ -21,8 +21,9 @@
 #                                with each pipe ($OUT/sweep1, $OUT/sweep2; each installs its table for its own layer
 #                                table, pipe 2's last), then bytes and FLOPs per wgmma configuration against time
 #                                (benchmarks.wgmma_profile, pipe 2: $OUT/prof); ~8-9 min
-#   scripts/gpu_bench.sh ncu     Nsight Compute on the 7B gate|up wgmma GEMM at M = 128 (NCU_CONFIGS), pipe 2
-#                                ($OUT/prof/ncu_*.txt); after `prof` on the same machine (builds cached)
+#   scripts/gpu_bench.sh ncu     Nsight Compute on the 7B gate|up wgmma GEMM at M = 128 (NCU_CONFIGS), pipe 2, with
+#                                each section's details (the warp stall reasons: what session 32's profile lacked) and
+#                                the sampled stalls per source line ($OUT/prof/ncu_*.txt); builds first (~5 min cold)
 #   scripts/gpu_bench.sh tune    issue 10, the default build: the CUDA FP4 GPU tests, the tuning sweep (installs the table
 #                                into the tree and $OUT/sweep: copy it back into qerl/kernels/tuned/), the layer table,
 #                                bytes and FLOPs per wgmma configuration ($OUT/prof); ~6 min
@@ -191,11 +192,14 @@ roll)
 ncu)
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"
+  build 2
   QERL_WGMMA_PIPE=2 timeout 300 "$NCU" --clock-control none --kernel-name regex:fp4_wgmma_kernel --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats python3 -m benchmarks.wgmma_profile --ncu --shapes 37888x3584 --m 128 \
-    --configs "${NCU_CONFIGS:-16,0,2,2 16,0,4,1 8,0,4,1 16,0,2,1}" > "$OUT/prof/ncu_gateup_m128.txt" 2>&1
-  grep -E "fp4_wgmma_kernel|Throughput|Duration|Stall|Eligible|Issued Warp" "$OUT/prof/ncu_gateup_m128.txt" | head -80 >> "$LOG" ;;
+    --section LaunchStats --section InstructionStats --section SchedulerStats --section SourceCounters \
+    --print-details all python3 -m benchmarks.wgmma_profile --ncu --shapes 37888x3584 --m 128 \
+    --configs "${NCU_CONFIGS:-16,0,2,2 16,0,2,1}" > "$OUT/prof/ncu_gateup_m128.txt" 2>&1
+  grep -E "fp4_wgmma_kernel|Throughput|Duration|Stall|stall|Eligible|Issued Warp" "$OUT/prof/ncu_gateup_m128.txt" \
+    | head -120 >> "$LOG" ;;
 abroll)
   for v in nvfp4:1:0 nvfp4:2:0 nvfp4:1:1 bf16:1:0; do
     IFS=: read -r f p l <<< "$v"
