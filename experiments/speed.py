@@ -380,8 +380,7 @@ def batch_rollout_table(root: Path, run: str = "h100_s19_rollout") -> str:
                 "|---|---:|---:|---:|---:|---:|---:|"]
         if "decode" in one and (one.decode == "fused").any():
             one = one[one.decode == "fused"]
-        if "pass" in one:  # the first pass has no number: it sorts first
-            one = one.assign(_pass=one["pass"].fillna(1)).sort_values("_pass", kind="stable").iloc[::-1]
+        one = _last_pass(one, ["model", "batch_size", "weights"])
         for (model, batch), g in one[one.batch_size >= 32].groupby(["model", "batch_size"], sort=True):
             base = g[g.weights == "BF16"].tokens_per_s
             if base.empty:
@@ -678,6 +677,15 @@ def _raw_rollouts(root: Path, *names: str) -> str:
     return "\n".join(out) if out else "_not measured_\n"
 
 
+def _last_pass(d: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per ``keys``, the row of the last pass of an A/B repeated in one process (``pass`` = 2, 3, ...; the first
+    pass's rows have none); ``d`` itself when it has no ``pass`` column."""
+    if "pass" not in d:
+        return d
+    last = d.assign(_p=d["pass"].fillna(1)).sort_values("_p", kind="stable")
+    return last.drop_duplicates(keys, keep="last").sort_index().drop(columns=["_p"])
+
+
 def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[str]:
     """Keep a benchmark session's output (``qerl.bench --out src``: CSVs, env.json, logs) as ``raw/<name>/``
     and merge its rows into ``root``'s top-level CSVs; a row replaces an older one with the same identity
@@ -708,9 +716,7 @@ def merge_run(src: Path, root: Path, name: str, sha: str | None = None) -> list[
         # an H200's row does not replace an H100's: both are kept (scaling: 2 H200s, 4 H100s)
         ident = MERGE_IDENT.get(f.name, (*IDENT, "device"))
         if "pass" in new:  # an A/B repeated in one process: raw/<name> keeps every pass, the top level the last
-            last = new.assign(_p=new["pass"].fillna(1)).sort_values("_p", kind="stable")
-            keys = [k for k in ident if k in new.columns and k != "pass"]
-            new = last.drop_duplicates(keys, keep="last").sort_index().drop(columns=["_p", "pass"])
+            new = _last_pass(new, [k for k in ident if k in new.columns and k != "pass"]).drop(columns=["pass"])
         top = root / f.name
         old = pd.read_csv(top) if top.exists() else pd.DataFrame()
         if f.name == "rollout.csv" and len(old):
