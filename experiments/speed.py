@@ -475,12 +475,28 @@ def step_ab_table(root: Path, new: str, old: str, what: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _devices(root: Path) -> str:
+    """The GPUs behind the top-level tables' rows, the most frequent first, each with its rows' count; empty when no
+    row names one. Every row's run (its ``raw/`` folder) names its machine too."""
+    counts: dict[str, int] = {}
+    for name in ("rollout.csv", "step.csv", "memory.csv", "scaling.csv"):
+        d = _read(root, name)
+        if d is not None and "device" in d:
+            for dev, n in d["device"].dropna().astype(str).value_counts().items():
+                counts[dev] = counts.get(dev, 0) + int(n)
+    if not counts:
+        return ""
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    text = ", ".join(f"{dev} ({n} row{'s' if n != 1 else ''})" for dev, n in ranked)
+    return text + ("; a ratio never pairs rows of two GPU models" if len(ranked) > 1 else "")
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
         env = p.read_text()
         break
-    dev = "NVIDIA H100 80GB HBM3" if "H100" in env else "see raw/*/env.json"
+    dev = _devices(root) or ("NVIDIA H100 80GB HBM3" if "H100" in env else "see raw/*/env.json")
     layers = (root / "layers_h100.md").read_text() if (root / "layers_h100.md").exists() else "_no layer table_\n"
     cuda = (root / "cuda_fp4_h100.md").read_text() if (root / "cuda_fp4_h100.md").exists() else "_no CUDA GEMV table_\n"
     gemm = (root / "cuda_gemm_h100.md").read_text() if (root / "cuda_gemm_h100.md").exists() else "_no CUDA GEMM table_\n"
@@ -488,7 +504,7 @@ def render(root: Path) -> str:
                  else "_no LoRA GEMV table_\n")
     md = f"""# Speed and memory (ours beside the paper's)
 
-Device: {dev}, torch 2.11 (CUDA 13), triton 3.6. Shape presets with random weights (exact Qwen2.5-*-Instruct
+Device: {dev}. Torch 2.11 (CUDA 13), triton 3.6. Shape presets with random weights (exact Qwen2.5-*-Instruct
 shapes), LoRA rank 32 on all seven projections, prompt 256 tokens, 2048 new tokens with `ignore_eos`, one sampler
 per model (static KV cache, CUDA graphs, unmerged LoRA). Ratios are ours vs our own BF16-LoRA (and QLoRA) measured
 in the same run; paper columns are vLLM 0.10.1 on one H100 (Tables 3, 5-8) and are never mixed into ours.

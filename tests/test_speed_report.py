@@ -394,3 +394,16 @@ def test_step_table_ratio_against_the_same_run_and_never_another_gpu(tmp_path):
              for ln in speed.step_table(tmp_path).splitlines() if ln.startswith("| 7B")}
     assert ratio == {("LoRA", "h1"): "1.00", ("QeRL", "h1"): "1.20", ("LoRA", "h2"): "1.00", ("QeRL", "h2"): "1.25",
                      ("QLoRA", "h3"): "0.75†", ("MXFP4-LoRA", "b1"): "—"}
+
+
+def test_devices_line_counts_the_rows_of_each_gpu(tmp_path):
+    """The report's device line names every GPU behind its rows, the most frequent first; nothing when no row names
+    one (the caller then falls back to the raw runs' env.json)."""
+    assert speed._devices(tmp_path) == ""
+    pd.DataFrame({"device": ["H100", "H200", "H100"], "tokens_per_s": [1, 2, 3]}).to_csv(tmp_path / "rollout.csv",
+                                                                                         index=False)
+    pd.DataFrame({"device": ["H200", "H200", "H200"], "step_s": [1, 2, 3]}).to_csv(tmp_path / "step.csv", index=False)
+    assert speed._devices(tmp_path) == "H200 (4 rows), H100 (2 rows); a ratio never pairs rows of two GPU models"
+    (tmp_path / "step.csv").unlink()
+    pd.DataFrame({"device": ["H100"], "tokens_per_s": [1]}).to_csv(tmp_path / "rollout.csv", index=False)
+    assert speed._devices(tmp_path) == "H100 (1 row)"
