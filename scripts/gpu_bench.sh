@@ -88,6 +88,11 @@
 #                                vs BF16-LoRA rollouts at 16 (warm-up) to 256 sequences, two passes in one process
 #                                ($OUT/roll_cmp; ~6 min); CMP39=prof: where the step at 128 sequences spends its GPU time
 #                                now, both formats ($OUT/prof; ~3 min)
+#   scripts/gpu_bench.sh tail39  issue 10, session 39's opt-in (QERL_WGMMA_LORA=pdl-tail, decode mode fused-wgmma-tail:
+#                                a wgmma launch's last partial wave of row blocks as a second launch with K split
+#                                across CTAs): both builds, the GPU tests (tests_tail39.txt), then 7B NVFP4 rollouts at
+#                                16 (warm-up), 64, 128, 256 sequences, the two modes A B B A ($OUT/roll_tail; ~8 min);
+#                                TAIL39=prof: the 128-sequence profile with the tail launches ($OUT/prof; ~3 min)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -351,6 +356,20 @@ cmp39)  # issue 10 after session 39's call 2: NVFP4 vs BF16-LoRA with x·Aᵀ un
   else
     timeout 300 $B profile --models 7b --formats nvfp4,bf16 --batch 128 --decode fused --out "$OUT/prof" 2>&1 \
       | grep -v Warn >> "$LOG"
+  fi ;;
+tail39)  # issue 10, session 39's opt-in: the wgmma GEMM's tail launch (QERL_WGMMA_LORA=pdl-tail, its own build)
+  QERL_WGMMA_LORA=pdl-tail build 2 &
+  p1=$!
+  build 2
+  wait $p1
+  if [ "${TAIL39:-roll}" = roll ]; then
+    gpu_tests tail39 200 tests/test_cuda_fp4.py tests/test_fused_decode.py -k "tail_launch or pdl-tail"
+    # 256 + 512, one process, batch 16 first (the process's first run reads low), A B B A (the order effect cancels)
+    timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
+      --decode fused,fused-wgmma-tail,fused-wgmma-tail,fused --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
+  else
+    timeout 300 $B profile --models 7b --formats nvfp4 --batch 128 --decode fused,fused-wgmma-tail --out "$OUT/prof" \
+      2>&1 | grep -v Warn >> "$LOG"
   fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

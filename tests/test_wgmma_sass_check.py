@@ -93,6 +93,21 @@ def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
     assert len(r["hazards"]) > 64, len(r["hazards"])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_trigger_build_adds_one_instruction_to_the_lora_variants():
+    """QERL_WGMMA_LORA=pdl-tail's build (-DQFP4_WGMMA_PDL=1 -DQFP4_WGMMA_TRIGGER=1): griddepcontrol.launch_dependents
+    is SASS PREEXIT, exactly once in every LoRA grid variant and in no plain one, and the loop check stays clean."""
+    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TRIGGER=1", "QFP4_WGMMA_NO_SK=1"))
+    r = wsc.check(sass, msgs)
+    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
+    counts = {name: sum(ins.split()[0] == "PREEXIT" for _, ins in body)
+              for name, body in wsc.functions(sass).items() if "fp4_wgmma_kernel" in name}
+    lora = {name for name in counts if "Lb1ELb0E" in name}  # template <FMT, NTOK, RW, KS, LORA, SK>: LORA, not SK
+    assert len(lora) == 2 * len(cf.WGMMA_VARIANTS)
+    assert all(counts[n] == (1 if n in lora else 0) for n in counts), counts
+
+
 def _cuda_include() -> str | None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:

@@ -598,7 +598,8 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-GEMM_LORA_MODES = ("0", "1", "pdl")  # QERL_GEMM_LORA / QERL_WGMMA_LORA
+GEMM_LORA_MODES = ("0", "1", "pdl")  # QERL_GEMM_LORA
+WGMMA_LORA_MODES = (*GEMM_LORA_MODES, "pdl-tail")  # QERL_WGMMA_LORA
 
 
 def wgmma_lora_mode() -> str:
@@ -612,8 +613,11 @@ def wgmma_lora_mode() -> str:
     defaults) vs 1 with lora_a up to 64 (session 36's): 9752 / 9755 vs 9035 / 9171 at 64 sequences, 12583 / 12585 vs
     11792 / 11876 at 128, 14945 / 14960 vs 14535 / 14568 at 256; ``1`` against ``0`` +2.4-3.8% at 64-256
     (`results/speed/raw/h100_s32`). Same tokens and log-probs with and without PDL
-    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``)."""
-    return _gemm_lora_switch("QERL_WGMMA_LORA", "pdl")
+    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``). ``pdl-tail`` (opt-in, decode mode ``fused-wgmma-tail``;
+    a build of its own that adds ``-DQFP4_WGMMA_TRIGGER=1``): ``pdl``, and where a launch's CTAs end in a partial
+    wave, its last row blocks run as a second launch with K split across CTAs that fills the SMs that wave leaves
+    idle (``cuda_fp4.gemm(tail=True)``, :func:`cuda_fp4.wgmma_tail_split`)."""
+    return _gemm_lora_switch("QERL_WGMMA_LORA", "pdl", WGMMA_LORA_MODES)
 
 
 def mma_lora_mode() -> str:
@@ -629,10 +633,10 @@ def mma_lora_mode() -> str:
     return _gemm_lora_switch("QERL_GEMM_LORA", "pdl")
 
 
-def _gemm_lora_switch(name: str, default: str) -> str:
+def _gemm_lora_switch(name: str, default: str, valid: tuple[str, ...] = GEMM_LORA_MODES) -> str:
     v = os.environ.get(name, default)
-    if v not in GEMM_LORA_MODES:
-        raise ValueError(f"{name}={v!r}; valid: {', '.join(GEMM_LORA_MODES)}")
+    if v not in valid:
+        raise ValueError(f"{name}={v!r}; valid: {', '.join(valid)}")
     return v
 
 
@@ -667,10 +671,11 @@ def _gemm_lora(fmt, x2: torch.Tensor, w, lora, xp: torch.Tensor | None = None) -
     if not wg or (xp is not None and (xp.shape != x2.shape or not xp.is_contiguous())):
         xp = None
     # rows read in place: no copy between t's launch and the GEMM
-    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or xp is not None or cuda_fp4.rows_aligned(x2))
+    pdl = mode.startswith("pdl") and pdl_enabled(x2) and (not wg or xp is not None or cuda_fp4.rows_aligned(x2))
     if xp is None and pdl and wg:
         xp = cuda_fp4.permute_tokens(x2)
-    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp)
+    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp,
+                         tail=pdl and wg and mode == "pdl-tail")
 
 
 def tag_permuted(x: torch.Tensor, xp: torch.Tensor) -> None:

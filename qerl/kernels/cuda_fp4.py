@@ -466,6 +466,7 @@ extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int
                                int);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_wgmma_sk_ctas(int, int, int, int);
+extern "C" int qfp4_wgmma_ctas(int, int, int, int, int, int);
 
 // Strips S = N / 16 and chunks C = K / 64 of the weight: FP4 (S, C, 32, 4) int32 fragments, fmt 2 a BF16 (N, K)
 static void weight_dims(const torch::Tensor& qw, int64_t fmt, int& S, int& C) {
@@ -643,6 +644,10 @@ int64_t wgmma_sk_ctas(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
   return qfp4_wgmma_sk_ctas((int)fmt, (int)ntok, (int)rw, (int)ks);
 }
 
+int64_t wgmma_ctas(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks, bool lora) {
+  return qfp4_wgmma_ctas((int)fmt, (int)ntok, (int)rw, (int)ks, (int)lora, 0);
+}
+
 std::vector<int64_t> wgmma_attributes(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
   int regs = -1, local = -1;
   qfp4_wgmma_attributes((int)fmt, (int)ntok, (int)rw, (int)ks, &regs, &local);
@@ -699,6 +704,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("permute_x", &permute_x);
   m.def("wgmma_attributes", &wgmma_attributes);
   m.def("wgmma_sk_ctas", &wgmma_sk_ctas);
+  m.def("wgmma_ctas", &wgmma_ctas);
 }
 """
 
@@ -730,11 +736,12 @@ def wgmma_pipe() -> int:
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
-    stays the measured one)."""
+    stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build)."""
     from qerl.kernels import wgmma_lora_mode
-    pipe = wgmma_pipe()
+    pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
-            *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else [])]
+            *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
+            *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else [])]
 
 
 def _ext():
@@ -1235,6 +1242,45 @@ def wgmma_sk_ctas(fmt: str, ntok: int, rw: int, ks: int) -> int:
     return _STATE[key]
 
 
+def wgmma_ctas(fmt: str, ntok: int, rw: int, ks: int, lora: bool) -> int:
+    """CTAs of the grid variant (with or without its LoRA epilogue) resident at once on the current device: one
+    wave of a launch (SMs x the blocks per SM its registers and shared memory allow), from the extension; cached."""
+    key = ("wgmma_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks, lora)
+    if key not in _STATE:
+        n = int(_ext().wgmma_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks, lora))
+        if n < 1:
+            raise RuntimeError(f"wgmma: no occupancy for (tokens={ntok}, r={rw}, ks={ks}, lora={lora}) ({n})")
+        _STATE[key] = n
+    return _STATE[key]
+
+
+TAIL_MAX_KZ = 8  # splits of K of gemm(tail=True)'s tail launch, at most
+
+
+def wgmma_tail_split(m: int, s: int, c: int, config: tuple[int, int, int, int], wave: int) -> tuple[int, int] | None:
+    """Where :func:`gemm` with ``tail=True`` splits a wgmma launch of ``config`` (nt, sw, r, ks) over M tokens and a
+    weight of S strips and C chunks, given ``wave`` CTAs resident at once (:func:`wgmma_ctas`): (strips of the main
+    launch, splits of K of the tail launch), or None (no split: K already split across CTAs, or the CTAs fill whole
+    waves, or fewer than one, or the tail cannot take two splits of K in one wave). The main launch keeps the whole
+    waves' row blocks (all token tiles of a row block in the same launch); the tail's row blocks take the most splits
+    of K (<= ``TAIL_MAX_KZ``, >= 4 chunks each, the config rule) that fit one wave: 7B gate|up at 128 tokens,
+    (16, 0, 2, 2) on 132 SMs: 296 CTAs = 2.24 waves -> 264 row blocks (2 waves) + 32 split 4 ways (128 CTAs of a
+    quarter of K), instead of a third wave of 32 CTAs."""
+    nt, sw, r, ks = config
+    if sw != 0 or wave < 1:
+        return None
+    tx, per = -(-m // (8 * nt)), 4 * r
+    rb = -(-s // per)
+    waves, rest = divmod(tx * rb, wave)
+    main = waves * wave // tx  # row blocks of the main launch
+    if waves < 1 or rest == 0 or main < 1 or main >= rb:
+        return None
+    for kz in range(TAIL_MAX_KZ, 1, -1):
+        if (rb - main) * tx * kz <= wave and kz * ks * 4 <= c:
+            return main * per, kz
+    return None
+
+
 def _wgmma_counters(device: torch.device) -> torch.Tensor:
     """The device's split-K tile counters (int32, zero; every launch leaves the ones it used at zero)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -1348,7 +1394,8 @@ def wgmma_lora_ok(lora: LoraOperand) -> bool:
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None,
-         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None) -> torch.Tensor:
+         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None,
+         tail: bool = False) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
@@ -1361,7 +1408,12 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     with ``xp``; sm_90): launch under programmatic dependent launch, so the main loop runs while the kernel that
     computed ``t`` finishes and every global store and the read of t wait for it; only right after that kernel
     (``lora_a(x, a, trigger=True)``), which itself started after x (and xp) were written: the main loop reads them
-    before the wait."""
+    before the wait. ``tail`` (with ``pdl``, a wgmma config and the ``QERL_WGMMA_LORA=pdl-tail`` build, whose LoRA
+    variants trigger their dependents first): where :func:`wgmma_tail_split` splits the launch, the last row blocks
+    run as a second launch under PDL with K split across CTAs, scheduled once every CTA of the first has started,
+    onto the SMs the first one's last wave leaves idle; it waits for the first launch before its first global store,
+    so it also completes after it. Those rows' fp32 sums then add in another order (not bit-identical to one
+    launch)."""
     _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1408,11 +1460,37 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
                 raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
         else:
             ws = ctr = xp
-        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
-                          *lora_args, permuted, pdl)
+        split = _tail_split(w, m, (nt, sw, r, ks), lora, pdl) if tail else None
+        if split is None:
+            _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws,
+                              ctr, *lora_args, permuted, pdl)
+            return out
+        s0, kz_tail = split
+        _, t, bn, b1, b2, roff, rk = lora_args
+        n0 = 16 * s0
+        _ext().wgmma_gemm(x, w.qweight[:s0], w.scales[:s0], gs, out[:, :n0], xp, fmt, w.out_mult, w.bword, 8 * nt,
+                          r, ks, 1, xp, xp, True, t, bn[:n0], min(b1, n0), min(b2, n0), roff, rk, True, True)
+        tiles = wgmma_tiles(m, s - s0, nt, r)
+        ws = torch.empty(kz_tail * tiles * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
+        _ext().wgmma_gemm(x, w.qweight[s0:], w.scales[s0:], gs, out[:, n0:], xp, fmt, w.out_mult, w.bword, 8 * nt,
+                          r, ks, kz_tail, ws, _wgmma_counters(x.device), True, t, bn[n0:], max(b1 - n0, 0),
+                          max(b2 - n0, 0), roff, rk, True, True)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl)
     return out
+
+
+def _tail_split(w: CudaFP4Weight, m: int, config, lora, pdl: bool) -> tuple[int, int] | None:
+    """:func:`gemm`'s ``tail``: the checks, then :func:`wgmma_tail_split` with the LoRA variant's wave."""
+    from qerl.kernels import wgmma_lora_mode
+    if not pdl or lora is None:
+        raise ValueError(f"gemm: tail=True needs pdl=True and lora (the tail launch waits for the main one); got "
+                         f"pdl={pdl}, lora={lora is not None}")
+    if wgmma_lora_mode() != "pdl-tail":
+        raise ValueError(f"gemm: tail=True needs the QERL_WGMMA_LORA=pdl-tail build (its LoRA variants trigger their "
+                         f"dependents); QERL_WGMMA_LORA={wgmma_lora_mode()!r}")
+    nt, _, r, ks = config
+    return wgmma_tail_split(m, w.n // 16, w.k // 64, config, wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=True))
 
 
 def permute_tokens(x: torch.Tensor) -> torch.Tensor:

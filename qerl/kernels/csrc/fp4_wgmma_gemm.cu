@@ -57,6 +57,19 @@
 #define QFP4_WGMMA_PDL 0
 #endif
 
+// QFP4_WGMMA_TRIGGER (the build's -D, set by QERL_WGMMA_LORA=pdl-tail, with QFP4_WGMMA_PDL): the LORA variants
+// execute griddepcontrol.launch_dependents first, so a grid launched after them under programmatic dependent launch
+// is scheduled once every CTA of theirs has started, onto the SMs their last, partial wave leaves idle: the tail
+// launch of qerl.kernels.cuda_fp4.gemm(tail=True) (the last row blocks, K split across CTAs; its CTAs wait for this
+// grid before their first global store, so it also completes after it), or the next kernel of the decode step (whose
+// CTAs wait for this grid before reading anything).
+#ifndef QFP4_WGMMA_TRIGGER
+#define QFP4_WGMMA_TRIGGER 0
+#endif
+#if QFP4_WGMMA_TRIGGER && !QFP4_WGMMA_PDL
+#error "QFP4_WGMMA_TRIGGER needs QFP4_WGMMA_PDL"
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_WGMMA 1
 #else
@@ -157,6 +170,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * 64;  // and its scale pairs
 
   float acc[NA];
+  if constexpr (LORA && QFP4_WGMMA_TRIGGER) asm volatile("griddepcontrol.launch_dependents;");
 
   // acc = the product over chunks [c0, c0 + n) (n >= 1) of the token tile at tok0 and this warp's strip.
   auto mainloop = [&](int tok0, int strip, int c0, int n) {
@@ -541,10 +555,10 @@ extern "C" int qfp4_permute_x(const void* x, int ldx, void* xp, int M, int C, vo
   return (int)cudaGetLastError();
 }
 
-// CTAs of a stream-K launch of a variant on the current device (every SM filled to the occupancy the variant
-// allows); -1 on error. The workspace of such a launch holds 2 x this x ks partial tiles.
-extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
-  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, false, true);
+// CTAs of a variant resident at once on the current device (every SM filled to the occupancy the variant allows:
+// the grid variants' waves, with or without LoRA; the stream-K variants' grid); -1 on error.
+extern "C" int qfp4_wgmma_ctas(int fmt, int ntok, int rw, int ks, int lora, int sk) {
+  const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, lora != 0, sk != 0);
   int dev = 0, sms = 0, per = 0;
   if (fn == nullptr || cudaGetDevice(&dev) || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
     return -1;
@@ -554,6 +568,12 @@ extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fn, rw * ks * 128, smem) || per < 1)
     return -1;
   return sms * per;
+}
+
+// CTAs of a stream-K launch of a variant (qfp4_wgmma_ctas); the workspace of such a launch holds 2 x this x ks
+// partial tiles.
+extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
+  return qfp4_wgmma_ctas(fmt, ntok, rw, ks, 0, 1);
 }
 
 // out (M, N) <- x @ W^T; same weight tensors as qfp4_gemv / qfp4_gemm; xp: x permuted by qfp4_permute_x (M, 64 C).
