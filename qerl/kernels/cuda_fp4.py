@@ -465,7 +465,6 @@ extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int
                                const void*, int, const void*, int, int, int, int, const int*, const int*, void*,
                                int);
 extern "C" int qfp4_wgmma_attributes(int, int, int, int, int*, int*);
-extern "C" int qfp4_wgmma_sk_ctas(int, int, int, int);
 extern "C" int qfp4_wgmma_ctas(int, int, int, int, int, int);
 
 // Strips S = N / 16 and chunks C = K / 64 of the weight: FP4 (S, C, 32, 4) int32 fragments, fmt 2 a BF16 (N, K)
@@ -640,12 +639,8 @@ void permute_x(torch::Tensor x, torch::Tensor xp) {
   TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
 }
 
-int64_t wgmma_sk_ctas(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
-  return qfp4_wgmma_sk_ctas((int)fmt, (int)ntok, (int)rw, (int)ks);
-}
-
-int64_t wgmma_ctas(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks, bool lora) {
-  return qfp4_wgmma_ctas((int)fmt, (int)ntok, (int)rw, (int)ks, (int)lora, 0);
+int64_t wgmma_ctas(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks, bool lora, bool sk) {
+  return qfp4_wgmma_ctas((int)fmt, (int)ntok, (int)rw, (int)ks, (int)lora, (int)sk);
 }
 
 std::vector<int64_t> wgmma_attributes(int64_t fmt, int64_t ntok, int64_t rw, int64_t ks) {
@@ -703,7 +698,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_gemm", &wgmma_gemm);
   m.def("permute_x", &permute_x);
   m.def("wgmma_attributes", &wgmma_attributes);
-  m.def("wgmma_sk_ctas", &wgmma_sk_ctas);
   m.def("wgmma_ctas", &wgmma_ctas);
 }
 """
@@ -1233,23 +1227,19 @@ def streamk_segments(tiles: int, c: int, workers: int) -> list[tuple[int, int, i
 def wgmma_sk_ctas(fmt: str, ntok: int, rw: int, ks: int) -> int:
     """CTAs of a stream-K launch of the variant on the current device (SMs x the blocks per SM its registers and
     shared memory allow), from the extension; cached."""
-    key = ("wgmma_sk_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks)
-    if key not in _STATE:
-        n = int(_ext().wgmma_sk_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks))
-        if n < 1:
-            raise RuntimeError(f"wgmma stream-K: no occupancy for (tokens={ntok}, r={rw}, ks={ks}) ({n})")
-        _STATE[key] = n
-    return _STATE[key]
+    return wgmma_ctas(fmt, ntok, rw, ks, lora=False, sk=True)
 
 
-def wgmma_ctas(fmt: str, ntok: int, rw: int, ks: int, lora: bool) -> int:
-    """CTAs of the grid variant (with or without its LoRA epilogue) resident at once on the current device: one
-    wave of a launch (SMs x the blocks per SM its registers and shared memory allow), from the extension; cached."""
-    key = ("wgmma_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks, lora)
+def wgmma_ctas(fmt: str, ntok: int, rw: int, ks: int, lora: bool, sk: bool = False) -> int:
+    """CTAs of a variant (with or without its LoRA epilogue; a grid or a stream-K one) resident at once on the current
+    device: one wave of a grid launch, a stream-K launch's grid (SMs x the blocks per SM its registers and shared
+    memory allow), from the extension; cached."""
+    key = ("wgmma_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks, lora, sk)
     if key not in _STATE:
-        n = int(_ext().wgmma_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks, lora))
+        n = int(_ext().wgmma_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks, lora, sk))
         if n < 1:
-            raise RuntimeError(f"wgmma: no occupancy for (tokens={ntok}, r={rw}, ks={ks}, lora={lora}) ({n})")
+            raise RuntimeError(f"wgmma{' stream-K' if sk else ''}: no occupancy for (tokens={ntok}, r={rw}, ks={ks}, "
+                               f"lora={lora}) ({n})")
         _STATE[key] = n
     return _STATE[key]
 
