@@ -92,7 +92,9 @@
 #                                a wgmma launch's last partial wave of row blocks as a second launch with K split
 #                                across CTAs): both builds, the GPU tests (tests_tail39.txt), then 7B NVFP4 rollouts at
 #                                16 (warm-up), 64, 128, 256 sequences, the two modes A B B A ($OUT/roll_tail; ~8 min);
-#                                TAIL39=prof: the 128-sequence profile with the tail launches ($OUT/prof; ~3 min)
+#                                TAIL39=prof: benchmarks.tail_bench (each 7B product at 64-256 tokens, one launch vs the
+#                                split, $OUT/tail_bench.csv), then the 128-sequence profile with and without the tail
+#                                launches ($OUT/prof; ~5 min)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -368,7 +370,8 @@ tail39)  # issue 10, session 39's opt-in: the wgmma GEMM's tail launch (QERL_WGM
     timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
       --decode fused,fused-wgmma-tail,fused-wgmma-tail,fused --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
   else
-    timeout 300 $B profile --models 7b --formats nvfp4 --batch 128 --decode fused,fused-wgmma-tail --out "$OUT/prof" \
+    timeout 150 python3 -m benchmarks.tail_bench --models 7b --m 64,128,256 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
+    timeout 240 $B profile --models 7b --formats nvfp4 --batch 128 --decode fused,fused-wgmma-tail --out "$OUT/prof" \
       2>&1 | grep -v Warn >> "$LOG"
   fi ;;
 grpo)
