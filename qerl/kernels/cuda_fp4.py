@@ -1441,30 +1441,25 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         if not permuted:
             xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
         kz = 0 if sw == WGMMA_SK else 1 - sw
-        if kz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
-            tiles = wgmma_tiles(m, s, nt, r)
-            slots = kz * tiles if kz > 1 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
-            ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
-            ctr = _wgmma_counters(x.device)
-            if tiles > ctr.numel():
-                raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
-        else:
-            ws = ctr = xp
         split = _tail_split(w, m, (nt, sw, r, ks), lora, pdl) if tail else None
-        if split is None:
-            _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws,
-                              ctr, *lora_args, permuted, pdl)
-            return out
-        s0, kz_tail = split
-        _, t, bn, b1, b2, roff, rk = lora_args
-        n0 = 16 * s0
-        _ext().wgmma_gemm(x, w.qweight[:s0], w.scales[:s0], gs, out[:, :n0], xp, fmt, w.out_mult, w.bword, 8 * nt,
-                          r, ks, 1, xp, xp, True, t, bn[:n0], min(b1, n0), min(b2, n0), roff, rk, True, True)
-        tiles = wgmma_tiles(m, s - s0, nt, r)
-        ws = torch.empty(kz_tail * tiles * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
-        _ext().wgmma_gemm(x, w.qweight[s0:], w.scales[s0:], gs, out[:, n0:], xp, fmt, w.out_mult, w.bword, 8 * nt,
-                          r, ks, kz_tail, ws, _wgmma_counters(x.device), True, t, bn[n0:], max(b1 - n0, 0),
-                          max(b2 - n0, 0), roff, rk, True, True)
+        # (strips, splits of K) of each launch: the whole weight, or the main launch's row blocks and the tail's
+        spans = [(0, s, kz)] if split is None else [(0, split[0], 1), (split[0], s, split[1])]
+        for s_lo, s_hi, kz_i in spans:
+            ws = ctr = xp
+            if kz_i != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
+                tiles = wgmma_tiles(m, s_hi - s_lo, nt, r)
+                slots = kz_i * tiles if kz_i > 1 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
+                ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
+                ctr = _wgmma_counters(x.device)
+                if tiles > ctr.numel():
+                    raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
+            n_lo, n_hi = 16 * s_lo, 16 * s_hi
+            la = lora_args
+            if lora is not None:  # the members' row bounds inside this launch's rows
+                _, t, bn, b1, b2, roff, rk = lora_args
+                la = (True, t, bn[n_lo:n_hi], *(min(max(b - n_lo, 0), n_hi - n_lo) for b in (b1, b2)), roff, rk)
+            _ext().wgmma_gemm(x, w.qweight[s_lo:s_hi], w.scales[s_lo:s_hi], gs, out[:, n_lo:n_hi], xp, fmt,
+                              w.out_mult, w.bword, 8 * nt, r, ks, kz_i, ws, ctr, *la, permuted or s_lo > 0, pdl)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl)
     return out

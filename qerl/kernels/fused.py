@@ -495,7 +495,8 @@ def lora_a_pdl() -> bool:
     GEMM's main loop reads before its own wait is written by then); "0" (decode mode ``fused-s38``) launches it
     plainly after the producer. Measured on an H200 (7B NVFP4 rollouts, 256 + 512, the two settings in one process,
     the second pass in reverse order): +3.3 / +2.3 / +1.7 % at 64 / 128 / 256 sequences on the pass that favours
-    "0", +5.7 / +4.4 / +1.3 % on the other, -0.6 / -0.4 % and +82 / +3.7 % at 16 / 32 (`results/speed/raw/h200_s39_next38`)."""
+    "0", +5.7 / +4.4 / +1.3 % on the other; -0.6 / -0.4 % at 16 / 32 on the first (the other pass's 16 was the
+    process's warm-up) (`results/speed/raw/h200_s39_next38`)."""
     v = os.environ.get("QERL_LORA_A_PDL", "1")
     if v not in ("0", "1"):
         raise ValueError(f"QERL_LORA_A_PDL={v!r}: choose 1 (on) or 0 (off)")
