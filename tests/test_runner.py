@@ -23,6 +23,7 @@ from experiments import common
 from experiments.common import RUNNERS, WORKER_LOG, Row, artifact_main, run_rows, worker_env
 from qerl.errors import UserError
 from qerl.results import RunWriter, read_jsonl
+from qerl.runfiles import atomic_write_text
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -82,7 +83,7 @@ def wait_for(predicate, timeout_s: float = 600, what: str = ""):
 def probe(cfg) -> dict:
     """A registered runner for the tests: records what its process sees; tags.fail raises, tags.sleep blocks."""
     if cfg.tags.get("sleep"):
-        (cfg.run_dir / "started").write_text(str(os.getpid()))
+        atomic_write_text(cfg.run_dir / "started", str(os.getpid()))  # never seen empty by the test polling it
         time.sleep(float(cfg.tags["sleep"]))
     if cfg.tags.get("fail"):
         raise RuntimeError("probe failure, as asked")

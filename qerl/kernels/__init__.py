@@ -686,6 +686,17 @@ def tag_permuted(x: torch.Tensor, xp: torch.Tensor) -> None:
     x._qerl_permuted = (xp, _version(x))
 
 
+def permuted_buffer(x: torch.Tensor, permuted: bool) -> torch.Tensor | None:
+    """The buffer for x's copy in the wgmma GEMM's K permutation, tagged on x (:func:`tag_permuted`; None: not
+    wanted, or K not a multiple of 64). Written by the launch that writes x, which runs right after this (the fused
+    RMSNorm / SwiGLU launches, the CUDA decode attention)."""
+    if not permuted or x.shape[-1] % 64:
+        return None
+    xp = torch.empty_like(x)
+    tag_permuted(x, xp)
+    return xp
+
+
 def permuted_twin(x: torch.Tensor) -> torch.Tensor | None:
     """x's copy in the wgmma GEMM's K permutation recorded by :func:`tag_permuted`, or None (none recorded, or x was
     changed in place since)."""

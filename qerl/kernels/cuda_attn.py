@@ -126,8 +126,8 @@ def attend(q, kc, vc, bias, s: int, scale: float, slot: torch.Tensor | None, pdl
     m, h, d = q.shape
     o = torch.empty((m, h * d), dtype=q.dtype, device=q.device)
     empty = torch.empty(0, dtype=torch.long, device=q.device)
-    from qerl.kernels.fused import _twin
-    op = _twin(o, permuted)  # tagged on o before the launch that writes both, as the Triton producers' copies
+    from qerl.kernels import permuted_buffer
+    op = permuted_buffer(o, permuted)  # tagged on o before the launch that writes both
     _ext().attend(q, kc, vc, bias, empty if slot is None else slot, o, o[:0] if op is None else op, int(s),
                   float(scale), int(nst), bool(pdl))
     return o

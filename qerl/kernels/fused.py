@@ -39,7 +39,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from qerl.kernels import _counters, _interpret, _triton_ok, pdl_enabled, tag_permuted
+from qerl.kernels import _counters, _interpret, _triton_ok, pdl_enabled, permuted_buffer, tag_permuted
 
 try:
     import triton
@@ -379,7 +379,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     delta = _unit_cols(delta)
     m, d = h.shape
     x = torch.empty_like(h)
-    xp = _twin(x, permuted)
+    xp = permuted_buffer(x, permuted)
     _add_rms_norm_kernel[(m,)](h, delta if delta is not None else h, weight, x, xp if xp is not None else x, d,
                                delta.stride(0) if delta is not None else d, float(eps),
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 4096 else 8,
@@ -540,7 +540,7 @@ def silu_mul(gu: torch.Tensor, permuted: bool = False) -> torch.Tensor:
     m, i2 = gu.shape
     i = i2 // 2
     out = torch.empty((m, i), dtype=gu.dtype, device=gu.device)
-    op = _twin(out, permuted)
+    op = permuted_buffer(out, permuted)
     block = 1024
     _silu_mul_kernel[(m, -(-i // block))](gu, out, op if op is not None else out, i, gu.stride(0), BLOCK=block,
                                           num_warps=4, **_perm_kw(op), **_pdl(gu))
@@ -558,16 +558,6 @@ def permute_store() -> str:
     if v not in PERMUTE_STORES:
         raise ValueError(f"QERL_PERMUTE_STORE={v!r}; valid: {', '.join(PERMUTE_STORES)}")
     return v
-
-
-def _twin(x: torch.Tensor, permuted: bool) -> torch.Tensor | None:
-    """The buffer for x's copy in the wgmma GEMM's K permutation, tagged on x (None: not wanted, or K not a
-    multiple of 64). Written by the launch that writes x, which runs right after this."""
-    if not permuted or x.shape[-1] % 64:
-        return None
-    xp = torch.empty_like(x)
-    tag_permuted(x, xp)
-    return xp
 
 
 def _perm_kw(xp: torch.Tensor | None) -> dict:
