@@ -14,7 +14,8 @@ rate at which the SMs pull operands through L2; the ``tflops`` column the tensor
 ``l2_tbps`` is near the L2's ceiling while its ``tflops`` is far from the tensor cores' is bound by the token
 re-reads, which only more weight rows per CTA (or sharing one staged tile across CTAs) reduce.
 
-``--configs "16,0,2,2 8,0,4,1"`` limits either mode to those configurations. ``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
+``--configs "16,0,2,2 8,0,4,1"`` limits either mode to those configurations; ``--configs tuned`` to the one the
+device's tuned table (or heuristic) picks per shape and M (an A/B of two builds: `scripts/gpu_bench.sh desc40`). ``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
 (``--kernel-name regex:fp4_wgmma_kernel``; the permutation kernel is not profiled). Writes
 ``wgmma_profile_<gpu>.csv`` / ``.md`` under ``--out`` in timing mode.
 """
@@ -84,8 +85,14 @@ def _wgmma_configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     return [cfg for cfg in cgb.configs(s, c, m) if cfg[1] <= 0]
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int, int]]:
-    """``"16,0,2,2 8,0,4,1"`` (or ``;``-separated) -> [(16, 0, 2, 2), (8, 0, 4, 1)]: wgmma configs (sw <= 0)."""
+TUNED = "tuned"
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int, int]] | str:
+    """``"16,0,2,2 8,0,4,1"`` (or ``;``-separated) -> [(16, 0, 2, 2), (8, 0, 4, 1)]: wgmma configs (sw <= 0);
+    ``"tuned"`` -> ``TUNED``: each (shape, M) at the configuration the device's table or heuristic picks."""
+    if text.strip() == TUNED:
+        return TUNED
     out = []
     for part in text.replace(";", " ").split():
         try:
@@ -110,7 +117,12 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None) -> list[dict]
             cfgs = _wgmma_configs(s, c, m)
             if tuned[1] <= 0 and tuned not in cfgs:
                 cfgs.append(tuned)
-            if only:
+            if only == TUNED:
+                if tuned[1] > 0:
+                    print(f"[prof] {fmt} {n}x{k} M={m}: the device's pick {tuned} is not a wgmma config; skipped")
+                    continue
+                cfgs = [tuned]
+            elif only:
                 cfgs = [cf.check_gemm_config(cfg, s, c) for cfg in only]
             for cfg in cfgs:
                 if ncu:
@@ -151,7 +163,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--m", default="64,128,256")
     ap.add_argument("--rep", type=float, default=10.0, help="time spent replaying per measurement (ms)")
-    ap.add_argument("--configs", default="", help="only these wgmma configs, e.g. '16,0,2,2 8,0,4,1'")
+    ap.add_argument("--configs", default="", help="only these wgmma configs, e.g. '16,0,2,2 8,0,4,1'; 'tuned': only "
+                    "the configuration the device's table or heuristic picks for each shape and M")
     ap.add_argument("--ncu", action="store_true", help="run each configuration once for ncu; no timing")
     ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)

@@ -100,6 +100,17 @@
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
 #                                fused training kernels and without (QERL_FUSED_TRAIN=0), and the kernel layout's
 #                                dense weight, Triton vs CUDA (benchmarks.dequant_bench)
+#   scripts/gpu_bench.sh waves   issue 10, session 40: why a wave of the wgmma GEMM (gate|up at 128 tokens, 16,0,2,2)
+#                                takes ~1.9x its tensor-core time: ncu's per-SASS-instruction stall samples
+#                                ($OUT/prof/src_sass.csv; the report itself, src_gateup_m128.ncu-rep), and the same
+#                                launch config on 8448 / 16896 / 37888 rows (half, one and 2.24 waves) with the caches
+#                                flushed before each pass and without (the weights of the smaller two then come from
+#                                L2), $OUT/prof/waves_{cold,warm}.txt; ~3 min
+#   scripts/gpu_bench.sh desc40  issue 10, session 40: the wgmma MMAs' descriptor passed as two 32-bit halves (the main
+#                                loop 7% shorter in SASS) against the code before (git f6974de, or DESC40_BASE): the
+#                                wgmma GPU tests on the new build ($OUT/tests_desc40.txt), then each 7B product at 64, 128
+#                                and 256 tokens at its tuned configuration (benchmarks.wgmma_profile --configs tuned),
+#                                old / new / new / old in four processes ($OUT/desc_{old,new}_{1,2}); ~6 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -374,6 +385,45 @@ tail39)  # issue 10, session 39's opt-in: the wgmma GEMM's tail launch (QERL_WGM
     timeout 240 $B profile --models 7b --formats nvfp4 --batch 128 --decode fused,fused-wgmma-tail --out "$OUT/prof" \
       2>&1 | grep -v Warn >> "$LOG"
   fi ;;
+waves)  # issue 10, session 40: the wgmma GEMM's per-instruction stalls and its waves with cold and warm caches
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/prof"
+  build 2
+  P="python3 -m benchmarks.wgmma_profile --ncu --m 128 --configs 16,0,2,2"
+  QERL_WGMMA_PIPE=2 timeout 150 "$NCU" --clock-control none --kernel-name regex:fp4_wgmma_kernel --section SourceCounters \
+    --section WarpStateStats --import-source no -f -o "$OUT/prof/src_gateup_m128" $P --shapes 37888x3584 >> "$LOG" 2>&1
+  "$NCU" -i "$OUT/prof/src_gateup_m128.ncu-rep" --page source --print-source sass --csv > "$OUT/prof/src_sass.csv" \
+    2>> "$LOG" || "$NCU" -i "$OUT/prof/src_gateup_m128.ncu-rep" --page source --csv > "$OUT/prof/src_sass.csv" 2>> "$LOG"
+  head -c 600 "$OUT/prof/src_sass.csv" >> "$LOG"
+  for cc in all none; do
+    QERL_WGMMA_PIPE=2 timeout 120 "$NCU" --clock-control none --cache-control $cc --kernel-name regex:fp4_wgmma_kernel \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
+      $P --shapes 8448x3584,16896x3584,37888x3584 > "$OUT/prof/waves_$( [ $cc = all ] && echo cold || echo warm ).txt" 2>&1
+  done
+  grep -E "fp4_wgmma_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|Waves Per SM" "$OUT"/prof/waves_*.txt \
+    >> "$LOG" ;;
+desc40)  # issue 10, session 40: the descriptor halves against the code before, kernel-level, A B B A
+  OUT=$(cd "$OUT" && pwd); LOG="$OUT/log.txt"; OLD=/root/desc40_old; rm -rf "$OLD"; mkdir -p "$OLD/qerl/kernels/csrc"; cp -r qerl benchmarks "$OLD/"
+  for f in fp4_wgmma_gemm.cu fp4_wgmma_ops.cuh; do
+    git show "${DESC40_BASE:-f6974de}:qerl/kernels/csrc/$f" > "$OLD/qerl/kernels/csrc/$f" 2>> "$LOG" \
+      || cp ".ab_old/csrc/$f" "$OLD/qerl/kernels/csrc/$f"
+  done
+  grep -c "uint64_t desc)" "$OLD/qerl/kernels/csrc/fp4_wgmma_ops.cuh" >> "$LOG"  # 5: the old wrappers
+  (cd "$OLD" && PYTHONPATH="$OLD:$PYTHONPATH" build 2) &
+  p1=$!
+  build 2
+  wait $p1
+  gpu_tests desc40 200 tests/test_cuda_fp4.py -k wgmma
+  W="python3 -m benchmarks.wgmma_profile --configs tuned --m 64,128,256"
+  for run in old:1 new:1 new:2 old:2; do
+    IFS=: read -r tree pass <<< "$run"
+    if [ "$tree" = old ]; then
+      (cd "$OLD" && PYTHONPATH="$OLD:$PYTHONPATH" timeout 90 $W --out "$OUT/desc_${tree}_$pass" 2>&1 \
+        | grep "prof\]" >> "$LOG")
+    else
+      timeout 90 $W --out "$OUT/desc_${tree}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
+    fi
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

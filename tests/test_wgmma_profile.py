@@ -47,6 +47,7 @@ def test_shapes_argument():
 def test_configs_argument():
     assert wp.parse_configs("16,0,2,2 8,-1,4,1;4,0,1,1") == [(16, 0, 2, 2), (8, -1, 4, 1), (4, 0, 1, 1)]
     assert wp.parse_configs("") == []
-    for bad in ["16,0,2", "8,1,2,1", "a,b,c,d"]:
+    assert wp.parse_configs(" tuned ") == wp.TUNED
+    for bad in ["16,0,2", "8,1,2,1", "a,b,c,d", "tuned,16,0,2,2"]:
         with pytest.raises(ValueError, match="--configs entry"):
             wp.parse_configs(bad)

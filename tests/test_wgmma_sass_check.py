@@ -150,3 +150,19 @@ def test_extension_binding_compiles_against_torch_headers(tmp_path, ext):
     (_, err_good), (_, err_bad) = (p.communicate() for p in runs)
     assert runs[0].returncode == 0, err_good[-3000:]
     assert runs[1].returncode != 0 and "too few arguments" in err_bad, err_bad[-2000:]
+
+
+def test_the_wgmma_wrappers_are_the_generators_output():
+    """fp4_wgmma_ops.cuh is generated (gen_wgmma_ops.py): the committed header is exactly the generator's text, and
+    every wrapper takes the descriptor as two 32-bit halves joined inside its asm (session 40: as one 64-bit value,
+    ptxas re-derived it with a carry for every MMA)."""
+    import importlib.util
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "qerl" / "kernels" / "csrc" / "gen_wgmma_ops.py"
+    spec = importlib.util.spec_from_file_location("gen_wgmma_ops", src)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.text()
+    assert gen.OUT.read_text() == text, "fp4_wgmma_ops.cuh differs from gen_wgmma_ops.py's output: rerun it"
+    assert text.count("mov.b64 dsc, {%") == len(gen.WIDTHS)
+    assert text.count('"r"(dlo), "r"(dhi)') == len(gen.WIDTHS) and "uint64_t desc" not in text

@@ -103,21 +103,22 @@ __device__ __forceinline__ void keep_regs(const uint32_t (&a)[4][4]) {
     asm volatile("" ::"r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]) : "memory");
 }
 
-// Matrix descriptor of a K-major bf16 operand in the 128-byte swizzle: rows of 128 B (64 k), 8-row atoms of
-// 1024 B (stride byte offset), leading byte offset unused for this swizzle (1), start address >> 4. The k16 step
-// j of a 64-k chunk starts 32 j bytes into the row; the hardware applies the swizzle to the computed addresses.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-         (1ull << 62);
-}
+// Matrix descriptor of a K-major bf16 operand in the 128-byte swizzle, as its two 32-bit halves: low = start
+// address >> 4 (bits 0-13) | leading byte offset, unused for this swizzle (1, bits 16-29); high = stride byte offset
+// of the 8-row atoms (1024 B >> 4, bits 32-45) | the swizzle mode (128 B: bit 62). The k16 step j of a 64-k chunk
+// starts 32 j bytes into the row (low + 2 j: shared addresses are below 256 KB, so the address field never carries);
+// the hardware applies the swizzle to the computed addresses.
+constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
 
 // One chunk of 64 k: the four k16 MMAs of a warpgroup, A from a[j] (this thread's fragments), B from the K-major,
 // 128-byte-swizzled tile at shared address b_s, committed as one group (the caller waits for it).
 template <int NTOK>
 __device__ __forceinline__ void mma_chunk(float (&acc)[NTOK / 2], const uint32_t (&a)[4][4], uint32_t b_s) {
   wgmma_fence();
+  const uint32_t lo = desc_lo(b_s);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], desc_sw128(b_s + 32 * j));
+  for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], lo + 2 * j, kDescHi);
   wgmma_commit();
 }
 #endif
