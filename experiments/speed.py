@@ -617,6 +617,13 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 40 (H200, f6974de): session 39's tail launch (`fused-wgmma-tail`: the wgmma launch's last, partial wave of row
+blocks as a second launch with K split across CTAs) against the default, then in reverse order; GPU tests passed,
+gate|up at 128 tokens 1.068× faster alone, the rollouts within the order effect, not adopted
+(`raw/h200_s40_tail/README.md`; why: `raw/h200_s40_waves/README.md`, a CTA's time is set inside its SM, not by
+memory). Then the MMA descriptor as two 32-bit halves (64c300e): per product +0.7…+5.1%, per layer at 128 tokens −0.8%
+(`raw/h200_s40_desc/README.md`, kernel-level, not re-run end to end):
+{_raw_rollouts(root, "h200_s40_tail/roll_tail")}
 Session 38 (561d7b8, H100: the RMSNorm, SwiGLU and CUDA attention launches also write their output in the wgmma GEMM's
 K permutation, so the decode step's four permute launches per layer are gone, `QERL_FUSED_PERMUTE=1`; `raw/h100_s38_cmp/`,
 one run, both formats in one process, one pass — a one-pass difference below ~3% is noise):
