@@ -111,6 +111,11 @@
 #                                wgmma GPU tests on the new build ($OUT/tests_desc40.txt), then each 7B product at 64, 128
 #                                and 256 tokens at its tuned configuration (benchmarks.wgmma_profile --configs tuned),
 #                                old / new / new / old in four processes ($OUT/desc_{old,new}_{1,2}); ~6 min
+#   scripts/gpu_bench.sh ablate40 issue 10, session 40: what each part of the wgmma GEMM's main loop costs, by timing
+#                                builds that leave it out (benchmarks.wgmma_ablate; their results are wrong, only their
+#                                time counts): variants 1 (tokens staged once), 3 (no staging), 4 (no decode), 7 (no
+#                                staging, no decode), 8 (no group barrier) against the full kernel, built in parallel,
+#                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -424,6 +429,16 @@ desc40)  # issue 10, session 40: the descriptor halves against the code before, 
       timeout 90 $W --out "$OUT/desc_${tree}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
     fi
   done ;;
+ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in a timing-only build
+  pids=()
+  for v in 1 3 4 7 8; do
+    timeout 300 python3 -m benchmarks.wgmma_ablate --build-only $v >> "$LOG" 2>&1 &
+    pids+=($!)
+  done
+  build 2
+  for p in "${pids[@]}"; do wait "$p"; done
+  timeout 200 python3 -m benchmarks.wgmma_ablate --variants 0,1,3,4,7,8 --m 64,128,256 --out "$OUT/ablate" 2>&1 \
+    | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

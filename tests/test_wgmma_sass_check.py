@@ -108,6 +108,36 @@ def test_trigger_build_adds_one_instruction_to_the_lora_variants():
     assert all(counts[n] == (1 if n in lora else 0) for n in counts), counts
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_ablation_build_leaves_the_parts_out_of_the_main_loop():
+    """benchmarks.wgmma_ablate's build with every bit (-DQFP4_WGMMA_ABLATE=15): no decode (HMUL2, the scale step's
+    only instruction) anywhere in a plain grid kernel, no copy into shared memory (LDGSTS) after its first MMA (the
+    pipeline's first chunks only), and no group barrier (BAR.SYNC with a register id) inside its main loop."""
+    from benchmarks import wgmma_ablate as wa
+    assert wa.parse_variants("3,0,3,8") == [0, 3, 8] and wa.describe(5) == "tokens staged once + no decode"
+    for bad in ("16", "-1", "a", ""):
+        with pytest.raises(ValueError, match="--variants"):
+            wa.parse_variants(bad)
+    sass, _ = wsc.compile_sass(2, None, ("QFP4_WGMMA_ABLATE=15", "QFP4_WGMMA_NO_SK=1"))
+    plain = {n: b for n, b in wsc.functions(sass).items() if "fp4_wgmma_kernel" in n and "Lb0ELb0E" in n}
+    assert len(plain) == 2 * len(cf.WGMMA_VARIANTS)
+    for name, body in plain.items():
+        assert _ablated_parts(body) == [], name
+
+
+def _ablated_parts(body: list[tuple[int, str]]) -> list[str]:
+    """The parts of a plain wgmma grid kernel that -DQFP4_WGMMA_ABLATE=15 leaves out and ``body`` still has."""
+    ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for _, ins in body]
+    mmas = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
+    found = ["decode"] if any(op.startswith("HMUL2") for op in ops) else []
+    if any(op.startswith("LDGSTS") for op in ops[mmas[0]:]):
+        found.append("copies after the first MMA")
+    if any(op.startswith("BAR") for op in ops[mmas[0]:mmas[-1]]):
+        found.append("barrier between the MMAs")
+    return found
+
+
 def _cuda_include() -> str | None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:

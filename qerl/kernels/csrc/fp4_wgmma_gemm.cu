@@ -70,6 +70,16 @@
 #error "QFP4_WGMMA_TRIGGER needs QFP4_WGMMA_PDL"
 #endif
 
+// QFP4_WGMMA_ABLATE (timing experiments only, benchmarks/wgmma_ablate.py: a module of its own that nothing else
+// loads; its results are WRONG): bits that leave one part of the main loop out, to measure what it costs. 1: the
+// token tile is staged for the pipeline's first chunks only (later chunks read stale tiles); 2: the same for the
+// weight words and scales; 4: no decode (one XOR of the packed word with the scale pair per A register, which keeps
+// the loads); 8: no group barrier when a chunk is acquired. 0, the library's build, compiles exactly the kernel
+// without these lines (same SASS, checked when they were added).
+#ifndef QFP4_WGMMA_ABLATE
+#define QFP4_WGMMA_ABLATE 0
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_WGMMA 1
 #else
@@ -185,9 +195,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto stage = [&](int idx) {
       if (idx < n) {
         const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
-        tokens.stage(dst);
-        cp_async16(dst + my_w + lane * 16, wq_p, true);
-        if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
+        if (!(QFP4_WGMMA_ABLATE & 1) || idx < kStages - 2) tokens.stage(dst);
+        if (!(QFP4_WGMMA_ABLATE & 2) || idx < kStages - 2) {
+          cp_async16(dst + my_w + lane * 16, wq_p, true);
+          if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
+        }
         wq_p += 32;
         sq_p += SL;
       }
@@ -204,7 +216,8 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto acquire = [&](int idx) {
       cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
       fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
-      group_sync(bar, GT);            // every thread's; and chunk idx - 2's MMAs are done in every warpgroup
+      if (!(QFP4_WGMMA_ABLATE & 8)) group_sync(bar, GT);  // every thread's; and chunk idx - 2's MMAs are done in
+                                                         // every warpgroup
       stage(idx + kStages - 2);       // into chunk idx - 2's stage
     };
     auto decode = [&](int idx, uint32_t (&a)[4][4]) {
@@ -212,6 +225,14 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
       const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
       uint32_t sg, sg8;
+      if constexpr (QFP4_WGMMA_ABLATE & 4) {
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int o = 0; o < 4; ++o) a[j][o] = words[j] ^ s16;
+        return;
+      }
       scale_words<FMT>(s16, bword, sg, sg8);
       decode_word(w.x, sg, sg8, a[0]);
       decode_word(w.y, sg, sg8, a[1]);
