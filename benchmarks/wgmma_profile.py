@@ -15,7 +15,8 @@ rate at which the SMs pull operands through L2; the ``tflops`` column the tensor
 re-reads, which only more weight rows per CTA (or sharing one staged tile across CTAs) reduce.
 
 ``--configs "16,0,2,2 8,0,4,1"`` limits either mode to those configurations; ``--configs tuned`` to the one the
-device's tuned table (or heuristic) picks per shape and M (an A/B of two builds: `scripts/gpu_bench.sh desc40`). ``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
+device's tuned table (or heuristic) picks per shape and M (an A/B of two builds: `scripts/gpu_bench.sh desc40`).
+``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
 (``--kernel-name regex:fp4_wgmma_kernel``; the permutation kernel is not profiled). Writes
 ``wgmma_profile_<gpu>.csv`` / ``.md`` under ``--out`` in timing mode.
 """

@@ -101,7 +101,7 @@
 #                                fused training kernels and without (QERL_FUSED_TRAIN=0), and the kernel layout's
 #                                dense weight, Triton vs CUDA (benchmarks.dequant_bench)
 #   scripts/gpu_bench.sh waves   issue 10, session 40: why a wave of the wgmma GEMM (gate|up at 128 tokens, 16,0,2,2)
-#                                takes ~1.9x its tensor-core time: ncu's per-SASS-instruction stall samples
+#                                takes ~1.8x its tensor-core time: ncu's per-SASS-instruction stall samples
 #                                ($OUT/prof/src_sass.csv; the report itself, src_gateup_m128.ncu-rep), and the same
 #                                launch config on 8448 / 16896 / 37888 rows (half, one and 2.24 waves) with the caches
 #                                flushed before each pass and without (the weights of the smaller two then come from
@@ -408,7 +408,8 @@ waves)  # issue 10, session 40: the wgmma GEMM's per-instruction stalls and its 
   grep -E "fp4_wgmma_kernel|Duration|DRAM Throughput|Compute \(SM\) Throughput|Waves Per SM" "$OUT"/prof/waves_*.txt \
     >> "$LOG" ;;
 desc40)  # issue 10, session 40: the descriptor halves against the code before, kernel-level, A B B A
-  OUT=$(cd "$OUT" && pwd); LOG="$OUT/log.txt"; OLD=/root/desc40_old; rm -rf "$OLD"; mkdir -p "$OLD/qerl/kernels/csrc"; cp -r qerl benchmarks "$OLD/"
+  OUT=$(cd "$OUT" && pwd); LOG="$OUT/log.txt"; OLD=/root/desc40_old
+  rm -rf "$OLD"; mkdir -p "$OLD"; cp -r qerl benchmarks "$OLD/"
   for f in fp4_wgmma_gemm.cu fp4_wgmma_ops.cuh; do
     git show "${DESC40_BASE:-f6974de}:qerl/kernels/csrc/$f" > "$OLD/qerl/kernels/csrc/$f" 2>> "$LOG" \
       || cp ".ab_old/csrc/$f" "$OLD/qerl/kernels/csrc/$f"
