@@ -81,10 +81,12 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _time_gemm(cws, m: int, rep_ms: float, config) -> float:
+def _time_gemm(cws, m: int, rep_ms: float, config, lora=None) -> float:
+    """ms per cf.gemm call at ``config`` (with the LoRA operand ``lora``, its x·Aᵀ launch included), graph-replayed
+    over the weight copies ``cws``."""
     x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
     outs = [torch.empty(m, w.n, device="cuda", dtype=torch.bfloat16) for w in cws]
-    calls = [lambda w=w, o=o: cf.gemm(x, w, out=o, config=config) for w, o in zip(cws, outs, strict=True)]
+    calls = [lambda w=w, o=o: cf.gemm(x, w, out=o, config=config, lora=lora) for w, o in zip(cws, outs, strict=True)]
     return bench._graph_ms(calls, rep_ms)[0]
 
 

@@ -106,11 +106,15 @@ def parse_configs(text: str) -> list[tuple[int, int, int, int]] | str:
     return out
 
 
-def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None) -> list[dict]:
+def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0) -> list[dict]:
     rows = []
     for i, (n, k) in enumerate(shapes):
         wts = bench._Weights(fmt, n, k, seed=4000 + i)
         cws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
+        lora = None
+        if rank:
+            from benchmarks.tail_bench import lora_operand
+            lora = lora_operand([(n, rank)], k, seed=4500 + i)
         s, c = n // 16, k // 64
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
@@ -127,14 +131,15 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None) -> list[dict]
                 cfgs = [cf.check_gemm_config(cfg, s, c) for cfg in only]
             for cfg in cfgs:
                 if ncu:
-                    cf.gemm(x, cws[0], config=cfg)
+                    cf.gemm(x, cws[0], config=cfg, lora=lora)
                     torch.cuda.synchronize()
                     print(f"[ncu] {fmt} {n}x{k} M={m} config {cfg}", flush=True)
                     continue
-                t = cgb._time_gemm(cws, m, rep_ms, cfg) * 1e-3  # s
+                t = cgb._time_gemm(cws, m, rep_ms, cfg, lora) * 1e-3  # s
                 sk = cf.wgmma_sk_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3]) if cfg[1] == cf.WGMMA_SK else None
                 tr = traffic(fmt, n, k, m, cfg, sk)
-                row = dict(fmt=fmt, N=n, K=k, M=m, config=str(cfg), tuned=cfg == tuned, us=round(t * 1e6, 2),
+                row = dict(fmt=fmt, N=n, K=k, M=m, config=str(cfg), tuned=cfg == tuned, lora_rank=rank,
+                           us=round(t * 1e6, 2),
                            tflops=round(tr["flops"] / t / 1e12, 1),
                            l2_tbps=round((tr["weight_bytes"] + tr["token_bytes"]) / t / 1e12, 2),
                            weight_tbps=round(tr["weight_bytes"] / t / 1e12, 2), **tr)
@@ -166,6 +171,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rep", type=float, default=10.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--configs", default="", help="only these wgmma configs, e.g. '16,0,2,2 8,0,4,1'; 'tuned': only "
                     "the configuration the device's table or heuristic picks for each shape and M")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="with a LoRA term of this rank in the GEMM's epilogue (its x·Aᵀ launch included); 0: none")
     ap.add_argument("--ncu", action="store_true", help="run each configuration once for ncu; no timing")
     ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)
@@ -173,9 +180,11 @@ def main(argv=None) -> None:
     ms = [int(v) for v in a.m.split(",")]
     if any(m < 17 for m in ms):
         raise ValueError(f"--m {a.m}: the wgmma GEMM serves M > 16")
+    if a.lora < 0 or a.lora % 8:
+        raise ValueError(f"--lora {a.lora}: a rank that is a multiple of 8 (the epilogue's staging), or 0")
     if not (torch.cuda.is_available() and cf.wgmma_supported()):
         sys.exit("needs a CUDA device of compute capability 9.0 (the wgmma GEMM is sm_90a only)")
-    rows = run(a.fmt, shapes, ms, a.rep, a.ncu, parse_configs(a.configs))
+    rows = run(a.fmt, shapes, ms, a.rep, a.ncu, parse_configs(a.configs), a.lora)
     if a.ncu:
         return
     gpu = bench.gpu_tag()

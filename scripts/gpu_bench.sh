@@ -116,6 +116,12 @@
 #                                time counts): variants 1 (tokens staged once), 3 (no staging), 4 (no decode), 7 (no
 #                                staging, no decode), 8 (no group barrier) against the full kernel, built in parallel,
 #                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min)
+#   scripts/gpu_bench.sh split40 issue 10, session 40's opt-in QERL_WGMMA_SPLIT_EPI=1 (decode mode fused-split-epi: both
+#                                split-K groups of a wgmma CTA finish half of its token tile each): both builds, its
+#                                GPU test (bit-identical to the default build; $OUT/tests_split40.txt), then the 7B
+#                                products at 128 and 256 tokens with a rank-32 LoRA term at their tuned configs
+#                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / split / split /
+#                                default ($OUT/split_{0,1}_{1,2}; SPLIT40=short: one of each); ~4-5 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -440,6 +446,19 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   for p in "${pids[@]}"; do wait "$p"; done
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants 0,1,3,4,7,8 --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
+split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epilogue (its own build)
+  QERL_WGMMA_SPLIT_EPI=1 build 2 &
+  p1=$!
+  build 2
+  wait $p1
+  gpu_tests split40 100 tests/test_cuda_fp4.py -k split_epilogue
+  W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 128,256"
+  runs="0:1 1:1 1:2 0:2"
+  [ "${SPLIT40:-}" = short ] && runs="0:1 1:1"
+  for run in $runs; do
+    IFS=: read -r v pass <<< "$run"
+    QERL_WGMMA_SPLIT_EPI=$v timeout 60 $W --out "$OUT/split_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

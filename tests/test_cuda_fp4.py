@@ -1311,6 +1311,35 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_split_epilogue_is_bit_identical(fmt, monkeypatch):
+    """QERL_WGMMA_SPLIT_EPI=1's build (each of a CTA's two split-K groups finishes half of the token tile) gives the
+    default build's output bit for bit: every wgmma config with two groups (those with K split across CTAs too, which
+    keep the whole-tile path), with and without LoRA (R = 96: two passes of the half-width LoRA MMAs; a member without
+    ranks), partial token tiles whose second half is empty or partial, in a CUDA graph; and matches the emulator."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    q, w, ops, k = _gemm_lora_case(fmt)
+    cfgs = [c for c in cf.wgmma_configs(w.n // 16, k // 64) if c[3] == 2 and c[1] != cf.WGMMA_SK]
+    assert any(c[0] >= 8 and c[1] == 0 for c in cfgs) and any(c[1] < 0 for c in cfgs), cfgs
+    g = torch.Generator(device="cuda").manual_seed(31)
+    for m in (17, 40, 100, 130, 300):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in (None, *ops[:2]):
+            for cfg in cfgs:
+                monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "0")
+                ref = cf.gemm(x, w, config=cfg, lora=op)
+                monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "1")
+                got = cf.gemm(x, w, config=cfg, lora=op)
+                assert torch.equal(got, ref), (m, cfg, op is None)
+        monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "1")
+        _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
+        _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
+    _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_wgmma_gemm_every_variant(fmt):
     """The sm_90a wgmma kernel, every compiled variant: partial row blocks (7 strips), uneven K splits, partial token
     tiles, strided and misaligned x; the CUDA permutation equals the reference one bit for bit."""

@@ -51,3 +51,9 @@ def test_configs_argument():
     for bad in ["16,0,2", "8,1,2,1", "a,b,c,d", "tuned,16,0,2,2"]:
         with pytest.raises(ValueError, match="--configs entry"):
             wp.parse_configs(bad)
+
+
+def test_lora_argument_refused_before_any_gpu_work():
+    for bad in ("12", "-8"):
+        with pytest.raises(ValueError, match="--lora"):
+            wp.main(["--lora", bad, "--m", "128"])

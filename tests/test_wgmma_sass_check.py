@@ -110,6 +110,29 @@ def test_trigger_build_adds_one_instruction_to_the_lora_variants():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_split_epilogue_build_adds_the_half_width_lora_mmas():
+    """QERL_WGMMA_SPLIT_EPI=1's build (-DQFP4_WGMMA_SPLIT_EPI=1): the loop check stays clean, and exactly the LoRA
+    variants with two split-K groups and 64+ tokens a tile gain the two groups' half-width LoRA MMAs (4 of m64n(NTOK/2)
+    each: 8 main-loop + 4 whole-tile LoRA + 8 = 20 HGMMA), every other variant keeping its 8 or 12."""
+    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_SPLIT_EPI=1", "QFP4_WGMMA_NO_SK=1"))
+    r = wsc.check(sass, msgs)
+    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
+    seen = 0
+    for fmt in (0, 1):
+        for ntok, rw, ks in cf.WGMMA_VARIANTS:
+            for lora in (0, 1):
+                name = f"fp4_wgmma_kernelILi{fmt}ELi{ntok}ELi{rw}ELi{ks}ELb{lora}ELb0E"
+                body = next(b for n, b in wsc.functions(sass).items() if name in n)
+                mmas = [ins.split()[0] for _, ins in body if ins.split()[0].startswith("HGMMA")]
+                split = lora and ks == 2 and ntok >= 64
+                assert len(mmas) == (20 if split else 12 if lora else 8), (name, len(mmas))
+                assert (f"HGMMA.64x{ntok // 2}x16.F32.BF16" in mmas) == bool(split), name
+                seen += split
+    assert seen == 2 * sum(ks == 2 and ntok >= 64 for ntok, _, ks in cf.WGMMA_VARIANTS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_ablation_build_leaves_the_parts_out_of_the_main_loop():
     """benchmarks.wgmma_ablate's build with every bit (-DQFP4_WGMMA_ABLATE=15): no decode (HMUL2, the scale step's
     only instruction) anywhere in a plain grid kernel, no copy into shared memory (LDGSTS) after its first MMA (the

@@ -727,15 +727,32 @@ def wgmma_pipe() -> int:
     return int(v)
 
 
+WGMMA_SPLIT_EPI = ("0", "1")
+
+
+def wgmma_split_epi() -> bool:
+    """``QERL_WGMMA_SPLIT_EPI``: ``1`` (opt-in, session 40; a build of its own, decode mode ``fused-split-epi``) lets
+    both split-K groups of a wgmma CTA finish one half of its token tile each (K not split across CTAs, two groups,
+    64+ tokens a tile) instead of group 0 finishing it alone while group 1's warps have exited: the same partial
+    sums added in the same order, so the same results (``test_gpu_wgmma_split_epilogue_is_bit_identical``); the
+    LoRA term's MMAs then run half as wide in each group. ``0`` (default): group 0 finishes the tile."""
+    v = os.environ.get("QERL_WGMMA_SPLIT_EPI", "0")
+    if v not in WGMMA_SPLIT_EPI:
+        raise ValueError(f"QERL_WGMMA_SPLIT_EPI={v!r}; valid: {', '.join(WGMMA_SPLIT_EPI)}")
+    return v == "1"
+
+
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
-    stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build)."""
+    stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build);
+    ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
-            *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else [])]
+            *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else []),
+            *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else [])]
 
 
 def _ext():

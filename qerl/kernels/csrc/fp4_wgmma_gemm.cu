@@ -35,6 +35,8 @@
 // z = CTA splits of K; or, for the stream-K variants (SK), as many persistent CTAs as fit the device, walking the
 // tiles in the same order (see the kernel's stream-K part).
 
+#include <type_traits>
+
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 
@@ -68,6 +70,14 @@
 #endif
 #if QFP4_WGMMA_TRIGGER && !QFP4_WGMMA_PDL
 #error "QFP4_WGMMA_TRIGGER needs QFP4_WGMMA_PDL"
+#endif
+
+// QFP4_WGMMA_SPLIT_EPI (the build's -D, set by QERL_WGMMA_SPLIT_EPI=1; opt-in, session 40): with two split-K groups
+// in a CTA and K not split across CTAs, each group finishes one half of the token tile (the two groups' partial sums
+// added in the same order as before, so the same results), instead of group 0 finishing the whole tile while group
+// 1's warps have exited (12.8% of the 128-token kernel's warp samples came after its main loop, raw/h200_s40_waves).
+#ifndef QFP4_WGMMA_SPLIT_EPI
+#define QFP4_WGMMA_SPLIT_EPI 0
 #endif
 
 // QFP4_WGMMA_ABLATE (timing experiments only, benchmarks/wgmma_ablate.py: a module of its own that nothing else
@@ -300,7 +310,14 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 
   // The finished tile (acc: the full sum over K, in fragment order) to out: the LoRA term first (LORA variants),
   // then the bf16 rounding. The group's warpgroups only; the group's stages are free (its caller synchronized it).
-  auto epilogue = [&](int tok0, int strip) {
+  // half (a std::integral_constant) HALF: -1 the whole token tile; 0 / 1 (QFP4_WGMMA_SPLIT_EPI) its tokens
+  // [HALF NTOK / 2, (HALF + 1) NTOK / 2), whose accumulators are the HALF-th half of acc (accumulator 4 j + v is
+  // token 8 j + 2 t .., below), finished with MMAs NTOK / 2 tokens wide.
+  auto epilogue = [&](int tok0, int strip, auto half) {
+    constexpr int HALF = decltype(half)::value;
+    constexpr int TW = HALF < 0 ? NTOK : NTOK / 2;        // tokens finished here
+    constexpr int T0 = HALF < 0 ? 0 : HALF * (NTOK / 2);  // the first of them in the tile
+    float (&ac)[TW / 2] = *reinterpret_cast<float (*)[TW / 2]>(acc + T0 / 2);  // their accumulators
     const int st = max(0, min(strip, S - 1));
     if constexpr (LORA) {
       // The accumulators to output units, then the LoRA MMAs add t Bn^T onto them (stored with multiplier 1), 64
@@ -309,7 +326,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       // outside them).
       const float m0 = FMT == 0 ? out_mult / __ldg(gs) : out_mult;
 #pragma unroll
-      for (int i = 0; i < NA; ++i) acc[i] *= m0;
+      for (int i = 0; i < TW / 2; ++i) ac[i] *= m0;
       const int nrow = st * 16;
       const int mb = nrow < la.bound1 ? 0 : nrow < la.bound2 ? 1 : 2;
       const int r0 = mb == 0 ? la.roff[0] : mb == 1 ? la.roff[1] : la.roff[2];
@@ -319,11 +336,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       const uint32_t ts = gbase_s;          // the group's first stage (1024-aligned)
       for (int c0 = 0; c0 < la.R; c0 += 64) {
         group_sync(bar, GT);  // the stage free: the main loop's, the reduction's or the previous pass's reads done
-        for (int u = gtid; u < NTOK * 8; u += GT) {
+        for (int u = gtid; u < TW * 8; u += GT) {
           const int row = u >> 3, unit = u & 7, r = c0 + 8 * unit;
-          const bool ok = tok0 + row < M && r < la.R;
+          const bool ok = tok0 + T0 + row < M && r < la.R;
           cp_async16(ts + row * 128 + ((unit ^ (row & 7)) << 4),
-                     ok ? la.t + (size_t)(tok0 + row) * la.ldt + r : la.t, ok);
+                     ok ? la.t + (size_t)(tok0 + T0 + row) * la.ldt + r : la.t, ok);
         }
         cp_async_commit();
         cp_async_wait<0>();
@@ -339,12 +356,12 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
           a[j][2] = hi ? __ldg(bg + ((kk + 8) >> 1)) : 0u;
           a[j][3] = hi ? __ldg(b8 + ((kk + 8) >> 1)) : 0u;
         }
-        mma_chunk<NTOK>(acc, a, ts);
+        mma_chunk<TW>(ac, a, ts);
         wgmma_wait<0>();
         keep_regs(a);
       }
 #pragma unroll
-      for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
+      for (int i = 0; i < TW / 2; ++i) fence_reg(ac[i]);
     }
     if (strip >= S) return;
     float mult = out_mult;
@@ -353,15 +370,15 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     // accumulator 4 j + v: weight row 16 wq + g (+ 8 for v >= 2) of the warpgroup, token 8 j + 2 t (+ 1 for odd v)
     const int n0 = strip * 16;
 #pragma unroll
-    for (int j = 0; j < NTOK / 8; ++j) {
-      const int tok = tok0 + 8 * j + 2 * t;
+    for (int j = 0; j < TW / 8; ++j) {
+      const int tok = tok0 + T0 + 8 * j + 2 * t;
       if (tok < M) {
-        out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 0] * mult);
-        out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 2] * mult);
+        out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(ac[4 * j + 0] * mult);
+        out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(ac[4 * j + 2] * mult);
       }
       if (tok + 1 < M) {
-        out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 1] * mult);
-        out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 3] * mult);
+        out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(ac[4 * j + 1] * mult);
+        out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(ac[4 * j + 3] * mult);
       }
     }
   };
@@ -379,6 +396,38 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       __syncthreads();  // every group is done with its stages: shared memory is free for the reduction
       float* red = reinterpret_cast<float*>(smem);
       const int tw = threadIdx.x & 127;  // thread within the warpgroup
+      if constexpr (QFP4_WGMMA_SPLIT_EPI && KS == 2 && NTOK >= 64) {
+        if (gridDim.z == 1) {  // K not split across CTAs: each group finishes one half of the token tile
+          constexpr int H = NA / 2;
+          // group 0 hands over its second half's partial sums, group 1 its first (RW H floats a thread each; group
+          // 0's stages hold both)
+          float* mine = red + (size_t)(grp * RW + wr) * H * 128 + tw;
+          const float* theirs = red + (size_t)((1 - grp) * RW + wr) * H * 128 + tw;
+          if (grp == 0) {
+#pragma unroll
+            for (int i = 0; i < H; ++i) mine[i * 128] = acc[H + i];
+          } else {
+#pragma unroll
+            for (int i = 0; i < H; ++i) mine[i * 128] = acc[i];
+          }
+          __syncthreads();
+          // group 0's partial + group 1's, as the whole-tile path below adds them
+          if (grp == 0) {
+#pragma unroll
+            for (int i = 0; i < H; ++i) acc[i] += theirs[i * 128];
+          } else {
+#pragma unroll
+            for (int i = 0; i < H; ++i) acc[H + i] = theirs[i * 128] + acc[H + i];
+          }
+          if constexpr (LORA) __syncthreads();  // both halves read: group 0's stages are free for its LoRA tile
+          if (grp == 0) {
+            epilogue(tok0, strip, std::integral_constant<int, 0>{});
+          } else {
+            epilogue(tok0, strip, std::integral_constant<int, 1>{});
+          }
+          return;
+        }
+      }
       if (grp > 0) {
 #pragma unroll
         for (int i = 0; i < NA; ++i) red[(((grp - 1) * RW + wr) * NA + i) * 128 + tw] = acc[i];
@@ -416,7 +465,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       }
       if (rt == 0) ctr[tile] = 0;
     }
-    epilogue(tok0, strip);
+    epilogue(tok0, strip, std::integral_constant<int, -1>{});
   } else {
   // Stream-K (SK; a grid of P CTAs, at most as many as fit the device at once), after a data-parallel part: each
   // split-K group of each CTA is one of P KS workers; the tiles (token tile fastest) up to the last whole multiple
@@ -437,7 +486,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     mainloop(tok0, strip, 0, C);
     if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
     group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
-    epilogue(tok0, strip);
+    epilogue(tok0, strip, std::integral_constant<int, -1>{});
     if constexpr (LORA) group_sync(bar, GT);  // and with the LoRA tile in the first stage
   }
   const int U = (tiles - DP) * C;  // the launcher keeps P * U < 2^31
@@ -482,7 +531,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       }
       if (gtid == 0) ctr[tile] = 0;
     }
-    epilogue(tok0, strip);
+    epilogue(tok0, strip, std::integral_constant<int, -1>{});
     if constexpr (LORA) group_sync(bar, GT);  // every warp done with the LoRA tile before the next segment stages
   }
   }
