@@ -624,7 +624,9 @@ gate|up at 128 tokens 1.068× faster alone, the rollouts within the order effect
 memory). Then the MMA descriptor as two 32-bit halves (64c300e): per product +0.7…+5.1%, per layer at 128 tokens −0.8%
 (`raw/h200_s40_desc/README.md`, kernel-level, not re-run end to end). What the wgmma main loop's parts cost, from
 timing-only builds that leave each out (`raw/h200_s40_ablate/README.md`): copies and decode ~20% at 128-256 tokens,
-31-36% at 64; the MMA schedule, per-CTA fixed cost and last wave the rest:
+31-36% at 64; the MMA schedule, per-CTA fixed cost and last wave the rest. Both split-K groups finishing half of
+the tile each (`QERL_WGMMA_SPLIT_EPI=1`, bit-identical): 1.4-1.9% slower where it runs, not adopted
+(`raw/h200_s40_split/README.md`):
 {_raw_rollouts(root, "h200_s40_tail/roll_tail")}
 Session 38 (561d7b8, H100: the RMSNorm, SwiGLU and CUDA attention launches also write their output in the wgmma GEMM's
 K permutation, so the decode step's four permute launches per layer are gone, `QERL_FUSED_PERMUTE=1`; `raw/h100_s38_cmp/`,

@@ -735,7 +735,9 @@ def wgmma_split_epi() -> bool:
     both split-K groups of a wgmma CTA finish one half of its token tile each (K not split across CTAs, two groups,
     64+ tokens a tile) instead of group 0 finishing it alone while group 1's warps have exited: the same partial
     sums added in the same order, so the same results (``test_gpu_wgmma_split_epilogue_is_bit_identical``); the
-    LoRA term's MMAs then run half as wide in each group. ``0`` (default): group 0 finishes the tile."""
+    LoRA term's MMAs then run half as wide in each group. ``0`` (default): group 0 finishes the tile. Measured on an
+    H200 (session 40, `results/speed/raw/h200_s40_split`, one pass): 1.4-1.9% slower where it runs (7B gate|up at
+    128 / 256 tokens, q|k|v at 256), equal for o at 256; not adopted."""
     v = os.environ.get("QERL_WGMMA_SPLIT_EPI", "0")
     if v not in WGMMA_SPLIT_EPI:
         raise ValueError(f"QERL_WGMMA_SPLIT_EPI={v!r}; valid: {', '.join(WGMMA_SPLIT_EPI)}")
