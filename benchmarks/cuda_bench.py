@@ -37,12 +37,6 @@ def _nvcc_version() -> str:
         return f"n/a ({type(e).__name__})"
 
 
-def _cuda_weights(fmt: str, wts: bench._Weights) -> list[cf.CudaFP4Weight]:
-    if fmt == "bf16":
-        return [cf.dense_weight(q["weight"]) for q in wts.qs]
-    return [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
-
-
 def _time_cuda(cws: list[cf.CudaFP4Weight], m: int, rep_ms: float, config=None, pdl=False) -> float:
     """Per-call ms of ``gemv`` over the rotating copies inside one graph."""
     x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
@@ -106,7 +100,7 @@ def run(models, ms, fmts, paths, rep_ms, sweep: bool) -> tuple[list[dict], list[
             kinds = ([p for p in ("bf16", "cuda", "cuda_pdl") if p in paths] if fmt == "bf16" else
                      [p for p in ("triton", "cuda", "cuda_pdl") if p in paths])
             cuda = [p for p in kinds if p.startswith("cuda")]
-            cws = {key: _cuda_weights(fmt, w) for key, w in wts.items()} if cuda else {}
+            cws = {key: w.cuda() for key, w in wts.items()} if cuda else {}
             for path in kinds:
                 for m in ms:
                     total_t, total_b = 0.0, 0

@@ -106,8 +106,7 @@ def sweep(models, fmts, ms, rep_ms) -> tuple[list[dict], list[dict]]:
         for fmt in fmts:
             for i, (n, k) in enumerate(shapes):
                 wts = bench._Weights(fmt, n, k, seed=2000 + i)
-                cws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
-                       for q in wts.qs]
+                cws = wts.cuda()
                 s, c = n // 16, k // 64
                 for m in ms:
                     with _env("QERL_CUDA_GEMM", "0"):
@@ -145,9 +144,7 @@ def layer_table(models, fmts, ms, rep_ms) -> list[dict]:
         for fmt in ["bf16", *fmts]:
             wts = {(n, k): bench._Weights(fmt, n, k, seed=3000 + i) for i, (n, k) in enumerate(shapes)}
             paths = ["bf16"] if fmt == "bf16" else ["prev", "cuda_gemm", "qmm"]
-            cws = {} if fmt == "bf16" else {
-                key: [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
-                      for q in w.qs] for key, w in wts.items()}
+            cws = {} if fmt == "bf16" else {key: w.cuda() for key, w in wts.items()}
             for path in paths:
                 for m in ms:
                     total, cfgs = 0.0, []

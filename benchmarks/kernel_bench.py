@@ -159,6 +159,15 @@ class _Weights:
                 relaid.note_bexp(qq["weight_relaid"], int(q["weight_relaid_bexp"][0]))
         elif _fp4(fmt):
             self.pws = [prepare(base, qq) for qq in self.qs]
+        self.fmt = fmt
+
+    def cuda(self) -> list:
+        """Every copy as the CUDA kernels hold it (``cuda_fp4.prepare``; a BF16 weight: ``cuda_fp4.dense_weight``)."""
+        from qerl.kernels import cuda_fp4 as cf
+        if self.fmt == "bf16":
+            return [cf.dense_weight(q["weight"]) for q in self.qs]
+        return [cf.prepare(self.fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+                for q in self.qs]
 
 
 def _call(fmt: str, wts: _Weights, i: int, x: torch.Tensor, op: str, cfg=None):

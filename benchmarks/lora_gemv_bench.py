@@ -49,9 +49,7 @@ class _Linear:
     def __init__(self, fmt: str, members, k: int, seed: int):
         n = sum(rows for rows, _ in members)
         wts = bench._Weights(fmt, n, k, seed)
-        self.ws = [cf.dense_weight(q["weight"]) if fmt == "bf16" else
-                   cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
-                   for q in wts.qs]
+        self.ws = wts.cuda()
         del wts
         gen = torch.Generator(device="cuda").manual_seed(seed + 1)
         r = sum(rk for _, rk in members)

@@ -57,7 +57,7 @@ def bench_product(model, name, n, k, members, fmt, m, rep_ms, seed) -> dict:
     from qerl.kernels import cuda_fp4 as cf
     from qerl.kernels import fused as fk
     wts = kb._Weights(fmt, n, k, seed=seed)
-    cws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
+    cws = wts.cuda()
     op = lora_operand(members, k, seed + 1)
     dev = torch.device("cuda")
     cfg = tuple(cf._gemm_config(cws[0], m, dev))

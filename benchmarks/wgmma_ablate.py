@@ -79,7 +79,7 @@ def run(variants, shapes, ms, fmt: str, rep_ms: float) -> list[dict]:
     rows = []
     for i, (n, k) in enumerate(shapes):
         wts = kb._Weights(fmt, n, k, seed=5000 + i)
-        cws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
+        cws = wts.cuda()
         for m in ms:
             cfg = tuple(cf._gemm_config(cws[0], m, torch.device("cuda")))
             if cfg[1] > 0:

@@ -110,7 +110,7 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0
     rows = []
     for i, (n, k) in enumerate(shapes):
         wts = bench._Weights(fmt, n, k, seed=4000 + i)
-        cws = [cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale")) for q in wts.qs]
+        cws = wts.cuda()
         lora = None
         if rank:
             from benchmarks.tail_bench import lora_operand

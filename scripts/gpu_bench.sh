@@ -144,11 +144,14 @@ both_pipes() {  # both builds at once (waiting on the PID only: never a bare wai
     QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
   done
 }
-lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QERL_WGMMA_LORA=1's (without), at once
-  QERL_WGMMA_LORA=1 build 2 &
+beside_default() {  # NAME=VALUE ...: the default build and the one those switches select, at once
+  ( export "$@"; build 2 ) &
   local p1=$!
-  QERL_WGMMA_LORA=pdl build 2
+  build 2
   wait $p1
+}
+lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QERL_WGMMA_LORA=1's (without), at once
+  beside_default QERL_WGMMA_LORA=1
 }
 lora_a_sweep() {  # benchmarks.lora_a_bench --quick over 7B's four x·Aᵀ products at 64-256 tokens ($OUT/lora_a)
   mkdir -p "$OUT/lora_a"
@@ -382,10 +385,7 @@ cmp39)  # issue 10 after session 39's call 2: NVFP4 vs BF16-LoRA with x·Aᵀ un
       | grep -v Warn >> "$LOG"
   fi ;;
 tail39)  # issue 10, session 39's opt-in: the wgmma GEMM's tail launch (QERL_WGMMA_LORA=pdl-tail, its own build)
-  QERL_WGMMA_LORA=pdl-tail build 2 &
-  p1=$!
-  build 2
-  wait $p1
+  beside_default QERL_WGMMA_LORA=pdl-tail
   if [ "${TAIL39:-roll}" = roll ]; then
     gpu_tests tail39 200 tests/test_cuda_fp4.py tests/test_fused_decode.py -k "tail_launch or pdl-tail"
     # 256 + 512, one process, batch 16 first (the process's first run reads low), A B B A (the order effect cancels)
@@ -417,8 +417,7 @@ desc40)  # issue 10, session 40: the descriptor halves against the code before, 
   OUT=$(cd "$OUT" && pwd); LOG="$OUT/log.txt"; OLD=/root/desc40_old
   rm -rf "$OLD"; mkdir -p "$OLD"; cp -r qerl benchmarks "$OLD/"
   for f in fp4_wgmma_gemm.cu fp4_wgmma_ops.cuh; do
-    git show "${DESC40_BASE:-f6974de}:qerl/kernels/csrc/$f" > "$OLD/qerl/kernels/csrc/$f" 2>> "$LOG" \
-      || cp ".ab_old/csrc/$f" "$OLD/qerl/kernels/csrc/$f"
+    git show "${DESC40_BASE:-f6974de}:qerl/kernels/csrc/$f" > "$OLD/qerl/kernels/csrc/$f" 2>> "$LOG"
   done
   grep -c "uint64_t desc)" "$OLD/qerl/kernels/csrc/fp4_wgmma_ops.cuh" >> "$LOG"  # 5: the old wrappers
   (cd "$OLD" && PYTHONPATH="$OLD:$PYTHONPATH" build 2) &
@@ -447,10 +446,7 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants 0,1,3,4,7,8 --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epilogue (its own build)
-  QERL_WGMMA_SPLIT_EPI=1 build 2 &
-  p1=$!
-  build 2
-  wait $p1
+  beside_default QERL_WGMMA_SPLIT_EPI=1
   gpu_tests split40 100 tests/test_cuda_fp4.py -k split_epilogue
   W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 128,256"
   runs="0:1 1:1 1:2 0:2"

@@ -117,12 +117,12 @@ def test_split_epilogue_build_adds_the_half_width_lora_mmas():
     sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_SPLIT_EPI=1", "QFP4_WGMMA_NO_SK=1"))
     r = wsc.check(sass, msgs)
     assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    seen = 0
+    seen, funcs = 0, wsc.functions(sass)
     for fmt in (0, 1):
         for ntok, rw, ks in cf.WGMMA_VARIANTS:
             for lora in (0, 1):
                 name = f"fp4_wgmma_kernelILi{fmt}ELi{ntok}ELi{rw}ELi{ks}ELb{lora}ELb0E"
-                body = next(b for n, b in wsc.functions(sass).items() if name in n)
+                body = next(b for n, b in funcs.items() if name in n)
                 mmas = [ins.split()[0] for _, ins in body if ins.split()[0].startswith("HGMMA")]
                 split = lora and ks == 2 and ntok >= 64
                 assert len(mmas) == (20 if split else 12 if lora else 8), (name, len(mmas))
