@@ -738,10 +738,8 @@ def wgmma_split_epi() -> bool:
     LoRA term's MMAs then run half as wide in each group. ``0`` (default): group 0 finishes the tile. Measured on an
     H200 (session 40, `results/speed/raw/h200_s40_split`, one pass): 1.4-1.9% slower where it runs (7B gate|up at
     128 / 256 tokens, q|k|v at 256), equal for o at 256; not adopted."""
-    v = os.environ.get("QERL_WGMMA_SPLIT_EPI", "0")
-    if v not in WGMMA_SPLIT_EPI:
-        raise ValueError(f"QERL_WGMMA_SPLIT_EPI={v!r}; valid: {', '.join(WGMMA_SPLIT_EPI)}")
-    return v == "1"
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_WGMMA_SPLIT_EPI", "0", WGMMA_SPLIT_EPI) == "1"
 
 
 def _build_flags() -> list[str]:
