@@ -145,7 +145,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-triton-attn", "fused-cublas-bf16", "fused-bf16-pdl", "fused-bf16-no-pdl", "fused-lora-a-64",
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
-           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-pdl",
+           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma", "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
@@ -167,6 +167,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-s38-next": {"QERL_LORA_A_PDL": "1", "QERL_PERMUTE_STORE": "vector"},
                "fused-wgmma-tail": {"QERL_WGMMA_LORA": "pdl-tail"},
                "fused-split-epi": {"QERL_WGMMA_SPLIT_EPI": "1"},
+               "fused-tma": {"QERL_WGMMA_TMA": "1"}, "fused-no-tma": {"QERL_WGMMA_TMA": "0"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -206,7 +207,9 @@ def decode_mode(sampler, dec: str):
     wgmma launch whose CTAs end in a partial wave splits off its last row blocks into a second launch with K split
     across CTAs, which fills the SMs that wave leaves idle: ``QERL_WGMMA_LORA=pdl-tail``, a build of its own),
     "fused-split-epi" (both split-K groups of a wgmma CTA finish half of its token tile each:
-    ``QERL_WGMMA_SPLIT_EPI=1``, a build of its own) — all but
+    ``QERL_WGMMA_SPLIT_EPI=1``, a build of its own), "fused-tma" (the wgmma grid variants' chunks staged by tensor
+    copies on mbarriers: ``QERL_WGMMA_TMA=1``, the default spelled out), "fused-no-tma" (by cp.async:
+    ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own) — all but
     "fused" for
     same-run comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,

@@ -122,6 +122,15 @@
 #                                products at 128 and 256 tokens with a rank-32 LoRA term at their tuned configs
 #                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / split / split /
 #                                default ($OUT/split_{0,1}_{1,2}; SPLIT40=short: one of each); ~4-5 min
+#   scripts/gpu_bench.sh tma41   issue 10, session 41's QERL_WGMMA_TMA=1 (the default since; decode mode fused-tma: the wgmma grid
+#                                variants' chunks staged by tensor copies on mbarriers): both builds, every wgmma GPU
+#                                test on its build (one: bit-identical to the default build, every config;
+#                                $OUT/tests_tma41.txt), then each 7B
+#                                product at 64, 128 and 256 tokens at its tuned config with a rank-32 LoRA term
+#                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / tma / tma / default
+#                                ($OUT/tma_{0,1}_{1,2}; TMA41_RUNS="0:1 1:1 ..." sets the builds and passes,
+#                                TMA41_TESTS the tests' -k); TMA41=roll adds 7B NVFP4 rollouts at 64 / 128 / 256 sequences,
+#                                fused-no-tma / fused / fused / fused-no-tma in one process ($OUT/roll_tma); ~4 / ~9 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -455,6 +464,26 @@ split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epi
     IFS=: read -r v pass <<< "$run"
     QERL_WGMMA_SPLIT_EPI=$v timeout 60 $W --out "$OUT/split_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
   done ;;
+tma41)  # issue 10, session 41: the wgmma grid variants' chunks staged by tensor copies (default) vs cp.async
+  V=1
+  RUNS=${TMA41_RUNS:-0:1 1:1 1:2 0:2}  # build:pass, in order
+  pids=""
+  for v in $(for r in $RUNS; do echo "${r%%:*}"; done | sort -u); do
+    ( export QERL_WGMMA_TMA=$v; build 2 ) &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
+  QERL_WGMMA_TMA=$V gpu_tests tma41 300 tests/test_cuda_fp4.py \
+    -k "${TMA41_TESTS:-tma_is_bit_identical or every_variant or model_shapes_and_graphs}"  # (others build others)
+  W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 64,128,256"
+  for run in $RUNS; do
+    IFS=: read -r v pass <<< "$run"
+    QERL_WGMMA_TMA=$v timeout 60 $W --out "$OUT/tma_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
+  done
+  if [ "${TMA41:-}" = roll ]; then
+    timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
+      --decode fused-no-tma,fused,fused,fused-no-tma --out "$OUT/roll_tma" 2>&1 | grep -v Warn >> "$LOG"
+  fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

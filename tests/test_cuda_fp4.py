@@ -338,13 +338,22 @@ def test_wgmma_pipe_switch(monkeypatch):
     """QERL_WGMMA_PIPE picks the wgmma main loop at build time: 2 (default) adds no flag (the measured build), 1 adds
     -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), pdl-tail that and
-    -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing."""
+    -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
+    -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     monkeypatch.delenv("QERL_WGMMA_PIPE", raising=False)
     monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
+    monkeypatch.delenv("QERL_WGMMA_TMA", raising=False)
     assert cf.wgmma_pipe() == 2
+    assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1",
+                                 "-DQFP4_WGMMA_TMA=1"]
+    monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
+    monkeypatch.setenv("QERL_WGMMA_TMA", "yes")
+    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='yes'; valid: 0, 1"):
+        cf._build_flags()
+    monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in ("0", "1", "pdl", "pdl-tail"):
         monkeypatch.setenv("QERL_WGMMA_LORA", v)
         assert ("-DQFP4_WGMMA_PDL=1" in cf._build_flags()) == v.startswith("pdl")
@@ -1332,6 +1341,35 @@ def test_gpu_wgmma_split_epilogue_is_bit_identical(fmt, monkeypatch):
                 got = cf.gemm(x, w, config=cfg, lora=op)
                 assert torch.equal(got, ref), (m, cfg, op is None)
         monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "1")
+        _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
+        _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
+    _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
+    """QERL_WGMMA_TMA=1's build (the grid variants' chunks staged by tensor copies on mbarriers) gives the default
+    build's output bit for bit: every wgmma config (K split inside CTAs, across CTAs, stream-K, which keeps cp.async),
+    with and without LoRA, token tiles partial or past M (the copies' zero fill), strips past the weight's last (13
+    strips), odd and even chunk counts per split; in a CUDA graph; and matches the emulator."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    q, w, ops, k = _gemm_lora_case(fmt)
+    cfgs = cf.wgmma_configs(w.n // 16, k // 64)
+    assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
+    g = torch.Generator(device="cuda").manual_seed(41)
+    for m in (17, 40, 100, 130, 300):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in (None, *ops[:2]):
+            for cfg in cfgs:
+                monkeypatch.setenv("QERL_WGMMA_TMA", "0")
+                ref = cf.gemm(x, w, config=cfg, lora=op)
+                monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+                got = cf.gemm(x, w, config=cfg, lora=op)
+                assert torch.equal(got, ref), (m, cfg, op is None)
+        monkeypatch.setenv("QERL_WGMMA_TMA", "1")
         _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
         _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
     _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())

@@ -1,6 +1,7 @@
 """The wgmma SASS check (benchmarks/wgmma_sass_check.py): the loop walk on hand-written SASS, and, where nvcc and
 cuobjdump are installed, both pipelines of the real kernel clean and session 30's broken first version caught."""
 
+import re
 import shutil
 
 import pytest
@@ -219,3 +220,41 @@ def test_the_wgmma_wrappers_are_the_generators_output():
     assert gen.OUT.read_text() == text, "fp4_wgmma_ops.cuh differs from gen_wgmma_ops.py's output: rerun it"
     assert text.count("mov.b64 dsc, {%") == len(gen.WIDTHS)
     assert text.count('"r"(dlo), "r"(dhi)') == len(gen.WIDTHS) and "uint64_t desc" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_tma_build_stages_the_grid_variants_by_tensor_copies():
+    """QERL_WGMMA_TMA=1's build (-DQFP4_WGMMA_TMA=1): every grid variant of 128+ tokens a CTA issues tensor copies
+    (UTMALDG: three a chunk at five places -- the two prologue chunks, the two of a loop pass, and the loop's first pass
+    peeled by ptxas), no cp.async (LDGSTS) in a plain one (a LoRA one keeps it for its t tile) and no group barrier
+    inside its main loop; the 32- and 64-token grid variants and the stream-K ones keep cp.async and issue no tensor
+    copy; the loop check stays clean."""
+    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"))
+    r = wsc.check(sass, msgs)
+    assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
+    assert r["hazards"] == [] and not r["serialized"], r
+    seen = {True: 0, False: 0}
+    for name, body in wsc.functions(sass).items():
+        if "fp4_wgmma_kernel" not in name:
+            continue
+        # template <FMT, NTOK, RW, KS, LORA, SK>
+        fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
+        ops = [ins.split()[0] for _, ins in body]
+        tma, cp = sum(o.startswith("UTMALDG") for o in ops), sum(o.startswith("LDGSTS") for o in ops)
+        by_tma = ntok >= 128 and not sk
+        seen[by_tma] += 1
+        if not by_tma:
+            assert tma == 0 and cp > 0, (name, tma, cp)
+            continue
+        assert tma == 15 and (cp == 0) == (not lora), (name, tma, cp)
+        # the main loop: the shortest span from a backward branch to its target holding two chunks of four MMAs
+        # (the mbarrier waits' retry paths sit at the function's end and branch back into the loop: longer spans)
+        index = {a: i for i, (a, _) in enumerate(body)}
+        spans = [[t for _, t in body[index[int(m.group(1), 16)]:i + 1]] for i, (a, ins) in enumerate(body)
+                 if (m := wsc._BRA.search(ins)) and int(m.group(1), 16) < a and int(m.group(1), 16) in index]
+        loop = min((sp for sp in spans if sum(t.startswith("HGMMA") for t in sp) == 8), key=len)
+        assert not any(t.startswith("BAR.SYNC") for t in loop), name
+        assert sum(t.startswith("UTMALDG") for t in loop) == 6 and len(loop) < 400, (name, len(loop))
+    big = sum(ntok >= 128 for ntok, _, _ in cf.WGMMA_VARIANTS)
+    assert seen[True] == 4 * big and seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen

@@ -742,17 +742,37 @@ def wgmma_split_epi() -> bool:
     return _gemm_lora_switch("QERL_WGMMA_SPLIT_EPI", "0", WGMMA_SPLIT_EPI) == "1"
 
 
+WGMMA_TMA = ("0", "1")
+
+
+def wgmma_tma() -> bool:
+    """``QERL_WGMMA_TMA``: ``1`` (default since session 41; decode mode ``fused-tma`` spells it out) stages the wgmma
+    grid variants' chunks by the tensor memory accelerator: one thread of a split-K group issues three 2-D tensor
+    copies a chunk (the token tile, swizzled by the copy engine; the weight words; the scale pairs) completing on an
+    mbarrier, and the group's threads free a stage on another, instead of every thread's cp.async and a group barrier
+    per chunk. Same data, same MMAs in the same order: the same results
+    (``test_gpu_wgmma_tma_is_bit_identical``). Only the variants of 128+ tokens a CTA: on an H200 (session 41,
+    `results/speed/raw/h200_s41_tma`, three calls, A B B A) the 7B products at their tuned 128- and 256-token configs
+    ran 1.7-8.8% faster with it, the 64-token ones 3-8% slower when they took it too; 7B NVFP4 rollouts +2.0-3.3% at
+    128 sequences and +2.2-2.7% at 256. ``0`` (a build of its own, decode mode ``fused-no-tma``): cp.async, session
+    40's kernel."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA) == "1"
+
+
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build);
-    ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another)."""
+    ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another);
+    ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
             *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else []),
-            *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else [])]
+            *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
+            *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() else [])]
 
 
 def _ext():

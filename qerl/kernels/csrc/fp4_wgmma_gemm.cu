@@ -90,6 +90,29 @@
 #define QFP4_WGMMA_ABLATE 0
 #endif
 
+// QFP4_WGMMA_TMA (the build's -D, set by QERL_WGMMA_TMA=1; opt-in, session 41): the grid variants (not stream-K)
+// stage each chunk by the tensor memory accelerator instead of every thread's cp.async: one thread of a split-K
+// group issues three 2-D tensor copies per chunk (the token tile, 128-byte swizzled by the copy engine, rows past M
+// filled with zeros; the group's RW * 4 strips' weight words; their scale pairs), completing on the stage's "full"
+// mbarrier, and every thread of the group marks the stage free on its "empty" mbarrier once its MMAs of that chunk
+// are retired; the group barrier of a chunk's acquisition is gone. Same data in shared memory (the scale pairs of a
+// strip SL * 2 bytes apart instead of 64), same MMAs in the same order: the same results. The tensor maps are
+// encoded per launch on the host (cuTensorMapEncodeTiled from the driver, found through the runtime) and passed as
+// __grid_constant__ kernel parameters. Needs QFP4_WGMMA_PIPE 2. Only the variants of 128+ tokens a CTA take this
+// path: on an H200 (session 41, raw/h200_s41_tma, two calls, A B B A) it made the 7B products at their tuned 128- and
+// 256-token configs 1.7-7.2% faster and the 64-token ones 3-8% slower (issuing the copies from each warp in turn
+// instead of the first: slower still). Session 40's ablation builds measured the
+// per-thread copies at ~18% of the 7B gate|up kernel at 128 tokens (raw/h200_s40_ablate).
+#ifndef QFP4_WGMMA_TMA
+#define QFP4_WGMMA_TMA 0
+#endif
+#if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
+#error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
+#endif
+#if QFP4_WGMMA_TMA
+#include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_WGMMA 1
 #else
@@ -131,6 +154,38 @@ __device__ __forceinline__ void keep_regs(const uint32_t (&a)[4][4]) {
 constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
 __device__ __forceinline__ uint32_t desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
 
+#if QFP4_WGMMA_TMA
+// mbarriers (shared addresses) and the tensor copies of QFP4_WGMMA_TMA.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// The producer's arrival, announcing the bytes its copies will complete on the barrier.
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// The box of the 2-D tensor map at (inner, outer) into shared memory at dst, completing on bar.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int inner, int outer, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+#endif
+
 // One chunk of 64 k: the four k16 MMAs of a warpgroup, A from a[j] (this thread's fragments), B from the K-major,
 // 128-byte-swizzled tile at shared address b_s, committed as one group (the caller waits for it).
 template <int NTOK>
@@ -160,6 +215,19 @@ struct WgLora {
   int roff[3], rk[3];
 };
 
+// The tensor maps of QFP4_WGMMA_TMA (the last kernel parameter, __grid_constant__, in that build only: the other
+// builds' kernels keep their signature and machine code): xp (bf16, 64 C x M, boxes of 64 x NTOK, 128-byte swizzle),
+// the weight words (64-bit units, 64 C x S: a strip's chunk is 64 units, boxes of 64 x 4 RW) and the scale pairs
+// (16-bit, SL C x S, boxes of SL x 4 RW).
+#if QFP4_WGMMA_TMA
+struct WgMaps {
+  CUtensorMap x, w, s;
+};
+#define QFP4_WG_MAPS_PARAM , const __grid_constant__ WgMaps maps
+#else
+#define QFP4_WG_MAPS_PARAM
+#endif
+
 // xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units. SK false: the grid is
 // (token tiles, row blocks, CTA splits of K); SK true: stream-K (persistent CTAs, see the stream-K part below; its
 // segment loop costs ~35 registers at 128 tokens per CTA, so it is a variant of its own).
@@ -167,13 +235,17 @@ template <int FMT, int NTOK, int RW, int KS, bool LORA, bool SK>
 __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                 uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr, const WgLora la) {
+                 uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr, const WgLora la
+                 QFP4_WG_MAPS_PARAM) {
 #if QFP4_WGMMA
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
   constexpr int GT = RW * 128;            // threads of one split-K group
   constexpr int SB = stage_bytes(NTOK, RW);
   constexpr int NA = NTOK / 2;            // accumulators per thread
+  // chunks staged by tensor copies (QFP4_WGMMA_TMA; the grid variants of 128+ tokens a CTA)
+  [[maybe_unused]] constexpr bool TMA = QFP4_WGMMA_TMA && !SK && NTOK >= 128;
+  constexpr int SP = QFP4_WGMMA_TMA ? SL * 2 : 64;  // bytes between two strips' scale pairs in a stage
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte alignment of the stages (the launch asks for 1 KB more than the stages need)
   const uint32_t raw_s = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -188,7 +260,30 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   unsigned char* gbase = smem + grp * kStages * SB;
   const uint32_t gbase_s = raw_s + pad + grp * kStages * SB;
   const int my_w = XB + (wr * 4 + wq) * 512;             // this warp's weight words inside a stage
-  const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * 64;  // and its scale pairs
+  const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * SP;  // and its scale pairs
+#if QFP4_WGMMA_TMA
+  // per split-K group and stage: "full" (the producer's arrival + the copies' bytes), "empty" (the group's threads)
+  __shared__ alignas(8) uint64_t tma_bar[KS][2][kStages];
+  const uint32_t full_s = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[grp][0][0]));
+  const uint32_t empty_s = full_s + kStages * 8;
+  if constexpr (TMA) {
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.x)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.w)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.s)) : "memory");
+#pragma unroll
+      for (int k = 0; k < KS; ++k)
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+          const uint32_t f = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[k][0][s]));
+          mbar_init(f, 1);
+          mbar_init(f + kStages * 8, GT);
+        }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+#endif
 
   float acc[NA];
   if constexpr (LORA && QFP4_WGMMA_TRIGGER) asm volatile("griddepcontrol.launch_dependents;");
@@ -203,6 +298,23 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
 
     auto stage = [&](int idx) {
+#if QFP4_WGMMA_TMA
+      if constexpr (TMA) {
+        // the group's first thread: once every thread has released the stage's previous chunk (idx - kStages), the
+        // three copies of chunk idx into it, completing on its full barrier
+        if (idx < n && gtid == 0) {
+          const int sidx = idx & (kStages - 1);
+          if (idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
+          const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
+          mbar_expect(fb, XB + RW * 4 * (512 + SP));
+          const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
+          tma_load_2d(dst, &maps.x, 64 * c, tok0, fb);
+          tma_load_2d(dst + XB, &maps.w, 64 * c, strip0, fb);
+          tma_load_2d(dst + XB + RW * 4 * 512, &maps.s, SL * c, strip0, fb);
+        }
+        return;
+      }
+#endif
       if (idx < n) {
         const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
         if (!(QFP4_WGMMA_ABLATE & 1) || idx < kStages - 2) tokens.stage(dst);
@@ -224,6 +336,13 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     // completes them; holding the previous chunk's fragments across the loop's back edge instead makes ptxas
     // serialize every MMA.
     auto acquire = [&](int idx) {
+#if QFP4_WGMMA_TMA
+      if constexpr (TMA) {
+        stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group has released it
+        mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx has landed
+        return;
+      }
+#endif
       cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
       fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
       if (!(QFP4_WGMMA_ABLATE & 8)) group_sync(bar, GT);  // every thread's; and chunk idx - 2's MMAs are done in
@@ -254,6 +373,12 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
     for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     if constexpr (QFP4_WGMMA_PIPE == 2) {
+      // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
+      auto release = [&](int idx) {
+#if QFP4_WGMMA_TMA
+        if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
+#endif
+      };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
         mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
       };
@@ -272,12 +397,14 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
         mma(idx, a0);
         wgmma_wait<1>();  // chunk idx - 1's MMAs (a1) are done; chunk idx's may run
         keep_regs(a1);
+        if (idx > 0) release(idx - 1);
         if (idx + 1 >= n) break;
         acquire(idx + 1);
         decode(idx + 1, a1);
         mma(idx + 1, a1);
         wgmma_wait<1>();  // chunk idx's (a0) are done
         keep_regs(a0);
+        release(idx);
         if (idx + 2 < n) {
           acquire(idx + 2);
           decode(idx + 2, a0);
@@ -602,6 +729,37 @@ size_t smem_bytes(int ntok, int rw, int ks) {
   return (pipe > red ? pipe : red) + 1024;  // + the 1024-byte alignment slack
 }
 
+#if QFP4_WGMMA_TMA
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link to libcuda); nullptr if unavailable.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encoder() {
+  static EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// A 2-D tensor map over rows of `inner` elements (row pitch `pitch` bytes), boxes of box_in x box_out; false if the
+// encoder refuses it (alignment, sizes).
+bool map_2d(CUtensorMap& m, CUtensorMapDataType type, const void* base, unsigned long long inner,
+            unsigned long long outer, unsigned long long pitch, unsigned box_in, unsigned box_out,
+            CUtensorMapSwizzle swizzle) {
+  const EncodeTiled enc = encoder();
+  if (enc == nullptr) return false;
+  const cuuint64_t dims[2] = {inner, outer}, strides[1] = {pitch};
+  const cuuint32_t box[2] = {box_in, box_out}, step[2] = {1, 1};
+  return enc(&m, type, 2, const_cast<void*>(base), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+#endif
+
 bool device_ok() {
   int dev = 0, major = 0, minor = 0;
   if (cudaGetDevice(&dev) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ||
@@ -696,9 +854,27 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
     if (kz > 1 && (ws == nullptr || ctr == nullptr || tiles > ctr_len || (long long)kz * tiles * tile_floats > ws_floats))
       return -1;  // the workspace holds kz partial tiles of every output tile, the counters one int per tile
   }
+#if QFP4_WGMMA_TMA
+  qfp4::wg::WgMaps maps;
+  if (kz > 0 && ntok >= 128) {  // the grid variants of 128+ tokens stage by tensor copies (the others by cp.async)
+    const int sl = fmt == 0 ? 32 : 16;  // scale pairs (16-bit) per strip and chunk
+    if (!qfp4::wg::map_2d(maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, xp, 64ull * C, (unsigned long long)M, 128ull * C,
+                          64, (unsigned)ntok, CU_TENSOR_MAP_SWIZZLE_128B) ||
+        !qfp4::wg::map_2d(maps.w, CU_TENSOR_MAP_DATA_TYPE_UINT64, qw, 64ull * C, (unsigned long long)S, 512ull * C,
+                          64, (unsigned)per, CU_TENSOR_MAP_SWIZZLE_NONE) ||
+        !qfp4::wg::map_2d(maps.s, CU_TENSOR_MAP_DATA_TYPE_UINT16, sc, (unsigned long long)sl * C,
+                          (unsigned long long)S, 2ull * sl * C, (unsigned)sl, (unsigned)per,
+                          CU_TENSOR_MAP_SWIZZLE_NONE))
+      return -1;
+  }
+#endif
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr,
-                  (void*)&la};
+                  (void*)&la,
+#if QFP4_WGMMA_TMA
+                  (void*)&maps
+#endif
+  };
   return (int)qfp4::launch_pdl(fn, grid, dim3((unsigned)(rw * ks * 128)), smem, (cudaStream_t)stream, args, pdl != 0);
 }
 
