@@ -617,6 +617,14 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 41 (H200, 39f519d): the wgmma grid variants of 128+ tokens a CTA stage each chunk by three tensor copies (TMA,
+the copy engine doing the 128-byte swizzle) completing on an mbarrier, and free a stage on another, instead of every
+thread's cp.async and a group barrier per chunk; bit-identical output; **the default** (`QERL_WGMMA_TMA=1`;
+`fused-no-tma` = session 40's kernel). Per product at the tuned 128/256-token configs +2.9…+8.8%; rollouts below,
+`fused` here = cp.async, `fused-tma` = the new default (A B B A, one process): decode rate +2.5% at 128, +2.9% at 256,
+−0.2% at 64 where no kernel changed (`raw/h200_s41_tma/README.md`; the same path at 32/64-token tiles was 3-8% slower,
+so they keep cp.async):
+{_raw_rollouts(root, "h200_s41_tma/call3/roll_tma")}
 Session 40 (H200, f6974de): session 39's tail launch (`fused-wgmma-tail`: the wgmma launch's last, partial wave of row
 blocks as a second launch with K split across CTAs) against the default, then in reverse order; GPU tests passed,
 gate|up at 128 tokens 1.068× faster alone, the rollouts within the order effect, not adopted

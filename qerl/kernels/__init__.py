@@ -17,7 +17,9 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    M <= 192; ``QERL_CUDA_GEMM=0|1`` off/forced): the same re-laid-out weights as ``cuda_gemv``,
                    tokens staged in shared memory by a cp.async pipeline, one weight decode per 16-32-64 tokens
                    (mma.sync), or on sm_90 the wgmma kernel (the weight as wgmma's register operand, the tokens
-                   permuted into the weights' K order and read by the tensor cores; 32-256 tokens per CTA), as the
+                   permuted into the weights' K order and read by the tensor cores; 32-256 tokens per CTA; at 128+
+                   tokens a CTA its chunks staged by tensor copies (TMA) on mbarriers, ``QERL_WGMMA_TMA=0`` for
+                   cp.async), as the
                    table's configuration names (two chunks of MMAs in flight per warpgroup, ``QERL_WGMMA_PIPE=1``
                    for one; ``benchmarks.wgmma_sass_check`` checks both main loops' machine code; a tile grid, splits
                    of K across CTAs, or stream-K over persistent CTAs); the rollout's LoRA term added by either

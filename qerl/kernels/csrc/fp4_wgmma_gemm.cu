@@ -27,7 +27,9 @@
 // words (512 B) and scale pairs (64 B). The MMAs of chunk i run asynchronously while chunk i + 1 is acquired and
 // decoded; the stage of chunk i - 1 is refilled only after every warpgroup of the group has waited for its MMAs of
 // chunk i - 1 (wgmma.wait_group 0 at the end of chunk i - 1, then the group barrier that acquires chunk i + 1):
-// lookahead kStages - 2 chunks. The groups' partials are reduced through shared memory at the end; with splits of K
+// lookahead kStages - 2 chunks. (With QFP4_WGMMA_TMA, the library's default, the variants of 128+ tokens a CTA
+// stage the same bytes by tensor copies and free a stage on an mbarrier instead: see QFP4_WGMMA_TMA below.) The
+// groups' partials are reduced through shared memory at the end; with splits of K
 // across CTAs (gridDim.z = KZ > 1) the CTAs of a tile then add theirs through a workspace (see the epilogue). One
 // launch (two with qfp4_permute_x), CUDA-graph capturable. The LORA variants add a LoRA term in the epilogue
 // (WgLora below: t = bf16(x A^T) computed beforehand, one more MMA per 16 ranks with the Bn rows as A).
