@@ -1350,8 +1350,8 @@ def test_gpu_wgmma_split_epilogue_is_bit_identical(fmt, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
 def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
-    """QERL_WGMMA_TMA=1's build (the grid variants' chunks staged by tensor copies on mbarriers) gives the default
-    build's output bit for bit: every wgmma config (K split inside CTAs, across CTAs, stream-K, which keeps cp.async),
+    """QERL_WGMMA_TMA=1's build (the default: the grid variants of 128+ tokens a CTA stage their chunks by tensor
+    copies on mbarriers) gives the output of QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split inside CTAs, across CTAs, stream-K, which keeps cp.async),
     with and without LoRA, token tiles partial or past M (the copies' zero fill), strips past the weight's last (13
     strips), odd and even chunk counts per split; in a CUDA graph; and matches the emulator."""
     if not cf.wgmma_supported():

@@ -92,19 +92,18 @@
 #define QFP4_WGMMA_ABLATE 0
 #endif
 
-// QFP4_WGMMA_TMA (the build's -D, set by QERL_WGMMA_TMA=1; opt-in, session 41): the grid variants (not stream-K)
-// stage each chunk by the tensor memory accelerator instead of every thread's cp.async: one thread of a split-K
-// group issues three 2-D tensor copies per chunk (the token tile, 128-byte swizzled by the copy engine, rows past M
-// filled with zeros; the group's RW * 4 strips' weight words; their scale pairs), completing on the stage's "full"
-// mbarrier, and every thread of the group marks the stage free on its "empty" mbarrier once its MMAs of that chunk
-// are retired; the group barrier of a chunk's acquisition is gone. Same data in shared memory (the scale pairs of a
-// strip SL * 2 bytes apart instead of 64), same MMAs in the same order: the same results. The tensor maps are
-// encoded per launch on the host (cuTensorMapEncodeTiled from the driver, found through the runtime) and passed as
-// __grid_constant__ kernel parameters. Needs QFP4_WGMMA_PIPE 2. Only the variants of 128+ tokens a CTA take this
-// path: on an H200 (session 41, raw/h200_s41_tma, two calls, A B B A) it made the 7B products at their tuned 128- and
-// 256-token configs 1.7-7.2% faster and the 64-token ones 3-8% slower (issuing the copies from each warp in turn
-// instead of the first: slower still). Session 40's ablation builds measured the
-// per-thread copies at ~18% of the 7B gate|up kernel at 128 tokens (raw/h200_s40_ablate).
+// QFP4_WGMMA_TMA (the build's -D, set by QERL_WGMMA_TMA=1, the library's default since session 41): the grid
+// variants of 128+ tokens a CTA (not stream-K) stage each chunk by the tensor memory accelerator instead of every
+// thread's cp.async: the group's first thread issues three 2-D tensor copies per chunk (the token tile, 128-byte
+// swizzled by the copy engine, rows past M filled with zeros; the group's RW * 4 strips' weight words; their scale
+// pairs), completing on the stage's "full" mbarrier, and every thread of the group marks the stage free on its
+// "empty" mbarrier once its MMAs of that chunk are retired; the group barrier of a chunk's acquisition is gone. Same
+// data in shared memory (in this build the scale pairs of a strip SL * 2 bytes apart instead of 64), same MMAs in the
+// same order: the same results. The tensor maps are encoded per launch on the host (cuTensorMapEncodeTiled from the
+// driver, found through the runtime) and passed as a __grid_constant__ kernel parameter. Needs QFP4_WGMMA_PIPE 2.
+// Measured on an H200 (session 41, raw/h200_s41_tma, A B B A): the 7B products at their tuned 128- and 256-token
+// configs 2.9-8.8% faster; the same path in the 32/64-token variants made them 3-8% slower (issuing the copies from
+// each warp in turn instead of the first: slower still), so those keep cp.async.
 #ifndef QFP4_WGMMA_TMA
 #define QFP4_WGMMA_TMA 0
 #endif
