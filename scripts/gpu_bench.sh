@@ -128,8 +128,9 @@
 #                                $OUT/tests_tma41.txt), then each 7B
 #                                product at 64, 128 and 256 tokens at its tuned config with a rank-32 LoRA term
 #                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / tma / tma / default
-#                                ($OUT/tma_{0,1}_{1,2}; TMA41_RUNS="0:1 1:1 ..." sets the builds and passes,
-#                                TMA41_TESTS the tests' -k); TMA41=roll adds 7B NVFP4 rollouts at 64 / 128 / 256 sequences,
+#                                ($OUT/tma_{0,1}_{1,2}; TMA41_V=all-bar tests and times that experiment instead,
+#                                TMA41_RUNS="0:1 1:1 bar:1 ..." sets the builds and passes, TMA41_TESTS the tests'
+#                                -k); TMA41=roll adds 7B NVFP4 rollouts at 64 / 128 / 256 sequences,
 #                                fused-no-tma / fused / fused / fused-no-tma in one process ($OUT/roll_tma); ~4 / ~9 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
@@ -465,8 +466,8 @@ split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epi
     QERL_WGMMA_SPLIT_EPI=$v timeout 60 $W --out "$OUT/split_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
   done ;;
 tma41)  # issue 10, session 41: the wgmma grid variants' chunks staged by tensor copies (default) vs cp.async
-  V=1
-  RUNS=${TMA41_RUNS:-0:1 1:1 1:2 0:2}  # build:pass, in order
+  V=${TMA41_V:-1}  # the TMA build the GPU tests check (1, all, bar, all-bar: QERL_WGMMA_TMA)
+  RUNS=${TMA41_RUNS:-0:1 $V:1 $V:2 0:2}  # QERL_WGMMA_TMA:pass, in order
   pids=""
   for v in $(for r in $RUNS; do echo "${r%%:*}"; done | sort -u); do
     ( export QERL_WGMMA_TMA=$v; build 2 ) &

@@ -7,6 +7,8 @@ NVFP4's global scale set to 1 for the exact decode check (the kernel applies 1/g
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -339,7 +341,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), pdl-tail that and
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
-    -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing."""
+    -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     monkeypatch.delenv("QERL_WGMMA_PIPE", raising=False)
@@ -350,8 +352,12 @@ def test_wgmma_pipe_switch(monkeypatch):
                                  "-DQFP4_WGMMA_TMA=1"]
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
+    for v, extra in (("all", ["-DQFP4_WGMMA_TMA_MIN=32"]), ("bar", ["-DQFP4_WGMMA_TMA_BAR=1"]),
+                     ("all-bar", ["-DQFP4_WGMMA_TMA_MIN=32", "-DQFP4_WGMMA_TMA_BAR=1"])):
+        monkeypatch.setenv("QERL_WGMMA_TMA", v)
+        assert cf._build_flags()[3:] == ["-DQFP4_WGMMA_TMA=1", *extra], v
     monkeypatch.setenv("QERL_WGMMA_TMA", "yes")
-    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='yes'; valid: 0, 1"):
+    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='yes'; valid: 0, 1, all, bar, all-bar"):
         cf._build_flags()
     monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in ("0", "1", "pdl", "pdl-tail"):
@@ -1356,6 +1362,8 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     strips), odd and even chunk counts per split; in a CUDA graph; and matches the emulator."""
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
+    tma = os.environ.get("QERL_WGMMA_TMA", "0")
+    tma = "1" if tma == "0" else tma  # the TMA build under test: the default unless another is set
     q, w, ops, k = _gemm_lora_case(fmt)
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
@@ -1366,10 +1374,10 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
             for cfg in cfgs:
                 monkeypatch.setenv("QERL_WGMMA_TMA", "0")
                 ref = cf.gemm(x, w, config=cfg, lora=op)
-                monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+                monkeypatch.setenv("QERL_WGMMA_TMA", tma)
                 got = cf.gemm(x, w, config=cfg, lora=op)
                 assert torch.equal(got, ref), (m, cfg, op is None)
-        monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+        monkeypatch.setenv("QERL_WGMMA_TMA", tma)
         _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
         _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
     _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())

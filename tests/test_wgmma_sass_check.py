@@ -255,6 +255,30 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
                  if (m := wsc._BRA.search(ins)) and int(m.group(1), 16) < a and int(m.group(1), 16) in index]
         loop = min((sp for sp in spans if sum(t.startswith("HGMMA") for t in sp) == 8), key=len)
         assert not any(t.startswith("BAR.SYNC") for t in loop), name
+        assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases
         assert sum(t.startswith("UTMALDG") for t in loop) == 6 and len(loop) < 400, (name, len(loop))
     big = sum(ntok >= 128 for ntok, _, _ in cf.WGMMA_VARIANTS)
     assert seen[True] == 4 * big and seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_tma_experiment_builds():
+    """QERL_WGMMA_TMA=all-bar's build (-DQFP4_WGMMA_TMA_MIN=32 -DQFP4_WGMMA_TMA_BAR=1): every grid variant, 32 and 64
+    tokens a CTA too, issues the tensor copies (six in its main loop) and keeps one group barrier a chunk there, and no
+    thread arrives on an "empty" mbarrier in it (SYNCS.ARRIVE.TRANS64.A1T0; the producer's expect-tx arrivals and the
+    full barriers' waits remain); the loop check stays clean."""
+    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TMA_MIN=32",
+                                            "QFP4_WGMMA_TMA_BAR=1", "QFP4_WGMMA_NO_SK=1"))
+    r = wsc.check(sass, msgs)
+    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
+    for name, body in wsc.functions(sass).items():
+        if "fp4_wgmma_kernel" not in name:
+            continue
+        index = {a: i for i, (a, _) in enumerate(body)}
+        spans = [[t for _, t in body[index[int(m.group(1), 16)]:i + 1]] for i, (a, ins) in enumerate(body)
+                 if (m := wsc._BRA.search(ins)) and int(m.group(1), 16) < a and int(m.group(1), 16) in index]
+        loop = min((sp for sp in spans if sum(t.startswith("HGMMA") for t in sp) == 8), key=len)
+        assert sum(t.startswith("UTMALDG") for t in loop) == 6, name
+        assert sum(t.startswith("BAR.SYNC") for t in loop) == 2, name  # one per chunk, two chunks a pass
+        assert not any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # no thread's release

@@ -742,10 +742,10 @@ def wgmma_split_epi() -> bool:
     return _gemm_lora_switch("QERL_WGMMA_SPLIT_EPI", "0", WGMMA_SPLIT_EPI) == "1"
 
 
-WGMMA_TMA = ("0", "1")
+WGMMA_TMA = ("0", "1", "all", "bar", "all-bar")
 
 
-def wgmma_tma() -> bool:
+def wgmma_tma() -> str:
     """``QERL_WGMMA_TMA``: ``1`` (default since session 41; decode mode ``fused-tma`` spells it out) stages the wgmma
     grid variants' chunks by the tensor memory accelerator: one thread of a split-K group issues three 2-D tensor
     copies a chunk (the token tile, swizzled by the copy engine; the weight words; the scale pairs) completing on an
@@ -755,9 +755,11 @@ def wgmma_tma() -> bool:
     `results/speed/raw/h200_s41_tma`, three calls, A B B A) the 7B products at their tuned 128- and 256-token configs
     ran 1.7-8.8% faster with it, the 64-token ones 3-8% slower when they took it too; 7B NVFP4 rollouts +2.0-3.3% at
     128 sequences and +2.2-2.7% at 256. ``0`` (a build of its own, decode mode ``fused-no-tma``): cp.async, session
-    40's kernel."""
+    40's kernel. Experiments (builds of their own, not yet measured): ``all`` the same path in every grid variant
+    (32+ tokens a CTA); ``bar`` a stage freed by the group barrier of the chunk's acquisition instead of the "empty"
+    mbarrier; ``all-bar`` both."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA) == "1"
+    return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
 
 def _build_flags() -> list[str]:
@@ -772,7 +774,15 @@ def _build_flags() -> list[str]:
             *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
             *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else []),
             *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
-            *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() else [])]
+            *_tma_flags(wgmma_tma())]
+
+
+def _tma_flags(mode: str) -> list[str]:
+    """nvcc flags of a ``QERL_WGMMA_TMA`` value (:func:`wgmma_tma`)."""
+    if mode == "0":
+        return []
+    return ["-DQFP4_WGMMA_TMA=1", *(["-DQFP4_WGMMA_TMA_MIN=32"] if mode.startswith("all") else []),
+            *(["-DQFP4_WGMMA_TMA_BAR=1"] if mode.endswith("bar") else [])]
 
 
 def _ext():

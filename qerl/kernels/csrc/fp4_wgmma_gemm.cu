@@ -107,6 +107,16 @@
 #ifndef QFP4_WGMMA_TMA
 #define QFP4_WGMMA_TMA 0
 #endif
+// Experiments on that path (set by QERL_WGMMA_TMA=all | bar | all-bar; opt-in, session 41, not yet measured):
+// QFP4_WGMMA_TMA_MIN, the fewest tokens a CTA of the variants that take it (128; 32 = every grid variant);
+// QFP4_WGMMA_TMA_BAR=1 frees a stage by the group barrier of the chunk's acquisition (as the cp.async path does)
+// instead of the "empty" mbarrier, whose round trip sits on the first warp's path to every chunk's MMAs.
+#ifndef QFP4_WGMMA_TMA_MIN
+#define QFP4_WGMMA_TMA_MIN 128
+#endif
+#ifndef QFP4_WGMMA_TMA_BAR
+#define QFP4_WGMMA_TMA_BAR 0
+#endif
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
@@ -245,7 +255,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   constexpr int SB = stage_bytes(NTOK, RW);
   constexpr int NA = NTOK / 2;            // accumulators per thread
   // chunks staged by tensor copies (QFP4_WGMMA_TMA; the grid variants of 128+ tokens a CTA)
-  [[maybe_unused]] constexpr bool TMA = QFP4_WGMMA_TMA && !SK && NTOK >= 128;
+  [[maybe_unused]] constexpr bool TMA = QFP4_WGMMA_TMA && !SK && NTOK >= QFP4_WGMMA_TMA_MIN;
   constexpr int SP = QFP4_WGMMA_TMA ? SL * 2 : 64;  // bytes between two strips' scale pairs in a stage
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte alignment of the stages (the launch asks for 1 KB more than the stages need)
@@ -302,10 +312,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
         // the group's first thread: once every thread has released the stage's previous chunk (idx - kStages), the
-        // three copies of chunk idx into it, completing on its full barrier
+        // three copies of chunk idx into it, completing on its full barrier (QFP4_WGMMA_TMA_BAR: the caller's group
+        // barrier has established that)
         if (idx < n && gtid == 0) {
           const int sidx = idx & (kStages - 1);
-          if (idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
+          if (!QFP4_WGMMA_TMA_BAR && idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
           const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
           mbar_expect(fb, XB + RW * 4 * (512 + SP));
           const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
@@ -339,6 +350,8 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto acquire = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
+        // (QFP4_WGMMA_TMA_BAR: chunk idx - 2's MMAs are done and its decode read in every warpgroup)
+        if (QFP4_WGMMA_TMA_BAR) group_sync(bar, GT);
         stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group has released it
         mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx has landed
         return;
@@ -377,7 +390,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
-        if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
+        if constexpr (TMA && !QFP4_WGMMA_TMA_BAR) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
@@ -857,7 +870,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   }
 #if QFP4_WGMMA_TMA
   qfp4::wg::WgMaps maps;
-  if (kz > 0 && ntok >= 128) {  // the grid variants of 128+ tokens stage by tensor copies (the others by cp.async)
+  if (kz > 0 && ntok >= QFP4_WGMMA_TMA_MIN) {  // the grid variants that stage by tensor copies (see the kernel)
     const int sl = fmt == 0 ? 32 : 16;  // scale pairs (16-bit) per strip and chunk
     if (!qfp4::wg::map_2d(maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, xp, 64ull * C, (unsigned long long)M, 128ull * C,
                           64, (unsigned)ntok, CU_TENSOR_MAP_SWIZZLE_128B) ||
