@@ -752,9 +752,9 @@ def wgmma_tma() -> str:
     mbarrier, and the group's threads free a stage on another, instead of every thread's cp.async and a group barrier
     per chunk. Same data, same MMAs in the same order: the same results
     (``test_gpu_wgmma_tma_is_bit_identical``). Only the variants of 128+ tokens a CTA: on an H200 (session 41,
-    `results/speed/raw/h200_s41_tma`, three calls, A B B A) the 7B products at their tuned 128- and 256-token configs
-    ran 1.7-8.8% faster with it, the 64-token ones 3-8% slower when they took it too; 7B NVFP4 rollouts +2.0-3.3% at
-    128 sequences and +2.2-2.7% at 256. ``0`` (a build of its own, decode mode ``fused-no-tma``): cp.async, session
+    `results/speed/raw/h200_s41_tma`, A B B A) the 7B products at their tuned 128- and 256-token configs ran
+    2.9-8.8% faster with it (1.7-7.2% in the two calls before), the 64-token ones 3-8% slower when they took it too;
+    7B NVFP4 rollouts +2.0-3.3% tokens/s at 128 sequences and +2.2-2.7% at 256 (decode rate +2.5% / +2.9%). ``0`` (a build of its own, decode mode ``fused-no-tma``): cp.async, session
     40's kernel. Experiments (builds of their own, not yet measured): ``all`` the same path in every grid variant
     (32+ tokens a CTA); ``bar`` a stage freed by the group barrier of the chunk's acquisition instead of the "empty"
     mbarrier; ``all-bar`` both."""
