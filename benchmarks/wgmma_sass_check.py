@@ -56,11 +56,35 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
     return out
 
 
+_PRED = re.compile(r"^@!?U?P[T0-9]+\s+")  # an instruction's predicate guard
+
+
+def opcode(ins: str) -> str:
+    """An instruction's opcode with its modifiers (``UTMALDG.2D``), its predicate guard (``@!P0``) left out."""
+    parts = _PRED.sub("", ins).split()
+    return parts[0] if parts else ""
+
+
+def backward_spans(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(index of the target, index of the branch) of every branch back to an earlier instruction of the function."""
+    index = {a: i for i, (a, _) in enumerate(ins)}
+    return [(index[int(m.group(1), 16)], i) for i, (a, t) in enumerate(ins)
+            if (m := _BRA.search(t)) and int(m.group(1), 16) < a and int(m.group(1), 16) in index]
+
+
+def main_loop(ins: list[tuple[int, str]], mmas: int = 8) -> list[str]:
+    """The instructions of a wgmma kernel's main loop: the shortest backward span holding exactly ``mmas`` HGMMA
+    (two chunks of four with two chunks a pass; the mbarrier waits' retry paths sit at the function's end and branch
+    back into the loop, spanning more)."""
+    spans = [[t for _, t in ins[lo:hi + 1]] for lo, hi in backward_spans(ins)]
+    return min((sp for sp in spans if sum(opcode(t).startswith("HGMMA") for t in sp) == mmas), key=len)
+
+
 def _dest_regs(ins: str) -> set[int]:
     """Registers an instruction writes (its first operand; .64/.WIDE/CS2R write 2, .128 write 4); none for stores,
     barriers, branches, MMAs and uniform-datapath instructions."""
-    ins = re.sub(r"^@!?U?P[T0-9]+\s+", "", ins)
-    op = ins.split()[0] if ins.split() else ""
+    ins = _PRED.sub("", ins)
+    op = opcode(ins)
     if not op or op.startswith(_NO_DEST) or op.startswith("U"):
         return set()
     m = re.match(r"R(\d+)", ins[len(op):].strip())
@@ -72,14 +96,7 @@ def _dest_regs(ins: str) -> set[int]:
 
 def loop_hazards(ins: list[tuple[int, str]]) -> tuple[int, list[str]]:
     """(loops with MMAs found, hazards as text) of one function's instructions (see the module docstring)."""
-    index = {a: i for i, (a, _) in enumerate(ins)}
-    loops = []
-    for i, (a, t) in enumerate(ins):
-        m = _BRA.search(t)
-        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
-            lo = index[int(m.group(1), 16)]
-            if any("HGMMA" in ins[k][1] for k in range(lo, i)):
-                loops.append((lo, i))
+    loops = [(lo, hi) for lo, hi in backward_spans(ins) if any("HGMMA" in ins[k][1] for k in range(lo, hi))]
     found = []
     for lo, hi in loops:
         groups: list[set[int]] = []

@@ -154,14 +154,16 @@ both_pipes() {  # both builds at once (waiting on the PID only: never a bare wai
     QERL_WGMMA_PIPE=$v timeout 150 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py -k wgmma 2>&1 | tail -3 >> "$LOG"
   done
 }
-beside_default() {  # NAME=VALUE ...: the default build and the one those switches select, at once
-  ( export "$@"; build 2 ) &
-  local p1=$!
-  build 2
-  wait $p1
+builds_at_once() {  # SETTING ...: one extension build per argument, all at once ("-": the default build; NAME=VALUE:
+  local pids="" v p  # the build that switch selects), waiting on their PIDs only (never a bare wait)
+  for v in "$@"; do
+    if [ "$v" = - ]; then build 2 & else ( export "$v"; build 2 ) & fi
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
 }
 lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QERL_WGMMA_LORA=1's (without), at once
-  beside_default QERL_WGMMA_LORA=1
+  builds_at_once - QERL_WGMMA_LORA=1
 }
 lora_a_sweep() {  # benchmarks.lora_a_bench --quick over 7B's four x·Aᵀ products at 64-256 tokens ($OUT/lora_a)
   mkdir -p "$OUT/lora_a"
@@ -395,7 +397,7 @@ cmp39)  # issue 10 after session 39's call 2: NVFP4 vs BF16-LoRA with x·Aᵀ un
       | grep -v Warn >> "$LOG"
   fi ;;
 tail39)  # issue 10, session 39's opt-in: the wgmma GEMM's tail launch (QERL_WGMMA_LORA=pdl-tail, its own build)
-  beside_default QERL_WGMMA_LORA=pdl-tail
+  builds_at_once - QERL_WGMMA_LORA=pdl-tail
   if [ "${TAIL39:-roll}" = roll ]; then
     gpu_tests tail39 200 tests/test_cuda_fp4.py tests/test_fused_decode.py -k "tail_launch or pdl-tail"
     # 256 + 512, one process, batch 16 first (the process's first run reads low), A B B A (the order effect cancels)
@@ -456,7 +458,7 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants 0,1,3,4,7,8 --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epilogue (its own build)
-  beside_default QERL_WGMMA_SPLIT_EPI=1
+  builds_at_once - QERL_WGMMA_SPLIT_EPI=1
   gpu_tests split40 100 tests/test_cuda_fp4.py -k split_epilogue
   W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 128,256"
   runs="0:1 1:1 1:2 0:2"
@@ -468,12 +470,8 @@ split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epi
 tma41)  # issue 10, session 41: the wgmma grid variants' chunks staged by tensor copies (default) vs cp.async
   V=${TMA41_V:-1}  # the TMA build the GPU tests check (1, all, bar, all-bar: QERL_WGMMA_TMA)
   RUNS=${TMA41_RUNS:-0:1 $V:1 $V:2 0:2}  # QERL_WGMMA_TMA:pass, in order
-  pids=""
-  for v in $(for r in $RUNS; do echo "${r%%:*}"; done | sort -u); do
-    ( export QERL_WGMMA_TMA=$v; build 2 ) &
-    pids="$pids $!"
-  done
-  for p in $pids; do wait "$p"; done
+  # shellcheck disable=SC2046  # one word per build
+  builds_at_once $(for r in $RUNS; do echo "QERL_WGMMA_TMA=${r%%:*}"; done | sort -u)
   QERL_WGMMA_TMA=$V gpu_tests tma41 300 tests/test_cuda_fp4.py \
     -k "${TMA41_TESTS:-tma_is_bit_identical or every_variant or model_shapes_and_graphs}"  # (others build others)
   W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 64,128,256"

@@ -1323,6 +1323,27 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
         monkeypatch.delenv("QERL_CUDA_GEMM")
 
 
+def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfgs, seed: int) -> None:
+    """The build that ``switch=on`` selects gives the output of ``switch=0``'s bit for bit at every config of cfgs,
+    without LoRA and with the first two operands of ``case`` (``_gemm_lora_case``), at M = 17, 40, 100, 130 and 300
+    (fresh tokens per M); with it on, (16, 0, 2, 2) matches the emulator with and without LoRA, and in a CUDA graph."""
+    q, w, ops, k = case
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for m in (17, 40, 100, 130, 300):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for op in (None, *ops[:2]):
+            for cfg in cfgs:
+                monkeypatch.setenv(switch, "0")
+                ref = cf.gemm(x, w, config=cfg, lora=op)
+                monkeypatch.setenv(switch, on)
+                got = cf.gemm(x, w, config=cfg, lora=op)
+                assert torch.equal(got, ref), (m, cfg, op is None)
+        monkeypatch.setenv(switch, on)
+        _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
+        _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
+    _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
@@ -1336,20 +1357,7 @@ def test_gpu_wgmma_split_epilogue_is_bit_identical(fmt, monkeypatch):
     q, w, ops, k = _gemm_lora_case(fmt)
     cfgs = [c for c in cf.wgmma_configs(w.n // 16, k // 64) if c[3] == 2 and c[1] != cf.WGMMA_SK]
     assert any(c[0] >= 8 and c[1] == 0 for c in cfgs) and any(c[1] < 0 for c in cfgs), cfgs
-    g = torch.Generator(device="cuda").manual_seed(31)
-    for m in (17, 40, 100, 130, 300):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for op in (None, *ops[:2]):
-            for cfg in cfgs:
-                monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "0")
-                ref = cf.gemm(x, w, config=cfg, lora=op)
-                monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "1")
-                got = cf.gemm(x, w, config=cfg, lora=op)
-                assert torch.equal(got, ref), (m, cfg, op is None)
-        monkeypatch.setenv("QERL_WGMMA_SPLIT_EPI", "1")
-        _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
-        _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
-    _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_SPLIT_EPI", "1", (q, w, ops, k), cfgs, seed=31)
 
 
 @pytest.mark.gpu
@@ -1357,9 +1365,10 @@ def test_gpu_wgmma_split_epilogue_is_bit_identical(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", FP4)
 def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     """QERL_WGMMA_TMA=1's build (the default: the grid variants of 128+ tokens a CTA stage their chunks by tensor
-    copies on mbarriers) gives the output of QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split inside CTAs, across CTAs, stream-K, which keeps cp.async),
-    with and without LoRA, token tiles partial or past M (the copies' zero fill), strips past the weight's last (13
-    strips), odd and even chunk counts per split; in a CUDA graph; and matches the emulator."""
+    copies on mbarriers) gives the output of QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split
+    inside CTAs, across CTAs, stream-K, which keeps cp.async), with and without LoRA, token tiles partial or past M
+    (the copies' zero fill), strips past the weight's last (13 strips), odd and even chunk counts per split; in a CUDA
+    graph; and matches the emulator."""
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     tma = os.environ.get("QERL_WGMMA_TMA", "0")
@@ -1367,20 +1376,7 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     q, w, ops, k = _gemm_lora_case(fmt)
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
-    g = torch.Generator(device="cuda").manual_seed(41)
-    for m in (17, 40, 100, 130, 300):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for op in (None, *ops[:2]):
-            for cfg in cfgs:
-                monkeypatch.setenv("QERL_WGMMA_TMA", "0")
-                ref = cf.gemm(x, w, config=cfg, lora=op)
-                monkeypatch.setenv("QERL_WGMMA_TMA", tma)
-                got = cf.gemm(x, w, config=cfg, lora=op)
-                assert torch.equal(got, ref), (m, cfg, op is None)
-        monkeypatch.setenv("QERL_WGMMA_TMA", tma)
-        _check(cf.gemm(x, w, config=(16, 0, 2, 2)), x, fmt, q, w)
-        _check_lora(cf.gemm(x, w, config=(16, 0, 2, 2), lora=ops[0]), x, w, ops[0])
-    _check_gemm_lora_graph(w, ops[0], (16, 0, 2, 2), torch.randn(130, k, device="cuda").bfloat16())
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", tma, (q, w, ops, k), cfgs, seed=41)
 
 
 @pytest.mark.gpu

@@ -102,7 +102,7 @@ def test_trigger_build_adds_one_instruction_to_the_lora_variants():
     sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TRIGGER=1", "QFP4_WGMMA_NO_SK=1"))
     r = wsc.check(sass, msgs)
     assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    counts = {name: sum(ins.split()[0] == "PREEXIT" for _, ins in body)
+    counts = {name: sum(wsc.opcode(ins) == "PREEXIT" for _, ins in body)
               for name, body in wsc.functions(sass).items() if "fp4_wgmma_kernel" in name}
     lora = {name for name in counts if "Lb1ELb0E" in name}  # template <FMT, NTOK, RW, KS, LORA, SK>: LORA, not SK
     assert len(lora) == 2 * len(cf.WGMMA_VARIANTS)
@@ -124,7 +124,7 @@ def test_split_epilogue_build_adds_the_half_width_lora_mmas():
             for lora in (0, 1):
                 name = f"fp4_wgmma_kernelILi{fmt}ELi{ntok}ELi{rw}ELi{ks}ELb{lora}ELb0E"
                 body = next(b for n, b in funcs.items() if name in n)
-                mmas = [ins.split()[0] for _, ins in body if ins.split()[0].startswith("HGMMA")]
+                mmas = [wsc.opcode(ins) for _, ins in body if wsc.opcode(ins).startswith("HGMMA")]
                 split = lora and ks == 2 and ntok >= 64
                 assert len(mmas) == (20 if split else 12 if lora else 8), (name, len(mmas))
                 assert (f"HGMMA.64x{ntok // 2}x16.F32.BF16" in mmas) == bool(split), name
@@ -152,7 +152,7 @@ def test_ablation_build_leaves_the_parts_out_of_the_main_loop():
 
 def _ablated_parts(body: list[tuple[int, str]]) -> list[str]:
     """The parts of a plain wgmma grid kernel that -DQFP4_WGMMA_ABLATE=15 leaves out and ``body`` still has."""
-    ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for _, ins in body]
+    ops = [wsc.opcode(ins) for _, ins in body]
     mmas = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
     found = ["decode"] if any(op.startswith("HMUL2") for op in ops) else []
     if any(op.startswith("LDGSTS") for op in ops[mmas[0]:]):
@@ -240,7 +240,7 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
             continue
         # template <FMT, NTOK, RW, KS, LORA, SK>
         fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
-        ops = [ins.split()[0] for _, ins in body]
+        ops = [wsc.opcode(ins) for _, ins in body]
         tma, cp = sum(o.startswith("UTMALDG") for o in ops), sum(o.startswith("LDGSTS") for o in ops)
         by_tma = ntok >= 128 and not sk
         seen[by_tma] += 1
@@ -248,12 +248,7 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
             assert tma == 0 and cp > 0, (name, tma, cp)
             continue
         assert tma == 15 and (cp == 0) == (not lora), (name, tma, cp)
-        # the main loop: the shortest span from a backward branch to its target holding two chunks of four MMAs
-        # (the mbarrier waits' retry paths sit at the function's end and branch back into the loop: longer spans)
-        index = {a: i for i, (a, _) in enumerate(body)}
-        spans = [[t for _, t in body[index[int(m.group(1), 16)]:i + 1]] for i, (a, ins) in enumerate(body)
-                 if (m := wsc._BRA.search(ins)) and int(m.group(1), 16) < a and int(m.group(1), 16) in index]
-        loop = min((sp for sp in spans if sum(t.startswith("HGMMA") for t in sp) == 8), key=len)
+        loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
         assert not any(t.startswith("BAR.SYNC") for t in loop), name
         assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases
         assert sum(t.startswith("UTMALDG") for t in loop) == 6 and len(loop) < 400, (name, len(loop))
@@ -275,10 +270,7 @@ def test_tma_experiment_builds():
     for name, body in wsc.functions(sass).items():
         if "fp4_wgmma_kernel" not in name:
             continue
-        index = {a: i for i, (a, _) in enumerate(body)}
-        spans = [[t for _, t in body[index[int(m.group(1), 16)]:i + 1]] for i, (a, ins) in enumerate(body)
-                 if (m := wsc._BRA.search(ins)) and int(m.group(1), 16) < a and int(m.group(1), 16) in index]
-        loop = min((sp for sp in spans if sum(t.startswith("HGMMA") for t in sp) == 8), key=len)
+        loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
         assert sum(t.startswith("UTMALDG") for t in loop) == 6, name
         assert sum(t.startswith("BAR.SYNC") for t in loop) == 2, name  # one per chunk, two chunks a pass
         assert not any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # no thread's release

@@ -209,6 +209,11 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NTOK / 2], const uint32_t
 }
 #endif
 
+// Whether a variant stages its chunks by tensor copies (QFP4_WGMMA_TMA): the kernel's path and the launcher's maps.
+__host__ __device__ constexpr bool tma_staged(int ntok, bool sk) {
+  return QFP4_WGMMA_TMA && !sk && ntok >= QFP4_WGMMA_TMA_MIN;
+}
+
 // Bytes of one pipeline stage of a group (a multiple of 1024: every token tile starts on a swizzle atom).
 __host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
   return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
@@ -255,7 +260,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   constexpr int SB = stage_bytes(NTOK, RW);
   constexpr int NA = NTOK / 2;            // accumulators per thread
   // chunks staged by tensor copies (QFP4_WGMMA_TMA; the grid variants of 128+ tokens a CTA)
-  [[maybe_unused]] constexpr bool TMA = QFP4_WGMMA_TMA && !SK && NTOK >= QFP4_WGMMA_TMA_MIN;
+  [[maybe_unused]] constexpr bool TMA = tma_staged(NTOK, SK);
   constexpr int SP = QFP4_WGMMA_TMA ? SL * 2 : 64;  // bytes between two strips' scale pairs in a stage
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte alignment of the stages (the launch asks for 1 KB more than the stages need)
@@ -870,7 +875,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   }
 #if QFP4_WGMMA_TMA
   qfp4::wg::WgMaps maps;
-  if (kz > 0 && ntok >= QFP4_WGMMA_TMA_MIN) {  // the grid variants that stage by tensor copies (see the kernel)
+  if (qfp4::wg::tma_staged(ntok, kz == 0)) {
     const int sl = fmt == 0 ? 32 : 16;  // scale pairs (16-bit) per strip and chunk
     if (!qfp4::wg::map_2d(maps.x, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, xp, 64ull * C, (unsigned long long)M, 128ull * C,
                           64, (unsigned)ntok, CU_TENSOR_MAP_SWIZZLE_128B) ||
