@@ -131,7 +131,8 @@
 #                                ($OUT/tma_{0,1}_{1,2}; TMA41_V=all-bar tests and times that experiment instead,
 #                                TMA41_RUNS="0:1 1:1 bar:1 ..." sets the builds and passes, TMA41_TESTS the tests'
 #                                -k); TMA41=roll adds 7B NVFP4 rollouts at 64 / 128 / 256 sequences,
-#                                fused-no-tma / fused / fused / fused-no-tma in one process ($OUT/roll_tma); ~4 / ~9 min
+#                                fused-no-tma / fused / fused / fused-no-tma in one process ($OUT/roll_tma); ~4 / ~9 min.
+#                                The gains per product and pass: python -m benchmarks.ab_compare $OUT --base 0
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"

@@ -755,9 +755,10 @@ def wgmma_tma() -> str:
     `results/speed/raw/h200_s41_tma`, A B B A) the 7B products at their tuned 128- and 256-token configs ran
     2.9-8.8% faster with it (1.7-7.2% in the two calls before), the 64-token ones 3-8% slower when they took it too;
     7B NVFP4 rollouts +2.0-3.3% tokens/s at 128 sequences and +2.2-2.7% at 256 (decode rate +2.5% / +2.9%). ``0`` (a build of its own, decode mode ``fused-no-tma``): cp.async, session
-    40's kernel. Experiments (builds of their own, not yet measured): ``all`` the same path in every grid variant
-    (32+ tokens a CTA); ``bar`` a stage freed by the group barrier of the chunk's acquisition instead of the "empty"
-    mbarrier; ``all-bar`` both."""
+    40's kernel. Experiments (builds of their own; session 42, `results/speed/raw/h200_s42_tma`, not adopted):
+    ``all`` the same path in every grid variant (32+ tokens a CTA: the 64-token configs 2.5-7% slower); ``bar`` a
+    stage freed by the group barrier of the chunk's acquisition instead of the "empty" mbarrier (within ~1% of the
+    default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 3-6% slower)."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
