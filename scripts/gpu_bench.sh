@@ -133,6 +133,13 @@
 #                                -k); TMA41=roll adds 7B NVFP4 rollouts at 64 / 128 / 256 sequences,
 #                                fused-no-tma / fused / fused / fused-no-tma in one process ($OUT/roll_tma); ~4 / ~9 min.
 #                                The gains per product and pass: python -m benchmarks.ab_compare $OUT --base 0
+#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA,
+#                                QERL_WGMMA_LORA or QERL_WGMMA_SPLIT_EPI), ABK_RUNS="VALUE:PASS ..." in the order run
+#                                (default "0:1 1:1 1:2 0:2"; the first run's value is the baseline), every build at once,
+#                                ABK_TESTS (pytest -k over tests/test_cuda_fp4.py) on each other build, then each 7B
+#                                product at its tuned config with a rank-32 LoRA term (benchmarks.wgmma_profile
+#                                --configs tuned --lora 32 --m ${ABK_M:-64,128,256}) once per run ($OUT/abk_VALUE_PASS),
+#                                and the gains per product and pass (benchmarks.ab_compare: $OUT/ab.md); ~3-5 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -484,6 +491,29 @@ tma41)  # issue 10, session 41: the wgmma grid variants' chunks staged by tensor
     timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
       --decode fused-no-tma,fused,fused,fused-no-tma --out "$OUT/roll_tma" 2>&1 | grep -v Warn >> "$LOG"
   fi ;;
+abk)  # a kernel-level A/B of one wgmma build switch (see the header)
+  SW=${ABK_SWITCH:-}
+  case "$SW" in
+    QERL_WGMMA_TMA|QERL_WGMMA_LORA|QERL_WGMMA_SPLIT_EPI) ;;
+    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_SPLIT_EPI" | tee -a "$LOG" >&2
+       exit 2 ;;
+  esac
+  RUNS=${ABK_RUNS:-0:1 1:1 1:2 0:2}
+  BASE=${RUNS%%:*}
+  VALUES=$(for r in $RUNS; do echo "${r%%:*}"; done | sort -u)
+  # shellcheck disable=SC2046  # one word per build
+  builds_at_once $(for v in $VALUES; do echo "$SW=$v"; done)
+  if [ -n "${ABK_TESTS:-}" ]; then
+    for v in $VALUES; do
+      [ "$v" = "$BASE" ] || (export "$SW=$v"; gpu_tests "abk_$v" 300 tests/test_cuda_fp4.py -k "$ABK_TESTS")
+    done
+  fi
+  W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m ${ABK_M:-64,128,256}"
+  for run in $RUNS; do
+    IFS=: read -r v pass <<< "$run"
+    (export "$SW=$v"; timeout 60 $W --out "$OUT/abk_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
+  done
+  python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base "$BASE" --md "$OUT/ab.md" >> "$LOG" 2>&1 ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

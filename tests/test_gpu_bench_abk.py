@@ -1,0 +1,73 @@
+"""``scripts/gpu_bench.sh abk`` (a kernel-level A/B of one wgmma build switch) run on the CPU with a stand-in
+``python3`` on PATH: it records every call with the switch's value in its environment and writes profile CSVs whose
+times depend on that value, so the test checks which builds were made, which tests ran on which build, the order of
+the timed runs, that each run saw its own build's switch, and the gains the real ``benchmarks.ab_compare`` computes."""
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_bench.sh"
+
+STUB = r"""#!/usr/bin/env bash
+echo "${QERL_WGMMA_TMA:-unset}|$*" >> "$STUB_LOG"
+case "$1 ${2:-}" in
+  "-m benchmarks.wgmma_profile")
+    out=""; prev=""
+    for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+    mkdir -p "$out"
+    us=$([ "$QERL_WGMMA_TMA" = 0 ] && echo 100.0 || echo 80.0)
+    printf 'fmt,N,K,M,config,us\nnvfp4,37888,3584,128,"(16, 0, 2, 2)",%s\n' "$us" > "$out/wgmma_profile_h200.csv"
+    echo "[prof] nvfp4 37888x3584 M= 128 $us us" ;;
+  "-m benchmarks.ab_compare") exec "$REAL_PY" "$@" ;;
+  "-m pytest") echo "1 passed in 0.1s" ;;
+  "-c "*) echo "pipe 2 build True None" ;;
+  *) echo "stub python3: unexpected call: $*" >&2; exit 3 ;;
+esac
+"""
+
+
+def _run(tmp_path, **env):
+    stub = tmp_path / "bin"
+    stub.mkdir(exist_ok=True)
+    (stub / "python3").write_text(STUB)
+    (stub / "python3").chmod((stub / "python3").stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "calls.txt"
+    e = {k: v for k, v in os.environ.items() if not k.startswith("QERL_")}
+    e.update(PATH=f"{stub}:{e['PATH']}", STUB_LOG=str(log), REAL_PY=sys.executable, PYTHONPATH=str(REPO),
+             OUT=str(tmp_path / "out"), **env)
+    work = tmp_path / "work"  # no .whl here: the script installs nothing
+    work.mkdir(exist_ok=True)
+    p = subprocess.run(["bash", str(SCRIPT), "abk"], cwd=work, env=e, capture_output=True, text=True, timeout=120)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return p, calls
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_abk_builds_tests_and_times_each_build_in_order(tmp_path):
+    p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_TMA", ABK_RUNS="0:1 1:1 1:2 0:2", ABK_TESTS="tma_is_bit_identical")
+    assert p.returncode == 0, p.stderr
+    builds = sorted(c.split("|")[0] for c in calls if "|-c " in c)
+    assert builds == ["0", "1"]  # one build per value, each with its own switch value
+    tests = [c for c in calls if "|-m pytest" in c]
+    assert len(tests) == 1 and tests[0].startswith("1|") and "-k tma_is_bit_identical" in tests[0]  # not the base
+    prof = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1])
+            for c in calls if "benchmarks.wgmma_profile" in c]
+    assert prof == [("0", "abk_0_1"), ("1", "abk_1_1"), ("1", "abk_1_2"), ("0", "abk_0_2")]
+    assert "--configs tuned --lora 32 --m 64,128,256" in next(c for c in calls if "wgmma_profile" in c)
+    ab = (tmp_path / "out" / "ab.md").read_text()
+    # 100 us (base 0) against 80 us (build 1) in both passes: +25 %, range +25…+25, two passes
+    assert "| 1 | nvfp4 gate|up | 128 | (16, 0, 2, 2) | 100.0 | 80.0 | +25.0 % | +25.0…+25.0 | 2 |" in ab
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
+    p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_PIPE")  # build() pins the pipe: not an A/B this mode can run
+    assert p.returncode == 2
+    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_SPLIT_EPI" in p.stderr
+    assert not [c for c in calls if "|-c " in c or "wgmma_profile" in c]
