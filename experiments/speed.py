@@ -606,10 +606,15 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
-Now (session 39, 9e7b0b3, **on an H200** — the only kind lent that session, so these rows do not compare with the H100
-rows: BF16's decode gains more from the H200's 4.8 TB/s than NVFP4's does; the x·Aᵀ launch before a wgmma GEMM is itself
-launched under PDL, `QERL_LORA_A_PDL=1`; `raw/h200_s39_cmp/`, one process, each setting twice back to back, the second
-pass shown; the first in the CSV):
+Now (session 42, a1f5756, **on an H200** — the only kind lent since session 39, so these rows do not compare with the
+H100 rows: BF16's decode gains more from the H200's 4.8 TB/s than NVFP4's does; since session 39 NVFP4 gained session
+40's descriptor halves, session 41's TMA staging and this session's re-swept H200 table; `raw/h200_s42_cmp/`, the same
+command as session 39's below, one process, each setting twice back to back, the second pass shown; the first in the
+CSV). Ratios 1.36 / 1.20 / 1.01 / 0.94× at 32-256 sequences (session 39: 1.37 / 1.19 / 0.99 / 0.91). The 128-sequence
+graph step (`raw/h200_s42_prof128/`): NVFP4 7557 µs vs BF16-LoRA 7582; wgmma GEMMs 4298 µs vs cuBLAS 4387:
+{batch_rollout_table(root, "h200_s42_cmp")}
+Session 39 (9e7b0b3, H200; the x·Aᵀ launch before a wgmma GEMM is itself launched under PDL, `QERL_LORA_A_PDL=1`;
+`raw/h200_s39_cmp/`):
 {batch_rollout_table(root, "h200_s39_cmp")}
 That change against session 38's plain launch, with the other opt-in of session 38 (`fused-vec-perm`: the producers'
 permuted copy in 16-byte stores, not adopted) and both, at 16-256 sequences in one process, the second pass in reverse
@@ -617,6 +622,11 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 42 (H200, e369fa3): the experiments on session 41's TMA staging (next paragraph), kernel-level (`raw/h200_s42_tma/README.md`): a
+stage freed by the group barrier instead of the "empty" mbarrier (`QERL_WGMMA_TMA=bar`) is within ~1% of the default
+(o at 256 tokens +3%); TMA in the 32/64-token variants too (`all`, `all-bar`) still loses 2.5-7% there, with or
+without that mbarrier. None adopted. The H200 GEMM table re-swept with TMA the default (`raw/h200_s42_tune/README.md`):
+no pick of the fused 7B products at 64 or 128 tokens changed; gate|up at 256 +1.9%, at 512 +11%.
 Session 41 (H200, 39f519d): the wgmma grid variants of 128+ tokens a CTA stage each chunk by three tensor copies (TMA,
 the copy engine doing the 128-byte swizzle) completing on an mbarrier, and free a stage on another, instead of every
 thread's cp.async and a group barrier per chunk; bit-identical output; **the default** (`QERL_WGMMA_TMA=1`;
