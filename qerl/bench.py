@@ -12,7 +12,9 @@
 
 Models are the ``preset:qwen2.5-*`` shape presets (random weights, exact Qwen2.5-*-Instruct shapes): speed does
 not depend on the values, and nothing is downloaded. Methods are named as in the paper: LoRA = BF16 base +
-LoRA, QLoRA = NF4 (bitsandbytes) + LoRA, QeRL = NVFP4 + LoRA; MXFP4 + LoRA is reported too. Rollouts use qerl's
+LoRA, QLoRA = NF4 (bitsandbytes) + LoRA, QeRL = NVFP4 + LoRA; MXFP4 + LoRA is reported too. ``--ranks 0`` (rollout,
+profile) loads no adapters: rows "<format> base", the base alone, whose difference to a rank's rows is what the LoRA
+term costs (not a method of the paper). Rollouts use qerl's
 own sampler (static KV cache, CUDA graphs, unmerged LoRA) with ``ignore_eos`` so every sequence runs to
 ``--new`` tokens, like the paper's vLLM measurement; throughput = generated tokens / wall time of the rollout.
 Each result row records device, torch/triton versions and the wall time; CSVs go to ``results/speed/``.
@@ -110,7 +112,17 @@ def _source(model: str) -> str:
 
 
 def _policy(model: str, fmt: str, rank: int, device: str):
-    return load_policy(_source(model), fmt, LoraSpec(rank=rank, alpha=rank), device=device, layout=_layout_for(fmt))
+    """The bench's policy: a LoRA of ``rank`` (alpha = rank) on every target; rank 0: no adapters at all (the frozen
+    base alone, ``load_policy(lora=None)``), which bounds what the LoRA term costs a decode step."""
+    if rank < 0:
+        raise ValueError(f"LoRA rank {rank}: expected >= 1, or 0 for no adapters")
+    lora = LoraSpec(rank=rank, alpha=rank) if rank > 0 else None
+    return load_policy(_source(model), fmt, lora, device=device, layout=_layout_for(fmt))
+
+
+def _method(fmt: str, rank: int) -> str:
+    """A row's method: :func:`method_name`, or "<format> base" for rank 0 (no adapters: not a LoRA method)."""
+    return method_name(fmt) if rank > 0 else f"{get_format(fmt).label} base"
 
 
 def bench_memory(models, formats, device, sink=None) -> list[dict]:
@@ -244,7 +256,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                 try:
                     policy, tok = _policy(m, f, r, device)
                 except torch.OutOfMemoryError as e:
-                    rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
+                    rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=_method(f, r), weights=get_format(f).label,
                                      lora_rank=r, status=f"OOM at load: {e}"[:200], **_env()))
                     if sink:
                         sink(rows[-1])
@@ -271,7 +283,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                                     best = (tps, st)
                             tps, st = best
                             rows.append(dict(
-                                bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label, lora_rank=r,
+                                bench="rollout", model=PAPER_NAME.get(m, m), method=_method(f, r), weights=get_format(f).label, lora_rank=r,
                                 batch_size=b, decode=dec if st.get("fused_decode") else "unfused", prompt_len=prompt_len, new_tokens=new_tokens, tokens_per_s=tps,
                                 decode_tokens_per_s=b * (st["decode_steps"] - 1) / max(st["decode_s"], 1e-9),
                                 prefill_s=st["prefill_s"], rollout_s=st["rollout_s"], generated_tokens=st["generated_tokens"],
@@ -280,7 +292,7 @@ def bench_rollout(models, formats, batches, ranks, prompt_len, new_tokens, devic
                                 peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
                                 status="ok", **_env()))
                         except torch.OutOfMemoryError as e:
-                            rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=method_name(f), weights=get_format(f).label,
+                            rows.append(dict(bench="rollout", model=PAPER_NAME.get(m, m), method=_method(f, r), weights=get_format(f).label,
                                              lora_rank=r, batch_size=b, decode=dec, status=f"OOM: {e}"[:200], **_env()))
                     if n_pass > 1:
                         rows[-1]["pass"] = n_pass
@@ -473,10 +485,11 @@ def _kernel_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
 
 
 def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused", "unfused"), steps: int = 8,
-                  kv: int = 1024, sink=None) -> list[dict]:
+                  kv: int = 1024, sink=None, ranks=(32,)) -> list[dict]:
     """Where a decode step's GPU time goes: the CUDA kernels of ``steps`` eager decode steps (torch.profiler,
     kernel durations only — launch gaps are what CUDA graphs remove), grouped by kernel, next to the
-    graph-replayed step time at the same KV length ``kv``. One row per (model, format, batch, decode, kernel)."""
+    graph-replayed step time at the same KV length ``kv``. One row per (model, format, LoRA rank, batch, decode,
+    kernel); rank 0: no adapters (the base alone: with a rank's rows, what the LoRA term costs the step)."""
     from torch.profiler import ProfilerActivity, profile
 
     check_decodes(decodes)
@@ -485,55 +498,54 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
-    for m in models:
-        for f in formats:
-            _free()
-            policy, tok = _policy(m, f, 32, device)
-            sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
-            for b, dec in [(b, d) for b in batches for d in decodes]:
-                with decode_mode(sampler, dec):
-                    new = kv - prompt_len + 64
-                    g = torch.Generator().manual_seed(b)
-                    prompts = [torch.randint(100, 700, (prompt_len,), generator=g).tolist() for _ in range(b)]
-                    sampler.generate(prompts, 1, new, ignore_eos=True)  # state, graphs, warm kernels
-                    s = sampler._static
-                    S = sampler._bucket(kv, prompt_len + new)
-                    t_kv = kv - prompt_len  # every phase starts at the token whose cache slot is kv
-                    s["t"].fill_(t_kv)
-                    for _ in range(3):  # graph replay time of one step at this KV length
-                        sampler._run_step(s, S)
-                    s["t"].fill_(t_kv)
+    for m, f, r in [(m, f, r) for m in models for f in formats for r in ranks]:
+        _free()
+        policy, tok = _policy(m, f, r, device)
+        sampler = Sampler(policy, tok, max_prompt_tokens=prompt_len, cuda_graphs="auto")
+        for b, dec in [(b, d) for b in batches for d in decodes]:
+            with decode_mode(sampler, dec):
+                new = kv - prompt_len + 64
+                g = torch.Generator().manual_seed(b)
+                prompts = [torch.randint(100, 700, (prompt_len,), generator=g).tolist() for _ in range(b)]
+                sampler.generate(prompts, 1, new, ignore_eos=True)  # state, graphs, warm kernels
+                s = sampler._static
+                S = sampler._bucket(kv, prompt_len + new)
+                t_kv = kv - prompt_len  # every phase starts at the token whose cache slot is kv
+                s["t"].fill_(t_kv)
+                for _ in range(3):  # graph replay time of one step at this KV length
+                    sampler._run_step(s, S)
+                s["t"].fill_(t_kv)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    sampler._run_step(s, S)
+                sync()
+                graph_us = (time.perf_counter() - t0) / 20 * 1e6
+                s["t"].fill_(t_kv)
+                with lora_inference_cache(policy, sampler._act_dtype()), torch.no_grad():
+                    sampler._decode_step(s, S)  # warm (eager)
                     sync()
-                    t0 = time.perf_counter()
-                    for _ in range(20):
-                        sampler._run_step(s, S)
-                    sync()
-                    graph_us = (time.perf_counter() - t0) / 20 * 1e6
-                    s["t"].fill_(t_kv)
-                    with lora_inference_cache(policy, sampler._act_dtype()), torch.no_grad():
-                        sampler._decode_step(s, S)  # warm (eager)
+                    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                        for _ in range(steps):
+                            sampler._decode_step(s, S)
                         sync()
-                        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                            for _ in range(steps):
-                                sampler._decode_step(s, S)
-                            sync()
-                    per = {k: (us / steps, n / steps) for k, (us, n) in _kernel_times(prof, cuda).items()}
-                    total = sum(v[0] for v in per.values())
-                    launches = sum(v[1] for v in per.values())
-                    ranked = sorted(per.items(), key=lambda kv_: -kv_[1][0])
-                    for k, (us, n) in ranked:
-                        rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=get_format(f).label, batch_size=b,
-                                         decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
-                                         kernel=k[:120], kernel_us=us, calls=n, **_env()))
-                    if sink:  # written before the print: a run cut off while printing keeps them
-                        sink(rows[-len(per):])
-                    print(f"{m} {f} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
-                          f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
-                    for k, (us, n) in ranked:
-                        if us > 0.01 * total:
-                            print(f"   {us:8.1f} us {n:6.1f}x  {k[:100]}")
-                    sampler.release()
-            del policy, sampler
+                per = {k: (us / steps, n / steps) for k, (us, n) in _kernel_times(prof, cuda).items()}
+                total = sum(v[0] for v in per.values())
+                launches = sum(v[1] for v in per.values())
+                ranked = sorted(per.items(), key=lambda kv_: -kv_[1][0])
+                for k, (us, n) in ranked:
+                    rows.append(dict(bench="profile", model=PAPER_NAME.get(m, m), weights=get_format(f).label, lora_rank=r,
+                                     batch_size=b, decode=dec, kv=kv, graph_step_us=graph_us, kernels_us=total, launches=launches,
+                                     kernel=k[:120], kernel_us=us, calls=n, **_env()))
+                if sink:  # written before the print: a run cut off while printing keeps them
+                    sink(rows[-len(per):])
+                print(f"{m} {f} r{r} b{b} {dec}: graph step {graph_us:.0f} us, kernels {total:.0f} us in {launches:.0f} "
+                      f"launches ({launches / max(policy.config.num_hidden_layers, 1):.1f}/layer)", flush=True)
+                for k, (us, n) in ranked:
+                    if us > 0.01 * total:
+                        print(f"   {us:8.1f} us {n:6.1f}x  {k[:100]}")
+                sampler.release()
+        del policy, sampler
     return rows
 
 
@@ -663,7 +675,8 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="7b")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--batch", default="2,8")
-    p.add_argument("--ranks", default="32")
+    p.add_argument("--ranks", default="32", help="rollout, profile: LoRA ranks (comma-separated); 0 = no adapters, "
+                                                 "the base alone (what the LoRA term costs)")
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--new", type=int, default=2048)
     p.add_argument("--gc", default="both", choices=["on", "off", "both"])
@@ -710,7 +723,7 @@ def main(argv=None) -> None:
         bench_memory(models, fmts, a.device, sink("memory.csv"))
     elif a.what == "profile":
         bench_profile(models, fmts, batches, a.prompt, a.device, tuple(a.decode.split(",")),
-                      sink=lambda rows: _write_csv(rows, out / "profile.csv"))
+                      sink=lambda rows: _write_csv(rows, out / "profile.csv"), ranks=tuple(ranks))
     elif a.what == "update":
         if a.gc == "both":
             p.error("update: choose --gc on or --gc off")

@@ -140,6 +140,11 @@
 #                                product at its tuned config with a rank-32 LoRA term (benchmarks.wgmma_profile
 #                                --configs tuned --lora 32 --m ${ABK_M:-64,128,256}) once per run ($OUT/abk_VALUE_PASS),
 #                                and the gains per product and pass (benchmarks.ab_compare: $OUT/ab.md); ~3-5 min
+#   scripts/gpu_bench.sh lora42  issue 10 / 11: what the LoRA term costs the decode step, as a bound on what fusing it
+#                                could gain: 7B NVFP4 and BF16 rollouts at 16 (warm-up), 64, 128, 256 sequences (256 +
+#                                512) with no adapters (--ranks 0: the base alone) and with rank 32, one process per
+#                                format ($OUT/roll_lora); LORA42=prof: the 128-sequence step's kernels for both
+#                                ($OUT/prof); ~5 / ~4 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -514,6 +519,15 @@ abk)  # a kernel-level A/B of one wgmma build switch (see the header)
     (export "$SW=$v"; timeout 60 $W --out "$OUT/abk_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
   done
   python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base "$BASE" --md "$OUT/ab.md" >> "$LOG" 2>&1 ;;
+lora42)  # issue 10 / 11: the decode step with no adapters (rank 0) beside rank 32, both formats
+  build 2
+  if [ "${LORA42:-roll}" = roll ]; then
+    timeout 500 $B rollout --models 7b --formats nvfp4,bf16 --batch 16,64,128,256 --ranks 0,32 --prompt 256 --new 512 \
+      --out "$OUT/roll_lora" 2>&1 | grep -v Warn >> "$LOG"
+  else
+    timeout 400 $B profile --models 7b --formats nvfp4,bf16 --batch 128 --ranks 0,32 --decode fused --out "$OUT/prof" \
+      2>&1 | grep -v Warn >> "$LOG"
+  fi ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -407,3 +407,24 @@ def test_devices_line_counts_the_rows_of_each_gpu(tmp_path):
     (tmp_path / "step.csv").unlink()
     pd.DataFrame({"device": ["H100"], "tokens_per_s": [1]}).to_csv(tmp_path / "rollout.csv", index=False)
     assert speed._devices(tmp_path) == "H100 (1 row)"
+
+
+def test_bench_rank_zero_is_the_base_alone():
+    """``qerl.bench rollout|profile --ranks 0``: the policy without adapters (what the LoRA term costs a decode step
+    is the difference to a rank's rows): no trainable parameters, rows labelled "<format> base", fewer profiled
+    operations per step than with a rank-8 LoRA on every target; a negative rank names itself."""
+    from qerl import bench
+
+    policy, _ = bench._policy("tiny", "nvfp4", 0, "cpu")
+    assert not any(p.requires_grad for p in policy.parameters())
+    assert policy.qerl["lora"] is None
+    policy8, _ = bench._policy("tiny", "nvfp4", 8, "cpu")
+    assert any(p.requires_grad for p in policy8.parameters())
+    rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", ("fused",), steps=2, kv=128, ranks=(0, 8))
+    launches = {r["lora_rank"]: r["launches"] for r in rows}
+    assert set(launches) == {0, 8} and launches[0] < launches[8]
+    (ro,) = bench.bench_rollout(["tiny"], ["nvfp4"], [2], [0], 16, 4, "cpu")
+    assert ro["status"] == "ok" and ro["lora_rank"] == 0 and ro["method"] == "NVFP4 base"
+    assert ro["generated_tokens"] == 2 * 4
+    with pytest.raises(ValueError, match="LoRA rank -1: expected >= 1, or 0 for no adapters"):
+        bench._policy("tiny", "nvfp4", -1, "cpu")
