@@ -353,11 +353,12 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
     for v, extra in (("all", ["-DQFP4_WGMMA_TMA_MIN=32"]), ("bar", ["-DQFP4_WGMMA_TMA_BAR=1"]),
-                     ("all-bar", ["-DQFP4_WGMMA_TMA_MIN=32", "-DQFP4_WGMMA_TMA_BAR=1"])):
+                     ("all-bar", ["-DQFP4_WGMMA_TMA_MIN=32", "-DQFP4_WGMMA_TMA_BAR=1"]),
+                     ("tok", ["-DQFP4_WGMMA_TMA_TOK=1"]), ("all-tok", ["-DQFP4_WGMMA_TMA_MIN=32", "-DQFP4_WGMMA_TMA_TOK=1"])):
         monkeypatch.setenv("QERL_WGMMA_TMA", v)
         assert cf._build_flags()[3:] == ["-DQFP4_WGMMA_TMA=1", *extra], v
     monkeypatch.setenv("QERL_WGMMA_TMA", "yes")
-    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='yes'; valid: 0, 1, all, bar, all-bar"):
+    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='yes'; valid: 0, 1, all, bar, all-bar, tok, all-tok"):
         cf._build_flags()
     monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in ("0", "1", "pdl", "pdl-tail"):

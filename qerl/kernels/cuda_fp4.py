@@ -742,7 +742,7 @@ def wgmma_split_epi() -> bool:
     return _gemm_lora_switch("QERL_WGMMA_SPLIT_EPI", "0", WGMMA_SPLIT_EPI) == "1"
 
 
-WGMMA_TMA = ("0", "1", "all", "bar", "all-bar")
+WGMMA_TMA = ("0", "1", "all", "bar", "all-bar", "tok", "all-tok")
 
 
 def wgmma_tma() -> str:
@@ -758,7 +758,9 @@ def wgmma_tma() -> str:
     40's kernel. Experiments (builds of their own; session 42, `results/speed/raw/h200_s42_tma`, not adopted):
     ``all`` the same path in every grid variant (32+ tokens a CTA: the 64-token configs 2.5-7% slower); ``bar`` a
     stage freed by the group barrier of the chunk's acquisition instead of the "empty" mbarrier (within ~1% of the
-    default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 3-6% slower)."""
+    default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 3-6% slower). ``tok`` / ``all-tok``
+    (session 42, not yet measured): only the token tile by a tensor copy, each warp's weight words and scale pairs
+    by its own cp.async (no group barrier), in the 128+-token variants / in every grid variant."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
@@ -783,7 +785,8 @@ def _tma_flags(mode: str) -> list[str]:
     if mode == "0":
         return []
     return ["-DQFP4_WGMMA_TMA=1", *(["-DQFP4_WGMMA_TMA_MIN=32"] if mode.startswith("all") else []),
-            *(["-DQFP4_WGMMA_TMA_BAR=1"] if mode.endswith("bar") else [])]
+            *(["-DQFP4_WGMMA_TMA_BAR=1"] if mode.endswith("bar") else []),
+            *(["-DQFP4_WGMMA_TMA_TOK=1"] if mode.endswith("tok") else [])]
 
 
 def _ext():

@@ -120,6 +120,17 @@
 #ifndef QFP4_WGMMA_TMA_BAR
 #define QFP4_WGMMA_TMA_BAR 0
 #endif
+// QFP4_WGMMA_TMA_TOK=1 (QERL_WGMMA_TMA=tok | all-tok; opt-in, session 42, not yet measured): only the token tile by a
+// tensor copy, one a chunk; each warp copies its own strip's weight words and scale pairs by cp.async, as the cp.async
+// path does, and waits for them itself (only its own lanes read them: no group barrier), while the token tile's
+// stage is still freed on the "empty" mbarrier. A test of session 42's hypothesis for the 64-token loss: the copy
+// engine's per-copy cost, with four producers an SM each issuing three small boxes a chunk.
+#ifndef QFP4_WGMMA_TMA_TOK
+#define QFP4_WGMMA_TMA_TOK 0
+#endif
+#if QFP4_WGMMA_TMA_TOK && (QFP4_WGMMA_TMA_BAR || !QFP4_WGMMA_TMA)
+#error "QFP4_WGMMA_TMA_TOK needs QFP4_WGMMA_TMA and not QFP4_WGMMA_TMA_BAR"
+#endif
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
@@ -326,11 +337,26 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
           const int sidx = idx & (kStages - 1);
           if (!QFP4_WGMMA_TMA_BAR && idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
           const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
-          mbar_expect(fb, XB + RW * 4 * (512 + SP));
+          mbar_expect(fb, QFP4_WGMMA_TMA_TOK ? XB : XB + RW * 4 * (512 + SP));
           const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
           tma_load_2d(dst, &maps.x, 64 * c, tok0, fb);
-          tma_load_2d(dst + XB, &maps.w, 64 * c, strip0, fb);
-          tma_load_2d(dst + XB + RW * 4 * 512, &maps.s, SL * c, strip0, fb);
+          if (!QFP4_WGMMA_TMA_TOK) {
+            tma_load_2d(dst + XB, &maps.w, 64 * c, strip0, fb);
+            tma_load_2d(dst + XB + RW * 4 * 512, &maps.s, SL * c, strip0, fb);
+          }
+        }
+        if constexpr (QFP4_WGMMA_TMA_TOK) {
+          // this warp's strip: its weight words and scale pairs, into the stage of chunk idx - kStages, whose words
+          // each lane decoded itself and whose scale pairs every lane of the warp read (the __syncwarp)
+          if (idx < n) {
+            const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
+            __syncwarp();
+            cp_async16(dst + my_w + lane * 16, wq_p, true);
+            if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
+            wq_p += 32;
+            sq_p += SL;
+          }
+          cp_async_commit();  // always: acquire's wait counts one group a chunk
         }
         return;
       }
@@ -361,7 +387,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
         // (QFP4_WGMMA_TMA_BAR: chunk idx - 2's MMAs are done and its decode read in every warpgroup)
         if (QFP4_WGMMA_TMA_BAR) group_sync(bar, GT);
         stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group has released it
-        mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx has landed
+        if constexpr (QFP4_WGMMA_TMA_TOK) {
+          cp_async_wait<kStages - 2>();  // this thread's weight and scale copies of chunk idx have landed
+          __syncwarp();                  // and its warp's (every lane reads the scale pairs a few lanes copied)
+        }
+        mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx's tokens have landed
         return;
       }
 #endif
