@@ -428,3 +428,25 @@ def test_bench_rank_zero_is_the_base_alone():
     assert ro["generated_tokens"] == 2 * 4
     with pytest.raises(ValueError, match="LoRA rank -1: expected >= 1, or 0 for no adapters"):
         bench._policy("tiny", "nvfp4", -1, "cpu")
+
+
+def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
+    """Each decode mode's switches, while it runs, name a build the CUDA extension accepts (a mode with a misspelled
+    value would otherwise fail only on a GPU, mid-run), and a build switch's value reaches the build flags."""
+    from qerl import bench
+    from qerl.kernels import cuda_fp4 as cf
+
+    monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
+    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI"):
+        monkeypatch.delenv(k, raising=False)
+
+    class _S:
+        fused = None
+
+    flags = {}
+    for dec in bench.DECODES:
+        with bench.decode_mode(_S(), dec):
+            flags[dec] = cf._build_flags()  # raises on a value the switch does not know
+    assert "-DQFP4_WGMMA_TMA_TOK=1" in flags["fused-tma-tok"] and "-DQFP4_WGMMA_TMA_MIN=32" not in flags["fused-tma-tok"]
+    assert {"-DQFP4_WGMMA_TMA_TOK=1", "-DQFP4_WGMMA_TMA_MIN=32"} <= set(flags["fused-tma-all-tok"])
+    assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
