@@ -71,7 +71,7 @@ def render(rows: list[dict], base: str) -> str:
              "|---|---|---:|---|---:|---:|---:|---|---:|"]
     for r in rows:
         fmt, n, k, m, cfg = r["key"]
-        name = PRODUCTS.get((n, k), f"{n}x{k}")
+        name = PRODUCTS.get((n, k), f"{n}x{k}").replace("|", "\\|")  # a pipe inside a markdown cell
         lines.append(f"| {r['build']} | {fmt} {name} | {m} | {cfg} | {r['base_us']:.1f} | {r['us']:.1f} | "
                      f"{100 * r['gain']:+.1f} % | {100 * r['lo']:+.1f}…{100 * r['hi']:+.1f} | {r['n']} |")
     return "\n".join(lines) + "\n"

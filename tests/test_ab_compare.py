@@ -36,7 +36,7 @@ def test_gain_is_per_pass_against_that_pass_baseline(tmp_path):
     o = by[("1", 256)]  # only pass 1 has both builds
     assert o["n"] == 1 and o["gain"] == pytest.approx(0.0)
     text = ab.render(rows, "0")
-    assert "| 1 | nvfp4 gate|up | 128 |" in text and "+12.5 %" in text and "| nvfp4 o | 256 |" in text
+    assert "| 1 | nvfp4 gate\\|up | 128 |" in text and "+12.5 %" in text and "| nvfp4 o | 256 |" in text
 
 
 def test_folder_names_with_dashes_in_the_build(tmp_path):

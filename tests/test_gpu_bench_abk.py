@@ -62,7 +62,7 @@ def test_abk_builds_tests_and_times_each_build_in_order(tmp_path):
     assert "--configs tuned --lora 32 --m 64,128,256" in next(c for c in calls if "wgmma_profile" in c)
     ab = (tmp_path / "out" / "ab.md").read_text()
     # 100 us (base 0) against 80 us (build 1) in both passes: +25 %, range +25…+25, two passes
-    assert "| 1 | nvfp4 gate|up | 128 | (16, 0, 2, 2) | 100.0 | 80.0 | +25.0 % | +25.0…+25.0 | 2 |" in ab
+    assert "| 1 | nvfp4 gate\\|up | 128 | (16, 0, 2, 2) | 100.0 | 80.0 | +25.0 % | +25.0…+25.0 | 2 |" in ab
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
