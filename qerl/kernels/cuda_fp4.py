@@ -758,7 +758,7 @@ def wgmma_tma() -> str:
     40's kernel. Experiments (builds of their own; session 42, `results/speed/raw/h200_s42_tma`, not adopted):
     ``all`` the same path in every grid variant (32+ tokens a CTA: the 64-token configs 2.5-7% slower); ``bar`` a
     stage freed by the group barrier of the chunk's acquisition instead of the "empty" mbarrier (within ~1% of the
-    default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 3-6% slower). ``tok`` / ``all-tok``
+    default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 2.6-6.2% slower). ``tok`` / ``all-tok``
     (session 42, not yet measured): only the token tile by a tensor copy, each warp's weight words and scale pairs
     by its own cp.async (no group barrier), in the 128+-token variants / in every grid variant."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices

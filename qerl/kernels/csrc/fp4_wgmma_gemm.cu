@@ -111,7 +111,7 @@
 // QFP4_WGMMA_TMA_MIN, the fewest tokens a CTA of the variants that take it (128; 32 = every grid variant);
 // QFP4_WGMMA_TMA_BAR=1 frees a stage by the group barrier of the chunk's acquisition (as the cp.async path does)
 // instead of the "empty" mbarrier, whose round trip sits on the first warp's path to every chunk's MMAs. Measured on
-// an H200 (session 42, raw/h200_s42_tma): with the group barrier the 64-token variants still lose 3-6% with TMA (so
+// an H200 (session 42, raw/h200_s42_tma): with the group barrier the 64-token variants still lose 2.6-6.2% with TMA (so
 // that round trip is not why they lose), and at 128+ tokens it is within ~1% of the default (o at 256 tokens +3%):
 // neither adopted.
 #ifndef QFP4_WGMMA_TMA_MIN
