@@ -103,9 +103,28 @@ def _reference(ref: pd.DataFrame, r) -> tuple[pd.Series | None, str]:
     return ref.iloc[0], "†"
 
 
+#: The paper's rollout figures (Tables 5-8): vLLM 0.10.1 on one H100, 256-token prompts, 2048 new tokens.
+PAPER_GPU, PAPER_TOKENS = "H100", "256 + 2048"
+
+
+def _gpu(dev) -> str:
+    """A device name as the tables show it ("H100", "H200", "H200 x2 (NV18)"); "" when the row has none."""
+    if not isinstance(dev, str) or not dev:
+        return ""
+    return dev.replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+
+
+def _beside_paper(r) -> bool:
+    """Whether the paper's figure may sit beside this row: the paper's GPU model (or none recorded) and lengths."""
+    g = _gpu(r.get("device"))
+    return (not g or g.startswith(PAPER_GPU)) and _tokens(r) == PAPER_TOKENS
+
+
 def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = None, rank: int | None = 32) -> str:
     """Ours beside the paper's (Tables 5-8), grouped by model, batch, LoRA rank and decode step; ×LoRA and
-    ×QLoRA against our own rows of the same group (marked † where that row came from another run)."""
+    ×QLoRA against our own rows of the same group (marked † where that row came from another run). The paper's
+    columns only beside rows of its GPU model and lengths (:func:`_beside_paper`; else ‡); the run cell names the
+    GPU."""
     d = _read(root, name)
     if d is None:
         return f"_no {name}_\n"
@@ -131,6 +150,7 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
     lines = ["| model | batch | rank | decode | method | weights | ours tok/s | ours ×LoRA | ours ×QLoRA | "
              "paper tok/s (vLLM) | paper ×LoRA | run (sha) | tokens (prompt + new) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    other = False  # a row beside which the paper's figure is withheld (‡)
     for (model, batch, rk, _), g in d.groupby(["model", "batch_size", "lora_rank", "_step"], sort=False):
         base = g[g.method == "LoRA"]
         qlora = g[g.method == "QLoRA"]
@@ -144,11 +164,19 @@ def rollout_table(root: Path, name: str = "rollout.csv", decode: str | None = No
         for _, r in g.sort_values("tokens_per_s", ascending=False).iterrows():
             pv = pg[pg.method == r["method"]]["value"]
             pv = float(pv.iloc[0]) if len(pv) else None
+            if _beside_paper(r):
+                paper_cells = f"{_fmt(pv)} | {_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'}"
+            else:
+                paper_cells = "—‡ | —‡" if pv else "— | —"
+                other = other or bool(pv)
+            gpu = _gpu(r.get("device"))
             lines.append(
                 f"| {model} | {int(batch)} | {int(rk)} | {r['decode']} | {r['method']} | {r['weights']} | "
-                f"{r['tokens_per_s']:.0f} | {ratio(r, base)} | {ratio(r, qlora)} | {_fmt(pv)} | "
-                f"{_fmt(pv / float(p_lora.iloc[0]), 2) if pv and len(p_lora) else '—'} | "
-                f"{r.get('run', '')} ({r.get('git_sha', '')}) | {_tokens(r)} |")
+                f"{r['tokens_per_s']:.0f} | {ratio(r, base)} | {ratio(r, qlora)} | {paper_cells} | "
+                f"{r.get('run', '')} ({r.get('git_sha', '')}){', ' + gpu if gpu else ''} | {_tokens(r)} |")
+    if other:
+        lines.append(f"\n‡ The paper's figure is not shown beside the rows marked ‡: it was measured on one {PAPER_GPU} "
+                     f"at {PAPER_TOKENS} tokens, and they ran on another GPU or at other lengths.")
     return "\n".join(lines) + "\n"
 
 

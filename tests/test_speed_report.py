@@ -311,7 +311,23 @@ def test_rollout_ratios_compare_rows_of_one_gpu_model(tmp_path):
     table = speed.rollout_table(tmp_path)
     cells = {line.split(" | ")[6]: line.split(" | ")[7] for line in table.splitlines() if "| QeRL |" in line}
     assert cells == {"2000": "2.00", "2500": "2.50†", "2900": "—"}, table
-    assert all(line.endswith("| 256 + 2048 |") for line in table.splitlines()[2:])  # each row's lengths
+    body = [line for line in table.splitlines()[2:] if line.startswith("| Qwen")]
+    assert len(body) == 4 and all(line.endswith("| 256 + 2048 |") for line in body)  # each row's lengths
+    # the paper's figure (vLLM, one H100, 256 + 2048) beside the H100 rows only; each run cell names its GPU
+    by_tps = {line.split(" | ")[6]: line.split(" | ") for line in body}
+    assert by_tps["2000"][9:12] == ["2091.8", "1.27", "h100_a (abc1234), H100"]
+    assert by_tps["2900"][9:12] == ["—‡", "—‡", "h200_a (abc1234), H200"]
+    assert "‡ The paper's figure is not shown beside the rows marked ‡: it was measured on one H100 at 256 + 2048 " \
+           "tokens" in table
+    # other lengths on the paper's GPU: withheld too
+    d.loc[d["run"] == "h100_b", "new_tokens"] = 512
+    d.to_csv(tmp_path / "rollout.csv", index=False)
+    line = next(x for x in speed.rollout_table(tmp_path).splitlines() if x.startswith("| Qwen") and "| 2500 |" in x)
+    assert line.split(" | ")[9:11] == ["—‡", "—‡"] and line.endswith("| 256 + 512 |")
+    # a table with nothing withheld has no footnote
+    d = d[d["run"] == "h100_a"]
+    d.to_csv(tmp_path / "rollout.csv", index=False)
+    assert "‡" not in speed.rollout_table(tmp_path)
 
 
 def test_bench_update_runs_on_cpu_and_renders(tmp_path):
