@@ -256,6 +256,18 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
     assert seen[True] == 4 * big and seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen
 
 
+def _all_variant_loops(*defines):
+    """{kernel name: its main loop's opcodes} of an every-grid-variant TMA experiment build (QFP4_WGMMA_TMA_MIN=32,
+    no stream-K variants) with ``defines`` added, after checking that every variant was built and the loop check
+    is clean."""
+    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TMA_MIN=32",
+                                            *defines, "QFP4_WGMMA_NO_SK=1"))
+    r = wsc.check(sass, msgs)
+    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
+    return {name: [wsc.opcode(t) for t in wsc.main_loop(body)]
+            for name, body in wsc.functions(sass).items() if "fp4_wgmma_kernel" in name}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_tma_experiment_builds():
@@ -263,14 +275,7 @@ def test_tma_experiment_builds():
     tokens a CTA too, issues the tensor copies (six in its main loop) and keeps one group barrier a chunk there, and no
     thread arrives on an "empty" mbarrier in it (SYNCS.ARRIVE.TRANS64.A1T0; the producer's expect-tx arrivals and the
     full barriers' waits remain); the loop check stays clean."""
-    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TMA_MIN=32",
-                                            "QFP4_WGMMA_TMA_BAR=1", "QFP4_WGMMA_NO_SK=1"))
-    r = wsc.check(sass, msgs)
-    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    for name, body in wsc.functions(sass).items():
-        if "fp4_wgmma_kernel" not in name:
-            continue
-        loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
+    for name, loop in _all_variant_loops("QFP4_WGMMA_TMA_BAR=1").items():
         assert sum(t.startswith("UTMALDG") for t in loop) == 6, name
         assert sum(t.startswith("BAR.SYNC") for t in loop) == 2, name  # one per chunk, two chunks a pass
         assert not any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # no thread's release
@@ -282,14 +287,7 @@ def test_tma_token_only_build():
     """QERL_WGMMA_TMA=all-tok's build (-DQFP4_WGMMA_TMA_MIN=32 -DQFP4_WGMMA_TMA_TOK=1): in every grid variant's main
     loop one tensor copy a chunk (the token tile; two a pass), the weight words and scale pairs by cp.async (LDGSTS),
     no group barrier, the threads' stage releases on the "empty" mbarrier; the loop check stays clean."""
-    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TMA_MIN=32",
-                                            "QFP4_WGMMA_TMA_TOK=1", "QFP4_WGMMA_NO_SK=1"))
-    r = wsc.check(sass, msgs)
-    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    for name, body in wsc.functions(sass).items():
-        if "fp4_wgmma_kernel" not in name:
-            continue
-        loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
+    for name, loop in _all_variant_loops("QFP4_WGMMA_TMA_TOK=1").items():
         assert sum(t.startswith("UTMALDG") for t in loop) == 2, name
         assert sum(t.startswith("LDGSTS") for t in loop) >= 2, name  # a warp's words (+ a few lanes' scales) a chunk
         assert not any(t.startswith("BAR.SYNC") for t in loop), name
