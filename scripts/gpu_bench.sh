@@ -125,7 +125,7 @@
 #   scripts/gpu_bench.sh tma41   issue 10, session 41's QERL_WGMMA_TMA=1 (the default since; decode mode fused-tma: the wgmma grid
 #                                variants' chunks staged by tensor copies on mbarriers): both builds, every wgmma GPU
 #                                test on its build (one: bit-identical to the default build, every config;
-#                                $OUT/tests_tma41.txt), then each 7B
+#                                $OUT/tests_tma_V.txt; tests_tma41.txt before session 42), then each 7B
 #                                product at 64, 128 and 256 tokens at its tuned config with a rank-32 LoRA term
 #                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / tma / tma / default
 #                                ($OUT/tma_{0,1}_{1,2}; TMA41_V=all-bar tests and times that experiment instead,
@@ -194,6 +194,24 @@ bf16_tests() {  # the BF16 GEMV's GPU tests, the FP4 GEMV's and the fused decode
   timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py tests/test_fused_decode.py \
     -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
   tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
+}
+kernel_ab() {  # SWITCH PREFIX RUNS TESTED TESTS: the builds of RUNS' values ("VALUE:PASS ..." in the order run) at
+  # once, the GPU tests -k TESTS over tests/test_cuda_fp4.py on each build in TESTED ($OUT/tests_PREFIX_VALUE.txt; none
+  # when TESTS is empty), then each 7B product at its tuned config with a rank-32 LoRA term (benchmarks.wgmma_profile
+  # --configs tuned --lora 32 --m ${ABK_M:-64,128,256}) once per run ($OUT/PREFIX_VALUE_PASS)
+  local sw=$1 prefix=$2 runs=$3 tested=$4 tests=$5 v run pass
+  # shellcheck disable=SC2046  # one word per build
+  builds_at_once $(for r in $runs; do echo "$sw=${r%%:*}"; done | sort -u)
+  if [ -n "$tests" ]; then
+    for v in $tested; do
+      (export "$sw=$v"; gpu_tests "${prefix}_$v" 300 tests/test_cuda_fp4.py -k "$tests")
+    done
+  fi
+  local W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m ${ABK_M:-64,128,256}"
+  for run in $runs; do
+    IFS=: read -r v pass <<< "$run"
+    (export "$sw=$v"; timeout 60 $W --out "$OUT/${prefix}_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
+  done
 }
 case "${1:-core}" in
 core)
@@ -483,15 +501,8 @@ split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epi
 tma41)  # issue 10, session 41: the wgmma grid variants' chunks staged by tensor copies (default) vs cp.async
   V=${TMA41_V:-1}  # the TMA build the GPU tests check (1, all, bar, all-bar: QERL_WGMMA_TMA)
   RUNS=${TMA41_RUNS:-0:1 $V:1 $V:2 0:2}  # QERL_WGMMA_TMA:pass, in order
-  # shellcheck disable=SC2046  # one word per build
-  builds_at_once $(for r in $RUNS; do echo "QERL_WGMMA_TMA=${r%%:*}"; done | sort -u)
-  QERL_WGMMA_TMA=$V gpu_tests tma41 300 tests/test_cuda_fp4.py \
-    -k "${TMA41_TESTS:-tma_is_bit_identical or every_variant or model_shapes_and_graphs}"  # (others build others)
-  W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 64,128,256"
-  for run in $RUNS; do
-    IFS=: read -r v pass <<< "$run"
-    QERL_WGMMA_TMA=$v timeout 60 $W --out "$OUT/tma_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
-  done
+  kernel_ab QERL_WGMMA_TMA tma "$RUNS" "$V" \
+    "${TMA41_TESTS:-tma_is_bit_identical or every_variant or model_shapes_and_graphs}"  # (others build others)
   if [ "${TMA41:-}" = roll ]; then
     timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
       --decode fused-no-tma,fused,fused,fused-no-tma --out "$OUT/roll_tma" 2>&1 | grep -v Warn >> "$LOG"
@@ -505,19 +516,9 @@ abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   esac
   RUNS=${ABK_RUNS:-0:1 1:1 1:2 0:2}
   BASE=${RUNS%%:*}
-  VALUES=$(for r in $RUNS; do echo "${r%%:*}"; done | sort -u)
-  # shellcheck disable=SC2046  # one word per build
-  builds_at_once $(for v in $VALUES; do echo "$SW=$v"; done)
-  if [ -n "${ABK_TESTS:-}" ]; then
-    for v in $VALUES; do
-      [ "$v" = "$BASE" ] || (export "$SW=$v"; gpu_tests "abk_$v" 300 tests/test_cuda_fp4.py -k "$ABK_TESTS")
-    done
-  fi
-  W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m ${ABK_M:-64,128,256}"
-  for run in $RUNS; do
-    IFS=: read -r v pass <<< "$run"
-    (export "$SW=$v"; timeout 60 $W --out "$OUT/abk_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
-  done
+  # the GPU tests on every build but the baseline
+  kernel_ab "$SW" abk "$RUNS" "$(for r in $RUNS; do v=${r%%:*}; [ "$v" = "$BASE" ] || echo "$v"; done | sort -u)" \
+    "${ABK_TESTS:-}"
   python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base "$BASE" --md "$OUT/ab.md" >> "$LOG" 2>&1 ;;
 lora42)  # issue 10 / 11: the decode step with no adapters (rank 0) beside rank 32, both formats
   build 2
