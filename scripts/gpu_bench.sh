@@ -145,6 +145,13 @@
 #                                512) with no adapters (--ranks 0: the base alone) and with rank 32, one process per
 #                                format ($OUT/roll_lora); LORA42=prof: the 128-sequence step's kernels for both
 #                                ($OUT/prof); ~5 / ~4 min
+#   scripts/gpu_bench.sh bf16sec issue 11, session 43's opt-in QERL_BF16_LOADS=sector (decode mode fused-bf16-sector: the
+#                                BF16 GEMV's load instructions each covering whole 32-byte sectors): both builds, the
+#                                BF16 GPU tests on the new one ($OUT/tests_bf16.txt; SKIP_TESTS=1 skips), the 7B
+#                                per-layer table at M = 1 and 8 (benchmarks.cuda_bench: cuBLAS and the GEMV) pair /
+#                                sector / sector / pair ($OUT/bench_{pair,sector}_{1,2}), then 7B BF16-LoRA rollouts at
+#                                batch 8 and 2 (256 + 512), fused / fused-bf16-sector / fused-bf16-sector / fused in one
+#                                process per batch ($OUT/roll_sec); ~7 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -529,6 +536,20 @@ lora42)  # issue 10 / 11: the decode step with no adapters (rank 0) beside rank 
     timeout 400 $B profile --models 7b --formats nvfp4,bf16 --batch 128 --ranks 0,32 --decode fused --out "$OUT/prof" \
       2>&1 | grep -v Warn >> "$LOG"
   fi ;;
+bf16sec)  # issue 11: the BF16 GEMV's sector-wide loads against the default (see the header)
+  builds_at_once QERL_BF16_LOADS=pair QERL_BF16_LOADS=sector
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    (export QERL_BF16_LOADS=sector; gpu_tests bf16 170 tests/test_cuda_fp4.py tests/test_fused_decode.py -k bf16)
+  fi
+  for run in pair:1 sector:1 sector:2 pair:2; do
+    IFS=: read -r v pass <<< "$run"
+    (export QERL_BF16_LOADS=$v; timeout 90 python3 -m benchmarks.cuda_bench --models 7b --m 1,8 --fmts "" \
+      --out "$OUT/bench_${v}_$pass" 2>&1 | grep -v Warn | tail -8 >> "$LOG")
+  done
+  for b in 8 2; do
+    timeout 120 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 \
+      --decode fused,fused-bf16-sector,fused-bf16-sector,fused --out "$OUT/roll_sec" 2>&1 | grep -v Warn >> "$LOG"
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

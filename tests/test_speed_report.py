@@ -453,7 +453,7 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     from qerl.kernels import cuda_fp4 as cf
 
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
-    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI"):
+    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS"):
         monkeypatch.delenv(k, raising=False)
 
     class _S:
@@ -466,3 +466,4 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert "-DQFP4_WGMMA_TMA_TOK=1" in flags["fused-tma-tok"] and "-DQFP4_WGMMA_TMA_MIN=32" not in flags["fused-tma-tok"]
     assert {"-DQFP4_WGMMA_TMA_TOK=1", "-DQFP4_WGMMA_TMA_MIN=32"} <= set(flags["fused-tma-all-tok"])
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
+    assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" not in flags["fused"]

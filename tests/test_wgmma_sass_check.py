@@ -292,3 +292,25 @@ def test_tma_token_only_build():
         assert sum(t.startswith("LDGSTS") for t in loop) >= 2, name  # a warp's words (+ a few lanes' scales) a chunk
         assert not any(t.startswith("BAR.SYNC") for t in loop), name
         assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
+    """QERL_BF16_LOADS=sector's build of the decode GEMV (-DQFP4_DENSE_SECTOR=1): the FP4 variants' machine code is
+    the default build's, every BF16 (FMT = 2) variant changes, and in the plain BF16 kernels a lane's two 16-byte
+    pieces of a row chunk (and of its x fragment) sit 64 bytes apart instead of 16: the weight and x loads' offsets
+    within a 128-byte chunk are {0, 0x40} instead of {0, 0x10}."""
+    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
+    builds = [wsc.functions(wsc.compile_sass(2, src, d)[0]) for d in ((), ("QFP4_DENSE_SECTOR=1",))]
+    assert builds[0].keys() == builds[1].keys()
+    dense = [n for n in builds[0] if re.search(r"fp4_gemv(?:_lora)?_kernelILi2E", n)]
+    assert len(dense) >= 6 and len(builds[0]) > len(dense)
+    for name in builds[0]:
+        same = [t for _, t in builds[0][name]] == [t for _, t in builds[1][name]]
+        assert same == (name not in dense), name
+    for name in (n for n in dense if "fp4_gemv_kernel" in n):
+        for build, want in zip(builds, ({0, 0x10}, {0, 0x40}), strict=True):
+            offs = {int(o, 16) % 0x80 for _, t in build[name] if wsc.opcode(t).startswith("LDG")
+                    for o in re.findall(r"\+(0x[0-9a-f]+)\]", t)}
+            assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))

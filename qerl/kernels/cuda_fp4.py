@@ -765,19 +765,34 @@ def wgmma_tma() -> str:
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
 
+BF16_LOADS = ("pair", "sector")
+
+
+def bf16_loads() -> str:
+    """``QERL_BF16_LOADS``: how the decode GEMV over a dense BF16 weight (the BF16 baseline's decode products) loads a
+    row's 128 bytes of a chunk, fixed when the extension is built. ``pair`` (default): a lane holds 16 contiguous
+    bf16, so each of the row's two load instructions covers every other 16 bytes and each 32-byte sector is requested
+    twice; ``sector`` (opt-in, session 43; ``-DQFP4_DENSE_SECTOR=1``, a build of its own, decode mode
+    ``fused-bf16-sector``): each instruction's lanes cover whole sectors (a lane holds k 8 t .. 8 t + 7 and 32 + 8 t ..,
+    its x fragment the same): the same products summed in another order. The FP4 kernels are unchanged."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_BF16_LOADS", "pair", BF16_LOADS)
+
+
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build);
     ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another);
-    ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build)."""
+    ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build);
+    ``QERL_BF16_LOADS=sector`` the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
             *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else []),
             *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
-            *_tma_flags(wgmma_tma())]
+            *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
 def _tma_flags(mode: str) -> list[str]:

@@ -47,6 +47,18 @@
 
 #include "fp4_mma_common.cuh"
 
+// QFP4_DENSE_SECTOR (the build's -D, set by QERL_BF16_LOADS=sector; opt-in, session 43): the BF16 weight's four
+// 128-bit loads of a lane and (strip, chunk) read, per load instruction, whole 32-byte sectors: lane (g, t) holds
+// k = 64 c + 8 t + 0..7 (words 0 / 2 of rows g / g + 8) and 64 c + 32 + 8 t + 0..7 (words 1 / 3), so the four lanes
+// of a row read 64 contiguous bytes per instruction, and its x fragment the same two 16-byte pieces. By default (0)
+// a lane holds the 16 contiguous bf16 at 64 c + 16 t (as the FP4 chunks are laid out), so each of its two loads a
+// row covers every other 16 bytes of the row's 128 and each 32-byte sector is requested by two instructions. Same
+// products per chunk, summed in another order (not bit-identical to the default; both within the float64 bound of
+// test_gpu_bf16_gemv_every_config_lora_epilogue_graphs). The FP4 formats and the LoRA CTAs are unchanged.
+#ifndef QFP4_DENSE_SECTOR
+#define QFP4_DENSE_SECTOR 0
+#endif
+
 namespace qfp4 {
 
 // 128-bit weight words per lane and (strip, chunk): one for FP4 (16 rows x 64 K x 4 bits = 512 bytes a warp), four
@@ -92,14 +104,15 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
-// x fragment of the chunk at p (16 bf16 of token g, and of token g+8 for NT = 2); rows >= M keep stale values,
-// which only reach output columns that are never stored.
-template <int NT>
+// x fragment of the chunk at p (16 bf16 of token g, and of token g+8 for NT = 2: the 8 at p and the 8 at p + X2, 8
+// unless QFP4_DENSE_SECTOR's dense chunks); rows >= M keep stale values, which only reach output columns that are
+// never stored.
+template <int NT, int X2 = 8>
 __device__ __forceinline__ void load_x(XFrag<NT>& f, const __nv_bfloat16* p, int ldx8, bool v0, bool v1) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     if (nt == 0 ? v0 : v1) {
-      const uint4 a = ld_x(p + nt * ldx8), b = ld_x(p + nt * ldx8 + 8);
+      const uint4 a = ld_x(p + nt * ldx8), b = ld_x(p + nt * ldx8 + X2);
       f.r[nt][0] = a.x; f.r[nt][1] = a.y; f.r[nt][2] = a.z; f.r[nt][3] = a.w;
       f.r[nt][4] = b.x; f.r[nt][5] = b.y; f.r[nt][6] = b.z; f.r[nt][7] = b.w;
     }
@@ -401,6 +414,9 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   constexpr int WSTEP = DENSE ? 8 : 32;   // uint4 from one chunk to the next along a lane's pointer
   constexpr int A2 = SW == 1 ? 2 : 1;
   constexpr int TOK = 8 * NT;
+  constexpr bool SECTOR = DENSE && QFP4_DENSE_SECTOR;
+  constexpr int LT = SECTOR ? 8 : 16;  // bf16 from lane t - 1's first k of a chunk to lane t's (x and BF16 rows)
+  constexpr int X2 = SECTOR ? 32 : 8;  // bf16 from a lane's first 8 k to its second 8
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -439,13 +455,13 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   for (int i = 0; i < SW; ++i) {
     const int st = max(0, min(strip0 + i * sstep, S - 1));
     if constexpr (DENSE) {
-      wq[i] = qw + ((size_t)(st * 16 + g) * C + c0) * 8 + 2 * t;
+      wq[i] = qw + ((size_t)(st * 16 + g) * C + c0) * 8 + LT / 8 * t;
     } else {
       wq[i] = qw + ((size_t)st * C + c0) * 32 + lane;
       sq[i] = sc + ((size_t)st * C + c0) * SL + soff;
     }
   }
-  const __nv_bfloat16* xq = x + (size_t)g * ldx + 16 * t + 64 * c0;
+  const __nv_bfloat16* xq = x + (size_t)g * ldx + LT * t + 64 * c0;
   const int ldx8 = 8 * ldx;
   const bool xv0 = g < M, xv1 = g + 8 < M;
   uint4 wa[U][SW][WN], wb[U][SW][WN];
@@ -465,7 +481,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
           if constexpr (DENSE) {  // rows g (words 0, 1) and g + 8 (words 2, 3)
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-              const uint4* p = wq[i] + u * WSTEP + (q >> 1) * r8 + (q & 1);
+              const uint4* p = wq[i] + u * WSTEP + (q >> 1) * r8 + (q & 1) * (X2 / 8);
               w[u][i][q] = decltype(early)::value ? ld_stream_early(p) : ld_stream(p);
             }
           } else if constexpr (decltype(early)::value) {
@@ -492,7 +508,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (u < left) {
-        if (u + 1 < left) load_x<NT>(xf[(u + 1) & 1], xq + 64 * (u + 1), ldx8, xv0, xv1);
+        if (u + 1 < left) load_x<NT, X2>(xf[(u + 1) & 1], xq + 64 * (u + 1), ldx8, xv0, xv1);
 #pragma unroll
         for (int i = 0; i < SW; ++i) {
           if constexpr (DENSE)
@@ -512,7 +528,8 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
       const int pc = U + (lane >> 4), row = lane & 15;
       if (pc < left) {
 #pragma unroll
-        for (int i = 0; i < SW; ++i) prefetch_l2(wq[i] - ((size_t)g * C * 8 + 2 * t) + (size_t)row * C * 8 + pc * 8);
+        for (int i = 0; i < SW; ++i)
+          prefetch_l2(wq[i] - ((size_t)g * C * 8 + LT / 8 * t) + (size_t)row * C * 8 + pc * 8);
       }
     } else {
       const int pc = U + (lane >> 2);
@@ -530,7 +547,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #endif
   if (has_lora && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
   if (work) {
-    load_x<NT>(xf[0], xq, ldx8, xv0, xv1);
+    load_x<NT, X2>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
       advance();
       load_batch(wb, sb, left - U, std::false_type{});
