@@ -158,7 +158,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma",
-           "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-pdl",
+           "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
@@ -182,7 +182,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-split-epi": {"QERL_WGMMA_SPLIT_EPI": "1"},
                "fused-tma": {"QERL_WGMMA_TMA": "1"}, "fused-no-tma": {"QERL_WGMMA_TMA": "0"},
                "fused-tma-tok": {"QERL_WGMMA_TMA": "tok"}, "fused-tma-all-tok": {"QERL_WGMMA_TMA": "all-tok"},
-               "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"},
+               "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -227,7 +227,9 @@ def decode_mode(sampler, dec: str):
     ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own), "fused-tma-tok" / "fused-tma-all-tok" (only the
     token tile by a tensor copy, each warp's weight words and scale pairs by its own cp.async, in the 128+-token /
     every grid variant: ``QERL_WGMMA_TMA=tok|all-tok``, builds of their own), "fused-bf16-sector" (the BF16 GEMV's
-    load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, a build of its own) — all but
+    load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default spelled out),
+    "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's loads, a build of
+    its own) — all but
     "fused" for same-run
     comparisons —, "fused-pdl" /
     "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,

@@ -145,13 +145,14 @@
 #                                512) with no adapters (--ranks 0: the base alone) and with rank 32, one process per
 #                                format ($OUT/roll_lora); LORA42=prof: the 128-sequence step's kernels for both
 #                                ($OUT/prof); ~5 / ~4 min
-#   scripts/gpu_bench.sh bf16sec issue 11, session 43's opt-in QERL_BF16_LOADS=sector (decode mode fused-bf16-sector: the
-#                                BF16 GEMV's load instructions each covering whole 32-byte sectors): both builds, the
-#                                BF16 GPU tests on the new one ($OUT/tests_bf16.txt; SKIP_TESTS=1 skips), the 7B
+#   scripts/gpu_bench.sh bf16sec issue 11, session 43's QERL_BF16_LOADS=sector (the default since; decode mode
+#                                fused-bf16-sector: the BF16 GEMV's load instructions each covering whole 32-byte
+#                                sectors) against pair (session 34's loads): both builds, the BF16 GPU tests on the
+#                                sector one ($OUT/tests_bf16.txt; SKIP_TESTS=1 skips), the 7B
 #                                per-layer table at M = 1 and 8 (benchmarks.cuda_bench: cuBLAS and the GEMV) pair /
 #                                sector / sector / pair ($OUT/bench_{pair,sector}_{1,2}), then 7B BF16-LoRA rollouts at
-#                                batch 8 and 2 (256 + 512), fused / fused-bf16-sector / fused-bf16-sector / fused in one
-#                                process per batch ($OUT/roll_sec); ~7 min
+#                                batch 8 and 2 (256 + 512), fused-bf16-pair / fused / fused / fused-bf16-pair in one
+#                                process per batch ($OUT/roll_sec); ~5 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -548,7 +549,7 @@ bf16sec)  # issue 11: the BF16 GEMV's sector-wide loads against the default (see
   done
   for b in 8 2; do
     timeout 120 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 \
-      --decode fused,fused-bf16-sector,fused-bf16-sector,fused --out "$OUT/roll_sec" 2>&1 | grep -v Warn >> "$LOG"
+      --decode fused-bf16-pair,fused,fused,fused-bf16-pair --out "$OUT/roll_sec" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -466,4 +466,5 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert "-DQFP4_WGMMA_TMA_TOK=1" in flags["fused-tma-tok"] and "-DQFP4_WGMMA_TMA_MIN=32" not in flags["fused-tma-tok"]
     assert {"-DQFP4_WGMMA_TMA_TOK=1", "-DQFP4_WGMMA_TMA_MIN=32"} <= set(flags["fused-tma-all-tok"])
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
-    assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" not in flags["fused"]
+    assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
+    assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]

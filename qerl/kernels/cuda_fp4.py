@@ -770,13 +770,18 @@ BF16_LOADS = ("pair", "sector")
 
 def bf16_loads() -> str:
     """``QERL_BF16_LOADS``: how the decode GEMV over a dense BF16 weight (the BF16 baseline's decode products) loads a
-    row's 128 bytes of a chunk, fixed when the extension is built. ``pair`` (default): a lane holds 16 contiguous
-    bf16, so each of the row's two load instructions covers every other 16 bytes and each 32-byte sector is requested
-    twice; ``sector`` (opt-in, session 43; ``-DQFP4_DENSE_SECTOR=1``, a build of its own, decode mode
-    ``fused-bf16-sector``): each instruction's lanes cover whole sectors (a lane holds k 8 t .. 8 t + 7 and 32 + 8 t ..,
-    its x fragment the same): the same products summed in another order. The FP4 kernels are unchanged."""
+    row's 128 bytes of a chunk, fixed when the extension is built. ``sector`` (default since session 43;
+    ``-DQFP4_DENSE_SECTOR=1``; decode mode ``fused-bf16-sector`` spells it out): each load instruction's lanes cover
+    whole 32-byte sectors (a lane holds k 8 t .. 8 t + 7 and 32 + 8 t .. 32 + 8 t + 7 of a chunk, its x fragment the
+    same). ``pair`` (session 34's loads, a build of its own, decode mode ``fused-bf16-pair``): a lane holds 16
+    contiguous bf16, so each of a row's two load instructions covers every other 16 bytes and each sector is
+    requested twice. The same products summed in another order. The FP4 kernels are unchanged. Measured on an H200
+    (session 43, `results/speed/raw/h200_s43_bf16sec`, pair / sector / sector / pair): the 7B layer's seven BF16
+    GEMVs +2.6% / +7.5% at M = 8 and +1.7% / +5.6% at M = 1 in the two passes (cuBLAS in the same runs: -2.5…+1.0%);
+    BF16-LoRA rollouts' decode rate +3.6% at batch 8 and +2.0…2.2% at batch 2 in both passes. Not measured on an
+    H100."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_BF16_LOADS", "pair", BF16_LOADS)
+    return _gemm_lora_switch("QERL_BF16_LOADS", "sector", BF16_LOADS)
 
 
 def _build_flags() -> list[str]:
@@ -785,7 +790,8 @@ def _build_flags() -> list[str]:
     stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build);
     ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another);
     ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build);
-    ``QERL_BF16_LOADS=sector`` the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``, another)."""
+    ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``; ``pair``
+    another build)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),

@@ -47,11 +47,11 @@
 
 #include "fp4_mma_common.cuh"
 
-// QFP4_DENSE_SECTOR (the build's -D, set by QERL_BF16_LOADS=sector; opt-in, session 43): the BF16 weight's four
+// QFP4_DENSE_SECTOR (the build's -D, set by QERL_BF16_LOADS=sector, the default since session 43): the BF16 weight's four
 // 128-bit loads of a lane and (strip, chunk) read, per load instruction, whole 32-byte sectors: lane (g, t) holds
 // k = 64 c + 8 t + 0..7 (words 0 / 2 of rows g / g + 8) and 64 c + 32 + 8 t + 0..7 (words 1 / 3), so the four lanes
-// of a row read 64 contiguous bytes per instruction, and its x fragment the same two 16-byte pieces. By default (0)
-// a lane holds the 16 contiguous bf16 at 64 c + 16 t (as the FP4 chunks are laid out), so each of its two loads a
+// of a row read 64 contiguous bytes per instruction, and its x fragment the same two 16-byte pieces. With 0
+// (QERL_BF16_LOADS=pair, session 34's loads) a lane holds the 16 contiguous bf16 at 64 c + 16 t (as the FP4 chunks are laid out), so each of its two loads a
 // row covers every other 16 bytes of the row's 128 and each 32-byte sector is requested by two instructions. Same
 // products per chunk, summed in another order (not bit-identical to the default; both within the float64 bound of
 // test_gpu_bf16_gemv_every_config_lora_epilogue_graphs). The FP4 formats and the LoRA CTAs are unchanged.
