@@ -759,8 +759,10 @@ def wgmma_tma() -> str:
     ``all`` the same path in every grid variant (32+ tokens a CTA: the 64-token configs 2.5-7% slower); ``bar`` a
     stage freed by the group barrier of the chunk's acquisition instead of the "empty" mbarrier (within ~1% of the
     default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 2.6-6.2% slower). ``tok`` / ``all-tok``
-    (session 42, not yet measured): only the token tile by a tensor copy, each warp's weight words and scale pairs
-    by its own cp.async (no group barrier), in the 128+-token variants / in every grid variant."""
+    (session 42): only the token tile by a tensor copy, each warp's weight words and scale pairs by its own cp.async
+    (no group barrier), in the 128+-token variants / in every grid variant; measured on an H200 (session 43,
+    `results/speed/raw/h200_s43_tok`): ``all-tok``'s 64-token variants still 1.9-6.3% slower than cp.async there,
+    ``tok`` at 128 tokens within the noise of the default and gate|up at 256 -2.3%: neither adopted."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 

@@ -120,11 +120,13 @@
 #ifndef QFP4_WGMMA_TMA_BAR
 #define QFP4_WGMMA_TMA_BAR 0
 #endif
-// QFP4_WGMMA_TMA_TOK=1 (QERL_WGMMA_TMA=tok | all-tok; opt-in, session 42, not yet measured): only the token tile by a
-// tensor copy, one a chunk; each warp copies its own strip's weight words and scale pairs by cp.async, as the cp.async
-// path does, and waits for them itself (only its own lanes read them: no group barrier), while the token tile's
-// stage is still freed on the "empty" mbarrier. A test of session 42's hypothesis for the 64-token loss: the copy
-// engine's per-copy cost, with four producers an SM each issuing three small boxes a chunk.
+// QFP4_WGMMA_TMA_TOK=1 (QERL_WGMMA_TMA=tok | all-tok; opt-in, session 42): only the token tile by a tensor copy, one
+// a chunk; each warp copies its own strip's weight words and scale pairs by cp.async, as the cp.async path does, and
+// waits for them itself (only its own lanes read them: no group barrier), while the token tile's stage is still
+// freed on the "empty" mbarrier. A test of session 42's hypothesis for the 64-token loss: the copy engine's per-copy
+// cost, with four producers an SM each issuing three small boxes a chunk. Measured on an H200 (session 43,
+// raw/h200_s43_tok): the 64-token variants still lose 1.9-6.3% with it (all-tok), so that hypothesis is refuted too;
+// tok at 128 tokens within the noise of the default, gate|up at 256 -2.3%: neither adopted.
 #ifndef QFP4_WGMMA_TMA_TOK
 #define QFP4_WGMMA_TMA_TOK 0
 #endif
