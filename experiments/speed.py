@@ -519,6 +519,12 @@ def _devices(root: Path) -> str:
     return text + ("; a ratio never pairs rows of two GPU models" if len(ranked) > 1 else "")
 
 
+def _floor(root: Path, gpu: str) -> str:
+    from benchmarks import decode_floor  # a table of the benchmark's own, rendered here
+
+    return decode_floor.floor_table(root, gpu)
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
@@ -545,6 +551,13 @@ The current sampler: fused decode step (`qerl.kernels.fused`, q|k|v and gate|up 
 NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = ratio against a row of another run
 (32B BF16 needed `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to load next to nothing else on 80 GB).
 {rollout_table(root, decode="fused")}
+### Issue 11's rows against the memory floor (`python -m benchmarks.decode_floor`)
+What a step must read at least (the linears in the format's storage, LoRA, lm_head, the KV cache at the mean length),
+the bandwidth each target asks for, and the tokens/s the measured copy bandwidth and the spec peak allow; the best
+rollout measured so far on that GPU model beside it (any build).
+
+{_floor(root, "H100")}
+{_floor(root, "H200")}
 ### The fused decode step against the unfused one (7B, one run, before the CUDA GEMV; Triton FP4 kernels)
 {rollout_table(root / "raw" / "h100_run5", decode=None)}
 ### Base + LoRA in one CUDA launch against LoRA as its own launches (7B, one run each, best of 2)
@@ -650,6 +663,17 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 43 (H200, 5a31c93; `raw/h200_s43_lora/README.md`): what the LoRA term costs, as a bound on fusing it further:
+the policy without adapters (`--ranks 0`) decodes only 3.0 / 1.9 / 1.8% faster than with rank 32 for NVFP4 at 64 /
+128 / 256 sequences (the 128-sequence graph step 7510 vs 7650 µs), BF16-LoRA 9.1 / 7.9 / 5.8% (7185 vs 7737 µs):
+NVFP4's LoRA path is already the cheaper one, and without adapters NVFP4 vs BF16 is 1.17 / 0.97 / 0.91×, so the base
+linears decide the ratio at 128+. Session 42's token-only TMA experiment (`QERL_WGMMA_TMA=tok|all-tok`,
+`raw/h200_s43_tok/README.md`): the 64-token variants still lose 1.9-6.3% with one tensor copy a chunk (the hypothesis
+refuted), `tok` at 128 within the noise: not adopted. The BF16 decode GEMV's sector-wide loads
+(`QERL_BF16_LOADS=sector`, the default since, a02b4c4 against session 34's `pair` loads; `raw/h200_s43_bf16sec/README.md`): per 7B layer
++2.6 / +7.5% at M = 8 (cuBLAS in the same runs −2.5…+1.0%), decode rate +3.6% at batch 8 and +2.0-2.2% at batch 2
+in both passes (BF16-LoRA, 256 + 512, pair / sector / sector / pair in one process per batch: 1554 / 1610 / 1609 / 1553
+decode tok/s at batch 8).
 Session 42 (H200, e369fa3): the experiments on session 41's TMA staging (next paragraph), kernel-level (`raw/h200_s42_tma/README.md`): a
 stage freed by the group barrier instead of the "empty" mbarrier (`QERL_WGMMA_TMA=bar`) is within ~1% of the default
 (o at 256 tokens +3%); TMA in the 32/64-token variants too (`all`, `all-bar`) still loses 2.5-7% there, with or

@@ -1,0 +1,158 @@
+"""The memory floor of a decode step (issue 11): the bytes one step must read, and the tokens/s they allow.
+
+    python -m benchmarks.decode_floor [--root results/speed] [--gpu H100]
+
+A decode step emits one token per sequence and reads, at least once each:
+
+* the decoder linears in the weight format's storage (``fmt.bits_per_weight``: scales included; the kernel layout
+  holds the same bytes),
+* the LoRA A and B of the seven projections (BF16, rank r),
+* the q|k|v biases and the RMSNorm weights (BF16),
+* the BF16 lm_head (untied in 7B-32B; the 3B's tied embedding is the same matrix, read once),
+* every sequence's KV cache at the rollout's mean length (prompt + new / 2, BF16).
+
+The embedding rows, the activations and every write are left out (< 0.1 % at these shapes). So at a memory
+bandwidth B, tokens/s <= batch x B / bytes -- a ceiling that no kernel can pass, whatever it fuses. The other way
+round, a tokens/s target asks ``bytes x target / batch`` of the GPU's memory ("required TB/s"), which this compares
+with the device-to-device copy bandwidth measured on that GPU model (``benchmarks.hbm_pattern_bench``: read + write
+over the copy time, found in ``results/speed/raw/*/hbm_pattern_*.md``) and with the spec sheet's peak.
+
+Our tokens/s (``qerl.bench rollout``) is generated tokens over the whole rollout, prefill included, so the ceiling
+holds for it a fortiori. Writes ``decode_floor.md`` under ``--out`` when given; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from qerl.model import PRESETS
+from qerl.quant import get_format
+
+ROOT = Path(__file__).resolve().parents[1] / "results" / "speed"
+# spec-sheet HBM bandwidth (TB/s) of the GPU models the project measures on (SXM parts)
+SPEC_TBPS = {"H100": 3.35, "H200": 4.8}
+# issue 11's targets: (preset, weights, batch) -> tokens/s at 256 + 2048 tokens, LoRA rank 32, one H100
+TARGETS = {("qwen2.5-7b", "nvfp4", 8): 2600, ("qwen2.5-7b", "mxfp4", 8): 2600, ("qwen2.5-7b", "bf16", 8): 1650,
+           ("qwen2.5-7b", "nvfp4", 2): 700, ("qwen2.5-14b", "nvfp4", 8): 1300, ("qwen2.5-32b", "nvfp4", 8): 800}
+MODEL_NAMES = {"qwen2.5-3b": "Qwen2.5-3B-Instruct", "qwen2.5-7b": "Qwen2.5-7B-Instruct",
+               "qwen2.5-14b": "Qwen2.5-14B-Instruct", "qwen2.5-32b": "Qwen2.5-32B-Instruct"}
+
+
+def step_bytes(preset: str, weights: str, batch: int, kv_len: float, rank: int = 32) -> dict[str, float]:
+    """Bytes one decode step reads at least, by part (see the module docstring) and in all ("total")."""
+    key = preset.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; valid: {sorted(PRESETS)}")
+    if batch < 1 or kv_len < 0 or rank < 0:
+        raise ValueError(f"batch {batch}, kv_len {kv_len}, rank {rank}: expected batch >= 1, kv_len >= 0, rank >= 0")
+    c = PRESETS[key]
+    fmt = get_format(weights)  # raises on an unknown format, naming the valid ones
+    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # (out, in): q, k, v, o, gate, up, down
+    linears = L * sum(n * k * fmt.bits_per_weight(n, k) / 8 for n, k in shapes)
+    lora = L * sum(rank * (n + k) * 2 for n, k in shapes)
+    small = L * ((h + 2 * kv) + 2 * h) * 2 + h * 2  # q|k|v biases, two norms a layer, the final norm
+    lm_head = c["vocab_size"] * h * 2
+    cache = L * 2 * kv * 2 * batch * kv_len
+    parts = {"linears": linears, "lora": lora, "small": small, "lm_head": lm_head, "kv_cache": cache}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def ceiling_tokens_per_s(total_bytes: float, batch: int, tbps: float) -> float:
+    """Tokens/s a step of ``total_bytes`` allows at ``tbps`` (one token per sequence a step)."""
+    return batch * tbps * 1e12 / total_bytes
+
+
+def required_tbps(total_bytes: float, batch: int, tokens_per_s: float) -> float:
+    """The memory bandwidth (TB/s) a step of ``total_bytes`` needs to reach ``tokens_per_s``."""
+    return total_bytes * tokens_per_s / batch / 1e12
+
+
+def copy_bandwidths(root: Path = ROOT) -> dict[str, tuple[float, str]]:
+    """{GPU model ("H100", "H200"): (copy TB/s, run folder)} from the HBM pattern benchmarks under ``root/raw``; the
+    last run (by folder name) per model."""
+    out: dict[str, tuple[float, str]] = {}
+    pat = re.compile(r"NVIDIA (H100|H200)\b[^\n]*?copy bandwidth ([0-9.]+) TB/s")
+    for md in sorted((root / "raw").glob("*/hbm_pattern_*.md")):
+        m = pat.search(md.read_text())
+        if m:
+            out[m.group(1)] = (float(m.group(2)), md.parent.name)
+    return out
+
+
+def _gpu_model(device: str) -> str | None:
+    m = re.search(r"\b(H100|H200)\b", str(device))
+    return m.group(1) if m else None
+
+
+def best_measured(rollouts: pd.DataFrame, preset: str, weights: str, batch: int, gpu: str,
+                  prompt: int = 256, new: int = 2048, rank: int = 32) -> tuple[float, str] | None:
+    """(tokens/s, run) of the fastest finished rollout row of that model, format, batch, lengths and rank on that GPU
+    model (any decode mode, any build), or None."""
+    d = rollouts
+    sel = ((d["model"] == MODEL_NAMES.get(preset, preset)) & (d["weights"].str.lower() == weights)
+           & (d["batch_size"] == batch) & (d["prompt_len"] == prompt) & (d["new_tokens"] == new)
+           & (d["lora_rank"] == rank) & (d["status"] == "ok") & (d["device"].map(_gpu_model) == gpu))
+    d = d[sel]
+    if d.empty:
+        return None
+    r = d.loc[d["tokens_per_s"].idxmax()]
+    return float(r["tokens_per_s"]), str(r.get("run", ""))
+
+
+def floor_table(root: Path = ROOT, gpu: str = "H100", prompt: int = 256, new: int = 2048) -> str:
+    """Markdown: issue 11's rows with their bytes a step, the bandwidth their target asks, the ceilings at the
+    measured copy bandwidth and at the spec peak, and the best measured tokens/s on ``gpu``."""
+    if gpu not in SPEC_TBPS:
+        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+    copy = copy_bandwidths(root).get(gpu)
+    path = root / "rollout.csv"
+    rollouts = pd.read_csv(path) if path.exists() else None
+    kv_len = prompt + new / 2
+    spec = SPEC_TBPS[gpu]
+    head = (f"Per decode step at {prompt} + {new} tokens (mean KV length {kv_len:g}), LoRA rank 32; "
+            f"{gpu}: copy bandwidth " + (f"{copy[0]:.2f} TB/s (`raw/{copy[1]}`)" if copy else "not measured")
+            + f", spec peak {spec} TB/s. Targets: issue 11 (one H100).\n")
+    cols = ["model", "weights", "batch", "GB a step (linears / LoRA / lm_head / KV)", "target tok/s",
+            "target needs TB/s", "ceiling at copy BW", "ceiling at spec peak", f"best measured ({gpu})",
+            "measured / copy ceiling"]
+    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for (preset, weights, batch), target in TARGETS.items():
+        b = step_bytes(preset, weights, batch, kv_len)
+        need = required_tbps(b["total"], batch, target)
+        ceil_copy = ceiling_tokens_per_s(b["total"], batch, copy[0]) if copy else None
+        ceil_spec = ceiling_tokens_per_s(b["total"], batch, spec)
+        best = best_measured(rollouts, preset, weights, batch, gpu, prompt, new) if rollouts is not None else None
+        parts = " / ".join(f"{b[k] / 1e9:.2f}" for k in ("linears", "lora", "lm_head", "kv_cache"))
+        need_s = f"{need:.2f}" + (f" ({100 * need / copy[0]:.0f} % of copy)" if copy else "")
+        lines.append("| " + " | ".join([
+            MODEL_NAMES[preset], weights.upper(), str(batch), f"{b['total'] / 1e9:.2f} ({parts})", str(target),
+            need_s, f"{ceil_copy:.0f}" if ceil_copy else "—", f"{ceil_spec:.0f}",
+            f"{best[0]:.0f} ({best[1]})" if best else "—",
+            f"{best[0] / ceil_copy:.2f}" if best and ceil_copy else "—"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default=str(ROOT), help="results/speed (rollout.csv and raw/*/hbm_pattern_*.md)")
+    ap.add_argument("--gpu", default="H100", help=f"GPU model: {', '.join(sorted(SPEC_TBPS))}")
+    ap.add_argument("--out", default=None, help="folder for decode_floor.md")
+    a = ap.parse_args(argv)
+    md = floor_table(Path(a.root), a.gpu)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "decode_floor.md").write_text(md)
+    sys.stdout.write(md)
+
+
+if __name__ == "__main__":
+    main()

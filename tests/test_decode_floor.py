@@ -1,0 +1,82 @@
+"""The memory floor of a decode step (benchmarks.decode_floor): bytes by part, the ceiling and the required bandwidth,
+the copy bandwidths read from the HBM benchmark's reports, the best measured row per GPU model, bad input."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from benchmarks import decode_floor as df
+
+
+def test_step_bytes_by_part_at_the_7b_shapes():
+    h, i, kv, L = 3584, 18944, 512, 28
+    params = L * (2 * h * h + 2 * kv * h + 3 * i * h)
+    bf16 = df.step_bytes("qwen2.5-7b", "bf16", 8, 1280)
+    assert bf16["linears"] == 2 * params  # 16 bits a weight
+    nv = df.step_bytes("qwen2.5-7b", "nvfp4", 8, 1280)
+    # 4-bit codes, one 8-bit scale per 16 and one float32 per linear (seven a layer)
+    assert math.isclose(nv["linears"], params * 4.5 / 8 + L * 7 * 4, rel_tol=1e-12)
+    assert df.step_bytes("qwen2.5-7b", "mxfp4", 8, 1280)["linears"] == params * 4.25 / 8
+    assert bf16["lm_head"] == 152064 * h * 2
+    assert bf16["kv_cache"] == L * 2 * kv * 2 * 8 * 1280  # K and V, BF16, every sequence
+    # rank r adds r (in + out) BF16 values per projection; rank 0 none
+    r0, r32 = df.step_bytes("qwen2.5-7b", "nvfp4", 8, 1280, rank=0), nv
+    assert r0["lora"] == 0 and r32["lora"] == L * 32 * 2 * (2 * 2 * h + 2 * (h + kv) + 3 * (h + i))
+    assert nv["total"] == pytest.approx(sum(v for k, v in nv.items() if k != "total"))
+    # the KV cache grows with the batch and the length, nothing else does
+    b2 = df.step_bytes("qwen2.5-7b", "nvfp4", 2, 1280)
+    assert b2["kv_cache"] * 4 == nv["kv_cache"] and b2["linears"] == nv["linears"]
+
+
+def test_ceiling_and_required_bandwidth_are_inverse():
+    total = df.step_bytes("qwen2.5-32b", "nvfp4", 8, 1280)["total"]
+    ceil = df.ceiling_tokens_per_s(total, 8, 3.0)
+    assert df.required_tbps(total, 8, ceil) == pytest.approx(3.0)
+    assert df.ceiling_tokens_per_s(total, 16, 3.0) == pytest.approx(2 * ceil)
+
+
+def test_bad_input_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown model preset 'qwen9'"):
+        df.step_bytes("qwen9", "nvfp4", 8, 1280)
+    with pytest.raises(ValueError, match="fp3"):
+        df.step_bytes("qwen2.5-7b", "fp3", 8, 1280)
+    with pytest.raises(ValueError, match="batch 0"):
+        df.step_bytes("qwen2.5-7b", "nvfp4", 0, 1280)
+    with pytest.raises(ValueError, match="unknown GPU model 'A100'; valid: \\['H100', 'H200'\\]"):
+        df.floor_table(gpu="A100")
+
+
+def _rows(*rows):
+    cols = ["model", "weights", "batch_size", "prompt_len", "new_tokens", "lora_rank", "status", "device",
+            "tokens_per_s", "run"]
+    return pd.DataFrame([dict(zip(cols, r, strict=True)) for r in rows])
+
+
+def test_report_reads_copy_bandwidth_and_best_row_per_gpu_model(tmp_path):
+    for run, dev, bw in (("h100_a", "NVIDIA H100 80GB HBM3", 2.9), ("h100_b", "NVIDIA H100 80GB HBM3", 3.1),
+                         ("h200_a", "NVIDIA H200", 4.2)):
+        (tmp_path / "raw" / run).mkdir(parents=True)
+        (tmp_path / "raw" / run / "hbm_pattern_x.md").write_text(
+            f"## HBM\n\n{dev}, torch 2.11, copy bandwidth {bw} TB/s (read + write), 128 threads\n")
+    assert df.copy_bandwidths(tmp_path) == {"H100": (3.1, "h100_b"), "H200": (4.2, "h200_a")}
+    m7 = "Qwen2.5-7B-Instruct"
+    _rows((m7, "BF16", 8, 256, 2048, 32, "ok", "NVIDIA H100 80GB HBM3", 1200.0, "r1"),
+          (m7, "BF16", 8, 256, 2048, 32, "ok", "NVIDIA H100 80GB HBM3", 1300.0, "r2"),
+          (m7, "BF16", 8, 256, 2048, 32, "ok", "NVIDIA H200", 1500.0, "r3"),  # another GPU model
+          (m7, "BF16", 8, 256, 512, 32, "ok", "NVIDIA H100 80GB HBM3", 1400.0, "r4"),  # other lengths
+          (m7, "BF16", 8, 256, 2048, 32, "OOM", "NVIDIA H100 80GB HBM3", 1600.0, "r5"),
+          ).to_csv(tmp_path / "rollout.csv", index=False)
+    md = df.floor_table(tmp_path, "H100")
+    assert "copy bandwidth 3.10 TB/s (`raw/h100_b`)" in md
+    row = next(line for line in md.splitlines() if line.startswith(f"| {m7} | BF16 | 8 |"))
+    total = df.step_bytes("qwen2.5-7b", "bf16", 8, 1280)["total"]
+    ceil = df.ceiling_tokens_per_s(total, 8, 3.1)
+    assert f"| 1300 (r2) | {1300 / ceil:.2f} |" in row and f"| {ceil:.0f} |" in row
+    need = df.required_tbps(total, 8, 1650)
+    assert f"{need:.2f} ({100 * need / 3.1:.0f} % of copy)" in row
+    assert len([line for line in md.splitlines() if line.startswith("| Qwen")]) == len(df.TARGETS)
+    # no measurement on that model: dashes, not a number from another GPU
+    assert "| — | — |" in next(line for line in md.splitlines() if line.startswith(f"| {m7} | NVFP4 | 8 |"))
+    h200 = df.floor_table(tmp_path, "H200")
+    assert "| 1500 (r3) |" in h200
