@@ -45,7 +45,8 @@ def test_attn_bench_bad_arguments(argv, why):
 
 @pytest.mark.parametrize("argv, why", [(["--shapes", "7b-lm_head"], "unknown --shapes"), (["--loads", "3"], "--loads must"),
                                        (["--splits", "0"], "--splits must"), (["--splits", "a"], "must be integers"),
-                                       (["--threads", "48"], "--threads must")])
+                                       (["--threads", "48"], "--threads must"),
+                                       (["--patterns", "bf16"], "unknown --patterns 'bf16'; choose from fp4, ")])
 def test_hbm_pattern_bench_bad_arguments(argv, why):
     from benchmarks import hbm_pattern_bench
     with pytest.raises(SystemExit, match=why):

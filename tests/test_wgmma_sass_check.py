@@ -314,3 +314,24 @@ def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
             offs = {int(o, 16) % 0x80 for _, t in build[name] if wsc.opcode(t).startswith("LDG")
                     for o in re.findall(r"\+(0x[0-9a-f]+)\]", t)}
             assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_hbm_pattern_bf16_rows_read_as_the_bf16_gemv_does():
+    """benchmarks.hbm_pattern_bench's BF16 row kernels (its device code, built for sm_90a): the pair kernel's loads of
+    a row chunk sit at offsets {0, 0x10} within 128 bytes and the sector kernel's at {0, 0x40} -- the two BF16 GEMV
+    builds' pattern (test_bf16_sector_loads_build_changes_only_the_dense_gemv) -- four loads a chunk in flight per
+    unrolled chunk."""
+    from benchmarks import hbm_pattern_bench as hb
+
+    dev = hb._SRC[:hb._SRC.index("template <bool SECTOR>\nvoid launch_rows")]
+    src = dev + "template __global__ void read_rows<2, false>(const uint4*, long long, int, int, unsigned*);\n" \
+                "template __global__ void read_rows<2, true>(const uint4*, long long, int, int, unsigned*);\n"
+    funcs = wsc.functions(wsc.compile_sass(2, src)[0])
+    for sector, want in ((False, {0, 0x10}), (True, {0, 0x40})):
+        (name,) = [n for n in funcs if "read_rows" in n and (f"ILi2ELb{int(sector)}E" in n)]
+        ldg = [t for _, t in funcs[name] if wsc.opcode(t).startswith("LDG")]
+        offs = {int(o, 16) % 0x80 for t in ldg for o in re.findall(r"\+(0x[0-9a-f]+)\]", t)}
+        assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))
+        assert len(ldg) >= 2 * 4 + 4, name  # the unrolled pair of chunks (4 loads each) and the tail's four
