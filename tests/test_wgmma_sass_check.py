@@ -311,9 +311,14 @@ def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
         assert same == (name not in dense), name
     for name in (n for n in dense if "fp4_gemv_kernel" in n):
         for build, want in zip(builds, ({0, 0x10}, {0, 0x40}), strict=True):
-            offs = {int(o, 16) % 0x80 for _, t in build[name] if wsc.opcode(t).startswith("LDG")
-                    for o in re.findall(r"\+(0x[0-9a-f]+)\]", t)}
+            offs = _chunk_offsets(build[name])
             assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))
+
+
+def _chunk_offsets(body) -> set[int]:
+    """The immediate offsets of a function's global loads within a 128-byte (64 bf16) chunk."""
+    return {int(o, 16) % 0x80 for _, t in body if wsc.opcode(t).startswith("LDG")
+            for o in re.findall(r"\+(0x[0-9a-f]+)\]", t)}
 
 
 @pytest.mark.slow
@@ -331,7 +336,7 @@ def test_hbm_pattern_bf16_rows_read_as_the_bf16_gemv_does():
     funcs = wsc.functions(wsc.compile_sass(2, src)[0])
     for sector, want in ((False, {0, 0x10}), (True, {0, 0x40})):
         (name,) = [n for n in funcs if "read_rows" in n and (f"ILi2ELb{int(sector)}E" in n)]
-        ldg = [t for _, t in funcs[name] if wsc.opcode(t).startswith("LDG")]
-        offs = {int(o, 16) % 0x80 for t in ldg for o in re.findall(r"\+(0x[0-9a-f]+)\]", t)}
+        offs = _chunk_offsets(funcs[name])
         assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))
+        ldg = [t for _, t in funcs[name] if wsc.opcode(t).startswith("LDG")]
         assert len(ldg) >= 2 * 4 + 4, name  # the unrolled pair of chunks (4 loads each) and the tail's four
