@@ -34,8 +34,12 @@ from qerl.model import PRESETS
 from qerl.quant import get_format
 
 ROOT = Path(__file__).resolve().parents[1] / "results" / "speed"
-# spec-sheet HBM bandwidth (TB/s) of the GPU models the project measures on (SXM parts)
+# spec-sheet HBM bandwidth (TB/s) and dense BF16 tensor-core peak (TFLOPS) of the GPU models the project measures on
+# (SXM parts; the H200 is the H100's chip with more and faster memory)
 SPEC_TBPS = {"H100": 3.35, "H200": 4.8}
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
+# issue 10's rollout target: NVFP4 tokens/s >= 1.3 x BF16-LoRA's at these sequences (7B, 256 + 512, one H100)
+ROLLOUT_TARGETS = {64: 1.3, 128: 1.3}
 # issue 11's targets: (preset, weights, batch) -> tokens/s at 256 + 2048 tokens, LoRA rank 32, one H100
 TARGETS = {("qwen2.5-7b", "nvfp4", 8): 2600, ("qwen2.5-7b", "mxfp4", 8): 2600, ("qwen2.5-7b", "bf16", 8): 1650,
            ("qwen2.5-7b", "nvfp4", 2): 700, ("qwen2.5-14b", "nvfp4", 8): 1300, ("qwen2.5-32b", "nvfp4", 8): 800}
@@ -43,25 +47,54 @@ MODEL_NAMES = {"qwen2.5-3b": "Qwen2.5-3B-Instruct", "qwen2.5-7b": "Qwen2.5-7B-In
                "qwen2.5-14b": "Qwen2.5-14B-Instruct", "qwen2.5-32b": "Qwen2.5-32B-Instruct"}
 
 
-def step_bytes(preset: str, weights: str, batch: int, kv_len: float, rank: int = 32) -> dict[str, float]:
-    """Bytes one decode step reads at least, by part (see the module docstring) and in all ("total")."""
+def _shapes(preset: str, batch: int, kv_len: float, rank: int) -> tuple[dict, list[tuple[int, int]], int]:
+    """(preset config, (out, in) of q, k, v, o, gate, up, down, KV width) after checking the arguments."""
     key = preset.lower()
     if key not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; valid: {sorted(PRESETS)}")
     if batch < 1 or kv_len < 0 or rank < 0:
         raise ValueError(f"batch {batch}, kv_len {kv_len}, rank {rank}: expected batch >= 1, kv_len >= 0, rank >= 0")
     c = PRESETS[key]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+    return c, [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)], kv
+
+
+def step_bytes(preset: str, weights: str, batch: int, kv_len: float, rank: int = 32) -> dict[str, float]:
+    """Bytes one decode step reads at least, by part (see the module docstring) and in all ("total")."""
+    c, shapes, kv = _shapes(preset, batch, kv_len, rank)
     fmt = get_format(weights)  # raises on an unknown format, naming the valid ones
-    h, i, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    hd = h // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * hd
-    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # (out, in): q, k, v, o, gate, up, down
+    h, L = c["hidden_size"], c["num_hidden_layers"]
     linears = L * sum(n * k * fmt.bits_per_weight(n, k) / 8 for n, k in shapes)
     lora = L * sum(rank * (n + k) * 2 for n, k in shapes)
     small = L * ((h + 2 * kv) + 2 * h) * 2 + h * 2  # q|k|v biases, two norms a layer, the final norm
     lm_head = c["vocab_size"] * h * 2
     cache = L * 2 * kv * 2 * batch * kv_len
     parts = {"linears": linears, "lora": lora, "small": small, "lm_head": lm_head, "kv_cache": cache}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def step_flops(preset: str, batch: int, kv_len: float, rank: int = 32) -> dict[str, float]:
+    """Multiply-adds x 2 of one decode step by the parts of :func:`step_bytes` (an FP4 weight is multiplied in BF16
+    after its decode: the same count): the linears, the LoRA terms, the lm_head, and attention over the KV cache
+    (q·kᵀ and p·v, every head)."""
+    c, shapes, _ = _shapes(preset, batch, kv_len, rank)
+    h, L = c["hidden_size"], c["num_hidden_layers"]
+    parts = {"linears": 2.0 * L * sum(n * k for n, k in shapes) * batch,
+             "lora": 2.0 * L * sum(rank * (n + k) for n, k in shapes) * batch,
+             "lm_head": 2.0 * c["vocab_size"] * h * batch,
+             "kv_cache": 2.0 * 2 * L * h * kv_len * batch}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def step_floor_s(preset: str, weights: str, batch: int, kv_len: float, tbps: float, tflops: float,
+                 rank: int = 32) -> dict[str, float]:
+    """Seconds one decode step takes at least, by part: each part's bytes at ``tbps`` or its FLOPs at ``tflops``,
+    whichever is longer (a roofline per part; the parts run one after another), and their sum ("total")."""
+    b, f = step_bytes(preset, weights, batch, kv_len, rank), step_flops(preset, batch, kv_len, rank)
+    parts = {k: max(b[k] / (tbps * 1e12), f.get(k, 0.0) / (tflops * 1e12)) for k in b if k != "total"}
     parts["total"] = sum(parts.values())
     return parts
 
@@ -141,13 +174,74 @@ def floor_table(root: Path = ROOT, gpu: str = "H100", prompt: int = 256, new: in
     return "\n".join(lines) + "\n"
 
 
+def _same_run_pair(rollouts: pd.DataFrame, batch: int, gpu: str, prompt: int, new: int):
+    """(NVFP4 row, BF16 row) of 7B rank-32 `fused` rollouts at ``batch`` from the last run (by row order) on ``gpu``
+    that has both, or None."""
+    d = rollouts[(rollouts["model"] == MODEL_NAMES["qwen2.5-7b"]) & (rollouts["batch_size"] == batch)
+                 & (rollouts["prompt_len"] == prompt) & (rollouts["new_tokens"] == new) & (rollouts["lora_rank"] == 32)
+                 & (rollouts["status"] == "ok") & (rollouts["device"].map(_gpu_model) == gpu)]
+    if "decode" in d:
+        d = d[d["decode"].fillna("fused") == "fused"]
+    for run in reversed(list(dict.fromkeys(d["run"]))):
+        r = d[d["run"] == run]
+        nv, bf = r[r["weights"] == "NVFP4"], r[r["weights"] == "BF16"]
+        if len(nv) and len(bf):
+            return nv.iloc[-1], bf.iloc[-1]
+    return None
+
+
+def roofline_table(root: Path = ROOT, gpu: str = "H100", batches=(64, 128, 256), prompt: int = 256,
+                   new: int = 512) -> str:
+    """Markdown: issue 10's rollout rows (7B, NVFP4 vs BF16-LoRA, rank 32) against the per-part roofline of a decode
+    step (:func:`step_floor_s` at the measured copy bandwidth and the dense BF16 peak): each format's floor and what
+    bounds its linears, the ratio the floors allow, and the last same-run measurement (its decode rate against the
+    ceiling, its tokens/s ratio against the target)."""
+    if gpu not in SPEC_TBPS:
+        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+    copy = copy_bandwidths(root).get(gpu)
+    if copy is None:
+        return f"_no copy bandwidth measured on an {gpu} (`benchmarks.hbm_pattern_bench`)_\n"
+    path = root / "rollout.csv"
+    rollouts = pd.read_csv(path) if path.exists() else None
+    kv_len, peak = prompt + new / 2, PEAK_TFLOPS[gpu]
+    head = (f"7B, LoRA rank 32, {prompt} + {new} tokens (mean KV length {kv_len:g}); {gpu}: copy bandwidth "
+            f"{copy[0]:.2f} TB/s (`raw/{copy[1]}`), dense BF16 peak {peak} TFLOPS. Floor = per part (linears, LoRA, "
+            "lm_head, attention over the KV cache) the longer of its bytes and its FLOPs, summed; ceiling = sequences / "
+            "floor. Measured: the last run with both formats (decode rate = tokens / decode time; the ratio on "
+            "tokens/s, as issue 10 sets it).\n")
+    cols = ["sequences", "NVFP4 floor ms (linears bound by)", "BF16 floor ms (linears bound by)",
+            "ratio the floors allow", "issue-10 target (H100)", f"measured ratio ({gpu})", "NVFP4 decode / ceiling",
+            "BF16 decode / ceiling", "run"]
+    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for batch in batches:
+        cells = [str(batch)]
+        floors = {}
+        for w in ("nvfp4", "bf16"):
+            f = step_floor_s("qwen2.5-7b", w, batch, kv_len, copy[0], peak)
+            lb = step_bytes("qwen2.5-7b", w, batch, kv_len)["linears"] / (copy[0] * 1e12)
+            floors[w] = f["total"]
+            cells.append(f"{1e3 * f['total']:.2f} ({'bytes' if lb >= f['linears'] else 'FLOPs'})")
+        cells.append(f"{floors['bf16'] / floors['nvfp4']:.2f}×")
+        cells.append(f"≥ {ROLLOUT_TARGETS[batch]}×" if batch in ROLLOUT_TARGETS else "—")
+        pair = _same_run_pair(rollouts, batch, gpu, prompt, new) if rollouts is not None else None
+        if pair is None:
+            cells += ["—", "—", "—", "—"]
+        else:
+            nv, bf = pair
+            cells += [f"{nv['tokens_per_s'] / bf['tokens_per_s']:.2f}×",
+                      f"{nv['decode_tokens_per_s'] * floors['nvfp4'] / batch:.2f}",
+                      f"{bf['decode_tokens_per_s'] * floors['bf16'] / batch:.2f}", str(nv["run"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default=str(ROOT), help="results/speed (rollout.csv and raw/*/hbm_pattern_*.md)")
     ap.add_argument("--gpu", default="H100", help=f"GPU model: {', '.join(sorted(SPEC_TBPS))}")
     ap.add_argument("--out", default=None, help="folder for decode_floor.md")
     a = ap.parse_args(argv)
-    md = floor_table(Path(a.root), a.gpu)
+    md = floor_table(Path(a.root), a.gpu) + "\n" + roofline_table(Path(a.root), a.gpu)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "decode_floor.md").write_text(md)

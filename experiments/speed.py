@@ -525,6 +525,12 @@ def _floor(root: Path, gpu: str) -> str:
     return decode_floor.floor_table(root, gpu)
 
 
+def _roofline(root: Path, gpu: str) -> str:
+    from benchmarks import decode_floor  # a table of the benchmark's own, rendered here
+
+    return decode_floor.roofline_table(root, gpu)
+
+
 def render(root: Path) -> str:
     env = ""
     for p in sorted((root / "raw").glob("*/env.json")):
@@ -647,6 +653,12 @@ CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run;
 bytes written per second:
 {dequant_table(root)}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
+How far each format is from what the GPU allows (`python -m benchmarks.decode_floor`, session 43): at 128 sequences
+NVFP4's linears are bound by the tensor cores, not by bytes, so the ratio the floors allow shrinks with the batch,
+to about 1.0 at 256 on the H200.
+
+{_roofline(root, "H100")}
+{_roofline(root, "H200")}
 Now (session 42, a1f5756, **on an H200** — the only kind lent since session 39, so these rows do not compare with the
 H100 rows: BF16's decode gains more from the H200's 4.8 TB/s than NVFP4's does; since session 39 NVFP4 gained session
 40's descriptor halves, session 41's TMA staging and this session's re-swept H200 table; `raw/h200_s42_cmp/`, the same

@@ -80,3 +80,46 @@ def test_report_reads_copy_bandwidth_and_best_row_per_gpu_model(tmp_path):
     assert "| — | — |" in next(line for line in md.splitlines() if line.startswith(f"| {m7} | NVFP4 | 8 |"))
     h200 = df.floor_table(tmp_path, "H200")
     assert "| 1500 (r3) |" in h200
+
+
+def test_step_flops_and_the_roofline_per_part():
+    h, i, kv, L, heads_dim = 3584, 18944, 512, 28, 3584
+    params = L * (2 * h * h + 2 * kv * h + 3 * i * h)
+    f = df.step_flops("qwen2.5-7b", 128, 512)
+    assert f["linears"] == 2 * params * 128 and f["lm_head"] == 2 * 152064 * h * 128
+    assert f["kv_cache"] == 2 * 2 * L * heads_dim * 512 * 128  # q·kᵀ and p·v over every head
+    # 7B at 128 sequences on an H200-like machine: the NVFP4 linears bound by FLOPs, the BF16 ones by bytes
+    nv = df.step_floor_s("qwen2.5-7b", "nvfp4", 128, 512, 4.27, 989.4)
+    bf = df.step_floor_s("qwen2.5-7b", "bf16", 128, 512, 4.27, 989.4)
+    assert nv["linears"] == pytest.approx(f["linears"] / 989.4e12)
+    assert bf["linears"] == pytest.approx(2 * params / 4.27e12)
+    assert nv["kv_cache"] == bf["kv_cache"] == pytest.approx(df.step_bytes("qwen2.5-7b", "bf16", 128, 512)["kv_cache"]
+                                                            / 4.27e12)  # attention reads more than it computes
+    assert nv["total"] == pytest.approx(sum(v for k, v in nv.items() if k != "total"))
+    # with infinite compute the floor is the bytes' alone
+    assert df.step_floor_s("qwen2.5-7b", "nvfp4", 128, 512, 4.27, 1e9)["total"] == pytest.approx(
+        df.step_bytes("qwen2.5-7b", "nvfp4", 128, 512)["total"] / 4.27e12)
+
+
+def test_roofline_table_pairs_formats_of_one_run_and_gpu(tmp_path):
+    (tmp_path / "raw" / "h").mkdir(parents=True)
+    (tmp_path / "raw" / "h" / "hbm_pattern_x.md").write_text("NVIDIA H100 80GB HBM3, copy bandwidth 3.0 TB/s\n")
+    m7, h100 = "Qwen2.5-7B-Instruct", "NVIDIA H100 80GB HBM3"
+    cols = ["run", "model", "weights", "batch_size", "prompt_len", "new_tokens", "lora_rank", "status", "device",
+            "decode", "tokens_per_s", "decode_tokens_per_s"]
+    rows = [("old", m7, "NVFP4", 128, 256, 512, 32, "ok", h100, "fused", 9000.0, 10000.0),
+            ("old", m7, "BF16", 128, 256, 512, 32, "ok", h100, "fused", 9000.0, 10000.0),
+            ("new", m7, "NVFP4", 128, 256, 512, 32, "ok", h100, "fused", 13000.0, 16000.0),
+            ("new", m7, "NVFP4", 128, 256, 512, 32, "ok", h100, "fused-s37", 99999.0, 99999.0),  # another mode
+            ("new", m7, "BF16", 128, 256, 512, 32, "ok", h100, "fused", 10000.0, 14000.0),
+            ("h200", m7, "NVFP4", 128, 256, 512, 32, "ok", "NVIDIA H200", "fused", 1.0, 1.0),
+            ("solo", m7, "NVFP4", 64, 256, 512, 32, "ok", h100, "fused", 5000.0, 6000.0)]  # no BF16 row: no pair
+    pd.DataFrame([dict(zip(cols, r, strict=True)) for r in rows]).to_csv(tmp_path / "rollout.csv", index=False)
+    md = df.roofline_table(tmp_path, "H100")
+    nv = df.step_floor_s("qwen2.5-7b", "nvfp4", 128, 512, 3.0, df.PEAK_TFLOPS["H100"])["total"]
+    bf = df.step_floor_s("qwen2.5-7b", "bf16", 128, 512, 3.0, df.PEAK_TFLOPS["H100"])["total"]
+    row = next(line for line in md.splitlines() if line.startswith("| 128 |"))
+    assert row.split(" | ")[1:] == [f"{1e3 * nv:.2f} (FLOPs)", f"{1e3 * bf:.2f} (bytes)", f"{bf / nv:.2f}×",
+                                    "≥ 1.3×", "1.30×", f"{16000 * nv / 128:.2f}", f"{14000 * bf / 128:.2f}", "new |"]
+    assert next(line for line in md.splitlines() if line.startswith("| 64 |")).endswith("| — | — | — | — |")
+    assert "_no copy bandwidth measured on an H200" in df.roofline_table(tmp_path, "H200")
