@@ -341,15 +341,21 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), pdl-tail that and
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
-    -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags."""
+    -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags. QERL_BF16_LOADS
+    =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
-    monkeypatch.delenv("QERL_WGMMA_PIPE", raising=False)
-    monkeypatch.delenv("QERL_WGMMA_LORA", raising=False)
-    monkeypatch.delenv("QERL_WGMMA_TMA", raising=False)
+    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS"):
+        monkeypatch.delenv(k, raising=False)
     assert cf.wgmma_pipe() == 2
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1",
-                                 "-DQFP4_WGMMA_TMA=1"]
+                                 "-DQFP4_WGMMA_TMA=1", "-DQFP4_DENSE_SECTOR=1"]
+    monkeypatch.setenv("QERL_BF16_LOADS", "pair")
+    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
+    monkeypatch.setenv("QERL_BF16_LOADS", "quad")
+    with pytest.raises(ValueError, match="QERL_BF16_LOADS='quad'; valid: pair, sector"):
+        cf._build_flags()
+    monkeypatch.setenv("QERL_BF16_LOADS", "pair")  # the wgmma flags below without the BF16 one
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
     for v, extra in (("all", ["-DQFP4_WGMMA_TMA_MIN=32"]), ("bar", ["-DQFP4_WGMMA_TMA_BAR=1"]),
