@@ -40,6 +40,8 @@ SPEC_TBPS = {"H100": 3.35, "H200": 4.8}
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
 # issue 10's rollout target: NVFP4 tokens/s >= 1.3 x BF16-LoRA's at these sequences (7B, 256 + 512, one H100)
 ROLLOUT_TARGETS = {64: 1.3, 128: 1.3}
+# issue 10's layer targets: the 7B decoder linears' forward, NVFP4 / MXFP4 over BF16 cuBLAS, at these M (one H100)
+LAYER_TARGETS = {32: 2.3, 64: 1.6, 128: 1.15, 256: 0.95, 512: 0.95}
 # issue 11's targets: (preset, weights, batch) -> tokens/s at 256 + 2048 tokens, LoRA rank 32, one H100
 TARGETS = {("qwen2.5-7b", "nvfp4", 8): 2600, ("qwen2.5-7b", "mxfp4", 8): 2600, ("qwen2.5-7b", "bf16", 8): 1650,
            ("qwen2.5-7b", "nvfp4", 2): 700, ("qwen2.5-14b", "nvfp4", 8): 1300, ("qwen2.5-32b", "nvfp4", 8): 800}
@@ -235,13 +237,70 @@ def roofline_table(root: Path = ROOT, gpu: str = "H100", batches=(64, 128, 256),
     return "\n".join(lines) + "\n"
 
 
+def layer_floor_s(preset: str, weights: str, m: int, tbps: float, tflops: float) -> float:
+    """Seconds one layer's seven decoder linears take at least for M tokens, each linear at the longer of its weight
+    bytes at ``tbps`` and its FLOPs at ``tflops`` (activations left out)."""
+    c, shapes, _ = _shapes(preset, m, 0, 0)
+    fmt = get_format(weights)
+    return sum(max(n * k * fmt.bits_per_weight(n, k) / 8 / (tbps * 1e12), 2.0 * n * k * m / (tflops * 1e12))
+               for n, k in shapes)
+
+
+def _layer_csv(root: Path, gpu: str) -> tuple[pd.DataFrame, str] | None:
+    """The last per-layer GEMM table (``benchmarks.cuda_gemm_bench``) of that GPU model: results/speed's own, else the
+    last raw run's (by folder name)."""
+    tag = gpu.lower()
+    top = root / f"cuda_gemm_{tag}.csv"
+    if top.exists():
+        return pd.read_csv(top), top.name
+    raws = sorted((root / "raw").glob(f"*/cuda_gemm_{tag}.csv"))
+    return (pd.read_csv(raws[-1]), f"raw/{raws[-1].parent.name}") if raws else None
+
+
+def layer_roofline_table(root: Path = ROOT, gpu: str = "H100", weights: str = "nvfp4") -> str:
+    """Markdown: issue 10's layer targets (7B decoder linears, forward, against BF16 cuBLAS) beside each format's floor
+    (:func:`layer_floor_s` at the measured copy bandwidth and the dense BF16 peak) and the last measured table."""
+    if gpu not in SPEC_TBPS:
+        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+    copy, table = copy_bandwidths(root).get(gpu), _layer_csv(root, gpu)
+    if copy is None or table is None:
+        return f"_no copy bandwidth or layer table measured on an {gpu}_\n"
+    d, src = table
+    d = d[d["model"] == "7b"]
+    peak = PEAK_TFLOPS[gpu]
+    head = (f"7B decoder linears (seven a layer), forward, {weights.upper()} (the dispatcher: `qmm`) against BF16 cuBLAS; "
+            f"{gpu}: copy bandwidth {copy[0]:.2f} TB/s (`raw/{copy[1]}`), dense BF16 peak {peak} TFLOPS; measured: "
+            f"`{src}`. Floor = per linear the longer of its weight bytes and its FLOPs, summed.\n")
+    cols = ["M", f"{weights.upper()} floor µs (bound by)", "BF16 floor µs (bound by)", "ratio the floors allow",
+            "issue-10 target (H100)", "measured ratio", f"{weights.upper()} floor / measured", "BF16 floor / measured"]
+    lines = [head, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for m in sorted(d["M"].unique()):
+        bf = d[(d["M"] == m) & (d["fmt"] == "bf16") & (d["path"] == "bf16")]
+        fp = d[(d["M"] == m) & (d["fmt"] == weights) & (d["path"] == "qmm")]
+        if bf.empty or fp.empty:
+            continue
+        cells, floors = [str(m)], {}
+        for w in (weights, "bf16"):
+            f = layer_floor_s("qwen2.5-7b", w, int(m), copy[0], peak)
+            fb = layer_floor_s("qwen2.5-7b", w, int(m), copy[0], 1e12)  # the bytes' alone
+            floors[w] = f
+            cells.append(f"{1e6 * f:.1f} ({'bytes' if fb >= f * (1 - 1e-9) else 'FLOPs'})")
+        b_us, f_us = float(bf["us"].iloc[-1]), float(fp["us"].iloc[-1])
+        cells += [f"{floors['bf16'] / floors[weights]:.2f}×",
+                  f"≥ {LAYER_TARGETS[m]}×" if m in LAYER_TARGETS else "", f"{b_us / f_us:.2f}×",
+                  f"{1e6 * floors[weights] / f_us:.2f}", f"{1e6 * floors['bf16'] / b_us:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default=str(ROOT), help="results/speed (rollout.csv and raw/*/hbm_pattern_*.md)")
     ap.add_argument("--gpu", default="H100", help=f"GPU model: {', '.join(sorted(SPEC_TBPS))}")
     ap.add_argument("--out", default=None, help="folder for decode_floor.md")
     a = ap.parse_args(argv)
-    md = floor_table(Path(a.root), a.gpu) + "\n" + roofline_table(Path(a.root), a.gpu)
+    md = "\n".join([floor_table(Path(a.root), a.gpu), roofline_table(Path(a.root), a.gpu),
+                    layer_roofline_table(Path(a.root), a.gpu)])
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "decode_floor.md").write_text(md)

@@ -519,16 +519,12 @@ def _devices(root: Path) -> str:
     return text + ("; a ratio never pairs rows of two GPU models" if len(ranked) > 1 else "")
 
 
-def _floor(root: Path, gpu: str) -> str:
-    from benchmarks import decode_floor  # a table of the benchmark's own, rendered here
+def _floor(root: Path, gpu: str, table: str = "floor_table") -> str:
+    """One of ``benchmarks.decode_floor``'s tables (``floor_table``, ``roofline_table``, ``layer_roofline_table``)
+    for a GPU model, rendered here."""
+    from benchmarks import decode_floor
 
-    return decode_floor.floor_table(root, gpu)
-
-
-def _roofline(root: Path, gpu: str) -> str:
-    from benchmarks import decode_floor  # a table of the benchmark's own, rendered here
-
-    return decode_floor.roofline_table(root, gpu)
+    return getattr(decode_floor, table)(root, gpu)
 
 
 def render(root: Path) -> str:
@@ -647,6 +643,12 @@ Issue 10. The same re-laid-out weights as the GEMV: the mma.sync kernel (tokens 
 sm_90, the wgmma kernel (weights as the register operand, permuted tokens read by the tensor cores); the tuned table
 takes the faster per shape and M; `prev` is the path before both.
 {gemm}
+### The layer against its roofline (`python -m benchmarks.decode_floor`, session 43)
+Above M ≈ 96 the FP4 linears are bound by the tensor cores, so the ratio the floors allow falls to 1.0 by M = 256
+(H200) / 384 (H100); the FP4 GEMM runs at 0.2-0.5 of its floor, cuBLAS at 0.6-0.75 of BF16's.
+
+{_floor(root, "H100", "layer_roofline_table")}
+{_floor(root, "H200", "layer_roofline_table")}
 ### The dense weight for large M (prefill, the update) from the kernel layout (`python -m benchmarks.dequant_bench`)
 What dequantize + cuBLAS pays per call at M > the tuned crossover: the Triton kernel (per element gathers) against the
 CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run; TB/s = packed bytes read + BF16
@@ -657,8 +659,8 @@ How far each format is from what the GPU allows (`python -m benchmarks.decode_fl
 NVFP4's linears are bound by the tensor cores, not by bytes, so the ratio the floors allow shrinks with the batch,
 to about 1.0 at 256 on the H200.
 
-{_roofline(root, "H100")}
-{_roofline(root, "H200")}
+{_floor(root, "H100", "roofline_table")}
+{_floor(root, "H200", "roofline_table")}
 Now (session 42, a1f5756, **on an H200** — the only kind lent since session 39, so these rows do not compare with the
 H100 rows: BF16's decode gains more from the H200's 4.8 TB/s than NVFP4's does; since session 39 NVFP4 gained session
 40's descriptor halves, session 41's TMA staging and this session's re-swept H200 table; `raw/h200_s42_cmp/`, the same

@@ -123,3 +123,27 @@ def test_roofline_table_pairs_formats_of_one_run_and_gpu(tmp_path):
                                     "≥ 1.3×", "1.30×", f"{16000 * nv / 128:.2f}", f"{14000 * bf / 128:.2f}", "new |"]
     assert next(line for line in md.splitlines() if line.startswith("| 64 |")).endswith("| — | — | — | — |")
     assert "_no copy bandwidth measured on an H200" in df.roofline_table(tmp_path, "H200")
+
+
+def test_layer_roofline_against_the_measured_layer_table(tmp_path):
+    (tmp_path / "raw" / "h").mkdir(parents=True)
+    (tmp_path / "raw" / "h" / "hbm_pattern_x.md").write_text("NVIDIA H100 80GB HBM3, copy bandwidth 3.0 TB/s\n")
+    h, i, kv = 3584, 18944, 512
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
+    # M = 32: every NVFP4 linear bound by its bytes; M = 512: every one by its FLOPs, and BF16's too
+    assert df.layer_floor_s("qwen2.5-7b", "nvfp4", 32, 3.0, 989.4) == pytest.approx(
+        sum(n * k * 4.5 / 8 + 4 for n, k in shapes) / 3.0e12)
+    flops = sum(2.0 * n * k * 512 for n, k in shapes) / 989.4e12
+    assert df.layer_floor_s("qwen2.5-7b", "bf16", 512, 3.0, 989.4) == pytest.approx(flops)
+    cols = ["model", "fmt", "path", "M", "us"]
+    pd.DataFrame([dict(zip(cols, r, strict=True)) for r in [
+        ("7b", "bf16", "bf16", 128, 200.0), ("7b", "nvfp4", "qmm", 128, 160.0), ("7b", "nvfp4", "prev", 128, 1.0),
+        ("7b", "bf16", "bf16", 48, 200.0)]]).to_csv(tmp_path / "cuda_gemm_h100.csv", index=False)  # 48: no FP4 row
+    md = df.layer_roofline_table(tmp_path, "H100")
+    nv = df.layer_floor_s("qwen2.5-7b", "nvfp4", 128, 3.0, df.PEAK_TFLOPS["H100"])
+    bf = df.layer_floor_s("qwen2.5-7b", "bf16", 128, 3.0, df.PEAK_TFLOPS["H100"])
+    (row,) = [line for line in md.splitlines() if line.startswith("| 1")]
+    assert row.split(" | ")[1:] == [f"{1e6 * nv:.1f} (FLOPs)", f"{1e6 * bf:.1f} (bytes)", f"{bf / nv:.2f}×", "≥ 1.15×",
+                                    "1.25×", f"{1e6 * nv / 160:.2f}", f"{1e6 * bf / 200:.2f} |"]
+    assert "measured: `cuda_gemm_h100.csv`" in md
+    assert df.layer_roofline_table(tmp_path, "H200").startswith("_no copy bandwidth or layer table")
