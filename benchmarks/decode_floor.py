@@ -18,7 +18,14 @@ with the device-to-device copy bandwidth measured on that GPU model (``benchmark
 over the copy time, found in ``results/speed/raw/*/hbm_pattern_*.md``) and with the spec sheet's peak.
 
 Our tokens/s (``qerl.bench rollout``) is generated tokens over the whole rollout, prefill included, so the ceiling
-holds for it a fortiori. Writes ``decode_floor.md`` under ``--out`` when given; prints the table.
+holds for it a fortiori.
+
+At GRPO batch sizes (issue 10) the tensor cores bind too, so two more tables take, per part, the longer of its bytes
+at the copy bandwidth and its FLOPs at the dense BF16 peak (a roofline per part, summed): ``roofline_table``, the 7B
+decode step at 64-256 sequences for NVFP4 and BF16-LoRA (the ratio the floors allow beside the last same-run
+measurement), and ``layer_roofline_table``, the 7B decoder linears at M = 17-512 beside the last per-layer GEMM table
+(``benchmarks.cuda_gemm_bench``) of that GPU model. Writes ``decode_floor.md`` under ``--out`` when given; prints the
+three tables.
 """
 
 from __future__ import annotations
