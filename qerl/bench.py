@@ -229,10 +229,7 @@ def decode_mode(sampler, dec: str):
     every grid variant: ``QERL_WGMMA_TMA=tok|all-tok``, builds of their own), "fused-bf16-sector" (the BF16 GEMV's
     load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default spelled out),
     "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's loads, a build of
-    its own) — all but
-    "fused" for same-run
-    comparisons —, "fused-pdl" /
-    "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
+    its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"

@@ -537,7 +537,7 @@ lora42)  # issue 10 / 11: the decode step with no adapters (rank 0) beside rank 
     timeout 400 $B profile --models 7b --formats nvfp4,bf16 --batch 128 --ranks 0,32 --decode fused --out "$OUT/prof" \
       2>&1 | grep -v Warn >> "$LOG"
   fi ;;
-bf16sec)  # issue 11: the BF16 GEMV's sector-wide loads against the default (see the header)
+bf16sec)  # issue 11: the BF16 GEMV's sector-wide loads (the default) against session 34's pair loads (see the header)
   builds_at_once QERL_BF16_LOADS=pair QERL_BF16_LOADS=sector
   if [ -z "${SKIP_TESTS:-}" ]; then
     (export QERL_BF16_LOADS=sector; gpu_tests bf16 170 tests/test_cuda_fp4.py tests/test_fused_decode.py -k bf16)
