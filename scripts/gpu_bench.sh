@@ -153,6 +153,11 @@
 #                                sector / sector / pair ($OUT/bench_{pair,sector}_{1,2}), then 7B BF16-LoRA rollouts at
 #                                batch 8 and 2 (256 + 512), fused-bf16-pair / fused / fused / fused-bf16-pair in one
 #                                process per batch ($OUT/roll_sec); ~5 min
+#   scripts/gpu_bench.sh next43  issue 11 after session 43, on any GPU: what the BF16 GEMV's access pattern alone reads
+#                                (benchmarks.hbm_pattern_bench, 7B gate|up / down / q|k|v, the FP4 layout and both BF16
+#                                load patterns; $OUT/hbm), then the BF16 GEMV under PDL at batch 8 (7B BF16-LoRA, 256 +
+#                                512: fused / fused-bf16-pdl / fused-bf16-pdl / fused in one process, $OUT/roll_pdl;
+#                                the decode step uses PDL for it only up to M = 4, an H100 rule); ~4 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -551,6 +556,13 @@ bf16sec)  # issue 11: the BF16 GEMV's sector-wide loads (the default) against se
     timeout 120 $B rollout --models 7b --formats bf16 --batch $b --prompt 256 --new 512 \
       --decode fused-bf16-pair,fused,fused,fused-bf16-pair --out "$OUT/roll_sec" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
+next43)  # issue 11 after session 43 (see the header)
+  mkdir -p "$OUT/hbm"
+  timeout 150 python3 -m benchmarks.hbm_pattern_bench --shapes 7b-gate_up,7b-down,7b-qkv \
+    --patterns fp4,bf16-pair,bf16-sector --loads 2,4 --splits 1,2 --out "$OUT/hbm" 2>&1 | grep -v Warn | tail -40 >> "$LOG"
+  build 2
+  timeout 150 $B rollout --models 7b --formats bf16 --batch 8 --prompt 256 --new 512 \
+    --decode fused,fused-bf16-pdl,fused-bf16-pdl,fused --out "$OUT/roll_pdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

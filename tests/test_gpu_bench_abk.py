@@ -71,3 +71,27 @@ def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
     assert p.returncode == 2
     assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_SPLIT_EPI" in p.stderr
     assert not [c for c in calls if "|-c " in c or "wgmma_profile" in c]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_next43_reads_both_bf16_patterns_then_ab_tests_pdl_at_batch_8(tmp_path):
+    """``next43``: the HBM pattern benchmark over the FP4 layout and both BF16 load patterns, then one BF16 rollout
+    process at batch 8 alternating the default and the GEMV under PDL (A B B A)."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text('#!/usr/bin/env bash\necho "$*" >> "$STUB_LOG"\n')
+    (stub / "python3").chmod((stub / "python3").stat().st_mode | stat.S_IEXEC)
+    log = tmp_path / "calls.txt"
+    e = {k: v for k, v in os.environ.items() if not k.startswith("QERL_")}
+    e.update(PATH=f"{stub}:{e['PATH']}", STUB_LOG=str(log), OUT=str(tmp_path / "out"))
+    (tmp_path / "work").mkdir()
+    p = subprocess.run(["bash", str(SCRIPT), "next43"], cwd=tmp_path / "work", env=e, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    calls = log.read_text().splitlines()
+    hbm = [c for c in calls if c.startswith("-m benchmarks.hbm_pattern_bench")]
+    roll = [c for c in calls if c.startswith("-m qerl.bench rollout")]
+    assert len(hbm) == 1 and "--patterns fp4,bf16-pair,bf16-sector" in hbm[0]
+    assert len(roll) == 1 and "--formats bf16 --batch 8" in roll[0]
+    assert "--decode fused,fused-bf16-pdl,fused-bf16-pdl,fused " in roll[0]
+    assert calls.index(hbm[0]) < calls.index(roll[0])
