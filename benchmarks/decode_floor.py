@@ -69,12 +69,17 @@ def _shapes(preset: str, batch: int, kv_len: float, rank: int) -> tuple[dict, li
     return c, [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)], kv
 
 
+def _weight_bytes(fmt, n: int, k: int) -> float:
+    """Bytes of an (n, k) weight in ``fmt``'s storage, scales included."""
+    return n * k * fmt.bits_per_weight(n, k) / 8
+
+
 def step_bytes(preset: str, weights: str, batch: int, kv_len: float, rank: int = 32) -> dict[str, float]:
     """Bytes one decode step reads at least, by part (see the module docstring) and in all ("total")."""
     c, shapes, kv = _shapes(preset, batch, kv_len, rank)
     fmt = get_format(weights)  # raises on an unknown format, naming the valid ones
     h, L = c["hidden_size"], c["num_hidden_layers"]
-    linears = L * sum(n * k * fmt.bits_per_weight(n, k) / 8 for n, k in shapes)
+    linears = L * sum(_weight_bytes(fmt, n, k) for n, k in shapes)
     lora = L * sum(rank * (n + k) * 2 for n, k in shapes)
     small = L * ((h + 2 * kv) + 2 * h) * 2 + h * 2  # q|k|v biases, two norms a layer, the final norm
     lm_head = c["vocab_size"] * h * 2
@@ -135,15 +140,36 @@ def _gpu_model(device: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _check_gpu(gpu: str) -> None:
+    if gpu not in SPEC_TBPS:
+        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+
+
+def _read_rollouts(root: Path) -> pd.DataFrame | None:
+    path = root / "rollout.csv"
+    return pd.read_csv(path) if path.exists() else None
+
+
+def _finished_rows(rollouts: pd.DataFrame, preset: str, batch: int, gpu: str, prompt: int, new: int,
+                   rank: int = 32) -> pd.DataFrame:
+    """The finished rollout rows of that model, batch, lengths and LoRA rank on that GPU model."""
+    d = rollouts
+    return d[(d["model"] == MODEL_NAMES.get(preset, preset)) & (d["batch_size"] == batch) & (d["prompt_len"] == prompt)
+             & (d["new_tokens"] == new) & (d["lora_rank"] == rank) & (d["status"] == "ok")
+             & (d["device"].map(_gpu_model) == gpu)]
+
+
+def _bound(bytes_only_s: float, floor_s: float) -> str:
+    """What bounds a floor: its bytes when the bytes alone (at infinite compute) take as long."""
+    return "bytes" if bytes_only_s >= floor_s * (1 - 1e-9) else "FLOPs"
+
+
 def best_measured(rollouts: pd.DataFrame, preset: str, weights: str, batch: int, gpu: str,
                   prompt: int = 256, new: int = 2048, rank: int = 32) -> tuple[float, str] | None:
     """(tokens/s, run) of the fastest finished rollout row of that model, format, batch, lengths and rank on that GPU
     model (any decode mode, any build), or None."""
-    d = rollouts
-    sel = ((d["model"] == MODEL_NAMES.get(preset, preset)) & (d["weights"].str.lower() == weights)
-           & (d["batch_size"] == batch) & (d["prompt_len"] == prompt) & (d["new_tokens"] == new)
-           & (d["lora_rank"] == rank) & (d["status"] == "ok") & (d["device"].map(_gpu_model) == gpu))
-    d = d[sel]
+    d = _finished_rows(rollouts, preset, batch, gpu, prompt, new, rank)
+    d = d[d["weights"].str.lower() == weights]
     if d.empty:
         return None
     r = d.loc[d["tokens_per_s"].idxmax()]
@@ -153,11 +179,9 @@ def best_measured(rollouts: pd.DataFrame, preset: str, weights: str, batch: int,
 def floor_table(root: Path = ROOT, gpu: str = "H100", prompt: int = 256, new: int = 2048) -> str:
     """Markdown: issue 11's rows with their bytes a step, the bandwidth their target asks, the ceilings at the
     measured copy bandwidth and at the spec peak, and the best measured tokens/s on ``gpu``."""
-    if gpu not in SPEC_TBPS:
-        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+    _check_gpu(gpu)
     copy = copy_bandwidths(root).get(gpu)
-    path = root / "rollout.csv"
-    rollouts = pd.read_csv(path) if path.exists() else None
+    rollouts = _read_rollouts(root)
     kv_len = prompt + new / 2
     spec = SPEC_TBPS[gpu]
     head = (f"Per decode step at {prompt} + {new} tokens (mean KV length {kv_len:g}), LoRA rank 32; "
@@ -186,9 +210,7 @@ def floor_table(root: Path = ROOT, gpu: str = "H100", prompt: int = 256, new: in
 def _same_run_pair(rollouts: pd.DataFrame, batch: int, gpu: str, prompt: int, new: int):
     """(NVFP4 row, BF16 row) of 7B rank-32 `fused` rollouts at ``batch`` from the last run (by row order) on ``gpu``
     that has both, or None."""
-    d = rollouts[(rollouts["model"] == MODEL_NAMES["qwen2.5-7b"]) & (rollouts["batch_size"] == batch)
-                 & (rollouts["prompt_len"] == prompt) & (rollouts["new_tokens"] == new) & (rollouts["lora_rank"] == 32)
-                 & (rollouts["status"] == "ok") & (rollouts["device"].map(_gpu_model) == gpu)]
+    d = _finished_rows(rollouts, "qwen2.5-7b", batch, gpu, prompt, new)
     if "decode" in d:
         d = d[d["decode"].fillna("fused") == "fused"]
     for run in reversed(list(dict.fromkeys(d["run"]))):
@@ -205,13 +227,11 @@ def roofline_table(root: Path = ROOT, gpu: str = "H100", batches=(64, 128, 256),
     step (:func:`step_floor_s` at the measured copy bandwidth and the dense BF16 peak): each format's floor and what
     bounds its linears, the ratio the floors allow, and the last same-run measurement (its decode rate against the
     ceiling, its tokens/s ratio against the target)."""
-    if gpu not in SPEC_TBPS:
-        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+    _check_gpu(gpu)
     copy = copy_bandwidths(root).get(gpu)
     if copy is None:
         return f"_no copy bandwidth measured on an {gpu} (`benchmarks.hbm_pattern_bench`)_\n"
-    path = root / "rollout.csv"
-    rollouts = pd.read_csv(path) if path.exists() else None
+    rollouts = _read_rollouts(root)
     kv_len, peak = prompt + new / 2, PEAK_TFLOPS[gpu]
     head = (f"7B, LoRA rank 32, {prompt} + {new} tokens (mean KV length {kv_len:g}); {gpu}: copy bandwidth "
             f"{copy[0]:.2f} TB/s (`raw/{copy[1]}`), dense BF16 peak {peak} TFLOPS. Floor = per part (linears, LoRA, "
@@ -227,9 +247,9 @@ def roofline_table(root: Path = ROOT, gpu: str = "H100", batches=(64, 128, 256),
         floors = {}
         for w in ("nvfp4", "bf16"):
             f = step_floor_s("qwen2.5-7b", w, batch, kv_len, copy[0], peak)
-            lb = step_bytes("qwen2.5-7b", w, batch, kv_len)["linears"] / (copy[0] * 1e12)
+            fb = step_floor_s("qwen2.5-7b", w, batch, kv_len, copy[0], float("inf"))  # the bytes' alone
             floors[w] = f["total"]
-            cells.append(f"{1e3 * f['total']:.2f} ({'bytes' if lb >= f['linears'] else 'FLOPs'})")
+            cells.append(f"{1e3 * f['total']:.2f} ({_bound(fb['linears'], f['linears'])})")
         cells.append(f"{floors['bf16'] / floors['nvfp4']:.2f}×")
         cells.append(f"≥ {ROLLOUT_TARGETS[batch]}×" if batch in ROLLOUT_TARGETS else "—")
         pair = _same_run_pair(rollouts, batch, gpu, prompt, new) if rollouts is not None else None
@@ -249,8 +269,7 @@ def layer_floor_s(preset: str, weights: str, m: int, tbps: float, tflops: float)
     bytes at ``tbps`` and its FLOPs at ``tflops`` (activations left out)."""
     c, shapes, _ = _shapes(preset, m, 0, 0)
     fmt = get_format(weights)
-    return sum(max(n * k * fmt.bits_per_weight(n, k) / 8 / (tbps * 1e12), 2.0 * n * k * m / (tflops * 1e12))
-               for n, k in shapes)
+    return sum(max(_weight_bytes(fmt, n, k) / (tbps * 1e12), 2.0 * n * k * m / (tflops * 1e12)) for n, k in shapes)
 
 
 def _layer_csv(root: Path, gpu: str) -> tuple[pd.DataFrame, str] | None:
@@ -267,8 +286,7 @@ def _layer_csv(root: Path, gpu: str) -> tuple[pd.DataFrame, str] | None:
 def layer_roofline_table(root: Path = ROOT, gpu: str = "H100", weights: str = "nvfp4") -> str:
     """Markdown: issue 10's layer targets (7B decoder linears, forward, against BF16 cuBLAS) beside each format's floor
     (:func:`layer_floor_s` at the measured copy bandwidth and the dense BF16 peak) and the last measured table."""
-    if gpu not in SPEC_TBPS:
-        raise ValueError(f"unknown GPU model {gpu!r}; valid: {sorted(SPEC_TBPS)}")
+    _check_gpu(gpu)
     copy, table = copy_bandwidths(root).get(gpu), _layer_csv(root, gpu)
     if copy is None or table is None:
         return f"_no copy bandwidth or layer table measured on an {gpu}_\n"
@@ -289,9 +307,9 @@ def layer_roofline_table(root: Path = ROOT, gpu: str = "H100", weights: str = "n
         cells, floors = [str(m)], {}
         for w in (weights, "bf16"):
             f = layer_floor_s("qwen2.5-7b", w, int(m), copy[0], peak)
-            fb = layer_floor_s("qwen2.5-7b", w, int(m), copy[0], 1e12)  # the bytes' alone
+            fb = layer_floor_s("qwen2.5-7b", w, int(m), copy[0], float("inf"))  # the bytes' alone
             floors[w] = f
-            cells.append(f"{1e6 * f:.1f} ({'bytes' if fb >= f * (1 - 1e-9) else 'FLOPs'})")
+            cells.append(f"{1e6 * f:.1f} ({_bound(fb, f)})")
         b_us, f_us = float(bf["us"].iloc[-1]), float(fp["us"].iloc[-1])
         cells += [f"{floors['bf16'] / floors[weights]:.2f}×",
                   f"≥ {LAYER_TARGETS[m]}×" if m in LAYER_TARGETS else "", f"{b_us / f_us:.2f}×",

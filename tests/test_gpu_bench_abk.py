@@ -32,10 +32,11 @@ esac
 """
 
 
-def _run(tmp_path, **env):
+def _run(tmp_path, mode="abk", stub_text=STUB, **env):
+    """``gpu_bench.sh MODE`` with ``stub_text`` as python3 on PATH: (the finished process, the stub's logged calls)."""
     stub = tmp_path / "bin"
     stub.mkdir(exist_ok=True)
-    (stub / "python3").write_text(STUB)
+    (stub / "python3").write_text(stub_text)
     (stub / "python3").chmod((stub / "python3").stat().st_mode | stat.S_IEXEC)
     log = tmp_path / "calls.txt"
     e = {k: v for k, v in os.environ.items() if not k.startswith("QERL_")}
@@ -43,7 +44,7 @@ def _run(tmp_path, **env):
              OUT=str(tmp_path / "out"), **env)
     work = tmp_path / "work"  # no .whl here: the script installs nothing
     work.mkdir(exist_ok=True)
-    p = subprocess.run(["bash", str(SCRIPT), "abk"], cwd=work, env=e, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(["bash", str(SCRIPT), mode], cwd=work, env=e, capture_output=True, text=True, timeout=120)
     calls = log.read_text().splitlines() if log.exists() else []
     return p, calls
 
@@ -77,18 +78,8 @@ def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
 def test_next43_reads_both_bf16_patterns_then_ab_tests_pdl_at_batch_8(tmp_path):
     """``next43``: the HBM pattern benchmark over the FP4 layout and both BF16 load patterns, then one BF16 rollout
     process at batch 8 alternating the default and the GEMV under PDL (A B B A)."""
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    (stub / "python3").write_text('#!/usr/bin/env bash\necho "$*" >> "$STUB_LOG"\n')
-    (stub / "python3").chmod((stub / "python3").stat().st_mode | stat.S_IEXEC)
-    log = tmp_path / "calls.txt"
-    e = {k: v for k, v in os.environ.items() if not k.startswith("QERL_")}
-    e.update(PATH=f"{stub}:{e['PATH']}", STUB_LOG=str(log), OUT=str(tmp_path / "out"))
-    (tmp_path / "work").mkdir()
-    p = subprocess.run(["bash", str(SCRIPT), "next43"], cwd=tmp_path / "work", env=e, capture_output=True, text=True,
-                       timeout=60)
+    p, calls = _run(tmp_path, "next43", '#!/usr/bin/env bash\necho "$*" >> "$STUB_LOG"\n')
     assert p.returncode == 0, p.stderr
-    calls = log.read_text().splitlines()
     hbm = [c for c in calls if c.startswith("-m benchmarks.hbm_pattern_bench")]
     roll = [c for c in calls if c.startswith("-m qerl.bench rollout")]
     assert len(hbm) == 1 and "--patterns fp4,bf16-pair,bf16-sector" in hbm[0]
