@@ -158,7 +158,8 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma",
-           "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-pdl",
+           "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-wgmma-occ2",
+           "fused-lora-a-l2", "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
@@ -183,6 +184,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-tma": {"QERL_WGMMA_TMA": "1"}, "fused-no-tma": {"QERL_WGMMA_TMA": "0"},
                "fused-tma-tok": {"QERL_WGMMA_TMA": "tok"}, "fused-tma-all-tok": {"QERL_WGMMA_TMA": "all-tok"},
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
+               "fused-wgmma-occ2": {"QERL_WGMMA_OCC": "2"}, "fused-lora-a-l2": {"QERL_LORA_A_L2": "1"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -229,7 +231,10 @@ def decode_mode(sampler, dec: str):
     every grid variant: ``QERL_WGMMA_TMA=tok|all-tok``, builds of their own), "fused-bf16-sector" (the BF16 GEMV's
     load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default spelled out),
     "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's loads, a build of
-    its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
+    its own), "fused-wgmma-occ2" (the 256-thread 128-token wgmma variants compiled for two CTAs an SM:
+    ``QERL_WGMMA_OCC=2``, a build of its own; the tuned table decides where they run), "fused-lora-a-l2" (the decode
+    GEMV's LoRA CTAs prefetch A into L2 before their PDL wait: ``QERL_LORA_A_L2=1``, a build of its own) — all but
+    "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"

@@ -158,6 +158,15 @@
 #                                load patterns; $OUT/hbm), then the BF16 GEMV under PDL at batch 8 (7B BF16-LoRA, 256 +
 #                                512: fused / fused-bf16-pdl / fused-bf16-pdl / fused in one process, $OUT/roll_pdl;
 #                                the decode step uses PDL for it only up to M = 4, an H100 rule); ~4 min
+#   scripts/gpu_bench.sh next44  session 44's two opt-ins, on any Hopper GPU: QERL_WGMMA_OCC=2 (the 256-thread 128-token
+#                                wgmma variants compiled for two CTAs an SM) and QERL_LORA_A_L2=1 (the decode GEMV's
+#                                LoRA CTAs prefetch A into L2 before their PDL wait): the three builds at once, their
+#                                bit-identity GPU tests ($OUT/tests_next44.txt; SKIP_TESTS=1 skips), the 7B products
+#                                at 128 and 256 tokens with a rank-32 LoRA term at the configs those variants offer
+#                                beside today's picks (benchmarks.wgmma_profile, OCC 1 / 2 / 2 / 1: $OUT/occ_{1,2}_{1,2},
+#                                the gains per config in $OUT/occ.md), then 7B NVFP4 rollouts at batch 8 and 2 and BF16
+#                                at batch 8 (256 + 512), fused / fused-lora-a-l2 / fused-lora-a-l2 / fused in one
+#                                process each ($OUT/roll_l2); ~6 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -563,6 +572,22 @@ next43)  # issue 11 after session 43 (see the header)
   build 2
   timeout 150 $B rollout --models 7b --formats bf16 --batch 8 --prompt 256 --new 512 \
     --decode fused,fused-bf16-pdl,fused-bf16-pdl,fused --out "$OUT/roll_pdl" 2>&1 | grep -v Warn >> "$LOG" ;;
+next44)  # session 44's opt-ins (see the header)
+  builds_at_once - QERL_WGMMA_OCC=2 QERL_LORA_A_L2=1
+  [ -n "${SKIP_TESTS:-}" ] || gpu_tests next44 240 tests/test_cuda_fp4.py \
+    -k "occ2_is_bit_identical or lora_a_l2_is_bit_identical"
+  for run in 1:1 2:1 2:2 1:2; do
+    IFS=: read -r v pass <<< "$run"
+    (export QERL_WGMMA_OCC=$v; timeout 90 python3 -m benchmarks.wgmma_profile --lora 32 --m 128,256 \
+      --configs "${OCC44_CONFIGS:-16,0,2,2 16,0,2,1 16,-1,2,1 16,0,1,2 16,-1,1,2 32,0,2,1}" \
+      --out "$OUT/occ_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
+  done
+  python3 -m benchmarks.ab_compare "$OUT" --prefix occ --base 1 --md "$OUT/occ.md" >> "$LOG" 2>&1
+  for fb in nvfp4:8 nvfp4:2 bf16:8; do
+    IFS=: read -r f b <<< "$fb"
+    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
+      --decode fused,fused-lora-a-l2,fused-lora-a-l2,fused --out "$OUT/roll_l2" 2>&1 | grep -v Warn >> "$LOG"
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

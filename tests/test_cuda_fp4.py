@@ -342,14 +342,25 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), pdl-tail that and
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
     -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags. QERL_BF16_LOADS
-    =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing."""
+    =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
+    QERL_WGMMA_OCC=2 and QERL_LORA_A_L2=1 (opt-ins) add -DQFP4_WGMMA_OCC=2 / -DQFP4_LORA_A_L2=1, their defaults
+    nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
-    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS"):
+    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
+              "QERL_WGMMA_OCC", "QERL_LORA_A_L2"):
         monkeypatch.delenv(k, raising=False)
     assert cf.wgmma_pipe() == 2
-    assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1",
-                                 "-DQFP4_WGMMA_TMA=1", "-DQFP4_DENSE_SECTOR=1"]
+    default = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_TMA=1",
+               "-DQFP4_DENSE_SECTOR=1"]
+    assert cf._build_flags() == default
+    for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_A_L2", "1", "-DQFP4_LORA_A_L2=1")):
+        monkeypatch.setenv(name, value)
+        assert cf._build_flags() == [*default, flag]
+        monkeypatch.setenv(name, "3")
+        with pytest.raises(ValueError, match=f"{name}='3'; valid: "):
+            cf._build_flags()
+        monkeypatch.delenv(name)
     monkeypatch.setenv("QERL_BF16_LOADS", "pair")
     assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
     monkeypatch.setenv("QERL_BF16_LOADS", "quad")
@@ -1330,8 +1341,8 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
         monkeypatch.delenv("QERL_CUDA_GEMM")
 
 
-def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfgs, seed: int) -> None:
-    """The build that ``switch=on`` selects gives the output of ``switch=0``'s bit for bit at every config of cfgs,
+def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfgs, seed: int, off: str = "0") -> None:
+    """The build that ``switch=on`` selects gives the output of ``switch=off``'s bit for bit at every config of cfgs,
     without LoRA and with the first two operands of ``case`` (``_gemm_lora_case``), at M = 17, 40, 100, 130 and 300
     (fresh tokens per M); with it on, (16, 0, 2, 2) matches the emulator with and without LoRA, and in a CUDA graph."""
     q, w, ops, k = case
@@ -1340,7 +1351,7 @@ def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfg
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         for op in (None, *ops[:2]):
             for cfg in cfgs:
-                monkeypatch.setenv(switch, "0")
+                monkeypatch.setenv(switch, off)
                 ref = cf.gemm(x, w, config=cfg, lora=op)
                 monkeypatch.setenv(switch, on)
                 got = cf.gemm(x, w, config=cfg, lora=op)
@@ -1384,6 +1395,51 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
     _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", tma, (q, w, ops, k), cfgs, seed=41)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_occ2_is_bit_identical(fmt, monkeypatch):
+    """QERL_WGMMA_OCC=2's build (the 256-thread variants of 128 tokens a CTA compiled for two CTAs an SM) gives the
+    default build's output bit for bit at those variants' configs (K split inside and across CTAs), with and without
+    LoRA, in a CUDA graph; and matches the emulator. The device then holds two of them an SM (``wgmma_ctas``)."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    q, w, ops, k = _gemm_lora_case(fmt)
+    cfgs = [c for c in cf.wgmma_configs(w.n // 16, k // 64) if c[0] == 16 and c[2] * c[3] == 2 and c[1] != cf.WGMMA_SK]
+    assert {(c[2], c[3]) for c in cfgs} == {(2, 1), (1, 2)} and any(c[1] < 0 for c in cfgs), cfgs
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_OCC", "2", (q, w, ops, k), cfgs, seed=43, off="1")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setenv("QERL_WGMMA_OCC", "2")
+    assert cf.wgmma_ctas(fmt, 128, 2, 1, lora=True) == 2 * sms  # this build's occupancy (cached per build)
+    monkeypatch.setenv("QERL_WGMMA_OCC", "1")
+    assert cf.wgmma_ctas(fmt, 128, 2, 1, lora=True) == sms
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_gemv_lora_a_l2_is_bit_identical(fmt, monkeypatch):
+    """QERL_LORA_A_L2=1's build (the decode GEMV's LoRA CTAs prefetch A into L2 before their PDL wait) gives the
+    default build's output bit for bit: the model shapes' LoRA launches at M = 1, 8, 16, with and without PDL, both
+    ways of summing x·Aᵀ's K parts, and a captured chain of PDL launches."""
+    g = torch.Generator(device="cuda").manual_seed(44)
+    n, k = 208, 1536
+    w = _prep(fmt, _quant(fmt, n, k, seed=12, device="cuda"))
+    op = _lora([(112, 16), (48, 8), (48, 24)], k, seed=13, device="cuda")
+    cfgs = [(1, 1, 4, 1), (16, 1, 4, 1), (3, 1, 2, 2), (4, 2, 2, 2)]
+    for m in (1, 8, 16):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        for cfg in cfgs:
+            for pdl in (False, True):
+                monkeypatch.setenv("QERL_LORA_A_L2", "0")
+                ref = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
+                monkeypatch.setenv("QERL_LORA_A_L2", "1")
+                got = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
+                assert torch.equal(got, ref), (m, cfg, pdl)
+        _check_lora(got, x, w, op)
+    _graph_chain_replay(w, op, g, 3, check=lambda y1, x: _check_lora(y1, x, w, op))
 
 
 @pytest.mark.gpu

@@ -453,7 +453,8 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     from qerl.kernels import cuda_fp4 as cf
 
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
-    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS"):
+    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
+              "QERL_WGMMA_OCC", "QERL_LORA_A_L2"):
         monkeypatch.delenv(k, raising=False)
 
     class _S:
@@ -468,3 +469,5 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
+    assert flags["fused-wgmma-occ2"] == [*flags["fused"], "-DQFP4_WGMMA_OCC=2"]
+    assert flags["fused-lora-a-l2"] == [*flags["fused"], "-DQFP4_LORA_A_L2=1"]

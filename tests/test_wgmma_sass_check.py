@@ -340,3 +340,58 @@ def test_hbm_pattern_bf16_rows_read_as_the_bf16_gemv_does():
         assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))
         ldg = [t for _, t in funcs[name] if wsc.opcode(t).startswith("LDG")]
         assert len(ldg) >= 2 * 4 + 4, name  # the unrolled pair of chunks (4 loads each) and the tail's four
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_lora_a_l2_build_changes_only_the_lora_kernels():
+    """QERL_LORA_A_L2=1's build of the decode GEMV (-DQFP4_LORA_A_L2=1): the plain kernels' machine code is the
+    default build's, and every LoRA kernel changes by more L2 prefetches (CCTL.E.PML2: the LoRA CTA's A lines; the
+    default build's are the output warps' weight and Bn prefetches)."""
+    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
+    builds = [wsc.functions(wsc.compile_sass(2, src, d)[0]) for d in ((), ("QFP4_LORA_A_L2=1",))]
+    assert builds[0].keys() == builds[1].keys()
+    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
+    assert len(lora) >= 12 and len(builds[0]) > len(lora)
+    for name in builds[0]:
+        same = [t for _, t in builds[0][name]] == [t for _, t in builds[1][name]]
+        assert same == (name not in lora), name
+    for name in lora:
+        pml2 = [sum(wsc.opcode(t) == "CCTL.E.PML2" for _, t in b[name]) for b in builds]
+        assert pml2[1] > pml2[0], (name, pml2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_wgmma_occ2_build_fits_two_ctas_without_spills():
+    """QERL_WGMMA_OCC=2's build (-DQFP4_WGMMA_OCC=2): exactly the 256-thread grid variants of 128 tokens a CTA
+    ((128, 2, 1) and (128, 1, 2), plain and LoRA, both formats: 8 kernels) change, each to at most 128 registers (two
+    256-thread CTAs an SM) with no local memory, and the build passes the hazard check (no write to an in-flight A
+    register, MMAs not serialized)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    def usage(defines):
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / "k.cubin"
+            subprocess.run([wsc._tool("nvcc"), "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{wsc.SRC.parent}",
+                            "-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_PDL=1", *[f"-D{d}" for d in defines], "-o", str(cubin),
+                            str(wsc.SRC)], check=True, capture_output=True)
+            out = subprocess.run([wsc._tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
+                                 capture_output=True, text=True).stdout
+            sass = subprocess.run([wsc._tool("cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
+                                  text=True).stdout
+        res = {n: (int(r), int(s)) for n, r, s in re.findall(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+)", out)}
+        return res, sass
+
+    (base, _), (occ, sass) = usage(()), usage(("QFP4_WGMMA_OCC=2",))
+    assert base.keys() == occ.keys() and len(base) > 8
+    changed = {n for n in base if base[n] != occ[n]}
+    want = {n for n in base if re.search(r"fp4_wgmma_kernelILi[01]ELi128ELi(2ELi1|1ELi2)ELb[01]ELb0E", n)}
+    assert len(want) == 8 and changed <= want
+    for n in want:
+        regs, stack = occ[n]
+        assert regs <= 128 and stack == 0 and base[n][0] > 128, (n, base[n], occ[n])
+    r = wsc.check(sass)
+    assert r["kernels"] > 8 and not r["hazards"] and r["loops"] >= r["kernels"]

@@ -767,6 +767,32 @@ def wgmma_tma() -> str:
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
 
+WGMMA_OCC = ("1", "2")
+
+
+def wgmma_occ() -> str:
+    """``QERL_WGMMA_OCC``: CTAs an SM the 256-thread wgmma grid variants of 128 tokens a CTA, (128, 2, 1) and (128,
+    1, 2), are compiled for. ``1`` (default): one (144-147 registers a thread). ``2`` (opt-in, session 44; a build of
+    its own, ``-DQFP4_WGMMA_OCC=2``, decode mode ``fused-wgmma-occ2``): two (at most 128 registers; ptxas fits them
+    with no spills), so two tiles share an SM the way the 512-thread (128, 2, 2) shares one tile, each with its own
+    prologue and epilogue and no split-K reduction through shared memory. The tuner then weighs them at that
+    occupancy (:func:`wgmma_ctas` asks the device)."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_WGMMA_OCC", "1", WGMMA_OCC)
+
+
+LORA_A_L2 = ("0", "1")
+
+
+def lora_a_l2() -> bool:
+    """``QERL_LORA_A_L2``: ``1`` (opt-in, session 44; a build of its own, ``-DQFP4_LORA_A_L2=1``, decode mode
+    ``fused-lora-a-l2``): the decode GEMV's LoRA CTAs ask L2 for their rows of A before ``griddepcontrol.wait``, so
+    under PDL the chain from the wait to t starts with L2 hits (the same loads and sums after the wait: the same
+    results). ``0`` (default): A is first touched after the wait."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_LORA_A_L2", "0", LORA_A_L2) == "1"
+
+
 BF16_LOADS = ("pair", "sector")
 
 
@@ -793,14 +819,18 @@ def _build_flags() -> list[str]:
     ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another);
     ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``; ``pair``
-    another build)."""
+    another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
+    (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_A_L2=1`` the GEMV's LoRA CTAs' L2 prefetch of A before their wait
+    (``-DQFP4_LORA_A_L2=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
             *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else []),
             *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
-            *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
+            *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
+            *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
+            *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else [])]
 
 
 def _tma_flags(mode: str) -> list[str]:
@@ -1308,7 +1338,8 @@ def wgmma_ctas(fmt: str, ntok: int, rw: int, ks: int, lora: bool, sk: bool = Fal
     """CTAs of a variant (with or without its LoRA epilogue; a grid or a stream-K one) resident at once on the current
     device: one wave of a grid launch, a stream-K launch's grid (SMs x the blocks per SM its registers and shared
     memory allow), from the extension; cached."""
-    key = ("wgmma_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks, lora, sk)
+    # per build too: QERL_WGMMA_OCC changes a variant's occupancy, and one process may load both builds
+    key = ("wgmma_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks, lora, sk, tuple(_build_flags()))
     if key not in _STATE:
         n = int(_ext().wgmma_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks, lora, sk))
         if n < 1:

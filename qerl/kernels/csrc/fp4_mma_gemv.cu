@@ -59,6 +59,17 @@
 #define QFP4_DENSE_SECTOR 0
 #endif
 
+// QFP4_LORA_A_L2 (the build's -D, set by QERL_LORA_A_L2=1; opt-in, session 44): each warp of a LoRA CTA asks L2 for
+// its rows of A over its K chunks (one 128-byte line per lane and round) BEFORE griddepcontrol.wait, so under
+// programmatic dependent launch their HBM latency overlaps the previous kernel's tail and the chain from the wait to
+// t starts with L2 hits. A prefetch consumes nothing, so it is safe whatever the previous kernel writes (the loads
+// themselves stay after the wait); the same loads and sums, so the same results. At batch 8 the LoRA costs the 7B
+// NVFP4 decode step ~10% (rank 0 against 32 on an H200, session 44), most of it latency on the small products, where
+// this chain is as long as the main loop.
+#ifndef QFP4_LORA_A_L2
+#define QFP4_LORA_A_L2 0
+#endif
+
 namespace qfp4 {
 
 // 128-bit weight words per lane and (strip, chunk): one for FP4 (16 rows x 64 K x 4 bits = 512 bytes a warp), four
@@ -188,6 +199,12 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
       w[h][3] = ok && v1 ? ld_x(a1p + off + 8) : z;
     }
   };
+#if QFP4_LORA_A_L2
+  for (int l = lane; l < 16 * (c1 - c0); l += 32) {  // this warp's 16 rows x (c1 - c0) chunks of A, a line each
+    const int r = rs * 16 + (l & 15);
+    if (r < la.R) prefetch_l2(la.a + (size_t)r * K + 64 * (c0 + (l >> 4)));
+  }
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // before A too: a copy into A may be the previous kernel
 #endif

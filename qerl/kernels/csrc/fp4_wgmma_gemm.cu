@@ -136,6 +136,18 @@
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
+// QFP4_WGMMA_OCC (the build's -D, set by QERL_WGMMA_OCC=2; opt-in, session 44): 2 compiles the 256-thread grid
+// variants of 128 tokens a CTA, (128, 2, 1) and (128, 1, 2), for two CTAs an SM (__launch_bounds__' second argument:
+// at most 128 registers; ptxas fits them in 127-128 with no spills, as it does the 512-thread (128, 2, 2)), so two
+// independent tiles share an SM: one CTA's prologue and epilogue can overlap the other's main loop, and no
+// split-K reduction through shared memory. 1 (default): one CTA an SM (144-147 registers). The stream-K variants
+// keep 1 (at 128 registers their segment loop spills and ptxas serializes the MMAs).
+#ifndef QFP4_WGMMA_OCC
+#define QFP4_WGMMA_OCC 1
+#endif
+#if QFP4_WGMMA_OCC != 1 && QFP4_WGMMA_OCC != 2
+#error "QFP4_WGMMA_OCC must be 1 or 2"
+#endif
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
 #endif
@@ -263,8 +275,13 @@ struct WgMaps {
 // xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units. SK false: the grid is
 // (token tiles, row blocks, CTA splits of K); SK true: stream-K (persistent CTAs, see the stream-K part below; its
 // segment loop costs ~35 registers at 128 tokens per CTA, so it is a variant of its own).
+// CTAs an SM a variant is compiled for (QFP4_WGMMA_OCC)
+constexpr int min_blocks(int ntok, int rw, int ks, bool sk) {
+  return QFP4_WGMMA_OCC == 2 && !sk && ntok == 128 && rw * ks == 2 ? 2 : 1;
+}
+
 template <int FMT, int NTOK, int RW, int KS, bool LORA, bool SK>
-__global__ void __launch_bounds__(RW * KS * 128, 1)
+__global__ void __launch_bounds__(RW * KS * 128, min_blocks(NTOK, RW, KS, SK))
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
                  uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr, const WgLora la
