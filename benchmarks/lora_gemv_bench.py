@@ -2,7 +2,7 @@
 launches — what the LoRA costs at decode, against what its bytes cost.
 
     python -m benchmarks.lora_gemv_bench [--models 7b] [--m 1,2,8,16] [--fmts nvfp4,mxfp4] [--rank 32]
-                                         [--chunks 2] [--out results/speed] [--tag NAME]
+                                         [--chunks 2] [--pdl] [--ablate 1,2,4] [--out results/speed] [--tag NAME]
 
 For the four linears of one decoder layer as the rollout's sampler runs them (q|k|v and gate|up fused, o, down;
 every member with LoRA rank ``--rank``), each timed as in ``kernel_bench``: one CUDA graph over rotating copies of
@@ -15,7 +15,12 @@ the weight and its LoRA (>= 160 MB, so every read comes from HBM), median replay
 Per linear and per layer (the four back to back over consecutive layer copies, one graph): µs, the LoRA's overhead
 (mode − plain) and its bytes-floor (A and Bn read once at the device-to-device copy bandwidth measured in the same
 run). ``--chunks`` sets ``lora_parts``' K chunks per LoRA warp (one value per timed variant). The one-launch output
-is checked against the split path on the first copy (max |difference| printed and saved). Writes
+is checked against the split path on the first copy (max |difference| printed and saved). ``--pdl``: every launch of
+a chain but the first under programmatic dependent launch, as the decode step runs them (the split mode's GEMV too).
+``--ablate``: modes ``ablate-V``, the one-launch path through a build with ``-DQFP4_LORA_ABLATE=V``
+(``csrc/fp4_mma_gemv.cu``: 1 = the output warps add no LoRA term, 2 = the LoRA CTAs only count themselves done, 4 =
+the output warps do not wait for them), a module of its own that the library never loads; **its results are wrong**
+(not checked), only its time counts: what that part of the LoRA costs on the launch's critical path. Writes
 ``lora_gemv_<gpu><tag>.csv`` / ``.md`` under ``--out``; prints the markdown last.
 """
 
@@ -31,6 +36,7 @@ from benchmarks import kernel_bench as bench
 from qerl.kernels import cuda_fp4 as cf
 
 MODES = ("plain", "one-launch", "split")
+ABLATE_BITS = {1: "no LoRA term in the output warps", 2: "LoRA CTAs only count", 4: "no wait for the LoRA CTAs"}
 
 
 def groups(model: str, rank: int) -> list[tuple[str, list[tuple[int, int]], int]]:
@@ -69,15 +75,17 @@ class _Linear:
         self.n, self.k = n, k
         self.lora_bytes = r * k * 2 + (self.ops[0].bn.numel() * 2 if r else 0)
 
-    def call(self, mode: str, i: int, x: torch.Tensor, out: torch.Tensor):
+    def call(self, mode: str, i: int, x: torch.Tensor, out: torch.Tensor, pdl: bool = False):
+        """The launch(es) of ``mode`` on copy i (``pdl``: the GEMV under programmatic dependent launch); an
+        ``ablate-V`` mode is the one-launch call, timed while that variant's module is the extension."""
         w, op = self.ws[i], self.ops[i]
         if mode == "plain":
-            return lambda: cf.gemv(x, w, out=out)
-        if mode == "one-launch":
-            return lambda: cf.gemv(x, w, out=out, lora=op)
+            return lambda: cf.gemv(x, w, out=out, pdl=pdl)
+        if mode == "one-launch" or mode.startswith("ablate-"):
+            return lambda: cf.gemv(x, w, out=out, lora=op, pdl=pdl)
         from qerl.kernels.fused import lora_a
         bt = self.bts[i]
-        return lambda: cf.gemv(x, w, out=out).addmm_(lora_a(x, op.a), bt)
+        return lambda: cf.gemv(x, w, out=out, pdl=pdl).addmm_(lora_a(x, op.a), bt)
 
 
 def _check(lin: _Linear, m: int) -> float:
@@ -91,9 +99,24 @@ def _check(lin: _Linear, m: int) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
 
 
-def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float) -> list[dict]:
+def parse_ablate(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]: bit sets of ``ABLATE_BITS`` (each > 0), in order, no repeats."""
+    try:
+        vs = list(dict.fromkeys(int(v) for v in text.split(",") if v.strip()))
+    except ValueError:
+        raise ValueError(f"--ablate {text!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    bad = [v for v in vs if not 1 <= v <= sum(ABLATE_BITS)]
+    if bad:
+        raise ValueError(f"--ablate {text!r}: {bad} not a bit set of {ABLATE_BITS} (1..{sum(ABLATE_BITS)})")
+    return vs
+
+
+def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float, pdl: bool = False,
+        ablate: list[int] | None = None) -> list[dict]:
+    from benchmarks import wgmma_ablate as wa
     rows = []
     orig = cf.lora_parts
+    mods = {v: wa.module(v, "QFP4_LORA_ABLATE") for v in ablate or ()}
     for mdl in models:
         gs = groups(mdl, rank)
         for fmt in fmts:
@@ -101,24 +124,29 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float) -> l
             for m in ms:
                 xs = {k: torch.randn(m, k, device="cuda").bfloat16() for _, _, k in gs}
                 outs = [torch.empty(m, lin.n, device="cuda", dtype=torch.bfloat16) for lin in lins]
-                variants = [("plain", None), *[("one-launch", c) for c in chunks], ("split", None)]
+                variants = [("plain", None), *[("one-launch", c) for c in chunks], ("split", None),
+                            *[(f"ablate-{v}", None) for v in ablate or ()]]
                 for mode, c in variants:
                     cf.lora_parts = orig if c is None else functools.partial(orig, chunks_per_warp=c)
                     cf.forget_gemv_configs()  # LoRA launch configs depend on lora_parts: pick them again
+                    saved_ext = cf._ext
+                    if mode.startswith("ablate-"):
+                        cf._ext = lambda mod=mods[int(mode.split("-")[1])]: mod
                     try:
                         total = 0.0
                         for (name, _, k), lin, out in zip(gs, lins, outs, strict=True):
-                            calls = [lin.call(mode, i, xs[k], out) for i in range(len(lin.ws))]
+                            calls = [lin.call(mode, i, xs[k], out, pdl and i > 0) for i in range(len(lin.ws))]
                             t = bench._graph_ms(calls, rep_ms)[0] * 1e3
                             total += t
-                            err = _check(lin, m) if mode == "one-launch" else None
+                            err = _check(lin, m) if mode == "one-launch" else None  # ablated: wrong by design
                             rows.append(dict(model=mdl, fmt=fmt, M=m, linear=name, N=lin.n, K=k, mode=mode,
                                              chunks=c or "", us=round(t, 3), lora_bytes=lin.lora_bytes,
                                              floor_us=round(lin.lora_bytes / copy_bw * 1e6, 3),
                                              rel_diff_vs_split="" if err is None else f"{err:.2e}"))
                         layers = min(64, min(len(lin.ws) for lin in lins))
-                        calls = [lin.call(mode, r % len(lin.ws), xs[k], out) for r in range(layers)
-                                 for (_, _, k), lin, out in zip(gs, lins, outs, strict=True)]
+                        calls = [lin.call(mode, r % len(lin.ws), xs[k], out, pdl and (r, j) != (0, 0))
+                                 for r in range(layers) for j, ((_, _, k), lin, out) in enumerate(zip(gs, lins, outs,
+                                                                                                       strict=True))]
                         tl = bench._graph_ms(calls, rep_ms)[0] * 1e3 * len(gs)
                         rows.append(dict(model=mdl, fmt=fmt, M=m, linear="layer (sum)", N=0, K=0, mode=mode,
                                          chunks=c or "", us=round(total, 3),
@@ -130,6 +158,12 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float) -> l
                               f"(graph {tl:7.1f})", flush=True)
                     finally:
                         cf.lora_parts = orig
+                        cf._ext = saved_ext
+                        if mode.startswith("ablate-"):  # an ablated launch may leave the LoRA counters set
+                            torch.cuda.synchronize()
+                            for key, ws in cf._STATE.items():
+                                if isinstance(key, tuple) and key[0] == "lora_ws":
+                                    ws[1].zero_()
             del lins
             torch.cuda.empty_cache()
     for r in rows:  # overhead of the LoRA: the mode minus the plain GEMV of the same (model, fmt, M, linear)
@@ -167,6 +201,9 @@ def main(argv=None) -> None:
     ap.add_argument("--fmts", default="nvfp4,mxfp4")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--chunks", default="2", help="lora_parts chunks per LoRA warp, one timed variant each")
+    ap.add_argument("--pdl", action="store_true", help="every launch of a chain but the first under PDL")
+    ap.add_argument("--ablate", default="", help="QFP4_LORA_ABLATE variants to time (timing only: wrong results), "
+                                                 "e.g. 1,2,4")
     ap.add_argument("--rep", type=float, default=20.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--out", default="results/speed")
     ap.add_argument("--tag", default="")
@@ -184,13 +221,16 @@ def main(argv=None) -> None:
     chunks = [int(s) for s in a.chunks.split(",") if s]
     if not chunks or any(c < 1 for c in chunks):
         raise SystemExit(f"--chunks must be positive integers, got {a.chunks!r}")
+    ablate = parse_ablate(a.ablate)
     if not torch.cuda.is_available() or not cf.available():
         raise SystemExit("lora_gemv_bench needs a CUDA GPU (sm_80+) and the cuda_fp4 extension")
     copy_bw = bench.copy_bandwidth()
-    rows = run(models, ms, fmts, a.rank, chunks, a.rep, copy_bw)
+    rows = run(models, ms, fmts, a.rank, chunks, a.rep, copy_bw, a.pdl, ablate)
     header = (f"## LoRA at decode: FP4 GEMV alone / LoRA in the same launch / LoRA as its own launches\n\n"
               f"{bench.run_line(copy_bw)}, rank {a.rank}, `{' '.join(sys.argv)}`. "
-              f"(+x) = µs over the plain GEMV of the same run.")
+              f"(+x) = µs over the plain GEMV of the same run."
+              + "".join(f" ablate-{v}: {' + '.join(t for b, t in ABLATE_BITS.items() if v & b)} (timing only: "
+                        f"wrong results)." for v in ablate))
     bench.write_report(a.out, f"lora_gemv_{bench.gpu_tag()}{a.tag}", rows, markdown(rows, header))
 
 

@@ -48,14 +48,15 @@ def describe(v: int) -> str:
     return "full kernel" if v == 0 else " + ".join(BITS[b] for b in BITS if v & b)
 
 
-def module(v: int):
-    """The extension module of variant ``v`` (0: the library's; others: built with -DQFP4_WGMMA_ABLATE=v)."""
+def module(v: int, define: str = "QFP4_WGMMA_ABLATE"):
+    """The extension module of variant ``v`` (0: the library's; others: built with -D``define``=v, a module of its own
+    that the library never loads: ``QFP4_WGMMA_ABLATE`` here, ``QFP4_LORA_ABLATE`` for benchmarks.lora_gemv_bench)."""
     from qerl.kernels import cuda_build
     from qerl.kernels import cuda_fp4 as cf
     if v == 0:
         return cf._ext()
     return cuda_build.load_extension("qerl_fp4_ablate", cf._CU, cf._HEADERS, cf._BINDING,
-                                     [*cf._build_flags(), f"-DQFP4_WGMMA_ABLATE={v}"], _STATE)
+                                     [*cf._build_flags(), f"-D{define}={v}"], _STATE)
 
 
 @contextlib.contextmanager

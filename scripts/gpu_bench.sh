@@ -167,6 +167,11 @@
 #                                the gains per config in $OUT/occ.md), then 7B NVFP4 rollouts at batch 8 and 2 and BF16
 #                                at batch 8 (256 + 512), fused / fused-lora-a-l2 / fused-lora-a-l2 / fused in one
 #                                process each ($OUT/roll_l2); ~6 min
+#   scripts/gpu_bench.sh lora44  issue 11, session 44: where the LoRA's ~10% of the 7B NVFP4 batch-8 decode step goes:
+#                                benchmarks.lora_gemv_bench --pdl (the four decode linears of a layer as PDL chains,
+#                                M = 8 and 2) with the timing-only builds -DQFP4_LORA_ABLATE=1 (no LoRA term in the
+#                                output warps), 2 (the LoRA CTAs only count), 3 (both), 4 (no wait for the LoRA CTAs),
+#                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -587,6 +592,19 @@ next44)  # session 44's opt-ins (see the header)
     IFS=: read -r f b <<< "$fb"
     timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
       --decode fused,fused-lora-a-l2,fused-lora-a-l2,fused --out "$OUT/roll_l2" 2>&1 | grep -v Warn >> "$LOG"
+  done ;;
+lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the header)
+  build 2 &
+  pids=$!
+  for v in 1 2 3 4; do
+    python3 -c "from benchmarks import wgmma_ablate as wa; wa.module($v, 'QFP4_LORA_ABLATE'); print('lora ablate $v built')" \
+      >> "$LOG" 2>&1 &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
+  for pass in 1 2; do
+    timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate 1,2,3,4 \
+      --out "$OUT/lora_$pass" 2>&1 | grep "lora_gemv\]" >> "$LOG"
   done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -1439,6 +1439,8 @@ def test_gpu_gemv_lora_a_l2_is_bit_identical(fmt, monkeypatch):
                 got = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
                 assert torch.equal(got, ref), (m, cfg, pdl)
         _check_lora(got, x, w, op)
+    w = _prep(fmt, _quant(fmt, 1024, 1024, seed=14, device="cuda"))  # the chain feeds each output to the next: K = N
+    op = _lora([(512, 16), (256, 16), (256, 16)], 1024, seed=15, device="cuda")
     _graph_chain_replay(w, op, g, 3, check=lambda y1, x: _check_lora(y1, x, w, op))
 
 

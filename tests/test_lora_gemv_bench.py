@@ -25,6 +25,15 @@ def test_bad_arguments_name_the_value_and_the_choices(argv, why):
         lb.main(argv)
 
 
+def test_ablate_variants_parse_and_bad_ones_name_the_bits():
+    assert lb.parse_ablate("1,2,4,1") == [1, 2, 4] and lb.parse_ablate("") == []
+    for text, why in (("8", r"\[8\] not a bit set"), ("0", r"\[0\] not a bit set"), ("a", "expected comma-separated")):
+        with pytest.raises(ValueError, match=why):
+            lb.parse_ablate(text)
+    with pytest.raises(ValueError, match="no LoRA term in the output warps"):
+        lb.main(["--ablate", "9"])
+
+
 def test_markdown_shows_each_mode_and_its_overhead_over_plain():
     rows = []
     for mode, chunks, us in [("plain", "", 10.0), ("one-launch", 4, 12.5), ("split", "", 17.0)]:

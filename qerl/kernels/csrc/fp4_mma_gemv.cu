@@ -70,6 +70,15 @@
 #define QFP4_LORA_A_L2 0
 #endif
 
+// QFP4_LORA_ABLATE (timing experiments only, benchmarks/lora_gemv_bench.py --ablate: a module of its own that nothing
+// else loads; its results are WRONG): bits that leave one part of the LoRA in the launch out, to measure what it
+// costs. 1: the output warps add no LoRA term (no Bn prefetch or loads, no wait, no t loads, no MMA); 2: the LoRA CTAs
+// only count themselves done (no x or A loads, no MMAs, no partials); 4: the output warps do not wait for the count
+// (they read t whenever they get there). 0, the library's build, compiles exactly the kernel without these lines.
+#ifndef QFP4_LORA_ABLATE
+#define QFP4_LORA_ABLATE 0
+#endif
+
 namespace qfp4 {
 
 // 128-bit weight words per lane and (strip, chunk): one for FP4 (16 rows x 64 K x 4 bits = 512 bytes a warp), four
@@ -173,6 +182,10 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
   const int g = lane >> 2, t = lane & 3;
   const int K = 64 * C;
   const int rs = blockIdx.x / la.parts, p = blockIdx.x - rs * la.parts;
+#if QFP4_LORA_ABLATE & 2
+  if (threadIdx.x == 0 && (la.direct || p == 0)) atomicAdd(la.ctr, 1u);  // the count the output warps wait for
+  return;
+#endif
   const int p0 = p * C / la.parts, p1 = (p + 1) * C / la.parts;
   const int c0 = p0 + warp * (p1 - p0) / warps, c1 = p0 + (warp + 1) * (p1 - p0) / warps;
   const int r0 = rs * 16 + g, r1 = r0 + 8;
@@ -368,7 +381,7 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
     if (!waited) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
       const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);
       const long long start = clock64();
-      while (ld_acquire(la.ctr) < need) {
+      while (!(QFP4_LORA_ABLATE & 4) && ld_acquire(la.ctr) < need) {
         __nanosleep(20);
         if (clock64() - start > (1LL << 32)) __trap();
       }
@@ -562,7 +575,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  if (has_lora && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
+  if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
   if (work) {
     load_x<NT, X2>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
@@ -590,7 +603,8 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if (has_lora && split == 0 && active) lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc);
+  if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active)
+    lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc);
   if (pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
     if (active) {
       const int n0 = strip0 * 16;
