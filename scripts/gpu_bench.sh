@@ -604,7 +604,7 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
   for p in $pids; do wait "$p"; done
   for pass in 1 2; do
     timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate 1,2,3,4 \
-      --out "$OUT/lora_$pass" 2>&1 | grep "lora_gemv\]" >> "$LOG"
+      --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

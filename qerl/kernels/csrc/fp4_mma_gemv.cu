@@ -73,7 +73,7 @@
 // QFP4_LORA_ABLATE (timing experiments only, benchmarks/lora_gemv_bench.py --ablate: a module of its own that nothing
 // else loads; its results are WRONG): bits that leave one part of the LoRA in the launch out, to measure what it
 // costs. 1: the output warps add no LoRA term (no Bn prefetch or loads, no wait, no t loads, no MMA); 2: the LoRA CTAs
-// only count themselves done (no x or A loads, no MMAs, no partials); 4: the output warps do not wait for the count
+// only count themselves done (after their PDL wait: no x or A loads, no MMAs, no partials); 4: the output warps do not wait for the count
 // (they read t whenever they get there). 0, the library's build, compiles exactly the kernel without these lines.
 #ifndef QFP4_LORA_ABLATE
 #define QFP4_LORA_ABLATE 0
@@ -183,6 +183,10 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
   const int K = 64 * C;
   const int rs = blockIdx.x / la.parts, p = blockIdx.x - rs * la.parts;
 #if QFP4_LORA_ABLATE & 2
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // the counters are the previous launch's until it completes (its last output CTA zeroes them)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   if (threadIdx.x == 0 && (la.direct || p == 0)) atomicAdd(la.ctr, 1u);  // the count the output warps wait for
   return;
 #endif
