@@ -395,3 +395,31 @@ def test_wgmma_occ2_build_fits_two_ctas_without_spills():
         assert regs <= 128 and stack == 0 and base[n][0] > 128, (n, base[n], occ[n])
     r = wsc.check(sass)
     assert r["kernels"] > 8 and not r["hazards"] and r["loops"] >= r["kernels"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_lora_ablate_builds_leave_out_what_they_name():
+    """benchmarks.lora_gemv_bench --ablate's GEMV builds (-DQFP4_LORA_ABLATE=V, timing only): the plain kernels are the
+    default build's in each; in the LoRA kernels bit 1 drops the output warps' term (fewer MMAs: its one MMA per 16
+    ranks), bit 2 the LoRA CTAs' work (fewer MMAs: theirs over A's chunks), bit 4 only the spin on the count (fewer
+    NANOSLEEPs, the same MMAs)."""
+    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
+    builds = {v: wsc.functions(wsc.compile_sass(2, src, (f"QFP4_LORA_ABLATE={v}",) if v else ())[0])
+              for v in (0, 1, 2, 4)}
+    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
+    assert len(lora) >= 12
+
+    def count(v, name, pred):
+        return sum(pred(wsc.opcode(t)) for _, t in builds[v][name])
+
+    for v in (1, 2, 4):
+        assert builds[v].keys() == builds[0].keys()
+        for name in builds[0]:
+            if name not in lora:
+                assert [t for _, t in builds[v][name]] == [t for _, t in builds[0][name]], (v, name)
+    for name in lora:
+        mma = {v: count(v, name, lambda o: o.startswith("HMMA")) for v in builds}
+        sleeps = {v: count(v, name, lambda o: o == "NANOSLEEP") for v in builds}
+        assert mma[1] < mma[0] and mma[2] < mma[0] and mma[4] == mma[0], (name, mma)
+        assert sleeps[4] < sleeps[0] and sleeps[0] >= 1, (name, sleeps)

@@ -776,7 +776,12 @@ def wgmma_occ() -> str:
     its own, ``-DQFP4_WGMMA_OCC=2``, decode mode ``fused-wgmma-occ2``): two (at most 128 registers; ptxas fits them
     with no spills), so two tiles share an SM the way the 512-thread (128, 2, 2) shares one tile, each with its own
     prologue and epilogue and no split-K reduction through shared memory. The tuner then weighs them at that
-    occupancy (:func:`wgmma_ctas` asks the device)."""
+    occupancy (:func:`wgmma_ctas` asks the device). Measured on an H200 (session 44, `results/speed/raw/
+    h200_s44_next44`, 7B products with a rank-32 LoRA term, OCC 1 / 2 / 2 / 1): (128, 2, 1) gains 13-18% on gate|up
+    and only catches up with the picks there (128 tokens: 91.9 / 92.1 against (16, 0, 2, 2)'s 91.6 / 92.6 µs; 256:
+    138.6 / 139.8 against (32, 0, 2, 1)'s 139.8 / 141.8), and is slower elsewhere: not adopted. Two independent
+    tiles an SM run no faster than one tile's two split-K groups, so the per-CTA prologue and epilogue are not what
+    bounds the 128-token GEMM."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_OCC", "1", WGMMA_OCC)
 
@@ -788,7 +793,11 @@ def lora_a_l2() -> bool:
     """``QERL_LORA_A_L2``: ``1`` (opt-in, session 44; a build of its own, ``-DQFP4_LORA_A_L2=1``, decode mode
     ``fused-lora-a-l2``): the decode GEMV's LoRA CTAs ask L2 for their rows of A before ``griddepcontrol.wait``, so
     under PDL the chain from the wait to t starts with L2 hits (the same loads and sums after the wait: the same
-    results). ``0`` (default): A is first touched after the wait."""
+    results). ``0`` (default): A is first touched after the wait. Measured on an H200 (session 44, `results/speed/raw/
+    h200_s44_next44`, 7B, 256 + 512, default / l2 / l2 / default in one process): decode rate NVFP4 batch 8 3197 /
+    3224 against 3201 / 3218 tok/s, batch 2 881 / 886 against 885 / 880, BF16 batch 8 1621 / 1619 against 1619 /
+    1619: no change, not adopted (the GPU test finds it bit-identical). What the LoRA's latency is made of instead:
+    ``benchmarks.lora_gemv_bench --ablate`` (`raw/h200_s44_lora`)."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_LORA_A_L2", "0", LORA_A_L2) == "1"
 

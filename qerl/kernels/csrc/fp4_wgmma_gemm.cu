@@ -141,7 +141,9 @@
 // at most 128 registers; ptxas fits them in 127-128 with no spills, as it does the 512-thread (128, 2, 2)), so two
 // independent tiles share an SM: one CTA's prologue and epilogue can overlap the other's main loop, and no
 // split-K reduction through shared memory. 1 (default): one CTA an SM (144-147 registers). The stream-K variants
-// keep 1 (at 128 registers their segment loop spills and ptxas serializes the MMAs).
+// keep 1 (at 128 registers their segment loop spills and ptxas serializes the MMAs). Measured on an H200 (session 44,
+// raw/h200_s44_next44): (128, 2, 1) at two CTAs an SM ties the tuned picks on 7B gate|up at 128 and 256 tokens and
+// loses elsewhere: not adopted.
 #ifndef QFP4_WGMMA_OCC
 #define QFP4_WGMMA_OCC 1
 #endif
