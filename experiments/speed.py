@@ -677,6 +677,12 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 44 (H200, 10881e2-abf399d; `raw/h200_s44_*/README.md`): the 256-thread 128-token wgmma variants at two CTAs
+an SM (`QERL_WGMMA_OCC=2`) tie the picks on gate|up (91.9 vs 91.6 µs at 128 tokens) and lose elsewhere: not adopted.
+At batch 8 the LoRA costs the 7B NVFP4 decode step 10.6% (graph step 2302 µs without adapters vs 2545 with rank 32;
+BF16-LoRA 4791 vs 5021), ~9.5 µs a layer inside the GEMV launches; timing-only builds put ~10 of a layer's 12.4 µs in
+the output warps' LoRA term (~5 of it waiting for the LoRA CTAs); an L2 prefetch of A before the PDL wait changes
+nothing (`QERL_LORA_A_L2=1`, ±0.2%).
 Session 43 (H200, 5a31c93; `raw/h200_s43_lora/README.md`): what the LoRA term costs, as a bound on fusing it further:
 the policy without adapters (`--ranks 0`) decodes only 3.0 / 1.9 / 1.8% faster than with rank 32 for NVFP4 at 64 /
 128 / 256 sequences (the 128-sequence graph step 7510 vs 7650 µs), BF16-LoRA 9.1 / 7.9 / 5.8% (7185 vs 7737 µs):
