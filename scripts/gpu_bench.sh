@@ -172,6 +172,13 @@
 #                                M = 8 and 2) with the timing-only builds -DQFP4_LORA_ABLATE=1 (no LoRA term in the
 #                                output warps), 2 (the LoRA CTAs only count), 3 (both), 4 (no wait for the LoRA CTAs),
 #                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min
+#   scripts/gpu_bench.sh next45  issue 11 after session 44, on any GPU: QERL_LORA_POLL=early (the decode GEMV's output
+#                                warps read the LoRA count before their last batch): both builds, the GEMV LoRA
+#                                bit-identity GPU tests on the new one ($OUT/tests_next45.txt; SKIP_TESTS=1 skips),
+#                                benchmarks.lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) end / early / early / end in
+#                                four processes ($OUT/poll_{end,early}_{1,2}), then 7B rollouts (256 + 512) NVFP4 at
+#                                batch 8 and 2, MXFP4 and BF16 at 8, fused / fused-lora-poll / fused-lora-poll / fused in
+#                                one process each ($OUT/roll_poll); ~6 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -580,7 +587,7 @@ next43)  # issue 11 after session 43 (see the header)
 next44)  # session 44's opt-ins (see the header)
   builds_at_once - QERL_WGMMA_OCC=2 QERL_LORA_A_L2=1
   [ -n "${SKIP_TESTS:-}" ] || gpu_tests next44 240 tests/test_cuda_fp4.py \
-    -k "occ2_is_bit_identical or lora_a_l2_is_bit_identical"
+    -k "occ2_is_bit_identical or lora_build_is_bit_identical"
   for run in 1:1 2:1 2:2 1:2; do
     IFS=: read -r v pass <<< "$run"
     (export QERL_WGMMA_OCC=$v; timeout 90 python3 -m benchmarks.wgmma_profile --lora 32 --m 128,256 \
@@ -605,6 +612,20 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
   for pass in 1 2; do
     timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate 1,2,3,4 \
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
+  done ;;
+next45)  # issue 11: the decode GEMV's early read of the LoRA count (see the header)
+  builds_at_once - QERL_LORA_POLL=early
+  [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=early; gpu_tests next45 240 tests/test_cuda_fp4.py \
+    -k "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue")
+  for run in end:1 early:1 early:2 end:2; do
+    IFS=: read -r v pass <<< "$run"
+    (export QERL_LORA_POLL=$v; timeout 100 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 \
+      --pdl --out "$OUT/poll_${v}_$pass" 2>&1 | grep "lora_gemv\]" >> "$LOG")
+  done
+  for fb in nvfp4:8 nvfp4:2 mxfp4:8 bf16:8; do
+    IFS=: read -r f b <<< "$fb"
+    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
+      --decode fused,fused-lora-poll,fused-lora-poll,fused --out "$OUT/roll_poll" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -343,18 +343,19 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
     -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags. QERL_BF16_LOADS
     =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
-    QERL_WGMMA_OCC=2 and QERL_LORA_A_L2=1 (opt-ins) add -DQFP4_WGMMA_OCC=2 / -DQFP4_LORA_A_L2=1, their defaults
-    nothing."""
+    QERL_WGMMA_OCC=2, QERL_LORA_A_L2=1 and QERL_LORA_POLL=early (opt-ins) add -DQFP4_WGMMA_OCC=2 /
+    -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1, their defaults nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-              "QERL_WGMMA_OCC", "QERL_LORA_A_L2"):
+              "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL"):
         monkeypatch.delenv(k, raising=False)
     assert cf.wgmma_pipe() == 2
     default = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_TMA=1",
                "-DQFP4_DENSE_SECTOR=1"]
     assert cf._build_flags() == default
-    for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_A_L2", "1", "-DQFP4_LORA_A_L2=1")):
+    for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_A_L2", "1", "-DQFP4_LORA_A_L2=1"),
+                              ("QERL_LORA_POLL", "early", "-DQFP4_LORA_EARLY_POLL=1")):
         monkeypatch.setenv(name, value)
         assert cf._build_flags() == [*default, flag]
         monkeypatch.setenv(name, "3")
@@ -1420,10 +1421,12 @@ def test_gpu_wgmma_occ2_is_bit_identical(fmt, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
-def test_gpu_gemv_lora_a_l2_is_bit_identical(fmt, monkeypatch):
-    """QERL_LORA_A_L2=1's build (the decode GEMV's LoRA CTAs prefetch A into L2 before their PDL wait) gives the
-    default build's output bit for bit: the model shapes' LoRA launches at M = 1, 8, 16, with and without PDL, both
-    ways of summing x·Aᵀ's K parts, and a captured chain of PDL launches."""
+@pytest.mark.parametrize("switch, off, on", [("QERL_LORA_A_L2", "0", "1"), ("QERL_LORA_POLL", "end", "early")])
+def test_gpu_gemv_lora_build_is_bit_identical(fmt, switch, off, on, monkeypatch):
+    """QERL_LORA_A_L2=1's build (the decode GEMV's LoRA CTAs prefetch A into L2 before their PDL wait) and
+    QERL_LORA_POLL=early's (the output warps read the LoRA count before their last batch) give the default build's
+    output bit for bit: LoRA launches at M = 1, 8, 16 over configs with one and several batches a warp, with and
+    without PDL, both ways of summing x·Aᵀ's K parts, and a captured chain of PDL launches."""
     g = torch.Generator(device="cuda").manual_seed(44)
     n, k = 208, 1536
     w = _prep(fmt, _quant(fmt, n, k, seed=12, device="cuda"))
@@ -1433,9 +1436,9 @@ def test_gpu_gemv_lora_a_l2_is_bit_identical(fmt, monkeypatch):
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         for cfg in cfgs:
             for pdl in (False, True):
-                monkeypatch.setenv("QERL_LORA_A_L2", "0")
+                monkeypatch.setenv(switch, off)
                 ref = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
-                monkeypatch.setenv("QERL_LORA_A_L2", "1")
+                monkeypatch.setenv(switch, on)
                 got = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
                 assert torch.equal(got, ref), (m, cfg, pdl)
         _check_lora(got, x, w, op)

@@ -99,7 +99,7 @@ def test_next44_builds_three_tests_two_times_occ_in_order_then_ab_rolls_lora_a_l
     assert p.returncode == 0, p.stderr
     assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["2/unset", "unset/1", "unset/unset"]
     tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and "occ2_is_bit_identical or lora_a_l2_is_bit_identical" in tests[0]
+    assert len(tests) == 1 and "occ2_is_bit_identical or lora_build_is_bit_identical" in tests[0]
     prof = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
             if "|-m benchmarks.wgmma_profile" in c]
     assert prof == [("1/unset", "occ_1_1"), ("2/unset", "occ_2_1"), ("2/unset", "occ_2_2"), ("1/unset", "occ_1_2")]
@@ -110,3 +110,24 @@ def test_next44_builds_three_tests_two_times_occ_in_order_then_ab_rolls_lora_a_l
     assert all("--decode fused,fused-lora-a-l2,fused-lora-a-l2,fused " in r for r in roll)
     assert calls.index(next(c for c in calls if "|-m pytest" in c)) < calls.index(
         next(c for c in calls if "wgmma_profile" in c))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_next45_tests_the_poll_build_then_times_both_builds_in_order(tmp_path):
+    """``next45``: the default and QERL_LORA_POLL=early builds, the GEMV LoRA GPU tests on the early one, the layer
+    timing end / early / early / end (each process under its own build's switch), then four rollout processes (NVFP4
+    at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-poll."""
+    p, calls = _run(tmp_path, "next45", '#!/usr/bin/env bash\necho "${QERL_LORA_POLL:-unset}|$*" >> "$STUB_LOG"\n')
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["early", "unset"]
+    tests = [c for c in calls if "|-m pytest" in c]
+    assert len(tests) == 1 and tests[0].startswith("early|") and "lora_build_is_bit_identical" in tests[0]
+    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
+             if "|-m benchmarks.lora_gemv_bench" in c]
+    assert timed == [("end", "poll_end_1"), ("early", "poll_early_1"), ("early", "poll_early_2"), ("end", "poll_end_2")]
+    assert all("--pdl" in c for c in calls if "lora_gemv_bench" in c)
+    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
+    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
+        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
+    assert all("--decode fused,fused-lora-poll,fused-lora-poll,fused " in r for r in roll)
+    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))

@@ -454,7 +454,7 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
 
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-              "QERL_WGMMA_OCC", "QERL_LORA_A_L2"):
+              "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL"):
         monkeypatch.delenv(k, raising=False)
 
     class _S:
@@ -471,3 +471,4 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
     assert flags["fused-wgmma-occ2"] == [*flags["fused"], "-DQFP4_WGMMA_OCC=2"]
     assert flags["fused-lora-a-l2"] == [*flags["fused"], "-DQFP4_LORA_A_L2=1"]
+    assert flags["fused-lora-poll"] == [*flags["fused"], "-DQFP4_LORA_EARLY_POLL=1"]

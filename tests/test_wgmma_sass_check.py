@@ -423,3 +423,29 @@ def test_lora_ablate_builds_leave_out_what_they_name():
         sleeps = {v: count(v, name, lambda o: o == "NANOSLEEP") for v in builds}
         assert mma[1] < mma[0] and mma[2] < mma[0] and mma[4] == mma[0], (name, mma)
         assert sleeps[4] < sleeps[0] and sleeps[0] >= 1, (name, sleeps)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_lora_poll_build_reads_the_count_before_the_last_batch():
+    """QERL_LORA_POLL=early's build (-DQFP4_LORA_EARLY_POLL=1): the plain kernels are the default build's; every FP4
+    LoRA kernel has more strong loads (LDG.E.STRONG.GPU: the relaxed reads of the count, beside the spin's acquire
+    loads) before its last MMA, and a MEMBAR.ALL.GPU (the fence that makes an early complete count an acquire)."""
+    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
+    builds = [wsc.functions(wsc.compile_sass(2, src, d)[0]) for d in ((), ("QFP4_LORA_EARLY_POLL=1",))]
+    assert builds[0].keys() == builds[1].keys()
+    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
+    for name in builds[0]:
+        if name not in lora:
+            assert [t for _, t in builds[1][name]] == [t for _, t in builds[0][name]], name
+
+    def strong_before_mma(body) -> int:
+        ops = [t for _, t in body]
+        last_mma = max(i for i, t in enumerate(ops) if wsc.opcode(t).startswith("HMMA"))
+        return sum(1 for t in ops[:last_mma] if "LDG.E.STRONG.GPU" in t)
+
+    fp4 = [n for n in lora if re.search(r"fp4_gemv_lora_kernelILi[01]E", n)]
+    assert len(fp4) >= 12
+    for name in fp4:
+        assert strong_before_mma(builds[1][name]) > strong_before_mma(builds[0][name]), name
+        assert any("MEMBAR.ALL.GPU" in t for _, t in builds[1][name]), name

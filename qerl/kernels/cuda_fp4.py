@@ -802,6 +802,22 @@ def lora_a_l2() -> bool:
     return _gemm_lora_switch("QERL_LORA_A_L2", "0", LORA_A_L2) == "1"
 
 
+LORA_POLL = ("end", "early")
+
+
+def lora_poll() -> str:
+    """``QERL_LORA_POLL``: when the decode GEMV's output warps first read the LoRA CTAs' count. ``end`` (default): after
+    the main loop, spinning on an acquire load. ``early`` (opt-in, session 44, not yet measured on a GPU; a build of
+    its own, ``-DQFP4_LORA_EARLY_POLL=1``, decode mode ``fused-lora-poll``): a relaxed read just before the last
+    batch of chunks is computed (its weight loads in flight); if the count is already complete the term starts with a
+    fence instead of another L2 round trip, else it spins as before. The same loads and sums: the same results. Why:
+    the session-44 ablation (``benchmarks.lora_gemv_bench --ablate``, `results/speed/raw/h200_s44_lora`) put ~10 of
+    the 12.4 µs the LoRA adds to a 7B layer at M = 8 in the output warps' term, ~2 µs of it in the spin's round trips
+    when the LoRA CTAs were already done."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_LORA_POLL", "end", LORA_POLL)
+
+
 BF16_LOADS = ("pair", "sector")
 
 
@@ -830,7 +846,8 @@ def _build_flags() -> list[str]:
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``; ``pair``
     another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
     (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_A_L2=1`` the GEMV's LoRA CTAs' L2 prefetch of A before their wait
-    (``-DQFP4_LORA_A_L2=1``, another)."""
+    (``-DQFP4_LORA_A_L2=1``, another); ``QERL_LORA_POLL=early`` the GEMV's early read of the LoRA count
+    (``-DQFP4_LORA_EARLY_POLL=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
@@ -839,7 +856,8 @@ def _build_flags() -> list[str]:
             *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
             *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
             *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
-            *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else [])]
+            *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else []),
+            *(["-DQFP4_LORA_EARLY_POLL=1"] if lora_poll() == "early" else [])]
 
 
 def _tma_flags(mode: str) -> list[str]:

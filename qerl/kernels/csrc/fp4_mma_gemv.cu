@@ -80,6 +80,16 @@
 #define QFP4_LORA_ABLATE 0
 #endif
 
+// QFP4_LORA_EARLY_POLL (the build's -D, set by QERL_LORA_POLL=early; opt-in, session 44, not yet run on a GPU): the
+// output warps read the LoRA CTAs' count (a relaxed load) just before they compute their last batch of chunks, whose
+// weight loads are then in flight; if it is already complete, the LoRA term after the main loop starts with a fence
+// (acquire) instead of another L2 round trip for the count, so its t loads follow the main loop at once. Otherwise it
+// spins as before. The session-44 ablation (raw/h200_s44_lora) put ~2 us of a 7B layer's LoRA at M = 8 in the spin's
+// round trips when the LoRA CTAs were already done. The same loads and sums: the same results.
+#ifndef QFP4_LORA_EARLY_POLL
+#define QFP4_LORA_EARLY_POLL 0
+#endif
+
 namespace qfp4 {
 
 // 128-bit weight words per lane and (strip, chunk): one for FP4 (16 rows x 64 K x 4 bits = 512 bytes a warp), four
@@ -122,6 +132,13 @@ struct LoraArgs {
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// The count without ordering (QFP4_LORA_EARLY_POLL): a later fence.acq_rel makes it an acquire.
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -349,7 +366,7 @@ __device__ __forceinline__ void lora_prefetch_bn(const LoraArgs& la, int strip0,
 // accumulator's output multiplier).
 template <int NT, int SW, int A2>
 __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0, int sstep, int S, float inv,
-                                          float (&acc)[SW][A2][NT][4]) {
+                                          float (&acc)[SW][A2][NT][4], unsigned early = 0u) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int r0[SW], rk[SW], rkmax = 0;
 #pragma unroll
@@ -385,8 +402,11 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
     }
     if (!waited) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
       const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);
+#if QFP4_LORA_EARLY_POLL
+      if (early >= need) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the early read + this: an acquire
+#endif
       const long long start = clock64();
-      while (!(QFP4_LORA_ABLATE & 4) && ld_acquire(la.ctr) < need) {
+      while (!(QFP4_LORA_ABLATE & 4) && (!QFP4_LORA_EARLY_POLL || early < need) && ld_acquire(la.ctr) < need) {
         __nanosleep(20);
         if (clock64() - start > (1LL << 32)) __trap();
       }
@@ -581,17 +601,25 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
+  [[maybe_unused]] unsigned early = 0u;  // the LoRA count read before the last batch (QFP4_LORA_EARLY_POLL)
+  [[maybe_unused]] auto poll = [&](int rest) {
+#if QFP4_LORA_EARLY_POLL
+    if (has_lora && split == 0 && active && rest <= U) early = ld_relaxed(la.ctr);
+#endif
+  };
   if (work) {
     load_x<NT, X2>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
       advance();
       load_batch(wb, sb, left - U, std::false_type{});
+      poll(left);
       compute_batch(wa, sa, left);
       xq += 64 * U;
       left -= U;
       if (left <= 0) break;
       advance();
       load_batch(wa, sa, left - U, std::false_type{});
+      poll(left);
       compute_batch(wb, sb, left);
       xq += 64 * U;
       left -= U;
@@ -609,7 +637,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
   if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active)
-    lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc);
+    lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc, early);
   if (pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
     if (active) {
       const int n0 = strip0 * 16;
