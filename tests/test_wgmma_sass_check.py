@@ -1,6 +1,7 @@
 """The wgmma SASS check (benchmarks/wgmma_sass_check.py): the loop walk on hand-written SASS, and, where nvcc and
 cuobjdump are installed, both pipelines of the real kernel clean and session 30's broken first version caught."""
 
+import functools
 import re
 import shutil
 
@@ -8,6 +9,27 @@ import pytest
 
 from benchmarks import wgmma_sass_check as wsc
 from qerl.kernels import cuda_fp4 as cf
+
+
+@functools.cache
+def _gemv_sass(*defines: str) -> dict:
+    """The decode GEMV's functions (``wsc.functions``) built for sm_90a with these -D's; cached: several tests
+    compare against the same build."""
+    return wsc.functions(wsc.compile_sass(2, (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text(), defines)[0])
+
+
+def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
+    """The default GEMV build and one per define, checked to have the same functions and, but for the LoRA kernels,
+    the same machine code; returns (builds, the LoRA kernels' names)."""
+    builds = [_gemv_sass(), *(_gemv_sass(d) for d in defines)]
+    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
+    assert len(lora) >= 12 and len(builds[0]) > len(lora)
+    for b in builds[1:]:
+        assert b.keys() == builds[0].keys()
+        for name in builds[0]:
+            if name not in lora:
+                assert [t for _, t in b[name]] == [t for _, t in builds[0][name]], name
+    return builds, lora
 
 
 def _sass(body: list[str]) -> str:
@@ -301,8 +323,7 @@ def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
     the default build's, every BF16 (FMT = 2) variant changes, and in the plain BF16 kernels a lane's two 16-byte
     pieces of a row chunk (and of its x fragment) sit 64 bytes apart instead of 16: the weight and x loads' offsets
     within a 128-byte chunk are {0, 0x40} instead of {0, 0x10}."""
-    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
-    builds = [wsc.functions(wsc.compile_sass(2, src, d)[0]) for d in ((), ("QFP4_DENSE_SECTOR=1",))]
+    builds = [_gemv_sass(), _gemv_sass("QFP4_DENSE_SECTOR=1")]
     assert builds[0].keys() == builds[1].keys()
     dense = [n for n in builds[0] if re.search(r"fp4_gemv(?:_lora)?_kernelILi2E", n)]
     assert len(dense) >= 6 and len(builds[0]) > len(dense)
@@ -348,15 +369,9 @@ def test_lora_a_l2_build_changes_only_the_lora_kernels():
     """QERL_LORA_A_L2=1's build of the decode GEMV (-DQFP4_LORA_A_L2=1): the plain kernels' machine code is the
     default build's, and every LoRA kernel changes by more L2 prefetches (CCTL.E.PML2: the LoRA CTA's A lines; the
     default build's are the output warps' weight and Bn prefetches)."""
-    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
-    builds = [wsc.functions(wsc.compile_sass(2, src, d)[0]) for d in ((), ("QFP4_LORA_A_L2=1",))]
-    assert builds[0].keys() == builds[1].keys()
-    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
-    assert len(lora) >= 12 and len(builds[0]) > len(lora)
-    for name in builds[0]:
-        same = [t for _, t in builds[0][name]] == [t for _, t in builds[1][name]]
-        assert same == (name not in lora), name
+    builds, lora = _gemv_lora_builds("QFP4_LORA_A_L2=1")
     for name in lora:
+        assert [t for _, t in builds[0][name]] != [t for _, t in builds[1][name]], name
         pml2 = [sum(wsc.opcode(t) == "CCTL.E.PML2" for _, t in b[name]) for b in builds]
         assert pml2[1] > pml2[0], (name, pml2)
 
@@ -404,20 +419,12 @@ def test_lora_ablate_builds_leave_out_what_they_name():
     default build's in each; in the LoRA kernels bit 1 drops the output warps' term (fewer MMAs: its one MMA per 16
     ranks), bit 2 the LoRA CTAs' work (fewer MMAs: theirs over A's chunks), bit 4 only the spin on the count (fewer
     NANOSLEEPs, the same MMAs)."""
-    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
-    builds = {v: wsc.functions(wsc.compile_sass(2, src, (f"QFP4_LORA_ABLATE={v}",) if v else ())[0])
-              for v in (0, 1, 2, 4)}
-    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
-    assert len(lora) >= 12
+    found, lora = _gemv_lora_builds(*(f"QFP4_LORA_ABLATE={v}" for v in (1, 2, 4)))
+    builds = dict(zip((0, 1, 2, 4), found, strict=True))
 
     def count(v, name, pred):
         return sum(pred(wsc.opcode(t)) for _, t in builds[v][name])
 
-    for v in (1, 2, 4):
-        assert builds[v].keys() == builds[0].keys()
-        for name in builds[0]:
-            if name not in lora:
-                assert [t for _, t in builds[v][name]] == [t for _, t in builds[0][name]], (v, name)
     for name in lora:
         mma = {v: count(v, name, lambda o: o.startswith("HMMA")) for v in builds}
         sleeps = {v: count(v, name, lambda o: o == "NANOSLEEP") for v in builds}
@@ -431,13 +438,7 @@ def test_lora_poll_build_reads_the_count_before_the_last_batch():
     """QERL_LORA_POLL=early's build (-DQFP4_LORA_EARLY_POLL=1): the plain kernels are the default build's; every FP4
     LoRA kernel has more strong loads (LDG.E.STRONG.GPU: the relaxed reads of the count, beside the spin's acquire
     loads) before its last MMA, and a MEMBAR.ALL.GPU (the fence that makes an early complete count an acquire)."""
-    src = (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
-    builds = [wsc.functions(wsc.compile_sass(2, src, d)[0]) for d in ((), ("QFP4_LORA_EARLY_POLL=1",))]
-    assert builds[0].keys() == builds[1].keys()
-    lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
-    for name in builds[0]:
-        if name not in lora:
-            assert [t for _, t in builds[1][name]] == [t for _, t in builds[0][name]], name
+    builds, lora = _gemv_lora_builds("QFP4_LORA_EARLY_POLL=1")
 
     def strong_before_mma(body) -> int:
         ops = [t for _, t in body]
