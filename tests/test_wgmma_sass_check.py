@@ -4,6 +4,7 @@ cuobjdump are installed, both pipelines of the real kernel clean and session 30'
 import functools
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,7 +22,8 @@ def _gemv_sass(*defines: str) -> dict:
 def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
     """The default GEMV build and one per define, checked to have the same functions and, but for the LoRA kernels,
     the same machine code; returns (builds, the LoRA kernels' names)."""
-    builds = [_gemv_sass(), *(_gemv_sass(d) for d in defines)]
+    with ThreadPoolExecutor(2) as pool:  # nvcc is single-threaded: two builds at once on CI's two cores
+        builds = list(pool.map(lambda d: _gemv_sass(*d), [(), *((d,) for d in defines)]))
     lora = [n for n in builds[0] if "fp4_gemv_lora_kernel" in n]
     assert len(lora) >= 12 and len(builds[0]) > len(lora)
     for b in builds[1:]:
@@ -323,7 +325,8 @@ def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
     the default build's, every BF16 (FMT = 2) variant changes, and in the plain BF16 kernels a lane's two 16-byte
     pieces of a row chunk (and of its x fragment) sit 64 bytes apart instead of 16: the weight and x loads' offsets
     within a 128-byte chunk are {0, 0x40} instead of {0, 0x10}."""
-    builds = [_gemv_sass(), _gemv_sass("QFP4_DENSE_SECTOR=1")]
+    with ThreadPoolExecutor(2) as pool:
+        builds = list(pool.map(lambda d: _gemv_sass(*d), [(), ("QFP4_DENSE_SECTOR=1",)]))
     assert builds[0].keys() == builds[1].keys()
     dense = [n for n in builds[0] if re.search(r"fp4_gemv(?:_lora)?_kernelILi2E", n)]
     assert len(dense) >= 6 and len(builds[0]) > len(dense)
@@ -400,7 +403,8 @@ def test_wgmma_occ2_build_fits_two_ctas_without_spills():
         res = {n: (int(r), int(s)) for n, r, s in re.findall(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+)", out)}
         return res, sass
 
-    (base, _), (occ, sass) = usage(()), usage(("QFP4_WGMMA_OCC=2",))
+    with ThreadPoolExecutor(2) as pool:  # the two builds at once (nvcc is single-threaded)
+        (base, _), (occ, sass) = pool.map(usage, [(), ("QFP4_WGMMA_OCC=2",)])
     assert base.keys() == occ.keys() and len(base) > 8
     changed = {n for n in base if base[n] != occ[n]}
     want = {n for n in base if re.search(r"fp4_wgmma_kernelILi[01]ELi128ELi(2ELi1|1ELi2)ELb[01]ELb0E", n)}
