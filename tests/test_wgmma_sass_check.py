@@ -385,7 +385,8 @@ def test_wgmma_occ2_build_fits_two_ctas_without_spills():
     """QERL_WGMMA_OCC=2's build (-DQFP4_WGMMA_OCC=2): exactly the 256-thread grid variants of 128 tokens a CTA
     ((128, 2, 1) and (128, 1, 2), plain and LoRA, both formats: 8 kernels) change, each to at most 128 registers (two
     256-thread CTAs an SM) with no local memory, and the build passes the hazard check (no write to an in-flight A
-    register, MMAs not serialized)."""
+    register, MMAs not serialized). Built without the stream-K kernels (QFP4_WGMMA_NO_SK), which the switch leaves at
+    one CTA an SM."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -394,7 +395,8 @@ def test_wgmma_occ2_build_fits_two_ctas_without_spills():
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / "k.cubin"
             subprocess.run([wsc._tool("nvcc"), "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{wsc.SRC.parent}",
-                            "-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_PDL=1", *[f"-D{d}" for d in defines], "-o", str(cubin),
+                            "-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_NO_SK=1",  # OCC: grid kernels only
+                            *[f"-D{d}" for d in defines], "-o", str(cubin),
                             str(wsc.SRC)], check=True, capture_output=True)
             out = subprocess.run([wsc._tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
                                  capture_output=True, text=True).stdout
