@@ -74,8 +74,9 @@
 // QFP4_LORA_ABLATE (timing experiments only, benchmarks/lora_gemv_bench.py --ablate: a module of its own that nothing
 // else loads; its results are WRONG): bits that leave one part of the LoRA in the launch out, to measure what it
 // costs. 1: the output warps add no LoRA term (no Bn prefetch or loads, no wait, no t loads, no MMA); 2: the LoRA CTAs
-// only count themselves done (after their PDL wait: no x or A loads, no MMAs, no partials); 4: the output warps do not wait for the count
-// (they read t whenever they get there). 0, the library's build, compiles exactly the kernel without these lines.
+// only count themselves done (after their PDL wait: no x or A loads, no MMAs, no partials); 4: the output warps do
+// not wait for the count (they read t whenever they get there). 0, the library's build, compiles exactly the kernel
+// without these lines. Measured on an H200 (session 44): raw/h200_s44_lora.
 #ifndef QFP4_LORA_ABLATE
 #define QFP4_LORA_ABLATE 0
 #endif
