@@ -27,6 +27,7 @@ the output warps do not wait for them), a module of its own that the library nev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 
@@ -129,9 +130,9 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float, pdl:
                 for mode, c in variants:
                     cf.lora_parts = orig if c is None else functools.partial(orig, chunks_per_warp=c)
                     cf.forget_gemv_configs()  # LoRA launch configs depend on lora_parts: pick them again
-                    saved_ext = cf._ext
+                    ext = contextlib.ExitStack()  # an ablated mode launches its variant's module
                     if mode.startswith("ablate-"):
-                        cf._ext = lambda mod=mods[int(mode.split("-")[1])]: mod
+                        ext.enter_context(wa.using(mods[int(mode.split("-")[1])]))
                     try:
                         total = 0.0
                         for (name, _, k), lin, out in zip(gs, lins, outs, strict=True):
@@ -158,12 +159,10 @@ def run(models, ms, fmts, rank: int, chunks, rep_ms: float, copy_bw: float, pdl:
                               f"(graph {tl:7.1f})", flush=True)
                     finally:
                         cf.lora_parts = orig
-                        cf._ext = saved_ext
+                        ext.close()
                         if mode.startswith("ablate-"):  # an ablated launch may leave the LoRA counters set
                             torch.cuda.synchronize()
-                            for key, ws in cf._STATE.items():
-                                if isinstance(key, tuple) and key[0] == "lora_ws":
-                                    ws[1].zero_()
+                            cf.zero_lora_counters()
             del lins
             torch.cuda.empty_cache()
     for r in rows:  # overhead of the LoRA: the mode minus the plain GEMV of the same (model, fmt, M, linear)

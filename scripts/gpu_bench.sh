@@ -241,10 +241,25 @@ kernel_ab() {  # SWITCH PREFIX RUNS TESTED TESTS: the builds of RUNS' values ("V
       (export "$sw=$v"; gpu_tests "${prefix}_$v" 300 tests/test_cuda_fp4.py -k "$tests")
     done
   fi
-  local W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m ${ABK_M:-64,128,256}"
+  ab_runs "$sw" "$prefix" "$runs" 60 "prof\]" python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 \
+    --m "${ABK_M:-64,128,256}"
+}
+ab_runs() {  # SWITCH PREFIX RUNS SECONDS PATTERN CMD...: CMD once per run of RUNS ("VALUE:PASS ..." in the order run)
+  # under SWITCH=VALUE, with --out $OUT/PREFIX_VALUE_PASS; the log keeps its output lines matching PATTERN
+  local sw=$1 prefix=$2 runs=$3 secs=$4 pat=$5 run v pass
+  shift 5
   for run in $runs; do
     IFS=: read -r v pass <<< "$run"
-    (export "$sw=$v"; timeout 60 $W --out "$OUT/${prefix}_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
+    (export "$sw=$v"; timeout "$secs" "$@" --out "$OUT/${prefix}_${v}_$pass" 2>&1 | grep "$pat" >> "$LOG")
+  done
+}
+roll_ab() {  # DECODE DIR PAIRS: one 7B rollout process (256 + 512) per "FORMAT:BATCH" of PAIRS, fused / DECODE /
+  # DECODE / fused in it ($OUT/DIR)
+  local dec=$1 dir=$2 fb f b
+  for fb in $3; do
+    IFS=: read -r f b <<< "$fb"
+    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
+      --decode "fused,$dec,$dec,fused" --out "$OUT/$dir" 2>&1 | grep -v Warn >> "$LOG"
   done
 }
 case "${1:-core}" in
@@ -588,18 +603,10 @@ next44)  # session 44's opt-ins (see the header)
   builds_at_once - QERL_WGMMA_OCC=2 QERL_LORA_A_L2=1
   [ -n "${SKIP_TESTS:-}" ] || gpu_tests next44 240 tests/test_cuda_fp4.py \
     -k "occ2_is_bit_identical or lora_build_is_bit_identical"
-  for run in 1:1 2:1 2:2 1:2; do
-    IFS=: read -r v pass <<< "$run"
-    (export QERL_WGMMA_OCC=$v; timeout 90 python3 -m benchmarks.wgmma_profile --lora 32 --m 128,256 \
-      --configs "${OCC44_CONFIGS:-16,0,2,2 16,0,2,1 16,-1,2,1 16,0,1,2 16,-1,1,2 32,0,2,1}" \
-      --out "$OUT/occ_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG")
-  done
+  ab_runs QERL_WGMMA_OCC occ "1:1 2:1 2:2 1:2" 90 "prof\]" python3 -m benchmarks.wgmma_profile --lora 32 --m 128,256 \
+    --configs "${OCC44_CONFIGS:-16,0,2,2 16,0,2,1 16,-1,2,1 16,0,1,2 16,-1,1,2 32,0,2,1}"
   python3 -m benchmarks.ab_compare "$OUT" --prefix occ --base 1 --md "$OUT/occ.md" >> "$LOG" 2>&1
-  for fb in nvfp4:8 nvfp4:2 bf16:8; do
-    IFS=: read -r f b <<< "$fb"
-    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
-      --decode fused,fused-lora-a-l2,fused-lora-a-l2,fused --out "$OUT/roll_l2" 2>&1 | grep -v Warn >> "$LOG"
-  done ;;
+  roll_ab fused-lora-a-l2 roll_l2 "nvfp4:8 nvfp4:2 bf16:8" ;;
 lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the header)
   build 2 &
   pids=$!
@@ -617,16 +624,9 @@ next45)  # issue 11: the decode GEMV's early read of the LoRA count (see the hea
   builds_at_once - QERL_LORA_POLL=early
   [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=early; gpu_tests next45 240 tests/test_cuda_fp4.py \
     -k "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue")
-  for run in end:1 early:1 early:2 end:2; do
-    IFS=: read -r v pass <<< "$run"
-    (export QERL_LORA_POLL=$v; timeout 100 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 \
-      --pdl --out "$OUT/poll_${v}_$pass" 2>&1 | grep "lora_gemv\]" >> "$LOG")
-  done
-  for fb in nvfp4:8 nvfp4:2 mxfp4:8 bf16:8; do
-    IFS=: read -r f b <<< "$fb"
-    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
-      --decode fused,fused-lora-poll,fused-lora-poll,fused --out "$OUT/roll_poll" 2>&1 | grep -v Warn >> "$LOG"
-  done ;;
+  ab_runs QERL_LORA_POLL poll "end:1 early:1 early:2 end:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
+    --models 7b --m 8,2 --fmts nvfp4 --pdl
+  roll_ab fused-lora-poll roll_poll "nvfp4:8 nvfp4:2 mxfp4:8 bf16:8" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

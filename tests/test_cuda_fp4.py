@@ -347,8 +347,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1, their defaults nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
-    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-              "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL"):
+    for k in cf.BUILD_SWITCHES:
         monkeypatch.delenv(k, raising=False)
     assert cf.wgmma_pipe() == 2
     default = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_TMA=1",
@@ -1528,3 +1527,28 @@ def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
     assert qk.FP4.linear_lora(FORMATS[fmt], x[:24], q, op) is None
     monkeypatch.setenv("QERL_WGMMA_LORA", "0")
     assert qk.FP4.linear_lora(FORMATS[fmt], x, q, op) is None
+
+
+def test_zero_lora_counters_zeroes_every_lora_workspace_and_nothing_else(monkeypatch):
+    """cf.zero_lora_counters (after a timing-only launch that may leave them set) zeroes the counters of every LoRA
+    workspace, each (device, stream) one, and leaves their partials and every other cached state alone."""
+    state = {("lora_ws", "dev0", 1): (torch.ones(4), torch.tensor([3, 1, 0], dtype=torch.int32)),
+             ("lora_ws", "dev1", 2): (torch.ones(4), torch.tensor([0, 0, 7], dtype=torch.int32)),
+             ("wgmma_ctas", 0, "nvfp4"): 264, ("counters", 0): torch.ones(2)}
+    monkeypatch.setattr(cf, "_STATE", state)
+    cf.zero_lora_counters()
+    assert all(not ws[1].any() and ws[0].eq(1).all() for k, ws in state.items() if k[0] == "lora_ws")
+    assert state[("wgmma_ctas", 0, "nvfp4")] == 264 and state[("counters", 0)].eq(1).all()
+
+
+def test_build_switches_are_the_ones_the_build_flags_read(monkeypatch):
+    """cf.BUILD_SWITCHES (the tests clear them) lists every switch _build_flags reads: a bad value of each is refused
+    by name, and each listed name is read."""
+    monkeypatch.setattr(cf, "_arch_flags", lambda: [])
+    for k in cf.BUILD_SWITCHES:
+        monkeypatch.delenv(k, raising=False)
+    for k in cf.BUILD_SWITCHES:
+        monkeypatch.setenv(k, "no-such-value")
+        with pytest.raises(ValueError, match=k):
+            cf._build_flags()
+        monkeypatch.delenv(k)

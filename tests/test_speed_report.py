@@ -453,8 +453,7 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     from qerl.kernels import cuda_fp4 as cf
 
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
-    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-              "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL"):
+    for k in cf.BUILD_SWITCHES:
         monkeypatch.delenv(k, raising=False)
 
     class _S:

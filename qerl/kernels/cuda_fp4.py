@@ -837,6 +837,11 @@ def bf16_loads() -> str:
     return _gemm_lora_switch("QERL_BF16_LOADS", "sector", BF16_LOADS)
 
 
+# the environment switches _build_flags reads (each value a build of its own)
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
+                  "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL")
+
+
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
@@ -1194,6 +1199,15 @@ def _lora_tensors(lora: LoraOperand, w: CudaFP4Weight) -> tuple[torch.Tensor, to
 def lora_launches() -> int:
     """How many GEMV launches with LoRA this process has issued (host side: a captured graph's count once)."""
     return _STATE.get("lora_launches", 0)
+
+
+def zero_lora_counters() -> None:
+    """Zero the counters of every LoRA workspace (:func:`lora_workspace`, each device and stream), after a launch
+    that may have left them set: a timing-only build (``benchmarks.lora_gemv_bench --ablate``) breaks the rule that
+    every launch leaves them zero."""
+    for key, ws in _STATE.items():
+        if isinstance(key, tuple) and key[0] == "lora_ws":
+            ws[1].zero_()
 
 
 def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
