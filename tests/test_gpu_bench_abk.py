@@ -131,3 +131,24 @@ def test_next45_tests_the_poll_build_then_times_both_builds_in_order(tmp_path):
         "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
     assert all("--decode fused,fused-lora-poll,fused-lora-poll,fused " in r for r in roll)
     assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_next46_tests_the_tag_build_then_times_both_builds_in_order(tmp_path):
+    """``next46``: the default and QERL_LORA_POLL=tag builds, the GEMV LoRA and teacher-forcing GPU tests on the tag
+    one, the layer timing end / tag / tag / end (each process under its own build's switch), then four rollout
+    processes (NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-tag."""
+    p, calls = _run(tmp_path, "next46", '#!/usr/bin/env bash\necho "${QERL_LORA_POLL:-unset}|$*" >> "$STUB_LOG"\n')
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["tag", "unset"]
+    tests = [c for c in calls if "|-m pytest" in c]
+    assert len(tests) == 1 and tests[0].startswith("tag|") and "lora_build_is_bit_identical" in tests[0]
+    assert "tests/test_fused_decode.py" in tests[0] and "or teacher" in tests[0]
+    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
+             if "|-m benchmarks.lora_gemv_bench" in c]
+    assert timed == [("end", "tag_end_1"), ("tag", "tag_tag_1"), ("tag", "tag_tag_2"), ("end", "tag_end_2")]
+    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
+    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
+        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
+    assert all("--decode fused,fused-lora-tag,fused-lora-tag,fused " in r for r in roll)
+    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))

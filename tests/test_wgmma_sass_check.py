@@ -456,3 +456,26 @@ def test_lora_poll_build_reads_the_count_before_the_last_batch():
     for name in fp4:
         assert strong_before_mma(builds[1][name]) > strong_before_mma(builds[0][name]), name
         assert any("MEMBAR.ALL.GPU" in t for _, t in builds[1][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_lora_tag_build_has_no_acquire_and_no_spills_up_to_8_tokens():
+    """QERL_LORA_POLL=tag's build (-DQFP4_LORA_TAG=1): the plain kernels are the default build's; every LoRA kernel
+    stores and loads t as 64-bit strong words (STG / LDG.E.64.STRONG.GPU: value and tag), votes on them (VOTE.ALL:
+    the warp's round is complete), and has fewer L1 invalidations (CCTL.IVALL: the spin's acquire loads are gone)
+    and fewer fences (MEMBAR: none after the direct LoRA CTAs' stores). The one-n8-tile kernels (M <= 8, the
+    measured ones) keep every value in registers (no LDL / STL)."""
+    builds, lora = _gemv_lora_builds("QFP4_LORA_TAG=1")
+
+    def count(b, name, text) -> int:
+        return sum(text in t for _, t in b[name])
+
+    for name in lora:
+        for text in ("LDG.E.64.STRONG.GPU", "STG.E.64.STRONG.GPU", "VOTE.ALL"):
+            assert count(builds[1], name, text) > count(builds[0], name, text) == 0, (name, text)
+        for text in ("CCTL.IVALL", "MEMBAR"):
+            assert count(builds[1], name, text) < count(builds[0], name, text), (name, text)
+        if re.search(r"fp4_gemv_lora_kernelILi\dELi1E", name):
+            assert not any(wsc.opcode(t) in ("LDL", "STL") or wsc.opcode(t).startswith(("LDL.", "STL."))
+                           for _, t in builds[1][name]), name

@@ -418,10 +418,11 @@ def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 2, max_uni
     return max(1, min(c, -(-c // (warps * chunks_per_warp)), max(1, max_units // strips)))
 
 
-def lora_direct(parts: int, sw: int) -> bool:
-    """Whether a launch with ``parts`` K parts per 16-rank strip and ``sw`` strips per warp has its output warps sum
-    the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA."""
-    return sw == 1 and parts <= LORA_DIRECT_PARTS
+def lora_direct(parts: int, sw: int, m: int = 1) -> bool:
+    """Whether a launch with ``parts`` K parts per 16-rank strip, ``sw`` strips per warp and M = ``m`` tokens has its
+    output warps sum the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA (up to 2 parts at M > 8 in
+    ``QERL_LORA_POLL=tag``'s build, whose 64-bit words take twice the registers: csrc ``direct_parts``)."""
+    return sw == 1 and parts <= (2 if lora_poll() == "tag" and m > 8 else LORA_DIRECT_PARTS)
 
 
 def emulate_lora(x: torch.Tensor, lora: LoraOperand) -> torch.Tensor:
@@ -533,7 +534,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
   TORCH_CHECK(a.is_contiguous() && bn.is_contiguous() && a.dim() == 2 && bn.dim() == 2, "a, bn: contiguous 2-D");
   const int R = (int)a.size(0), RP = (int)bn.size(1);
   TORCH_CHECK(a.size(1) == 64 * C && bn.size(0) == 16 * S && RP % 16 == 0, "LoRA shape mismatch");
-  TORCH_CHECK(part.numel() >= (512 + 24) * 256 && ctr.numel() >= 2 + 24, "LoRA workspace too small");
+  TORCH_CHECK(part.numel() >= (512 + 24) * 256 * 2 + 1 && ctr.numel() >= 2 + 24, "LoRA workspace too small");
   TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bn.data_ptr()) % 16 == 0,
               "a, bn must be 16-byte aligned");
@@ -802,18 +803,23 @@ def lora_a_l2() -> bool:
     return _gemm_lora_switch("QERL_LORA_A_L2", "0", LORA_A_L2) == "1"
 
 
-LORA_POLL = ("end", "early")
+LORA_POLL = ("end", "early", "tag")
 
 
 def lora_poll() -> str:
-    """``QERL_LORA_POLL``: when the decode GEMV's output warps first read the LoRA CTAs' count. ``end`` (default): after
-    the main loop, spinning on an acquire load. ``early`` (opt-in, session 44, not yet measured on a GPU; a build of
-    its own, ``-DQFP4_LORA_EARLY_POLL=1``, decode mode ``fused-lora-poll``): a relaxed read just before the last
-    batch of chunks is computed (its weight loads in flight); if the count is already complete the term starts with a
-    fence instead of another L2 round trip, else it spins as before. The same loads and sums: the same results. Why:
-    the session-44 ablation (``benchmarks.lora_gemv_bench --ablate``, `results/speed/raw/h200_s44_lora`) put ~10 of
-    the 12.4 µs the LoRA adds to a 7B layer at M = 8 in the output warps' term, ~2 µs of it in the spin's round trips
-    when the LoRA CTAs were already done."""
+    """``QERL_LORA_POLL``: how the decode GEMV's output warps learn that t = x·Aᵀ is ready. ``end`` (default): after
+    the main loop, spinning on an acquire load of the LoRA CTAs' count. ``early`` (opt-in, session 44; a build of its
+    own, ``-DQFP4_LORA_EARLY_POLL=1``, decode mode ``fused-lora-poll``): a relaxed read just before the last batch of
+    chunks is computed; if the count is already complete the term starts with a fence instead of another L2 round
+    trip, else it spins as before. The same loads and sums: the same results. Why: the session-44 ablation
+    (``benchmarks.lora_gemv_bench --ablate``, `results/speed/raw/h200_s44_lora`) put ~10 of the 12.4 µs the LoRA adds
+    to a 7B layer at M = 8 in the output warps' term. Measured on an H200 (session 45, `raw/h200_s45_next45`,
+    end / early / early / end): the layer within the run-to-run range, 7B rollouts' decode rate −0.3…−1.3%: not
+    adopted. ``tag`` (opt-in, session 45; ``-DQFP4_LORA_TAG=1``, decode mode ``fused-lora-tag``): no count and no
+    fence — every value of t is stored with the launch's tag in one 64-bit word and the output warps load their
+    words until each carries the tag (csrc ``QFP4_LORA_TAG``), two L2 round trips fewer between x·Aᵀ and the term.
+    The same sums in the same order: the same results. Its launches that leave the sum of x·Aᵀ's parts to the LoRA
+    CTAs (more than 2 parts a strip, or two strips a warp) need every member's first rank even."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_LORA_POLL", "end", LORA_POLL)
 
@@ -852,7 +858,7 @@ def _build_flags() -> list[str]:
     another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
     (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_A_L2=1`` the GEMV's LoRA CTAs' L2 prefetch of A before their wait
     (``-DQFP4_LORA_A_L2=1``, another); ``QERL_LORA_POLL=early`` the GEMV's early read of the LoRA count
-    (``-DQFP4_LORA_EARLY_POLL=1``, another)."""
+    (``-DQFP4_LORA_EARLY_POLL=1``, another), ``tag`` its tagged values of t (``-DQFP4_LORA_TAG=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
@@ -862,7 +868,8 @@ def _build_flags() -> list[str]:
             *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
             *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
             *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else []),
-            *(["-DQFP4_LORA_EARLY_POLL=1"] if lora_poll() == "early" else [])]
+            *(["-DQFP4_LORA_EARLY_POLL=1"] if lora_poll() == "early" else []),
+            *(["-DQFP4_LORA_TAG=1"] if lora_poll() == "tag" else [])]
 
 
 def _tma_flags(mode: str) -> list[str]:
@@ -1176,8 +1183,13 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
+    parts = lora_parts(lora.rank, w.k // 64, splits * per)
+    if lora_poll() == "tag" and not lora_direct(parts, sw, m) and any(o % 2 for o, r in zip(roff, rk, strict=True) if r):
+        raise ValueError(f"QERL_LORA_POLL=tag: this launch ({parts} K parts, {sw} strips a warp) reads t as bf16 pairs "
+                         f"and needs every member's first rank even; the member ranks {[r for r in rk if r]} start at "
+                         f"{[o for o, r in zip(roff, rk, strict=True) if r]}. Use QERL_LORA_POLL=end (the default)")
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
-                     a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
+                     a, bn, part, ctr, parts, bound1, bound2, roff, rk)
     return out
 
 
@@ -1202,26 +1214,28 @@ def lora_launches() -> int:
 
 
 def zero_lora_counters() -> None:
-    """Zero the counters of every LoRA workspace (:func:`lora_workspace`, each device and stream), after a launch
+    """Zero every LoRA workspace (:func:`lora_workspace`, each device and stream), counters and values, after a launch
     that may have left them set: a timing-only build (``benchmarks.lora_gemv_bench --ablate``) breaks the rule that
-    every launch leaves them zero."""
+    every launch leaves the counters zero. The values go too: ``QERL_LORA_POLL=tag``'s epoch restarts, so no word
+    may keep an old tag."""
     for key, ws in _STATE.items():
         if isinstance(key, tuple) and key[0] == "lora_ws":
+            ws[0].zero_()
             ws[1].zero_()
 
 
 def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
-    ((LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16: the LoRA CTAs' partials, then t finished per 16-rank strip)
-    and int32 (2 + LORA_MAX_RANKS / 16), zeroed once; every launch overwrites the values it reads and leaves the
-    counters zero. Launches on one stream run one after the other (under PDL the next grid waits for the
-    previous one before touching them)."""
+    ((LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16 x 2 + 64: the LoRA CTAs' partials, then t finished per
+    16-rank strip, room for ``QERL_LORA_POLL=tag``'s 64-bit words, then its epoch) and int32 (2 + LORA_MAX_RANKS /
+    16), zeroed once; every launch overwrites the values it reads and leaves the counters zero. Launches on one stream
+    run one after the other (under PDL the next grid waits for the previous one before touching them)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = ("lora_ws", device, stream)
     ws = _STATE.get(key)
     if ws is None:
         strips = LORA_MAX_RANKS // 16
-        ws = (torch.zeros((LORA_MAX_UNITS + strips) * 256, dtype=torch.float32, device=device),
+        ws = (torch.zeros((LORA_MAX_UNITS + strips) * 256 * 2 + 64, dtype=torch.float32, device=device),
               torch.zeros(2 + strips, dtype=torch.int32, device=device))
         _STATE[key] = ws
     return ws
