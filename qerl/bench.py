@@ -237,7 +237,7 @@ def decode_mode(sampler, dec: str):
     GEMV's LoRA CTAs prefetch A into L2 before their PDL wait: ``QERL_LORA_A_L2=1``, a build of its own),
     "fused-lora-poll" (the decode GEMV's output warps read the LoRA count before their last batch:
     ``QERL_LORA_POLL=early``, a build of its own), "fused-lora-tag" (its values of x·Aᵀ stored with the launch's tag
-    and loaded until they carry it, no count and no fence: ``QERL_LORA_POLL=tag``, a build of its own) — all but
+    and loaded until they carry it, no fence and no acquire: ``QERL_LORA_POLL=tag``, a build of its own) — all but
     "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

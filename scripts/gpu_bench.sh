@@ -180,9 +180,9 @@
 #                                batch 8 and 2, MXFP4 and BF16 at 8, fused / fused-lora-poll / fused-lora-poll / fused in
 #                                one process each ($OUT/roll_poll); ~6 min
 #   scripts/gpu_bench.sh next46  issue 11 in session 45, on any GPU: QERL_LORA_POLL=tag (t stored with the launch's tag,
-#                                no count, no fence): both builds, the GEMV LoRA bit-identity tests and the fused
-#                                decode's teacher-forcing tests on the new one ($OUT/tests_next46.txt; SKIP_TESTS=1
-#                                skips), benchmarks.lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) end / tag / tag / end
+#                                no fence, no acquire): both builds, the GEMV LoRA bit-identity tests (TEACHER=1: and
+#                                the fused decode's teacher-forcing tests, ~4 min more) on the new one
+#                                ($OUT/tests_next46.txt; SKIP_TESTS=1 skips), benchmarks.lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) end / tag / tag / end
 #                                ($OUT/tag_{end,tag}_{1,2}), then 7B rollouts (256 + 512) NVFP4 at batch 8 and 2, MXFP4
 #                                and BF16 at 8, fused / fused-lora-tag / fused-lora-tag / fused in one process each
 #                                ($OUT/roll_tag); ~7 min
@@ -630,8 +630,8 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
 next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)
   builds_at_once - QERL_LORA_POLL=tag
   [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=tag; gpu_tests next46 300 tests/test_cuda_fp4.py \
-    tests/test_fused_decode.py -k "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes \
-or silu_mul_epilogue or teacher")
+    ${TEACHER:+tests/test_fused_decode.py} -k "lora_build_is_bit_identical or gemv_lora_every_config or \
+gemv_lora_model_shapes or silu_mul_epilogue${TEACHER:+ or teacher}")
   ab_runs QERL_LORA_POLL tag "end:1 tag:1 tag:2 end:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
     --models 7b --m 8,2 --fmts nvfp4 --pdl
   roll_ab fused-lora-tag roll_tag "nvfp4:8 nvfp4:2 mxfp4:8 bf16:8" ;;

@@ -1426,7 +1426,7 @@ def test_gpu_wgmma_occ2_is_bit_identical(fmt, monkeypatch):
 def test_gpu_gemv_lora_build_is_bit_identical(fmt, switch, off, on, monkeypatch):
     """QERL_LORA_A_L2=1's build (the decode GEMV's LoRA CTAs prefetch A into L2 before their PDL wait),
     QERL_LORA_POLL=early's (the output warps read the LoRA count before their last batch) and QERL_LORA_POLL=tag's (t
-    stored with the launch's tag, no count, no fence) give the default build's output bit for bit: LoRA launches at
+    stored with the launch's tag, no fence, no acquire) give the default build's output bit for bit: LoRA launches at
     M = 1, 8, 16 over configs with one and several batches a warp, with and without PDL, both ways of summing x·Aᵀ's
     K parts, and a captured chain of PDL launches (each launch a new tag: a stale word would show). The counters are
     left zero. The tag build refuses, by name, a launch whose bf16 pairs of t would start at an odd rank."""

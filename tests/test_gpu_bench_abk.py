@@ -135,10 +135,11 @@ def test_next45_tests_the_poll_build_then_times_both_builds_in_order(tmp_path):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_next46_tests_the_tag_build_then_times_both_builds_in_order(tmp_path):
-    """``next46``: the default and QERL_LORA_POLL=tag builds, the GEMV LoRA and teacher-forcing GPU tests on the tag
-    one, the layer timing end / tag / tag / end (each process under its own build's switch), then four rollout
+    """``next46``: the default and QERL_LORA_POLL=tag builds, the GEMV LoRA and (TEACHER=1) teacher-forcing GPU tests
+    on the tag one, the layer timing end / tag / tag / end (each process under its own build's switch), then four rollout
     processes (NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-tag."""
-    p, calls = _run(tmp_path, "next46", '#!/usr/bin/env bash\necho "${QERL_LORA_POLL:-unset}|$*" >> "$STUB_LOG"\n')
+    p, calls = _run(tmp_path, "next46", '#!/usr/bin/env bash\necho "${QERL_LORA_POLL:-unset}|$*" >> "$STUB_LOG"\n',
+                    TEACHER="1")
     assert p.returncode == 0, p.stderr
     assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["tag", "unset"]
     tests = [c for c in calls if "|-m pytest" in c]

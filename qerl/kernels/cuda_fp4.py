@@ -815,9 +815,10 @@ def lora_poll() -> str:
     (``benchmarks.lora_gemv_bench --ablate``, `results/speed/raw/h200_s44_lora`) put ~10 of the 12.4 µs the LoRA adds
     to a 7B layer at M = 8 in the output warps' term. Measured on an H200 (session 45, `raw/h200_s45_next45`,
     end / early / early / end): the layer within the run-to-run range, 7B rollouts' decode rate −0.3…−1.3%: not
-    adopted. ``tag`` (opt-in, session 45; ``-DQFP4_LORA_TAG=1``, decode mode ``fused-lora-tag``): no count and no
-    fence — every value of t is stored with the launch's tag in one 64-bit word and the output warps load their
-    words until each carries the tag (csrc ``QFP4_LORA_TAG``), two L2 round trips fewer between x·Aᵀ and the term.
+    adopted. ``tag`` (opt-in, session 45; ``-DQFP4_LORA_TAG=1``, decode mode ``fused-lora-tag``): no fence and no
+    acquire — every value of t is stored with the launch's tag in one 64-bit word and the output warps load their
+    words at once, and again after the count (now only a hint) until each carries the tag (csrc ``QFP4_LORA_TAG``),
+    two L2 round trips fewer between x·Aᵀ and the term.
     The same sums in the same order: the same results. Its launches that leave the sum of x·Aᵀ's parts to the LoRA
     CTAs (more than 2 parts a strip, or two strips a warp) need every member's first rank even."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices

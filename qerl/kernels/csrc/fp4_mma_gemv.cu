@@ -93,12 +93,14 @@
 #define QFP4_LORA_EARLY_POLL 0
 #endif
 
-// QFP4_LORA_TAG (the build's -D, set by QERL_LORA_POLL=tag; opt-in, session 45): t is published without counts or
-// fences. Each fp32 value of t (a LoRA CTA's partial, a strip's finished t) is stored with the launch's tag in one
-// 64-bit word (st.relaxed.gpu: single-copy atomic, so a reader sees value and tag together); the output warps load
-// the words they need (ld.relaxed.gpu) and load them again until every one carries the tag. No __threadfence and no
-// count in the direct LoRA CTAs, no acquire round trip in the output warps: the chain from x·A^T to the term loses
-// two L2 round trips. The tag is the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the
+// QFP4_LORA_TAG (the build's -D, set by QERL_LORA_POLL=tag; opt-in, session 45): t is published without fences or
+// acquires. Each fp32 value of t (a LoRA CTA's partial; a strip's finished t as bf16 pairs) is stored with the
+// launch's tag in one 64-bit word (st.relaxed.gpu: single-copy atomic, so a reader sees value and tag together); the
+// output warps load the words they need (ld.relaxed.gpu) at once, and if some do not carry the tag yet, again once
+// the LoRA CTAs' count (relaxed, only a hint of when to look) is complete. No __threadfence in the direct LoRA CTAs,
+// no acquire round trip in the output warps: the chain from x·A^T to the term loses two L2 round trips. (Session
+// 45's first version reloaded every word until done instead of waiting on the count: on an H200 it cost the 7B
+// NVFP4 rollouts 23%, raw/h200_s45_next46.) The tag is the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the
 // launch's last CTA to finish (every LoRA and output CTA counts itself done) increments the epoch, so no CTA of the
 // launch can see the next tag, and a word from an earlier launch never carries the current one. The same loads
 // and sums in the same order: the same results. Session 44's ablation (raw/h200_s44_lora) bounds it: without any
@@ -275,11 +277,13 @@ __device__ __forceinline__ void chunk_mma_dense(float (&acc)[A2][NT][4], const u
 __device__ __forceinline__ void lora_count_done(const LoraArgs& la) {
   const unsigned ctas = QFP4_LORA_TAG ? gridDim.x : gridDim.x - la.nlora;
   if (atomicAdd(la.ctr + 1, 1u) == ctas - 1) {
-    la.ctr[0] = 0u;
-    la.ctr[1] = 0u;
-#if QFP4_LORA_TAG
+#if QFP4_LORA_TAG  // the hint count may still be arriving (no fence after it): take it back rather than store zero
+    atomicSub(la.ctr, (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4));
     atomicAdd(reinterpret_cast<unsigned*>(la.part + kLoraPartFloats), 1u);
+#else
+    la.ctr[0] = 0u;
 #endif
+    la.ctr[1] = 0u;
   }
 }
 
@@ -406,7 +410,8 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
   __syncthreads();
   if (threadIdx.x == 0) {
 #if QFP4_LORA_TAG
-    lora_count_done(la);  // the values carry their tag: only the epoch's count
+    atomicAdd(la.ctr, 1u);  // the count as a hint (no fence): the tags say whether the values are there
+    lora_count_done(la);
 #else
     __threadfence();  // the stores, then the count (the pattern of a cooperative grid sync)
     atomicAdd(la.ctr, 1u);
@@ -467,7 +472,8 @@ __device__ __forceinline__ uint32_t lora_t_pair(const LoraArgs& la, int M, int t
 }
 
 // The B operands of one round of 32 ranks (QFP4_LORA_TAG): loaded until every lane's carry the launch's tag, with no
-// count and no acquire. Direct launches (one strip a warp, <= kLoraDirectParts parts) sum the tagged fp32 partials as
+// acquire: at once, then (if the LoRA CTAs are not done) again after the count of them (relaxed: only a hint) is
+// complete. Direct launches (one strip a warp, <= kLoraDirectParts parts) sum the tagged fp32 partials as
 // lora_t does; the others load the strips' finished t as bf16 pairs, one word for two ranks. Pairs need an even first
 // rank per member (the launcher refuses odd offsets in this build). A launch whose LoRA CTAs never finish traps.
 template <int NT, int SW>
@@ -502,8 +508,13 @@ __device__ __forceinline__ void lora_b_tagged(const LoraArgs& la, int M, int jb,
       }
     }
     if (__all_sync(0xffffffffu, ready)) return;
-    __nanosleep(20);  // some value is not this launch's yet: load the round again
-    if (clock64() - start > (1LL << 32)) __trap();
+    // some value is not this launch's yet: wait for the LoRA CTAs' count (one word, a hint) before loading the round
+    // again, rather than loading it over and over
+    const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);
+    do {
+      __nanosleep(20);
+      if (clock64() - start > (1LL << 32)) __trap();
+    } while (ld_relaxed(la.ctr) < need);
   }
 }
 #endif
@@ -899,10 +910,13 @@ __global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) fp4_ge
 
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
 // granule and cost a resident CTA per SM (one n8 tile, U = 2, SW = 2: 97 -> 104 registers would fit 4 CTAs of 4 warps
-// per SM instead of 5, and 7B's gate|up grid then ran in two waves); elsewhere the launch bound's own limit.
+// per SM instead of 5, and 7B's gate|up grid then ran in two waves; QFP4_LORA_TAG's U = 4, SW = 1: 106 without the
+// cap, 7B's q|k|v and o at M <= 8, whose 10-warp CTAs would fit one an SM instead of two; ptxas: no spills at 96);
+// elsewhere the launch bound's own limit.
 template <int FMT, int NT, int U, int SW>
 constexpr int lora_max_regs() {
-  return FMT != 2 && NT == 1 && U == 2 && SW == 2 ? 96 : max_warps<U, SW, wwords<FMT>()>() == 16 ? 128 : 255;
+  return FMT != 2 && NT == 1 && ((U == 2 && SW == 2) || (QFP4_LORA_TAG && U == 4 && SW == 1)) ? 96
+         : max_warps<U, SW, wwords<FMT>()>() == 16 ? 128 : 255;
 }
 
 template <int FMT, int NT, int U, int SW>
