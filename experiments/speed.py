@@ -677,6 +677,11 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 45 (H200, d0c4381-3fd5721; `raw/h200_s45_*/README.md`): two ways of taking the wait's round trips off the
+decode GEMV's LoRA term, both bit-identical and both slower, neither adopted: the output warps' early read of the
+LoRA count (`QERL_LORA_POLL=early`: 7B decode rate −0.3…−1.3%) and t stored with the launch's tag, no fence and no
+acquire (`QERL_LORA_POLL=tag`: NVFP4 / MXFP4 −22…−24% re-loading until the tags arrive, −7…−9% waiting on the count
+between loads; BF16-LoRA +2.6% / −1.6%).
 Session 44 (H200, 10881e2-abf399d; `raw/h200_s44_*/README.md`): the 256-thread 128-token wgmma variants at two CTAs
 an SM (`QERL_WGMMA_OCC=2`) tie the picks on gate|up (91.9 vs 91.6 µs at 128 tokens) and lose elsewhere: not adopted.
 At batch 8 the LoRA costs the 7B NVFP4 decode step 10.6% (graph step 2302 µs without adapters vs 2545 with rank 32;

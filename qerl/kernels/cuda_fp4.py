@@ -818,7 +818,11 @@ def lora_poll() -> str:
     adopted. ``tag`` (opt-in, session 45; ``-DQFP4_LORA_TAG=1``, decode mode ``fused-lora-tag``): no fence and no
     acquire — every value of t is stored with the launch's tag in one 64-bit word and the output warps load their
     words at once, and again after the count (now only a hint) until each carries the tag (csrc ``QFP4_LORA_TAG``),
-    two L2 round trips fewer between x·Aᵀ and the term.
+    two L2 round trips fewer between x·Aᵀ and the term. Measured on an H200 (session 45, 7B rollouts, 256 + 512,
+    fused / tag / tag / fused): re-loading every word until it carries the tag (`raw/h200_s45_next46`) NVFP4 −23%
+    at batch 8 and 2, MXFP4 −22%, BF16-LoRA +2.6%; waiting on the count between loads (this build,
+    `raw/h200_s45_next46b`) NVFP4 −8.1 / −7.2%, MXFP4 −8.6%, BF16-LoRA −1.6%; per 7B layer at M = 8 +5 µs, most of
+    it the o product (7.8 → 10.7 µs). Not adopted.
     The same sums in the same order: the same results. Its launches that leave the sum of x·Aᵀ's parts to the LoRA
     CTAs (more than 2 parts a strip, or two strips a warp) need every member's first rank even."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices

@@ -100,7 +100,8 @@
 // the LoRA CTAs' count (relaxed, only a hint of when to look) is complete. No __threadfence in the direct LoRA CTAs,
 // no acquire round trip in the output warps: the chain from x·A^T to the term loses two L2 round trips. (Session
 // 45's first version reloaded every word until done instead of waiting on the count: on an H200 it cost the 7B
-// NVFP4 rollouts 23%, raw/h200_s45_next46.) The tag is the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the
+// NVFP4 rollouts 23%, raw/h200_s45_next46.) Measured on an H200 (session 45, raw/h200_s45_next46b): 7B rollouts
+// NVFP4 -8%, MXFP4 -9%, BF16 -2%; the o product +3 us a launch. Refuted: not adopted. The tag is the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the
 // launch's last CTA to finish (every LoRA and output CTA counts itself done) increments the epoch, so no CTA of the
 // launch can see the next tag, and a word from an earlier launch never carries the current one. The same loads
 // and sums in the same order: the same results. Session 44's ablation (raw/h200_s44_lora) bounds it: without any
