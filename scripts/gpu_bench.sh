@@ -186,14 +186,6 @@
 #                                ($OUT/tag_{end,tag}_{1,2}), then 7B rollouts (256 + 512) NVFP4 at batch 8 and 2, MXFP4
 #                                and BF16 at 8, fused / fused-lora-tag / fused-lora-tag / fused in one process each
 #                                ($OUT/roll_tag); ~7 min
-#   scripts/gpu_bench.sh next47  issue 11 in session 45, on any GPU: QERL_LORA_TERM=warp (the LoRA term by a warp of its
-#                                own per output CTA, beside the main loop): both builds, the GPU tests of the new one
-#                                against the default build and the float64 references (TESTS_K replaces the -k; TEACHER=1
-#                                adds the fused decode's teacher forcing; $OUT/tests_next47.txt), lora_gemv_bench --pdl
-#                                (7B NVFP4, M = 8 and 2) output / warp / warp / output (LAYER_RUNS replaces the order;
-#                                $OUT/warp_{output,warp}_{1,2}), 7B rollouts (256 + 512) fused / fused-lora-warp /
-#                                fused-lora-warp / fused, NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8 (ROLL replaces
-#                                the list; $OUT/roll_warp); ~8 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -635,14 +627,6 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
     timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate 1,2,3,4 \
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
-next47)  # issue 11: the decode GEMV's LoRA term in a warp of its own (see the header)
-  builds_at_once - QERL_LORA_TERM=warp
-  [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_TERM=warp; gpu_tests next47 300 tests/test_cuda_fp4.py \
-    ${TEACHER:+tests/test_fused_decode.py} -k "${TESTS_K:-lora_warp_build or gemv_lora_every_config or \
-gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config}${TEACHER:+ or teacher}")
-  ab_runs QERL_LORA_TERM warp "${LAYER_RUNS:-output:1 warp:1 warp:2 output:2}" 100 "lora_gemv\]" \
-    python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl
-  roll_ab fused-lora-warp roll_warp "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}" ;;
 next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)
   builds_at_once - QERL_LORA_POLL=tag
   [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=tag; gpu_tests next46 300 tests/test_cuda_fp4.py \

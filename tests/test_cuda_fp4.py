@@ -343,9 +343,8 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
     -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags. QERL_BF16_LOADS
     =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
-    QERL_WGMMA_OCC=2, QERL_LORA_A_L2=1, QERL_LORA_POLL=early / tag and QERL_LORA_TERM=warp (opt-ins) add
-    -DQFP4_WGMMA_OCC=2 / -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1 / -DQFP4_LORA_TAG=1 / -DQFP4_LORA_WARP=1, their
-    defaults nothing."""
+    QERL_WGMMA_OCC=2, QERL_LORA_A_L2=1 and QERL_LORA_POLL=early / tag (opt-ins) add -DQFP4_WGMMA_OCC=2 /
+    -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1 / -DQFP4_LORA_TAG=1, their defaults nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     for k in cf.BUILD_SWITCHES:
@@ -356,8 +355,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     assert cf._build_flags() == default
     for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_A_L2", "1", "-DQFP4_LORA_A_L2=1"),
                               ("QERL_LORA_POLL", "early", "-DQFP4_LORA_EARLY_POLL=1"),
-                              ("QERL_LORA_POLL", "tag", "-DQFP4_LORA_TAG=1"),
-                              ("QERL_LORA_TERM", "warp", "-DQFP4_LORA_WARP=1")):
+                              ("QERL_LORA_POLL", "tag", "-DQFP4_LORA_TAG=1")):
         monkeypatch.setenv(name, value)
         assert cf._build_flags() == [*default, flag]
         monkeypatch.setenv(name, "3")
@@ -1456,48 +1454,6 @@ def test_gpu_gemv_lora_build_is_bit_identical(fmt, switch, off, on, monkeypatch)
     w = _prep(fmt, _quant(fmt, 1024, 1024, seed=14, device="cuda"))  # the chain feeds each output to the next: K = N
     op = _lora([(512, 16), (256, 16), (256, 16)], 1024, seed=15, device="cuda")
     _graph_chain_replay(w, op, g, 3, check=lambda y1, x: _check_lora(y1, x, w, op))
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "bf16"])
-def test_gpu_gemv_lora_warp_build_matches_the_default(fmt, monkeypatch):
-    """QERL_LORA_TERM=warp's build (the LoRA term by a warp of its own in each output CTA, added after the splits'
-    sum) against the default build (added into split 0's accumulator): the same products summed in another fp32 order,
-    so at most one bf16 step apart, and within the float64 bound; over configs with one and several splits (the one-
-    split ones take the shared-memory reduction in this build), silu(gate)·up, M = 1, 8, 16, PDL chains in a graph.
-    The counters are left zero."""
-    g = torch.Generator(device="cuda").manual_seed(45)
-    n, k = 208, 1536
-    w = _prep(fmt, _quant(fmt, n, k, seed=17, device="cuda")) if fmt != "bf16" else cf.dense_weight(
-        torch.randn(n, k, device="cuda", generator=g).bfloat16())
-    op = _lora([(112, 16), (48, 8), (48, 24)], k, seed=18, device="cuda")
-    cfgs = [(1, 1, 4, 1), (16, 1, 4, 1), (3, 1, 2, 2), (4, 2, 2, 2)] if fmt != "bf16" else [(1, 1, 2, 1), (5, 1, 2, 1)]
-    for m in (1, 8, 16):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for cfg in cfgs:
-            for pdl in (False, True):
-                monkeypatch.setenv("QERL_LORA_TERM", "output")
-                ref = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
-                monkeypatch.setenv("QERL_LORA_TERM", "warp")
-                got = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
-                step = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(2.0 ** -126)
-                assert ((got.float() - ref.float()).abs() <= step).all(), (m, cfg, pdl)
-                assert not cf.lora_workspace(x.device)[1].any(), "the launch left its LoRA counters set"
-                if fmt != "bf16":  # (BF16 against float64 under this build: test_gpu_bf16_gemv_every_config_...)
-                    _check_lora(got, x, w, op)
-    if fmt != "bf16":  # silu(gate) * up over strip pairs: one split (registers in the default, shared memory here)
-        for cfg in ((1, 1, 2, 2), (2, 2, 2, 2)):
-            x = torch.randn(8, k, device="cuda", generator=g).bfloat16()
-            monkeypatch.setenv("QERL_LORA_TERM", "output")
-            ref = cf.gemv(x, w, config=cfg, lora=op, act="silu_mul")
-            monkeypatch.setenv("QERL_LORA_TERM", "warp")
-            got = cf.gemv(x, w, config=cfg, lora=op, act="silu_mul")
-            step = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(2.0 ** -126)
-            assert ((got.float() - ref.float()).abs() <= 2 * step).all(), cfg
-        w2 = _prep(fmt, _quant(fmt, 1024, 1024, seed=19, device="cuda"))  # the chain feeds each output on: K = N
-        op2 = _lora([(512, 16), (256, 16), (256, 16)], 1024, seed=20, device="cuda")
-        _graph_chain_replay(w2, op2, g, 3, check=lambda y1, x: _check_lora(y1, x, w2, op2))
 
 
 @pytest.mark.gpu

@@ -153,29 +153,3 @@ def test_next46_tests_the_tag_build_then_times_both_builds_in_order(tmp_path):
         "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
     assert all("--decode fused,fused-lora-tag,fused-lora-tag,fused " in r for r in roll)
     assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-@pytest.mark.parametrize("short", [False, True])
-def test_next47_tests_the_warp_build_then_times_both_builds_in_order(tmp_path, short):
-    """``next47``: the default and QERL_LORA_TERM=warp builds, the GPU tests on the warp one, the layer timing output /
-    warp / warp / output, then rollout processes alternating the default and fused-lora-warp; TESTS_K, LAYER_RUNS and
-    ROLL shorten it for a call with little device time left."""
-    env = dict(TESTS_K="lora_warp_build", LAYER_RUNS="output:1 warp:1", ROLL="nvfp4:8 bf16:8") if short else {}
-    p, calls = _run(tmp_path, "next47", '#!/usr/bin/env bash\necho "${QERL_LORA_TERM:-unset}|$*" >> "$STUB_LOG"\n',
-                    **env)
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["unset", "warp"]
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("warp|") and "lora_warp_build" in tests[0]
-    assert ("gemv_lora_every_config" in tests[0]) != short
-    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
-             if "|-m benchmarks.lora_gemv_bench" in c]
-    full = [("output", "warp_output_1"), ("warp", "warp_warp_1"), ("warp", "warp_warp_2"), ("output", "warp_output_2")]
-    assert timed == (full[:2] if short else full)
-    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    formats = ["nvfp4 --batch 8", "bf16 --batch 8"] if short else [
-        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == formats
-    assert all("--decode fused,fused-lora-warp,fused-lora-warp,fused " in r for r in roll)
-    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))

@@ -479,19 +479,3 @@ def test_lora_tag_build_has_no_acquire_and_no_spills_up_to_8_tokens():
         if re.search(r"fp4_gemv_lora_kernelILi\dELi1E", name):
             assert not any(wsc.opcode(t) in ("LDL", "STL") or wsc.opcode(t).startswith(("LDL.", "STL."))
                            for _, t in builds[1][name]), name
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_lora_warp_build_keeps_the_term_and_no_spills_up_to_8_tokens():
-    """QERL_LORA_TERM=warp's build (-DQFP4_LORA_WARP=1): the plain kernels are the default build's; every LoRA kernel
-    changes but keeps the term (its spin: NANOSLEEP, and at least the default's MMAs); the one-n8-tile kernels (M <= 8,
-    the measured ones) keep every value in registers (no LDL / STL)."""
-    builds, lora = _gemv_lora_builds("QFP4_LORA_WARP=1")
-    for name in lora:
-        ops = [[wsc.opcode(t) for _, t in b[name]] for b in builds]
-        assert ops[1] != ops[0], name
-        assert "NANOSLEEP" in ops[1], name
-        assert sum(o.startswith("HMMA") for o in ops[1]) >= sum(o.startswith("HMMA") for o in ops[0]), name
-        if re.search(r"fp4_gemv_lora_kernelILi\dELi1E", name):
-            assert not any(o.startswith(("LDL", "STL")) for o in ops[1]), name

@@ -829,24 +829,6 @@ def lora_poll() -> str:
     return _gemm_lora_switch("QERL_LORA_POLL", "end", LORA_POLL)
 
 
-LORA_TERM = ("output", "warp")
-
-
-def lora_term() -> str:
-    """``QERL_LORA_TERM``: which warps of the decode GEMV's output CTAs add the LoRA term B·t. ``output`` (default):
-    each strip's split-0 warp, after its main loop (waiting there for t). ``warp`` (opt-in, session 45, not yet run on
-    a GPU; a build of its own, ``-DQFP4_LORA_WARP=1``, decode mode ``fused-lora-warp``): a warp of its own per output
-    CTA, which waits for t and computes the term of the CTA's strips while the others stream weights, and leaves it in
-    shared memory for the split-K reduction (csrc ``QFP4_LORA_WARP``). The same products, summed in another order
-    (the term after the splits' sum). Why: session 44's ablation (`results/speed/raw/h200_s44_lora`) put ~7 of the
-    ~12 µs the LoRA adds to a 7B layer at M = 8 in the term's own chain after the main loop (Bn and t loads, MMAs,
-    registers), and session 45 found the waits' fences and acquires were not it (``QERL_LORA_POLL``). Its one-tile
-    (M ≤ 8) kernels keep the default's registers; at M > 8 the 17-warp CTAs cap the 16-warp variants at 120
-    registers, and two of them spill (ptxas: 80-88 bytes)."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_LORA_TERM", "output", LORA_TERM)
-
-
 BF16_LOADS = ("pair", "sector")
 
 
@@ -868,7 +850,7 @@ def bf16_loads() -> str:
 
 # the environment switches _build_flags reads (each value a build of its own)
 BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-                  "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL", "QERL_LORA_TERM")
+                  "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL")
 
 
 def _build_flags() -> list[str]:
@@ -881,8 +863,7 @@ def _build_flags() -> list[str]:
     another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
     (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_A_L2=1`` the GEMV's LoRA CTAs' L2 prefetch of A before their wait
     (``-DQFP4_LORA_A_L2=1``, another); ``QERL_LORA_POLL=early`` the GEMV's early read of the LoRA count
-    (``-DQFP4_LORA_EARLY_POLL=1``, another), ``tag`` its tagged values of t (``-DQFP4_LORA_TAG=1``, another);
-    ``QERL_LORA_TERM=warp`` the GEMV's LoRA term in a warp of its own (``-DQFP4_LORA_WARP=1``, another)."""
+    (``-DQFP4_LORA_EARLY_POLL=1``, another), ``tag`` its tagged values of t (``-DQFP4_LORA_TAG=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
@@ -893,8 +874,7 @@ def _build_flags() -> list[str]:
             *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
             *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else []),
             *(["-DQFP4_LORA_EARLY_POLL=1"] if lora_poll() == "early" else []),
-            *(["-DQFP4_LORA_TAG=1"] if lora_poll() == "tag" else []),
-            *(["-DQFP4_LORA_WARP=1"] if lora_term() == "warp" else [])]
+            *(["-DQFP4_LORA_TAG=1"] if lora_poll() == "tag" else [])]
 
 
 def _tma_flags(mode: str) -> list[str]:

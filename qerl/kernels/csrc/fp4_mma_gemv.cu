@@ -109,21 +109,6 @@
 #ifndef QFP4_LORA_TAG
 #define QFP4_LORA_TAG 0
 #endif
-
-// QFP4_LORA_WARP (the build's -D, set by QERL_LORA_TERM=warp; opt-in, session 45): each output CTA of a LoRA launch
-// has one warp more, which does the LoRA term of the CTA's strips (Bn into L2, the wait for the LoRA CTAs, the Bn
-// and t loads, the MMAs) while the others stream weights, and leaves it in shared memory; the split-K reduction adds
-// it after the splits' partial sums (every LoRA launch takes that path, also with one split). So the term's chain,
-// ~7 of the ~12 us the LoRA adds to a 7B layer at M = 8 (session 44's ablation), runs beside the main loop instead of
-// after it, and the output warps carry none of its registers. The same products; the term is added after the
-// splits' sum instead of into split 0's accumulator: the same result up to fp32 summation order.
-#ifndef QFP4_LORA_WARP
-#define QFP4_LORA_WARP 0
-#endif
-#if QFP4_LORA_WARP && (QFP4_LORA_TAG || QFP4_LORA_EARLY_POLL || QFP4_LORA_ABLATE)
-#error "QFP4_LORA_WARP is measured against the default build only"
-#endif
-constexpr int kLoraWarp = QFP4_LORA_WARP ? 1 : 0;  // warps an output CTA of a LoRA launch has beyond its output warps
 #if QFP4_LORA_TAG && (QFP4_LORA_EARLY_POLL || QFP4_LORA_ABLATE)
 #error "QFP4_LORA_TAG replaces the count the early poll and the ablation variants read"
 #endif
@@ -679,9 +664,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   const bool pair = SW == 2 && act != 0;
   const int grp_all = blk * R + warp / splits, split = warp % splits;
   const int strip0 = pair ? grp_all : grp_all * SW, sstep = pair ? S >> 1 : 1;
-  constexpr bool LWARP = LORA && QFP4_LORA_WARP;
-  const bool lwarp = LWARP && warp == R * splits;  // the LoRA warp (QFP4_LORA_WARP): no strips of its own
-  const bool active = !lwarp && strip0 < (pair ? S >> 1 : S);
+  const bool active = strip0 < (pair ? S >> 1 : S);
   const int c0 = split * C / splits;  // C * splits < 2^31 (checked by the caller)
   const int c1 = (split + 1) * C / splits;
 
@@ -793,7 +776,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  if (has_lora && !LWARP && !(QFP4_LORA_ABLATE & 1) && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
+  if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
   // the LoRA count read before the last batch (QFP4_LORA_EARLY_POLL) or the launch's tag (QFP4_LORA_TAG)
   [[maybe_unused]] unsigned sync = QFP4_LORA_TAG && has_lora && split == 0 && active ? lora_tag(la) : 0u;
   [[maybe_unused]] auto poll = [&](int rest) {
@@ -830,38 +813,9 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if (has_lora && !LWARP && !(QFP4_LORA_ABLATE & 1) && split == 0 && active)
+  if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active)
     lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc, sync);
-  // the LoRA warp: the term of each strip group of the CTA, into shared memory after the output warps' partials
-  // (slot R * splits * SW + group * SW + i), in the layout of a split's partials
-  if (lwarp) {
-    for (int grp = 0; grp < R; ++grp) {
-      const int ga = blk * R + grp, s0 = pair ? ga : ga * SW;
-      if (s0 < (pair ? S >> 1 : S)) lora_prefetch_bn<SW>(la, s0, sstep, S);
-    }
-    for (int grp = 0; grp < R; ++grp) {
-      const int ga = blk * R + grp, s0 = pair ? ga : ga * SW;
-      float term[SW][A2][NT][4];
-#pragma unroll
-      for (int i = 0; i < SW; ++i)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) term[i][0][nt][0] = term[i][0][nt][1] = term[i][0][nt][2] = term[i][0][nt][3] = 0.f;
-      if (s0 < (pair ? S >> 1 : S)) lora_term<NT, SW, A2>(la, M, s0, sstep, S, 1.f / mult, term);
-#pragma unroll
-      for (int i = 0; i < SW; ++i) {
-        float* r = red + ((R * splits + grp) * SW + i) * 16 * TOK;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int tok = nt * 8 + 2 * t;
-          r[g * TOK + tok] = term[i][0][nt][0];
-          r[g * TOK + tok + 1] = term[i][0][nt][1];
-          r[(g + 8) * TOK + tok] = term[i][0][nt][2];
-          r[(g + 8) * TOK + tok + 1] = term[i][0][nt][3];
-        }
-      }
-    }
-  }
-  if (!LWARP && pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
+  if (pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
     if (active) {
       const int n0 = strip0 * 16;
 #pragma unroll
@@ -881,7 +835,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
     if (has_lora) lora_done(la);
     return;
   }
-  if (!LWARP && splits == 1) {
+  if (splits == 1) {
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
       const int n0 = (strip0 + i) * 16;
@@ -904,7 +858,6 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   }
 #pragma unroll
   for (int i = 0; i < SW; ++i) {
-    if (lwarp) break;  // its slots hold the term
     float* r = red + (warp * SW + i) * 16 * TOK;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -928,10 +881,6 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
         v0 += red[(((grp * splits + sp) * SW) * 16 + row) * TOK + tok];
         v1 += red[(((grp * splits + sp) * SW + SW - 1) * 16 + row) * TOK + tok];
       }
-      if (LWARP) {  // the LoRA warp's term
-        v0 += red[(((R * splits + grp) * SW) * 16 + row) * TOK + tok];
-        v1 += red[(((R * splits + grp) * SW + SW - 1) * 16 + row) * TOK + tok];
-      }
       out[(size_t)tok * ldo + pg * 16 + row] = silu_mul_bf16(v0 * mult, v1 * mult);
     }
     if (has_lora) lora_done(la);
@@ -945,7 +894,6 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
     if (st >= S) continue;
     float v = 0.f;
     for (int sp = 0; sp < splits; ++sp) v += red[(((grp * splits + sp) * SW + i) * 16 + row) * TOK + tok];
-    if (LWARP) v += red[(((R * splits + grp) * SW + i) * 16 + row) * TOK + tok];  // the LoRA warp's term
     out[(size_t)tok * ldo + st * 16 + row] = __float2bfloat16_rn(v * mult);
   }
   if (has_lora) lora_done(la);
@@ -964,24 +912,17 @@ __global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) fp4_ge
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
 // granule and cost a resident CTA per SM (one n8 tile, U = 2, SW = 2: 97 -> 104 registers would fit 4 CTAs of 4 warps
 // per SM instead of 5, and 7B's gate|up grid then ran in two waves; QFP4_LORA_TAG's U = 4, SW = 1: 106 without the
-// cap, 7B's q|k|v and o at M <= 8, whose 10-warp CTAs would fit one an SM instead of two; ptxas: no spills at 96;
-// QFP4_LORA_WARP's: 101 without the cap, no spills at 96);
+// cap, 7B's q|k|v and o at M <= 8, whose 10-warp CTAs would fit one an SM instead of two; ptxas: no spills at 96);
 // elsewhere the launch bound's own limit.
 template <int FMT, int NT, int U, int SW>
-constexpr int lora_max_regs_1() {
-  return FMT != 2 && NT == 1 && ((U == 2 && SW == 2) || ((QFP4_LORA_TAG || QFP4_LORA_WARP) && U == 4 && SW == 1)) ? 96
+constexpr int lora_max_regs() {
+  return FMT != 2 && NT == 1 && ((U == 2 && SW == 2) || (QFP4_LORA_TAG && U == 4 && SW == 1)) ? 96
          : max_warps<U, SW, wwords<FMT>()>() == 16 ? 128 : 255;
 }
 
-// ... and no more than the register file holds for a CTA of the most warps (with QFP4_LORA_WARP's, one more).
 template <int FMT, int NT, int U, int SW>
-constexpr int lora_max_regs() {
-  return std::min(lora_max_regs_1<FMT, NT, U, SW>(), 65536 / ((max_warps<U, SW, wwords<FMT>()>() + kLoraWarp) * 32) / 8 * 8);
-}
-
-template <int FMT, int NT, int U, int SW>
-__global__ void __launch_bounds__((max_warps<U, SW, wwords<FMT>()>() + kLoraWarp) * 32)
-    __maxnreg__((lora_max_regs<FMT, NT, U, SW>())) fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
+__global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) __maxnreg__((lora_max_regs<FMT, NT, U, SW>()))
+    fp4_gemv_lora_kernel(QFP4_GEMV_PARAMS) {
   gemv_body<FMT, NT, U, SW, true>(qw, sc, x, ldx, out, ldo, gs, out_mult, bword, M, S, C, splits, R, act, la);
 }
 #undef QFP4_GEMV_PARAMS
@@ -1026,18 +967,11 @@ size_t smem_bytes(int nt, int warps, int splits, int sw) {
   return splits > 1 ? (size_t)warps * sw * 16 * 8 * nt * 4 : 0;
 }
 
-// Dynamic shared memory of a launch: the split-K partials, with LoRA at least the LoRA CTAs' per-warp partials;
-// QFP4_LORA_WARP's LoRA launches: every warp's partials (also with one split) and the LoRA warp's term of each strip
-// group (warps / splits of them), and the LoRA CTAs' partials of one warp more.
+// Dynamic shared memory of a launch: the split-K partials, with LoRA at least the LoRA CTAs' per-warp partials.
 inline size_t launch_smem(int nt, int warps, int splits, int sw, bool lora) {
-  if (lora && kLoraWarp)
-    return std::max((size_t)(warps + warps / splits) * sw * 16 * 8 * nt * 4, (size_t)(warps + kLoraWarp) * 256 * 4);
   const size_t smem = smem_bytes(nt, warps, splits, sw);
   return lora ? std::max(smem, (size_t)warps * 256 * 4) : smem;
 }
-
-// Threads of a CTA with `warps` output warps: with LoRA and QFP4_LORA_WARP, one warp more.
-inline int cta_threads(int warps, bool lora) { return (warps + (lora ? kLoraWarp : 0)) * 32; }
 
 // Allow `smem` bytes of dynamic shared memory for kernel fn (an opt-in above 48 KB); 0 or a cudaError_t.
 inline int opt_in_smem(const void* fn, size_t smem) {
@@ -1072,8 +1006,8 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&splits,
                   (void*)&strips_per_cta, (void*)&act, (void*)&la};
-  return (int)launch_pdl(fn, dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas)),
-                         dim3((unsigned)cta_threads(warps, la.a != nullptr)), smem, (cudaStream_t)stream, args, pdl != 0);
+  return (int)launch_pdl(fn, dim3((unsigned)((S + per_cta - 1) / per_cta + lora_ctas)), dim3((unsigned)(warps * 32)),
+                         smem, (cudaStream_t)stream, args, pdl != 0);
 }
 
 }  // namespace qfp4
@@ -1128,7 +1062,7 @@ extern "C" int qfp4_occupancy(int fmt, int nt, int unroll, int sw, int warps, in
   const size_t smem = qfp4::launch_smem(nt, warps, splits, sw, lora != 0);
   if (qfp4::opt_in_smem(fn, smem)) return -1;
   int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, qfp4::cta_threads(warps, lora != 0), smem)) return -1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fn, warps * 32, smem)) return -1;
   return blocks;
 }
 
