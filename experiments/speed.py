@@ -681,7 +681,8 @@ Session 45 (H200, d0c4381-3fd5721; `raw/h200_s45_*/README.md`): two ways of taki
 decode GEMV's LoRA term, both bit-identical and both slower, neither adopted: the output warps' early read of the
 LoRA count (`QERL_LORA_POLL=early`: 7B decode rate −0.3…−1.3%) and t stored with the launch's tag, no fence and no
 acquire (`QERL_LORA_POLL=tag`: NVFP4 / MXFP4 −22…−24% re-loading until the tags arrive, −7…−9% waiting on the count
-between loads; BF16-LoRA +2.6% / −1.6%).
+between loads; BF16-LoRA +2.6% / −1.6%). The LoRA term in a warp of its own per output CTA (b10098f, reverted): NVFP4
+−22%, BF16-LoRA −3.8%.
 Session 44 (H200, 10881e2-abf399d; `raw/h200_s44_*/README.md`): the 256-thread 128-token wgmma variants at two CTAs
 an SM (`QERL_WGMMA_OCC=2`) tie the picks on gate|up (91.9 vs 91.6 µs at 128 tokens) and lose elsewhere: not adopted.
 At batch 8 the LoRA costs the 7B NVFP4 decode step 10.6% (graph step 2302 µs without adapters vs 2545 with rank 32;

@@ -34,6 +34,17 @@ def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
     return builds, lora
 
 
+_LORA_OPT_INS = ("QFP4_LORA_A_L2=1", "QFP4_LORA_EARLY_POLL=1", "QFP4_LORA_TAG=1")  # the GEMV's LoRA opt-in builds
+
+
+@functools.cache
+def _lora_opt_in(define: str) -> tuple[list[dict], list[str]]:
+    """(the default build and the opt-in build of ``define``, the LoRA kernels' names) as ``_gemv_lora_builds``; the
+    first call builds every one of ``_LORA_OPT_INS`` (two at a time: one round less than a test each)."""
+    builds, lora = _gemv_lora_builds(*_LORA_OPT_INS)
+    return [builds[0], builds[1 + _LORA_OPT_INS.index(define)]], lora
+
+
 def _sass(body: list[str]) -> str:
     lines = ["        Function : _ZN4qfp42wg16fp4_wgmma_kernelILi0ELi32ELi1ELi1EEEvv"]
     for i, ins in enumerate(body):
@@ -372,7 +383,7 @@ def test_lora_a_l2_build_changes_only_the_lora_kernels():
     """QERL_LORA_A_L2=1's build of the decode GEMV (-DQFP4_LORA_A_L2=1): the plain kernels' machine code is the
     default build's, and every LoRA kernel changes by more L2 prefetches (CCTL.E.PML2: the LoRA CTA's A lines; the
     default build's are the output warps' weight and Bn prefetches)."""
-    builds, lora = _gemv_lora_builds("QFP4_LORA_A_L2=1")
+    builds, lora = _lora_opt_in("QFP4_LORA_A_L2=1")
     for name in lora:
         assert [t for _, t in builds[0][name]] != [t for _, t in builds[1][name]], name
         pml2 = [sum(wsc.opcode(t) == "CCTL.E.PML2" for _, t in b[name]) for b in builds]
@@ -444,7 +455,7 @@ def test_lora_poll_build_reads_the_count_before_the_last_batch():
     """QERL_LORA_POLL=early's build (-DQFP4_LORA_EARLY_POLL=1): the plain kernels are the default build's; every FP4
     LoRA kernel has more strong loads (LDG.E.STRONG.GPU: the relaxed reads of the count, beside the spin's acquire
     loads) before its last MMA, and a MEMBAR.ALL.GPU (the fence that makes an early complete count an acquire)."""
-    builds, lora = _gemv_lora_builds("QFP4_LORA_EARLY_POLL=1")
+    builds, lora = _lora_opt_in("QFP4_LORA_EARLY_POLL=1")
 
     def strong_before_mma(body) -> int:
         ops = [t for _, t in body]
@@ -466,7 +477,7 @@ def test_lora_tag_build_has_no_acquire_and_no_spills_up_to_8_tokens():
     the warp's round is complete), and has fewer L1 invalidations (CCTL.IVALL: the spin's acquire loads are gone)
     and fewer fences (MEMBAR: none after the direct LoRA CTAs' stores). The one-n8-tile kernels (M <= 8, the
     measured ones) keep every value in registers (no LDL / STL)."""
-    builds, lora = _gemv_lora_builds("QFP4_LORA_TAG=1")
+    builds, lora = _lora_opt_in("QFP4_LORA_TAG=1")
 
     def count(b, name, text) -> int:
         return sum(text in t for _, t in b[name])
