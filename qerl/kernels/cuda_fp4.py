@@ -818,13 +818,13 @@ def lora_poll() -> str:
     adopted. ``tag`` (opt-in, session 45; ``-DQFP4_LORA_TAG=1``, decode mode ``fused-lora-tag``): no fence and no
     acquire — every value of t is stored with the launch's tag in one 64-bit word and the output warps load their
     words at once, and again after the count (now only a hint) until each carries the tag (csrc ``QFP4_LORA_TAG``),
-    two L2 round trips fewer between x·Aᵀ and the term. Measured on an H200 (session 45, 7B rollouts, 256 + 512,
+    two L2 round trips fewer between x·Aᵀ and the term. The same sums in the same order: the same results. Its
+    launches that leave the sum of x·Aᵀ's parts to the LoRA CTAs (more than 4 K parts a strip, 2 at M > 8, or two
+    strips a warp) need every member's first rank even. Measured on an H200 (session 45, 7B rollouts, 256 + 512,
     fused / tag / tag / fused): re-loading every word until it carries the tag (`raw/h200_s45_next46`) NVFP4 −23%
     at batch 8 and 2, MXFP4 −22%, BF16-LoRA +2.6%; waiting on the count between loads (this build,
     `raw/h200_s45_next46b`) NVFP4 −8.1 / −7.2%, MXFP4 −8.6%, BF16-LoRA −1.6%; per 7B layer at M = 8 +5 µs, most of
-    it the o product (7.8 → 10.7 µs). Not adopted.
-    The same sums in the same order: the same results. Its launches that leave the sum of x·Aᵀ's parts to the LoRA
-    CTAs (more than 2 parts a strip, or two strips a warp) need every member's first rank even."""
+    it the o product (7.8 → 10.7 µs). Not adopted."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_LORA_POLL", "end", LORA_POLL)
 
@@ -1189,10 +1189,11 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     parts = lora_parts(lora.rank, w.k // 64, splits * per)
-    if lora_poll() == "tag" and not lora_direct(parts, sw, m) and any(o % 2 for o, r in zip(roff, rk, strict=True) if r):
+    starts = [o for o, r in zip(roff, rk, strict=True) if r]
+    if lora_poll() == "tag" and not lora_direct(parts, sw, m) and any(o % 2 for o in starts):
         raise ValueError(f"QERL_LORA_POLL=tag: this launch ({parts} K parts, {sw} strips a warp) reads t as bf16 pairs "
                          f"and needs every member's first rank even; the member ranks {[r for r in rk if r]} start at "
-                         f"{[o for o, r in zip(roff, rk, strict=True) if r]}. Use QERL_LORA_POLL=end (the default)")
+                         f"{starts}. Use QERL_LORA_POLL=end (the default)")
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
                      a, bn, part, ctr, parts, bound1, bound2, roff, rk)
     return out

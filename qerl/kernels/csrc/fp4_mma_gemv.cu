@@ -98,14 +98,14 @@
 // launch's tag in one 64-bit word (st.relaxed.gpu: single-copy atomic, so a reader sees value and tag together); the
 // output warps load the words they need (ld.relaxed.gpu) at once, and if some do not carry the tag yet, again once
 // the LoRA CTAs' count (relaxed, only a hint of when to look) is complete. No __threadfence in the direct LoRA CTAs,
-// no acquire round trip in the output warps: the chain from x·A^T to the term loses two L2 round trips. (Session
-// 45's first version reloaded every word until done instead of waiting on the count: on an H200 it cost the 7B
-// NVFP4 rollouts 23%, raw/h200_s45_next46.) Measured on an H200 (session 45, raw/h200_s45_next46b): 7B rollouts
-// NVFP4 -8%, MXFP4 -9%, BF16 -2%; the o product +3 us a launch. Refuted: not adopted. The tag is the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the
-// launch's last CTA to finish (every LoRA and output CTA counts itself done) increments the epoch, so no CTA of the
-// launch can see the next tag, and a word from an earlier launch never carries the current one. The same loads
-// and sums in the same order: the same results. Session 44's ablation (raw/h200_s44_lora) bounds it: without any
-// wait the 7B layer at M = 8 took 60.9 us against 65.2.
+// no acquire round trip in the output warps: the chain from x·A^T to the term loses two L2 round trips. The tag is
+// the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the launch's last CTA to finish (every
+// LoRA and output CTA counts itself done) increments the epoch, so no CTA of the launch can see the next tag, and a
+// word from an earlier launch never carries the current one. The same loads and sums in the same order: the same
+// results. Session 44's ablation (raw/h200_s44_lora) bounded the gain: without any wait the 7B layer at M = 8 took
+// 60.9 us against 65.2. Measured on an H200 (session 45): re-loading every word until done instead of waiting on the
+// count (the first version, raw/h200_s45_next46) cost the 7B NVFP4 rollouts 23%; this version (raw/h200_s45_next46b)
+// NVFP4 -8%, MXFP4 -9%, BF16 -2%, the o product +3 us a launch. Refuted: not adopted.
 #ifndef QFP4_LORA_TAG
 #define QFP4_LORA_TAG 0
 #endif
@@ -474,7 +474,7 @@ __device__ __forceinline__ uint32_t lora_t_pair(const LoraArgs& la, int M, int t
 
 // The B operands of one round of 32 ranks (QFP4_LORA_TAG): loaded until every lane's carry the launch's tag, with no
 // acquire: at once, then (if the LoRA CTAs are not done) again after the count of them (relaxed: only a hint) is
-// complete. Direct launches (one strip a warp, <= kLoraDirectParts parts) sum the tagged fp32 partials as
+// complete. Direct launches (one strip a warp, <= direct_parts<NT>() parts) sum the tagged fp32 partials as
 // lora_t does; the others load the strips' finished t as bf16 pairs, one word for two ranks. Pairs need an even first
 // rank per member (the launcher refuses odd offsets in this build). A launch whose LoRA CTAs never finish traps.
 template <int NT, int SW>
@@ -525,7 +525,7 @@ __device__ __forceinline__ void lora_b_tagged(const LoraArgs& la, int M, int jb,
 // each strip (A) and t of token rows g (+ 8 for NT = 2) at the member's ranks (B) — all loads of the round in
 // flight at once, and accumulate Bn[rows, ranks] x bf16(t)[ranks, tokens] into acc times `inv` (1 / the
 // accumulator's output multiplier). `sync`: the count read early (QFP4_LORA_EARLY_POLL) or the launch's tag
-// (QFP4_LORA_TAG: no wait; the round's t loads are repeated until every lane's carry the tag).
+// (QFP4_LORA_TAG: no acquire; lora_b_tagged).
 template <int NT, int SW, int A2>
 __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0, int sstep, int S, float inv,
                                           float (&acc)[SW][A2][NT][4], unsigned sync = 0u) {
