@@ -19,7 +19,8 @@ is checked against the split path on the first copy (max |difference| printed an
 a chain but the first under programmatic dependent launch, as the decode step runs them (the split mode's GEMV too).
 ``--ablate``: modes ``ablate-V``, the one-launch path through a build with ``-DQFP4_LORA_ABLATE=V``
 (``csrc/fp4_mma_gemv.cu``: 1 = the output warps add no LoRA term, 2 = the LoRA CTAs only count themselves done, 4 =
-the output warps do not wait for them), a module of its own that the library never loads; **its results are wrong**
+the output warps do not wait for them, 8 = the output warps add the term before their main loop, without waiting: with
+2, a launch whose t the kernel before it wrote), a module of its own that the library never loads; **its results are wrong**
 (not checked), only its time counts: what that part of the LoRA costs on the launch's critical path. Writes
 ``lora_gemv_<gpu><tag>.csv`` / ``.md`` under ``--out``; prints the markdown last.
 """
@@ -37,7 +38,8 @@ from benchmarks import kernel_bench as bench
 from qerl.kernels import cuda_fp4 as cf
 
 MODES = ("plain", "one-launch", "split")
-ABLATE_BITS = {1: "no LoRA term in the output warps", 2: "LoRA CTAs only count", 4: "no wait for the LoRA CTAs"}
+ABLATE_BITS = {1: "no LoRA term in the output warps", 2: "LoRA CTAs only count", 4: "no wait for the LoRA CTAs",
+               8: "the term before the main loop, no wait"}
 
 
 def groups(model: str, rank: int) -> list[tuple[str, list[tuple[int, int]], int]]:

@@ -171,7 +171,9 @@
 #                                benchmarks.lora_gemv_bench --pdl (the four decode linears of a layer as PDL chains,
 #                                M = 8 and 2) with the timing-only builds -DQFP4_LORA_ABLATE=1 (no LoRA term in the
 #                                output warps), 2 (the LoRA CTAs only count), 3 (both), 4 (no wait for the LoRA CTAs),
-#                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min
+#                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min. ABLATE replaces the
+#                                variants: ABLATE=2,3,8,10 (session 45's plan) adds 8 (the term before the main loop,
+#                                no wait) and 10 (that with the LoRA CTAs idle: as if the kernel before had written t)
 #   scripts/gpu_bench.sh next45  issue 11 after session 44, on any GPU: QERL_LORA_POLL=early (the decode GEMV's output
 #                                warps read the LoRA count before their last batch): both builds, the GEMV LoRA
 #                                bit-identity GPU tests on the new one ($OUT/tests_next45.txt; SKIP_TESTS=1 skips),
@@ -617,14 +619,15 @@ next44)  # session 44's opt-ins (see the header)
 lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the header)
   build 2 &
   pids=$!
-  for v in 1 2 3 4; do
+  ABLATE=${ABLATE:-1,2,3,4}
+  for v in ${ABLATE//,/ }; do
     python3 -c "from benchmarks import wgmma_ablate as wa; wa.module($v, 'QFP4_LORA_ABLATE'); print('lora ablate $v built')" \
       >> "$LOG" 2>&1 &
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
   for pass in 1 2; do
-    timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate 1,2,3,4 \
+    timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate "$ABLATE" \
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
 next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)

@@ -153,3 +153,19 @@ def test_next46_tests_the_tag_build_then_times_both_builds_in_order(tmp_path):
         "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
     assert all("--decode fused,fused-lora-tag,fused-lora-tag,fused " in r for r in roll)
     assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+@pytest.mark.parametrize("ablate", [None, "2,3,8,10"])
+def test_lora44_builds_each_ablation_variant_then_times_them_twice(tmp_path, ablate):
+    """``lora44``: the default build and one timing-only module per QFP4_LORA_ABLATE variant (1,2,3,4 unless ABLATE
+    names others), then two passes of lora_gemv_bench over exactly those variants."""
+    env = {} if ablate is None else {"ABLATE": ablate}
+    p, calls = _run(tmp_path, "lora44", '#!/usr/bin/env bash\necho "x|$*" >> "$STUB_LOG"\n', **env)
+    assert p.returncode == 0, p.stderr
+    want = (ablate or "1,2,3,4").split(",")
+    built = sorted(c.split("wa.module(")[1].split(",")[0] for c in calls if "wa.module(" in c)
+    assert built == sorted(want)
+    timed = [c for c in calls if "-m benchmarks.lora_gemv_bench" in c]
+    assert len(timed) == 2 and all(f"--ablate {','.join(want)} " in c for c in timed)
+    assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in timed] == ["lora_1", "lora_2"]

@@ -435,9 +435,10 @@ def test_lora_ablate_builds_leave_out_what_they_name():
     """benchmarks.lora_gemv_bench --ablate's GEMV builds (-DQFP4_LORA_ABLATE=V, timing only): the plain kernels are the
     default build's in each; in the LoRA kernels bit 1 drops the output warps' term (fewer MMAs: its one MMA per 16
     ranks), bit 2 the LoRA CTAs' work (fewer MMAs: theirs over A's chunks), bit 4 only the spin on the count (fewer
-    NANOSLEEPs, the same MMAs)."""
-    found, lora = _gemv_lora_builds(*(f"QFP4_LORA_ABLATE={v}" for v in (1, 2, 4)))
-    builds = dict(zip((0, 1, 2, 4), found, strict=True))
+    NANOSLEEPs, the same MMAs), bit 8 the spin too, its term moved before the main loop (the same MMAs in other
+    machine code than bit 4's)."""
+    found, lora = _gemv_lora_builds(*(f"QFP4_LORA_ABLATE={v}" for v in (1, 2, 4, 8)))
+    builds = dict(zip((0, 1, 2, 4, 8), found, strict=True))
 
     def count(v, name, pred):
         return sum(pred(wsc.opcode(t)) for _, t in builds[v][name])
@@ -445,8 +446,9 @@ def test_lora_ablate_builds_leave_out_what_they_name():
     for name in lora:
         mma = {v: count(v, name, lambda o: o.startswith("HMMA")) for v in builds}
         sleeps = {v: count(v, name, lambda o: o == "NANOSLEEP") for v in builds}
-        assert mma[1] < mma[0] and mma[2] < mma[0] and mma[4] == mma[0], (name, mma)
-        assert sleeps[4] < sleeps[0] and sleeps[0] >= 1, (name, sleeps)
+        assert mma[1] < mma[0] and mma[2] < mma[0] and mma[4] == mma[0] == mma[8], (name, mma)
+        assert sleeps[4] < sleeps[0] and sleeps[8] < sleeps[0] and sleeps[0] >= 1, (name, sleeps)
+        assert [t for _, t in builds[8][name]] != [t for _, t in builds[4][name]], name
 
 
 @pytest.mark.slow

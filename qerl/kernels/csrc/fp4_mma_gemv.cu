@@ -75,8 +75,11 @@
 // else loads; its results are WRONG): bits that leave one part of the LoRA in the launch out, to measure what it
 // costs. 1: the output warps add no LoRA term (no Bn prefetch or loads, no wait, no t loads, no MMA); 2: the LoRA CTAs
 // only count themselves done (after their PDL wait: no x or A loads, no MMAs, no partials); 4: the output warps do
-// not wait for the count (they read t whenever they get there). 0, the library's build, compiles exactly the kernel
-// without these lines. Measured on an H200 (session 44): raw/h200_s44_lora.
+// not wait for the count (they read t whenever they get there); 8 (session 45, not yet run on a GPU): the output warps
+// add the term before their main loop, without waiting (t whatever the workspace holds): with 2, what the launch
+// would cost if the kernel before it had written t (no LoRA CTA work, no wait, the term's loads beside the first
+// batch's). 0, the library's build, compiles exactly the kernel without these lines. Measured on an H200 (session
+// 44): raw/h200_s44_lora.
 #ifndef QFP4_LORA_ABLATE
 #define QFP4_LORA_ABLATE 0
 #endif
@@ -568,7 +571,7 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
       if (sync >= need) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the early read + this: an acquire
 #endif
       const long long start = clock64();
-      while (!(QFP4_LORA_ABLATE & 4) && (!QFP4_LORA_EARLY_POLL || sync < need) && ld_acquire(la.ctr) < need) {
+      while (!(QFP4_LORA_ABLATE & 12) && (!QFP4_LORA_EARLY_POLL || sync < need) && ld_acquire(la.ctr) < need) {
         __nanosleep(20);
         if (clock64() - start > (1LL << 32)) __trap();
       }
@@ -776,7 +779,11 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
+  if (has_lora && !(QFP4_LORA_ABLATE & 9) && split == 0 && active) lora_prefetch_bn<SW>(la, strip0, sstep, S);
+#if QFP4_LORA_ABLATE & 8
+  if (has_lora && split == 0 && active)  // the term first, with no wait (timing only)
+    lora_term<NT, SW, A2>(la, M, strip0, sstep, S, FMT == 0 ? __ldg(gs) / out_mult : 1.f / out_mult, acc);
+#endif
   // the LoRA count read before the last batch (QFP4_LORA_EARLY_POLL) or the launch's tag (QFP4_LORA_TAG)
   [[maybe_unused]] unsigned sync = QFP4_LORA_TAG && has_lora && split == 0 && active ? lora_tag(la) : 0u;
   [[maybe_unused]] auto poll = [&](int rest) {
@@ -813,7 +820,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
         if (A2 == 2) acc[i][0][nt][e] += acc[i][A2 - 1][nt][e];
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
-  if (has_lora && !(QFP4_LORA_ABLATE & 1) && split == 0 && active)
+  if (has_lora && !(QFP4_LORA_ABLATE & 9) && split == 0 && active)
     lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc, sync);
   if (pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
     if (active) {
