@@ -159,7 +159,8 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma",
            "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-wgmma-occ2",
-           "fused-lora-a-l2", "fused-lora-poll", "fused-lora-tag", "fused-pdl",
+           "fused-lora-a-l2", "fused-lora-poll", "fused-lora-tag", "fused-lora-skew",
+           "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
@@ -186,6 +187,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
                "fused-wgmma-occ2": {"QERL_WGMMA_OCC": "2"}, "fused-lora-a-l2": {"QERL_LORA_A_L2": "1"},
                "fused-lora-poll": {"QERL_LORA_POLL": "early"}, "fused-lora-tag": {"QERL_LORA_POLL": "tag"},
+               "fused-lora-skew": {"QERL_LORA_SKEW": "1"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -237,7 +239,9 @@ def decode_mode(sampler, dec: str):
     GEMV's LoRA CTAs prefetch A into L2 before their PDL wait: ``QERL_LORA_A_L2=1``, a build of its own),
     "fused-lora-poll" (the decode GEMV's output warps read the LoRA count before their last batch:
     ``QERL_LORA_POLL=early``, a build of its own), "fused-lora-tag" (its values of x·Aᵀ stored with the launch's tag
-    and loaded until they carry it, no fence and no acquire: ``QERL_LORA_POLL=tag``, a build of its own) — all but
+    and loaded until they carry it, no fence and no acquire: ``QERL_LORA_POLL=tag``, a build of its own),
+    "fused-lora-skew" (split 0 of each decode-GEMV LoRA launch, which adds the term, takes a batch of K chunks
+    fewer: ``QERL_LORA_SKEW=1``, a build of its own) — all but
     "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
     on where the GPU has it) or "unfused"."""
     check_decodes([dec])

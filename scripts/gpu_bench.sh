@@ -188,6 +188,13 @@
 #                                ($OUT/tag_{end,tag}_{1,2}), then 7B rollouts (256 + 512) NVFP4 at batch 8 and 2, MXFP4
 #                                and BF16 at 8, fused / fused-lora-tag / fused-lora-tag / fused in one process each
 #                                ($OUT/roll_tag); ~7 min
+#   scripts/gpu_bench.sh next48  issue 11 after session 45, on any GPU: QERL_LORA_SKEW=1 (split 0 of each decode-GEMV
+#                                LoRA launch, whose warps add the term, takes a batch of K chunks fewer): both builds,
+#                                the GEMV LoRA GPU tests against the float64 references on the new one (TEACHER=1: and
+#                                the fused decode's teacher forcing; $OUT/tests_next48.txt; SKIP_TESTS=1 skips),
+#                                lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) 0 / 1 / 1 / 0 ($OUT/skew_{0,1}_{1,2}),
+#                                7B rollouts (256 + 512) fused / fused-lora-skew / fused-lora-skew / fused, NVFP4 at
+#                                batch 8 and 2, MXFP4 and BF16 at 8 (ROLL replaces the list; $OUT/roll_skew); ~6 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -630,6 +637,14 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
     timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate "$ABLATE" \
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
+next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter (see the header)
+  builds_at_once - QERL_LORA_SKEW=1
+  [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_SKEW=1; gpu_tests next48 300 tests/test_cuda_fp4.py \
+    ${TEACHER:+tests/test_fused_decode.py} -k "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue \
+or bf16_gemv_every_config${TEACHER:+ or teacher}")
+  ab_runs QERL_LORA_SKEW skew "0:1 1:1 1:2 0:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
+    --models 7b --m 8,2 --fmts nvfp4 --pdl
+  roll_ab fused-lora-skew roll_skew "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}" ;;
 next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)
   builds_at_once - QERL_LORA_POLL=tag
   [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=tag; gpu_tests next46 300 tests/test_cuda_fp4.py \

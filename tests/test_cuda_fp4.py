@@ -343,8 +343,9 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
     -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags. QERL_BF16_LOADS
     =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
-    QERL_WGMMA_OCC=2, QERL_LORA_A_L2=1 and QERL_LORA_POLL=early / tag (opt-ins) add -DQFP4_WGMMA_OCC=2 /
-    -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1 / -DQFP4_LORA_TAG=1, their defaults nothing."""
+    QERL_WGMMA_OCC=2, QERL_LORA_A_L2=1, QERL_LORA_POLL=early / tag and QERL_LORA_SKEW=1 (opt-ins) add
+    -DQFP4_WGMMA_OCC=2 / -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1 / -DQFP4_LORA_TAG=1 / -DQFP4_LORA_SKEW=1, their
+    defaults nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     for k in cf.BUILD_SWITCHES:
@@ -355,7 +356,8 @@ def test_wgmma_pipe_switch(monkeypatch):
     assert cf._build_flags() == default
     for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_A_L2", "1", "-DQFP4_LORA_A_L2=1"),
                               ("QERL_LORA_POLL", "early", "-DQFP4_LORA_EARLY_POLL=1"),
-                              ("QERL_LORA_POLL", "tag", "-DQFP4_LORA_TAG=1")):
+                              ("QERL_LORA_POLL", "tag", "-DQFP4_LORA_TAG=1"),
+                              ("QERL_LORA_SKEW", "1", "-DQFP4_LORA_SKEW=1")):
         monkeypatch.setenv(name, value)
         assert cf._build_flags() == [*default, flag]
         monkeypatch.setenv(name, "3")

@@ -169,3 +169,24 @@ def test_lora44_builds_each_ablation_variant_then_times_them_twice(tmp_path, abl
     timed = [c for c in calls if "-m benchmarks.lora_gemv_bench" in c]
     assert len(timed) == 2 and all(f"--ablate {','.join(want)} " in c for c in timed)
     assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in timed] == ["lora_1", "lora_2"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_next48_tests_the_skew_build_then_times_both_builds_in_order(tmp_path):
+    """``next48``: the default and QERL_LORA_SKEW=1 builds, the GEMV LoRA GPU tests (against float64) on the skew one,
+    the layer timing 0 / 1 / 1 / 0 (each process under its own build's switch), then four rollout processes (NVFP4
+    at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-skew."""
+    p, calls = _run(tmp_path, "next48", '#!/usr/bin/env bash\necho "${QERL_LORA_SKEW:-unset}|$*" >> "$STUB_LOG"\n')
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["1", "unset"]
+    tests = [c for c in calls if "|-m pytest" in c]
+    assert len(tests) == 1 and tests[0].startswith("1|") and "gemv_lora_every_config" in tests[0]
+    assert "bf16_gemv_every_config" in tests[0] and "teacher" not in tests[0]
+    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
+             if "|-m benchmarks.lora_gemv_bench" in c]
+    assert timed == [("0", "skew_0_1"), ("1", "skew_1_1"), ("1", "skew_1_2"), ("0", "skew_0_2")]
+    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
+    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
+        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
+    assert all("--decode fused,fused-lora-skew,fused-lora-skew,fused " in r for r in roll)
+    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))

@@ -472,3 +472,4 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert flags["fused-lora-a-l2"] == [*flags["fused"], "-DQFP4_LORA_A_L2=1"]
     assert flags["fused-lora-poll"] == [*flags["fused"], "-DQFP4_LORA_EARLY_POLL=1"]
     assert flags["fused-lora-tag"] == [*flags["fused"], "-DQFP4_LORA_TAG=1"]
+    assert flags["fused-lora-skew"] == [*flags["fused"], "-DQFP4_LORA_SKEW=1"]

@@ -34,7 +34,8 @@ def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
     return builds, lora
 
 
-_LORA_OPT_INS = ("QFP4_LORA_A_L2=1", "QFP4_LORA_EARLY_POLL=1", "QFP4_LORA_TAG=1")  # the GEMV's LoRA opt-in builds
+# the GEMV's LoRA opt-in builds
+_LORA_OPT_INS = ("QFP4_LORA_A_L2=1", "QFP4_LORA_EARLY_POLL=1", "QFP4_LORA_TAG=1", "QFP4_LORA_SKEW=1")
 
 
 @functools.cache
@@ -492,3 +493,18 @@ def test_lora_tag_build_has_no_acquire_and_no_spills_up_to_8_tokens():
         if re.search(r"fp4_gemv_lora_kernelILi\dELi1E", name):
             assert not any(wsc.opcode(t) in ("LDL", "STL") or wsc.opcode(t).startswith(("LDL.", "STL."))
                            for _, t in builds[1][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_lora_skew_build_changes_only_how_the_lora_kernels_split_k():
+    """QERL_LORA_SKEW=1's build (-DQFP4_LORA_SKEW=1): the plain kernels are the default build's; every LoRA kernel
+    changes (its warps' K ranges) but keeps the default's MMAs, spin and L2 prefetches (the same work, other ranges),
+    and no kernel spills (no LDL / STL)."""
+    builds, lora = _lora_opt_in("QFP4_LORA_SKEW=1")
+    for name in lora:
+        ops = [[wsc.opcode(t) for _, t in b[name]] for b in builds]
+        assert [t for _, t in builds[0][name]] != [t for _, t in builds[1][name]], name
+        for pred in (lambda o: o.startswith("HMMA"), lambda o: o == "NANOSLEEP", lambda o: o == "CCTL.E.PML2"):
+            assert sum(map(pred, ops[1])) == sum(map(pred, ops[0])), name
+        assert not any(o.startswith(("LDL", "STL")) for o in ops[1]), name

@@ -829,6 +829,22 @@ def lora_poll() -> str:
     return _gemm_lora_switch("QERL_LORA_POLL", "end", LORA_POLL)
 
 
+LORA_SKEW = ("0", "1")
+
+
+def lora_skew() -> bool:
+    """``QERL_LORA_SKEW``: ``1`` (opt-in, session 45, not yet run on a GPU; a build of its own, ``-DQFP4_LORA_SKEW=1``,
+    decode mode ``fused-lora-skew``): in a decode-GEMV LoRA launch with K split across warps, split 0 — whose warps
+    add the LoRA term after their main loop — takes one batch of chunks fewer than an even share, the other splits
+    the rest, so the term's chain overlaps their last batch instead of following it (csrc ``QFP4_LORA_SKEW``). The
+    same products over other K ranges (fp32 order). ``0`` (default): even shares. Why: session 44's ablation
+    (`results/speed/raw/h200_s44_lora`) put ~7 of the ~12 µs the LoRA adds to a 7B layer at M = 8 in that chain,
+    and session 45's attempts to shorten the wait before it (``QERL_LORA_POLL``) or to move it to a warp of its own
+    (reverted) were slower."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_LORA_SKEW", "0", LORA_SKEW) == "1"
+
+
 BF16_LOADS = ("pair", "sector")
 
 
@@ -850,7 +866,7 @@ def bf16_loads() -> str:
 
 # the environment switches _build_flags reads (each value a build of its own)
 BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-                  "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL")
+                  "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL", "QERL_LORA_SKEW")
 
 
 def _build_flags() -> list[str]:
@@ -863,7 +879,8 @@ def _build_flags() -> list[str]:
     another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
     (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_A_L2=1`` the GEMV's LoRA CTAs' L2 prefetch of A before their wait
     (``-DQFP4_LORA_A_L2=1``, another); ``QERL_LORA_POLL=early`` the GEMV's early read of the LoRA count
-    (``-DQFP4_LORA_EARLY_POLL=1``, another), ``tag`` its tagged values of t (``-DQFP4_LORA_TAG=1``, another)."""
+    (``-DQFP4_LORA_EARLY_POLL=1``, another), ``tag`` its tagged values of t (``-DQFP4_LORA_TAG=1``, another);
+    ``QERL_LORA_SKEW=1`` the GEMV LoRA launches' lighter K share for split 0 (``-DQFP4_LORA_SKEW=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
@@ -874,7 +891,8 @@ def _build_flags() -> list[str]:
             *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
             *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else []),
             *(["-DQFP4_LORA_EARLY_POLL=1"] if lora_poll() == "early" else []),
-            *(["-DQFP4_LORA_TAG=1"] if lora_poll() == "tag" else [])]
+            *(["-DQFP4_LORA_TAG=1"] if lora_poll() == "tag" else []),
+            *(["-DQFP4_LORA_SKEW=1"] if lora_skew() else [])]
 
 
 def _tma_flags(mode: str) -> list[str]:
