@@ -108,7 +108,9 @@
 // results. Session 44's ablation (raw/h200_s44_lora) bounded the gain: without any wait the 7B layer at M = 8 took
 // 60.9 us against 65.2. Measured on an H200 (session 45): re-loading every word until done instead of waiting on the
 // count (the first version, raw/h200_s45_next46) cost the 7B NVFP4 rollouts 23%; this version (raw/h200_s45_next46b)
-// NVFP4 -8%, MXFP4 -9%, BF16 -2%, the o product +3 us a launch. Refuted: not adopted.
+// NVFP4 -8%, MXFP4 -9%, BF16 -2%, the o product +3 us a launch (code 3fd5721). Refuted: not adopted. (Since 45's
+// review the default path is again session 44's source, so the default build's machine code is the one measured
+// before; the tag build's code moved with it: the same loads, not re-run on a GPU.)
 #ifndef QFP4_LORA_TAG
 #define QFP4_LORA_TAG 0
 #endif
@@ -207,14 +209,14 @@ __device__ __forceinline__ uint32_t ld_tagged(const float* part, size_t i, unsig
   return lo;
 }
 
-// Value i of t's workspace (a partial or a finished t): a plain fp32 load from L2, or with QFP4_LORA_TAG the
-// payload of word i (ok cleared when it is not this launch's yet).
-__device__ __forceinline__ float ld_t(const float* part, size_t i, [[maybe_unused]] unsigned tag,
-                                      [[maybe_unused]] bool& ok) {
+// The value of t's workspace at p (a partial or a finished t; part: the workspace): a plain fp32 load from L2, or
+// with QFP4_LORA_TAG the payload of word p - part (ok cleared when it is not this launch's yet).
+__device__ __forceinline__ float ld_t([[maybe_unused]] const float* part, const float* p,
+                                      [[maybe_unused]] unsigned tag, [[maybe_unused]] bool& ok) {
 #if QFP4_LORA_TAG
-  return __uint_as_float(ld_tagged(part, i, tag, ok));
+  return __uint_as_float(ld_tagged(part, (size_t)(p - part), tag, ok));
 #else
-  return __ldcg(part + i);
+  return __ldcg(p);
 #endif
 }
 
@@ -405,20 +407,25 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
       return;
     }
     __threadfence();
-    const size_t src = (size_t)rs * la.parts * 256, tsum = (size_t)(kLoraMaxUnits + rs) * 256;  // tsum: finished t
+    const float* src = la.part + (size_t)rs * la.parts * 256;
+    float* tsum = la.part + (size_t)(kLoraMaxUnits + rs) * 256;  // the strip's finished t
+#if QFP4_LORA_TAG  // bf16 pairs (lora_t_pair): word i (i even) holds ranks i % 16 and i % 16 + 1 of token i / 16
     bool ok = true;  // every partial has counted (the fence above): their tags are not checked
     auto sum = [&](int i) {
       float v = 0.f;
       for (int q = 0; q < la.parts; ++q) v += ld_t(la.part, src + (size_t)q * 256 + i, tag, ok);
       return v;
     };
-#if QFP4_LORA_TAG  // bf16 pairs (lora_t_pair): word i (i even) holds ranks i % 16 and i % 16 + 1 of token i / 16
     for (int i = 2 * threadIdx.x; i < 16 * M; i += 2 * blockDim.x) {
       const float v0 = sum(i), v1 = sum(i + 1);
-      st_tagged(la.part, tsum + i, pack_bf16(v0, v1), tag);
+      st_tagged(la.part, (size_t)(tsum - la.part) + i, pack_bf16(v0, v1), tag);
     }
 #else
-    for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) la.part[tsum + i] = sum(i);
+    for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) {
+      float v = 0.f;
+      for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256 + i);
+      tsum[i] = v;
+    }
 #endif
   }
   __syncthreads();
@@ -455,8 +462,9 @@ template <bool DIRECT, int NT>
 __device__ __forceinline__ float lora_t(const LoraArgs& la, int M, int tok, int r, unsigned tag, bool& ok) {
   if (tok >= M || r >= la.R) return 0.f;
   const int off = tok * 16 + (r & 15);
-  if (!DIRECT || !la.direct) return ld_t(la.part, (size_t)(kLoraMaxUnits + (r >> 4)) * 256 + off, tag, ok);
-  const size_t p = (size_t)(r >> 4) * la.parts * 256 + off;
+  if (!DIRECT || !la.direct)
+    return ld_t(la.part, la.part + (size_t)(kLoraMaxUnits + (r >> 4)) * 256 + off, tag, ok);
+  const float* p = la.part + (size_t)(r >> 4) * la.parts * 256 + off;
   float v = 0.f;
 #pragma unroll
   for (int q = 0; q < direct_parts<NT>(); ++q)
@@ -587,8 +595,8 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
       }
       waited = true;
     }
-    uint32_t b[SW][2][NT][2];  // the MMAs' B operands: bf16(t) at ranks (r, r + 1) and (r + 8, r + 9)
 #if QFP4_LORA_TAG
+    uint32_t b[SW][2][NT][2];  // the MMAs' B operands: bf16(t) at ranks (r, r + 1) and (r + 8, r + 9)
     lora_b_tagged<NT, SW>(la, M, jb, r0, rk, sync, b);
 #else
 #pragma unroll
@@ -609,15 +617,6 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < SW; ++i)
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          b[i][jj][nt][0] = pack_bf16(v[i][jj][nt][0], v[i][jj][nt][1]);
-          b[i][jj][nt][1] = pack_bf16(v[i][jj][nt][2], v[i][jj][nt][3]);
-        }
 #endif
 #pragma unroll
     for (int i = 0; i < SW; ++i)
@@ -625,7 +624,12 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
       for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
-          mma_bf16(c[i][nt], a[i][jj][0], a[i][jj][1], a[i][jj][2], a[i][jj][3], b[i][jj][nt][0], b[i][jj][nt][1]);
+          mma_bf16(c[i][nt], a[i][jj][0], a[i][jj][1], a[i][jj][2], a[i][jj][3],
+#if QFP4_LORA_TAG
+                   b[i][jj][nt][0], b[i][jj][nt][1]);
+#else
+                   pack_bf16(v[i][jj][nt][0], v[i][jj][nt][1]), pack_bf16(v[i][jj][nt][2], v[i][jj][nt][3]));
+#endif
   }
 #pragma unroll
   for (int i = 0; i < SW; ++i)
