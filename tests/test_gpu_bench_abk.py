@@ -113,45 +113,32 @@ def test_next44_builds_three_tests_two_times_occ_in_order_then_ab_rolls_lora_a_l
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_next45_tests_the_poll_build_then_times_both_builds_in_order(tmp_path):
-    """``next45``: the default and QERL_LORA_POLL=early builds, the GEMV LoRA GPU tests on the early one, the layer
-    timing end / early / early / end (each process under its own build's switch), then four rollout processes (NVFP4
-    at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-poll."""
-    p, calls = _run(tmp_path, "next45", '#!/usr/bin/env bash\necho "${QERL_LORA_POLL:-unset}|$*" >> "$STUB_LOG"\n')
+@pytest.mark.parametrize("mode, switch, off, on, prefix, decode, env, tested", [
+    ("next45", "QERL_LORA_POLL", "end", "early", "poll", "fused-lora-poll", {}, ["lora_build_is_bit_identical"]),
+    ("next46", "QERL_LORA_POLL", "end", "tag", "tag", "fused-lora-tag", {"TEACHER": "1"},
+     ["lora_build_is_bit_identical", "tests/test_fused_decode.py", "or teacher"]),
+    ("next48", "QERL_LORA_SKEW", "0", "1", "skew", "fused-lora-skew", {},
+     ["gemv_lora_every_config", "bf16_gemv_every_config"]),
+])
+def test_lora_opt_in_modes_test_the_new_build_then_time_both_builds_in_order(tmp_path, mode, switch, off, on, prefix,
+                                                                             decode, env, tested):
+    """``next45`` / ``next46`` / ``next48``: the default build and the opt-in's (QERL_LORA_POLL=early / tag,
+    QERL_LORA_SKEW=1), the GEMV LoRA GPU tests on the new one (next46 with TEACHER=1: also the fused decode's teacher
+    forcing), the layer timing off / on / on / off (each process under its own build's switch), then four rollout
+    processes (NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and the opt-in's decode mode."""
+    p, calls = _run(tmp_path, mode, f'#!/usr/bin/env bash\necho "${{{switch}:-{off}}}|$*" >> "$STUB_LOG"\n', **env)
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["early", "unset"]
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == sorted([off, on])
     tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("early|") and "lora_build_is_bit_identical" in tests[0]
+    assert len(tests) == 1 and tests[0].startswith(f"{on}|") and all(t in tests[0] for t in tested)
     timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
              if "|-m benchmarks.lora_gemv_bench" in c]
-    assert timed == [("end", "poll_end_1"), ("early", "poll_early_1"), ("early", "poll_early_2"), ("end", "poll_end_2")]
+    assert timed == [(v, f"{prefix}_{v}_{n}") for v, n in ((off, 1), (on, 1), (on, 2), (off, 2))]
     assert all("--pdl" in c for c in calls if "lora_gemv_bench" in c)
     roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
     assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
         "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
-    assert all("--decode fused,fused-lora-poll,fused-lora-poll,fused " in r for r in roll)
-    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_next46_tests_the_tag_build_then_times_both_builds_in_order(tmp_path):
-    """``next46``: the default and QERL_LORA_POLL=tag builds, the GEMV LoRA and (TEACHER=1) teacher-forcing GPU tests
-    on the tag one, the layer timing end / tag / tag / end (each process under its own build's switch), then four rollout
-    processes (NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-tag."""
-    p, calls = _run(tmp_path, "next46", '#!/usr/bin/env bash\necho "${QERL_LORA_POLL:-unset}|$*" >> "$STUB_LOG"\n',
-                    TEACHER="1")
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["tag", "unset"]
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("tag|") and "lora_build_is_bit_identical" in tests[0]
-    assert "tests/test_fused_decode.py" in tests[0] and "or teacher" in tests[0]
-    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
-             if "|-m benchmarks.lora_gemv_bench" in c]
-    assert timed == [("end", "tag_end_1"), ("tag", "tag_tag_1"), ("tag", "tag_tag_2"), ("end", "tag_end_2")]
-    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
-        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
-    assert all("--decode fused,fused-lora-tag,fused-lora-tag,fused " in r for r in roll)
+    assert all(f"--decode fused,{decode},{decode},fused " in r for r in roll)
     assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
 
 
@@ -169,24 +156,3 @@ def test_lora44_builds_each_ablation_variant_then_times_them_twice(tmp_path, abl
     timed = [c for c in calls if "-m benchmarks.lora_gemv_bench" in c]
     assert len(timed) == 2 and all(f"--ablate {','.join(want)} " in c for c in timed)
     assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in timed] == ["lora_1", "lora_2"]
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_next48_tests_the_skew_build_then_times_both_builds_in_order(tmp_path):
-    """``next48``: the default and QERL_LORA_SKEW=1 builds, the GEMV LoRA GPU tests (against float64) on the skew one,
-    the layer timing 0 / 1 / 1 / 0 (each process under its own build's switch), then four rollout processes (NVFP4
-    at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and fused-lora-skew."""
-    p, calls = _run(tmp_path, "next48", '#!/usr/bin/env bash\necho "${QERL_LORA_SKEW:-unset}|$*" >> "$STUB_LOG"\n')
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["1", "unset"]
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("1|") and "gemv_lora_every_config" in tests[0]
-    assert "bf16_gemv_every_config" in tests[0] and "teacher" not in tests[0]
-    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
-             if "|-m benchmarks.lora_gemv_bench" in c]
-    assert timed == [("0", "skew_0_1"), ("1", "skew_1_1"), ("1", "skew_1_2"), ("0", "skew_0_2")]
-    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
-        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
-    assert all("--decode fused,fused-lora-skew,fused-lora-skew,fused " in r for r in roll)
-    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
