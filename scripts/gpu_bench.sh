@@ -184,10 +184,10 @@
 #   scripts/gpu_bench.sh next46  issue 11 in session 45, on any GPU: QERL_LORA_POLL=tag (t stored with the launch's tag,
 #                                no fence, no acquire): both builds, the GEMV LoRA bit-identity tests (TEACHER=1: and
 #                                the fused decode's teacher-forcing tests, ~4 min more) on the new one
-#                                ($OUT/tests_next46.txt; SKIP_TESTS=1 skips), benchmarks.lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) end / tag / tag / end
-#                                ($OUT/tag_{end,tag}_{1,2}), then 7B rollouts (256 + 512) NVFP4 at batch 8 and 2, MXFP4
-#                                and BF16 at 8, fused / fused-lora-tag / fused-lora-tag / fused in one process each
-#                                ($OUT/roll_tag); ~7 min
+#                                ($OUT/tests_next46.txt; SKIP_TESTS=1 skips), benchmarks.lora_gemv_bench --pdl (7B
+#                                NVFP4, M = 8 and 2) end / tag / tag / end ($OUT/tag_{end,tag}_{1,2}), then 7B rollouts
+#                                (256 + 512) NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8, fused / fused-lora-tag /
+#                                fused-lora-tag / fused in one process each ($OUT/roll_tag); ~7 min
 #   scripts/gpu_bench.sh next48  issue 11 after session 45, on any GPU: QERL_LORA_SKEW=1 (split 0 of each decode-GEMV
 #                                LoRA launch, whose warps add the term, takes a batch of K chunks fewer): both builds,
 #                                the GEMV LoRA GPU tests against the float64 references on the new one (TEACHER=1: and
@@ -277,6 +277,18 @@ roll_ab() {  # DECODE DIR PAIRS: one 7B rollout process (256 + 512) per "FORMAT:
     timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
       --decode "fused,$dec,$dec,fused" --out "$OUT/$dir" 2>&1 | grep -v Warn >> "$LOG"
   done
+}
+lora_opt_in() {  # SWITCH OFF ON PREFIX DECODE NAME SECONDS TESTS: a decode-GEMV LoRA opt-in against the default. Both
+  # builds; the GPU tests matching TESTS under SWITCH=ON ($OUT/tests_NAME.txt; TEACHER=1 adds the fused decode's
+  # teacher forcing; SKIP_TESTS=1 skips); lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) OFF / ON / ON / OFF
+  # ($OUT/PREFIX_VALUE_PASS); 7B rollouts alternating fused and DECODE (ROLL: the FORMAT:BATCH list; $OUT/roll_PREFIX)
+  local sw=$1 off=$2 on=$3 prefix=$4 dec=$5
+  builds_at_once - "$sw=$on"
+  [ -n "${SKIP_TESTS:-}" ] || (export "$sw=$on"; gpu_tests "$6" "$7" tests/test_cuda_fp4.py \
+    ${TEACHER:+tests/test_fused_decode.py} -k "$8${TEACHER:+ or teacher}")
+  ab_runs "$sw" "$prefix" "$off:1 $on:1 $on:2 $off:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
+    --models 7b --m 8,2 --fmts nvfp4 --pdl
+  roll_ab "$dec" "roll_$prefix" "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}"
 }
 case "${1:-core}" in
 core)
@@ -638,28 +650,14 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
 next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter (see the header)
-  builds_at_once - QERL_LORA_SKEW=1
-  [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_SKEW=1; gpu_tests next48 300 tests/test_cuda_fp4.py \
-    ${TEACHER:+tests/test_fused_decode.py} -k "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue \
-or bf16_gemv_every_config${TEACHER:+ or teacher}")
-  ab_runs QERL_LORA_SKEW skew "0:1 1:1 1:2 0:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
-    --models 7b --m 8,2 --fmts nvfp4 --pdl
-  roll_ab fused-lora-skew roll_skew "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}" ;;
+  lora_opt_in QERL_LORA_SKEW 0 1 skew fused-lora-skew next48 300 \
+    "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config" ;;
 next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)
-  builds_at_once - QERL_LORA_POLL=tag
-  [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=tag; gpu_tests next46 300 tests/test_cuda_fp4.py \
-    ${TEACHER:+tests/test_fused_decode.py} -k "lora_build_is_bit_identical or gemv_lora_every_config or \
-gemv_lora_model_shapes or silu_mul_epilogue${TEACHER:+ or teacher}")
-  ab_runs QERL_LORA_POLL tag "end:1 tag:1 tag:2 end:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
-    --models 7b --m 8,2 --fmts nvfp4 --pdl
-  roll_ab fused-lora-tag roll_tag "nvfp4:8 nvfp4:2 mxfp4:8 bf16:8" ;;
+  lora_opt_in QERL_LORA_POLL end tag tag fused-lora-tag next46 300 \
+    "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue" ;;
 next45)  # issue 11: the decode GEMV's early read of the LoRA count (see the header)
-  builds_at_once - QERL_LORA_POLL=early
-  [ -n "${SKIP_TESTS:-}" ] || (export QERL_LORA_POLL=early; gpu_tests next45 240 tests/test_cuda_fp4.py \
-    -k "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue")
-  ab_runs QERL_LORA_POLL poll "end:1 early:1 early:2 end:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
-    --models 7b --m 8,2 --fmts nvfp4 --pdl
-  roll_ab fused-lora-poll roll_poll "nvfp4:8 nvfp4:2 mxfp4:8 bf16:8" ;;
+  lora_opt_in QERL_LORA_POLL end early poll fused-lora-poll next45 240 \
+    "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

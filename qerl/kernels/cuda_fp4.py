@@ -1207,14 +1207,21 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     parts = lora_parts(lora.rank, w.k // 64, splits * per)
-    starts = [o for o, r in zip(roff, rk, strict=True) if r]
-    if lora_poll() == "tag" and not lora_direct(parts, sw, m) and any(o % 2 for o in starts):
-        raise ValueError(f"QERL_LORA_POLL=tag: this launch ({parts} K parts, {sw} strips a warp) reads t as bf16 pairs "
-                         f"and needs every member's first rank even; the member ranks {[r for r in rk if r]} start at "
-                         f"{starts}. Use QERL_LORA_POLL=end (the default)")
+    if lora_poll() == "tag":  # the opt-in's one limit, named before its launcher's -1 would be
+        _check_tag_ranks(parts, sw, m, roff, rk)
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
                      a, bn, part, ctr, parts, bound1, bound2, roff, rk)
     return out
+
+
+def _check_tag_ranks(parts: int, sw: int, m: int, roff: list[int], rk: list[int]) -> None:
+    """``QERL_LORA_POLL=tag``'s launches that read t as bf16 pairs (not :func:`lora_direct`) need every member's first
+    rank even: a ValueError naming the ranks otherwise."""
+    starts = [o for o, r in zip(roff, rk, strict=True) if r]
+    if not lora_direct(parts, sw, m) and any(o % 2 for o in starts):
+        raise ValueError(f"QERL_LORA_POLL=tag: this launch ({parts} K parts, {sw} strips a warp) reads t as bf16 pairs "
+                         f"and needs every member's first rank even; the member ranks {[r for r in rk if r]} start at "
+                         f"{starts}. Use QERL_LORA_POLL=end (the default)")
 
 
 def _lora_tensors(lora: LoraOperand, w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
