@@ -195,6 +195,12 @@
 #                                lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) 0 / 1 / 1 / 0 ($OUT/skew_{0,1}_{1,2}),
 #                                7B rollouts (256 + 512) fused / fused-lora-skew / fused-lora-skew / fused, NVFP4 at
 #                                batch 8 and 2, MXFP4 and BF16 at 8 (ROLL replaces the list; $OUT/roll_skew); ~6 min
+#   scripts/gpu_bench.sh l2pf    issue 11, session 46, on any GPU: QERL_L2_PREFETCH (a launch after RoPE asks L2 for
+#                                up to 16 / 32 MB of the layer's o and gate|up weights while attention runs): its GPU
+#                                tests ($OUT/tests_l2pf.txt; SKIP_TESTS=1 skips), 7B rollouts (256 + 512) NVFP4 at batch
+#                                8 and 2, MXFP4 and BF16 at 8, one process each: fused / l2-32 / l2-16 / fused / l2-16 /
+#                                l2-32 / fused ($OUT/roll_l2), then the decode-step profile at batch 8, NVFP4 and BF16,
+#                                fused / l2-32 ($OUT/prof_l2); ~7 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -652,6 +658,16 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
 next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter (see the header)
   lora_opt_in QERL_LORA_SKEW 0 1 skew fused-lora-skew next48 300 \
     "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config" ;;
+l2pf)  # issue 11: L2 prefetch of o and gate|up during attention (see the header)
+  [ -n "${SKIP_TESTS:-}" ] || gpu_tests l2pf 200 tests/test_l2_prefetch.py
+  for fb in ${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}; do
+    IFS=: read -r f b <<< "$fb"
+    timeout 150 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
+      --decode fused,fused-l2-32,fused-l2-16,fused,fused-l2-16,fused-l2-32,fused --out "$OUT/roll_l2" 2>&1 \
+      | grep -v Warn >> "$LOG"
+  done
+  timeout 150 $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,fused-l2-32 --out "$OUT/prof_l2" \
+    2>&1 | grep -v Warn >> "$LOG" ;;
 next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)
   lora_opt_in QERL_LORA_POLL end tag tag fused-lora-tag next46 300 \
     "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue" ;;

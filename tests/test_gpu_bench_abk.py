@@ -156,3 +156,20 @@ def test_lora44_builds_each_ablation_variant_then_times_them_twice(tmp_path, abl
     timed = [c for c in calls if "-m benchmarks.lora_gemv_bench" in c]
     assert len(timed) == 2 and all(f"--ablate {','.join(want)} " in c for c in timed)
     assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in timed] == ["lora_1", "lora_2"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_l2pf_tests_then_alternates_the_budgets_in_one_process_per_point(tmp_path):
+    """``l2pf``: the prefetch's GPU tests first, then one rollout process per (format, batch) alternating the default
+    with both budgets (fused first and last), then the step profile of NVFP4 and BF16 with and without it."""
+    p, calls = _run(tmp_path, "l2pf", '#!/usr/bin/env bash\necho "x|$*" >> "$STUB_LOG"\n')
+    assert p.returncode == 0, p.stderr
+    tests = [c for c in calls if "|-m pytest" in c]
+    assert len(tests) == 1 and "tests/test_l2_prefetch.py" in tests[0]
+    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
+    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
+        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
+    assert all("--decode fused,fused-l2-32,fused-l2-16,fused,fused-l2-16,fused-l2-32,fused " in r for r in roll)
+    prof = [c for c in calls if "|-m qerl.bench profile" in c]
+    assert len(prof) == 1 and "--decode fused,fused-l2-32 " in prof[0] and "--formats nvfp4,bf16 " in prof[0]
+    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "rollout" in c))
