@@ -30,7 +30,7 @@ from torch import nn
 
 from qerl.devices import autocast_for
 from qerl.fastdecode import build_decode_plan, l2_prefetch_plan, permuted_input
-from qerl.kernels import cuda_prefetch, pdl_enabled
+from qerl.kernels import cuda_prefetch
 from qerl.kernels import fused as fk
 from qerl.lora import lora_inference_cache
 
@@ -299,7 +299,7 @@ class Sampler:
             q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
             if pf is not None:  # QERL_L2_PREFETCH: o and gate|up weights into L2 while attention runs
-                cuda_prefetch.prefetch(pf[i], q.device, pdl_enabled(q))
+                cuda_prefetch.prefetch(pf[i], q.device)
             o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot,
                                     permuted=perm[i][3])  # (N, H*d)
             h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm),
@@ -308,6 +308,8 @@ class Sampler:
             last = i + 1 == len(layers)
             nxt = self.model.model.norm if last else layers[i + 1].input_layernorm
             h, x = fk.add_rms_norm(h, d, *self._norm_args(nxt), permuted=not last and perm[i + 1][0])
+        if pf is not None:
+            cuda_prefetch.join(x.device)
         self._sample_into(s, self.model.lm_head(x).float())
 
     def _l2_prefetch(self, s, n: int):

@@ -128,13 +128,13 @@ def test_gpu_prefetch_launch_and_bad_descriptors():
     w = cuda_fp4.CudaFP4Weight(w.fmt, w.n, w.k, w.qweight.cuda(), w.scales.cuda(), w.global_scale.cuda(), w.bexp,
                                w.bword, w.out_mult)
     dev = w.qweight.device
-    for pdl in (False, True):
-        cuda_prefetch.prefetch(cuda_prefetch.spans(w, 3, 0.5), dev, pdl)
+    cuda_prefetch.prefetch(cuda_prefetch.spans(w, 3, 0.5), dev)
+    cuda_prefetch.join(dev)
     torch.cuda.synchronize()
     bad = cuda_prefetch.spans(w, 2, 1.0)
     bad[0][4] = 8  # an offset off the 16-byte grid
     with pytest.raises(RuntimeError, match="bad span descriptors"):
-        cuda_prefetch.prefetch(bad, dev, False)
+        cuda_prefetch.prefetch(bad, dev)
 
 
 @pytest.mark.gpu

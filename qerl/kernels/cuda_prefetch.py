@@ -116,14 +116,32 @@ def layer_spans(parts, budget_bytes: float) -> list[list[int]]:
     return out
 
 
-def prefetch(desc: list[list[int]], device: torch.device, pdl: bool) -> None:
-    """One launch on the current stream that prefetches the spans ``desc`` into L2 (graph capturable); under ``pdl``
-    launched with programmatic stream serialization (see the kernel's header)."""
+def _side(device: torch.device) -> torch.cuda.Stream:
+    key = ("side", device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _STATE:
+        _STATE[key] = torch.cuda.Stream(device)
+    return _STATE[key]
+
+
+def prefetch(desc: list[list[int]], device: torch.device) -> None:
+    """One launch that prefetches the spans ``desc`` into L2, on a side stream that first waits for the current
+    stream's work so far (graph capturable: a branch of the captured graph), so no later kernel of the current stream
+    waits for it; :func:`join` before the work that must follow every prefetch (the end of a captured step).
+    Session 46's first version launched it in the decode chain under PDL, where the attention after it waited for
+    it: the step 6.5% slower (H200, ``results/speed/raw/h200_s46_l2pf``)."""
     if not desc:
         return
     flat = [v for d in desc for v in d]
     _STATE["launches"] = _STATE.get("launches", 0) + 1
-    _ext().prefetch(flat, bool(pdl), device.index if device.index is not None else torch.cuda.current_device())
+    side = _side(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        _ext().prefetch(flat, False, device.index if device.index is not None else torch.cuda.current_device())
+
+
+def join(device: torch.device) -> None:
+    """The current stream waits for the side stream's prefetch launches (see :func:`prefetch`)."""
+    torch.cuda.current_stream(device).wait_stream(_side(device))
 
 
 def launches() -> int:
