@@ -173,3 +173,14 @@ def test_l2pf_tests_then_alternates_the_budgets_in_one_process_per_point(tmp_pat
     prof = [c for c in calls if "|-m qerl.bench profile" in c]
     assert len(prof) == 1 and "--decode fused,fused-l2-32 " in prof[0] and "--formats nvfp4,bf16 " in prof[0]
     assert calls.index(tests[0]) < calls.index(next(c for c in calls if "rollout" in c))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_l2long_alternates_at_the_issue_length(tmp_path):
+    """``l2long``: one rollout process per (format, batch) at 256 + 2048, fused / l2-32 / l2-32 / fused."""
+    p, calls = _run(tmp_path, "l2long", '#!/usr/bin/env bash\necho "x|$*" >> "$STUB_LOG"\n')
+    assert p.returncode == 0, p.stderr
+    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
+    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
+        "nvfp4 --batch 8", "mxfp4 --batch 8", "nvfp4 --batch 2"]
+    assert all("--prompt 256 --new 2048 --decode fused,fused-l2-32,fused-l2-32,fused " in r for r in roll)
