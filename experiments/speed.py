@@ -677,6 +677,13 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 46 (H200, d463cbe-5b79085; `raw/h200_s46_*/README.md`): with t ready at a GEMV launch's start (timing-only
+ablation 10) the 7B layer at M = 8 is only 3.0-4.6 µs faster than the default's ~65 µs, so computing t in the kernel
+before each GEMV was not built; split 0 of each LoRA launch a batch lighter (`QERL_LORA_SKEW=1`): +0.1…+1.0%,
+inconclusive. An L2 prefetch of the layer's o and gate|up weights while attention runs (`QERL_L2_PREFETCH`, new): in
+the decode chain 3-7% slower (the attention waited for it); on a side stream NVFP4 batch 8 +2.4% at 32 MB (two passes
+against three), BF16-LoRA −0.9%, the KV-1024 profile's step +1.1% with gate|up 2.4 µs a layer faster: inconclusive,
+an opt-in. The refuted `QERL_LORA_POLL` and `QERL_LORA_A_L2` builds were removed (code at 6624238).
 Session 45 (H200, d0c4381-3fd5721; `raw/h200_s45_*/README.md`): two ways of taking the wait's round trips off the
 decode GEMV's LoRA term, both bit-identical and both slower, neither adopted: the output warps' early read of the
 LoRA count (`QERL_LORA_POLL=early`: 7B decode rate −0.3…−1.3%) and t stored with the launch's tag, no fence and no

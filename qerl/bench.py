@@ -159,7 +159,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma",
            "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-wgmma-occ2",
-           "fused-lora-a-l2", "fused-lora-poll", "fused-lora-tag", "fused-lora-skew", "fused-l2-16", "fused-l2-32",
+           "fused-lora-skew", "fused-l2-16", "fused-l2-32",
            "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
@@ -185,8 +185,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-tma": {"QERL_WGMMA_TMA": "1"}, "fused-no-tma": {"QERL_WGMMA_TMA": "0"},
                "fused-tma-tok": {"QERL_WGMMA_TMA": "tok"}, "fused-tma-all-tok": {"QERL_WGMMA_TMA": "all-tok"},
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
-               "fused-wgmma-occ2": {"QERL_WGMMA_OCC": "2"}, "fused-lora-a-l2": {"QERL_LORA_A_L2": "1"},
-               "fused-lora-poll": {"QERL_LORA_POLL": "early"}, "fused-lora-tag": {"QERL_LORA_POLL": "tag"},
+               "fused-wgmma-occ2": {"QERL_WGMMA_OCC": "2"},
                "fused-lora-skew": {"QERL_LORA_SKEW": "1"},
                "fused-l2-16": {"QERL_L2_PREFETCH": "16"}, "fused-l2-32": {"QERL_L2_PREFETCH": "32"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
@@ -236,17 +235,12 @@ def decode_mode(sampler, dec: str):
     load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default spelled out),
     "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's loads, a build of
     its own), "fused-wgmma-occ2" (the 256-thread 128-token wgmma variants compiled for two CTAs an SM:
-    ``QERL_WGMMA_OCC=2``, a build of its own; the tuned table decides where they run), "fused-lora-a-l2" (the decode
-    GEMV's LoRA CTAs prefetch A into L2 before their PDL wait: ``QERL_LORA_A_L2=1``, a build of its own),
-    "fused-lora-poll" (the decode GEMV's output warps read the LoRA count before their last batch:
-    ``QERL_LORA_POLL=early``, a build of its own), "fused-lora-tag" (its values of x·Aᵀ stored with the launch's tag
-    and loaded until they carry it, no fence and no acquire: ``QERL_LORA_POLL=tag``, a build of its own),
-    "fused-lora-skew" (split 0 of each decode-GEMV LoRA launch, which adds the term, takes a batch of K chunks
-    fewer: ``QERL_LORA_SKEW=1``, a build of its own), "fused-l2-16" / "fused-l2-32" (a launch after RoPE asks L2 for
-    16 / 32 MB of the layer's o and gate|up weights while attention runs: ``QERL_L2_PREFETCH``,
-    ``qerl.kernels.cuda_prefetch``) — all but
-    "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default,
-    on where the GPU has it) or "unfused"."""
+    ``QERL_WGMMA_OCC=2``, a build of its own; the tuned table decides where they run), "fused-lora-skew" (split 0
+    of each decode-GEMV LoRA launch, which adds the term, takes a batch of K chunks fewer: ``QERL_LORA_SKEW=1``, a
+    build of its own), "fused-l2-16" / "fused-l2-32" (a launch on a side stream after RoPE asks L2 for 16 / 32 MB of
+    the layer's o and gate|up weights while attention runs: ``QERL_L2_PREFETCH``, ``qerl.kernels.cuda_prefetch``) —
+    all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across
+    the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

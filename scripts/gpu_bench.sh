@@ -158,15 +158,13 @@
 #                                load patterns; $OUT/hbm), then the BF16 GEMV under PDL at batch 8 (7B BF16-LoRA, 256 +
 #                                512: fused / fused-bf16-pdl / fused-bf16-pdl / fused in one process, $OUT/roll_pdl;
 #                                the decode step uses PDL for it only up to M = 4, an H100 rule); ~4 min
-#   scripts/gpu_bench.sh next44  session 44's two opt-ins, on any Hopper GPU: QERL_WGMMA_OCC=2 (the 256-thread 128-token
-#                                wgmma variants compiled for two CTAs an SM) and QERL_LORA_A_L2=1 (the decode GEMV's
-#                                LoRA CTAs prefetch A into L2 before their PDL wait): the three builds at once, their
-#                                bit-identity GPU tests ($OUT/tests_next44.txt; SKIP_TESTS=1 skips), the 7B products
-#                                at 128 and 256 tokens with a rank-32 LoRA term at the configs those variants offer
-#                                beside today's picks (benchmarks.wgmma_profile, OCC 1 / 2 / 2 / 1: $OUT/occ_{1,2}_{1,2},
-#                                the gains per config in $OUT/occ.md), then 7B NVFP4 rollouts at batch 8 and 2 and BF16
-#                                at batch 8 (256 + 512), fused / fused-lora-a-l2 / fused-lora-a-l2 / fused in one
-#                                process each ($OUT/roll_l2); ~6 min
+#   scripts/gpu_bench.sh next44  session 44's QERL_WGMMA_OCC=2, on any Hopper GPU (the 256-thread 128-token wgmma
+#                                variants compiled for two CTAs an SM): both builds at once, its bit-identity GPU test
+#                                ($OUT/tests_next44.txt; SKIP_TESTS=1 skips), the 7B products at 128 and 256 tokens with
+#                                a rank-32 LoRA term at the configs those variants offer beside today's picks
+#                                (benchmarks.wgmma_profile, OCC 1 / 2 / 2 / 1: $OUT/occ_{1,2}_{1,2}, the gains per
+#                                config in $OUT/occ.md); ~4 min. (Its other half, QERL_LORA_A_L2, was removed in
+#                                session 46: refuted, the code is at 6624238.)
 #   scripts/gpu_bench.sh lora44  issue 11, session 44: where the LoRA's ~10% of the 7B NVFP4 batch-8 decode step goes:
 #                                benchmarks.lora_gemv_bench --pdl (the four decode linears of a layer as PDL chains,
 #                                M = 8 and 2) with the timing-only builds -DQFP4_LORA_ABLATE=1 (no LoRA term in the
@@ -174,20 +172,6 @@
 #                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min. ABLATE replaces the
 #                                variants: ABLATE=2,3,8,10 (session 45's plan) adds 8 (the term before the main loop,
 #                                no wait) and 10 (that with the LoRA CTAs idle: as if the kernel before had written t)
-#   scripts/gpu_bench.sh next45  issue 11 after session 44, on any GPU: QERL_LORA_POLL=early (the decode GEMV's output
-#                                warps read the LoRA count before their last batch): both builds, the GEMV LoRA
-#                                bit-identity GPU tests on the new one ($OUT/tests_next45.txt; SKIP_TESTS=1 skips),
-#                                benchmarks.lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) end / early / early / end in
-#                                four processes ($OUT/poll_{end,early}_{1,2}), then 7B rollouts (256 + 512) NVFP4 at
-#                                batch 8 and 2, MXFP4 and BF16 at 8, fused / fused-lora-poll / fused-lora-poll / fused in
-#                                one process each ($OUT/roll_poll); ~6 min
-#   scripts/gpu_bench.sh next46  issue 11 in session 45, on any GPU: QERL_LORA_POLL=tag (t stored with the launch's tag,
-#                                no fence, no acquire): both builds, the GEMV LoRA bit-identity tests (TEACHER=1: and
-#                                the fused decode's teacher-forcing tests, ~4 min more) on the new one
-#                                ($OUT/tests_next46.txt; SKIP_TESTS=1 skips), benchmarks.lora_gemv_bench --pdl (7B
-#                                NVFP4, M = 8 and 2) end / tag / tag / end ($OUT/tag_{end,tag}_{1,2}), then 7B rollouts
-#                                (256 + 512) NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8, fused / fused-lora-tag /
-#                                fused-lora-tag / fused in one process each ($OUT/roll_tag); ~7 min
 #   scripts/gpu_bench.sh next48  issue 11 after session 45, on any GPU: QERL_LORA_SKEW=1 (split 0 of each decode-GEMV
 #                                LoRA launch, whose warps add the term, takes a batch of K chunks fewer): both builds,
 #                                the GEMV LoRA GPU tests against the float64 references on the new one (TEACHER=1: and
@@ -637,13 +621,11 @@ next43)  # issue 11 after session 43 (see the header)
   timeout 150 $B rollout --models 7b --formats bf16 --batch 8 --prompt 256 --new 512 \
     --decode fused,fused-bf16-pdl,fused-bf16-pdl,fused --out "$OUT/roll_pdl" 2>&1 | grep -v Warn >> "$LOG" ;;
 next44)  # session 44's opt-ins (see the header)
-  builds_at_once - QERL_WGMMA_OCC=2 QERL_LORA_A_L2=1
-  [ -n "${SKIP_TESTS:-}" ] || gpu_tests next44 240 tests/test_cuda_fp4.py \
-    -k "occ2_is_bit_identical or lora_build_is_bit_identical"
+  builds_at_once - QERL_WGMMA_OCC=2
+  [ -n "${SKIP_TESTS:-}" ] || gpu_tests next44 240 tests/test_cuda_fp4.py -k occ2_is_bit_identical
   ab_runs QERL_WGMMA_OCC occ "1:1 2:1 2:2 1:2" 90 "prof\]" python3 -m benchmarks.wgmma_profile --lora 32 --m 128,256 \
     --configs "${OCC44_CONFIGS:-16,0,2,2 16,0,2,1 16,-1,2,1 16,0,1,2 16,-1,1,2 32,0,2,1}"
-  python3 -m benchmarks.ab_compare "$OUT" --prefix occ --base 1 --md "$OUT/occ.md" >> "$LOG" 2>&1
-  roll_ab fused-lora-a-l2 roll_l2 "nvfp4:8 nvfp4:2 bf16:8" ;;
+  python3 -m benchmarks.ab_compare "$OUT" --prefix occ --base 1 --md "$OUT/occ.md" >> "$LOG" 2>&1 ;;
 lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the header)
   build 2 &
   pids=$!
@@ -677,12 +659,6 @@ l2long)  # issue 11: the L2 prefetch at 256 + 2048 tokens (see the header)
     timeout 200 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 2048 \
       --decode fused,fused-l2-32,fused-l2-32,fused --out "$OUT/roll_l2long" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
-next46)  # issue 11: the decode GEMV's tagged values of x·Aᵀ (see the header)
-  lora_opt_in QERL_LORA_POLL end tag tag fused-lora-tag next46 300 \
-    "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue" ;;
-next45)  # issue 11: the decode GEMV's early read of the LoRA count (see the header)
-  lora_opt_in QERL_LORA_POLL end early poll fused-lora-poll next45 240 \
-    "lora_build_is_bit_identical or gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

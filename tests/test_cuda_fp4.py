@@ -343,9 +343,8 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_TRIGGER=1 (their trigger), its other values nothing. QERL_WGMMA_TMA=1 (the default) adds
     -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing, its experiments their own flags. QERL_BF16_LOADS
     =sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
-    QERL_WGMMA_OCC=2, QERL_LORA_A_L2=1, QERL_LORA_POLL=early / tag and QERL_LORA_SKEW=1 (opt-ins) add
-    -DQFP4_WGMMA_OCC=2 / -DQFP4_LORA_A_L2=1 / -DQFP4_LORA_EARLY_POLL=1 / -DQFP4_LORA_TAG=1 / -DQFP4_LORA_SKEW=1, their
-    defaults nothing."""
+    QERL_WGMMA_OCC=2 and QERL_LORA_SKEW=1 (opt-ins) add -DQFP4_WGMMA_OCC=2 / -DQFP4_LORA_SKEW=1, their defaults
+    nothing."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     for k in cf.BUILD_SWITCHES:
@@ -354,10 +353,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     default = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_TMA=1",
                "-DQFP4_DENSE_SECTOR=1"]
     assert cf._build_flags() == default
-    for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_A_L2", "1", "-DQFP4_LORA_A_L2=1"),
-                              ("QERL_LORA_POLL", "early", "-DQFP4_LORA_EARLY_POLL=1"),
-                              ("QERL_LORA_POLL", "tag", "-DQFP4_LORA_TAG=1"),
-                              ("QERL_LORA_SKEW", "1", "-DQFP4_LORA_SKEW=1")):
+    for name, value, flag in (("QERL_WGMMA_OCC", "2", "-DQFP4_WGMMA_OCC=2"), ("QERL_LORA_SKEW", "1", "-DQFP4_LORA_SKEW=1")):
         monkeypatch.setenv(name, value)
         assert cf._build_flags() == [*default, flag]
         monkeypatch.setenv(name, "3")
@@ -1423,44 +1419,6 @@ def test_gpu_wgmma_occ2_is_bit_identical(fmt, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("switch, off, on", [("QERL_LORA_A_L2", "0", "1"), ("QERL_LORA_POLL", "end", "early"),
-                                             ("QERL_LORA_POLL", "end", "tag")])
-def test_gpu_gemv_lora_build_is_bit_identical(fmt, switch, off, on, monkeypatch):
-    """QERL_LORA_A_L2=1's build (the decode GEMV's LoRA CTAs prefetch A into L2 before their PDL wait),
-    QERL_LORA_POLL=early's (the output warps read the LoRA count before their last batch) and QERL_LORA_POLL=tag's (t
-    stored with the launch's tag, no fence, no acquire) give the default build's output bit for bit: LoRA launches at
-    M = 1, 8, 16 over configs with one and several batches a warp, with and without PDL, both ways of summing x·Aᵀ's
-    K parts, and a captured chain of PDL launches (each launch a new tag: a stale word would show). The counters are
-    left zero. The tag build refuses, by name, a launch whose bf16 pairs of t would start at an odd rank."""
-    g = torch.Generator(device="cuda").manual_seed(44)
-    n, k = 208, 1536
-    w = _prep(fmt, _quant(fmt, n, k, seed=12, device="cuda"))
-    op = _lora([(112, 16), (48, 8), (48, 24)], k, seed=13, device="cuda")
-    cfgs = [(1, 1, 4, 1), (16, 1, 4, 1), (3, 1, 2, 2), (4, 2, 2, 2)]
-    for m in (1, 8, 16):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        for cfg in cfgs:
-            for pdl in (False, True):
-                monkeypatch.setenv(switch, off)
-                ref = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
-                monkeypatch.setenv(switch, on)
-                got = cf.gemv(x, w, config=cfg, pdl=pdl, lora=op)
-                assert torch.equal(got, ref), (m, cfg, pdl)
-                assert not cf.lora_workspace(x.device)[1].any(), "the launch left its LoRA counters set"
-        _check_lora(got, x, w, op)
-    if on == "tag":  # members of 16 and 5 ranks: the second starts at rank 16, the third at 21; (3, 1, 2, 2): pairs
-        odd = _lora([(112, 16), (48, 5), (48, 8)], k, seed=16, device="cuda")
-        with pytest.raises(ValueError, match=r"QERL_LORA_POLL=tag.*first rank even.*start at \[0, 16, 21\]"):
-            cf.gemv(x, w, config=(3, 1, 2, 2), lora=odd)
-        _check_lora(cf.gemv(x, w, config=(16, 1, 4, 1), lora=odd), x, w, odd)  # direct: fp32 values, any rank
-    w = _prep(fmt, _quant(fmt, 1024, 1024, seed=14, device="cuda"))  # the chain feeds each output to the next: K = N
-    op = _lora([(512, 16), (256, 16), (256, 16)], 1024, seed=15, device="cuda")
-    _graph_chain_replay(w, op, g, 3, check=lambda y1, x: _check_lora(y1, x, w, op))
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_wgmma_gemm_every_variant(fmt):
     """The sm_90a wgmma kernel, every compiled variant: partial row blocks (7 strips), uneven K splits, partial token
     tiles, strided and misaligned x; the CUDA permutation equals the reference one bit for bit."""
@@ -1543,8 +1501,7 @@ def test_gpu_wgmma_gemm_lora(fmt, monkeypatch):
 
 def test_zero_lora_counters_zeroes_every_lora_workspace_and_nothing_else(monkeypatch):
     """cf.zero_lora_counters (after a timing-only launch that may leave them set) zeroes every LoRA workspace, each
-    (device, stream) one, counters and values (QERL_LORA_POLL=tag's epoch restarts with them, so no value may keep an
-    old tag), and leaves every other cached state alone."""
+    (device, stream) one, counters and values, and leaves every other cached state alone."""
     state = {("lora_ws", "dev0", 1): (torch.ones(4), torch.tensor([3, 1, 0], dtype=torch.int32)),
              ("lora_ws", "dev1", 2): (torch.ones(4), torch.tensor([0, 0, 7], dtype=torch.int32)),
              ("wgmma_ctas", 0, "nvfp4"): 264, ("counters", 0): torch.ones(2)}

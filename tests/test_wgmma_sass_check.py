@@ -39,18 +39,6 @@ def _spills(body) -> bool:
     return any(wsc.opcode(t).startswith(("LDL", "STL")) for _, t in body)
 
 
-# the GEMV's LoRA opt-in builds
-_LORA_OPT_INS = ("QFP4_LORA_A_L2=1", "QFP4_LORA_EARLY_POLL=1", "QFP4_LORA_TAG=1", "QFP4_LORA_SKEW=1")
-
-
-@functools.cache
-def _lora_opt_in(define: str) -> tuple[list[dict], list[str]]:
-    """(the default build and the opt-in build of ``define``, the LoRA kernels' names) as ``_gemv_lora_builds``; the
-    first call builds every one of ``_LORA_OPT_INS`` (two at a time: one round less than a test each)."""
-    builds, lora = _gemv_lora_builds(*_LORA_OPT_INS)
-    return [builds[0], builds[1 + _LORA_OPT_INS.index(define)]], lora
-
-
 def _sass(body: list[str]) -> str:
     lines = ["        Function : _ZN4qfp42wg16fp4_wgmma_kernelILi0ELi32ELi1ELi1EEEvv"]
     for i, ins in enumerate(body):
@@ -385,19 +373,6 @@ def test_hbm_pattern_bf16_rows_read_as_the_bf16_gemv_does():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_lora_a_l2_build_changes_only_the_lora_kernels():
-    """QERL_LORA_A_L2=1's build of the decode GEMV (-DQFP4_LORA_A_L2=1): the plain kernels' machine code is the
-    default build's, and every LoRA kernel changes by more L2 prefetches (CCTL.E.PML2: the LoRA CTA's A lines; the
-    default build's are the output warps' weight and Bn prefetches)."""
-    builds, lora = _lora_opt_in("QFP4_LORA_A_L2=1")
-    for name in lora:
-        assert [t for _, t in builds[0][name]] != [t for _, t in builds[1][name]], name
-        pml2 = [sum(wsc.opcode(t) == "CCTL.E.PML2" for _, t in b[name]) for b in builds]
-        assert pml2[1] > pml2[0], (name, pml2)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_wgmma_occ2_build_fits_two_ctas_without_spills():
     """QERL_WGMMA_OCC=2's build (-DQFP4_WGMMA_OCC=2): exactly the 256-thread grid variants of 128 tokens a CTA
     ((128, 2, 1) and (128, 1, 2), plain and LoRA, both formats: 8 kernels) change, each to at most 128 registers (two
@@ -459,53 +434,11 @@ def test_lora_ablate_builds_leave_out_what_they_name():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_lora_poll_build_reads_the_count_before_the_last_batch():
-    """QERL_LORA_POLL=early's build (-DQFP4_LORA_EARLY_POLL=1): the plain kernels are the default build's; every FP4
-    LoRA kernel has more strong loads (LDG.E.STRONG.GPU: the relaxed reads of the count, beside the spin's acquire
-    loads) before its last MMA, and a MEMBAR.ALL.GPU (the fence that makes an early complete count an acquire)."""
-    builds, lora = _lora_opt_in("QFP4_LORA_EARLY_POLL=1")
-
-    def strong_before_mma(body) -> int:
-        ops = [t for _, t in body]
-        last_mma = max(i for i, t in enumerate(ops) if wsc.opcode(t).startswith("HMMA"))
-        return sum(1 for t in ops[:last_mma] if "LDG.E.STRONG.GPU" in t)
-
-    fp4 = [n for n in lora if re.search(r"fp4_gemv_lora_kernelILi[01]E", n)]
-    assert len(fp4) >= 12
-    for name in fp4:
-        assert strong_before_mma(builds[1][name]) > strong_before_mma(builds[0][name]), name
-        assert any("MEMBAR.ALL.GPU" in t for _, t in builds[1][name]), name
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_lora_tag_build_has_no_acquire_and_no_spills_up_to_8_tokens():
-    """QERL_LORA_POLL=tag's build (-DQFP4_LORA_TAG=1): the plain kernels are the default build's; every LoRA kernel
-    stores and loads t as 64-bit strong words (STG / LDG.E.64.STRONG.GPU: value and tag), votes on them (VOTE.ALL:
-    the warp's round is complete), and has fewer L1 invalidations (CCTL.IVALL: the spin's acquire loads are gone)
-    and fewer fences (MEMBAR: none after the direct LoRA CTAs' stores). The one-n8-tile kernels (M <= 8, the
-    measured ones) keep every value in registers (no LDL / STL)."""
-    builds, lora = _lora_opt_in("QFP4_LORA_TAG=1")
-
-    def count(b, name, text) -> int:
-        return sum(text in t for _, t in b[name])
-
-    for name in lora:
-        for text in ("LDG.E.64.STRONG.GPU", "STG.E.64.STRONG.GPU", "VOTE.ALL"):
-            assert count(builds[1], name, text) > count(builds[0], name, text) == 0, (name, text)
-        for text in ("CCTL.IVALL", "MEMBAR"):
-            assert count(builds[1], name, text) < count(builds[0], name, text), (name, text)
-        if re.search(r"fp4_gemv_lora_kernelILi\dELi1E", name):
-            assert not _spills(builds[1][name]), name
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_lora_skew_build_changes_only_how_the_lora_kernels_split_k():
     """QERL_LORA_SKEW=1's build (-DQFP4_LORA_SKEW=1): the plain kernels are the default build's; every LoRA kernel
     changes (its warps' K ranges) but keeps the default's MMAs, spin and L2 prefetches (the same work, other ranges),
     and no kernel spills (no LDL / STL)."""
-    builds, lora = _lora_opt_in("QFP4_LORA_SKEW=1")
+    builds, lora = _gemv_lora_builds("QFP4_LORA_SKEW=1")
     for name in lora:
         ops = [[wsc.opcode(t) for _, t in b[name]] for b in builds]
         assert [t for _, t in builds[0][name]] != [t for _, t in builds[1][name]], name

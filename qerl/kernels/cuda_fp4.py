@@ -420,9 +420,8 @@ def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 2, max_uni
 
 def lora_direct(parts: int, sw: int, m: int = 1) -> bool:
     """Whether a launch with ``parts`` K parts per 16-rank strip, ``sw`` strips per warp and M = ``m`` tokens has its
-    output warps sum the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA (up to 2 parts at M > 8 in
-    ``QERL_LORA_POLL=tag``'s build, whose 64-bit words take twice the registers: csrc ``direct_parts``)."""
-    return sw == 1 and parts <= (2 if lora_poll() == "tag" and m > 8 else LORA_DIRECT_PARTS)
+    output warps sum the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA."""
+    return sw == 1 and parts <= LORA_DIRECT_PARTS
 
 
 def emulate_lora(x: torch.Tensor, lora: LoraOperand) -> torch.Tensor:
@@ -787,60 +786,20 @@ def wgmma_occ() -> str:
     return _gemm_lora_switch("QERL_WGMMA_OCC", "1", WGMMA_OCC)
 
 
-LORA_A_L2 = ("0", "1")
-
-
-def lora_a_l2() -> bool:
-    """``QERL_LORA_A_L2``: ``1`` (opt-in, session 44; a build of its own, ``-DQFP4_LORA_A_L2=1``, decode mode
-    ``fused-lora-a-l2``): the decode GEMV's LoRA CTAs ask L2 for their rows of A before ``griddepcontrol.wait``, so
-    under PDL the chain from the wait to t starts with L2 hits (the same loads and sums after the wait: the same
-    results). ``0`` (default): A is first touched after the wait. Measured on an H200 (session 44, `results/speed/raw/
-    h200_s44_next44`, 7B, 256 + 512, default / l2 / l2 / default in one process): decode rate NVFP4 batch 8 3197 /
-    3224 against 3201 / 3218 tok/s, batch 2 881 / 886 against 885 / 880, BF16 batch 8 1621 / 1619 against 1619 /
-    1619: no change, not adopted (the GPU test finds it bit-identical). What the LoRA's latency is made of instead:
-    ``benchmarks.lora_gemv_bench --ablate`` (`raw/h200_s44_lora`)."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_LORA_A_L2", "0", LORA_A_L2) == "1"
-
-
-LORA_POLL = ("end", "early", "tag")
-
-
-def lora_poll() -> str:
-    """``QERL_LORA_POLL``: how the decode GEMV's output warps learn that t = x·Aᵀ is ready. ``end`` (default): after
-    the main loop, spinning on an acquire load of the LoRA CTAs' count. ``early`` (opt-in, session 44; a build of its
-    own, ``-DQFP4_LORA_EARLY_POLL=1``, decode mode ``fused-lora-poll``): a relaxed read just before the last batch of
-    chunks is computed; if the count is already complete the term starts with a fence instead of another L2 round
-    trip, else it spins as before. The same loads and sums: the same results. Why: the session-44 ablation
-    (``benchmarks.lora_gemv_bench --ablate``, `results/speed/raw/h200_s44_lora`) put ~10 of the 12.4 µs the LoRA adds
-    to a 7B layer at M = 8 in the output warps' term. Measured on an H200 (session 45, `raw/h200_s45_next45`,
-    end / early / early / end): the layer within the run-to-run range, 7B rollouts' decode rate −0.3…−1.3%: not
-    adopted. ``tag`` (opt-in, session 45; ``-DQFP4_LORA_TAG=1``, decode mode ``fused-lora-tag``): no fence and no
-    acquire — every value of t is stored with the launch's tag in one 64-bit word and the output warps load their
-    words at once, and again after the count (now only a hint) until each carries the tag (csrc ``QFP4_LORA_TAG``),
-    two L2 round trips fewer between x·Aᵀ and the term. The same sums in the same order: the same results. Its
-    launches that leave the sum of x·Aᵀ's parts to the LoRA CTAs (more than 4 K parts a strip, 2 at M > 8, or two
-    strips a warp) need every member's first rank even. Measured on an H200 (session 45, 7B rollouts, 256 + 512,
-    fused / tag / tag / fused): re-loading every word until it carries the tag (`raw/h200_s45_next46`) NVFP4 −23%
-    at batch 8 and 2, MXFP4 −22%, BF16-LoRA +2.6%; waiting on the count between loads (this build,
-    `raw/h200_s45_next46b`) NVFP4 −8.1 / −7.2%, MXFP4 −8.6%, BF16-LoRA −1.6%; per 7B layer at M = 8 +5 µs, most of
-    it the o product (7.8 → 10.7 µs). Not adopted."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_LORA_POLL", "end", LORA_POLL)
-
-
 LORA_SKEW = ("0", "1")
 
 
 def lora_skew() -> bool:
-    """``QERL_LORA_SKEW``: ``1`` (opt-in, session 45, not yet run on a GPU; a build of its own, ``-DQFP4_LORA_SKEW=1``,
+    """``QERL_LORA_SKEW``: ``1`` (opt-in, session 45; a build of its own, ``-DQFP4_LORA_SKEW=1``,
     decode mode ``fused-lora-skew``): in a decode-GEMV LoRA launch with K split across warps, split 0 — whose warps
     add the LoRA term after their main loop — takes one batch of chunks fewer than an even share, the other splits
     the rest, so the term's chain overlaps their last batch instead of following it (csrc ``QFP4_LORA_SKEW``). The
     same products over other K ranges (fp32 order). ``0`` (default): even shares. Why: session 44's ablation
     (`results/speed/raw/h200_s44_lora`) put ~7 of the ~12 µs the LoRA adds to a 7B layer at M = 8 in that chain,
-    and session 45's attempts to shorten the wait before it (``QERL_LORA_POLL``) or to move it to a warp of its own
-    (reverted) were slower."""
+    and session 45's attempts to shorten the wait before it (``QERL_LORA_POLL=early|tag``, removed in session 46: the
+    code is at 6624238) or to move it to a warp of its own (reverted) were slower. Measured on an H200 (session 46,
+    `results/speed/raw/h200_s46_next48`, 0 / 1 / 1 / 0): the 7B layer within its run-to-run range, rollouts' decode
+    rate +0.1…+1.0% (NVFP4 batch 8 and 2, MXFP4 and BF16 batch 8): inconclusive, not adopted."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_LORA_SKEW", "0", LORA_SKEW) == "1"
 
@@ -866,7 +825,7 @@ def bf16_loads() -> str:
 
 # the environment switches _build_flags reads (each value a build of its own)
 BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-                  "QERL_WGMMA_OCC", "QERL_LORA_A_L2", "QERL_LORA_POLL", "QERL_LORA_SKEW")
+                  "QERL_WGMMA_OCC", "QERL_LORA_SKEW")
 
 
 def _build_flags() -> list[str]:
@@ -877,10 +836,7 @@ def _build_flags() -> list[str]:
     ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``; ``pair``
     another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
-    (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_A_L2=1`` the GEMV's LoRA CTAs' L2 prefetch of A before their wait
-    (``-DQFP4_LORA_A_L2=1``, another); ``QERL_LORA_POLL=early`` the GEMV's early read of the LoRA count
-    (``-DQFP4_LORA_EARLY_POLL=1``, another), ``tag`` its tagged values of t (``-DQFP4_LORA_TAG=1``, another);
-    ``QERL_LORA_SKEW=1`` the GEMV LoRA launches' lighter K share for split 0 (``-DQFP4_LORA_SKEW=1``, another)."""
+    (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_SKEW=1`` the GEMV LoRA launches' lighter K share for split 0 (``-DQFP4_LORA_SKEW=1``, another)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, mode = wgmma_pipe(), wgmma_lora_mode()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
@@ -889,9 +845,6 @@ def _build_flags() -> list[str]:
             *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
             *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
             *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
-            *(["-DQFP4_LORA_A_L2=1"] if lora_a_l2() else []),
-            *(["-DQFP4_LORA_EARLY_POLL=1"] if lora_poll() == "early" else []),
-            *(["-DQFP4_LORA_TAG=1"] if lora_poll() == "tag" else []),
             *(["-DQFP4_LORA_SKEW=1"] if lora_skew() else [])]
 
 
@@ -1207,21 +1160,9 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
     parts = lora_parts(lora.rank, w.k // 64, splits * per)
-    if lora_poll() == "tag":  # the opt-in's one limit, named before its launcher's -1 would be
-        _check_tag_ranks(parts, sw, m, roff, rk)
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
                      a, bn, part, ctr, parts, bound1, bound2, roff, rk)
     return out
-
-
-def _check_tag_ranks(parts: int, sw: int, m: int, roff: list[int], rk: list[int]) -> None:
-    """``QERL_LORA_POLL=tag``'s launches that read t as bf16 pairs (not :func:`lora_direct`) need every member's first
-    rank even: a ValueError naming the ranks otherwise."""
-    starts = [o for o, r in zip(roff, rk, strict=True) if r]
-    if not lora_direct(parts, sw, m) and any(o % 2 for o in starts):
-        raise ValueError(f"QERL_LORA_POLL=tag: this launch ({parts} K parts, {sw} strips a warp) reads t as bf16 pairs "
-                         f"and needs every member's first rank even; the member ranks {[r for r in rk if r]} start at "
-                         f"{starts}. Use QERL_LORA_POLL=end (the default)")
 
 
 def _lora_tensors(lora: LoraOperand, w: CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1247,8 +1188,7 @@ def lora_launches() -> int:
 def zero_lora_counters() -> None:
     """Zero every LoRA workspace (:func:`lora_workspace`, each device and stream), counters and values, after a launch
     that may have left them set: a timing-only build (``benchmarks.lora_gemv_bench --ablate``) breaks the rule that
-    every launch leaves the counters zero. The values go too: ``QERL_LORA_POLL=tag``'s epoch restarts, so no word
-    may keep an old tag."""
+    every launch leaves the counters zero. The values go too."""
     for key, ws in _STATE.items():
         if isinstance(key, tuple) and key[0] == "lora_ws":
             ws[0].zero_()
@@ -1257,16 +1197,15 @@ def zero_lora_counters() -> None:
 
 def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
-    ((LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16 x 2 + 64: the LoRA CTAs' partials, then t finished per
-    16-rank strip, room for ``QERL_LORA_POLL=tag``'s 64-bit words, then its epoch) and int32 (2 + LORA_MAX_RANKS /
-    16), zeroed once; every launch overwrites the values it reads and leaves the counters zero. Launches on one stream
+    ((LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16: the LoRA CTAs' partials, then t finished per 16-rank strip)
+    and int32 (2 + LORA_MAX_RANKS / 16), zeroed once; every launch overwrites the values it reads and leaves the counters zero. Launches on one stream
     run one after the other (under PDL the next grid waits for the previous one before touching them)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = ("lora_ws", device, stream)
     ws = _STATE.get(key)
     if ws is None:
         strips = LORA_MAX_RANKS // 16
-        ws = (torch.zeros((LORA_MAX_UNITS + strips) * 256 * 2 + 64, dtype=torch.float32, device=device),
+        ws = (torch.zeros((LORA_MAX_UNITS + strips) * 256, dtype=torch.float32, device=device),
               torch.zeros(2 + strips, dtype=torch.int32, device=device))
         _STATE[key] = ws
     return ws

@@ -59,74 +59,32 @@
 #define QFP4_DENSE_SECTOR 0
 #endif
 
-// QFP4_LORA_A_L2 (the build's -D, set by QERL_LORA_A_L2=1; opt-in, session 44): each warp of a LoRA CTA asks L2 for
-// its rows of A over its K chunks (one 128-byte line per lane and round) BEFORE griddepcontrol.wait, so under
-// programmatic dependent launch their HBM latency overlaps the previous kernel's tail and the chain from the wait to
-// t starts with L2 hits. A prefetch consumes nothing, so it is safe whatever the previous kernel writes (the loads
-// themselves stay after the wait); the same loads and sums, so the same results. At batch 8 the LoRA costs the 7B
-// NVFP4 decode step ~10% (rank 0 against 32 on an H200, session 44), most of it latency on the small products, where
-// this chain is as long as the main loop. Measured on an H200 (session 44, raw/h200_s44_next44): the decode rate of
-// 7B rollouts within +-0.2% of the default at batch 8 and 2, NVFP4 and BF16: not adopted.
-#ifndef QFP4_LORA_A_L2
-#define QFP4_LORA_A_L2 0
-#endif
-
 // QFP4_LORA_ABLATE (timing experiments only, benchmarks/lora_gemv_bench.py --ablate: a module of its own that nothing
 // else loads; its results are WRONG): bits that leave one part of the LoRA in the launch out, to measure what it
 // costs. 1: the output warps add no LoRA term (no Bn prefetch or loads, no wait, no t loads, no MMA); 2: the LoRA CTAs
 // only count themselves done (after their PDL wait: no x or A loads, no MMAs, no partials); 4: the output warps do
-// not wait for the count (they read t whenever they get there); 8 (session 45, not yet run on a GPU): the output warps
-// add the term before their main loop, without waiting (t whatever the workspace holds): with 2, what the launch
-// would cost if the kernel before it had written t (no LoRA CTA work, no wait, the term's loads beside the first
-// batch's). 0, the library's build, compiles exactly the kernel without these lines. Measured on an H200 (session
-// 44): raw/h200_s44_lora.
+// not wait for the count (they read t whenever they get there); 8 (session 45): the output warps add the term before
+// their main loop, without waiting (t whatever the workspace holds): with 2, what the launch would cost if the kernel
+// before it had written t (no LoRA CTA work, no wait, the term's loads beside the first batch's). 0, the library's
+// build, compiles exactly the kernel without these lines. Measured on an H200: raw/h200_s44_lora (session 44);
+// raw/h200_s46_lora44 (session 46: with 10 the 7B layer at M = 8 is only ~3.5 us faster than the default's ~65).
+// (Session 46 removed two refuted opt-ins on how the output warps learn that t is ready, QFP4_LORA_EARLY_POLL and
+// QFP4_LORA_TAG, and QFP4_LORA_A_L2's prefetch of A; their code is at 6624238.)
 #ifndef QFP4_LORA_ABLATE
 #define QFP4_LORA_ABLATE 0
 #endif
 
-// QFP4_LORA_EARLY_POLL (the build's -D, set by QERL_LORA_POLL=early; opt-in, session 44, refuted in session 45): the
-// output warps read the LoRA CTAs' count (a relaxed load) just before they compute their last batch of chunks, whose
-// weight loads are then in flight; if it is already complete, the LoRA term after the main loop starts with a fence
-// (acquire) instead of another L2 round trip for the count, so its t loads follow the main loop at once. Otherwise it
-// spins as before. The session-44 ablation (raw/h200_s44_lora) put ~2 us of a 7B layer's LoRA at M = 8 in the spin's
-// round trips when the LoRA CTAs were already done. The same loads and sums: the same results. Measured on an H200
-// (session 45, raw/h200_s45_next45): the layer within its run-to-run range, rollouts -0.3...-1.3%: the fence costs
-// what the acquire did.
-#ifndef QFP4_LORA_EARLY_POLL
-#define QFP4_LORA_EARLY_POLL 0
-#endif
-
-// QFP4_LORA_TAG (the build's -D, set by QERL_LORA_POLL=tag; opt-in, session 45): t is published without fences or
-// acquires. Each fp32 value of t (a LoRA CTA's partial; a strip's finished t as bf16 pairs) is stored with the
-// launch's tag in one 64-bit word (st.relaxed.gpu: single-copy atomic, so a reader sees value and tag together); the
-// output warps load the words they need (ld.relaxed.gpu) at once, and if some do not carry the tag yet, again once
-// the LoRA CTAs' count (relaxed, only a hint of when to look) is complete. No __threadfence in the direct LoRA CTAs,
-// no acquire round trip in the output warps: the chain from x·A^T to the term loses two L2 round trips. The tag is
-// the launch's epoch + 1, read from the workspace after griddepcontrol.wait; the launch's last CTA to finish (every
-// LoRA and output CTA counts itself done) increments the epoch, so no CTA of the launch can see the next tag, and a
-// word from an earlier launch never carries the current one. The same loads and sums in the same order: the same
-// results. Session 44's ablation (raw/h200_s44_lora) bounded the gain: without any wait the 7B layer at M = 8 took
-// 60.9 us against 65.2. Measured on an H200 (session 45): re-loading every word until done instead of waiting on the
-// count (the first version, raw/h200_s45_next46) cost the 7B NVFP4 rollouts 23%; this version (raw/h200_s45_next46b)
-// NVFP4 -8%, MXFP4 -9%, BF16 -2%, the o product +3 us a launch (code 3fd5721). Refuted: not adopted. (Since 45's
-// review the default path is again session 44's source, so the default build's machine code is the one measured
-// before; the tag build's code moved with it: the same loads, not re-run on a GPU.)
-#ifndef QFP4_LORA_TAG
-#define QFP4_LORA_TAG 0
-#endif
-// QFP4_LORA_SKEW (the build's -D, set by QERL_LORA_SKEW=1; opt-in, session 45, not yet run on a GPU): in a LoRA
+// QFP4_LORA_SKEW (the build's -D, set by QERL_LORA_SKEW=1; opt-in, session 45): in a LoRA
 // launch with K split across warps, split 0 (whose warps add the LoRA term after their main loop) takes one batch of
 // chunks (U) fewer than an even share and the other splits share the rest, so it reaches the term about a batch
 // earlier while the others still stream weights: the term's chain (~7 of the ~12 us the LoRA adds to a 7B layer at
 // M = 8, session 44's ablation) overlaps their last batch instead of following it. The same products, summed over
-// other K ranges (fp32 order). Plain launches are unchanged.
+// other K ranges (fp32 order). Plain launches are unchanged. Measured on an H200 (session 46, raw/h200_s46_next48):
+// the 7B layer within its run-to-run range, rollouts +0.1...+1.0%: inconclusive, not adopted.
 #ifndef QFP4_LORA_SKEW
 #define QFP4_LORA_SKEW 0
 #endif
 
-#if QFP4_LORA_TAG && (QFP4_LORA_EARLY_POLL || QFP4_LORA_ABLATE)
-#error "QFP4_LORA_TAG replaces the count the early poll and the ablation variants read"
-#endif
 
 namespace qfp4 {
 
@@ -154,13 +112,6 @@ constexpr int kLoraMaxUnits = 512;   // LoRA CTAs per launch: la.part holds 512 
 constexpr int kLoraMaxStrips = 24;   // the finished t of up to 24 16-rank strips (384 ranks)
 constexpr int kLoraDirectParts = 4;  // parts per strip up to which the output warps sum them (one hop less)
 
-// The same for a launch with NT n8 tiles: QFP4_LORA_TAG's 64-bit words take twice the registers, which two tiles
-// (M > 8) cannot spare (ptxas: spills at 4): 2 there.
-template <int NT>
-__host__ __device__ constexpr int direct_parts() { return QFP4_LORA_TAG && NT == 2 ? 2 : kLoraDirectParts; }
-// Floats of the partials / finished t region of la.part: twice the values (QFP4_LORA_TAG stores each as a 64-bit
-// word with its tag); the epoch of QFP4_LORA_TAG follows it.
-constexpr int kLoraPartFloats = (kLoraMaxUnits + kLoraMaxStrips) * 256 * 2;
 
 struct LoraArgs {
   const __nv_bfloat16* a;   // (R, K) row-major; nullptr: no LoRA
@@ -181,63 +132,9 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
-// The count without ordering (QFP4_LORA_EARLY_POLL): a later fence.acq_rel makes it an acquire.
-__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// QFP4_LORA_TAG's words: a 32-bit payload (an fp32 value of t, or a bf16 pair) and the launch's tag, stored and
-// loaded as one 64-bit word (relaxed, gpu scope: single-copy atomic, so a reader sees payload and tag together).
-__device__ __forceinline__ void st_tagged(float* part, size_t i, uint32_t payload, unsigned tag) {
-  asm volatile("{\n\t.reg .b64 w;\n\tmov.b64 w, {%1, %2};\n\tst.relaxed.gpu.global.b64 [%0], w;\n\t}"
-               :: "l"(reinterpret_cast<unsigned long long*>(part) + i), "r"(payload), "r"(tag) : "memory");
-}
-
-// The payload of word i; ok is cleared when its tag is not `tag`.
-__device__ __forceinline__ uint32_t ld_tagged(const float* part, size_t i, unsigned tag, bool& ok) {
-  unsigned lo, hi;
-  asm volatile("{\n\t.reg .b64 w;\n\tld.relaxed.gpu.global.b64 w, [%2];\n\tmov.b64 {%0, %1}, w;\n\t}"
-               : "=r"(lo), "=r"(hi) : "l"(reinterpret_cast<const unsigned long long*>(part) + i) : "memory");
-  ok = ok && hi == tag;
-  return lo;
-}
-
-// The value of t's workspace at p (a partial or a finished t; part: the workspace): a plain fp32 load from L2, or
-// with QFP4_LORA_TAG the payload of word p - part (ok cleared when it is not this launch's yet).
-__device__ __forceinline__ float ld_t([[maybe_unused]] const float* part, const float* p,
-                                      [[maybe_unused]] unsigned tag, [[maybe_unused]] bool& ok) {
-#if QFP4_LORA_TAG
-  return __uint_as_float(ld_tagged(part, (size_t)(p - part), tag, ok));
-#else
-  return __ldcg(p);
-#endif
-}
-
-// Store value i of t's workspace: plain fp32, or with QFP4_LORA_TAG as word i with the launch's tag.
-__device__ __forceinline__ void st_t(float* part, size_t i, float v, [[maybe_unused]] unsigned tag) {
-#if QFP4_LORA_TAG
-  st_tagged(part, i, __float_as_uint(v), tag);
-#else
-  part[i] = v;
-#endif
-}
-
-// The tag of this launch's values of t (QFP4_LORA_TAG): its epoch (read after griddepcontrol.wait: the one the
-// previous launch left) mod 2^32 - 1, plus 1: never 0, the tag of the workspace's never-written (zeroed) words, also
-// when the epoch wraps (~28 h of 7B decoding at 42,000 LoRA launches a second); 0 otherwise.
-__device__ __forceinline__ unsigned lora_tag([[maybe_unused]] const LoraArgs& la) {
-#if QFP4_LORA_TAG
-  return ld_relaxed(reinterpret_cast<const unsigned*>(la.part + kLoraPartFloats)) % 0xFFFFFFFFu + 1u;
-#else
-  return 0u;
-#endif
 }
 
 // x fragment of the chunk at p (16 bf16 of token g, and of token g+8 for NT = 2: the 8 at p and the 8 at p + X2, 8
@@ -287,18 +184,12 @@ __device__ __forceinline__ void chunk_mma_dense(float (&acc)[A2][NT][4], const u
                xf.r[nt][2 * j + 1]);
 }
 
-// One thread of a finished CTA counts it done. The last output CTA (every one has passed its wait by then) resets the
-// counters for the next launch; with QFP4_LORA_TAG every CTA counts (LoRA CTAs too), and the last one also moves the
-// epoch on: by then no CTA of this launch reads or writes a tagged value.
+// One thread of a finished output CTA counts it done. The last one (every one has passed its wait by then) resets the
+// counters for the next launch.
 __device__ __forceinline__ void lora_count_done(const LoraArgs& la) {
-  const unsigned ctas = QFP4_LORA_TAG ? gridDim.x : gridDim.x - la.nlora;
+  const unsigned ctas = gridDim.x - la.nlora;
   if (atomicAdd(la.ctr + 1, 1u) == ctas - 1) {
-#if QFP4_LORA_TAG  // the hint count may still be arriving (no fence after it): take it back rather than store zero
-    atomicSub(la.ctr, (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4));
-    atomicAdd(reinterpret_cast<unsigned*>(la.part + kLoraPartFloats), 1u);
-#else
     la.ctr[0] = 0u;
-#endif
     la.ctr[1] = 0u;
   }
 }
@@ -348,16 +239,9 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
       w[h][3] = ok && v1 ? ld_x(a1p + off + 8) : z;
     }
   };
-#if QFP4_LORA_A_L2
-  for (int l = lane; l < 16 * (c1 - c0); l += 32) {  // this warp's 16 rows x (c1 - c0) chunks of A, a line each
-    const int r = rs * 16 + (l & 15);
-    if (r < la.R) prefetch_l2(la.a + (size_t)r * K + 64 * (c0 + (l >> 4)));
-  }
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // before A too: a copy into A may be the previous kernel
 #endif
-  const unsigned tag = lora_tag(la);
   load_a(c0);
   for (int c = c0; c < c1; c += 2) {
 #pragma unroll
@@ -391,7 +275,7 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
   for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) {  // token rows >= M are never read
     float v = 0.f;
     for (int w2 = 0; w2 < warps; ++w2) v += red[w2 * 256 + i];
-    st_t(la.part, (size_t)blockIdx.x * 256 + i, v, tag);
+    la.part[(size_t)blockIdx.x * 256 + i] = v;
   }
   if (!la.direct) {  // the last CTA of the strip sums its parts (the threadFenceReduction pattern)
     __shared__ unsigned last;
@@ -402,41 +286,20 @@ __device__ __forceinline__ void lora_cta(const LoraArgs& la, const __nv_bfloat16
       if (last) la.ctr[2 + rs] = 0u;  // every part has counted: left zero for the next launch
     }
     __syncthreads();
-    if (!last) {
-      if (QFP4_LORA_TAG && threadIdx.x == 0) lora_count_done(la);
-      return;
-    }
+    if (!last) return;
     __threadfence();
     const float* src = la.part + (size_t)rs * la.parts * 256;
     float* tsum = la.part + (size_t)(kLoraMaxUnits + rs) * 256;  // the strip's finished t
-#if QFP4_LORA_TAG  // bf16 pairs (lora_t_pair): word i (i even) holds ranks i % 16 and i % 16 + 1 of token i / 16
-    bool ok = true;  // every partial has counted (the fence above): their tags are not checked
-    auto sum = [&](int i) {
-      float v = 0.f;
-      for (int q = 0; q < la.parts; ++q) v += ld_t(la.part, src + (size_t)q * 256 + i, tag, ok);
-      return v;
-    };
-    for (int i = 2 * threadIdx.x; i < 16 * M; i += 2 * blockDim.x) {
-      const float v0 = sum(i), v1 = sum(i + 1);
-      st_tagged(la.part, (size_t)(tsum - la.part) + i, pack_bf16(v0, v1), tag);
-    }
-#else
     for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) {
       float v = 0.f;
       for (int q = 0; q < la.parts; ++q) v += __ldcg(src + (size_t)q * 256 + i);
       tsum[i] = v;
     }
-#endif
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-#if QFP4_LORA_TAG
-    atomicAdd(la.ctr, 1u);  // the count as a hint (no fence): the tags say whether the values are there
-    lora_count_done(la);
-#else
     __threadfence();  // the stores, then the count (the pattern of a cooperative grid sync)
     atomicAdd(la.ctr, 1u);
-#endif
   }
 }
 
@@ -457,18 +320,17 @@ __device__ __forceinline__ __nv_bfloat16 silu_mul_bf16(float gate, float up) {
 
 // t[tok][r] = (x A^T)[tok][r] as the MMA operand reads it: the sum of the strip's parts in part order (direct: one
 // strip per warp only, where the registers allow all the loads in flight), or the strip's finished t; zero for
-// token rows >= M and ranks >= R. QFP4_LORA_TAG: ok is cleared where a value does not carry the launch's tag yet.
+// token rows >= M and ranks >= R.
 template <bool DIRECT, int NT>
-__device__ __forceinline__ float lora_t(const LoraArgs& la, int M, int tok, int r, unsigned tag, bool& ok) {
+__device__ __forceinline__ float lora_t(const LoraArgs& la, int M, int tok, int r) {
   if (tok >= M || r >= la.R) return 0.f;
   const int off = tok * 16 + (r & 15);
-  if (!DIRECT || !la.direct)
-    return ld_t(la.part, la.part + (size_t)(kLoraMaxUnits + (r >> 4)) * 256 + off, tag, ok);
+  if (!DIRECT || !la.direct) return __ldcg(la.part + (size_t)(kLoraMaxUnits + (r >> 4)) * 256 + off);
   const float* p = la.part + (size_t)(r >> 4) * la.parts * 256 + off;
   float v = 0.f;
 #pragma unroll
-  for (int q = 0; q < direct_parts<NT>(); ++q)
-    if (q < la.parts) v += ld_t(la.part, p + q * 256, tag, ok);
+  for (int q = 0; q < kLoraDirectParts; ++q)
+    if (q < la.parts) v += __ldcg(p + q * 256);
   return v;
 }
 
@@ -484,72 +346,14 @@ __device__ __forceinline__ void lora_prefetch_bn(const LoraArgs& la, int strip0,
         prefetch_l2(reinterpret_cast<const char*>(la.bn + (size_t)(strip0 + i * sstep) * 16 * la.rp) + 128 * l);
 }
 
-#if QFP4_LORA_TAG
-// A strip's finished t as QFP4_LORA_TAG stores it: word tok * 16 + r (r even) of the strip's block holds (bf16 t[tok]
-// [r], bf16 t[tok][r + 1]) as the MMA's B register, and the tag: bf16(t[r]) at ranks (r, r + 1), 0 for token rows
-// >= M and ranks past the last strip (r even; within the last strip the LoRA CTAs wrote zeros past R).
-__device__ __forceinline__ uint32_t lora_t_pair(const LoraArgs& la, int M, int tok, int r, unsigned tag, bool& ok) {
-  if (tok >= M || r >= 16 * ((la.R + 15) >> 4)) return 0u;
-  return ld_tagged(la.part, (size_t)(kLoraMaxUnits + (r >> 4)) * 256 + tok * 16 + (r & 15), tag, ok);
-}
-
-// The B operands of one round of 32 ranks (QFP4_LORA_TAG): loaded until every lane's carry the launch's tag, with no
-// acquire: at once, then (if the LoRA CTAs are not done) again after the count of them (relaxed: only a hint) is
-// complete. Direct launches (one strip a warp, <= direct_parts<NT>() parts) sum the tagged fp32 partials as
-// lora_t does; the others load the strips' finished t as bf16 pairs, one word for two ranks. Pairs need an even first
-// rank per member (the launcher refuses odd offsets in this build). A launch whose LoRA CTAs never finish traps.
-template <int NT, int SW>
-__device__ __forceinline__ void lora_b_tagged(const LoraArgs& la, int M, int jb, const int (&r0)[SW],
-                                              const int (&rk)[SW], unsigned tag, uint32_t (&b)[SW][2][NT][2]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const bool direct = SW == 1 && la.direct;
-  const long long start = clock64();
-  while (true) {
-    bool ready = true;
-#pragma unroll
-    for (int i = 0; i < SW; ++i) {
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const int j = jb + 16 * jj;
-        const bool ok = j < rk[i];
-        const int r = r0[i] + j + 2 * t;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int tok = nt * 8 + g;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {  // ranks r + 8 h, r + 8 h + 1
-            if (!ok)
-              b[i][jj][nt][h] = 0u;
-            else if (direct)
-              b[i][jj][nt][h] = pack_bf16(lora_t<true, NT>(la, M, tok, r + 8 * h, tag, ready),
-                                          lora_t<true, NT>(la, M, tok, r + 8 * h + 1, tag, ready));
-            else
-              b[i][jj][nt][h] = lora_t_pair(la, M, tok, r + 8 * h, tag, ready);
-          }
-        }
-      }
-    }
-    if (__all_sync(0xffffffffu, ready)) return;
-    // some value is not this launch's yet: wait for the LoRA CTAs' count (one word, a hint) before loading the round
-    // again, rather than loading it over and over
-    const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);
-    do {
-      __nanosleep(20);
-      if (clock64() - start > (1LL << 32)) __trap();
-    } while (ld_relaxed(la.ctr) < need);
-  }
-}
-#endif
-
 // The LoRA term of a split-0 warp's SW strips (16 output rows each from (strip0 + i * sstep) * 16): wait until every strip
 // of t is finished, then per 32 ranks load this lane's fragments straight from global memory — Bn rows g, g + 8 of
 // each strip (A) and t of token rows g (+ 8 for NT = 2) at the member's ranks (B) — all loads of the round in
 // flight at once, and accumulate Bn[rows, ranks] x bf16(t)[ranks, tokens] into acc times `inv` (1 / the
-// accumulator's output multiplier). `sync`: the count read early (QFP4_LORA_EARLY_POLL) or the launch's tag
-// (QFP4_LORA_TAG: no acquire; lora_b_tagged).
+// accumulator's output multiplier).
 template <int NT, int SW, int A2>
 __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0, int sstep, int S, float inv,
-                                          float (&acc)[SW][A2][NT][4], unsigned sync = 0u) {
+                                          float (&acc)[SW][A2][NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   int r0[SW], rk[SW], rkmax = 0;
 #pragma unroll
@@ -567,7 +371,7 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
   bool waited = false;
   for (int jb = 0; jb < rkmax; jb += 32) {
     uint32_t a[SW][2][4];
-    [[maybe_unused]] float v[SW][2][NT][4];
+    float v[SW][2][NT][4];
 #pragma unroll
     for (int i = 0; i < SW; ++i) {  // the Bn words first: they do not depend on the LoRA CTAs
       const uint32_t* b0 =
@@ -583,22 +387,15 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
         a[i][jj][3] = ok ? __ldg(b8 + j / 2 + 4) : 0u;
       }
     }
-    if (!waited && !QFP4_LORA_TAG) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption)
-      const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);  // traps, not hangs
-#if QFP4_LORA_EARLY_POLL
-      if (sync >= need) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // the early read + this: an acquire
-#endif
+    if (!waited) {  // a launch whose LoRA CTAs never finish (a broken scheduling assumption) traps, not hangs
+      const unsigned need = (unsigned)(la.direct ? la.nlora : (la.R + 15) >> 4);
       const long long start = clock64();
-      while (!(QFP4_LORA_ABLATE & 12) && (!QFP4_LORA_EARLY_POLL || sync < need) && ld_acquire(la.ctr) < need) {
+      while (!(QFP4_LORA_ABLATE & 12) && ld_acquire(la.ctr) < need) {
         __nanosleep(20);
         if (clock64() - start > (1LL << 32)) __trap();
       }
       waited = true;
     }
-#if QFP4_LORA_TAG
-    uint32_t b[SW][2][NT][2];  // the MMAs' B operands: bf16(t) at ranks (r, r + 1) and (r + 8, r + 9)
-    lora_b_tagged<NT, SW>(la, M, jb, r0, rk, sync, b);
-#else
 #pragma unroll
     for (int i = 0; i < SW; ++i) {
 #pragma unroll
@@ -606,18 +403,16 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
         const int j = jb + 16 * jj;
         const bool ok = j < rk[i];
         const int r = r0[i] + j + 2 * t;
-        bool ready = true;  // unused: no tags
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           const int tok = nt * 8 + g;
-          v[i][jj][nt][0] = ok ? lora_t<SW == 1, NT>(la, M, tok, r, sync, ready) : 0.f;
-          v[i][jj][nt][1] = ok ? lora_t<SW == 1, NT>(la, M, tok, r + 1, sync, ready) : 0.f;
-          v[i][jj][nt][2] = ok ? lora_t<SW == 1, NT>(la, M, tok, r + 8, sync, ready) : 0.f;
-          v[i][jj][nt][3] = ok ? lora_t<SW == 1, NT>(la, M, tok, r + 9, sync, ready) : 0.f;
+          v[i][jj][nt][0] = ok ? lora_t<SW == 1, NT>(la, M, tok, r) : 0.f;
+          v[i][jj][nt][1] = ok ? lora_t<SW == 1, NT>(la, M, tok, r + 1) : 0.f;
+          v[i][jj][nt][2] = ok ? lora_t<SW == 1, NT>(la, M, tok, r + 8) : 0.f;
+          v[i][jj][nt][3] = ok ? lora_t<SW == 1, NT>(la, M, tok, r + 9) : 0.f;
         }
       }
     }
-#endif
 #pragma unroll
     for (int i = 0; i < SW; ++i)
 #pragma unroll
@@ -625,11 +420,7 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           mma_bf16(c[i][nt], a[i][jj][0], a[i][jj][1], a[i][jj][2], a[i][jj][3],
-#if QFP4_LORA_TAG
-                   b[i][jj][nt][0], b[i][jj][nt][1]);
-#else
                    pack_bf16(v[i][jj][nt][0], v[i][jj][nt][1]), pack_bf16(v[i][jj][nt][2], v[i][jj][nt][3]));
-#endif
   }
 #pragma unroll
   for (int i = 0; i < SW; ++i)
@@ -805,26 +596,17 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   if (has_lora && split == 0 && active)  // the term first, with no wait (timing only)
     lora_term<NT, SW, A2>(la, M, strip0, sstep, S, FMT == 0 ? __ldg(gs) / out_mult : 1.f / out_mult, acc);
 #endif
-  // the LoRA count read before the last batch (QFP4_LORA_EARLY_POLL) or the launch's tag (QFP4_LORA_TAG)
-  [[maybe_unused]] unsigned sync = QFP4_LORA_TAG && has_lora && split == 0 && active ? lora_tag(la) : 0u;
-  [[maybe_unused]] auto poll = [&](int rest) {
-#if QFP4_LORA_EARLY_POLL
-    if (has_lora && split == 0 && active && rest <= U) sync = ld_relaxed(la.ctr);
-#endif
-  };
   if (work) {
     load_x<NT, X2>(xf[0], xq, ldx8, xv0, xv1);
     while (true) {
       advance();
       load_batch(wb, sb, left - U, std::false_type{});
-      poll(left);
       compute_batch(wa, sa, left);
       xq += 64 * U;
       left -= U;
       if (left <= 0) break;
       advance();
       load_batch(wa, sa, left - U, std::false_type{});
-      poll(left);
       compute_batch(wb, sb, left);
       xq += 64 * U;
       left -= U;
@@ -842,7 +624,7 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
   if (has_lora && !(QFP4_LORA_ABLATE & 9) && split == 0 && active)
-    lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc, sync);
+    lora_term<NT, SW, A2>(la, M, strip0, sstep, S, 1.f / mult, acc);
   if (pair && splits == 1) {  // both strips of the pair are this warp's: silu(gate) * up from the registers
     if (active) {
       const int n0 = strip0 * 16;
@@ -939,12 +721,10 @@ __global__ void __launch_bounds__(max_warps<U, SW, wwords<FMT>()>() * 32) fp4_ge
 
 // Registers of the LoRA variant: at most the plain variant's allocation where the LoRA code would push it over a
 // granule and cost a resident CTA per SM (one n8 tile, U = 2, SW = 2: 97 -> 104 registers would fit 4 CTAs of 4 warps
-// per SM instead of 5, and 7B's gate|up grid then ran in two waves; QFP4_LORA_TAG's U = 4, SW = 1: 106 without the
-// cap, 7B's q|k|v and o at M <= 8, whose 10-warp CTAs would fit one an SM instead of two; ptxas: no spills at 96);
-// elsewhere the launch bound's own limit.
+// per SM instead of 5, and 7B's gate|up grid then ran in two waves); elsewhere the launch bound's own limit.
 template <int FMT, int NT, int U, int SW>
 constexpr int lora_max_regs() {
-  return FMT != 2 && NT == 1 && ((U == 2 && SW == 2) || (QFP4_LORA_TAG && U == 4 && SW == 1)) ? 96
+  return FMT != 2 && NT == 1 && U == 2 && SW == 2 ? 96
          : max_warps<U, SW, wwords<FMT>()>() == 16 ? 128 : 255;
 }
 
@@ -1023,10 +803,7 @@ int launch_gemv(const void* qw, const void* sc, const void* x, int ldx, void* ou
     const int units = ((la.R + 15) / 16) * la.parts;  // one LoRA CTA per (16-rank strip, K part)
     if (units > kLoraMaxUnits) return -1;
     lora_ctas = la.nlora = units;
-    la.direct = sw == 1 && la.parts <= (nt == 1 ? direct_parts<1>() : direct_parts<2>()) ? 1 : 0;
-    if (QFP4_LORA_TAG && !la.direct)  // the finished t as bf16 pairs (lora_t_pair): each member's ranks start even
-      for (int i = 0; i < 3; ++i)
-        if (la.rk[i] > 0 && la.roff[i] % 2) return -1;
+    la.direct = sw == 1 && la.parts <= kLoraDirectParts ? 1 : 0;
   }
   const size_t smem = launch_smem(nt, warps, splits, sw, la.a != nullptr);
   if (smem > 200 * 1024) return -1;
