@@ -378,18 +378,18 @@ def build_decode_plan(model: nn.Module) -> list[dict[str, FusedLinear]] | None:
     return plan
 
 
-def l2_prefetch_plan(layers, plan: list[dict[str, FusedLinear]], m: int, budget_bytes: float) -> list[list] | None:
+def l2_prefetch_plan(layers, plan: list[dict[str, FusedLinear]], m: int, budget_bytes: float,
+                     order: tuple[str, ...] = ("o", "gu")) -> list[list] | None:
     """Per decoder layer, the span descriptors (``qerl.kernels.cuda_prefetch``) of up to ``budget_bytes`` of its o
-    and gate|up decode-GEMV weights (o first), split as the GEMV launches at M rows split their K; None when no layer
-    has such a launch (a format without the CUDA GEMV, M above it)."""
+    and gate|up decode-GEMV weights in ``order`` ("o", "gu": ``cuda_prefetch.order``), split as the GEMV launches at M
+    rows split their K; None when no layer has such a launch (a format without the CUDA GEMV, M above it)."""
     from qerl.kernels import cuda_prefetch, decode_gemv_split
     out = []
     for layer, entry in zip(layers, plan, strict=True):
         o, gu = layer.self_attn.o_proj, entry["gate_up"]
-        parts = [decode_gemv_split(o.fmt, o.packed, m, next(iter(o.packed.values())).device,
-                                   getattr(o, "_lora_op", None))]
-        if gu.q is not None:
-            parts.append(decode_gemv_split(gu.fmt, gu.q, m, gu.device, gu.lora,
-                                           "silu_mul" if gu.silu_in_epilogue() else None))
-        out.append(cuda_prefetch.layer_spans([p for p in parts if p is not None], budget_bytes))
+        parts = {"o": decode_gemv_split(o.fmt, o.packed, m, next(iter(o.packed.values())).device,
+                                        getattr(o, "_lora_op", None)),
+                 "gu": None if gu.q is None else decode_gemv_split(
+                     gu.fmt, gu.q, m, gu.device, gu.lora, "silu_mul" if gu.silu_in_epilogue() else None)}
+        out.append(cuda_prefetch.layer_spans([parts[k] for k in order if parts[k] is not None], budget_bytes))
     return out if any(out) else None

@@ -314,14 +314,14 @@ class Sampler:
 
     def _l2_prefetch(self, s, n: int):
         """Per layer, the spans ``QERL_L2_PREFETCH`` asks the step to prefetch (``qerl.kernels.cuda_prefetch``), or
-        None (off, the default; or nothing the CUDA GEMV reads at this batch). Built once per (budget, batch) and
+        None (off, the default; or nothing the CUDA GEMV reads at this batch). Built once per (budget, order, batch) and
         kept in the step's static state, so a captured graph and the eager step launch the same spans."""
         mb = cuda_prefetch.budget_mb()
         if mb == 0 or self.device.type != "cuda":
             return None
-        key = ("l2pf", mb, n)
+        key = ("l2pf", mb, cuda_prefetch.order(), n)
         if key not in s:
-            s[key] = l2_prefetch_plan(self._layers, s["plan"], n, mb * 1e6)
+            s[key] = l2_prefetch_plan(self._layers, s["plan"], n, mb * 1e6, key[2])
         return s[key]
 
     def _decode_plan(self):

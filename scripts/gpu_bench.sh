@@ -185,9 +185,10 @@
 #                                8 and 2, MXFP4 and BF16 at 8, one process each: fused / l2-32 / l2-16 / fused / l2-16 /
 #                                l2-32 / fused ($OUT/roll_l2), then the decode-step profile at batch 8, NVFP4 and BF16,
 #                                fused / l2-32 ($OUT/prof_l2); ~7 min
-#   scripts/gpu_bench.sh l2long  issue 11 after session 46, on any GPU: QERL_L2_PREFETCH=32 at the issue's 256 + 2048,
-#                                7B NVFP4 and MXFP4 at batch 8, NVFP4 at 2 (ROLL replaces the list), one process each:
-#                                fused / fused-l2-32 / fused-l2-32 / fused ($OUT/roll_l2long); ~6 min
+#   scripts/gpu_bench.sh l2long  issue 11 after session 46, on any GPU: the L2 prefetch at the issue's 256 + 2048, 7B
+#                                NVFP4 and MXFP4 at batch 8 (ROLL replaces the list, e.g. nvfp4:2), one process each:
+#                                fused / l2-32 / l2-gu-32 / l2-48 / fused / l2-48 / l2-gu-32 / l2-32 / fused
+#                                ($OUT/roll_l2long); ~7 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -654,10 +655,11 @@ l2pf)  # issue 11: L2 prefetch of o and gate|up during attention (see the header
   timeout 150 $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,fused-l2-32 --out "$OUT/prof_l2" \
     2>&1 | grep -v Warn >> "$LOG" ;;
 l2long)  # issue 11: the L2 prefetch at 256 + 2048 tokens (see the header)
-  for fb in ${ROLL:-nvfp4:8 mxfp4:8 nvfp4:2}; do
+  for fb in ${ROLL:-nvfp4:8 mxfp4:8}; do
     IFS=: read -r f b <<< "$fb"
-    timeout 200 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 2048 \
-      --decode fused,fused-l2-32,fused-l2-32,fused --out "$OUT/roll_l2long" 2>&1 | grep -v Warn >> "$LOG"
+    timeout 280 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 2048 --decode \
+      fused,fused-l2-32,fused-l2-gu-32,fused-l2-48,fused,fused-l2-48,fused-l2-gu-32,fused-l2-32,fused \
+      --out "$OUT/roll_l2long" 2>&1 | grep -v Warn >> "$LOG"
   done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

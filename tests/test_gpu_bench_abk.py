@@ -172,10 +172,14 @@ def test_l2pf_tests_then_alternates_the_budgets_in_one_process_per_point(tmp_pat
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_l2long_alternates_at_the_issue_length(tmp_path):
-    """``l2long``: one rollout process per (format, batch) at 256 + 2048, fused / l2-32 / l2-32 / fused."""
+    """``l2long``: one rollout process per (format, batch) at 256 + 2048, the default first, in the middle and last,
+    each prefetch setting twice in mirrored order."""
     p, calls = _run(tmp_path, "l2long", '#!/usr/bin/env bash\necho "x|$*" >> "$STUB_LOG"\n')
     assert p.returncode == 0, p.stderr
     roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
-        "nvfp4 --batch 8", "mxfp4 --batch 8", "nvfp4 --batch 2"]
-    assert all("--prompt 256 --new 2048 --decode fused,fused-l2-32,fused-l2-32,fused " in r for r in roll)
+    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == ["nvfp4 --batch 8", "mxfp4 --batch 8"]
+    for r in roll:
+        assert "--prompt 256 --new 2048 --decode " in r
+        dec = r.split("--decode ")[1].split()[0].split(",")
+        assert dec[0] == dec[4] == dec[-1] == "fused" and dec[1:4] == dec[5:8][::-1]
+        assert sorted(dec[1:4]) == ["fused-l2-32", "fused-l2-48", "fused-l2-gu-32"]

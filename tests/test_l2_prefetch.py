@@ -96,8 +96,16 @@ def test_budget_switch(monkeypatch):
         with pytest.raises(ValueError, match=f"QERL_L2_PREFETCH={bad!r}.*0 \\(off"):
             cuda_prefetch.budget_mb()
     from qerl.bench import _DECODE_ENV, DECODES
-    assert {"fused-l2-16", "fused-l2-32"} <= set(DECODES)
+    assert {"fused-l2-16", "fused-l2-32", "fused-l2-48", "fused-l2-gu-32"} <= set(DECODES)
     assert _DECODE_ENV["fused-l2-32"] == {"QERL_L2_PREFETCH": "32"}
+    assert _DECODE_ENV["fused-l2-gu-32"] == {"QERL_L2_PREFETCH": "32", "QERL_L2_PREFETCH_ORDER": "gu"}
+    monkeypatch.delenv("QERL_L2_PREFETCH_ORDER", raising=False)
+    assert cuda_prefetch.order() == ("o", "gu")
+    monkeypatch.setenv("QERL_L2_PREFETCH_ORDER", "gu")
+    assert cuda_prefetch.order() == ("gu",)
+    monkeypatch.setenv("QERL_L2_PREFETCH_ORDER", "up")
+    with pytest.raises(ValueError, match="QERL_L2_PREFETCH_ORDER='up'; valid: o-gu, gu, gu-o"):
+        cuda_prefetch.order()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -159,3 +167,39 @@ def test_gpu_l2_prefetch_decode_is_bit_identical(fmt, monkeypatch):
         assert (cuda_prefetch.launches() > before) == (mb != "0")
     assert torch.equal(ros["0"].completion_ids, ros["32"].completion_ids)
     assert torch.equal(ros["0"].logp, ros["32"].logp)
+
+
+def test_l2_prefetch_plan_takes_the_layers_weights_in_order_within_the_budget(monkeypatch):
+    """fastdecode.l2_prefetch_plan on a real decode plan (tiny NVFP4 policy on the CPU): per layer, the spans of the
+    o and gate|up weights the decode GEMV would launch with, in the order asked, within the budget. The GEMV's
+    (weight, splits) lookup needs a CUDA device, so it is stood in for by the same re-laid-out weight of each module
+    on the CPU (cuda_fp4.prepare) with 2 splits."""
+    from qerl import kernels
+    from qerl.fastdecode import build_decode_plan, l2_prefetch_plan
+    from qerl.lora import LoraSpec
+    from qerl.model import load_policy
+    policy, _ = load_policy("preset:tiny", "nvfp4", LoraSpec(rank=4), device="cpu")
+    plan = build_decode_plan(policy)
+    assert kernels.decode_gemv_split(FORMATS["nvfp4"], plan[0]["gate_up"].q, 8, torch.device("cpu")) is None
+    seen = {}
+
+    def split(fmt, q, m, device, lora=None, act=None):
+        w = cuda_fp4.prepare("nvfp4", q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+        seen[w.qweight.data_ptr()] = (q["weight_packed"].shape[0], act)
+        return w, 2
+
+    monkeypatch.setattr(kernels, "decode_gemv_split", split)
+    layers = policy.model.layers
+    o_rows, gu_rows = layers[0].self_attn.o_proj.out_features, plan[0]["gate_up"].out_features
+    big = l2_prefetch_plan(layers, plan, 8, 1e9)
+    assert len(big) == len(layers) and all(len(d) == 4 for d in big)  # o's words and scales, then gate|up's
+    assert [d[2] for d in big[0]] == [o_rows // 16] * 2 + [gu_rows // 16] * 2  # strips per span
+    only_gu = l2_prefetch_plan(layers, plan, 8, 1e9, ("gu",))
+    assert all(len(d) == 2 and d[0][2] == gu_rows // 16 for d in only_gu)
+    gu_first = l2_prefetch_plan(layers, plan, 8, 1e9, ("gu", "o"))
+    assert [d[2] for d in gu_first[0]] == [gu_rows // 16] * 2 + [o_rows // 16] * 2
+    small = l2_prefetch_plan(layers, plan, 8, 1024.0)  # less than o: a fraction of o (at least a chunk a split)
+    assert all(len(d) == 2 and d[0][2] == o_rows // 16 for d in small)
+    assert all(sum(e - s for s, e in _pieces(d)) < sum(e - s for s, e in _pieces(b[:2])) for d, b in zip(
+        small, big, strict=True))
+    assert l2_prefetch_plan(layers, plan, 8, 0.0) is None
