@@ -188,7 +188,9 @@
 #   scripts/gpu_bench.sh l2long  issue 11 after session 46, on any GPU: the L2 prefetch at the issue's 256 + 2048, 7B
 #                                NVFP4 and MXFP4 at batch 8 (ROLL replaces the list, e.g. nvfp4:2), one process each:
 #                                fused / l2-32 / l2-gu-32 / l2-48 / fused / l2-48 / l2-gu-32 / l2-32 / fused
-#                                ($OUT/roll_l2long); ~7 min
+#                                ($OUT/roll_l2long), then the NVFP4 batch-8 step profile fused / l2-fork (the side
+#                                branch with a 1-kB budget: does the fork cost the PDL chain?) / l2-32 ($OUT/prof_l2);
+#                                ~8 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -660,7 +662,9 @@ l2long)  # issue 11: the L2 prefetch at 256 + 2048 tokens (see the header)
     timeout 280 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 2048 --decode \
       fused,fused-l2-32,fused-l2-gu-32,fused-l2-48,fused,fused-l2-48,fused-l2-gu-32,fused-l2-32,fused \
       --out "$OUT/roll_l2long" 2>&1 | grep -v Warn >> "$LOG"
-  done ;;
+  done
+  timeout 120 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-l2-fork,fused-l2-32 \
+    --out "$OUT/prof_l2" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

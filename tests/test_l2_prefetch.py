@@ -96,7 +96,8 @@ def test_budget_switch(monkeypatch):
         with pytest.raises(ValueError, match=f"QERL_L2_PREFETCH={bad!r}.*0 \\(off"):
             cuda_prefetch.budget_mb()
     from qerl.bench import _DECODE_ENV, DECODES
-    assert {"fused-l2-16", "fused-l2-32", "fused-l2-48", "fused-l2-gu-32"} <= set(DECODES)
+    assert {"fused-l2-16", "fused-l2-32", "fused-l2-48", "fused-l2-gu-32", "fused-l2-fork"} <= set(DECODES)
+    assert 0 < float(_DECODE_ENV["fused-l2-fork"]["QERL_L2_PREFETCH"]) < 0.01
     assert _DECODE_ENV["fused-l2-32"] == {"QERL_L2_PREFETCH": "32"}
     assert _DECODE_ENV["fused-l2-gu-32"] == {"QERL_L2_PREFETCH": "32", "QERL_L2_PREFETCH_ORDER": "gu"}
     monkeypatch.delenv("QERL_L2_PREFETCH_ORDER", raising=False)
