@@ -243,7 +243,8 @@ def decode_mode(sampler, dec: str):
     build of its own), "fused-l2-16" / "fused-l2-32" / "fused-l2-48" (a launch on a side stream after RoPE asks L2
     for 16 / 32 / 48 MB of the layer's o and gate|up weights while attention runs: ``QERL_L2_PREFETCH``,
     ``qerl.kernels.cuda_prefetch``), "fused-l2-gu-32" (32 MB of gate|up only: ``QERL_L2_PREFETCH_ORDER=gu``),
-    "fused-l2-fork" (the same side-stream launches with a 1-kB budget: what the branch itself costs the step) —
+    "fused-l2-fork" (the same side-stream launches with a 1-kB budget, which still takes a chunk of every split-K
+    range of o: ~1.3 MB at 7B; about what the branch itself costs the step) —
     all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across
     the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or "unfused"."""
     check_decodes([dec])
