@@ -189,8 +189,8 @@
 #                                NVFP4 and MXFP4 at batch 8 (ROLL replaces the list, e.g. nvfp4:2), one process each:
 #                                fused / l2-32 / l2-gu-32 / l2-48 / fused / l2-48 / l2-gu-32 / l2-32 / fused
 #                                ($OUT/roll_l2long), then the NVFP4 batch-8 step profile fused / l2-fork (the side
-#                                branch with the smallest prefetch, ~1.3 MB of o: does the fork cost the PDL chain?) / l2-32 ($OUT/prof_l2);
-#                                ~8 min
+#                                branch with the smallest prefetch, ~1.3 MB of o: does the fork cost the PDL chain?) /
+#                                l2-32 ($OUT/prof_l2); ~8 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
