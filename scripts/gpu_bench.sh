@@ -265,14 +265,17 @@ ab_runs() {  # SWITCH PREFIX RUNS SECONDS PATTERN CMD...: CMD once per run of RU
     (export "$sw=$v"; timeout "$secs" "$@" --out "$OUT/${prefix}_${v}_$pass" 2>&1 | grep "$pat" >> "$LOG")
   done
 }
-roll_ab() {  # DECODE DIR PAIRS: one 7B rollout process (256 + 512) per "FORMAT:BATCH" of PAIRS, fused / DECODE /
-  # DECODE / fused in it ($OUT/DIR)
-  local dec=$1 dir=$2 fb f b
-  for fb in $3; do
+roll_runs() {  # DECODES DIR NEW SECONDS PAIRS: one 7B rollout process (256 + NEW tokens, at most SECONDS) per
+  # "FORMAT:BATCH" of PAIRS, the comma-separated DECODES in it in order ($OUT/DIR)
+  local fb f b
+  for fb in $5; do
     IFS=: read -r f b <<< "$fb"
-    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
-      --decode "fused,$dec,$dec,fused" --out "$OUT/$dir" 2>&1 | grep -v Warn >> "$LOG"
+    timeout "$4" $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new "$3" \
+      --decode "$1" --out "$OUT/$2" 2>&1 | grep -v Warn >> "$LOG"
   done
+}
+roll_ab() {  # DECODE DIR PAIRS: roll_runs at 256 + 512 with fused / DECODE / DECODE / fused in each process
+  roll_runs "fused,$1,$1,fused" "$2" 512 100 "$3"
 }
 lora_opt_in() {  # SWITCH OFF ON PREFIX DECODE NAME SECONDS TESTS: a decode-GEMV LoRA opt-in against the default. Both
   # builds; the GPU tests matching TESTS under SWITCH=ON ($OUT/tests_NAME.txt; TEACHER=1 adds the fused decode's
@@ -648,21 +651,13 @@ next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter 
     "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config" ;;
 l2pf)  # issue 11: L2 prefetch of o and gate|up during attention (see the header)
   [ -n "${SKIP_TESTS:-}" ] || gpu_tests l2pf 200 tests/test_l2_prefetch.py
-  for fb in ${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}; do
-    IFS=: read -r f b <<< "$fb"
-    timeout 150 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
-      --decode fused,fused-l2-32,fused-l2-16,fused,fused-l2-16,fused-l2-32,fused --out "$OUT/roll_l2" 2>&1 \
-      | grep -v Warn >> "$LOG"
-  done
+  roll_runs fused,fused-l2-32,fused-l2-16,fused,fused-l2-16,fused-l2-32,fused roll_l2 512 150 \
+    "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}"
   timeout 150 $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,fused-l2-32 --out "$OUT/prof_l2" \
     2>&1 | grep -v Warn >> "$LOG" ;;
 l2long)  # issue 11: the L2 prefetch at 256 + 2048 tokens (see the header)
-  for fb in ${ROLL:-nvfp4:8 mxfp4:8}; do
-    IFS=: read -r f b <<< "$fb"
-    timeout 280 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 2048 --decode \
-      fused,fused-l2-32,fused-l2-gu-32,fused-l2-48,fused,fused-l2-48,fused-l2-gu-32,fused-l2-32,fused \
-      --out "$OUT/roll_l2long" 2>&1 | grep -v Warn >> "$LOG"
-  done
+  roll_runs fused,fused-l2-32,fused-l2-gu-32,fused-l2-48,fused,fused-l2-48,fused-l2-gu-32,fused-l2-32,fused \
+    roll_l2long 2048 280 "${ROLL:-nvfp4:8 mxfp4:8}"
   timeout 120 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-l2-fork,fused-l2-32 \
     --out "$OUT/prof_l2" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)

@@ -30,11 +30,11 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 #include <vector>
 
-extern "C" int ql2_prefetch(const long long*, int, int, void*);
+extern "C" int ql2_prefetch(const long long*, int, void*);
 
-void prefetch(std::vector<int64_t> desc, bool pdl, int64_t device) {
+void prefetch(std::vector<int64_t> desc, int64_t device) {
   const c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
-  const int err = ql2_prefetch(reinterpret_cast<const long long*>(desc.data()), (int)desc.size(), pdl ? 1 : 0,
+  const int err = ql2_prefetch(reinterpret_cast<const long long*>(desc.data()), (int)desc.size(),
                                (void*)c10::cuda::getCurrentCUDAStream((c10::DeviceIndex)device).stream());
   TORCH_CHECK(err == 0, "ql2_prefetch: ", err == -1 ? "bad span descriptors" : cudaGetErrorString((cudaError_t)err));
 }
@@ -101,10 +101,8 @@ def spans(w, splits: int, fraction: float) -> list[list[int]]:
         return []
     c = w.k // 64
     segs = [(c0, max(1, round(fraction * (c1 - c0)))) for c0, c1 in _split_ranges(c, splits) if c1 > c0]
-    if w.fmt == "bf16":
+    if w.fmt == "bf16":  # cuda_fp4.dense_weight: contiguous rows
         t = w.qweight
-        if t.stride(1) != 1:
-            raise ValueError("spans: a BF16 weight with contiguous rows is needed")
         rows = [(t.data_ptr(), t.stride(0) * 2, t.shape[0], 128)]
     else:
         rows = [(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0], t.stride(1) * t.element_size())
@@ -134,8 +132,12 @@ def layer_spans(parts, budget_bytes: float) -> list[list[int]]:
     return out
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _side(device: torch.device) -> torch.cuda.Stream:
-    key = ("side", device.index if device.index is not None else torch.cuda.current_device())
+    key = ("side", _index(device))
     if key not in _STATE:
         _STATE[key] = torch.cuda.Stream(device)
     return _STATE[key]
@@ -154,7 +156,7 @@ def prefetch(desc: list[list[int]], device: torch.device) -> None:
     side = _side(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        _ext().prefetch(flat, False, device.index if device.index is not None else torch.cuda.current_device())
+        _ext().prefetch(flat, _index(device))
 
 
 def join(device: torch.device) -> None:

@@ -11,11 +11,11 @@
 // cp.async.bulk.prefetch.L2 each (sm_90: the TMA unit fetches the range; 16-byte aligned, a multiple of 16 bytes);
 // before sm_90, prefetch.global.L2 per 128-byte line.
 //
-// qerl launches it on a side stream (a branch of the captured decode graph that no decode kernel waits for). Launched
-// in a chain under programmatic dependent launch instead, it lets its dependent launch at once, issues its
-// prefetches, and waits for its predecessor (griddepcontrol.wait) before it exits, so the chain's ordering stays
-// transitive: the kernel after it, which waits for this grid, also waits for the one before (session 46 measured
-// that placement 3-7% slower: the attention waited ~9 us a layer for it).
+// qerl launches it on a side stream (a branch of the captured decode graph that no decode kernel waits for), without
+// the programmatic-dependent-launch attribute, so its griddepcontrol instructions are no-ops. They are what made the
+// first placement (ad488f2: in the decode chain under PDL) safe: it let its dependent launch at once, issued its
+// prefetches and waited for its predecessor before exiting, so the chain's ordering stayed transitive. Session 46
+// measured that placement 3-7% slower: the attention waited ~9 us a layer for it.
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) l2_prefetch_kernel(const __grid_cons
 
 // desc: per span [base, stride, count, nseg, off_0, len_0, ..., off_{nseg-1}, len_{nseg-1}]. Returns 0, -1 for bad
 // arguments (too many spans or segments, a misaligned or non-16-multiple range, a negative count), or a CUDA error.
-extern "C" int ql2_prefetch(const long long* desc, int ndesc, int pdl, void* stream) {
+extern "C" int ql2_prefetch(const long long* desc, int ndesc, void* stream) {
   ql2::Args a{};
   int at = 0;
   long long total = 0;
@@ -93,15 +93,8 @@ extern "C" int ql2_prefetch(const long long* desc, int ndesc, int pdl, void* str
   if (total >= (1LL << 31)) return -1;
   a.total = (int)total;
   const int ctas = (int)((total + ql2::kThreads - 1) / ql2::kThreads);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(ctas < ql2::kMaxCtas ? ctas : ql2::kMaxCtas);
-  cfg.blockDim = dim3(ql2::kThreads);
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, ql2::l2_prefetch_kernel, a);
+  ql2::l2_prefetch_kernel<<<ctas < ql2::kMaxCtas ? ctas : ql2::kMaxCtas, ql2::kThreads, 0,
+                            static_cast<cudaStream_t>(stream)>>>(a);
+  const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? 0 : (int)e;
 }
