@@ -190,7 +190,8 @@
 #                                fused / l2-32 / l2-gu-32 / l2-48 / fused / l2-48 / l2-gu-32 / l2-32 / fused
 #                                ($OUT/roll_l2long), then the NVFP4 batch-8 step profile fused / l2-fork (the side
 #                                branch with the smallest prefetch, ~1.3 MB of o: does the fork cost the PDL chain?) /
-#                                l2-32 ($OUT/prof_l2); ~8 min
+#                                l2-32 ($OUT/prof_l2), after the prefetch's launch and NVFP4 bit-identity GPU tests
+#                                ($OUT/tests_l2long.txt; SKIP_TESTS=1 skips); ~9 min
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -656,6 +657,7 @@ l2pf)  # issue 11: L2 prefetch of o and gate|up during attention (see the header
   timeout 150 $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,fused-l2-32 --out "$OUT/prof_l2" \
     2>&1 | grep -v Warn >> "$LOG" ;;
 l2long)  # issue 11: the L2 prefetch at 256 + 2048 tokens (see the header)
+  [ -n "${SKIP_TESTS:-}" ] || gpu_tests l2long 150 tests/test_l2_prefetch.py -k "launch or nvfp4"
   roll_runs fused,fused-l2-32,fused-l2-gu-32,fused-l2-48,fused,fused-l2-48,fused-l2-gu-32,fused-l2-32,fused \
     roll_l2long 2048 280 "${ROLL:-nvfp4:8 mxfp4:8}"
   timeout 120 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-l2-fork,fused-l2-32 \

@@ -183,6 +183,9 @@ def test_l2long_alternates_at_the_issue_length(tmp_path):
         dec = r.split("--decode ")[1].split()[0].split(",")
         assert dec[0] == dec[4] == dec[-1] == "fused" and dec[1:4] == dec[5:8][::-1]
         assert sorted(dec[1:4]) == ["fused-l2-32", "fused-l2-48", "fused-l2-gu-32"]
+    tests = [c for c in calls if "|-m pytest" in c]
+    assert len(tests) == 1 and "tests/test_l2_prefetch.py" in tests[0] and "launch or nvfp4" in tests[0]
+    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "rollout" in c))
     prof = [c for c in calls if "|-m qerl.bench profile" in c]
     assert len(prof) == 1 and "--decode fused,fused-l2-fork,fused-l2-32 " in prof[0]
     assert calls.index(prof[0]) > calls.index(next(c for c in calls if "rollout" in c))
