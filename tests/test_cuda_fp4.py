@@ -8,6 +8,7 @@ NVFP4's global scale set to 1 for the exact decode check (the kernel applies 1/g
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -660,6 +661,21 @@ def test_lora_operand_checks_and_launch_args():
     assert cf.lora_parts(96, 56) == 4 and cf.lora_parts(32, 296, warps=8) == 19 and cf.lora_parts(16, 1) == 1
     assert cf.lora_parts(96, 56, chunks_per_warp=4) == 2 and cf.lora_parts(32, 296, warps=16) == 10
     assert cf.lora_parts(384, 20000, warps=1) * 24 <= cf.LORA_MAX_UNITS  # at most 512 LoRA CTAs
+
+
+def test_lora_workspace_sizes_agree_with_the_kernel_and_the_binding():
+    """The kernel's workspace constants are the Python ones, and the binding checks for exactly what
+    ``lora_workspace`` allocates (session 46 left its check at a removed build's larger size: every LoRA launch failed
+    with "LoRA workspace too small", seen only on the GPU)."""
+    src = (cf._CSRC / "fp4_mma_gemv.cu").read_text()
+    units = int(re.search(r"constexpr int kLoraMaxUnits = (\d+);", src).group(1))
+    strips = int(re.search(r"constexpr int kLoraMaxStrips = (\d+);", src).group(1))
+    assert (units, 16 * strips) == (cf.LORA_MAX_UNITS, cf.LORA_MAX_RANKS)
+    floats, ints = cf.lora_workspace_sizes()
+    assert (floats, ints) == ((units + strips) * 256, 2 + strips)
+    check = re.search(r"TORCH_CHECK\(part\.numel\(\) >= (\w+) && ctr\.numel\(\) >= (\w+), "
+                      r'"LoRA workspace too small"\);', cf._BINDING)
+    assert check is not None and (int(check.group(1)), int(check.group(2))) == (floats, ints)
 
 
 def test_emulate_lora_uses_each_members_ranks():

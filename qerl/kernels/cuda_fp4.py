@@ -334,6 +334,14 @@ LORA_DIRECT_PARTS = 4  # K parts per strip up to which one-strip-per-warp varian
 LORA_MAX_MEMBERS = 3
 
 
+def lora_workspace_sizes() -> tuple[int, int]:
+    """Elements of :func:`lora_workspace`'s two tensors, which the binding's check also requires: fp32
+    (LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16 (the LoRA CTAs' partials, then t finished per 16-rank strip) and
+    int32 2 + LORA_MAX_RANKS / 16."""
+    strips = LORA_MAX_RANKS // 16
+    return (LORA_MAX_UNITS + strips) * 256, 2 + strips
+
+
 @dataclass
 class LoraOperand:
     """The LoRA of one linear or one fused group (q|k|v, gate|up), for :func:`gemv` in the same launch:
@@ -418,9 +426,9 @@ def lora_parts(r: int, c: int, warps: int = 8, chunks_per_warp: int = 2, max_uni
     return max(1, min(c, -(-c // (warps * chunks_per_warp)), max(1, max_units // strips)))
 
 
-def lora_direct(parts: int, sw: int, m: int = 1) -> bool:
-    """Whether a launch with ``parts`` K parts per 16-rank strip, ``sw`` strips per warp and M = ``m`` tokens has its
-    output warps sum the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA."""
+def lora_direct(parts: int, sw: int) -> bool:
+    """Whether a launch with ``parts`` K parts per 16-rank strip and ``sw`` strips per warp has its output warps sum
+    the parts (csrc ``la.direct``), rather than each strip's last LoRA CTA."""
     return sw == 1 and parts <= LORA_DIRECT_PARTS
 
 
@@ -533,7 +541,7 @@ void gemv_lora(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tenso
   TORCH_CHECK(a.is_contiguous() && bn.is_contiguous() && a.dim() == 2 && bn.dim() == 2, "a, bn: contiguous 2-D");
   const int R = (int)a.size(0), RP = (int)bn.size(1);
   TORCH_CHECK(a.size(1) == 64 * C && bn.size(0) == 16 * S && RP % 16 == 0, "LoRA shape mismatch");
-  TORCH_CHECK(part.numel() >= (512 + 24) * 256 * 2 + 1 && ctr.numel() >= 2 + 24, "LoRA workspace too small");
+  TORCH_CHECK(part.numel() >= QERL_LORA_WS_FLOATS && ctr.numel() >= QERL_LORA_WS_INTS, "LoRA workspace too small");
   TORCH_CHECK(roff.size() == 3 && rk.size() == 3, "roff, rk: 3 members");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(bn.data_ptr()) % 16 == 0,
               "a, bn must be 16-byte aligned");
@@ -701,6 +709,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_ctas", &wgmma_ctas);
 }
 """
+_BINDING = (_BINDING.replace("QERL_LORA_WS_FLOATS", str(lora_workspace_sizes()[0]))
+            .replace("QERL_LORA_WS_INTS", str(lora_workspace_sizes()[1])))
 
 _CSRC = cuda_build.CSRC
 _CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu", _CSRC / "fp4_dequant.cu", _CSRC / "fp4_wgmma_gemm.cu")
@@ -1159,9 +1169,8 @@ def gemv(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     _STATE["lora_launches"] = _STATE.get("lora_launches", 0) + 1
     part, ctr = lora_workspace(x.device)
     bound1, bound2, roff, rk = lora.launch_args()
-    parts = lora_parts(lora.rank, w.k // 64, splits * per)
     _ext().gemv_lora(x, w.qweight, w.scales, gs, out, fid, w.out_mult, w.bword, splits, per, unroll, sw, pdl, code,
-                     a, bn, part, ctr, parts, bound1, bound2, roff, rk)
+                     a, bn, part, ctr, lora_parts(lora.rank, w.k // 64, splits * per), bound1, bound2, roff, rk)
     return out
 
 
@@ -1196,17 +1205,16 @@ def zero_lora_counters() -> None:
 
 
 def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream: fp32
-    ((LORA_MAX_UNITS + LORA_MAX_RANKS / 16) x 16 x 16: the LoRA CTAs' partials, then t finished per 16-rank strip)
-    and int32 (2 + LORA_MAX_RANKS / 16), zeroed once; every launch overwrites the values it reads and leaves the counters zero. Launches on one stream
-    run one after the other (under PDL the next grid waits for the previous one before touching them)."""
+    """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream
+    (:func:`lora_workspace_sizes`), zeroed once; every launch overwrites the values it reads and leaves the counters
+    zero. Launches on one stream run one after the other (under PDL the next grid waits for the previous one before touching them)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = ("lora_ws", device, stream)
     ws = _STATE.get(key)
     if ws is None:
-        strips = LORA_MAX_RANKS // 16
-        ws = (torch.zeros((LORA_MAX_UNITS + strips) * 256, dtype=torch.float32, device=device),
-              torch.zeros(2 + strips, dtype=torch.int32, device=device))
+        floats, ints = lora_workspace_sizes()
+        ws = (torch.zeros(floats, dtype=torch.float32, device=device),
+              torch.zeros(ints, dtype=torch.int32, device=device))
         _STATE[key] = ws
     return ws
 
@@ -1654,7 +1662,7 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
     return cfg
 
 
-__all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_workspace", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
+__all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_workspace", "lora_workspace_sizes", "lora_launches", "lora_bn", "lora_rp", "emulate_lora", "available", "prepare",
            "gemv", "emulate", "ACTS", "GEMV_VARIANTS", "check_gemv_config", "load_gemv_table",
            "install_gemv_table", "tuned_gemv_config", "heuristic_gemv_config", "forget_gemv_configs", "gemv_table_enabled", "gemv_warp_cap", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
