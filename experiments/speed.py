@@ -677,6 +677,11 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 47 (H200, afd9e45; `raw/h200_s47_l2long/README.md`): the L2 prefetch at the issue's 256 + 2048, 7B NVFP4
+batch 8: 32 MB −0.8…−0.5%, gate|up only −1.1…−0.7%, 48 MB −1.5…−1.4% against three default passes (3085-3089 tok/s);
+the side branch alone +16 µs a step. Refuted and removed (code at a88f678). The session's first call found every
+decode-GEMV LoRA launch failing since fb46e12 (the binding's workspace check); fixed in afd9e45, then 37 + 20 GPU tests
+passed in full runs (teacher forcing of every format among them), and 35 + ~25 more before the calls' limits.
 Session 46 (H200, d463cbe-5b79085; `raw/h200_s46_*/README.md`): with t ready at a GEMV launch's start (timing-only
 ablation 10) the 7B layer at M = 8 is only 3.0-4.6 µs faster than the default's ~65 µs, so computing t in the kernel
 before each GEMV was not built; split 0 of each LoRA launch a batch lighter (`QERL_LORA_SKEW=1`): +0.1…+1.0%,

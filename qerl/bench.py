@@ -159,7 +159,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma",
            "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-wgmma-occ2",
-           "fused-lora-skew", "fused-l2-16", "fused-l2-32", "fused-l2-48", "fused-l2-gu-32", "fused-l2-fork",
+           "fused-lora-skew",
            "fused-pdl",
            "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
@@ -187,10 +187,6 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
                "fused-wgmma-occ2": {"QERL_WGMMA_OCC": "2"},
                "fused-lora-skew": {"QERL_LORA_SKEW": "1"},
-               "fused-l2-16": {"QERL_L2_PREFETCH": "16"}, "fused-l2-32": {"QERL_L2_PREFETCH": "32"},
-               "fused-l2-48": {"QERL_L2_PREFETCH": "48"},
-               "fused-l2-gu-32": {"QERL_L2_PREFETCH": "32", "QERL_L2_PREFETCH_ORDER": "gu"},
-               "fused-l2-fork": {"QERL_L2_PREFETCH": "0.001"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -240,13 +236,9 @@ def decode_mode(sampler, dec: str):
     its own), "fused-wgmma-occ2" (the 256-thread 128-token wgmma variants compiled for two CTAs an SM:
     ``QERL_WGMMA_OCC=2``, a build of its own; the tuned table decides where they run), "fused-lora-skew" (split 0
     of each decode-GEMV LoRA launch, which adds the term, takes a batch of K chunks fewer: ``QERL_LORA_SKEW=1``, a
-    build of its own), "fused-l2-16" / "fused-l2-32" / "fused-l2-48" (a launch on a side stream after RoPE asks L2
-    for 16 / 32 / 48 MB of the layer's o and gate|up weights while attention runs: ``QERL_L2_PREFETCH``,
-    ``qerl.kernels.cuda_prefetch``), "fused-l2-gu-32" (32 MB of gate|up only: ``QERL_L2_PREFETCH_ORDER=gu``),
-    "fused-l2-fork" (the same side-stream launches with a 1-kB budget, which still takes a chunk of every split-K
-    range of o: ~1.3 MB at 7B; about what the branch itself costs the step) —
-    all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across
-    the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or "unfused"."""
+    build of its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic
+    dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or
+    "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

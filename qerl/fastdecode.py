@@ -321,20 +321,15 @@ class FusedLinear:
             y.add_(self.bias.to(y.dtype))
         return y
 
-    def silu_in_epilogue(self) -> bool:
-        """Whether :meth:`silu_mul` asks the format's one-launch path for the SwiGLU epilogue (a gate|up pair of
-        equal halves without bias; ``QERL_FUSED_SILU=0`` turns it off)."""
-        return (self.q is not None and len(self.mods) == 2 and self.bias is None
-                and self.mods[0].out_features == self.mods[1].out_features
-                and (self.lora is not None) == (self.A is not None)
-                and os.environ.get("QERL_FUSED_SILU", "1") != "0")
-
     def silu_mul(self, x: torch.Tensor, permuted: bool = False) -> torch.Tensor:
         """silu(gate) · up of a gate|up group (M, I): in the GEMV's epilogue where the format has that path (the
         FP4 GEMV at decode size: one launch for base, LoRA and SwiGLU; ``QERL_FUSED_SILU=0`` turns it off), else
         the group's output, then ``qerl.kernels.fused.silu_mul`` (``permuted``: which also writes the copy the next
         linear's wgmma GEMM reads, :func:`permuted_input`). The same rounding either way."""
-        if self.silu_in_epilogue():
+        if (self.q is not None and len(self.mods) == 2 and self.bias is None
+                and self.mods[0].out_features == self.mods[1].out_features
+                and (self.lora is not None) == (self.A is not None)
+                and os.environ.get("QERL_FUSED_SILU", "1") != "0"):
             y = linear_lora(self.fmt, x, self.q, self.lora, act="silu_mul")
             if y is not None:
                 return y
@@ -376,20 +371,3 @@ def build_decode_plan(model: nn.Module) -> list[dict[str, FusedLinear]] | None:
             return None
         plan.append(entry)
     return plan
-
-
-def l2_prefetch_plan(layers, plan: list[dict[str, FusedLinear]], m: int, budget_bytes: float,
-                     order: tuple[str, ...] = ("o", "gu")) -> list[list] | None:
-    """Per decoder layer, the span descriptors (``qerl.kernels.cuda_prefetch``) of up to ``budget_bytes`` of its o
-    and gate|up decode-GEMV weights in ``order`` ("o", "gu": ``cuda_prefetch.order``), split as the GEMV launches at M
-    rows split their K; None when no layer has such a launch (a format without the CUDA GEMV, M above it)."""
-    from qerl.kernels import cuda_prefetch, decode_gemv_split
-    out = []
-    for layer, entry in zip(layers, plan, strict=True):
-        o, gu = layer.self_attn.o_proj, entry["gate_up"]
-        parts = {"o": decode_gemv_split(o.fmt, o.packed, m, next(iter(o.packed.values())).device,
-                                        getattr(o, "_lora_op", None)),
-                 "gu": None if gu.q is None else decode_gemv_split(
-                     gu.fmt, gu.q, m, gu.device, gu.lora, "silu_mul" if gu.silu_in_epilogue() else None)}
-        out.append(cuda_prefetch.layer_spans([parts[k] for k in order if parts[k] is not None], budget_bytes))
-    return out if any(out) else None

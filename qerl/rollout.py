@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qerl.devices import autocast_for
-from qerl.fastdecode import build_decode_plan, l2_prefetch_plan, permuted_input
-from qerl.kernels import cuda_prefetch
+from qerl.fastdecode import build_decode_plan, permuted_input
 from qerl.kernels import fused as fk
 from qerl.lora import lora_inference_cache
 
@@ -292,14 +291,11 @@ class Sampler:
         perm = [(permuted_input(e["qkv"], n, dt), permuted_input(e["gate_up"], n, dt),
                  permuted_input(layer.mlp.down_proj, n, dt), permuted_input(layer.self_attn.o_proj, n, dt))
                 for e, layer in zip(s["plan"], layers, strict=True)]
-        pf = self._l2_prefetch(s, n)
         h, x = fk.add_rms_norm(h, None, *self._norm_args(layers[0].input_layernorm), permuted=perm[0][0])
         for i, layer in enumerate(layers):
             p, a = s["plan"][i], layer.self_attn
             q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
                             self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
-            if pf is not None:  # QERL_L2_PREFETCH: o and gate|up weights into L2 while attention runs
-                cuda_prefetch.prefetch(pf[i], q.device)
             o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot,
                                     permuted=perm[i][3])  # (N, H*d)
             h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm),
@@ -308,21 +304,7 @@ class Sampler:
             last = i + 1 == len(layers)
             nxt = self.model.model.norm if last else layers[i + 1].input_layernorm
             h, x = fk.add_rms_norm(h, d, *self._norm_args(nxt), permuted=not last and perm[i + 1][0])
-        if pf is not None:
-            cuda_prefetch.join(x.device)
         self._sample_into(s, self.model.lm_head(x).float())
-
-    def _l2_prefetch(self, s, n: int):
-        """Per layer, the spans ``QERL_L2_PREFETCH`` asks the step to prefetch (``qerl.kernels.cuda_prefetch``), or
-        None (off, the default; or nothing the CUDA GEMV reads at this batch). Built once per (budget, order, batch) and
-        kept in the step's static state, so a captured graph and the eager step launch the same spans."""
-        mb = cuda_prefetch.budget_mb()
-        if mb == 0 or self.device.type != "cuda":
-            return None
-        key = ("l2pf", mb, cuda_prefetch.order(), n)
-        if key not in s:
-            s[key] = l2_prefetch_plan(self._layers, s["plan"], n, mb * 1e6, key[2])
-        return s[key]
 
     def _decode_plan(self):
         """The fused-projection plan for this rollout (LoRA and biases refreshed in place), or None for the

@@ -179,19 +179,10 @@
 #                                lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) 0 / 1 / 1 / 0 ($OUT/skew_{0,1}_{1,2}),
 #                                7B rollouts (256 + 512) fused / fused-lora-skew / fused-lora-skew / fused, NVFP4 at
 #                                batch 8 and 2, MXFP4 and BF16 at 8 (ROLL replaces the list; $OUT/roll_skew); ~6 min
-#   scripts/gpu_bench.sh l2pf    issue 11, session 46, on any GPU: QERL_L2_PREFETCH (a launch after RoPE asks L2 for
-#                                up to 16 / 32 MB of the layer's o and gate|up weights while attention runs): its GPU
-#                                tests ($OUT/tests_l2pf.txt; SKIP_TESTS=1 skips), 7B rollouts (256 + 512) NVFP4 at batch
-#                                8 and 2, MXFP4 and BF16 at 8, one process each: fused / l2-32 / l2-16 / fused / l2-16 /
-#                                l2-32 / fused ($OUT/roll_l2), then the decode-step profile at batch 8, NVFP4 and BF16,
-#                                fused / l2-32 ($OUT/prof_l2); ~7 min
-#   scripts/gpu_bench.sh l2long  issue 11 after session 46, on any GPU: the L2 prefetch at the issue's 256 + 2048, 7B
-#                                NVFP4 and MXFP4 at batch 8 (ROLL replaces the list, e.g. nvfp4:2), one process each:
-#                                fused / l2-32 / l2-gu-32 / l2-48 / fused / l2-48 / l2-gu-32 / l2-32 / fused
-#                                ($OUT/roll_l2long), then the NVFP4 batch-8 step profile fused / l2-fork (the side
-#                                branch with the smallest prefetch, ~1.3 MB of o: does the fork cost the PDL chain?) /
-#                                l2-32 ($OUT/prof_l2), after the prefetch's launch and NVFP4 bit-identity GPU tests
-#                                ($OUT/tests_l2long.txt; SKIP_TESTS=1 skips); ~9 min
+#   scripts/gpu_bench.sh regress every GPU test (-m gpu), in parts that each fit a 10-minute device call (`make test-gpu`
+#                                runs them all at once): PART=1 test_cuda_fp4.py's tests but the wgmma GEMM's, 2 the
+#                                wgmma GEMM's (several builds), 3 every other file; pytest -v, so a run cut short by
+#                                SECS (default 560) keeps each finished test's outcome ($OUT/tests_regress_PART.txt)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -650,18 +641,17 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
 next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter (see the header)
   lora_opt_in QERL_LORA_SKEW 0 1 skew fused-lora-skew next48 300 \
     "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config" ;;
-l2pf)  # issue 11: L2 prefetch of o and gate|up during attention (see the header)
-  [ -n "${SKIP_TESTS:-}" ] || gpu_tests l2pf 200 tests/test_l2_prefetch.py
-  roll_runs fused,fused-l2-32,fused-l2-16,fused,fused-l2-16,fused-l2-32,fused roll_l2 512 150 \
-    "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}"
-  timeout 150 $B profile --models 7b --formats nvfp4,bf16 --batch 8 --decode fused,fused-l2-32 --out "$OUT/prof_l2" \
-    2>&1 | grep -v Warn >> "$LOG" ;;
-l2long)  # issue 11: the L2 prefetch at 256 + 2048 tokens (see the header)
-  [ -n "${SKIP_TESTS:-}" ] || gpu_tests l2long 150 tests/test_l2_prefetch.py -k "launch or nvfp4"
-  roll_runs fused,fused-l2-32,fused-l2-gu-32,fused-l2-48,fused,fused-l2-48,fused-l2-gu-32,fused-l2-32,fused \
-    roll_l2long 2048 280 "${ROLL:-nvfp4:8 mxfp4:8}"
-  timeout 120 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-l2-fork,fused-l2-32 \
-    --out "$OUT/prof_l2" 2>&1 | grep -v Warn >> "$LOG" ;;
+regress)  # every GPU test in parts (see the header)
+  case "${PART:-1}" in
+    1) set -- tests/test_cuda_fp4.py -k "not wgmma" ;;
+    2) set -- tests/test_cuda_fp4.py -k wgmma ;;
+    3) set -- tests --ignore=tests/test_cuda_fp4.py ;;
+    *) echo "gpu_bench.sh regress: PART=${PART} is not a part; choose 1, 2 or 3" >&2; exit 2 ;;
+  esac
+  timeout "${SECS:-560}" python3 -m pytest -v -m gpu "$@" -rfE --tb=short -p no:cacheprovider \
+    > "$OUT/tests_regress_${PART:-1}.txt" 2>&1
+  grep -cE " PASSED| FAILED| ERROR| SKIPPED" "$OUT/tests_regress_${PART:-1}.txt" | sed 's/^/tests finished: /' >> "$LOG"
+  grep -E " FAILED| ERROR|^=+ .*(passed|failed|error)" "$OUT/tests_regress_${PART:-1}.txt" >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

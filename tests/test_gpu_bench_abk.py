@@ -153,39 +153,41 @@ def test_lora44_builds_each_ablation_variant_then_times_them_twice(tmp_path, abl
     assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in timed] == ["lora_1", "lora_2"]
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_l2pf_tests_then_alternates_the_budgets_in_one_process_per_point(tmp_path):
-    """``l2pf``: the prefetch's GPU tests first, then one rollout process per (format, batch) alternating the default
-    with both budgets (fused first and last), then the step profile of NVFP4 and BF16 with and without it."""
-    p, calls = _run(tmp_path, "l2pf", '#!/usr/bin/env bash\necho "x|$*" >> "$STUB_LOG"\n')
-    assert p.returncode == 0, p.stderr
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and "tests/test_l2_prefetch.py" in tests[0]
-    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
-        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
-    assert all("--decode fused,fused-l2-32,fused-l2-16,fused,fused-l2-16,fused-l2-32,fused " in r for r in roll)
-    prof = [c for c in calls if "|-m qerl.bench profile" in c]
-    assert len(prof) == 1 and "--decode fused,fused-l2-32 " in prof[0] and "--formats nvfp4,bf16 " in prof[0]
-    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "rollout" in c))
+REGRESS_STUB = r"""#!/usr/bin/env bash
+echo "x|$*" >> "$STUB_LOG"
+printf '%s\0' "$@" > "$STUB_LOG.args"
+echo "tests/test_x.py::test_gpu_y PASSED [100%]"
+echo "============ 1 passed in 0.1s ============"
+"""
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_l2long_alternates_at_the_issue_length(tmp_path):
-    """``l2long``: one rollout process per (format, batch) at 256 + 2048, the default first, in the middle and last,
-    each prefetch setting twice in mirrored order."""
-    p, calls = _run(tmp_path, "l2long", '#!/usr/bin/env bash\necho "x|$*" >> "$STUB_LOG"\n')
-    assert p.returncode == 0, p.stderr
-    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == ["nvfp4 --batch 8", "mxfp4 --batch 8"]
-    for r in roll:
-        assert "--prompt 256 --new 2048 --decode " in r
-        dec = r.split("--decode ")[1].split()[0].split(",")
-        assert dec[0] == dec[4] == dec[-1] == "fused" and dec[1:4] == dec[5:8][::-1]
-        assert sorted(dec[1:4]) == ["fused-l2-32", "fused-l2-48", "fused-l2-gu-32"]
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and "tests/test_l2_prefetch.py" in tests[0] and "launch or nvfp4" in tests[0]
-    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "rollout" in c))
-    prof = [c for c in calls if "|-m qerl.bench profile" in c]
-    assert len(prof) == 1 and "--decode fused,fused-l2-fork,fused-l2-32 " in prof[0]
-    assert calls.index(prof[0]) > calls.index(next(c for c in calls if "rollout" in c))
+def test_regress_parts_cover_every_gpu_test_once(tmp_path):
+    """``regress``: each PART runs one pytest -v over its share of the GPU tests, and the three shares, collected by
+    the real pytest on this repository, are every GPU test exactly once. A PART that is not one names the choices."""
+    parts = {}
+    for part in ("1", "2", "3"):
+        p, calls = _run(tmp_path, "regress", REGRESS_STUB, PART=part)
+        assert p.returncode == 0, p.stderr
+        assert len([c for c in calls if "|-m pytest" in c]) == 1
+        args = (tmp_path / "calls.txt.args").read_bytes().decode().split("\0")[:-1]
+        assert args[:5] == ["-m", "pytest", "-v", "-m", "gpu"]
+        parts[part] = args[5:]
+        (tmp_path / "calls.txt").unlink()
+        log = (tmp_path / "out" / "log.txt").read_text()
+        assert "tests finished: 1" in log and "1 passed" in log
+        assert (tmp_path / "out" / f"tests_regress_{part}.txt").exists()
+    bad, _ = _run(tmp_path, "regress", REGRESS_STUB, PART="4")
+    assert bad.returncode == 2 and "PART=4" in bad.stderr and "1, 2 or 3" in bad.stderr
+
+    def collect(args):  # the part's own pytest arguments, collecting only
+        return subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", *args],
+                                cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+    runs = {k: collect(v) for k, v in {**parts, "all": ["tests", "-p", "no:cacheprovider"]}.items()}  # at once
+    ids = {k: [line for line in r.communicate()[0].splitlines() if "::" in line] for k, r in runs.items()}
+    shares = ids["1"] + ids["2"] + ids["3"]
+    assert all(ids[k] for k in ("1", "2", "3")) and len(ids["all"]) > 50
+    assert sorted(shares) == sorted(ids["all"])  # every GPU test, none twice
+    assert all("wgmma" in t for t in ids["2"]) and all(t.startswith("tests/test_cuda_fp4.py") for t in ids["1"])

@@ -565,30 +565,6 @@ def _relaid_dequant_mm(x2: torch.Tensor, w, out: torch.Tensor, chunk: int) -> No
         torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
-def decode_gemv_split(fmt, q: Mapping[str, torch.Tensor], m: int, device: torch.device, lora=None,
-                      act: str | None = None):
-    """(weight, K splits) of the CUDA decode GEMV launch that :func:`linear_lora` makes for an (M, K) input on
-    ``device`` (the weight as ``cuda_fp4.CudaFP4Weight``: the FP4 re-laid-out copy or the dense BF16 rows), or None
-    where no such launch runs (M above the GEMV's, a format or shape it does not take, no cached FP4 copy inside a
-    graph capture). What ``qerl.kernels.cuda_prefetch`` prefetches for it."""
-    if not (device.type == "cuda" and 1 <= m <= CUDA_GEMV_MAX_M and cuda_gemv_enabled(device)):
-        return None
-    from qerl.kernels import cuda_fp4
-    if isinstance(fmt.kernels, FP4Kernels):
-        w = _cuda_weight(fmt, q)
-    elif isinstance(fmt.kernels, BF16Kernels) and bf16_gemv_enabled() and q["weight"].is_cuda:
-        try:
-            w = cuda_fp4.dense_weight(q["weight"])
-        except ValueError:
-            w = None
-    else:
-        w = None
-    if w is None or w.n % 16 or w.k % 64:
-        return None
-    lora = lora if lora is not None and _lora_fits(lora, w) else None
-    return w, cuda_fp4._config(w, m, device, lora, act)[0]
-
-
 def _lora_fits(lora, w) -> bool:
     """The LoRA operand (bf16 A (R, K), Bn (N, RP)) matches the CUDA kernels' weight ``w``."""
     return lora.bn.shape[0] == w.n and lora.a.dtype == torch.bfloat16 and lora.a.shape[1] == w.k
