@@ -179,10 +179,11 @@
 #                                lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) 0 / 1 / 1 / 0 ($OUT/skew_{0,1}_{1,2}),
 #                                7B rollouts (256 + 512) fused / fused-lora-skew / fused-lora-skew / fused, NVFP4 at
 #                                batch 8 and 2, MXFP4 and BF16 at 8 (ROLL replaces the list; $OUT/roll_skew); ~6 min
-#   scripts/gpu_bench.sh regress every GPU test (-m gpu), in parts that each fit a 10-minute device call (`make test-gpu`
-#                                runs them all at once): PART=1 test_cuda_fp4.py's tests but the wgmma GEMM's, 2 the
-#                                wgmma GEMM's (several builds), 3 every other file; pytest -v, so a run cut short by
-#                                SECS (default 560) keeps each finished test's outcome ($OUT/tests_regress_PART.txt)
+#   scripts/gpu_bench.sh regress every GPU test (-m gpu) in three parts, one per device call (`make test-gpu` runs them
+#                                all at once, > 10 min with the extension builds): PART=1 test_cuda_fp4.py's tests but
+#                                the wgmma GEMM's, 2 the wgmma GEMM's (several builds), 3 every other file; pytest -v,
+#                                so a part cut short by SECS (default 560) keeps each finished test's outcome
+#                                ($OUT/tests_regress_PART.txt; the parts' times not yet measured)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
