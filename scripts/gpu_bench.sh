@@ -258,17 +258,14 @@ ab_runs() {  # SWITCH PREFIX RUNS SECONDS PATTERN CMD...: CMD once per run of RU
     (export "$sw=$v"; timeout "$secs" "$@" --out "$OUT/${prefix}_${v}_$pass" 2>&1 | grep "$pat" >> "$LOG")
   done
 }
-roll_runs() {  # DECODES DIR NEW SECONDS PAIRS: one 7B rollout process (256 + NEW tokens, at most SECONDS) per
-  # "FORMAT:BATCH" of PAIRS, the comma-separated DECODES in it in order ($OUT/DIR)
-  local fb f b
-  for fb in $5; do
+roll_ab() {  # DECODE DIR PAIRS: one 7B rollout process (256 + 512) per "FORMAT:BATCH" of PAIRS, fused / DECODE /
+  # DECODE / fused in it ($OUT/DIR)
+  local dec=$1 dir=$2 fb f b
+  for fb in $3; do
     IFS=: read -r f b <<< "$fb"
-    timeout "$4" $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new "$3" \
-      --decode "$1" --out "$OUT/$2" 2>&1 | grep -v Warn >> "$LOG"
+    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
+      --decode "fused,$dec,$dec,fused" --out "$OUT/$dir" 2>&1 | grep -v Warn >> "$LOG"
   done
-}
-roll_ab() {  # DECODE DIR PAIRS: roll_runs at 256 + 512 with fused / DECODE / DECODE / fused in each process
-  roll_runs "fused,$1,$1,fused" "$2" 512 100 "$3"
 }
 lora_opt_in() {  # SWITCH OFF ON PREFIX DECODE NAME SECONDS TESTS: a decode-GEMV LoRA opt-in against the default. Both
   # builds; the GPU tests matching TESTS under SWITCH=ON ($OUT/tests_NAME.txt; TEACHER=1 adds the fused decode's
@@ -643,16 +640,17 @@ next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter 
   lora_opt_in QERL_LORA_SKEW 0 1 skew fused-lora-skew next48 300 \
     "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config" ;;
 regress)  # every GPU test in parts (see the header)
-  case "${PART:-1}" in
+  part=${PART:-1}
+  case "$part" in
     1) set -- tests/test_cuda_fp4.py -k "not wgmma" ;;
     2) set -- tests/test_cuda_fp4.py -k wgmma ;;
     3) set -- tests --ignore=tests/test_cuda_fp4.py ;;
-    *) echo "gpu_bench.sh regress: PART=${PART} is not a part; choose 1, 2 or 3" >&2; exit 2 ;;
+    *) echo "gpu_bench.sh regress: PART=$part is not a part; choose 1, 2 or 3" >&2; exit 2 ;;
   esac
-  timeout "${SECS:-560}" python3 -m pytest -v -m gpu "$@" -rfE --tb=short -p no:cacheprovider \
-    > "$OUT/tests_regress_${PART:-1}.txt" 2>&1
-  grep -cE " PASSED| FAILED| ERROR| SKIPPED" "$OUT/tests_regress_${PART:-1}.txt" | sed 's/^/tests finished: /' >> "$LOG"
-  grep -E " FAILED| ERROR|^=+ .*(passed|failed|error)" "$OUT/tests_regress_${PART:-1}.txt" >> "$LOG" ;;
+  res="$OUT/tests_regress_$part.txt"
+  timeout "${SECS:-560}" python3 -m pytest -v -m gpu "$@" -rfE --tb=short -p no:cacheprovider > "$res" 2>&1
+  grep -cE " PASSED| FAILED| ERROR| SKIPPED" "$res" | sed 's/^/tests finished: /' >> "$LOG"
+  grep -E " FAILED| ERROR|^=+ .*(passed|failed|error)" "$res" >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

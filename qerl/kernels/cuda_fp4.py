@@ -709,8 +709,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_ctas", &wgmma_ctas);
 }
 """
-_BINDING = (_BINDING.replace("QERL_LORA_WS_FLOATS", str(lora_workspace_sizes()[0]))
-            .replace("QERL_LORA_WS_INTS", str(lora_workspace_sizes()[1])))
+_WS_FLOATS, _WS_INTS = lora_workspace_sizes()  # the binding's workspace check: what lora_workspace allocates
+_BINDING = _BINDING.replace("QERL_LORA_WS_FLOATS", str(_WS_FLOATS)).replace("QERL_LORA_WS_INTS", str(_WS_INTS))
 
 _CSRC = cuda_build.CSRC
 _CU = (_CSRC / "fp4_mma_gemv.cu", _CSRC / "fp4_mma_gemm.cu", _CSRC / "fp4_dequant.cu", _CSRC / "fp4_wgmma_gemm.cu")
@@ -1207,7 +1207,8 @@ def zero_lora_counters() -> None:
 def lora_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials, counters) of the LoRA-in-GEMV launches on this device and the current stream
     (:func:`lora_workspace_sizes`), zeroed once; every launch overwrites the values it reads and leaves the counters
-    zero. Launches on one stream run one after the other (under PDL the next grid waits for the previous one before touching them)."""
+    zero. Launches on one stream run one after the other (under PDL the next grid waits for the previous one before
+    touching them)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = ("lora_ws", device, stream)
     ws = _STATE.get(key)
