@@ -3,8 +3,8 @@ baseline per (product, M), with the range over the passes.
 
     python -m benchmarks.ab_compare DIR [--prefix tma] [--base 0] [--md FILE]
 
-``DIR`` holds one folder per run named ``<prefix>_<build>_<pass>`` (as ``scripts/gpu_bench.sh tma41`` / ``split40``
-/ ``desc40`` write them), each with a ``wgmma_profile_*.csv`` (``benchmarks.wgmma_profile``: columns fmt, N, K, M,
+``DIR`` holds one folder per run named ``<prefix>_<build>_<pass>`` (as ``scripts/gpu_bench.sh abk`` and
+``desc40`` write them), each with a ``wgmma_profile_*.csv`` (``benchmarks.wgmma_profile``: columns fmt, N, K, M,
 config, us, ...). For each build and pass, the gain over the baseline *of the same pass* is ``base_us / us - 1``
 (positive: faster); the table shows the mean of the passes' gains and their range. A pass lacking a row for one of
 the two builds (a run cut short) is left out of that row's mean, and the count of passes used is shown.

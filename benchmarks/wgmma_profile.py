@@ -106,6 +106,15 @@ def parse_configs(text: str) -> list[tuple[int, int, int, int]] | str:
     return out
 
 
+def _lora_operand(n: int, rank: int, k: int, seed: int):
+    """A one-member LoRA operand (N rows, rank ``rank``) of random A (R, K) and B, as the fused step holds them
+    (``cuda_fp4.lora_bn``)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(rank, k, generator=g, device="cuda") / k ** 0.5).bfloat16()
+    bt = (0.05 * torch.randn(rank, n, generator=g, device="cuda")).bfloat16()
+    return cf.LoraOperand(a, cf.lora_bn([bt], [(n, rank)]), [(n, rank)])
+
+
 def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0) -> list[dict]:
     rows = []
     for i, (n, k) in enumerate(shapes):
@@ -113,8 +122,7 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0
         cws = wts.cuda()
         lora = None
         if rank:
-            from benchmarks.tail_bench import lora_operand
-            lora = lora_operand([(n, rank)], k, seed=4500 + i)
+            lora = _lora_operand(n, rank, k, seed=4500 + i)
         s, c = n // 16, k // 64
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()

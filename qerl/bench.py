@@ -157,11 +157,8 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-triton-attn", "fused-cublas-bf16", "fused-bf16-pdl", "fused-bf16-no-pdl", "fused-lora-a-64",
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
-           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-wgmma-tail", "fused-split-epi", "fused-tma", "fused-no-tma",
-           "fused-tma-tok", "fused-tma-all-tok", "fused-bf16-sector", "fused-bf16-pair", "fused-wgmma-occ2",
-           "fused-lora-skew",
-           "fused-pdl",
-           "fused-no-pdl", "unfused")
+           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-bf16-sector",
+           "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
@@ -180,13 +177,8 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-s38": {"QERL_LORA_A_PDL": "0"},
                "fused-vec-perm": {"QERL_PERMUTE_STORE": "vector"},
                "fused-s38-next": {"QERL_LORA_A_PDL": "1", "QERL_PERMUTE_STORE": "vector"},
-               "fused-wgmma-tail": {"QERL_WGMMA_LORA": "pdl-tail"},
-               "fused-split-epi": {"QERL_WGMMA_SPLIT_EPI": "1"},
                "fused-tma": {"QERL_WGMMA_TMA": "1"}, "fused-no-tma": {"QERL_WGMMA_TMA": "0"},
-               "fused-tma-tok": {"QERL_WGMMA_TMA": "tok"}, "fused-tma-all-tok": {"QERL_WGMMA_TMA": "all-tok"},
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
-               "fused-wgmma-occ2": {"QERL_WGMMA_OCC": "2"},
-               "fused-lora-skew": {"QERL_LORA_SKEW": "1"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}}
@@ -222,21 +214,12 @@ def decode_mode(sampler, dec: str):
     session 37's default), "fused-lora-a-pdl" (x·Aᵀ before a GEMM under PDL launched under PDL itself:
     ``QERL_LORA_A_PDL=1``, the default spelled out), "fused-s38" (x·Aᵀ launched plainly: ``QERL_LORA_A_PDL=0``,
     session 38's default), "fused-vec-perm" (the producers' permuted copy permuted in registers and stored
-    contiguously: ``QERL_PERMUTE_STORE=vector``), "fused-s38-next" (both of the last two), "fused-wgmma-tail" (a
-    wgmma launch whose CTAs end in a partial wave splits off its last row blocks into a second launch with K split
-    across CTAs, which fills the SMs that wave leaves idle: ``QERL_WGMMA_LORA=pdl-tail``, a build of its own),
-    "fused-split-epi" (both split-K groups of a wgmma CTA finish half of its token tile each:
-    ``QERL_WGMMA_SPLIT_EPI=1``, a build of its own), "fused-tma" (the wgmma grid variants' chunks staged by tensor
-    copies on mbarriers: ``QERL_WGMMA_TMA=1``, the default spelled out), "fused-no-tma" (by cp.async:
-    ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own), "fused-tma-tok" / "fused-tma-all-tok" (only the
-    token tile by a tensor copy, each warp's weight words and scale pairs by its own cp.async, in the 128+-token /
-    every grid variant: ``QERL_WGMMA_TMA=tok|all-tok``, builds of their own), "fused-bf16-sector" (the BF16 GEMV's
-    load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default spelled out),
-    "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's loads, a build of
-    its own), "fused-wgmma-occ2" (the 256-thread 128-token wgmma variants compiled for two CTAs an SM:
-    ``QERL_WGMMA_OCC=2``, a build of its own; the tuned table decides where they run), "fused-lora-skew" (split 0
-    of each decode-GEMV LoRA launch, which adds the term, takes a batch of K chunks fewer: ``QERL_LORA_SKEW=1``, a
-    build of its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic
+    contiguously: ``QERL_PERMUTE_STORE=vector``), "fused-s38-next" (both of the last two), "fused-tma" (the wgmma
+    grid variants' chunks staged by tensor copies on mbarriers: ``QERL_WGMMA_TMA=1``, the default spelled out),
+    "fused-no-tma" (by cp.async: ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own), "fused-bf16-sector"
+    (the BF16 GEMV's load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default
+    spelled out), "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's
+    loads, a build of its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic
     dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or
     "unfused"."""
     check_decodes([dec])

@@ -88,13 +88,6 @@
 #                                vs BF16-LoRA rollouts at 16 (warm-up) to 256 sequences, two passes in one process
 #                                ($OUT/roll_cmp; ~6 min); CMP39=prof: where the step at 128 sequences spends its GPU time
 #                                now, both formats ($OUT/prof; ~3 min)
-#   scripts/gpu_bench.sh tail39  issue 10, session 39's opt-in (QERL_WGMMA_LORA=pdl-tail, decode mode fused-wgmma-tail:
-#                                a wgmma launch's last partial wave of row blocks as a second launch with K split
-#                                across CTAs): both builds, the GPU tests (tests_tail39.txt), then 7B NVFP4 rollouts at
-#                                16 (warm-up), 64, 128, 256 sequences, the two modes A B B A ($OUT/roll_tail; ~8 min);
-#                                TAIL39=prof: benchmarks.tail_bench (each 7B product at 64-256 tokens, one launch vs the
-#                                split, $OUT/tail_bench.csv), then the 128-sequence profile with and without the tail
-#                                launches ($OUT/prof; ~5 min)
 #   scripts/gpu_bench.sh grpo    issue 10: the realistic GRPO step, 7B, 16 prompts x G 8, 1024 new tokens, micro-batches
 #                                of 16, GC on (FORMATS=nvfp4,bf16 by default; all four: FORMATS=nvfp4,bf16,mxfp4,nf4)
 #   scripts/gpu_bench.sh update  where one micro-batch of that step spends its GPU time (qerl.bench update), with the
@@ -116,25 +109,8 @@
 #                                time counts): variants 1 (tokens staged once), 3 (no staging), 4 (no decode), 7 (no
 #                                staging, no decode), 8 (no group barrier) against the full kernel, built in parallel,
 #                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min)
-#   scripts/gpu_bench.sh split40 issue 10, session 40's opt-in QERL_WGMMA_SPLIT_EPI=1 (decode mode fused-split-epi: both
-#                                split-K groups of a wgmma CTA finish half of its token tile each): both builds, its
-#                                GPU test (bit-identical to the default build; $OUT/tests_split40.txt), then the 7B
-#                                products at 128 and 256 tokens with a rank-32 LoRA term at their tuned configs
-#                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / split / split /
-#                                default ($OUT/split_{0,1}_{1,2}; SPLIT40=short: one of each); ~4-5 min
-#   scripts/gpu_bench.sh tma41   issue 10, session 41's QERL_WGMMA_TMA=1 (the default since; decode mode fused-tma: the wgmma grid
-#                                variants' chunks staged by tensor copies on mbarriers): both builds, every wgmma GPU
-#                                test on its build (one: bit-identical to the default build, every config;
-#                                $OUT/tests_tma_V.txt; tests_tma41.txt before session 42), then each 7B
-#                                product at 64, 128 and 256 tokens at its tuned config with a rank-32 LoRA term
-#                                (benchmarks.wgmma_profile --configs tuned --lora 32), default / tma / tma / default
-#                                ($OUT/tma_{0,1}_{1,2}; TMA41_V=all-bar tests and times that experiment instead,
-#                                TMA41_RUNS="0:1 1:1 bar:1 ..." sets the builds and passes, TMA41_TESTS the tests'
-#                                -k); TMA41=roll adds 7B NVFP4 rollouts at 64 / 128 / 256 sequences,
-#                                fused-no-tma / fused / fused / fused-no-tma in one process ($OUT/roll_tma); ~4 / ~9 min.
-#                                The gains per product and pass: python -m benchmarks.ab_compare $OUT --base 0
-#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA,
-#                                QERL_WGMMA_LORA or QERL_WGMMA_SPLIT_EPI), ABK_RUNS="VALUE:PASS ..." in the order run
+#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA
+#                                or QERL_WGMMA_LORA), ABK_RUNS="VALUE:PASS ..." in the order run
 #                                (default "0:1 1:1 1:2 0:2"; the first run's value is the baseline), every build at once,
 #                                ABK_TESTS (pytest -k over tests/test_cuda_fp4.py) on each other build, then each 7B
 #                                product at its tuned config with a rank-32 LoRA term (benchmarks.wgmma_profile
@@ -158,13 +134,6 @@
 #                                load patterns; $OUT/hbm), then the BF16 GEMV under PDL at batch 8 (7B BF16-LoRA, 256 +
 #                                512: fused / fused-bf16-pdl / fused-bf16-pdl / fused in one process, $OUT/roll_pdl;
 #                                the decode step uses PDL for it only up to M = 4, an H100 rule); ~4 min
-#   scripts/gpu_bench.sh next44  session 44's QERL_WGMMA_OCC=2, on any Hopper GPU (the 256-thread 128-token wgmma
-#                                variants compiled for two CTAs an SM): both builds at once, its bit-identity GPU test
-#                                ($OUT/tests_next44.txt; SKIP_TESTS=1 skips), the 7B products at 128 and 256 tokens with
-#                                a rank-32 LoRA term at the configs those variants offer beside today's picks
-#                                (benchmarks.wgmma_profile, OCC 1 / 2 / 2 / 1: $OUT/occ_{1,2}_{1,2}, the gains per
-#                                config in $OUT/occ.md); ~4 min. (Its other half, QERL_LORA_A_L2, was removed in
-#                                session 46: refuted, the code is at 6624238.)
 #   scripts/gpu_bench.sh lora44  issue 11, session 44: where the LoRA's ~10% of the 7B NVFP4 batch-8 decode step goes:
 #                                benchmarks.lora_gemv_bench --pdl (the four decode linears of a layer as PDL chains,
 #                                M = 8 and 2) with the timing-only builds -DQFP4_LORA_ABLATE=1 (no LoRA term in the
@@ -172,13 +141,6 @@
 #                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min. ABLATE replaces the
 #                                variants: ABLATE=2,3,8,10 (session 45's plan) adds 8 (the term before the main loop,
 #                                no wait) and 10 (that with the LoRA CTAs idle: as if the kernel before had written t)
-#   scripts/gpu_bench.sh next48  issue 11 after session 45, on any GPU: QERL_LORA_SKEW=1 (split 0 of each decode-GEMV
-#                                LoRA launch, whose warps add the term, takes a batch of K chunks fewer): both builds,
-#                                the GEMV LoRA GPU tests against the float64 references on the new one (TEACHER=1: and
-#                                the fused decode's teacher forcing; $OUT/tests_next48.txt; SKIP_TESTS=1 skips),
-#                                lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) 0 / 1 / 1 / 0 ($OUT/skew_{0,1}_{1,2}),
-#                                7B rollouts (256 + 512) fused / fused-lora-skew / fused-lora-skew / fused, NVFP4 at
-#                                batch 8 and 2, MXFP4 and BF16 at 8 (ROLL replaces the list; $OUT/roll_skew); ~6 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) in three parts, one per device call (`make test-gpu` runs them
 #                                all at once, > 10 min with the extension builds): PART=1 test_cuda_fp4.py's tests but
 #                                the wgmma GEMM's, 2 the wgmma GEMM's (several builds), 3 every other file; pytest -v,
@@ -266,18 +228,6 @@ roll_ab() {  # DECODE DIR PAIRS: one 7B rollout process (256 + 512) per "FORMAT:
     timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
       --decode "fused,$dec,$dec,fused" --out "$OUT/$dir" 2>&1 | grep -v Warn >> "$LOG"
   done
-}
-lora_opt_in() {  # SWITCH OFF ON PREFIX DECODE NAME SECONDS TESTS: a decode-GEMV LoRA opt-in against the default. Both
-  # builds; the GPU tests matching TESTS under SWITCH=ON ($OUT/tests_NAME.txt; TEACHER=1 adds the fused decode's
-  # teacher forcing; SKIP_TESTS=1 skips); lora_gemv_bench --pdl (7B NVFP4, M = 8 and 2) OFF / ON / ON / OFF
-  # ($OUT/PREFIX_VALUE_PASS); 7B rollouts alternating fused and DECODE (ROLL: the FORMAT:BATCH list; $OUT/roll_PREFIX)
-  local sw=$1 off=$2 on=$3 prefix=$4 dec=$5
-  builds_at_once - "$sw=$on"
-  [ -n "${SKIP_TESTS:-}" ] || (export "$sw=$on"; gpu_tests "$6" "$7" tests/test_cuda_fp4.py \
-    ${TEACHER:+tests/test_fused_decode.py} -k "$8${TEACHER:+ or teacher}")
-  ab_runs "$sw" "$prefix" "$off:1 $on:1 $on:2 $off:2" 100 "lora_gemv\]" python3 -m benchmarks.lora_gemv_bench \
-    --models 7b --m 8,2 --fmts nvfp4 --pdl
-  roll_ab "$dec" "roll_$prefix" "${ROLL:-nvfp4:8 nvfp4:2 mxfp4:8 bf16:8}"
 }
 case "${1:-core}" in
 core)
@@ -493,18 +443,6 @@ cmp39)  # issue 10 after session 39's call 2: NVFP4 vs BF16-LoRA with x·Aᵀ un
     timeout 300 $B profile --models 7b --formats nvfp4,bf16 --batch 128 --decode fused --out "$OUT/prof" 2>&1 \
       | grep -v Warn >> "$LOG"
   fi ;;
-tail39)  # issue 10, session 39's opt-in: the wgmma GEMM's tail launch (QERL_WGMMA_LORA=pdl-tail, its own build)
-  builds_at_once - QERL_WGMMA_LORA=pdl-tail
-  if [ "${TAIL39:-roll}" = roll ]; then
-    gpu_tests tail39 200 tests/test_cuda_fp4.py tests/test_fused_decode.py -k "tail_launch or pdl-tail"
-    # 256 + 512, one process, batch 16 first (the process's first run reads low), A B B A (the order effect cancels)
-    timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-      --decode fused,fused-wgmma-tail,fused-wgmma-tail,fused --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
-  else
-    timeout 150 python3 -m benchmarks.tail_bench --models 7b --m 64,128,256 --out "$OUT" 2>&1 | grep -v Warn >> "$LOG"
-    timeout 240 $B profile --models 7b --formats nvfp4 --batch 128 --decode fused,fused-wgmma-tail --out "$OUT/prof" \
-      2>&1 | grep -v Warn >> "$LOG"
-  fi ;;
 waves)  # issue 10, session 40: the wgmma GEMM's per-instruction stalls and its waves with cold and warm caches
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"
@@ -554,30 +492,11 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   for p in "${pids[@]}"; do wait "$p"; done
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants 0,1,3,4,7,8 --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
-split40)  # issue 10, session 40's opt-in: the split-K groups' halves of the epilogue (its own build)
-  builds_at_once - QERL_WGMMA_SPLIT_EPI=1
-  gpu_tests split40 100 tests/test_cuda_fp4.py -k split_epilogue
-  W="python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m 128,256"
-  runs="0:1 1:1 1:2 0:2"
-  [ "${SPLIT40:-}" = short ] && runs="0:1 1:1"
-  for run in $runs; do
-    IFS=: read -r v pass <<< "$run"
-    QERL_WGMMA_SPLIT_EPI=$v timeout 60 $W --out "$OUT/split_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
-  done ;;
-tma41)  # issue 10, session 41: the wgmma grid variants' chunks staged by tensor copies (default) vs cp.async
-  V=${TMA41_V:-1}  # the TMA build the GPU tests check (1, all, bar, all-bar: QERL_WGMMA_TMA)
-  RUNS=${TMA41_RUNS:-0:1 $V:1 $V:2 0:2}  # QERL_WGMMA_TMA:pass, in order
-  kernel_ab QERL_WGMMA_TMA tma "$RUNS" "$V" \
-    "${TMA41_TESTS:-tma_is_bit_identical or every_variant or model_shapes_and_graphs}"  # (others build others)
-  if [ "${TMA41:-}" = roll ]; then
-    timeout 300 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-      --decode fused-no-tma,fused,fused,fused-no-tma --out "$OUT/roll_tma" 2>&1 | grep -v Warn >> "$LOG"
-  fi ;;
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}
   case "$SW" in
-    QERL_WGMMA_TMA|QERL_WGMMA_LORA|QERL_WGMMA_SPLIT_EPI) ;;
-    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_SPLIT_EPI" | tee -a "$LOG" >&2
+    QERL_WGMMA_TMA|QERL_WGMMA_LORA) ;;
+    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" | tee -a "$LOG" >&2
        exit 2 ;;
   esac
   RUNS=${ABK_RUNS:-0:1 1:1 1:2 0:2}
@@ -616,12 +535,6 @@ next43)  # issue 11 after session 43 (see the header)
   build 2
   timeout 150 $B rollout --models 7b --formats bf16 --batch 8 --prompt 256 --new 512 \
     --decode fused,fused-bf16-pdl,fused-bf16-pdl,fused --out "$OUT/roll_pdl" 2>&1 | grep -v Warn >> "$LOG" ;;
-next44)  # session 44's opt-ins (see the header)
-  builds_at_once - QERL_WGMMA_OCC=2
-  [ -n "${SKIP_TESTS:-}" ] || gpu_tests next44 240 tests/test_cuda_fp4.py -k occ2_is_bit_identical
-  ab_runs QERL_WGMMA_OCC occ "1:1 2:1 2:2 1:2" 90 "prof\]" python3 -m benchmarks.wgmma_profile --lora 32 --m 128,256 \
-    --configs "${OCC44_CONFIGS:-16,0,2,2 16,0,2,1 16,-1,2,1 16,0,1,2 16,-1,1,2 32,0,2,1}"
-  python3 -m benchmarks.ab_compare "$OUT" --prefix occ --base 1 --md "$OUT/occ.md" >> "$LOG" 2>&1 ;;
 lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the header)
   build 2 &
   pids=$!
@@ -636,9 +549,6 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
     timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate "$ABLATE" \
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
-next48)  # issue 11: split 0 of the decode GEMV's LoRA launches a batch lighter (see the header)
-  lora_opt_in QERL_LORA_SKEW 0 1 skew fused-lora-skew next48 300 \
-    "gemv_lora_every_config or gemv_lora_model_shapes or silu_mul_epilogue or bf16_gemv_every_config" ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-1}
   case "$part" in

@@ -617,19 +617,17 @@ def test_gpu_pdl_decode_is_bit_identical(fmt, preset, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fmt,switch,per_prompt,lora_a_pdl,pdl_mode", [
-    (f, sw, pp, "0", "pdl") for f in ("nvfp4", "mxfp4") for sw, pp in (("QERL_GEMM_LORA", 8), ("QERL_WGMMA_LORA", 16))]
-    + [("nvfp4", "QERL_GEMM_LORA", 8, "1", "pdl"), ("nvfp4", "QERL_WGMMA_LORA", 16, "1", "pdl"),
-       ("nvfp4", "QERL_WGMMA_LORA", 16, "1", "pdl-tail")])
-def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, lora_a_pdl, pdl_mode, monkeypatch):
+@pytest.mark.parametrize("fmt,switch,per_prompt,lora_a_pdl", [
+    (f, sw, pp, "0") for f in ("nvfp4", "mxfp4") for sw, pp in (("QERL_GEMM_LORA", 8), ("QERL_WGMMA_LORA", 16))]
+    + [("nvfp4", "QERL_GEMM_LORA", 8, "1"), ("nvfp4", "QERL_WGMMA_LORA", 16, "1")])
+def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, lora_a_pdl, monkeypatch):
     """A GEMM with the LoRA term in its epilogue, launched under PDL so its main loop overlaps the x·Aᵀ kernel
     (``switch`` = pdl), draws the same tokens with the same log-probs as the plain launch (``switch`` = 1) in the graph
     sampler: the mma.sync GEMM at 24 sequences (QERL_GEMM_LORA), the wgmma GEMM at 48 (QERL_WGMMA_LORA=pdl: its own
     build with the waits; the heuristic's wgmma configuration for these untuned shapes), the other GEMM's switch at 1.
     The PDL launches are counted, so the comparison cannot pass by both modes taking another path. ``lora_a_pdl`` 1:
-    the x·Aᵀ launch before the GEMM under PDL itself (QERL_LORA_A_PDL). ``pdl_mode`` pdl-tail: the build whose wgmma
-    LoRA variants trigger their dependents first, so the next kernels start early and must wait for the GEMM (this
-    model's launches are too small for a tail launch). Failures print the first differing position."""
+    the x·Aᵀ launch before the GEMM under PDL itself (QERL_LORA_A_PDL). Failures print the first differing
+    position."""
     from qerl.kernels import cuda_fp4 as cf
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
@@ -640,10 +638,10 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, lora
     torch.manual_seed(0)
     policy, tok = load_policy("preset:tiny-d64", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
     perturb_lora_b(policy)
-    launches = {"1": [], pdl_mode: []}
+    launches = {"1": [], "pdl": []}
     gemm = cf.gemm
     ros = {}
-    for mode in ("1", pdl_mode):
+    for mode in ("1", "pdl"):
         monkeypatch.setenv(switch, mode)
         monkeypatch.setattr(cf, "gemm", lambda *a, seen=launches[mode], **k: seen.append(k.get("pdl", False))
                             or gemm(*a, **k))
@@ -652,9 +650,9 @@ def test_gpu_gemm_lora_pdl_decode_is_bit_identical(fmt, switch, per_prompt, lora
                                seed=3)
         assert ros[mode].stats["fused_decode"] and s.use_graphs
     # the same GEMM launches in both (prefill's at other token counts may take the other kernel: never under PDL)
-    assert len(launches["1"]) == len(launches[pdl_mode]) and not any(launches["1"]) and any(launches[pdl_mode])
+    assert len(launches["1"]) == len(launches["pdl"]) and not any(launches["1"]) and any(launches["pdl"])
     for key in ("completion_mask", "completion_ids", "logp"):
-        a, b = getattr(ros["1"], key), getattr(ros[pdl_mode], key)
+        a, b = getattr(ros["1"], key), getattr(ros["pdl"], key)
         assert torch.equal(a, b), (key, (a != b).nonzero()[:4].tolist())
 
 

@@ -70,7 +70,7 @@ def test_abk_builds_tests_and_times_each_build_in_order(tmp_path):
 def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
     p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_PIPE")  # build() pins the pipe: not an A/B this mode can run
     assert p.returncode == 2
-    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_SPLIT_EPI" in p.stderr
+    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" in p.stderr
     assert not [c for c in calls if "|-c " in c or "wgmma_profile" in c]
 
 
@@ -86,55 +86,6 @@ def test_next43_reads_both_bf16_patterns_then_ab_tests_pdl_at_batch_8(tmp_path):
     assert len(roll) == 1 and "--formats bf16 --batch 8" in roll[0]
     assert "--decode fused,fused-bf16-pdl,fused-bf16-pdl,fused " in roll[0]
     assert calls.index(hbm[0]) < calls.index(roll[0])
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_next44_builds_tests_then_times_occ_in_order(tmp_path):
-    """``next44``: the default and QERL_WGMMA_OCC=2 builds, its bit-identity GPU test, then the wgmma profile at OCC
-    1 / 2 / 2 / 1 (each run under its own build's switch; the real ab_compare over them)."""
-    stub = ('#!/usr/bin/env bash\necho "${QERL_WGMMA_OCC:-unset}|$*" >> "$STUB_LOG"\n'
-            + STUB.split("\n", 2)[2].replace("QERL_WGMMA_TMA", "QERL_WGMMA_OCC").replace('= 0 ]', '= 1 ]'))
-    p, calls = _run(tmp_path, "next44", stub)
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["2", "unset"]
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and "-k occ2_is_bit_identical" in tests[0]
-    prof = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
-            if "|-m benchmarks.wgmma_profile" in c]
-    assert prof == [("1", "occ_1_1"), ("2", "occ_2_1"), ("2", "occ_2_2"), ("1", "occ_1_2")]
-    assert "+25.0" in (tmp_path / "out" / "occ.md").read_text()  # 100 us at OCC 1 against 80 at OCC 2
-    assert not [c for c in calls if "|-m qerl.bench rollout" in c]
-    assert calls.index(next(c for c in calls if "|-m pytest" in c)) < calls.index(
-        next(c for c in calls if "wgmma_profile" in c))
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-@pytest.mark.parametrize("mode, switch, off, on, prefix, decode, env, tested", [
-    ("next48", "QERL_LORA_SKEW", "0", "1", "skew", "fused-lora-skew", {},
-     ["gemv_lora_every_config", "bf16_gemv_every_config"]),
-    ("next48", "QERL_LORA_SKEW", "0", "1", "skew", "fused-lora-skew", {"TEACHER": "1"},
-     ["gemv_lora_every_config", "tests/test_fused_decode.py", "or teacher"]),
-])
-def test_lora_opt_in_modes_test_the_new_build_then_time_both_builds_in_order(tmp_path, mode, switch, off, on, prefix,
-                                                                             decode, env, tested):
-    """``next48`` (through ``lora_opt_in``, the function for a decode-GEMV LoRA opt-in): the default build and
-    QERL_LORA_SKEW=1's, the GEMV LoRA GPU tests on the new one (with TEACHER=1: also the fused decode's teacher
-    forcing), the layer timing off / on / on / off (each process under its own build's switch), then four rollout
-    processes (NVFP4 at batch 8 and 2, MXFP4 and BF16 at 8) alternating the default and the opt-in's decode mode."""
-    p, calls = _run(tmp_path, mode, f'#!/usr/bin/env bash\necho "${{{switch}:-{off}}}|$*" >> "$STUB_LOG"\n', **env)
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == sorted([off, on])
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith(f"{on}|") and all(t in tests[0] for t in tested)
-    timed = [(c.split("|")[0], c.split("--out ")[1].split()[0].rsplit("/", 1)[1]) for c in calls
-             if "|-m benchmarks.lora_gemv_bench" in c]
-    assert timed == [(v, f"{prefix}_{v}_{n}") for v, n in ((off, 1), (on, 1), (on, 2), (off, 2))]
-    assert all("--pdl" in c for c in calls if "lora_gemv_bench" in c)
-    roll = [c.split("|")[1] for c in calls if "|-m qerl.bench rollout" in c]
-    assert [r.split("--formats ")[1].split(" --prompt")[0] for r in roll] == [
-        "nvfp4 --batch 8", "nvfp4 --batch 2", "mxfp4 --batch 8", "bf16 --batch 8"]
-    assert all(f"--decode fused,{decode},{decode},fused " in r for r in roll)
-    assert calls.index(tests[0]) < calls.index(next(c for c in calls if "lora_gemv_bench" in c))
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")

@@ -463,10 +463,7 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     for dec in bench.DECODES:
         with bench.decode_mode(_S(), dec):
             flags[dec] = cf._build_flags()  # raises on a value the switch does not know
-    assert "-DQFP4_WGMMA_TMA_TOK=1" in flags["fused-tma-tok"] and "-DQFP4_WGMMA_TMA_MIN=32" not in flags["fused-tma-tok"]
-    assert {"-DQFP4_WGMMA_TMA_TOK=1", "-DQFP4_WGMMA_TMA_MIN=32"} <= set(flags["fused-tma-all-tok"])
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
-    assert flags["fused-wgmma-occ2"] == [*flags["fused"], "-DQFP4_WGMMA_OCC=2"]
-    assert flags["fused-lora-skew"] == [*flags["fused"], "-DQFP4_LORA_SKEW=1"]
+    assert "-DQFP4_WGMMA_PDL=1" in flags["fused"] and "-DQFP4_WGMMA_PDL=1" not in flags["fused-s36"]

@@ -34,11 +34,6 @@ def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
     return builds, lora
 
 
-def _spills(body) -> bool:
-    """Whether a function's machine code touches local memory (LDL / STL: spilled registers)."""
-    return any(wsc.opcode(t).startswith(("LDL", "STL")) for _, t in body)
-
-
 def _sass(body: list[str]) -> str:
     lines = ["        Function : _ZN4qfp42wg16fp4_wgmma_kernelILi0ELi32ELi1ELi1EEEvv"]
     for i, ins in enumerate(body):
@@ -121,44 +116,6 @@ def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
         assert r["hazards"] == [], r["hazards"][:3]
     r = wsc.check(s3, m3)
     assert len(r["hazards"]) > 64, len(r["hazards"])
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_trigger_build_adds_one_instruction_to_the_lora_variants():
-    """QERL_WGMMA_LORA=pdl-tail's build (-DQFP4_WGMMA_PDL=1 -DQFP4_WGMMA_TRIGGER=1): griddepcontrol.launch_dependents
-    is SASS PREEXIT, exactly once in every LoRA grid variant and in no plain one, and the loop check stays clean."""
-    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TRIGGER=1", "QFP4_WGMMA_NO_SK=1"))
-    r = wsc.check(sass, msgs)
-    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    counts = {name: sum(wsc.opcode(ins) == "PREEXIT" for _, ins in body)
-              for name, body in wsc.functions(sass).items() if "fp4_wgmma_kernel" in name}
-    lora = {name for name in counts if "Lb1ELb0E" in name}  # template <FMT, NTOK, RW, KS, LORA, SK>: LORA, not SK
-    assert len(lora) == 2 * len(cf.WGMMA_VARIANTS)
-    assert all(counts[n] == (1 if n in lora else 0) for n in counts), counts
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_split_epilogue_build_adds_the_half_width_lora_mmas():
-    """QERL_WGMMA_SPLIT_EPI=1's build (-DQFP4_WGMMA_SPLIT_EPI=1): the loop check stays clean, and exactly the LoRA
-    variants with two split-K groups and 64+ tokens a tile gain the two groups' half-width LoRA MMAs (4 of m64n(NTOK/2)
-    each: 8 main-loop + 4 whole-tile LoRA + 8 = 20 HGMMA), every other variant keeping its 8 or 12."""
-    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_SPLIT_EPI=1", "QFP4_WGMMA_NO_SK=1"))
-    r = wsc.check(sass, msgs)
-    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    seen, funcs = 0, wsc.functions(sass)
-    for fmt in (0, 1):
-        for ntok, rw, ks in cf.WGMMA_VARIANTS:
-            for lora in (0, 1):
-                name = f"fp4_wgmma_kernelILi{fmt}ELi{ntok}ELi{rw}ELi{ks}ELb{lora}ELb0E"
-                body = next(b for n, b in funcs.items() if name in n)
-                mmas = [wsc.opcode(ins) for _, ins in body if wsc.opcode(ins).startswith("HGMMA")]
-                split = lora and ks == 2 and ntok >= 64
-                assert len(mmas) == (20 if split else 12 if lora else 8), (name, len(mmas))
-                assert (f"HGMMA.64x{ntok // 2}x16.F32.BF16" in mmas) == bool(split), name
-                seen += split
-    assert seen == 2 * sum(ks == 2 and ntok >= 64 for ntok, _, ks in cf.WGMMA_VARIANTS)
 
 
 @pytest.mark.slow
@@ -285,44 +242,6 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
     assert seen[True] == 4 * big and seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen
 
 
-def _all_variant_loops(*defines):
-    """{kernel name: its main loop's opcodes} of an every-grid-variant TMA experiment build (QFP4_WGMMA_TMA_MIN=32,
-    no stream-K variants) with ``defines`` added, after checking that every variant was built and the loop check
-    is clean."""
-    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TMA_MIN=32",
-                                            *defines, "QFP4_WGMMA_NO_SK=1"))
-    r = wsc.check(sass, msgs)
-    assert r["kernels"] == 4 * len(cf.WGMMA_VARIANTS) and r["hazards"] == [] and not r["serialized"], r
-    return {name: [wsc.opcode(t) for t in wsc.main_loop(body)]
-            for name, body in wsc.functions(sass).items() if "fp4_wgmma_kernel" in name}
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_tma_experiment_builds():
-    """QERL_WGMMA_TMA=all-bar's build (-DQFP4_WGMMA_TMA_MIN=32 -DQFP4_WGMMA_TMA_BAR=1): every grid variant, 32 and 64
-    tokens a CTA too, issues the tensor copies (six in its main loop) and keeps one group barrier a chunk there, and no
-    thread arrives on an "empty" mbarrier in it (SYNCS.ARRIVE.TRANS64.A1T0; the producer's expect-tx arrivals and the
-    full barriers' waits remain); the loop check stays clean."""
-    for name, loop in _all_variant_loops("QFP4_WGMMA_TMA_BAR=1").items():
-        assert sum(t.startswith("UTMALDG") for t in loop) == 6, name
-        assert sum(t.startswith("BAR.SYNC") for t in loop) == 2, name  # one per chunk, two chunks a pass
-        assert not any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # no thread's release
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_tma_token_only_build():
-    """QERL_WGMMA_TMA=all-tok's build (-DQFP4_WGMMA_TMA_MIN=32 -DQFP4_WGMMA_TMA_TOK=1): in every grid variant's main
-    loop one tensor copy a chunk (the token tile; two a pass), the weight words and scale pairs by cp.async (LDGSTS),
-    no group barrier, the threads' stage releases on the "empty" mbarrier; the loop check stays clean."""
-    for name, loop in _all_variant_loops("QFP4_WGMMA_TMA_TOK=1").items():
-        assert sum(t.startswith("UTMALDG") for t in loop) == 2, name
-        assert sum(t.startswith("LDGSTS") for t in loop) >= 2, name  # a warp's words (+ a few lanes' scales) a chunk
-        assert not any(t.startswith("BAR.SYNC") for t in loop), name
-        assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
@@ -373,45 +292,6 @@ def test_hbm_pattern_bf16_rows_read_as_the_bf16_gemv_does():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_wgmma_occ2_build_fits_two_ctas_without_spills():
-    """QERL_WGMMA_OCC=2's build (-DQFP4_WGMMA_OCC=2): exactly the 256-thread grid variants of 128 tokens a CTA
-    ((128, 2, 1) and (128, 1, 2), plain and LoRA, both formats: 8 kernels) change, each to at most 128 registers (two
-    256-thread CTAs an SM) with no local memory, and the build passes the hazard check (no write to an in-flight A
-    register, MMAs not serialized). Built without the stream-K kernels (QFP4_WGMMA_NO_SK), which the switch leaves at
-    one CTA an SM."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    def usage(defines):
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = Path(tmp) / "k.cubin"
-            subprocess.run([wsc._tool("nvcc"), "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{wsc.SRC.parent}",
-                            "-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_NO_SK=1",  # OCC: grid kernels only
-                            *[f"-D{d}" for d in defines], "-o", str(cubin),
-                            str(wsc.SRC)], check=True, capture_output=True)
-            out = subprocess.run([wsc._tool("cuobjdump"), "--dump-resource-usage", str(cubin)], check=True,
-                                 capture_output=True, text=True).stdout
-            sass = subprocess.run([wsc._tool("cuobjdump"), "-sass", str(cubin)], check=True, capture_output=True,
-                                  text=True).stdout
-        res = {n: (int(r), int(s)) for n, r, s in re.findall(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+)", out)}
-        return res, sass
-
-    with ThreadPoolExecutor(2) as pool:  # the two builds at once (nvcc is single-threaded)
-        (base, _), (occ, sass) = pool.map(usage, [(), ("QFP4_WGMMA_OCC=2",)])
-    assert base.keys() == occ.keys() and len(base) > 8
-    changed = {n for n in base if base[n] != occ[n]}
-    want = {n for n in base if re.search(r"fp4_wgmma_kernelILi[01]ELi128ELi(2ELi1|1ELi2)ELb[01]ELb0E", n)}
-    assert len(want) == 8 and changed <= want
-    for n in want:
-        regs, stack = occ[n]
-        assert regs <= 128 and stack == 0 and base[n][0] > 128, (n, base[n], occ[n])
-    r = wsc.check(sass)
-    assert r["kernels"] > 8 and not r["hazards"] and r["loops"] >= r["kernels"]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_lora_ablate_builds_leave_out_what_they_name():
     """benchmarks.lora_gemv_bench --ablate's GEMV builds (-DQFP4_LORA_ABLATE=V, timing only): the plain kernels are the
     default build's in each; in the LoRA kernels bit 1 drops the output warps' term (fewer MMAs: its one MMA per 16
@@ -430,18 +310,3 @@ def test_lora_ablate_builds_leave_out_what_they_name():
         assert mma[1] < mma[0] and mma[2] < mma[0] and mma[4] == mma[0] == mma[8], (name, mma)
         assert sleeps[4] < sleeps[0] and sleeps[8] < sleeps[0] and sleeps[0] >= 1, (name, sleeps)
         assert [t for _, t in builds[8][name]] != [t for _, t in builds[4][name]], name
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_lora_skew_build_changes_only_how_the_lora_kernels_split_k():
-    """QERL_LORA_SKEW=1's build (-DQFP4_LORA_SKEW=1): the plain kernels are the default build's; every LoRA kernel
-    changes (its warps' K ranges) but keeps the default's MMAs, spin and L2 prefetches (the same work, other ranges),
-    and no kernel spills (no LDL / STL)."""
-    builds, lora = _gemv_lora_builds("QFP4_LORA_SKEW=1")
-    for name in lora:
-        ops = [[wsc.opcode(t) for _, t in b[name]] for b in builds]
-        assert [t for _, t in builds[0][name]] != [t for _, t in builds[1][name]], name
-        for pred in (lambda o: o.startswith("HMMA"), lambda o: o == "NANOSLEEP", lambda o: o == "CCTL.E.PML2"):
-            assert sum(map(pred, ops[1])) == sum(map(pred, ops[0])), name
-        assert not _spills(builds[1][name]), name

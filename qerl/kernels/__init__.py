@@ -601,7 +601,6 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
 
 
 GEMM_LORA_MODES = ("0", "1", "pdl")  # QERL_GEMM_LORA
-WGMMA_LORA_MODES = (*GEMM_LORA_MODES, "pdl-tail")  # QERL_WGMMA_LORA
 
 
 def wgmma_lora_mode() -> str:
@@ -615,14 +614,10 @@ def wgmma_lora_mode() -> str:
     defaults) vs 1 with lora_a up to 64 (session 36's): 9752 / 9755 vs 9035 / 9171 at 64 sequences, 12583 / 12585 vs
     11792 / 11876 at 128, 14945 / 14960 vs 14535 / 14568 at 256; ``1`` against ``0`` +2.4-3.8% at 64-256
     (`results/speed/raw/h100_s32`). Same tokens and log-probs with and without PDL
-    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``). ``pdl-tail`` (opt-in, decode mode ``fused-wgmma-tail``;
-    a build of its own that adds ``-DQFP4_WGMMA_TRIGGER=1``): ``pdl``, and where a launch's CTAs end in a partial
-    wave, its last row blocks run as a second launch with K split across CTAs that fills the SMs that wave leaves
-    idle (``cuda_fp4.gemm(tail=True)``, :func:`cuda_fp4.wgmma_tail_split`). Measured on an H200 (session 40,
-    `results/speed/raw/h200_s40_tail`): 7B gate|up at 128 tokens 1.068x faster alone, rollouts +1.4 / +0.5% at 128
-    sequences and within the order effect at 64 and 256, so it stays an opt-in: a tail CTA with a quarter of K still
-    pays the per-CTA set-up and epilogue (`raw/h200_s40_waves`)."""
-    return _gemm_lora_switch("QERL_WGMMA_LORA", "pdl", WGMMA_LORA_MODES)
+    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``). The tail launch (``pdl-tail``, sessions 39-40: a launch's
+    last partial wave of row blocks as a second launch with K split across CTAs; rollouts within the order effect,
+    `results/speed/raw/h200_s40_tail`) was removed in session 48 (the code is at b686701)."""
+    return _gemm_lora_switch("QERL_WGMMA_LORA", "pdl")
 
 
 def mma_lora_mode() -> str:
@@ -676,11 +671,10 @@ def _gemm_lora(fmt, x2: torch.Tensor, w, lora, xp: torch.Tensor | None = None) -
     if not wg or (xp is not None and (xp.shape != x2.shape or not xp.is_contiguous())):
         xp = None
     # rows read in place: no copy between t's launch and the GEMM
-    pdl = mode.startswith("pdl") and pdl_enabled(x2) and (not wg or xp is not None or cuda_fp4.rows_aligned(x2))
+    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or xp is not None or cuda_fp4.rows_aligned(x2))
     if xp is None and pdl and wg:
         xp = cuda_fp4.permute_tokens(x2)
-    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp,
-                         tail=pdl and wg and mode == "pdl-tail")
+    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp)
 
 
 def tag_permuted(x: torch.Tensor, xp: torch.Tensor) -> None:

@@ -737,22 +737,7 @@ def wgmma_pipe() -> int:
     return int(v)
 
 
-WGMMA_SPLIT_EPI = ("0", "1")
-
-
-def wgmma_split_epi() -> bool:
-    """``QERL_WGMMA_SPLIT_EPI``: ``1`` (opt-in, session 40; a build of its own, decode mode ``fused-split-epi``) lets
-    both split-K groups of a wgmma CTA finish one half of its token tile each (K not split across CTAs, two groups,
-    64+ tokens a tile) instead of group 0 finishing it alone while group 1's warps have exited: the same partial
-    sums added in the same order, so the same results (``test_gpu_wgmma_split_epilogue_is_bit_identical``); the
-    LoRA term's MMAs then run half as wide in each group. ``0`` (default): group 0 finishes the tile. Measured on an
-    H200 (session 40, `results/speed/raw/h200_s40_split`, one pass): 1.4-1.9% slower where it runs (7B gate|up at
-    128 / 256 tokens, q|k|v at 256), equal for o at 256; not adopted."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_SPLIT_EPI", "0", WGMMA_SPLIT_EPI) == "1"
-
-
-WGMMA_TMA = ("0", "1", "all", "bar", "all-bar", "tok", "all-tok")
+WGMMA_TMA = ("0", "1")
 
 
 def wgmma_tma() -> str:
@@ -765,53 +750,12 @@ def wgmma_tma() -> str:
     `results/speed/raw/h200_s41_tma`, A B B A) the 7B products at their tuned 128- and 256-token configs ran
     2.9-8.8% faster with it (1.7-7.2% in the two calls before), the 64-token ones 3-8% slower when they took it too;
     7B NVFP4 rollouts +2.0-3.3% tokens/s at 128 sequences and +2.2-2.7% at 256 (decode rate +2.5% / +2.9%). ``0`` (a build of its own, decode mode ``fused-no-tma``): cp.async, session
-    40's kernel. Experiments (builds of their own; session 42, `results/speed/raw/h200_s42_tma`, not adopted):
-    ``all`` the same path in every grid variant (32+ tokens a CTA: the 64-token configs 2.5-7% slower); ``bar`` a
-    stage freed by the group barrier of the chunk's acquisition instead of the "empty" mbarrier (within ~1% of the
-    default but o at 256 tokens, +3%); ``all-bar`` both (the 64-token configs still 2.6-6.2% slower). ``tok`` / ``all-tok``
-    (session 42): only the token tile by a tensor copy, each warp's weight words and scale pairs by its own cp.async
-    (no group barrier), in the 128+-token variants / in every grid variant; measured on an H200 (session 43,
-    `results/speed/raw/h200_s43_tok`): ``all-tok``'s 64-token variants still 1.9-6.3% slower than cp.async there,
-    ``tok`` at 128 tokens within the noise of the default and gate|up at 256 -2.3%: neither adopted."""
+    40's kernel. Experiments measured and removed (session 48; the code is at b686701): the same path in every grid
+    variant, with or without the "empty" mbarrier, and the token tile alone by a tensor copy (sessions 41-43,
+    `results/speed/raw/h200_s42_tma`, `h200_s43_tok`): the 64-token configs 1.9-7% slower, the 128+-token ones within
+    ~1% of this default."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
-
-
-WGMMA_OCC = ("1", "2")
-
-
-def wgmma_occ() -> str:
-    """``QERL_WGMMA_OCC``: CTAs an SM the 256-thread wgmma grid variants of 128 tokens a CTA, (128, 2, 1) and (128,
-    1, 2), are compiled for. ``1`` (default): one (144-147 registers a thread). ``2`` (opt-in, session 44; a build of
-    its own, ``-DQFP4_WGMMA_OCC=2``, decode mode ``fused-wgmma-occ2``): two (at most 128 registers; ptxas fits them
-    with no spills), so two tiles share an SM the way the 512-thread (128, 2, 2) shares one tile, each with its own
-    prologue and epilogue and no split-K reduction through shared memory. The tuner then weighs them at that
-    occupancy (:func:`wgmma_ctas` asks the device). Measured on an H200 (session 44, `results/speed/raw/
-    h200_s44_next44`, 7B products with a rank-32 LoRA term, OCC 1 / 2 / 2 / 1): (128, 2, 1) gains 13-18% on gate|up
-    and only catches up with the picks there (128 tokens: 91.9 / 92.1 against (16, 0, 2, 2)'s 91.6 / 92.6 µs; 256:
-    138.6 / 139.8 against (32, 0, 2, 1)'s 139.8 / 141.8), and is slower elsewhere: not adopted. Two independent
-    tiles an SM run no faster than one tile's two split-K groups, so the per-CTA prologue and epilogue are not what
-    bounds the 128-token GEMM."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_OCC", "1", WGMMA_OCC)
-
-
-LORA_SKEW = ("0", "1")
-
-
-def lora_skew() -> bool:
-    """``QERL_LORA_SKEW``: ``1`` (opt-in, session 45; a build of its own, ``-DQFP4_LORA_SKEW=1``,
-    decode mode ``fused-lora-skew``): in a decode-GEMV LoRA launch with K split across warps, split 0 — whose warps
-    add the LoRA term after their main loop — takes one batch of chunks fewer than an even share, the other splits
-    the rest, so the term's chain overlaps their last batch instead of following it (csrc ``QFP4_LORA_SKEW``). The
-    same products over other K ranges (fp32 order). ``0`` (default): even shares. Why: session 44's ablation
-    (`results/speed/raw/h200_s44_lora`) put ~7 of the ~12 µs the LoRA adds to a 7B layer at M = 8 in that chain,
-    and session 45's attempts to shorten the wait before it (``QERL_LORA_POLL=early|tag``, removed in session 46: the
-    code is at 6624238) or to move it to a warp of its own (reverted) were slower. Measured on an H200 (session 46,
-    `results/speed/raw/h200_s46_next48`, 0 / 1 / 1 / 0): the 7B layer within its run-to-run range, rollouts' decode
-    rate +0.1…+1.0% (NVFP4 batch 8 and 2, MXFP4 and BF16 batch 8): inconclusive, not adopted."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_LORA_SKEW", "0", LORA_SKEW) == "1"
 
 
 BF16_LOADS = ("pair", "sector")
@@ -834,37 +778,25 @@ def bf16_loads() -> str:
 
 
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_SPLIT_EPI", "QERL_BF16_LOADS",
-                  "QERL_WGMMA_OCC", "QERL_LORA_SKEW")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
-    """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth, and
+    """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth;
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
-    stays the measured one); ``pdl-tail`` adds their trigger (``-DQFP4_WGMMA_TRIGGER=1``, another build);
-    ``QERL_WGMMA_SPLIT_EPI=1`` the split-K groups' halves of the epilogue (``-DQFP4_WGMMA_SPLIT_EPI=1``, another);
-    ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies (``-DQFP4_WGMMA_TMA=1``; ``0`` another build);
-    ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide loads (``-DQFP4_DENSE_SECTOR=1``; ``pair``
-    another build); ``QERL_WGMMA_OCC=2`` two CTAs an SM for the 256-thread 128-token wgmma variants
-    (``-DQFP4_WGMMA_OCC=2``, another); ``QERL_LORA_SKEW=1`` the GEMV LoRA launches' lighter K share for split 0 (``-DQFP4_LORA_SKEW=1``, another)."""
+    stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
+    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
+    loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
+    their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
+    split-K groups' halves of the epilogue (``QERL_WGMMA_SPLIT_EPI``), the TMA experiments (``QERL_WGMMA_TMA=all |
+    bar | all-bar | tok | all-tok``), two CTAs an SM (``QERL_WGMMA_OCC=2``) and the GEMV LoRA's K skew
+    (``QERL_LORA_SKEW``)."""
     from qerl.kernels import wgmma_lora_mode
-    pipe, mode = wgmma_pipe(), wgmma_lora_mode()
+    pipe = wgmma_pipe()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
-            *(["-DQFP4_WGMMA_PDL=1"] if mode.startswith("pdl") else []),
-            *(["-DQFP4_WGMMA_TRIGGER=1"] if mode == "pdl-tail" else []),
-            *(["-DQFP4_WGMMA_SPLIT_EPI=1"] if wgmma_split_epi() else []),
-            *_tma_flags(wgmma_tma()), *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
-            *(["-DQFP4_WGMMA_OCC=2"] if wgmma_occ() == "2" else []),
-            *(["-DQFP4_LORA_SKEW=1"] if lora_skew() else [])]
-
-
-def _tma_flags(mode: str) -> list[str]:
-    """nvcc flags of a ``QERL_WGMMA_TMA`` value (:func:`wgmma_tma`)."""
-    if mode == "0":
-        return []
-    return ["-DQFP4_WGMMA_TMA=1", *(["-DQFP4_WGMMA_TMA_MIN=32"] if mode.startswith("all") else []),
-            *(["-DQFP4_WGMMA_TMA_BAR=1"] if mode.endswith("bar") else []),
-            *(["-DQFP4_WGMMA_TMA_TOK=1"] if mode.endswith("tok") else [])]
+            *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
+            *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() == "1" else []),
+            *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
 def _ext():
@@ -1372,7 +1304,7 @@ def wgmma_ctas(fmt: str, ntok: int, rw: int, ks: int, lora: bool, sk: bool = Fal
     """CTAs of a variant (with or without its LoRA epilogue; a grid or a stream-K one) resident at once on the current
     device: one wave of a grid launch, a stream-K launch's grid (SMs x the blocks per SM its registers and shared
     memory allow), from the extension; cached."""
-    # per build too: QERL_WGMMA_OCC changes a variant's occupancy, and one process may load both builds
+    # per build too: one process may load several builds (registers and shared memory may differ)
     key = ("wgmma_ctas", torch.cuda.current_device(), fmt, ntok, rw, ks, lora, sk, tuple(_build_flags()))
     if key not in _STATE:
         n = int(_ext().wgmma_ctas(0 if fmt == "nvfp4" else 1, ntok, rw, ks, lora, sk))
@@ -1381,33 +1313,6 @@ def wgmma_ctas(fmt: str, ntok: int, rw: int, ks: int, lora: bool, sk: bool = Fal
                                f"lora={lora}) ({n})")
         _STATE[key] = n
     return _STATE[key]
-
-
-TAIL_MAX_KZ = 8  # splits of K of gemm(tail=True)'s tail launch, at most
-
-
-def wgmma_tail_split(m: int, s: int, c: int, config: tuple[int, int, int, int], wave: int) -> tuple[int, int] | None:
-    """Where :func:`gemm` with ``tail=True`` splits a wgmma launch of ``config`` (nt, sw, r, ks) over M tokens and a
-    weight of S strips and C chunks, given ``wave`` CTAs resident at once (:func:`wgmma_ctas`): (strips of the main
-    launch, splits of K of the tail launch), or None (no split: K already split across CTAs, or the CTAs fill whole
-    waves, or fewer than one, or the tail cannot take two splits of K in one wave). The main launch keeps the whole
-    waves' row blocks (all token tiles of a row block in the same launch); the tail's row blocks take the most splits
-    of K (<= ``TAIL_MAX_KZ``, >= 4 chunks each, the config rule) that fit one wave: 7B gate|up at 128 tokens,
-    (16, 0, 2, 2) on 132 SMs: 296 CTAs = 2.24 waves -> 264 row blocks (2 waves) + 32 split 4 ways (128 CTAs of a
-    quarter of K), instead of a third wave of 32 CTAs."""
-    nt, sw, r, ks = config
-    if sw != 0 or wave < 1:
-        return None
-    tx, per = -(-m // (8 * nt)), 4 * r
-    rb = -(-s // per)
-    waves, rest = divmod(tx * rb, wave)
-    main = waves * wave // tx  # row blocks of the main launch
-    if waves < 1 or rest == 0 or main < 1 or main >= rb:
-        return None
-    for kz in range(TAIL_MAX_KZ, 1, -1):
-        if (rb - main) * tx * kz <= wave and kz * ks * 4 <= c:
-            return main * per, kz
-    return None
 
 
 def _wgmma_counters(device: torch.device) -> torch.Tensor:
@@ -1523,8 +1428,7 @@ def wgmma_lora_ok(lora: LoraOperand) -> bool:
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None,
-         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None,
-         tail: bool = False) -> torch.Tensor:
+         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
@@ -1537,12 +1441,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     with ``xp``; sm_90): launch under programmatic dependent launch, so the main loop runs while the kernel that
     computed ``t`` finishes and every global store and the read of t wait for it; only right after that kernel
     (``lora_a(x, a, trigger=True)``), which itself started after x (and xp) were written: the main loop reads them
-    before the wait. ``tail`` (with ``pdl``, a wgmma config and the ``QERL_WGMMA_LORA=pdl-tail`` build, whose LoRA
-    variants trigger their dependents first): where :func:`wgmma_tail_split` splits the launch, the last row blocks
-    run as a second launch under PDL with K split across CTAs, scheduled once every CTA of the first has started,
-    onto the SMs the first one's last wave leaves idle; it waits for the first launch before its first global store,
-    so it also completes after it. Those rows' fp32 sums then add in another order (not bit-identical to one
-    launch)."""
+    before the wait."""
     _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1580,41 +1479,19 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         if not permuted:
             xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
         kz = 0 if sw == WGMMA_SK else 1 - sw
-        split = _tail_split(w, m, (nt, sw, r, ks), lora, pdl) if tail else None
-        # (strips, splits of K) of each launch: the whole weight, or the main launch's row blocks and the tail's
-        spans = [(0, s, kz)] if split is None else [(0, split[0], 1), (split[0], s, split[1])]
-        for s_lo, s_hi, kz_i in spans:
-            ws = ctr = xp
-            if kz_i != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
-                tiles = wgmma_tiles(m, s_hi - s_lo, nt, r)
-                slots = kz_i * tiles if kz_i > 1 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
-                ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
-                ctr = _wgmma_counters(x.device)
-                if tiles > ctr.numel():
-                    raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
-            n_lo, n_hi = 16 * s_lo, 16 * s_hi
-            la = lora_args
-            if lora is not None:  # the members' row bounds inside this launch's rows
-                _, t, bn, b1, b2, roff, rk = lora_args
-                la = (True, t, bn[n_lo:n_hi], *(min(max(b - n_lo, 0), n_hi - n_lo) for b in (b1, b2)), roff, rk)
-            _ext().wgmma_gemm(x, w.qweight[s_lo:s_hi], w.scales[s_lo:s_hi], gs, out[:, n_lo:n_hi], xp, fmt,
-                              w.out_mult, w.bword, 8 * nt, r, ks, kz_i, ws, ctr, *la, permuted or s_lo > 0, pdl)
+        ws = ctr = xp
+        if kz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
+            tiles = wgmma_tiles(m, s, nt, r)
+            slots = kz * tiles if kz > 1 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
+            ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
+            ctr = _wgmma_counters(x.device)
+            if tiles > ctr.numel():
+                raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
+        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
+                          *lora_args, permuted, pdl)
         return out
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl)
     return out
-
-
-def _tail_split(w: CudaFP4Weight, m: int, config, lora, pdl: bool) -> tuple[int, int] | None:
-    """:func:`gemm`'s ``tail``: the checks, then :func:`wgmma_tail_split` with the LoRA variant's wave."""
-    from qerl.kernels import wgmma_lora_mode
-    if not pdl or lora is None:
-        raise ValueError(f"gemm: tail=True needs pdl=True and lora (the tail launch waits for the main one); got "
-                         f"pdl={pdl}, lora={lora is not None}")
-    if wgmma_lora_mode() != "pdl-tail":
-        raise ValueError(f"gemm: tail=True needs the QERL_WGMMA_LORA=pdl-tail build (its LoRA variants trigger their "
-                         f"dependents); QERL_WGMMA_LORA={wgmma_lora_mode()!r}")
-    nt, _, r, ks = config
-    return wgmma_tail_split(m, w.n // 16, w.k // 64, config, wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=True))
 
 
 def permute_tokens(x: torch.Tensor) -> torch.Tensor:

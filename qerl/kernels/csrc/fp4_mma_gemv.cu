@@ -74,17 +74,6 @@
 #define QFP4_LORA_ABLATE 0
 #endif
 
-// QFP4_LORA_SKEW (the build's -D, set by QERL_LORA_SKEW=1; opt-in, session 45): in a LoRA
-// launch with K split across warps, split 0 (whose warps add the LoRA term after their main loop) takes one batch of
-// chunks (U) fewer than an even share and the other splits share the rest, so it reaches the term about a batch
-// earlier while the others still stream weights: the term's chain (~7 of the ~12 us the LoRA adds to a 7B layer at
-// M = 8, session 44's ablation) overlaps their last batch instead of following it. The same products, summed over
-// other K ranges (fp32 order). Plain launches are unchanged. Measured on an H200 (session 46, raw/h200_s46_next48):
-// the 7B layer within its run-to-run range, rollouts +0.1...+1.0%: inconclusive, not adopted.
-#ifndef QFP4_LORA_SKEW
-#define QFP4_LORA_SKEW 0
-#endif
-
 
 namespace qfp4 {
 
@@ -473,15 +462,8 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
   const int grp_all = blk * R + warp / splits, split = warp % splits;
   const int strip0 = pair ? grp_all : grp_all * SW, sstep = pair ? S >> 1 : 1;
   const bool active = strip0 < (pair ? S >> 1 : S);
-#if QFP4_LORA_SKEW
-  // split 0 of a LoRA launch: a batch fewer than C / splits chunks; splits 1.. share the rest (k: a split's first chunk)
-  const int n0 = LORA && splits > 1 ? max(0, C / splits - U) : -1;
-  auto first = [&](int k) { return n0 < 0 ? k * C / splits : k == 0 ? 0 : n0 + (k - 1) * (C - n0) / (splits - 1); };
-  const int c0 = first(split), c1 = first(split + 1);
-#else
   const int c0 = split * C / splits;  // C * splits < 2^31 (checked by the caller)
   const int c1 = (split + 1) * C / splits;
-#endif
 
   float acc[SW][A2][NT][4];
 #pragma unroll

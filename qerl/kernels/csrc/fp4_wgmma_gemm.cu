@@ -61,27 +61,6 @@
 #define QFP4_WGMMA_PDL 0
 #endif
 
-// QFP4_WGMMA_TRIGGER (the build's -D, set by QERL_WGMMA_LORA=pdl-tail, with QFP4_WGMMA_PDL): the LORA variants
-// execute griddepcontrol.launch_dependents first, so a grid launched after them under programmatic dependent launch
-// is scheduled once every CTA of theirs has started, onto the SMs their last, partial wave leaves idle: the tail
-// launch of qerl.kernels.cuda_fp4.gemm(tail=True) (the last row blocks, K split across CTAs; its CTAs wait for this
-// grid before their first global store, so it also completes after it), or the next kernel of the decode step (whose
-// CTAs wait for this grid before reading anything).
-#ifndef QFP4_WGMMA_TRIGGER
-#define QFP4_WGMMA_TRIGGER 0
-#endif
-#if QFP4_WGMMA_TRIGGER && !QFP4_WGMMA_PDL
-#error "QFP4_WGMMA_TRIGGER needs QFP4_WGMMA_PDL"
-#endif
-
-// QFP4_WGMMA_SPLIT_EPI (the build's -D, set by QERL_WGMMA_SPLIT_EPI=1; opt-in, session 40): with two split-K groups
-// in a CTA and K not split across CTAs, each group finishes one half of the token tile (the two groups' partial sums
-// added in the same order as before, so the same results), instead of group 0 finishing the whole tile while group
-// 1's warps have exited (12.8% of the 128-token kernel's warp samples came after its main loop, raw/h200_s40_waves).
-#ifndef QFP4_WGMMA_SPLIT_EPI
-#define QFP4_WGMMA_SPLIT_EPI 0
-#endif
-
 // QFP4_WGMMA_ABLATE (timing experiments only, benchmarks/wgmma_ablate.py: a module of its own that nothing else
 // loads; its results are WRONG): bits that leave one part of the main loop out, to measure what it costs. 1: the
 // token tile is staged for the pipeline's first chunks only (later chunks read stale tiles); 2: the same for the
@@ -107,48 +86,8 @@
 #ifndef QFP4_WGMMA_TMA
 #define QFP4_WGMMA_TMA 0
 #endif
-// Experiments on that path (set by QERL_WGMMA_TMA=all | bar | all-bar; opt-in, session 41):
-// QFP4_WGMMA_TMA_MIN, the fewest tokens a CTA of the variants that take it (128; 32 = every grid variant);
-// QFP4_WGMMA_TMA_BAR=1 frees a stage by the group barrier of the chunk's acquisition (as the cp.async path does)
-// instead of the "empty" mbarrier, whose round trip sits on the first warp's path to every chunk's MMAs. Measured on
-// an H200 (session 42, raw/h200_s42_tma): with the group barrier the 64-token variants still lose 2.6-6.2% with TMA (so
-// that round trip is not why they lose), and at 128+ tokens it is within ~1% of the default (o at 256 tokens +3%):
-// neither adopted.
-#ifndef QFP4_WGMMA_TMA_MIN
-#define QFP4_WGMMA_TMA_MIN 128
-#endif
-#ifndef QFP4_WGMMA_TMA_BAR
-#define QFP4_WGMMA_TMA_BAR 0
-#endif
-// QFP4_WGMMA_TMA_TOK=1 (QERL_WGMMA_TMA=tok | all-tok; opt-in, session 42): only the token tile by a tensor copy, one
-// a chunk; each warp copies its own strip's weight words and scale pairs by cp.async, as the cp.async path does, and
-// waits for them itself (only its own lanes read them: no group barrier), while the token tile's stage is still
-// freed on the "empty" mbarrier. A test of session 42's hypothesis for the 64-token loss: the copy engine's per-copy
-// cost, with four producers an SM each issuing three small boxes a chunk. Measured on an H200 (session 43,
-// raw/h200_s43_tok): the 64-token variants still lose 1.9-6.3% with it (all-tok), so that hypothesis is refuted too;
-// tok at 128 tokens within the noise of the default, gate|up at 256 -2.3%: neither adopted.
-#ifndef QFP4_WGMMA_TMA_TOK
-#define QFP4_WGMMA_TMA_TOK 0
-#endif
-#if QFP4_WGMMA_TMA_TOK && (QFP4_WGMMA_TMA_BAR || !QFP4_WGMMA_TMA)
-#error "QFP4_WGMMA_TMA_TOK needs QFP4_WGMMA_TMA and not QFP4_WGMMA_TMA_BAR"
-#endif
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
-#endif
-// QFP4_WGMMA_OCC (the build's -D, set by QERL_WGMMA_OCC=2; opt-in, session 44): 2 compiles the 256-thread grid
-// variants of 128 tokens a CTA, (128, 2, 1) and (128, 1, 2), for two CTAs an SM (__launch_bounds__' second argument:
-// at most 128 registers; ptxas fits them in 127-128 with no spills, as it does the 512-thread (128, 2, 2)), so two
-// independent tiles share an SM: one CTA's prologue and epilogue can overlap the other's main loop, and no
-// split-K reduction through shared memory. 1 (default): one CTA an SM (144-147 registers). The stream-K variants
-// keep 1 (at 128 registers their segment loop spills and ptxas serializes the MMAs). Measured on an H200 (session 44,
-// raw/h200_s44_next44): (128, 2, 1) at two CTAs an SM ties the tuned picks on 7B gate|up at 128 and 256 tokens and
-// loses elsewhere: not adopted.
-#ifndef QFP4_WGMMA_OCC
-#define QFP4_WGMMA_OCC 1
-#endif
-#if QFP4_WGMMA_OCC != 1 && QFP4_WGMMA_OCC != 2
-#error "QFP4_WGMMA_OCC must be 1 or 2"
 #endif
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
@@ -241,7 +180,7 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NTOK / 2], const uint32_t
 
 // Whether a variant stages its chunks by tensor copies (QFP4_WGMMA_TMA): the kernel's path and the launcher's maps.
 __host__ __device__ constexpr bool tma_staged(int ntok, bool sk) {
-  return QFP4_WGMMA_TMA && !sk && ntok >= QFP4_WGMMA_TMA_MIN;
+  return QFP4_WGMMA_TMA && !sk && ntok >= 128;
 }
 
 // Bytes of one pipeline stage of a group (a multiple of 1024: every token tile starts on a swizzle atom).
@@ -277,13 +216,8 @@ struct WgMaps {
 // xp: x already permuted by qfp4_permute_x (M, 64 C contiguous), staged in 16-byte units. SK false: the grid is
 // (token tiles, row blocks, CTA splits of K); SK true: stream-K (persistent CTAs, see the stream-K part below; its
 // segment loop costs ~35 registers at 128 tokens per CTA, so it is a variant of its own).
-// CTAs an SM a variant is compiled for (QFP4_WGMMA_OCC)
-constexpr int min_blocks(int ntok, int rw, int ks, bool sk) {
-  return QFP4_WGMMA_OCC == 2 && !sk && ntok == 128 && rw * ks == 2 ? 2 : 1;
-}
-
 template <int FMT, int NTOK, int RW, int KS, bool LORA, bool SK>
-__global__ void __launch_bounds__(RW * KS * 128, min_blocks(NTOK, RW, KS, SK))
+__global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
                  uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr, const WgLora la
@@ -337,7 +271,6 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #endif
 
   float acc[NA];
-  if constexpr (LORA && QFP4_WGMMA_TRIGGER) asm volatile("griddepcontrol.launch_dependents;");
 
   // acc = the product over chunks [c0, c0 + n) (n >= 1) of the token tile at tok0 and this warp's strip.
   auto mainloop = [&](int tok0, int strip, int c0, int n) {
@@ -352,32 +285,16 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
         // the group's first thread: once every thread has released the stage's previous chunk (idx - kStages), the
-        // three copies of chunk idx into it, completing on its full barrier (QFP4_WGMMA_TMA_BAR: the caller's group
-        // barrier has established that)
+        // three copies of chunk idx into it, completing on its full barrier
         if (idx < n && gtid == 0) {
           const int sidx = idx & (kStages - 1);
-          if (!QFP4_WGMMA_TMA_BAR && idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
+          if (idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
           const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
-          mbar_expect(fb, QFP4_WGMMA_TMA_TOK ? XB : XB + RW * 4 * (512 + SP));
+          mbar_expect(fb, XB + RW * 4 * (512 + SP));
           const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
           tma_load_2d(dst, &maps.x, 64 * c, tok0, fb);
-          if (!QFP4_WGMMA_TMA_TOK) {
-            tma_load_2d(dst + XB, &maps.w, 64 * c, strip0, fb);
-            tma_load_2d(dst + XB + RW * 4 * 512, &maps.s, SL * c, strip0, fb);
-          }
-        }
-        if constexpr (QFP4_WGMMA_TMA_TOK) {
-          // this warp's strip: its weight words and scale pairs, into the stage of chunk idx - kStages, whose words
-          // each lane decoded itself and whose scale pairs every lane of the warp read (the __syncwarp)
-          if (idx < n) {
-            const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
-            __syncwarp();
-            cp_async16(dst + my_w + lane * 16, wq_p, true);
-            if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
-            wq_p += 32;
-            sq_p += SL;
-          }
-          cp_async_commit();  // always: acquire's wait counts one group a chunk
+          tma_load_2d(dst + XB, &maps.w, 64 * c, strip0, fb);
+          tma_load_2d(dst + XB + RW * 4 * 512, &maps.s, SL * c, strip0, fb);
         }
         return;
       }
@@ -405,13 +322,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto acquire = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-        // (QFP4_WGMMA_TMA_BAR: chunk idx - 2's MMAs are done and its decode read in every warpgroup)
-        if (QFP4_WGMMA_TMA_BAR) group_sync(bar, GT);
         stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group has released it
-        if constexpr (QFP4_WGMMA_TMA_TOK) {
-          cp_async_wait<kStages - 2>();  // this thread's weight and scale copies of chunk idx have landed
-          __syncwarp();                  // and its warp's (every lane reads the scale pairs a few lanes copied)
-        }
         mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx's tokens have landed
         return;
       }
@@ -449,7 +360,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
-        if constexpr (TMA && !QFP4_WGMMA_TMA_BAR) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
+        if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
@@ -510,14 +421,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 
   // The finished tile (acc: the full sum over K, in fragment order) to out: the LoRA term first (LORA variants),
   // then the bf16 rounding. The group's warpgroups only; the group's stages are free (its caller synchronized it).
-  // half (a std::integral_constant) HALF: -1 the whole token tile; 0 / 1 (QFP4_WGMMA_SPLIT_EPI) its tokens
-  // [HALF NTOK / 2, (HALF + 1) NTOK / 2), whose accumulators are the HALF-th half of acc (accumulator 4 j + v is
-  // token 8 j + 2 t .., below), finished with MMAs NTOK / 2 tokens wide.
-  auto epilogue = [&](int tok0, int strip, auto half) {
-    constexpr int HALF = decltype(half)::value;
-    constexpr int TW = HALF < 0 ? NTOK : NTOK / 2;        // tokens finished here
-    constexpr int T0 = HALF < 0 ? 0 : HALF * (NTOK / 2);  // the first of them in the tile
-    float (&ac)[TW / 2] = *reinterpret_cast<float (*)[TW / 2]>(acc + T0 / 2);  // their accumulators
+  auto epilogue = [&](int tok0, int strip) {
     const int st = max(0, min(strip, S - 1));
     if constexpr (LORA) {
       // The accumulators to output units, then the LoRA MMAs add t Bn^T onto them (stored with multiplier 1), 64
@@ -526,7 +430,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       // outside them).
       const float m0 = FMT == 0 ? out_mult / __ldg(gs) : out_mult;
 #pragma unroll
-      for (int i = 0; i < TW / 2; ++i) ac[i] *= m0;
+      for (int i = 0; i < NA; ++i) acc[i] *= m0;
       const int nrow = st * 16;
       const int mb = nrow < la.bound1 ? 0 : nrow < la.bound2 ? 1 : 2;
       const int r0 = mb == 0 ? la.roff[0] : mb == 1 ? la.roff[1] : la.roff[2];
@@ -536,11 +440,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       const uint32_t ts = gbase_s;          // the group's first stage (1024-aligned)
       for (int c0 = 0; c0 < la.R; c0 += 64) {
         group_sync(bar, GT);  // the stage free: the main loop's, the reduction's or the previous pass's reads done
-        for (int u = gtid; u < TW * 8; u += GT) {
+        for (int u = gtid; u < NTOK * 8; u += GT) {
           const int row = u >> 3, unit = u & 7, r = c0 + 8 * unit;
-          const bool ok = tok0 + T0 + row < M && r < la.R;
+          const bool ok = tok0 + row < M && r < la.R;
           cp_async16(ts + row * 128 + ((unit ^ (row & 7)) << 4),
-                     ok ? la.t + (size_t)(tok0 + T0 + row) * la.ldt + r : la.t, ok);
+                     ok ? la.t + (size_t)(tok0 + row) * la.ldt + r : la.t, ok);
         }
         cp_async_commit();
         cp_async_wait<0>();
@@ -556,12 +460,12 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
           a[j][2] = hi ? __ldg(bg + ((kk + 8) >> 1)) : 0u;
           a[j][3] = hi ? __ldg(b8 + ((kk + 8) >> 1)) : 0u;
         }
-        mma_chunk<TW>(ac, a, ts);
+        mma_chunk<NTOK>(acc, a, ts);
         wgmma_wait<0>();
         keep_regs(a);
       }
 #pragma unroll
-      for (int i = 0; i < TW / 2; ++i) fence_reg(ac[i]);
+      for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     }
     if (strip >= S) return;
     float mult = out_mult;
@@ -570,15 +474,15 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     // accumulator 4 j + v: weight row 16 wq + g (+ 8 for v >= 2) of the warpgroup, token 8 j + 2 t (+ 1 for odd v)
     const int n0 = strip * 16;
 #pragma unroll
-    for (int j = 0; j < TW / 8; ++j) {
-      const int tok = tok0 + T0 + 8 * j + 2 * t;
+    for (int j = 0; j < NTOK / 8; ++j) {
+      const int tok = tok0 + 8 * j + 2 * t;
       if (tok < M) {
-        out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(ac[4 * j + 0] * mult);
-        out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(ac[4 * j + 2] * mult);
+        out[(size_t)tok * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 0] * mult);
+        out[(size_t)tok * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 2] * mult);
       }
       if (tok + 1 < M) {
-        out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(ac[4 * j + 1] * mult);
-        out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(ac[4 * j + 3] * mult);
+        out[(size_t)(tok + 1) * ldo + n0 + g] = __float2bfloat16_rn(acc[4 * j + 1] * mult);
+        out[(size_t)(tok + 1) * ldo + n0 + g + 8] = __float2bfloat16_rn(acc[4 * j + 3] * mult);
       }
     }
   };
@@ -596,38 +500,6 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       __syncthreads();  // every group is done with its stages: shared memory is free for the reduction
       float* red = reinterpret_cast<float*>(smem);
       const int tw = threadIdx.x & 127;  // thread within the warpgroup
-      if constexpr (QFP4_WGMMA_SPLIT_EPI && KS == 2 && NTOK >= 64) {
-        if (gridDim.z == 1) {  // K not split across CTAs: each group finishes one half of the token tile
-          constexpr int H = NA / 2;
-          // group 0 hands over its second half's partial sums, group 1 its first (RW H floats a thread each; group
-          // 0's stages hold both)
-          float* mine = red + (size_t)(grp * RW + wr) * H * 128 + tw;
-          const float* theirs = red + (size_t)((1 - grp) * RW + wr) * H * 128 + tw;
-          if (grp == 0) {
-#pragma unroll
-            for (int i = 0; i < H; ++i) mine[i * 128] = acc[H + i];
-          } else {
-#pragma unroll
-            for (int i = 0; i < H; ++i) mine[i * 128] = acc[i];
-          }
-          __syncthreads();
-          // group 0's partial + group 1's, as the whole-tile path below adds them
-          if (grp == 0) {
-#pragma unroll
-            for (int i = 0; i < H; ++i) acc[i] += theirs[i * 128];
-          } else {
-#pragma unroll
-            for (int i = 0; i < H; ++i) acc[H + i] = theirs[i * 128] + acc[H + i];
-          }
-          if constexpr (LORA) __syncthreads();  // both halves read: group 0's stages are free for its LoRA tile
-          if (grp == 0) {
-            epilogue(tok0, strip, std::integral_constant<int, 0>{});
-          } else {
-            epilogue(tok0, strip, std::integral_constant<int, 1>{});
-          }
-          return;
-        }
-      }
       if (grp > 0) {
 #pragma unroll
         for (int i = 0; i < NA; ++i) red[(((grp - 1) * RW + wr) * NA + i) * 128 + tw] = acc[i];
@@ -665,7 +537,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       }
       if (rt == 0) ctr[tile] = 0;
     }
-    epilogue(tok0, strip, std::integral_constant<int, -1>{});
+    epilogue(tok0, strip);
   } else {
   // Stream-K (SK; a grid of P CTAs, at most as many as fit the device at once), after a data-parallel part: each
   // split-K group of each CTA is one of P KS workers; the tiles (token tile fastest) up to the last whole multiple
@@ -686,7 +558,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     mainloop(tok0, strip, 0, C);
     if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
     group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
-    epilogue(tok0, strip, std::integral_constant<int, -1>{});
+    epilogue(tok0, strip);
     if constexpr (LORA) group_sync(bar, GT);  // and with the LoRA tile in the first stage
   }
   const int U = (tiles - DP) * C;  // the launcher keeps P * U < 2^31
@@ -731,7 +603,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       }
       if (gtid == 0) ctr[tile] = 0;
     }
-    epilogue(tok0, strip, std::integral_constant<int, -1>{});
+    epilogue(tok0, strip);
     if constexpr (LORA) group_sync(bar, GT);  // every warp done with the LoRA tile before the next segment stages
   }
   }
