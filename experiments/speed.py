@@ -606,6 +606,8 @@ The realistic step (7B, 16 prompts × G 8, micro 16, 1024 new, GC) with session 
 (`grpo/`): 27.21 s (rollout 8.96). Session 32's pair (`raw/h100_s32_grpo`): 28.28 vs 28.28 s. On an H200 (session
 39, 9e7b0b3, `raw/h200_s39_grpo/`, the same design, one run): NVFP4 24.83 s vs BF16-LoRA 24.41 s, 0.98× (rollout 7.94
 vs 7.67, log-probs 4.48 vs 4.44, update 12.42 vs 12.30): the H200's bandwidth speeds BF16's decode more than NVFP4's.
+Session 48 on an H200 (98600f9, `raw/h200_s48_grpo/README.md`, two processes in reversed format order): NVFP4 24.58 /
+24.59 s vs BF16-LoRA 24.44 / 24.56 s, 0.994× / 0.999× (rollout 1.00× / 1.02×, update 0.99×).
 ### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
 `raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
 kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against
@@ -661,7 +663,11 @@ to about 1.0 at 256 on the H200.
 
 {_floor(root, "H100", "roofline_table")}
 {_floor(root, "H200", "roofline_table")}
-Now (session 42, a1f5756, **on an H200** — the only kind lent since session 39, so these rows do not compare with the
+Session 48 (98600f9, H200, `raw/h200_s48_cmp/README.md`: the same command, the default kernels' machine code
+unchanged since session 42): decode-rate ratios 1.40 / 1.23 / 1.00 / 0.93× at 32 / 64 / 128 / 256 sequences, by
+tokens/s 1.36 / 1.19 / 1.00 / 0.94 (session 42's below within ±0.01):
+{batch_rollout_table(root, "h200_s48_cmp")}
+Session 42 (a1f5756, **on an H200** — the only kind lent since session 39, so these rows do not compare with the
 H100 rows: BF16's decode gains more from the H200's 4.8 TB/s than NVFP4's does; since session 39 NVFP4 gained session
 40's descriptor halves, session 41's TMA staging and this session's re-swept H200 table; `raw/h200_s42_cmp/`, the same
 command as session 39's below, one process, each setting twice back to back, the second pass shown; the first in the
@@ -677,6 +683,11 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 48 (H200, 98600f9; `raw/h200_s48_regress/README.md`): the wgmma and GEMV opt-ins measured and not adopted in
+sessions 39-46 were removed (`QERL_WGMMA_LORA=pdl-tail`, `QERL_WGMMA_SPLIT_EPI`, `QERL_WGMMA_TMA=all|bar|all-bar|tok|
+all-tok`, `QERL_WGMMA_OCC=2`, `QERL_LORA_SKEW`; code at b686701). The default kernels' machine code is unchanged (eight
+builds compared function by function on the CPU), and every GPU test passed (112; 3 skipped need two GPUs), now in ~7
+minutes of device time from a cold machine.
 Session 47 (H200, afd9e45; `raw/h200_s47_l2long/README.md`): the L2 prefetch at the issue's 256 + 2048, 7B NVFP4
 batch 8: 32 MB −0.8…−0.5%, gate|up only −1.1…−0.7%, 48 MB −1.5…−1.4% against three default passes (3085-3089 tok/s);
 the side branch alone +16 µs a step. Refuted and removed (code at a88f678). The session's first call found every

@@ -141,11 +141,11 @@
 #                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min. ABLATE replaces the
 #                                variants: ABLATE=2,3,8,10 (session 45's plan) adds 8 (the term before the main loop,
 #                                no wait) and 10 (that with the LoRA CTAs idle: as if the kernel before had written t)
-#   scripts/gpu_bench.sh regress every GPU test (-m gpu) in three parts, one per device call (`make test-gpu` runs them
-#                                all at once, > 10 min with the extension builds): PART=1 test_cuda_fp4.py's tests but
-#                                the wgmma GEMM's, 2 the wgmma GEMM's (several builds), 3 every other file; pytest -v,
-#                                so a part cut short by SECS (default 560) keeps each finished test's outcome
-#                                ($OUT/tests_regress_PART.txt; the parts' times not yet measured)
+#   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
+#                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
+#                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
+#                                parts, one per call: 1 test_cuda_fp4.py's tests but the wgmma GEMM's (19 s with the
+#                                builds cached), 2 the wgmma GEMM's (238 s cold: two builds), 3 every other file (151 s)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -550,12 +550,13 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
 regress)  # every GPU test in parts (see the header)
-  part=${PART:-1}
+  part=${PART:-all}
   case "$part" in
+    all) set -- tests ;;
     1) set -- tests/test_cuda_fp4.py -k "not wgmma" ;;
     2) set -- tests/test_cuda_fp4.py -k wgmma ;;
     3) set -- tests --ignore=tests/test_cuda_fp4.py ;;
-    *) echo "gpu_bench.sh regress: PART=$part is not a part; choose 1, 2 or 3" >&2; exit 2 ;;
+    *) echo "gpu_bench.sh regress: PART=$part is not a part; choose all, 1, 2 or 3" >&2; exit 2 ;;
   esac
   res="$OUT/tests_regress_$part.txt"
   timeout "${SECS:-560}" python3 -m pytest -v -m gpu "$@" -rfE --tb=short -p no:cacheprovider > "$res" 2>&1

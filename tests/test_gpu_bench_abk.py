@@ -116,7 +116,8 @@ echo "============ 1 passed in 0.1s ============"
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_regress_parts_cover_every_gpu_test_once(tmp_path):
     """``regress``: each PART runs one pytest -v over its share of the GPU tests, and the three shares, collected by
-    the real pytest on this repository, are every GPU test exactly once. A PART that is not one names the choices."""
+    the real pytest on this repository, are every GPU test exactly once -- the tests PART=all (the default) runs. A
+    PART that is not one names the choices."""
     parts = {}
     for part in ("1", "2", "3"):
         p, calls = _run(tmp_path, "regress", REGRESS_STUB, PART=part)
@@ -130,13 +131,17 @@ def test_regress_parts_cover_every_gpu_test_once(tmp_path):
         assert "tests finished: 1" in log and "1 passed" in log
         assert (tmp_path / "out" / f"tests_regress_{part}.txt").exists()
     bad, _ = _run(tmp_path, "regress", REGRESS_STUB, PART="4")
-    assert bad.returncode == 2 and "PART=4" in bad.stderr and "1, 2 or 3" in bad.stderr
+    assert bad.returncode == 2 and "PART=4" in bad.stderr and "all, 1, 2 or 3" in bad.stderr
+    whole, calls = _run(tmp_path, "regress", REGRESS_STUB)  # PART unset: every file in one run
+    assert whole.returncode == 0, whole.stderr
+    parts["all"] = (tmp_path / "calls.txt.args").read_bytes().decode().split("\0")[:-1][5:]
+    assert parts["all"][0] == "tests" and (tmp_path / "out" / "tests_regress_all.txt").exists()
 
     def collect(args):  # the part's own pytest arguments, collecting only
         return subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", *args],
                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
 
-    runs = {k: collect(v) for k, v in {**parts, "all": ["tests", "-p", "no:cacheprovider"]}.items()}  # at once
+    runs = {k: collect(v) for k, v in parts.items()}  # at once
     ids = {k: [line for line in r.communicate()[0].splitlines() if "::" in line] for k, r in runs.items()}
     shares = ids["1"] + ids["2"] + ids["3"]
     assert all(ids[k] for k in ("1", "2", "3")) and len(ids["all"]) > 50
