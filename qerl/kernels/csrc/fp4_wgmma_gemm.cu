@@ -37,8 +37,6 @@
 // z = CTA splits of K; or, for the stream-K variants (SK), as many persistent CTAs as fit the device, walking the
 // tiles in the same order (see the kernel's stream-K part).
 
-#include <type_traits>
-
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 
