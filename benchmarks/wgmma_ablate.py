@@ -8,7 +8,11 @@ with builds that leave one part out (GPU, sm_90a).
 A variant is the bit set ``QFP4_WGMMA_ABLATE`` (``csrc/fp4_wgmma_gemm.cu``) compiled into a module of its own
 (prefix ``qerl_fp4_ablate``; the library never loads it): 1 = the token tile staged for the pipeline's first chunks
 only, 2 = the same for the weight words and scales, 4 = no decode (one XOR per A register), 8 = no group barrier when
-a chunk is acquired; 0 = the library's own build. **An ablated build computes wrong results**: this script only
+a chunk is acquired, 16 = the MMAs' A operand from shared memory (SS MMAs reading the token tile's first 64 rows; the
+decoded fragments computed and kept alive, read by no MMA: with 4, what the MMAs cost with no register operand, the
+bound on a design that decodes the weights into shared memory); 0 = the library's own build. Bits 1 and 2 act on the
+cp.async staging only: the variants that stage by tensor copies (``QERL_WGMMA_TMA=1``, the default, 128+ tokens a
+CTA; session 40 measured before it) stage every chunk with them set. **An ablated build computes wrong results**: this script only
 times it. While one variant is timed, ``cuda_fp4._ext`` returns that variant's module, so ``cuda_fp4.gemm`` launches
 it through the library's own dispatch (the token permutation's launch included, as ``cuda_gemm_bench._time_gemm``
 times it: CUDA-graph replays over weight copies larger than L2). Each (shape, M) runs at the configuration the device's
@@ -27,7 +31,8 @@ import sys
 
 import torch
 
-BITS = {1: "tokens staged once", 2: "weights staged once", 4: "no decode", 8: "no group barrier"}
+BITS = {1: "tokens staged once", 2: "weights staged once", 4: "no decode", 8: "no group barrier",
+        16: "A from shared memory"}
 MAX_BITS = sum(BITS)
 _STATE: dict = {}  # the ablated modules' build cache (not the library's: an ablated build's error is not its error)
 

@@ -108,7 +108,9 @@
 #                                builds that leave it out (benchmarks.wgmma_ablate; their results are wrong, only their
 #                                time counts): variants 1 (tokens staged once), 3 (no staging), 4 (no decode), 7 (no
 #                                staging, no decode), 8 (no group barrier) against the full kernel, built in parallel,
-#                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min)
+#                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min). ABLATE40_V replaces the
+#                                variants: ABLATE40_V="4 16 20" (session 48's plan) times the MMAs with A from shared
+#                                memory (16) and that without the decode (20) beside no decode alone (4)
 #   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA
 #                                or QERL_WGMMA_LORA), ABK_RUNS="VALUE:PASS ..." in the order run
 #                                (default "0:1 1:1 1:2 0:2"; the first run's value is the baseline), every build at once,
@@ -484,13 +486,14 @@ desc40)  # issue 10, session 40: the descriptor halves against the code before, 
   done ;;
 ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in a timing-only build
   pids=()
-  for v in 1 3 4 7 8; do
+  V=${ABLATE40_V:-1 3 4 7 8}
+  for v in $V; do
     timeout 300 python3 -m benchmarks.wgmma_ablate --build-only $v >> "$LOG" 2>&1 &
     pids+=($!)
   done
   build 2
   for p in "${pids[@]}"; do wait "$p"; done
-  timeout 200 python3 -m benchmarks.wgmma_ablate --variants 0,1,3,4,7,8 --m 64,128,256 --out "$OUT/ablate" 2>&1 \
+  timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}

@@ -121,19 +121,24 @@ def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_ablation_build_leaves_the_parts_out_of_the_main_loop():
-    """benchmarks.wgmma_ablate's build with every bit (-DQFP4_WGMMA_ABLATE=15): no decode (HMUL2, the scale step's
+    """benchmarks.wgmma_ablate's build with every bit (-DQFP4_WGMMA_ABLATE=31): no decode (HMUL2, the scale step's
     only instruction) anywhere in a plain grid kernel, no copy into shared memory (LDGSTS) after its first MMA (the
-    pipeline's first chunks only), and no group barrier (BAR.SYNC with a register id) inside its main loop."""
+    pipeline's first chunks only), no group barrier (BAR.SYNC with a register id) inside its main loop, and its main
+    loop's MMAs without a register A operand (SS: bit 16), as many as the library's RS ones."""
     from benchmarks import wgmma_ablate as wa
     assert wa.parse_variants("3,0,3,8") == [0, 3, 8] and wa.describe(5) == "tokens staged once + no decode"
-    for bad in ("16", "-1", "a", ""):
+    assert wa.describe(20) == "no decode + A from shared memory"
+    for bad in ("32", "-1", "a", ""):
         with pytest.raises(ValueError, match="--variants"):
             wa.parse_variants(bad)
-    sass, _ = wsc.compile_sass(2, None, ("QFP4_WGMMA_ABLATE=15", "QFP4_WGMMA_NO_SK=1"))
+    sass, _ = wsc.compile_sass(2, None, ("QFP4_WGMMA_ABLATE=31", "QFP4_WGMMA_NO_SK=1"))
     plain = {n: b for n, b in wsc.functions(sass).items() if "fp4_wgmma_kernel" in n and "Lb0ELb0E" in n}
     assert len(plain) == 2 * len(cf.WGMMA_VARIANTS)
     for name, body in plain.items():
         assert _ablated_parts(body) == [], name
+        loop = wsc.main_loop(body)
+        assert sum(wsc.opcode(t).startswith("HGMMA") for t in loop) == 8, name
+        assert not any(wsc._HGMMA_A.search(t) for t in loop), name  # no register A operand
 
 
 def _ablated_parts(body: list[tuple[int, str]]) -> list[str]:
@@ -204,8 +209,9 @@ def test_the_wgmma_wrappers_are_the_generators_output():
     spec.loader.exec_module(gen)
     text = gen.text()
     assert gen.OUT.read_text() == text, "fp4_wgmma_ops.cuh differs from gen_wgmma_ops.py's output: rerun it"
-    assert text.count("mov.b64 dsc, {%") == len(gen.WIDTHS)
-    assert text.count('"r"(dlo), "r"(dhi)') == len(gen.WIDTHS) and "uint64_t desc" not in text
+    assert text.count("mov.b64 dsc, {%") == 2 * len(gen.WIDTHS)  # wgmma_rs and wgmma_ss
+    assert text.count("mov.b64 asc, {%") == len(gen.WIDTHS)
+    assert text.count('"r"(dlo), "r"(dhi)') == 2 * len(gen.WIDTHS) and "uint64_t desc" not in text
 
 
 @pytest.mark.slow

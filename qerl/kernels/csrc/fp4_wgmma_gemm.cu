@@ -63,8 +63,9 @@
 // loads; its results are WRONG): bits that leave one part of the main loop out, to measure what it costs. 1: the
 // token tile is staged for the pipeline's first chunks only (later chunks read stale tiles); 2: the same for the
 // weight words and scales; 4: no decode (one XOR of the packed word with the scale pair per A register, which keeps
-// the loads); 8: no group barrier when a chunk is acquired. 0, the library's build, compiles exactly the kernel
-// without these lines (same SASS, checked when they were added).
+// the loads); 8: no group barrier when a chunk is acquired; 16: the MMAs' A operand from shared memory (SS; see
+// mma_chunk). 0, the library's build, compiles exactly the kernel without these lines (same SASS, checked when they
+// were added).
 #ifndef QFP4_WGMMA_ABLATE
 #define QFP4_WGMMA_ABLATE 0
 #endif
@@ -165,13 +166,21 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
 #endif
 
 // One chunk of 64 k: the four k16 MMAs of a warpgroup, A from a[j] (this thread's fragments), B from the K-major,
-// 128-byte-swizzled tile at shared address b_s, committed as one group (the caller waits for it).
+// 128-byte-swizzled tile at shared address b_s, committed as one group (the caller waits for it). QFP4_WGMMA_ABLATE &
+// 16 (timing only, wrong results): A from shared memory instead, the first 64 rows at b_s read through the same kind of
+// descriptor (SS MMAs; the fragments a[j] are computed and kept alive as before, but no MMA reads them).
 template <int NTOK>
 __device__ __forceinline__ void mma_chunk(float (&acc)[NTOK / 2], const uint32_t (&a)[4][4], uint32_t b_s) {
   wgmma_fence();
   const uint32_t lo = desc_lo(b_s);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], lo + 2 * j, kDescHi);
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (QFP4_WGMMA_ABLATE & 16) {
+      wgmma_ss<NTOK>(acc, lo + 2 * j, kDescHi, lo + 2 * j, kDescHi);
+    } else {
+      wgmma_rs<NTOK>(acc, a[j][0], a[j][1], a[j][2], a[j][3], lo + 2 * j, kDescHi);
+    }
+  }
   wgmma_commit();
 }
 #endif
