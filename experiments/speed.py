@@ -687,7 +687,9 @@ Session 48 (H200, 98600f9; `raw/h200_s48_regress/README.md`): the wgmma and GEMV
 sessions 39-46 were removed (`QERL_WGMMA_LORA=pdl-tail`, `QERL_WGMMA_SPLIT_EPI`, `QERL_WGMMA_TMA=all|bar|all-bar|tok|
 all-tok`, `QERL_WGMMA_OCC=2`, `QERL_LORA_SKEW`; code at b686701). The default kernels' machine code is unchanged (eight
 builds compared function by function on the CPU), and every GPU test passed (112; 3 skipped need two GPUs), now in ~7
-minutes of device time from a cold machine.
+minutes of device time from a cold machine. A timing-only ablation (`raw/h200_s48_ablate/README.md`): the MMAs with A from
+shared memory gain what dropping the decode gains (gate|up at 128 tokens 0.881 vs 0.868 of 80.4 µs, both 0.878): the
+decode costs its latency, and decoding into shared memory could gain at most ~12% of that kernel.
 Session 47 (H200, afd9e45; `raw/h200_s47_l2long/README.md`): the L2 prefetch at the issue's 256 + 2048, 7B NVFP4
 batch 8: 32 MB −0.8…−0.5%, gate|up only −1.1…−0.7%, 48 MB −1.5…−1.4% against three default passes (3085-3089 tok/s);
 the side branch alone +16 µs a step. Refuted and removed (code at a88f678). The session's first call found every
