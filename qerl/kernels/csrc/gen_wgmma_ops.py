@@ -1,10 +1,11 @@
 """Writes fp4_wgmma_ops.cuh: the inline-PTX wrappers of sm_90a ``wgmma.mma_async`` (m64nNk16, bf16 in, f32
 accumulators, A from registers, B from a shared-memory descriptor: ``wgmma_rs``) for the token-tile widths the FP4
 wgmma GEMM is compiled for, and the same with A from a shared-memory descriptor too (``wgmma_ss``: only the
-timing-only ablation build ``QFP4_WGMMA_ABLATE & 16`` calls it). One wrapper per N because each lists its N/2 accumulator registers as asm operands. The descriptor comes
-as its two 32-bit halves, joined inside the asm: given one 64-bit value, ptxas added 2 j to it with a carry and
-re-copied both halves for every MMA of a chunk (session 40's SASS: 6-7 instructions per MMA, a fifth of the main
-loop); as halves, the high one is a constant and each MMA costs one add of the low one.
+timing-only ablation build ``QFP4_WGMMA_ABLATE & 16`` calls it). One wrapper per N because each lists its N/2
+accumulator registers as asm operands. The descriptor comes as its two 32-bit halves, joined inside the asm: given one
+64-bit value, ptxas added 2 j to it with a carry and re-copied both halves for every MMA of a chunk (session 40's
+SASS: 6-7 instructions per MMA, a fifth of the main loop); as halves, the high one is a constant and each MMA costs
+one add of the low one.
 
     python qerl/kernels/csrc/gen_wgmma_ops.py   (from the repository root; the output is committed)
 """
@@ -13,36 +14,36 @@ from pathlib import Path
 WIDTHS = (32, 64, 128, 256)
 
 
-def wrapper(n: int) -> str:
+def _asm(name: str, n: int, params: str, lines: list[str], inputs: str) -> str:
+    """One specialization of ``name<n>``: an asm block of the PTX ``lines`` (each a C string literal's contents; the
+    token ``MMA`` stands for ``wgmma.mma_async.sync.aligned.m64n<n>k16.f32.bf16.bf16 {the n/2 accumulators}``),
+    the accumulators its in-out operands %0 .. %(n/2 - 1), then ``inputs``."""
     acc = n // 2
-    regs = ", ".join(f"%{i}" for i in range(acc))
+    mma = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{', '.join(f'%{i}' for i in range(acc))}}}"
+    body = "\n".join(f'      "{line.replace("MMA", mma)}"' for line in lines)
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
-    return (
-        f"template <>\n__device__ __forceinline__ void wgmma_rs<{n}>(float (&d)[{acc}], uint32_t a0, uint32_t a1, "
-        f"uint32_t a2, uint32_t a3, uint32_t dlo, uint32_t dhi) {{\n"
-        f'  asm volatile(\n'
-        f'      "{{\\n.reg .pred p;\\n.reg .b64 dsc;\\nsetp.ne.b32 p, %{acc + 6}, 0;\\nmov.b64 dsc, {{%{acc + 4}, %{acc + 5}}};\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, "\n'
-        f'      "{{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}, dsc, p, 1, 1, 0;\\n}}\\n"\n'
-        f"      : {outs}\n"
-        f'      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(dlo), "r"(dhi), "r"(1));\n'
-        f"}}\n")
+    return (f"template <>\n__device__ __forceinline__ void {name}<{n}>(float (&d)[{acc}], {params}) {{\n"
+            f"  asm volatile(\n{body}\n      : {outs}\n      : {inputs});\n}}\n")
+
+
+def wrapper(n: int) -> str:
+    """``wgmma_rs<n>``: A from four registers, B from the descriptor's halves (dlo, dhi)."""
+    a = n // 2
+    return _asm("wgmma_rs", n, "uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t dlo, uint32_t dhi",
+                [f"{{\\n.reg .pred p;\\n.reg .b64 dsc;\\nsetp.ne.b32 p, %{a + 6}, 0;\\n"
+                 f"mov.b64 dsc, {{%{a + 4}, %{a + 5}}};\\n",  # one C string line (the committed header's layout)
+                 "MMA, ", f"{{%{a}, %{a + 1}, %{a + 2}, %{a + 3}}}, dsc, p, 1, 1, 0;\\n}}\\n"],
+                '"r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(dlo), "r"(dhi), "r"(1)')
 
 
 def wrapper_ss(n: int) -> str:
-    acc = n // 2
-    regs = ", ".join(f"%{i}" for i in range(acc))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
-    return (
-        f"template <>\n__device__ __forceinline__ void wgmma_ss<{n}>(float (&d)[{acc}], uint32_t alo, uint32_t ahi, "
-        f"uint32_t dlo, uint32_t dhi) {{\n"
-        f'  asm volatile(\n'
-        f'      "{{\\n.reg .pred p;\\n.reg .b64 asc, dsc;\\nsetp.ne.b32 p, %{acc + 4}, 0;\\n"\n'
-        f'      "mov.b64 asc, {{%{acc}, %{acc + 1}}};\\nmov.b64 dsc, {{%{acc + 2}, %{acc + 3}}};\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, asc, dsc, p, 1, 1, 0, 0;\\n}}\\n"\n'
-        f"      : {outs}\n"
-        f'      : "r"(alo), "r"(ahi), "r"(dlo), "r"(dhi), "r"(1));\n'
-        f"}}\n")
+    """``wgmma_ss<n>``: A and B from descriptors, each as its two halves (alo, ahi; dlo, dhi)."""
+    a = n // 2
+    return _asm("wgmma_ss", n, "uint32_t alo, uint32_t ahi, uint32_t dlo, uint32_t dhi",
+                [f"{{\\n.reg .pred p;\\n.reg .b64 asc, dsc;\\nsetp.ne.b32 p, %{a + 4}, 0;\\n",
+                 f"mov.b64 asc, {{%{a}, %{a + 1}}};\\nmov.b64 dsc, {{%{a + 2}, %{a + 3}}};\\n",
+                 "MMA, asc, dsc, p, 1, 1, 0, 0;\\n}\\n"],
+                '"r"(alo), "r"(ahi), "r"(dlo), "r"(dhi), "r"(1)')
 
 
 def text() -> str:
