@@ -143,6 +143,10 @@
 #                                built in parallel first, two passes ($OUT/lora_{1,2}); ~4 min. ABLATE replaces the
 #                                variants: ABLATE=2,3,8,10 (session 45's plan) adds 8 (the term before the main loop,
 #                                no wait) and 10 (that with the LoRA CTAs idle: as if the kernel before had written t)
+#   scripts/gpu_bench.sh wgpeak  issue 10, session 48: the wgmma MMA schedule's ceiling with no loads and no decode
+#                                (benchmarks.wgmma_peak: m64nNk16 rs / ss, 1-4 warpgroups a CTA, wait_group 0 / 1,
+#                                one CTA an SM on every SM; $OUT/peak), beside the GEMM's own time at its tuned
+#                                configs (benchmarks.wgmma_profile --configs tuned, $OUT/prof); ~3 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -552,6 +556,11 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
     timeout 150 python3 -m benchmarks.lora_gemv_bench --models 7b --m 8,2 --fmts nvfp4 --pdl --ablate "$ABLATE" \
       --out "$OUT/lora_$pass" 2>&1 | grep -v Warn | grep -v "^|" | tail -40 >> "$LOG"
   done ;;
+wgpeak)  # issue 10: the wgmma MMA schedule alone against the GEMM (see the header)
+  build 2
+  timeout 200 python3 -m benchmarks.wgmma_peak --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
+  timeout 100 python3 -m benchmarks.wgmma_profile --configs tuned --m 64,128,256 --out "$OUT/prof" 2>&1 \
+    | grep "prof\]" >> "$LOG" ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}
   case "$part" in

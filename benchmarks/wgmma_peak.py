@@ -1,0 +1,239 @@
+"""The tensor cores' ceiling for the FP4 wgmma GEMM's MMA schedule, with no memory traffic and no decode (issue 10).
+
+    python -m benchmarks.wgmma_peak [--n 64,128,256] [--ops rs,ss] [--wgs 1,2,4] [--depth 0,1] [--iters 4096]
+                                    [--ctas 1] [--out results/speed] [--tag NAME]
+
+Every CTA's warpgroups loop over "chunks" as the GEMM's main loop does (``csrc/fp4_wgmma_gemm.cu``): a
+``wgmma.fence``, four ``m64nNk16`` bf16 MMAs into one set of N/2 fp32 accumulators (``rs``: A from four registers a
+thread, B from a 128-byte-swizzled shared-memory tile, the GEMM's ``wgmma_rs``; ``ss``: A from shared memory too,
+``wgmma_ss``), one commit group, then ``wgmma.wait_group depth`` (1: the group before may still run, the GEMM's
+pipe 2; 0: none). Nothing is loaded or decoded: the operands sit in registers and in a zeroed shared-memory tile for
+the whole loop. ``wgs`` warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM.
+
+The measure is TFLOPS (2 x 64 x N x 16 x 4 per chunk and warpgroup) against the dense BF16 peak the roofline uses
+(``benchmarks.decode_floor``: 989 TFLOPS on an H100 / H200 SXM): what a CTA of this shape reaches when nothing but its
+MMAs runs. Session 48's ablation (``raw/h200_s48_ablate``) left ~87% of the 128-token GEMM's time with no decode; set
+against this ceiling, it separates what the instruction stream can do from what the GEMM's schedule (staging, waits,
+epilogue, waves) costs. Writes ``wgmma_peak_<gpu><tag>.csv`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import kernel_bench as bench
+
+CSRC = Path(__file__).resolve().parents[1] / "qerl" / "kernels" / "csrc"
+WIDTHS = (64, 128, 256)  # token-tile widths N (the GEMM's 64-, 128- and 256-token tiles)
+OPS = ("rs", "ss")
+DEPTHS = (0, 1)
+WGS = (1, 2, 4)
+# the compiled (N, warpgroups a CTA): a CTA of W warpgroups is compiled for W x 128 threads (its registers: N / 2
+# accumulators a thread; 4 warpgroups of 256 tokens would need more than the 128 registers 512 threads leave)
+VARIANTS = tuple((n, w) for n in WIDTHS for w in WGS if n * w <= 512)
+PEAK_TFLOPS = 989.0  # dense BF16, H100 / H200 SXM (the roofline's)
+
+# Device code: sm_90a only (the wrappers assert nothing; the host refuses other devices).
+DEVICE_SRC = r"""
+#include <cstdint>
+#include "fp4_wgmma_ops.cuh"
+using namespace qfp4;
+
+// The GEMM's descriptor of a K-major bf16 tile in the 128-byte swizzle (fp4_wgmma_gemm.cu's desc_lo / kDescHi):
+// start address >> 4, leading byte offset 16 (1), stride 1024 bytes between 8-row groups, 128-byte swizzle.
+__device__ __forceinline__ uint32_t peak_desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
+constexpr uint32_t kPeakDescHi = (1024u >> 4) | (1u << 30);
+
+template <int N, bool SS, int DEPTH, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float* sink) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  // the B tile (N rows x 128 bytes) and, after it, a 64-row A tile, from the first 1024-byte boundary (a swizzle
+  // atom): zeros (0 x 0 = 0: no NaN, no denormal path)
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+  for (int i = threadIdx.x; i < (N * 128 + 64 * 128) / 16; i += blockDim.x)
+    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
+  __syncthreads();
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t blo = peak_desc_lo(base), alo = peak_desc_lo(base + N * 128);
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    acc[i] = 0.f;
+    asm volatile("" : "+f"(acc[i])::"memory");
+  }
+  // The register A operand of rs as the GEMM holds it (its pipe 2): one set of four registers per MMA of a chunk, two
+  // chunks' sets, even chunks in a[0], odd in a[1]; each chunk's set written afresh before its MMAs (bf16 zeros by
+  // an opaque mov, where the GEMM decodes) and kept alive until the wait that retires them (a set held across the
+  // loop's back edge instead makes ptxas serialize the MMAs).
+  uint32_t a[2][4][4];
+  auto fresh = [&](uint32_t (&r)[4][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int o = 0; o < 4; ++o) asm volatile("mov.b32 %0, 0;" : "=r"(r[j][o]));
+  };
+  auto keep = [&](const uint32_t (&r)[4][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" ::"r"(r[j][0]), "r"(r[j][1]), "r"(r[j][2]), "r"(r[j][3]) : "memory");
+  };
+  auto chunk = [&](const uint32_t (&r)[4][4]) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (SS) {
+        wgmma_ss<N>(acc, alo + 2 * j, kPeakDescHi, blo + 2 * j, kPeakDescHi);
+      } else {
+        wgmma_rs<N>(acc, r[j][0], r[j][1], r[j][2], r[j][3], blo + 2 * j, kPeakDescHi);
+      }
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(DEPTH) : "memory");
+  };
+  fresh(a[1]);
+#pragma unroll 1  // unrolled further, the 512-thread rs kernels run out of registers and ptxas serializes
+  for (int it = 0; it < iters; it += 2) {  // two chunks a pass (iters even)
+    fresh(a[0]);
+    chunk(a[0]);
+    keep(a[DEPTH]);  // the set the wait retired: this chunk's (depth 0) or the one before (depth 1)
+    fresh(a[1]);
+    chunk(a[1]);
+    keep(a[1 - DEPTH]);
+  }
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s += acc[i];
+  if (s != 0.f) sink[blockIdx.x] = s;  // never true (zeros): keeps the MMAs
+#endif
+}
+"""
+
+
+
+def host_src() -> str:
+    """The launcher: one case per compiled (N, warpgroups) x A operand x wait depth."""
+    cases = "\n".join(
+        f"  if (n == {n} && wgs == {w} && ss == {str(ss).lower()} && depth == {d}) "
+        f"return launch<{n}, {str(ss).lower()}, {d}, {128 * w}>(grid, iters, p, stream);"
+        for n, w in VARIANTS for ss in (False, True) for d in DEPTHS)
+    return r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+
+template <int N, bool SS, int DEPTH, int THREADS>
+static void launch(int grid, int iters, float* sink, cudaStream_t stream) {
+  const int smem = N * 128 + 64 * 128 + 1024;  // + 1024: the tiles start on a swizzle atom
+  auto k = wgmma_peak_kernel<N, SS, DEPTH, THREADS>;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  k<<<grid, THREADS, smem, stream>>>(iters, sink);
+}
+
+void run(int64_t n, bool ss, int64_t depth, int64_t grid, int64_t wgs, int64_t iters, torch::Tensor sink) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  float* p = sink.data_ptr<float>();
+""" + cases + r"""
+  TORCH_CHECK(false, "wgmma_peak: no variant n=", n, " wgs=", wgs, " ss=", ss, " depth=", depth);
+}
+"""
+
+
+
+def parse_list(text: str, name: str, valid: tuple) -> list:
+    """``"a,b"`` -> the values, each one of ``valid`` (ints where ``valid`` holds ints), or ValueError naming the flag,
+    the bad value and the choices."""
+    kind = type(valid[0])
+    try:
+        vals = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = None
+    if not vals or any(v not in valid for v in vals):
+        raise ValueError(f"--{name} {text!r}: each must be one of {', '.join(map(str, valid))}")
+    return list(dict.fromkeys(vals))
+
+
+def chunk_flops(n: int) -> int:
+    """FLOPs of one chunk of one warpgroup: four m64nNk16 MMAs."""
+    return 2 * 64 * n * 16 * 4
+
+
+def tflops(n: int, wgs: int, grid: int, iters: int, ms: float) -> float:
+    """TFLOPS of a launch of ``grid`` CTAs of ``wgs`` warpgroups, each looping ``iters`` chunks, in ``ms``."""
+    return chunk_flops(n) * wgs * grid * iters / (ms * 1e-3) / 1e12
+
+
+def _ext():
+    from torch.utils.cpp_extension import load_inline
+    cpp = "void run(int64_t, bool, int64_t, int64_t, int64_t, int64_t, torch::Tensor);"  # the binding's declaration
+    return load_inline("qerl_wgmma_peak", cpp_sources=cpp, cuda_sources=DEVICE_SRC + host_src(), functions=["run"],
+                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{CSRC}"],
+                       verbose=False)
+
+
+def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float) -> list[dict]:
+    ext = _ext()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sink = torch.zeros(sms * ctas, device="cuda")
+    rows = []
+    grid = sms * ctas
+    for n, op, wgs, depth in itertools.product(widths, ops, wgs_list, depths):
+        if (n, wgs) not in VARIANTS:
+            continue
+        call = functools.partial(ext.run, n, op == "ss", depth, grid, wgs, iters, sink)
+        ms = bench._graph_ms([call], rep_ms)[0]
+        tf = tflops(n, wgs, grid, iters, ms)
+        rows.append(dict(N=n, op=op, warpgroups=wgs, depth=depth, ctas_per_sm=ctas, iters=iters,
+                         us=round(ms * 1e3, 2), tflops=round(tf, 1), of_peak=round(tf / PEAK_TFLOPS, 3)))
+        print(f"[peak] m64n{n}k16 {op} wgs={wgs} depth={depth} ctas/SM={ctas}: {ms * 1e3:8.1f} us "
+              f"{tf:6.1f} TFLOPS ({tf / PEAK_TFLOPS:.3f} of {PEAK_TFLOPS:.0f})", flush=True)
+    return rows
+
+
+def markdown(rows, header: str) -> str:
+    out = [header, "", "| N | A operand | warpgroups / CTA | wait_group | CTAs / SM | µs | TFLOPS | of peak |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['N']} | {r['op']} | {r['warpgroups']} | {r['depth']} | {r['ctas_per_sm']} | {r['us']:.1f} | "
+                   f"{r['tflops']:.1f} | {r['of_peak']:.3f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", default="64,128,256")
+    ap.add_argument("--ops", default="rs,ss")
+    ap.add_argument("--wgs", default="1,2,4")
+    ap.add_argument("--depth", default="0,1")
+    ap.add_argument("--iters", type=int, default=4096)
+    ap.add_argument("--ctas", type=int, default=1, help="CTAs an SM (one wave: SMs x ctas)")
+    ap.add_argument("--rep", type=float, default=20.0)
+    ap.add_argument("--out", default="results/speed")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args(argv)
+    try:
+        widths = parse_list(a.n, "n", WIDTHS)
+        ops = parse_list(a.ops, "ops", OPS)
+        wgs = parse_list(a.wgs, "wgs", WGS)
+        depths = parse_list(a.depth, "depth", DEPTHS)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if a.iters < 2 or a.iters % 2 or a.ctas not in (1, 2):
+        raise SystemExit(f"--iters must be even and >= 2 and --ctas 1 or 2, got {a.iters} / {a.ctas}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("wgmma_peak needs an sm_90 GPU (H100 / H200)")
+    rows = run(widths, ops, wgs, depths, a.iters, a.ctas, a.rep)
+    header = (f"## The wgmma GEMM's MMA schedule alone: TFLOPS with no loads and no decode\n\n"
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dense BF16 peak {PEAK_TFLOPS:.0f} TFLOPS, "
+              f"`{' '.join(sys.argv)}`.")
+    bench.write_report(a.out, f"wgmma_peak_{bench.gpu_tag(a.tag)}", rows, markdown(rows, header))
+
+
+if __name__ == "__main__":
+    main()
