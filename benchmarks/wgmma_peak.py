@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import decode_floor
 from benchmarks import kernel_bench as bench
 
 CSRC = Path(__file__).resolve().parents[1] / "qerl" / "kernels" / "csrc"
@@ -37,18 +38,12 @@ WGS = (1, 2, 4)
 # the compiled (N, warpgroups a CTA): a CTA of W warpgroups is compiled for W x 128 threads (its registers: N / 2
 # accumulators a thread; 4 warpgroups of 256 tokens would need more than the 128 registers 512 threads leave)
 VARIANTS = tuple((n, w) for n in WIDTHS for w in WGS if n * w <= 512)
-PEAK_TFLOPS = 989.0  # dense BF16, H100 / H200 SXM (the roofline's)
 
 # Device code: sm_90a only (the wrappers assert nothing; the host refuses other devices).
 DEVICE_SRC = r"""
 #include <cstdint>
 #include "fp4_wgmma_ops.cuh"
 using namespace qfp4;
-
-// The GEMM's descriptor of a K-major bf16 tile in the 128-byte swizzle (fp4_wgmma_gemm.cu's desc_lo / kDescHi):
-// start address >> 4, leading byte offset 16 (1), stride 1024 bytes between 8-row groups, 128-byte swizzle.
-__device__ __forceinline__ uint32_t peak_desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
-constexpr uint32_t kPeakDescHi = (1024u >> 4) | (1u << 30);
 
 template <int N, bool SS, int DEPTH, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float* sink) {
@@ -62,12 +57,12 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t blo = peak_desc_lo(base), alo = peak_desc_lo(base + N * 128);
+  const uint32_t blo = desc_lo(base), alo = desc_lo(base + N * 128);  // the GEMM's descriptors
   float acc[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
     acc[i] = 0.f;
-    asm volatile("" : "+f"(acc[i])::"memory");
+    fence_reg(acc[i]);
   }
   // The register A operand of rs as the GEMM holds it (its pipe 2): one set of four registers per MMA of a chunk, two
   // chunks' sets, even chunks in a[0], odd in a[1]; each chunk's set written afresh before its MMAs (bf16 zeros by
@@ -80,34 +75,30 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float
 #pragma unroll
       for (int o = 0; o < 4; ++o) asm volatile("mov.b32 %0, 0;" : "=r"(r[j][o]));
   };
-  auto keep = [&](const uint32_t (&r)[4][4]) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" ::"r"(r[j][0]), "r"(r[j][1]), "r"(r[j][2]), "r"(r[j][3]) : "memory");
-  };
   auto chunk = [&](const uint32_t (&r)[4][4]) {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if constexpr (SS) {
-        wgmma_ss<N>(acc, alo + 2 * j, kPeakDescHi, blo + 2 * j, kPeakDescHi);
+        wgmma_ss<N>(acc, alo + 2 * j, kDescHi, blo + 2 * j, kDescHi);
       } else {
-        wgmma_rs<N>(acc, r[j][0], r[j][1], r[j][2], r[j][3], blo + 2 * j, kPeakDescHi);
+        wgmma_rs<N>(acc, r[j][0], r[j][1], r[j][2], r[j][3], blo + 2 * j, kDescHi);
       }
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(DEPTH) : "memory");
+    wgmma_commit();
+    wgmma_wait<DEPTH>();
   };
   fresh(a[1]);
 #pragma unroll 1  // unrolled further, the 512-thread rs kernels run out of registers and ptxas serializes
   for (int it = 0; it < iters; it += 2) {  // two chunks a pass (iters even)
     fresh(a[0]);
     chunk(a[0]);
-    keep(a[DEPTH]);  // the set the wait retired: this chunk's (depth 0) or the one before (depth 1)
+    keep_regs(a[DEPTH]);  // the set the wait retired: this chunk's (depth 0) or the one before (depth 1)
     fresh(a[1]);
     chunk(a[1]);
-    keep(a[1 - DEPTH]);
+    keep_regs(a[1 - DEPTH]);
   }
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  wgmma_wait<0>();
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) s += acc[i];
@@ -177,8 +168,15 @@ def _ext():
                        verbose=False)
 
 
+def peak_tflops(device_name: str) -> float:
+    """The dense BF16 peak of the roofline (``decode_floor.PEAK_TFLOPS``) for this GPU model (an H100's where the name
+    names neither model)."""
+    return decode_floor.PEAK_TFLOPS[decode_floor._gpu_model(device_name) or "H100"]
+
+
 def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float) -> list[dict]:
     ext = _ext()
+    peak = peak_tflops(torch.cuda.get_device_name())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sink = torch.zeros(sms * ctas, device="cuda")
     rows = []
@@ -190,9 +188,9 @@ def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float) -> 
         ms = bench._graph_ms([call], rep_ms)[0]
         tf = tflops(n, wgs, grid, iters, ms)
         rows.append(dict(N=n, op=op, warpgroups=wgs, depth=depth, ctas_per_sm=ctas, iters=iters,
-                         us=round(ms * 1e3, 2), tflops=round(tf, 1), of_peak=round(tf / PEAK_TFLOPS, 3)))
+                         us=round(ms * 1e3, 2), tflops=round(tf, 1), of_peak=round(tf / peak, 3)))
         print(f"[peak] m64n{n}k16 {op} wgs={wgs} depth={depth} ctas/SM={ctas}: {ms * 1e3:8.1f} us "
-              f"{tf:6.1f} TFLOPS ({tf / PEAK_TFLOPS:.3f} of {PEAK_TFLOPS:.0f})", flush=True)
+              f"{tf:6.1f} TFLOPS ({tf / peak:.3f} of {peak:.0f})", flush=True)
     return rows
 
 
@@ -230,7 +228,7 @@ def main(argv=None) -> None:
         raise SystemExit("wgmma_peak needs an sm_90 GPU (H100 / H200)")
     rows = run(widths, ops, wgs, depths, a.iters, a.ctas, a.rep)
     header = (f"## The wgmma GEMM's MMA schedule alone: TFLOPS with no loads and no decode\n\n"
-              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dense BF16 peak {PEAK_TFLOPS:.0f} TFLOPS, "
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dense BF16 peak {peak_tflops(torch.cuda.get_device_name()):.0f} TFLOPS, "
               f"`{' '.join(sys.argv)}`.")
     bench.write_report(a.out, f"wgmma_peak_{bench.gpu_tag(a.tag)}", rows, markdown(rows, header))
 

@@ -2,6 +2,8 @@
 // A (64 x 16) from four registers per thread (the mma.sync m16n8k16 A fragment of the thread's warp,
 // rows 16 * (warp % 4) ...), B (16 x N, K-major) from a shared-memory matrix descriptor (its low and high
 // 32 bits); d += A B. wgmma_ss: A (64 x 16, K-major) from a descriptor too (timing-only ablation builds).
+// Also the fences, waits, register keep-alives and matrix descriptor the wgmma kernels share
+// (csrc/fp4_wgmma_gemm.cu, benchmarks/wgmma_peak.py).
 #pragma once
 #include <cstdint>
 
@@ -11,6 +13,29 @@ template <int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t dlo, uint32_t dhi);
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint32_t alo, uint32_t ahi, uint32_t dlo, uint32_t dhi);
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator across the (asynchronous) MMAs.
+__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// Keeps a chunk's A registers allocated and unmodified up to this point (see the main loop).
+__device__ __forceinline__ void keep_regs(const uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    asm volatile("" ::"r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]) : "memory");
+}
+
+// Matrix descriptor of a K-major bf16 operand in the 128-byte swizzle, as its two 32-bit halves: low = start
+// address >> 4 (bits 0-13) | leading byte offset, unused for this swizzle (1, bits 16-29); high = stride byte offset
+// of the 8-row atoms (1024 B >> 4, bits 32-45) | the swizzle mode (128 B: bit 62). The k16 step j of a 64-k chunk
+// starts 32 j bytes into the row (low + 2 j: shared addresses are below 256 KB, so the address field never carries);
+// the hardware applies the swizzle to the computed addresses.
+constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFFu) >> 4) | (1u << 16); }
 
 template <>
 __device__ __forceinline__ void wgmma_rs<32>(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t dlo, uint32_t dhi) {
