@@ -226,15 +226,6 @@ ab_runs() {  # SWITCH PREFIX RUNS SECONDS PATTERN CMD...: CMD once per run of RU
     (export "$sw=$v"; timeout "$secs" "$@" --out "$OUT/${prefix}_${v}_$pass" 2>&1 | grep "$pat" >> "$LOG")
   done
 }
-roll_ab() {  # DECODE DIR PAIRS: one 7B rollout process (256 + 512) per "FORMAT:BATCH" of PAIRS, fused / DECODE /
-  # DECODE / fused in it ($OUT/DIR)
-  local dec=$1 dir=$2 fb f b
-  for fb in $3; do
-    IFS=: read -r f b <<< "$fb"
-    timeout 100 $B rollout --models 7b --formats "$f" --batch "$b" --prompt 256 --new 512 \
-      --decode "fused,$dec,$dec,fused" --out "$OUT/$dir" 2>&1 | grep -v Warn >> "$LOG"
-  done
-}
 case "${1:-core}" in
 core)
   python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fused_decode.py tests/test_kernels.py tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
