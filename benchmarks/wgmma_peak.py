@@ -1,14 +1,16 @@
 """The tensor cores' ceiling for the FP4 wgmma GEMM's MMA schedule, with no memory traffic and no decode (issue 10).
 
     python -m benchmarks.wgmma_peak [--n 64,128,256] [--ops rs,ss] [--wgs 1,2,4] [--depth 0,1] [--iters 4096]
-                                    [--ctas 1] [--out results/speed] [--tag NAME]
+                                    [--ctas 1] [--grid CTAS] [--out results/speed] [--tag NAME]
 
 Every CTA's warpgroups loop over "chunks" as the GEMM's main loop does (``csrc/fp4_wgmma_gemm.cu``): a
 ``wgmma.fence``, four ``m64nNk16`` bf16 MMAs into one set of N/2 fp32 accumulators (``rs``: A from four registers a
 thread, B from a 128-byte-swizzled shared-memory tile, the GEMM's ``wgmma_rs``; ``ss``: A from shared memory too,
 ``wgmma_ss``), one commit group, then ``wgmma.wait_group depth`` (1: the group before may still run, the GEMM's
 pipe 2; 0: none). Nothing is loaded or decoded: the operands sit in registers and in a zeroed shared-memory tile for
-the whole loop. ``wgs`` warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM.
+the whole loop. ``wgs`` warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM;
+or ``--grid`` CTAs in all (e.g. 296 with ``--iters 28``: the grid and the chunks a warpgroup of the GEMM's 128-token
+gate|up launch, 7B, with nothing but its MMAs; session 49's ``scripts/gpu_bench.sh kfix``).
 
 The measure is TFLOPS (2 x 64 x N x 16 x 4 per chunk and warpgroup) against the dense BF16 peak the roofline uses
 (``benchmarks.decode_floor``: 989 TFLOPS on an H100 / H200 SXM): what a CTA of this shape reaches when nothing but its
@@ -174,31 +176,33 @@ def peak_tflops(device_name: str) -> float:
     return decode_floor.PEAK_TFLOPS[decode_floor._gpu_model(device_name) or "H100"]
 
 
-def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float) -> list[dict]:
+def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float, grid: int = 0) -> list[dict]:
+    """Each variant timed over ``grid`` CTAs (0: one wave, ``ctas`` an SM on every SM)."""
     ext = _ext()
     peak = peak_tflops(torch.cuda.get_device_name())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sink = torch.zeros(sms * ctas, device="cuda")
+    grid = grid or sms * ctas
+    sink = torch.zeros(grid, device="cuda")
     rows = []
-    grid = sms * ctas
     for n, op, wgs, depth in itertools.product(widths, ops, wgs_list, depths):
         if (n, wgs) not in VARIANTS:
             continue
         call = functools.partial(ext.run, n, op == "ss", depth, grid, wgs, iters, sink)
         ms = bench._graph_ms([call], rep_ms)[0]
         tf = tflops(n, wgs, grid, iters, ms)
-        rows.append(dict(N=n, op=op, warpgroups=wgs, depth=depth, ctas_per_sm=ctas, iters=iters,
+        rows.append(dict(N=n, op=op, warpgroups=wgs, depth=depth, ctas_per_sm=ctas, grid=grid, iters=iters,
                          us=round(ms * 1e3, 2), tflops=round(tf, 1), of_peak=round(tf / peak, 3)))
-        print(f"[peak] m64n{n}k16 {op} wgs={wgs} depth={depth} ctas/SM={ctas}: {ms * 1e3:8.1f} us "
+        print(f"[peak] m64n{n}k16 {op} wgs={wgs} depth={depth} ctas/SM={ctas} grid={grid} iters={iters}: {ms * 1e3:8.1f} us "
               f"{tf:6.1f} TFLOPS ({tf / peak:.3f} of {peak:.0f})", flush=True)
     return rows
 
 
 def markdown(rows, header: str) -> str:
-    out = [header, "", "| N | A operand | warpgroups / CTA | wait_group | CTAs / SM | µs | TFLOPS | of peak |",
-           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    out = [header, "", "| N | A operand | warpgroups / CTA | wait_group | CTAs / SM | CTAs | chunks | µs | TFLOPS | "
+           "of peak |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['N']} | {r['op']} | {r['warpgroups']} | {r['depth']} | {r['ctas_per_sm']} | {r['us']:.1f} | "
+        out.append(f"| {r['N']} | {r['op']} | {r['warpgroups']} | {r['depth']} | {r['ctas_per_sm']} | {r['grid']} | "
+                   f"{r['iters']} | {r['us']:.1f} | "
                    f"{r['tflops']:.1f} | {r['of_peak']:.3f} |")
     return "\n".join(out)
 
@@ -211,6 +215,7 @@ def main(argv=None) -> None:
     ap.add_argument("--depth", default="0,1")
     ap.add_argument("--iters", type=int, default=4096)
     ap.add_argument("--ctas", type=int, default=1, help="CTAs an SM (one wave: SMs x ctas)")
+    ap.add_argument("--grid", type=int, default=0, help="CTAs in all (0: one wave, SMs x ctas)")
     ap.add_argument("--rep", type=float, default=20.0)
     ap.add_argument("--out", default="results/speed")
     ap.add_argument("--tag", default="")
@@ -222,11 +227,12 @@ def main(argv=None) -> None:
         depths = parse_list(a.depth, "depth", DEPTHS)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    if a.iters < 2 or a.iters % 2 or a.ctas not in (1, 2):
-        raise SystemExit(f"--iters must be even and >= 2 and --ctas 1 or 2, got {a.iters} / {a.ctas}")
+    if a.iters < 2 or a.iters % 2 or a.ctas not in (1, 2) or a.grid < 0:
+        raise SystemExit(f"--iters must be even and >= 2, --ctas 1 or 2 and --grid >= 0 (0: one wave), got "
+                         f"{a.iters} / {a.ctas} / {a.grid}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("wgmma_peak needs an sm_90 GPU (H100 / H200)")
-    rows = run(widths, ops, wgs, depths, a.iters, a.ctas, a.rep)
+    rows = run(widths, ops, wgs, depths, a.iters, a.ctas, a.rep, a.grid)
     header = (f"## The wgmma GEMM's MMA schedule alone: TFLOPS with no loads and no decode\n\n"
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dense BF16 peak {peak_tflops(torch.cuda.get_device_name()):.0f} TFLOPS, "
               f"`{' '.join(sys.argv)}`.")

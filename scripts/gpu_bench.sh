@@ -147,6 +147,13 @@
 #                                (benchmarks.wgmma_peak: m64nNk16 rs / ss, 1-4 warpgroups a CTA, wait_group 0 / 1,
 #                                one CTA an SM on every SM; $OUT/peak), beside the GEMM's own time at its tuned
 #                                configs (benchmarks.wgmma_profile --configs tuned, $OUT/prof); ~3 min
+#   scripts/gpu_bench.sh kfix    issue 10, session 49: the wgmma GEMM's cost per CTA outside its main loop. The tuned
+#                                128-token gate|up config (16,0,2,2) over one wave (16896 rows: 132 CTAs) at K = 896 ..
+#                                14336, without and with a rank-32 LoRA epilogue, and the 7B shape (296 CTAs)
+#                                ($OUT/prof0, $OUT/prof32; the intercept of time against K is the per-CTA fixed cost);
+#                                the MMA schedule alone (benchmarks.wgmma_peak, N 128, rs, 4 warpgroups, wait 1) at
+#                                28 .. 4096 chunks a warpgroup over one wave and at the GEMM's 28 chunks over its 296
+#                                CTAs ($OUT/peak); ~3 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -552,6 +559,18 @@ wgpeak)  # issue 10: the wgmma MMA schedule alone against the GEMM (see the head
   timeout 200 python3 -m benchmarks.wgmma_peak --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
   timeout 100 python3 -m benchmarks.wgmma_profile --configs tuned --m 64,128,256 --out "$OUT/prof" 2>&1 \
     | grep "prof\]" >> "$LOG" ;;
+kfix)  # issue 10: the wgmma GEMM's per-CTA fixed cost (see the header)
+  build 2
+  for m in 0 32; do
+    timeout 150 python3 -m benchmarks.wgmma_profile --configs 16,0,2,2 --m 128 --lora $m --out "$OUT/prof$m" \
+      --shapes 16896x896,16896x1792,16896x3584,16896x7168,16896x14336,37888x3584 2>&1 | grep "prof\]" >> "$LOG"
+  done
+  for it in 28 56 112 224 4096; do
+    timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs --wgs 4 --depth 1 --iters $it --tag "_i$it" \
+      --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
+  done
+  timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs --wgs 4 --depth 1 --iters 28 --grid 296 \
+    --tag _g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}
   case "$part" in

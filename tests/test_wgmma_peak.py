@@ -20,9 +20,12 @@ def test_arguments_and_flops():
             wp.parse_list(text, name, valid)
     with pytest.raises(SystemExit, match="--n '96': each must be one of 64, 128, 256"):
         wp.main(["--n", "96"])
-    for bad in (["--ctas", "3"], ["--iters", "7"], ["--iters", "0"]):
-        with pytest.raises(SystemExit, match="--iters must be even and >= 2 and --ctas 1 or 2"):
+    for bad in (["--ctas", "3"], ["--iters", "7"], ["--iters", "0"], ["--grid", "-1"]):
+        with pytest.raises(SystemExit, match="--iters must be even and >= 2, --ctas 1 or 2 and --grid >= 0"):
             wp.main(bad)
+    row = dict(N=128, op="rs", warpgroups=4, depth=1, ctas_per_sm=1, grid=296, iters=28, us=30.5, tflops=500.0,
+               of_peak=0.505)
+    assert "| 128 | rs | 4 | 1 | 1 | 296 | 28 | 30.5 | 500.0 | 0.505 |" in wp.markdown([row], "h")
     assert wp.chunk_flops(128) == 2 * 64 * 128 * 16 * 4
     # 132 SMs x 2 warpgroups x 1000 chunks of m64n128k16 x 4 in 1 ms: 0.1384 PFLOPS
     assert wp.tflops(128, 2, 132, 1000, 1.0) == pytest.approx(132 * 2 * 1000 * 2 * 64 * 128 * 16 * 4 / 1e-3 / 1e12)
