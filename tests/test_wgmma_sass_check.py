@@ -221,31 +221,40 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
     (UTMALDG: three a chunk at five places -- the two prologue chunks, the two of a loop pass, and the loop's first pass
     peeled by ptxas), no cp.async (LDGSTS) in a plain one (a LoRA one keeps it for its t tile) and no group barrier
     inside its main loop; the 32- and 64-token grid variants and the stream-K ones keep cp.async and issue no tensor
-    copy; the loop check stays clean."""
-    sass, msgs = wsc.compile_sass(2, None, ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"))
-    r = wsc.check(sass, msgs)
-    assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
-    assert r["hazards"] == [] and not r["serialized"], r
-    seen = {True: 0, False: 0}
-    for name, body in wsc.functions(sass).items():
-        if "fp4_wgmma_kernel" not in name:
-            continue
-        # template <FMT, NTOK, RW, KS, LORA, SK>
-        fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
-        ops = [wsc.opcode(ins) for _, ins in body]
-        tma, cp = sum(o.startswith("UTMALDG") for o in ops), sum(o.startswith("LDGSTS") for o in ops)
-        by_tma = ntok >= 128 and not sk
-        seen[by_tma] += 1
-        if not by_tma:
-            assert tma == 0 and cp > 0, (name, tma, cp)
-            continue
-        assert tma == 15 and (cp == 0) == (not lora), (name, tma, cp)
-        loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
-        assert not any(t.startswith("BAR.SYNC") for t in loop), name
-        assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases
-        assert sum(t.startswith("UTMALDG") for t in loop) == 6 and len(loop) < 400, (name, len(loop))
-    big = sum(ntok >= 128 for ntok, _, _ in cf.WGMMA_VARIANTS)
-    assert seen[True] == 4 * big and seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen
+    copy; the loop check stays clean. With session 49's QERL_WGMMA_L2PF=8 (built beside it) the same, and the
+    TMA-staged variants' main loop also prefetches two boxes a chunk into L2 (UTMAPF.L2: four a loop pass), which no
+    variant of the default build does."""
+    with ThreadPoolExecutor(2) as pool:  # both builds at once
+        builds = list(pool.map(lambda d: wsc.compile_sass(2, None, d),
+                               [("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"),
+                                ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_L2PF=8")]))
+    for l2pf, (sass, msgs) in zip((False, True), builds, strict=True):
+        r = wsc.check(sass, msgs)
+        assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
+        assert r["hazards"] == [] and not r["serialized"], (l2pf, r)
+        seen = {True: 0, False: 0}
+        for name, body in wsc.functions(sass).items():
+            if "fp4_wgmma_kernel" not in name:
+                continue
+            # template <FMT, NTOK, RW, KS, LORA, SK>
+            fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
+            ops = [wsc.opcode(ins) for _, ins in body]
+            tma, cp = sum(o.startswith("UTMALDG") for o in ops), sum(o.startswith("LDGSTS") for o in ops)
+            by_tma = ntok >= 128 and not sk
+            seen[by_tma] += 1
+            loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
+            assert sum(t.startswith("UTMAPF.L2") for t in loop) == (4 if l2pf and by_tma else 0), (l2pf, name)
+            if not by_tma:
+                assert tma == 0 and cp > 0 and not any(o.startswith("UTMAPF") for o in ops), (name, tma, cp)
+                continue
+            assert tma == 15 and (cp == 0) == (not lora), (name, tma, cp)
+            assert not any(t.startswith("BAR.SYNC") for t in loop), name
+            assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases
+            assert sum(t.startswith("UTMALDG") for t in loop) == 6 and len(loop) < (450 if l2pf else 400), \
+                (name, len(loop))
+        big = sum(ntok >= 128 for ntok, _, _ in cf.WGMMA_VARIANTS)
+        assert seen[True] == 4 * big, seen
+        assert seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen
 
 
 @pytest.mark.slow
