@@ -155,13 +155,6 @@
 #                                the MMA schedule alone (benchmarks.wgmma_peak, N 128, rs, 4 warpgroups, wait 1) at
 #                                28 .. 4096 chunks a warpgroup over one wave and at the GEMM's 28 chunks over its 296
 #                                CTAs ($OUT/peak); ~3 min
-#   scripts/gpu_bench.sh rw4     issue 10, session 49: the 256-row variant (128 tokens, four warpgroups along the rows,
-#                                one token tile for all four: 40% fewer bytes staged a FLOP than (16,0,2,2)) back in
-#                                the sweep. The wgmma GPU tests over every variant; per-SM staging against FLOPs at one
-#                                wave of (16,0,4,1) (33792 rows, K = 7168 / 14336) beside (16,0,2,2) and (16,0,1,2)
-#                                ($OUT/wave); the 7B products at 128 / 256 tokens over candidate configs ($OUT/prof);
-#                                the 7B tuning sweep (RW4=sweep, default; installs the table in the device's tree and
-#                                $OUT/sweep); ~6 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -579,16 +572,6 @@ kfix)  # issue 10: the wgmma GEMM's per-CTA fixed cost (see the header)
   done
   timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs --wgs 4 --depth 1 --iters 28 --grid 296 \
     --tag _g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
-rw4)  # issue 10: the 256-row variant at 128 tokens (see the header)
-  build 2
-  gpu_tests rw4 300 tests/test_cuda_fp4.py -k "wgmma_gemm_every_variant or model_shapes or tma_is_bit_identical"
-  timeout 100 python3 -m benchmarks.wgmma_profile --configs "16,0,4,1 16,0,2,2 16,0,1,2" --m 128 \
-    --shapes 33792x7168,33792x14336 --out "$OUT/wave" 2>&1 | grep "prof\]" >> "$LOG"
-  timeout 150 python3 -m benchmarks.wgmma_profile --m 128,256 --out "$OUT/prof" --configs \
-    "16,0,2,2 16,0,4,1 16,-1,4,1 16,-2,4,1 16,-3,4,1 16,-1,2,2 16,-2,2,2 16,-3,2,2 8,0,1,4 32,0,2,1 32,-3,2,1 16,0,1,2" \
-    2>&1 | grep "prof\]" >> "$LOG"
-  [ "${RW4:-sweep}" = sweep ] && timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table \
-    --out "$OUT/sweep" 2>&1 | grep -v Warn >> "$LOG" ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}
   case "$part" in

@@ -218,7 +218,7 @@ def test_gemm_config_validation():
 
 def test_wgmma_config_validation():
     assert cf.check_gemm_config((16, 0, 2, 1), s=224, c=56) == (16, 0, 2, 1)
-    for bad in [(16, 0, 4, 2), (12, 0, 1, 1), (32, 0, 2, 2), (16, 0, 1, 4), (32, 0, 4, 1)]:  # not compiled
+    for bad in [(16, 0, 4, 1), (12, 0, 1, 1), (32, 0, 2, 2), (16, 0, 1, 4), (32, 0, 4, 1)]:  # not compiled
         with pytest.raises(ValueError, match="wgmma GEMM config"):
             cf.check_gemm_config(bad, s=224, c=56)
     with pytest.raises(ValueError, match="ks <= C"):

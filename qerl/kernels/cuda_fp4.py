@@ -1252,7 +1252,7 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
 # of the 72 (format, shape, M) points on an H100 or an H200 (fewer, longer CTAs: 1.12 waves at 128 tokens); removed.
 WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2),
                   (64, 1, 1), (64, 2, 1), (64, 1, 2), (64, 1, 4), (64, 2, 2),
-                  (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2), (128, 4, 1),
+                  (128, 1, 1), (128, 2, 1), (128, 1, 2), (128, 2, 2),
                   (256, 1, 1), (256, 2, 1))
 # the variants with a stream-K kernel (csrc sk_variant: not 128 tokens on 512 threads, where its loop spills)
 WGMMA_SK_VARIANTS = tuple(v for v in WGMMA_VARIANTS if not (v[0] >= 128 and v[1] * v[2] >= 4))

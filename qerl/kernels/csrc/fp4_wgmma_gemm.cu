@@ -670,7 +670,7 @@ const void* pick_fmt(int ntok, int rw, int ks) {
   }
   QFP4_WG(32, 1, 1) QFP4_WG(32, 2, 1) QFP4_WG(32, 1, 2) QFP4_WG(32, 1, 4) QFP4_WG(32, 2, 2)
   QFP4_WG(64, 1, 1) QFP4_WG(64, 2, 1) QFP4_WG(64, 1, 2) QFP4_WG(64, 1, 4) QFP4_WG(64, 2, 2)
-  QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2) QFP4_WG(128, 4, 1)
+  QFP4_WG(128, 1, 1) QFP4_WG(128, 2, 1) QFP4_WG(128, 1, 2) QFP4_WG(128, 2, 2)
   QFP4_WG(256, 1, 1) QFP4_WG(256, 2, 1)
 #undef QFP4_WG
   return nullptr;
