@@ -737,7 +737,7 @@ def wgmma_pipe() -> int:
     return int(v)
 
 
-WGMMA_TMA = ("0", "1")
+WGMMA_TMA = ("0", "1", "late")
 
 
 def wgmma_tma() -> str:
@@ -753,7 +753,8 @@ def wgmma_tma() -> str:
     40's kernel. Experiments measured and removed (session 48; the code is at b686701): the same path in every grid
     variant, with or without the "empty" mbarrier, and the token tile alone by a tensor copy (sessions 41-43,
     `results/speed/raw/h200_s42_tma`, `h200_s43_tok`): the 64-token configs 1.9-7% slower, the 128+-token ones within
-    ~1% of this default."""
+    ~1% of this default. ``late`` (session 49's experiment, a build of its own): the same, the producer refilling a
+    stage after issuing its own chunk's MMAs instead of before decoding it."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
@@ -770,7 +771,7 @@ def wgmma_l2pf() -> str:
     Same copies and MMAs: the same results (``test_gpu_wgmma_l2pf_is_bit_identical``). Needs ``QERL_WGMMA_TMA=1``."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     v = _gemm_lora_switch("QERL_WGMMA_L2PF", "0", WGMMA_L2PF)
-    if v != "0" and wgmma_tma() != "1":
+    if v != "0" and wgmma_tma() == "0":
         raise ValueError(f"QERL_WGMMA_L2PF={v!r} prefetches for the tensor copies: it needs QERL_WGMMA_TMA=1, "
                          f"not {wgmma_tma()!r}")
     return v
@@ -814,7 +815,8 @@ def _build_flags() -> list[str]:
     pipe = wgmma_pipe()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
-            *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() == "1" else []),
+            *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() != "0" else []),
+            *(["-DQFP4_WGMMA_TMA_LATE=1"] if wgmma_tma() == "late" else []),
             *([f"-DQFP4_WGMMA_L2PF={wgmma_l2pf()}"] if wgmma_l2pf() != "0" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
