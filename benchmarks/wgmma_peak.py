@@ -1,12 +1,14 @@
 """The tensor cores' ceiling for the FP4 wgmma GEMM's MMA schedule, with no memory traffic and no decode (issue 10).
 
-    python -m benchmarks.wgmma_peak [--n 64,128,256] [--ops rs,ss] [--wgs 1,2,4] [--depth 0,1] [--iters 4096]
+    python -m benchmarks.wgmma_peak [--n 64,128,256] [--ops rs,ss,rsdec] [--wgs 1,2,4] [--depth 0,1] [--iters 4096]
                                     [--ctas 1] [--grid CTAS] [--out results/speed] [--tag NAME]
 
 Every CTA's warpgroups loop over "chunks" as the GEMM's main loop does (``csrc/fp4_wgmma_gemm.cu``): a
 ``wgmma.fence``, four ``m64nNk16`` bf16 MMAs into one set of N/2 fp32 accumulators (``rs``: A from four registers a
 thread, B from a 128-byte-swizzled shared-memory tile, the GEMM's ``wgmma_rs``; ``ss``: A from shared memory too,
-``wgmma_ss``), one commit group, then ``wgmma.wait_group depth`` (1: the group before may still run, the GEMM's
+``wgmma_ss``; ``rsdec``: rs with each chunk's A registers made by the GEMM's own decode, ``scale_words`` and
+``decode_word``, from a 16-byte word and a scale pair read from shared memory, where the GEMM reads its staged chunk:
+the main loop without its staging, mbarriers and waits for copies), one commit group, then ``wgmma.wait_group depth`` (1: the group before may still run, the GEMM's
 pipe 2; 0: none). Nothing is loaded or decoded: the operands sit in registers and in a zeroed shared-memory tile for
 the whole loop. ``wgs`` warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM;
 or ``--grid`` CTAs in all (e.g. 296 with ``--iters 28``: the grid and the chunks a warpgroup of the GEMM's 128-token
@@ -34,7 +36,7 @@ from benchmarks import kernel_bench as bench
 
 CSRC = Path(__file__).resolve().parents[1] / "qerl" / "kernels" / "csrc"
 WIDTHS = (64, 128, 256)  # token-tile widths N (the GEMM's 64-, 128- and 256-token tiles)
-OPS = ("rs", "ss")
+OPS = ("rs", "ss", "rsdec")
 DEPTHS = (0, 1)
 WGS = (1, 2, 4)
 # the compiled (N, warpgroups a CTA): a CTA of W warpgroups is compiled for W x 128 threads (its registers: N / 2
@@ -44,10 +46,11 @@ VARIANTS = tuple((n, w) for n in WIDTHS for w in WGS if n * w <= 512)
 # Device code: sm_90a only (the wrappers assert nothing; the host refuses other devices).
 DEVICE_SRC = r"""
 #include <cstdint>
+#include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 using namespace qfp4;
 
-template <int N, bool SS, int DEPTH, int THREADS>
+template <int N, bool SS, bool DEC, int DEPTH, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float* sink) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -71,11 +74,26 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float
   // an opaque mov, where the GEMM decodes) and kept alive until the wait that retires them (a set held across the
   // loop's back edge instead makes ptxas serialize the MMAs).
   uint32_t a[2][4][4];
+  // DEC: this thread's 16-byte weight word and scale pair of the chunk, as the GEMM's decode reads them from its
+  // stage (here from the zeroed A tile, by volatile loads that stay in the loop), decoded by the GEMM's functions
+  const uint32_t wsrc = base + N * 128 + (threadIdx.x & 127) * 16, ssrc = base + N * 128 + 2048 + (threadIdx.x & 31) * 4;
+  constexpr uint32_t kBword = (112u << 7) * 0x10001u;  // an NVFP4 weight's scale bias (bexp 0)
   auto fresh = [&](uint32_t (&r)[4][4]) {
+    if constexpr (DEC) {
+      uint32_t w0, w1, w2, w3, s16, sg, sg8;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w0), "=r"(w1), "=r"(w2), "=r"(w3) : "r"(wsrc));
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(s16) : "r"(ssrc));
+      scale_words<0>(s16 & 0xFFFFu, kBword, sg, sg8);
+      decode_word(w0, sg, sg8, r[0]);
+      decode_word(w1, sg, sg8, r[1]);
+      decode_word(w2, sg, sg8, r[2]);
+      decode_word(w3, sg, sg8, r[3]);
+    } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int o = 0; o < 4; ++o) asm volatile("mov.b32 %0, 0;" : "=r"(r[j][o]));
+        for (int o = 0; o < 4; ++o) asm volatile("mov.b32 %0, 0;" : "=r"(r[j][o]));
+    }
   };
   auto chunk = [&](const uint32_t (&r)[4][4]) {
     wgmma_fence();
@@ -114,26 +132,27 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float
 def host_src() -> str:
     """The launcher: one case per compiled (N, warpgroups) x A operand x wait depth."""
     cases = "\n".join(
-        f"  if (n == {n} && wgs == {w} && ss == {str(ss).lower()} && depth == {d}) "
-        f"return launch<{n}, {str(ss).lower()}, {d}, {128 * w}>(grid, iters, p, stream);"
-        for n, w in VARIANTS for ss in (False, True) for d in DEPTHS)
+        f"  if (n == {n} && wgs == {w} && op == {i} && depth == {d}) "
+        f"return launch<{n}, {str(op == 'ss').lower()}, {str(op == 'rsdec').lower()}, {d}, {128 * w}>"
+        f"(grid, iters, p, stream);"
+        for n, w in VARIANTS for i, op in enumerate(OPS) for d in DEPTHS)
     return r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 
-template <int N, bool SS, int DEPTH, int THREADS>
+template <int N, bool SS, bool DEC, int DEPTH, int THREADS>
 static void launch(int grid, int iters, float* sink, cudaStream_t stream) {
   const int smem = N * 128 + 64 * 128 + 1024;  // + 1024: the tiles start on a swizzle atom
-  auto k = wgmma_peak_kernel<N, SS, DEPTH, THREADS>;
+  auto k = wgmma_peak_kernel<N, SS, DEC, DEPTH, THREADS>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   k<<<grid, THREADS, smem, stream>>>(iters, sink);
 }
 
-void run(int64_t n, bool ss, int64_t depth, int64_t grid, int64_t wgs, int64_t iters, torch::Tensor sink) {
+void run(int64_t n, int64_t op, int64_t depth, int64_t grid, int64_t wgs, int64_t iters, torch::Tensor sink) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   float* p = sink.data_ptr<float>();
 """ + cases + r"""
-  TORCH_CHECK(false, "wgmma_peak: no variant n=", n, " wgs=", wgs, " ss=", ss, " depth=", depth);
+  TORCH_CHECK(false, "wgmma_peak: no variant n=", n, " wgs=", wgs, " op=", op, " depth=", depth);
 }
 """
 
@@ -164,7 +183,7 @@ def tflops(n: int, wgs: int, grid: int, iters: int, ms: float) -> float:
 
 def _ext():
     from torch.utils.cpp_extension import load_inline
-    cpp = "void run(int64_t, bool, int64_t, int64_t, int64_t, int64_t, torch::Tensor);"  # the binding's declaration
+    cpp = "void run(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, torch::Tensor);"  # the binding's declaration
     return load_inline("qerl_wgmma_peak", cpp_sources=cpp, cuda_sources=DEVICE_SRC + host_src(), functions=["run"],
                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{CSRC}"],
                        verbose=False)
@@ -187,7 +206,7 @@ def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float, gri
     for n, op, wgs, depth in itertools.product(widths, ops, wgs_list, depths):
         if (n, wgs) not in VARIANTS:
             continue
-        call = functools.partial(ext.run, n, op == "ss", depth, grid, wgs, iters, sink)
+        call = functools.partial(ext.run, n, OPS.index(op), depth, grid, wgs, iters, sink)
         ms = bench._graph_ms([call], rep_ms)[0]
         tf = tflops(n, wgs, grid, iters, ms)
         rows.append(dict(N=n, op=op, warpgroups=wgs, depth=depth, ctas_per_sm=ctas, grid=grid, iters=iters,
@@ -210,7 +229,7 @@ def markdown(rows, header: str) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", default="64,128,256")
-    ap.add_argument("--ops", default="rs,ss")
+    ap.add_argument("--ops", default="rs,ss,rsdec")
     ap.add_argument("--wgs", default="1,2,4")
     ap.add_argument("--depth", default="0,1")
     ap.add_argument("--iters", type=int, default=4096)

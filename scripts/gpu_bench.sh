@@ -155,6 +155,10 @@
 #                                the MMA schedule alone (benchmarks.wgmma_peak, N 128, rs, 4 warpgroups, wait 1) at
 #                                28 .. 4096 chunks a warpgroup over one wave and at the GEMM's 28 chunks over its 296
 #                                CTAs ($OUT/peak); ~3 min
+#   scripts/gpu_bench.sh dec49   issue 10, session 49: the MMA schedule with the GEMM's decode and nothing else
+#                                (benchmarks.wgmma_peak --ops rs,rsdec, N 128 / 256, 2 and 4 warpgroups, wait 1) over one
+#                                wave of long loops, and at the 7B gate|up launch's shape (296 CTAs x 28 chunks)
+#                                ($OUT/peak); ~2 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -572,6 +576,11 @@ kfix)  # issue 10: the wgmma GEMM's per-CTA fixed cost (see the header)
   done
   timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs --wgs 4 --depth 1 --iters 28 --grid 296 \
     --tag _g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
+dec49)  # issue 10: the MMA schedule with the GEMM's decode (see the header)
+  timeout 200 python3 -m benchmarks.wgmma_peak --n 128,256 --ops rs,rsdec --wgs 2,4 --depth 1 --tag _dec \
+    --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
+  timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs,rsdec --wgs 4 --depth 1 --iters 28 --grid 296 \
+    --tag _dec_g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}
   case "$part" in

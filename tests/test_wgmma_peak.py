@@ -1,6 +1,7 @@
 """benchmarks/wgmma_peak.py (the wgmma MMA schedule's ceiling with no loads and no decode): its argument checks and
 FLOP count on any machine, and, where nvcc and cuobjdump are installed, its sm_90a machine code -- each variant's loop
-two chunks' four MMAs each (register A for rs, none for ss), the wait depth asked for, and no spills."""
+two chunks' four MMAs each (register A for rs and rsdec, none for ss), rsdec's shared-memory reads of what it decodes
+inside the loop, the wait depth asked for, and no spills."""
 
 import re
 import shutil
@@ -31,24 +32,28 @@ def test_arguments_and_flops():
     assert wp.tflops(128, 2, 132, 1000, 1.0) == pytest.approx(132 * 2 * 1000 * 2 * 64 * 128 * 16 * 4 / 1e-3 / 1e12)
     assert (256, 4) not in wp.VARIANTS and (128, 4) in wp.VARIANTS and len(wp.VARIANTS) == 8
     host = wp.host_src()
-    assert host.count("return launch<") == len(wp.VARIANTS) * 2 * len(wp.DEPTHS)
+    assert host.count("return launch<") == len(wp.VARIANTS) * len(wp.OPS) * len(wp.DEPTHS)
+    assert host.count("op == 2 &&") == host.count(", false, true, ") == len(wp.VARIANTS) * len(wp.DEPTHS)  # rsdec
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None or wsc._tool("cuobjdump") is None,
                     reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_machine_code_is_the_schedule_it_names():
-    inst = "".join(f"template __global__ void wgmma_peak_kernel<{n}, {str(ss).lower()}, {d}, {128 * w}>(int, float*);\n"
-                   for n, w in wp.VARIANTS for ss in (False, True) for d in wp.DEPTHS)
+    inst = "".join(f"template __global__ void wgmma_peak_kernel<{n}, {str(op == 'ss').lower()}, "
+                   f"{str(op == 'rsdec').lower()}, {d}, {128 * w}>(int, float*);\n"
+                   for n, w in wp.VARIANTS for op in wp.OPS for d in wp.DEPTHS)
     sass, msgs = wsc.compile_sass(2, wp.DEVICE_SRC + inst)
     funcs = {n: b for n, b in wsc.functions(sass).items() if "wgmma_peak_kernel" in n}
-    assert len(funcs) == len(wp.VARIANTS) * 2 * len(wp.DEPTHS), sorted(funcs)
+    assert len(funcs) == len(wp.VARIANTS) * len(wp.OPS) * len(wp.DEPTHS), sorted(funcs)
     for name, body in funcs.items():
-        n, ss, depth, _ = (int(v) for v in re.findall(r"L[ib](\d+)E", name)[:4])
+        n, ss, dec, depth, _ = (int(v) for v in re.findall(r"L[ib](\d+)E", name)[:5])
         loop = wsc.main_loop(body)  # two chunks a pass
         mmas = [t for t in loop if wsc.opcode(t).startswith("HGMMA")]
         assert len(mmas) == 8 and all(f"HGMMA.64x{n}x16.F32.BF16" in t for t in mmas), (name, mmas)
-        assert any(wsc._HGMMA_A.search(t) for t in mmas) == (not ss), name  # register A only for rs
+        assert any(wsc._HGMMA_A.search(t) for t in mmas) == (not ss), name  # register A only for rs / rsdec
+        lds = sum(wsc.opcode(t).startswith("LDS") for t in loop)
+        assert lds == (4 if dec else 0), (name, lds)  # rsdec: a word and a scale pair a chunk, in the loop
         deps = [int(m.group(1), 16) for t in loop if (m := wsc._DEPBAR.search(t))]
         assert deps == [depth, depth], (name, deps)  # one wait a chunk
         assert not any(wsc.opcode(t).startswith(("LDL", "STL")) for _, t in body), name  # no spills
