@@ -360,10 +360,10 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
     monkeypatch.setenv("QERL_WGMMA_TMA", "all-bar")  # removed in session 48
-    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='all-bar'; valid: 0, 1, late$"):
+    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='all-bar'; valid: 0, 1, la3$"):
         cf._build_flags()
-    monkeypatch.setenv("QERL_WGMMA_TMA", "late")  # session 49's experiment
-    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_LATE=1"]
+    monkeypatch.setenv("QERL_WGMMA_TMA", "la3")  # session 49's experiment
+    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_LA3=1"]
     monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in cf.WGMMA_L2PF:  # session 49's experiment: the prefetch distance, none by default
         monkeypatch.setenv("QERL_WGMMA_L2PF", v)
@@ -1300,7 +1300,7 @@ def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfg
 @pytest.mark.parametrize("on", [v for v in cf.WGMMA_TMA if v != "0"])
 def test_gpu_wgmma_tma_is_bit_identical(fmt, on, monkeypatch):
     """QERL_WGMMA_TMA=1's build (the default: the grid variants of 128+ tokens a CTA stage their chunks by tensor
-    copies on mbarriers), and =late's (session 49: the producer refills after its own MMAs), give the output of
+    copies on mbarriers), and =la3's (session 49: 3 chunks ahead instead of 2), give the output of
     QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split
     inside CTAs, across CTAs, stream-K, which keeps cp.async), with and without LoRA, token tiles partial or past M
     (the copies' zero fill), strips past the weight's last (13 strips), odd and even chunk counts per split; in a CUDA

@@ -737,7 +737,7 @@ def wgmma_pipe() -> int:
     return int(v)
 
 
-WGMMA_TMA = ("0", "1", "late")
+WGMMA_TMA = ("0", "1", "la3")
 
 
 def wgmma_tma() -> str:
@@ -753,8 +753,9 @@ def wgmma_tma() -> str:
     40's kernel. Experiments measured and removed (session 48; the code is at b686701): the same path in every grid
     variant, with or without the "empty" mbarrier, and the token tile alone by a tensor copy (sessions 41-43,
     `results/speed/raw/h200_s42_tma`, `h200_s43_tok`): the 64-token configs 1.9-7% slower, the 128+-token ones within
-    ~1% of this default. ``late`` (session 49's experiment, a build of its own): the same, the producer refilling a
-    stage after issuing its own chunk's MMAs instead of before decoding it."""
+    ~1% of this default. ``la3`` (session 49's experiment, a build of its own): the same, looking 3 chunks ahead
+    instead of 2 with the same 4 stages (a stage refilled as soon as its group released it). Measured and removed in
+    session 49: the producer refilling after its own chunk's MMAs (1.3-4.7% slower at 128 / 256 tokens)."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
@@ -816,7 +817,7 @@ def _build_flags() -> list[str]:
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() != "0" else []),
-            *(["-DQFP4_WGMMA_TMA_LATE=1"] if wgmma_tma() == "late" else []),
+            *(["-DQFP4_WGMMA_TMA_LA3=1"] if wgmma_tma() == "la3" else []),
             *([f"-DQFP4_WGMMA_L2PF={wgmma_l2pf()}"] if wgmma_l2pf() != "0" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 

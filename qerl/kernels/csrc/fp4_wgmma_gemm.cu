@@ -101,16 +101,18 @@
 #if QFP4_WGMMA_L2PF && !QFP4_WGMMA_TMA
 #error "QFP4_WGMMA_L2PF needs QFP4_WGMMA_TMA"
 #endif
-// QFP4_WGMMA_TMA_LATE (the build's -D with QFP4_WGMMA_TMA, set by QERL_WGMMA_TMA=late; an experiment of session 49):
-// the producer refills a stage right after issuing its own chunk's MMAs instead of before decoding that chunk, so
-// its wait on the "empty" barrier (every warpgroup of the group done with the chunk two before) overlaps its own
-// MMAs instead of holding its warpgroup's decode and MMA issue. Same copies into the same stages, same MMAs: the same
-// results. Session 49 found the main loop at ~65% of the MMAs' own rate whatever the bytes staged (raw/h200_s49_rw4).
-#ifndef QFP4_WGMMA_TMA_LATE
-#define QFP4_WGMMA_TMA_LATE 0
+// QFP4_WGMMA_TMA_LA3 (the build's -D with QFP4_WGMMA_TMA, set by QERL_WGMMA_TMA=la3; an experiment of session 49):
+// the TMA-staged variants look 3 chunks ahead instead of 2 with the same 4 stages: the producer refills the stage of
+// chunk idx - 1 with chunk idx + 3 as soon as every thread of its group has released it (after its own wait for
+// chunk idx - 1's MMAs), instead of refilling chunk idx - 2's before decoding chunk idx. Same copies into the same
+// stages, same MMAs: the same results. Session 49 measured the main loop at ~65% of the MMAs' rate whatever the
+// bytes staged (raw/h200_s49_rw4) while the same loop with its decode but nothing to wait for reaches 96%
+// (raw/h200_s49_dec): the copies in flight (2 chunks) look too few for the L2's latency.
+#ifndef QFP4_WGMMA_TMA_LA3
+#define QFP4_WGMMA_TMA_LA3 0
 #endif
-#if QFP4_WGMMA_TMA_LATE && !QFP4_WGMMA_TMA
-#error "QFP4_WGMMA_TMA_LATE needs QFP4_WGMMA_TMA"
+#if QFP4_WGMMA_TMA_LA3 && !QFP4_WGMMA_TMA
+#error "QFP4_WGMMA_TMA_LA3 needs QFP4_WGMMA_TMA"
 #endif
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
@@ -351,8 +353,8 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto acquire = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-        if constexpr (!QFP4_WGMMA_TMA_LATE) stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group
-                                                                        // has released it (TMA_LATE: after mma(idx))
+        if constexpr (!QFP4_WGMMA_TMA_LA3) stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group
+                                                                       // has released it (TMA_LA3: see release)
         mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx's tokens have landed
         return;
       }
@@ -383,7 +385,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       decode_word(w.w, sg, sg8, a[3]);
     };
 #pragma unroll
-    for (int s = 0; s < kStages - 2; ++s) stage(s);
+    for (int s = 0; s < (TMA && QFP4_WGMMA_TMA_LA3 ? kStages : kStages - 2); ++s) stage(s);
 #pragma unroll
     for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     if constexpr (QFP4_WGMMA_PIPE == 2) {
@@ -391,13 +393,13 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
         if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
+#if QFP4_WGMMA_TMA_LA3
+        if constexpr (TMA) stage(idx + kStages);  // the producer: chunk idx + 4 into this stage once all released it
+#endif
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
         mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
-#if QFP4_WGMMA_TMA_LATE
-        if constexpr (TMA) stage(idx + kStages - 2);  // chunk idx + 2 into chunk idx - 2's stage, while these run
-#endif
       };
       // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is
       // copied): chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk
