@@ -365,19 +365,6 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_TMA", "la3")  # session 49's experiment
     assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_LA3=1"]
     monkeypatch.delenv("QERL_WGMMA_TMA")
-    for v in cf.WGMMA_L2PF:  # session 49's experiment: the prefetch distance, none by default
-        monkeypatch.setenv("QERL_WGMMA_L2PF", v)
-        flags = cf._build_flags()
-        assert [f for f in flags if "L2PF" in f] == ([] if v == "0" else [f"-DQFP4_WGMMA_L2PF={v}"]), flags
-    monkeypatch.setenv("QERL_WGMMA_L2PF", "16")
-    with pytest.raises(ValueError, match="QERL_WGMMA_L2PF='16'; valid: 0, 4, 8, 32$"):
-        cf._build_flags()
-    monkeypatch.setenv("QERL_WGMMA_L2PF", "8")
-    monkeypatch.setenv("QERL_WGMMA_TMA", "0")
-    with pytest.raises(ValueError, match="QERL_WGMMA_L2PF='8' .* needs QERL_WGMMA_TMA=1, not '0'"):
-        cf._build_flags()
-    monkeypatch.delenv("QERL_WGMMA_TMA")
-    monkeypatch.delenv("QERL_WGMMA_L2PF")
     for v in ("0", "1", "pdl"):
         monkeypatch.setenv("QERL_WGMMA_LORA", v)
         assert ("-DQFP4_WGMMA_PDL=1" in cf._build_flags()) == (v == "pdl")
@@ -1311,21 +1298,6 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, on, monkeypatch):
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
     _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", on, (q, w, ops, k), cfgs, seed=41)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("dist", [v for v in cf.WGMMA_L2PF if v != "0"])
-def test_gpu_wgmma_l2pf_is_bit_identical(fmt, dist, monkeypatch):
-    """QERL_WGMMA_L2PF=D's build (session 49's experiment: the TMA-staged variants prefetch their weights into L2 D
-    chunks ahead) gives the default build's output bit for bit at every wgmma config, with and without LoRA, partial
-    tiles, uneven splits, in a CUDA graph; and matches the emulator."""
-    if not cf.wgmma_supported():
-        pytest.skip("the wgmma kernel needs compute capability 9.0")
-    q, w, ops, k = _gemm_lora_case(fmt)
-    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_L2PF", dist, (q, w, ops, k),
-                               cf.wgmma_configs(w.n // 16, k // 64), seed=49)
 
 
 @pytest.mark.gpu

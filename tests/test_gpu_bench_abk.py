@@ -68,24 +68,23 @@ def test_abk_builds_tests_and_times_each_build_in_order(tmp_path):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_abk_tests_only_the_builds_abk_tested_names(tmp_path):
-    """ABK_TESTED (session 49's L2 prefetch: its GPU test sets the switch itself) runs the tests on the named build
-    only; every value is still built once and timed in RUNS' order."""
-    stub = STUB.replace("QERL_WGMMA_TMA", "QERL_WGMMA_L2PF")
-    p, calls = _run(tmp_path, stub_text=stub, ABK_SWITCH="QERL_WGMMA_L2PF", ABK_RUNS="0:1 8:1 32:1 32:2 8:2 0:2",
-                    ABK_TESTED="8", ABK_TESTS="l2pf_is_bit_identical")
+    """ABK_TESTED (for tests that set the switch themselves) runs the tests on the named build only; every value is
+    still built once and timed in RUNS' order."""
+    p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_TMA", ABK_RUNS="1:1 la3:1 0:1 0:2 la3:2 1:2",
+                    ABK_TESTED="la3", ABK_TESTS="tma_is_bit_identical")
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "32", "8"]
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "1", "la3"]
     tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("8|") and "-k l2pf_is_bit_identical" in tests[0]
+    assert len(tests) == 1 and tests[0].startswith("la3|") and "-k tma_is_bit_identical" in tests[0]
     prof = [c.split("|")[0] for c in calls if "benchmarks.wgmma_profile" in c]
-    assert prof == ["0", "8", "32", "32", "8", "0"]
+    assert prof == ["1", "la3", "0", "0", "la3", "1"]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
     p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_PIPE")  # build() pins the pipe: not an A/B this mode can run
     assert p.returncode == 2
-    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_L2PF" in p.stderr
+    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" in p.stderr
     assert not [c for c in calls if "|-c " in c or "wgmma_profile" in c]
 
 

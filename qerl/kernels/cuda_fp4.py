@@ -760,24 +760,6 @@ def wgmma_tma() -> str:
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
 
-WGMMA_L2PF = ("0", "4", "8", "32")
-
-
-def wgmma_l2pf() -> str:
-    """``QERL_WGMMA_L2PF`` (an experiment of session 49, ``0`` by default: not adopted unless measured faster): ``D``
-    > 0 builds the wgmma GEMM's TMA-staged variants (128+ tokens a CTA) so that a split-K group's producer also
-    prefetches into L2 the weight words and scale pairs of the chunk ``D`` ahead of the one it loads (one tensor
-    prefetch each; no shared memory, registers or waits), so that the stage loads of the one operand that comes from
-    HBM hit L2 like the tokens' (the stages look 2 chunks ahead). ``32``: a 7B tile's whole K range at its start.
-    Same copies and MMAs: the same results (``test_gpu_wgmma_l2pf_is_bit_identical``). Needs ``QERL_WGMMA_TMA=1``."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    v = _gemm_lora_switch("QERL_WGMMA_L2PF", "0", WGMMA_L2PF)
-    if v != "0" and wgmma_tma() == "0":
-        raise ValueError(f"QERL_WGMMA_L2PF={v!r} prefetches for the tensor copies: it needs QERL_WGMMA_TMA=1, "
-                         f"not {wgmma_tma()!r}")
-    return v
-
-
 BF16_LOADS = ("pair", "sector")
 
 
@@ -798,27 +780,28 @@ def bf16_loads() -> str:
 
 
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_L2PF", "QERL_BF16_LOADS")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth;
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
-    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_L2PF=D`` (an experiment, ``0`` by default) their
-    weights prefetched into L2 D chunks ahead (``-DQFP4_WGMMA_L2PF=D``); ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
+    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build; ``la3`` session 49's experiment, ``-DQFP4_WGMMA_TMA_LA3=1`` too);
+    ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
     loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
     split-K groups' halves of the epilogue (``QERL_WGMMA_SPLIT_EPI``), the TMA experiments (``QERL_WGMMA_TMA=all |
     bar | all-bar | tok | all-tok``), two CTAs an SM (``QERL_WGMMA_OCC=2``) and the GEMV LoRA's K skew
-    (``QERL_LORA_SKEW``)."""
+    (``QERL_LORA_SKEW``); in session 49 (the code is at 38b0e06 / f40a905), the weights prefetched into L2 ahead of
+    their tensor copies (``QERL_WGMMA_L2PF``, 5-14% slower) and the producer refilling after its own MMAs
+    (``QERL_WGMMA_TMA=late``, 1-5% slower)."""
     from qerl.kernels import wgmma_lora_mode
     pipe = wgmma_pipe()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() != "0" else []),
             *(["-DQFP4_WGMMA_TMA_LA3=1"] if wgmma_tma() == "la3" else []),
-            *([f"-DQFP4_WGMMA_L2PF={wgmma_l2pf()}"] if wgmma_l2pf() != "0" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 

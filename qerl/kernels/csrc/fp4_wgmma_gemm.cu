@@ -88,19 +88,6 @@
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
-// QFP4_WGMMA_L2PF (the build's -D, set by QERL_WGMMA_L2PF; an experiment of session 49, off by default): D > 0 has the
-// producer of a TMA-staged group also prefetch into L2 the weight words and scale pairs of the chunk D ahead of the
-// one it loads (cp.async.bulk.prefetch.tensor: no shared memory, no registers, no completion to wait for), and those
-// of chunks kStages - 2 .. D - 1 when a tile's main loop starts, so the loads of the weights, the one operand that
-// comes from HBM, find them in L2 like the tokens. Session 49 measured the main loop at ~0.79 us a chunk against
-// ~0.57 us for its MMAs alone (raw/h200_s49_kfix); the lookahead of the stages is 2 chunks. Same copies, same MMAs:
-// the same results. Needs QFP4_WGMMA_TMA.
-#ifndef QFP4_WGMMA_L2PF
-#define QFP4_WGMMA_L2PF 0
-#endif
-#if QFP4_WGMMA_L2PF && !QFP4_WGMMA_TMA
-#error "QFP4_WGMMA_L2PF needs QFP4_WGMMA_TMA"
-#endif
 // QFP4_WGMMA_TMA_LA3 (the build's -D with QFP4_WGMMA_TMA, set by QERL_WGMMA_TMA=la3; an experiment of session 49):
 // the TMA-staged variants look 3 chunks ahead instead of 2 with the same 4 stages: the producer refills the stage of
 // chunk idx - 1 with chunk idx + 3 as soon as every thread of its group has released it (after its own wait for
@@ -165,12 +152,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer), "r"(bar)
       : "memory");
-}
-// The box of the 2-D tensor map at (inner, outer) into L2 (QFP4_WGMMA_L2PF): nothing to wait for.
-__device__ __forceinline__ void tma_prefetch_l2_2d(const CUtensorMap* map, int inner, int outer) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n"
-               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer)
-               : "memory");
 }
 #endif
 
@@ -297,24 +278,9 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     const uint4* wq_p = qw + ((size_t)st * C + c0) * 32 + lane;
     const uint16_t* sq_p = sc + ((size_t)st * C + c0) * SL + lane * 8;
 
-#if QFP4_WGMMA_L2PF
-    // the weight words and scale pairs of chunk idx into L2 (the group's first thread; QFP4_WGMMA_L2PF)
-    auto prefetch = [&](int idx) {
-      const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
-      tma_prefetch_l2_2d(&maps.w, 64 * c, strip0);
-      tma_prefetch_l2_2d(&maps.s, SL * c, strip0);
-    };
-    if constexpr (TMA) {
-      if (gtid == 0)
-        for (int idx = kStages - 2; idx < min(QFP4_WGMMA_L2PF, n); ++idx) prefetch(idx);
-    }
-#endif
     auto stage = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-#if QFP4_WGMMA_L2PF
-        if (idx + QFP4_WGMMA_L2PF < n && gtid == 0) prefetch(idx + QFP4_WGMMA_L2PF);  // before any wait
-#endif
         // the group's first thread: once every thread has released the stage's previous chunk (idx - kStages), the
         // three copies of chunk idx into it, completing on its full barrier
         if (idx < n && gtid == 0) {
