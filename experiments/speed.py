@@ -683,6 +683,13 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 49 (H200, c256f9f-963b57f; `raw/h200_s49_*/README.md`): where the wgmma GEMM's 128-token time goes. Its MMA
+schedule alone (no loads, no decode) reaches 94-98% of the 989 TFLOPS peak; over one wave the main loop costs 0.805
+µs a chunk against 0.577 for its MMAs alone (72%), and the per-launch / per-CTA costs ~2 µs. Not the cause, each
+measured: the bytes staged (a 256-row variant staging 40% fewer runs at the same ~640 TFLOPS), the weights' HBM latency
+(an L2 prefetch ahead of the copies: 5-14% slower), the producer's wait (refilling after its own MMAs: 1-5% slower),
+the decode's instructions (the GEMM's decode with nothing to wait for: 0.957 of peak). Left: the copies' latency
+against a lookahead of 2 chunks (`QERL_WGMMA_TMA=la3`, 3 chunks ahead, built, not run on a GPU). No default changed.
 Session 48 (H200, 98600f9; `raw/h200_s48_regress/README.md`): the wgmma and GEMV opt-ins measured and not adopted in
 sessions 39-46 were removed (`QERL_WGMMA_LORA=pdl-tail`, `QERL_WGMMA_SPLIT_EPI`, `QERL_WGMMA_TMA=all|bar|all-bar|tok|
 all-tok`, `QERL_WGMMA_OCC=2`, `QERL_LORA_SKEW`; code at b686701). The default kernels' machine code is unchanged (eight
