@@ -1,4 +1,4 @@
-"""The tensor cores' ceiling for the FP4 wgmma GEMM's MMA schedule, with no memory traffic and no decode (issue 10).
+"""The tensor cores' ceiling for the FP4 wgmma GEMM's MMA schedule, with no copies to wait for (issue 10).
 
     python -m benchmarks.wgmma_peak [--n 64,128,256] [--ops rs,ss,rsdec] [--wgs 1,2,4] [--depth 0,1] [--iters 4096]
                                     [--ctas 1] [--grid CTAS] [--out results/speed] [--tag NAME]
@@ -7,11 +7,11 @@ Every CTA's warpgroups loop over "chunks" as the GEMM's main loop does (``csrc/f
 ``wgmma.fence``, four ``m64nNk16`` bf16 MMAs into one set of N/2 fp32 accumulators (``rs``: A from four registers a
 thread, B from a 128-byte-swizzled shared-memory tile, the GEMM's ``wgmma_rs``; ``ss``: A from shared memory too,
 ``wgmma_ss``; ``rsdec``: rs with each chunk's A registers made by the GEMM's own decode, ``scale_words`` and
-``decode_word``, from a 16-byte word and a scale pair read from shared memory, where the GEMM reads its staged chunk:
-the main loop without its staging, mbarriers and waits for copies), one commit group, then ``wgmma.wait_group depth`` (1: the group before may still run, the GEMM's
-pipe 2; 0: none). Nothing is loaded or decoded: the operands sit in registers and in a zeroed shared-memory tile for
-the whole loop. ``wgs`` warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM;
-or ``--grid`` CTAs in all (e.g. 296 with ``--iters 28``: the grid and the chunks a warpgroup of the GEMM's 128-token
+``decode_word``, from a 16-byte word and a scale pair read from shared memory where the GEMM reads its staged chunk:
+the main loop without its staging, mbarriers and waits for copies), one commit group, then ``wgmma.wait_group
+depth`` (1: the group before may still run, the GEMM's pipe 2; 0: none). Nothing is copied: the operands sit in
+registers and in a zeroed shared-memory tile for the whole loop (rs and ss decode nothing either). ``wgs``
+warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM; or ``--grid`` CTAs in all (e.g. 296 with ``--iters 28``: the grid and the chunks a warpgroup of the GEMM's 128-token
 gate|up launch, 7B, with nothing but its MMAs; session 49's ``scripts/gpu_bench.sh kfix``).
 
 The measure is TFLOPS (2 x 64 x N x 16 x 4 per chunk and warpgroup) against the dense BF16 peak the roofline uses
@@ -71,12 +71,13 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_peak_kernel(int iters, float
   }
   // The register A operand of rs as the GEMM holds it (its pipe 2): one set of four registers per MMA of a chunk, two
   // chunks' sets, even chunks in a[0], odd in a[1]; each chunk's set written afresh before its MMAs (bf16 zeros by
-  // an opaque mov, where the GEMM decodes) and kept alive until the wait that retires them (a set held across the
-  // loop's back edge instead makes ptxas serialize the MMAs).
+  // an opaque mov where the GEMM decodes; rsdec: by the GEMM's decode) and kept alive until the wait that retires
+  // them (a set held across the loop's back edge instead makes ptxas serialize the MMAs).
   uint32_t a[2][4][4];
   // DEC: this thread's 16-byte weight word and scale pair of the chunk, as the GEMM's decode reads them from its
   // stage (here from the zeroed A tile, by volatile loads that stay in the loop), decoded by the GEMM's functions
-  const uint32_t wsrc = base + N * 128 + (threadIdx.x & 127) * 16, ssrc = base + N * 128 + 2048 + (threadIdx.x & 31) * 4;
+  const uint32_t wsrc = base + N * 128 + (threadIdx.x & 127) * 16;
+  const uint32_t ssrc = base + N * 128 + 2048 + (threadIdx.x & 31) * 4;
   constexpr uint32_t kBword = (112u << 7) * 0x10001u;  // an NVFP4 weight's scale bias (bexp 0)
   auto fresh = [&](uint32_t (&r)[4][4]) {
     if constexpr (DEC) {
@@ -211,8 +212,8 @@ def run(widths, ops, wgs_list, depths, iters: int, ctas: int, rep_ms: float, gri
         tf = tflops(n, wgs, grid, iters, ms)
         rows.append(dict(N=n, op=op, warpgroups=wgs, depth=depth, ctas_per_sm=ctas, grid=grid, iters=iters,
                          us=round(ms * 1e3, 2), tflops=round(tf, 1), of_peak=round(tf / peak, 3)))
-        print(f"[peak] m64n{n}k16 {op} wgs={wgs} depth={depth} ctas/SM={ctas} grid={grid} iters={iters}: {ms * 1e3:8.1f} us "
-              f"{tf:6.1f} TFLOPS ({tf / peak:.3f} of {peak:.0f})", flush=True)
+        print(f"[peak] m64n{n}k16 {op} wgs={wgs} depth={depth} ctas/SM={ctas} grid={grid} iters={iters}: "
+              f"{ms * 1e3:8.1f} us {tf:6.1f} TFLOPS ({tf / peak:.3f} of {peak:.0f})", flush=True)
     return rows
 
 
@@ -252,8 +253,9 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("wgmma_peak needs an sm_90 GPU (H100 / H200)")
     rows = run(widths, ops, wgs, depths, a.iters, a.ctas, a.rep, a.grid)
-    header = (f"## The wgmma GEMM's MMA schedule alone: TFLOPS with no loads and no decode\n\n"
-              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dense BF16 peak {peak_tflops(torch.cuda.get_device_name()):.0f} TFLOPS, "
+    gpu = torch.cuda.get_device_name()
+    header = (f"## The wgmma GEMM's MMA schedule alone: TFLOPS with no copies (rsdec: with its decode)\n\n"
+              f"{gpu}, torch {torch.__version__}, dense BF16 peak {peak_tflops(gpu):.0f} TFLOPS, "
               f"`{' '.join(sys.argv)}`.")
     bench.write_report(a.out, f"wgmma_peak_{bench.gpu_tag(a.tag)}", rows, markdown(rows, header))
 
