@@ -11,8 +11,9 @@ thread, B from a 128-byte-swizzled shared-memory tile, the GEMM's ``wgmma_rs``; 
 the main loop without its staging, mbarriers and waits for copies), one commit group, then ``wgmma.wait_group
 depth`` (1: the group before may still run, the GEMM's pipe 2; 0: none). Nothing is copied: the operands sit in
 registers and in a zeroed shared-memory tile for the whole loop (rs and ss decode nothing either). ``wgs``
-warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM; or ``--grid`` CTAs in all (e.g. 296 with ``--iters 28``: the grid and the chunks a warpgroup of the GEMM's 128-token
-gate|up launch, 7B, with nothing but its MMAs; session 49's ``scripts/gpu_bench.sh kfix``).
+warpgroups a CTA (1, 2 or 4: the GEMM's RW x KS), ``ctas`` CTAs an SM, one wave on every SM; or ``--grid`` CTAs in
+all (e.g. 296 with ``--iters 28``: the grid and the chunks a warpgroup of the GEMM's 128-token gate|up launch, 7B,
+with nothing but its MMAs; session 49's ``scripts/gpu_bench.sh kfix``).
 
 The measure is TFLOPS (2 x 64 x N x 16 x 4 per chunk and warpgroup) against the dense BF16 peak the roofline uses
 (``benchmarks.decode_floor``: 989 TFLOPS on an H100 / H200 SXM): what a CTA of this shape reaches when nothing but its
