@@ -689,7 +689,8 @@ schedule alone (no loads, no decode) reaches 94-98% of the 989 TFLOPS peak; over
 measured: the bytes staged (a 256-row variant staging 40% fewer runs at the same ~640 TFLOPS), the weights' HBM latency
 (an L2 prefetch ahead of the copies: 5-14% slower), the producer's wait (refilling after its own MMAs: 1-5% slower),
 the decode's instructions (the GEMM's decode with nothing to wait for: 0.957 of peak). Left: the copies' latency
-against a lookahead of 2 chunks (`QERL_WGMMA_TMA=la3`, 3 chunks ahead, built, not run on a GPU). No default changed.
+against a lookahead of 2 chunks (`QERL_WGMMA_TMA=la3` / `la4`, 3 / 4 chunks ahead, built, not run on a GPU). No
+default changed.
 Session 48 (H200, 98600f9; `raw/h200_s48_regress/README.md`): the wgmma and GEMV opt-ins measured and not adopted in
 sessions 39-46 were removed (`QERL_WGMMA_LORA=pdl-tail`, `QERL_WGMMA_SPLIT_EPI`, `QERL_WGMMA_TMA=all|bar|all-bar|tok|
 all-tok`, `QERL_WGMMA_OCC=2`, `QERL_LORA_SKEW`; code at b686701). The default kernels' machine code is unchanged (eight

@@ -160,11 +160,12 @@
 #                                wave of long loops, and at the 7B gate|up launch's shape (296 CTAs x 28 chunks)
 #                                ($OUT/peak); ~2 min
 #   scripts/gpu_bench.sh la3     issue 10, session 49's plan: QERL_WGMMA_TMA=la3 (the tensor copies 3 chunks ahead
-#                                instead of 2, same 4 stages). LA3=kernel (default): builds 0 / 1 / la3 at once, the
-#                                bit-identity test on la3, each 7B product at its tuned config with a rank-32 LoRA
-#                                (1 la3 0 0 la3 1; $OUT/abk_*, $OUT/ab.md); ~4 min. LA3=roll: 7B NVFP4 rollouts at
-#                                16 (warm-up), 64, 128, 256 sequences, one process, fused / fused-tma-la3 / fused-tma-la3
-#                                / fused ($OUT/roll_la3); ~6 min
+#                                instead of 2, same 4 stages) and la4 (4 ahead, 5 stages). LA3=kernel (default): builds
+#                                0 / 1 / la3 / la4 at once, the bit-identity tests on la3 and la4, each 7B product at its
+#                                tuned config with a rank-32 LoRA (1 la3 la4 0 0 la4 la3 1; $OUT/abk_*, $OUT/ab.md);
+#                                ~5 min. LA3=roll: 7B NVFP4 rollouts at 16 (warm-up), 64, 128, 256 sequences, one
+#                                process, decode modes fused / fused-tma-la3 / fused-tma-la4 and back ($OUT/roll_la3);
+#                                ~8 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -589,12 +590,13 @@ dec49)  # issue 10: the MMA schedule with the GEMM's decode (see the header)
     --tag _dec_g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
 la3)  # issue 10: the copies 3 chunks ahead (see the header)
   if [ "${LA3:-kernel}" = kernel ]; then
-    kernel_ab QERL_WGMMA_TMA abk "1:1 la3:1 0:1 0:2 la3:2 1:2" la3 "tma_is_bit_identical and la3"
+    kernel_ab QERL_WGMMA_TMA abk "1:1 la3:1 la4:1 0:1 0:2 la4:2 la3:2 1:2" la4 "tma_is_bit_identical and (la3 or la4)"
     python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base 1 --md "$OUT/ab.md" >> "$LOG" 2>&1
   else
-    builds_at_once - QERL_WGMMA_TMA=la3
-    timeout 420 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-      --decode fused,fused-tma-la3,fused-tma-la3,fused --out "$OUT/roll_la3" 2>&1 | grep -v Warn >> "$LOG"
+    builds_at_once - QERL_WGMMA_TMA=la3 QERL_WGMMA_TMA=la4
+    timeout 520 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
+      --decode fused,fused-tma-la3,fused-tma-la4,fused-tma-la4,fused-tma-la3,fused --out "$OUT/roll_la3" 2>&1 \
+      | grep -v Warn >> "$LOG"
   fi ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}

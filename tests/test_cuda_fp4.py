@@ -226,6 +226,12 @@ def test_wgmma_config_validation():
     # the shared-memory formula is csrc's: 4 stages of (tokens + 4 rw strips x 576 B) rounded to 1 KB, + 1 KB
     assert cf.wgmma_smem_bytes(128, 2, 1) == 4 * 21 * 1024 + 1024
     assert cf.wgmma_smem_bytes(32, 1, 4) == 4 * 4 * 7 * 1024 + 1024
+    with pytest.MonkeyPatch.context() as mp:  # session 49's la4: 5 stages in the TMA-staged variants only
+        mp.setenv("QERL_WGMMA_TMA", "la4")
+        assert cf.wgmma_smem_bytes(128, 2, 2) == 2 * 5 * 21 * 1024 + 1024 <= cf.GEMM_SMEM_MAX
+        assert cf.wgmma_smem_bytes(128, 2, 1, sk=True) == cf.wgmma_smem_bytes(128, 2, 1) - 5 * 21 * 1024 + 4 * 21 * 1024
+        assert cf.wgmma_smem_bytes(64, 1, 2) == 2 * 4 * 11 * 1024 + 1024
+        assert all(cf.wgmma_smem_bytes(*v) <= cf.GEMM_SMEM_MAX for v in cf.WGMMA_VARIANTS)
     for ntok, rw, ks in cf.WGMMA_VARIANTS:  # every compiled variant fits some shape's opt-in shared memory
         assert cf.wgmma_smem_bytes(ntok, rw, ks) <= cf.GEMM_SMEM_MAX, (ntok, rw, ks)
     cfgs = cf.wgmma_configs(224, 56)
@@ -360,10 +366,12 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
     monkeypatch.setenv("QERL_WGMMA_TMA", "all-bar")  # removed in session 48
-    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='all-bar'; valid: 0, 1, la3$"):
+    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='all-bar'; valid: 0, 1, la3, la4$"):
         cf._build_flags()
-    monkeypatch.setenv("QERL_WGMMA_TMA", "la3")  # session 49's experiment
-    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_LA3=1"]
+    monkeypatch.setenv("QERL_WGMMA_TMA", "la3")  # session 49's experiments
+    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_EARLY=1"]
+    monkeypatch.setenv("QERL_WGMMA_TMA", "la4")
+    assert cf._build_flags()[-3:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_EARLY=1", "-DQFP4_WGMMA_TMA_STAGES=5"]
     monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in ("0", "1", "pdl"):
         monkeypatch.setenv("QERL_WGMMA_LORA", v)
@@ -1287,7 +1295,7 @@ def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfg
 @pytest.mark.parametrize("on", [v for v in cf.WGMMA_TMA if v != "0"])
 def test_gpu_wgmma_tma_is_bit_identical(fmt, on, monkeypatch):
     """QERL_WGMMA_TMA=1's build (the default: the grid variants of 128+ tokens a CTA stage their chunks by tensor
-    copies on mbarriers), and =la3's (session 49: 3 chunks ahead instead of 2), give the output of
+    copies on mbarriers), and =la3's / =la4's (session 49: 3 / 4 chunks ahead instead of 2), give the output of
     QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split
     inside CTAs, across CTAs, stream-K, which keeps cp.async), with and without LoRA, token tiles partial or past M
     (the copies' zero fill), strips past the weight's last (13 strips), odd and even chunk counts per split; in a CUDA

@@ -737,7 +737,7 @@ def wgmma_pipe() -> int:
     return int(v)
 
 
-WGMMA_TMA = ("0", "1", "la3")
+WGMMA_TMA = ("0", "1", "la3", "la4")
 
 
 def wgmma_tma() -> str:
@@ -753,9 +753,10 @@ def wgmma_tma() -> str:
     40's kernel. Experiments measured and removed (session 48; the code is at b686701): the same path in every grid
     variant, with or without the "empty" mbarrier, and the token tile alone by a tensor copy (sessions 41-43,
     `results/speed/raw/h200_s42_tma`, `h200_s43_tok`): the 64-token configs 1.9-7% slower, the 128+-token ones within
-    ~1% of this default. ``la3`` (session 49's experiment, a build of its own): the same, looking 3 chunks ahead
-    instead of 2 with the same 4 stages (a stage refilled as soon as its group released it). Measured and removed in
-    session 49: the producer refilling after its own chunk's MMAs (1.3-4.7% slower at 128 / 256 tokens)."""
+    ~1% of this default. ``la3`` / ``la4`` (session 49's experiments, builds of their own): the same, looking 3
+    chunks ahead instead of 2 with the same 4 stages (a stage refilled as soon as its group released it), or 4 ahead
+    with 5 stages in the TMA-staged variants. Measured and removed in session 49: the producer refilling after its
+    own chunk's MMAs (1.3-4.7% slower at 128 / 256 tokens)."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
@@ -787,7 +788,8 @@ def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth;
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
-    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build; ``la3`` session 49's experiment, ``-DQFP4_WGMMA_TMA_LA3=1`` too);
+    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build; ``la3`` / ``la4``, session 49's experiments, add
+    ``-DQFP4_WGMMA_TMA_EARLY=1`` / and ``-DQFP4_WGMMA_TMA_STAGES=5``);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
     loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
@@ -801,7 +803,8 @@ def _build_flags() -> list[str]:
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() != "0" else []),
-            *(["-DQFP4_WGMMA_TMA_LA3=1"] if wgmma_tma() == "la3" else []),
+            *(["-DQFP4_WGMMA_TMA_EARLY=1"] if wgmma_tma() in ("la3", "la4") else []),
+            *(["-DQFP4_WGMMA_TMA_STAGES=5"] if wgmma_tma() == "la4" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
@@ -1242,7 +1245,7 @@ WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2),
                   (256, 1, 1), (256, 2, 1))
 # the variants with a stream-K kernel (csrc sk_variant: not 128 tokens on 512 threads, where its loop spills)
 WGMMA_SK_VARIANTS = tuple(v for v in WGMMA_VARIANTS if not (v[0] >= 128 and v[1] * v[2] >= 4))
-WGMMA_STAGES = 4  # csrc kStages
+WGMMA_STAGES = 4  # csrc kStages (QERL_WGMMA_TMA=la4: 5 in the TMA-staged variants, csrc n_stages)
 WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)
 # sw of a stream-K wgmma config (nt, WGMMA_SK, r, ks): as many CTAs as fit the device at once, each split-K group a
 # worker; whole waves of tiles round-robin, then an even share of the rest's (output tile, chunk) units; shared tiles
@@ -1251,12 +1254,13 @@ WGMMA_SK = -16
 WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
 
-def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
-    """Dynamic shared memory of a wgmma launch (csrc ``smem_bytes``): ks groups x WGMMA_STAGES stages of (ntok x 128 B
-    tokens + 4 rw strips x 576 B weights and scales, rounded up to 1 KB), or the split-K reduction if larger, + 1 KB
-    of alignment slack."""
+def wgmma_smem_bytes(ntok: int, rw: int, ks: int, sk: bool = False) -> int:
+    """Dynamic shared memory of a wgmma launch (csrc ``smem_bytes``): ks groups x WGMMA_STAGES stages (the build's
+    ``n_stages``: 5 for the TMA-staged variants of ``QERL_WGMMA_TMA=la4``) of (ntok x 128 B tokens + 4 rw strips x
+    576 B weights and scales, rounded up to 1 KB), or the split-K reduction if larger, + 1 KB of alignment slack."""
     stage = -(-(ntok * 128 + rw * 4 * (512 + 64)) // 1024) * 1024
-    return max(ks * WGMMA_STAGES * stage, (ks - 1) * rw * 128 * (ntok // 2) * 4) + 1024
+    stages = 5 if wgmma_tma() == "la4" and ntok >= 128 and not sk else WGMMA_STAGES
+    return max(ks * stages * stage, (ks - 1) * rw * 128 * (ntok // 2) * 4) + 1024
 
 
 def wgmma_supported(device: torch.device | int | None = None) -> bool:

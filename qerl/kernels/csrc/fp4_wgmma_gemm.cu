@@ -88,18 +88,26 @@
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
-// QFP4_WGMMA_TMA_LA3 (the build's -D with QFP4_WGMMA_TMA, set by QERL_WGMMA_TMA=la3; an experiment of session 49):
-// the TMA-staged variants look 3 chunks ahead instead of 2 with the same 4 stages: the producer refills the stage of
-// chunk idx - 1 with chunk idx + 3 as soon as every thread of its group has released it (after its own wait for
-// chunk idx - 1's MMAs), instead of refilling chunk idx - 2's before decoding chunk idx. Same copies into the same
-// stages, same MMAs: the same results. Session 49 measured the main loop at ~65% of the MMAs' rate whatever the
-// bytes staged (raw/h200_s49_rw4) while the same loop with its decode but nothing to wait for reaches 96%
-// (raw/h200_s49_dec): the copies in flight (2 chunks) look too few for the L2's latency.
-#ifndef QFP4_WGMMA_TMA_LA3
-#define QFP4_WGMMA_TMA_LA3 0
+// QFP4_WGMMA_TMA_EARLY and QFP4_WGMMA_TMA_STAGES (the build's -D with QFP4_WGMMA_TMA, set by QERL_WGMMA_TMA=la3 /
+// la4; experiments of session 49): the TMA-staged variants' lookahead. EARLY: the producer refills the stage of chunk
+// idx - 1 with chunk idx - 1 + stages as soon as every thread of its group has released it (after its own wait for
+// chunk idx - 1's MMAs), instead of refilling chunk idx - 2's before decoding chunk idx: 3 chunks ahead instead of 2
+// with 4 stages (la3). STAGES: the stages of those variants (4 by default; 5 fits every TMA variant's shared memory;
+// la4 = EARLY with 5 stages, 4 chunks ahead). Same copies, same MMAs in the same order: the same results. Session 49
+// measured the main loop at ~72% of its MMAs' rate whatever the bytes staged (raw/h200_s49_kfix, h200_s49_rw4) while
+// the same loop with its decode but nothing to wait for reaches 96% (raw/h200_s49_dec): 2 chunks of copies in flight
+// look too few for the L2's latency.
+#ifndef QFP4_WGMMA_TMA_EARLY
+#define QFP4_WGMMA_TMA_EARLY 0
 #endif
-#if QFP4_WGMMA_TMA_LA3 && !QFP4_WGMMA_TMA
-#error "QFP4_WGMMA_TMA_LA3 needs QFP4_WGMMA_TMA"
+#ifndef QFP4_WGMMA_TMA_STAGES
+#define QFP4_WGMMA_TMA_STAGES 4
+#endif
+#if (QFP4_WGMMA_TMA_EARLY || QFP4_WGMMA_TMA_STAGES != 4) && !QFP4_WGMMA_TMA
+#error "QFP4_WGMMA_TMA_EARLY / _STAGES need QFP4_WGMMA_TMA"
+#endif
+#if QFP4_WGMMA_TMA_STAGES != 4 && QFP4_WGMMA_TMA_STAGES != 5
+#error "QFP4_WGMMA_TMA_STAGES must be 4 or 5"
 #endif
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
@@ -114,7 +122,7 @@
 namespace qfp4 {
 namespace wg {
 
-constexpr int kStages = 4;  // a power of 2; lookahead kStages - 2 chunks (see above)
+constexpr int kStages = 4;  // a power of 2; lookahead kStages - 2 chunks (see above; the TMA variants: n_stages)
 constexpr int kSmemMax = 227 * 1024;
 
 #if QFP4_WGMMA
@@ -180,6 +188,11 @@ __host__ __device__ constexpr bool tma_staged(int ntok, bool sk) {
   return QFP4_WGMMA_TMA && !sk && ntok >= 128;
 }
 
+// Stages of a variant's pipeline (QFP4_WGMMA_TMA_STAGES for the TMA-staged ones).
+__host__ __device__ constexpr int n_stages(int ntok, bool sk) {
+  return tma_staged(ntok, sk) ? QFP4_WGMMA_TMA_STAGES : kStages;
+}
+
 // Bytes of one pipeline stage of a group (a multiple of 1024: every token tile starts on a swizzle atom).
 __host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
   return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
@@ -225,6 +238,9 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   constexpr int GT = RW * 128;            // threads of one split-K group
   constexpr int SB = stage_bytes(NTOK, RW);
   constexpr int NA = NTOK / 2;            // accumulators per thread
+  constexpr int ST = n_stages(NTOK, SK);  // stages of this variant's pipeline
+  // the stage of chunk idx (a macro: a lambda changed the default build's machine code; 4 stages: the same as before)
+#define QFP4_SLOT(idx) (ST == 4 ? ((idx) & 3) : ((idx) % ST))
   // chunks staged by tensor copies (QFP4_WGMMA_TMA; the grid variants of 128+ tokens a CTA)
   [[maybe_unused]] constexpr bool TMA = tma_staged(NTOK, SK);
   constexpr int SP = QFP4_WGMMA_TMA ? SL * 2 : 64;  // bytes between two strips' scale pairs in a stage
@@ -239,15 +255,15 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   const int grp = wgi / RW, wr = wgi - grp * RW;
   const int gtid = threadIdx.x - grp * GT;
   const int bar = 1 + grp;  // the group's named barrier
-  unsigned char* gbase = smem + grp * kStages * SB;
-  const uint32_t gbase_s = raw_s + pad + grp * kStages * SB;
+  unsigned char* gbase = smem + grp * ST * SB;
+  const uint32_t gbase_s = raw_s + pad + grp * ST * SB;
   const int my_w = XB + (wr * 4 + wq) * 512;             // this warp's weight words inside a stage
   const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * SP;  // and its scale pairs
 #if QFP4_WGMMA_TMA
   // per split-K group and stage: "full" (the producer's arrival + the copies' bytes), "empty" (the group's threads)
-  __shared__ alignas(8) uint64_t tma_bar[KS][2][kStages];
+  __shared__ alignas(8) uint64_t tma_bar[KS][2][ST];
   const uint32_t full_s = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[grp][0][0]));
-  const uint32_t empty_s = full_s + kStages * 8;
+  const uint32_t empty_s = full_s + ST * 8;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.x)) : "memory");
@@ -256,10 +272,10 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
       for (int k = 0; k < KS; ++k)
 #pragma unroll
-        for (int s = 0; s < kStages; ++s) {
+        for (int s = 0; s < ST; ++s) {
           const uint32_t f = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[k][0][s]));
           mbar_init(f, 1);
-          mbar_init(f + kStages * 8, GT);
+          mbar_init(f + ST * 8, GT);
         }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -281,11 +297,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto stage = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-        // the group's first thread: once every thread has released the stage's previous chunk (idx - kStages), the
+        // the group's first thread: once every thread has released the stage's previous chunk (idx - ST), the
         // three copies of chunk idx into it, completing on its full barrier
         if (idx < n && gtid == 0) {
-          const int sidx = idx & (kStages - 1);
-          if (idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
+          const int sidx = QFP4_SLOT(idx);
+          if (idx >= ST) mbar_wait(empty_s + sidx * 8, ((idx / ST) - 1) & 1);
           const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
           mbar_expect(fb, XB + RW * 4 * (512 + SP));
           const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
@@ -297,9 +313,9 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       }
 #endif
       if (idx < n) {
-        const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
-        if (!(QFP4_WGMMA_ABLATE & 1) || idx < kStages - 2) tokens.stage(dst);
-        if (!(QFP4_WGMMA_ABLATE & 2) || idx < kStages - 2) {
+        const uint32_t dst = gbase_s + QFP4_SLOT(idx) * SB;
+        if (!(QFP4_WGMMA_ABLATE & 1) || idx < ST - 2) tokens.stage(dst);
+        if (!(QFP4_WGMMA_ABLATE & 2) || idx < ST - 2) {
           cp_async16(dst + my_w + lane * 16, wq_p, true);
           if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
         }
@@ -319,20 +335,20 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto acquire = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-        if constexpr (!QFP4_WGMMA_TMA_LA3) stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group
-                                                                       // has released it (TMA_LA3: see release)
-        mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx's tokens have landed
+        if constexpr (!QFP4_WGMMA_TMA_EARLY) stage(idx + ST - 2);  // into chunk idx - 2's stage, once the group
+                                                                   // has released it (TMA_EARLY: see release)
+        mbar_wait(full_s + QFP4_SLOT(idx) * 8, (idx / ST) & 1);  // chunk idx's tokens have landed
         return;
       }
 #endif
-      cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
+      cp_async_wait<ST - 3>();  // this thread's copies of chunk idx have landed
       fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
       if (!(QFP4_WGMMA_ABLATE & 8)) group_sync(bar, GT);  // every thread's; and chunk idx - 2's MMAs are done in
                                                          // every warpgroup
-      stage(idx + kStages - 2);       // into chunk idx - 2's stage
+      stage(idx + ST - 2);       // into chunk idx - 2's stage
     };
     auto decode = [&](int idx, uint32_t (&a)[4][4]) {
-      const unsigned char* sb = gbase + (idx & (kStages - 1)) * SB;
+      const unsigned char* sb = gbase + QFP4_SLOT(idx) * SB;
       const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
       const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
       uint32_t sg, sg8;
@@ -351,21 +367,21 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       decode_word(w.w, sg, sg8, a[3]);
     };
 #pragma unroll
-    for (int s = 0; s < (TMA && QFP4_WGMMA_TMA_LA3 ? kStages : kStages - 2); ++s) stage(s);
+    for (int s = 0; s < (TMA && QFP4_WGMMA_TMA_EARLY ? ST : ST - 2); ++s) stage(s);
 #pragma unroll
     for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     if constexpr (QFP4_WGMMA_PIPE == 2) {
       // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
-        if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
-#if QFP4_WGMMA_TMA_LA3
-        if constexpr (TMA) stage(idx + kStages);  // the producer: chunk idx + 4 into this stage once all released it
+        if constexpr (TMA) mbar_arrive(empty_s + QFP4_SLOT(idx) * 8);
+#if QFP4_WGMMA_TMA_EARLY
+        if constexpr (TMA) stage(idx + ST);  // the producer: chunk idx + ST into this stage once all released it
 #endif
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
-        mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
+        mma_chunk<NTOK>(acc, a, gbase_s + QFP4_SLOT(idx) * SB);
       };
       // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is
       // copied): chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk
@@ -400,7 +416,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       acquire(0);
       decode(0, a);
       for (int idx = 0; idx < n; ++idx) {
-        mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
+        mma_chunk<NTOK>(acc, a, gbase_s + QFP4_SLOT(idx) * SB);
         uint32_t an[4][4];
         if (idx + 1 < n) {
           acquire(idx + 1);
@@ -608,6 +624,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     if constexpr (LORA) group_sync(bar, GT);  // every warp done with the LoRA tile before the next segment stages
   }
   }
+#undef QFP4_SLOT
 #else
   __trap();  // compiled for sm_90a only (the launcher refuses other devices)
 #endif
@@ -669,8 +686,8 @@ const void* pick(int fmt, int ntok, int rw, int ks, bool lora = false, bool sk =
             : (lora ? pick_lora<true, false>(fmt, ntok, rw, ks) : pick_lora<false, false>(fmt, ntok, rw, ks));
 }
 
-size_t smem_bytes(int ntok, int rw, int ks) {
-  const size_t pipe = (size_t)ks * kStages * stage_bytes(ntok, rw);
+size_t smem_bytes(int ntok, int rw, int ks, bool sk) {
+  const size_t pipe = (size_t)ks * n_stages(ntok, sk) * stage_bytes(ntok, rw);
   const size_t red = (size_t)(ks - 1) * rw * 128 * (ntok / 2) * 4;
   return (pipe > red ? pipe : red) + 1024;  // + the 1024-byte alignment slack
 }
@@ -737,7 +754,7 @@ extern "C" int qfp4_wgmma_ctas(int fmt, int ntok, int rw, int ks, int lora, int 
   int dev = 0, sms = 0, per = 0;
   if (fn == nullptr || cudaGetDevice(&dev) || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
     return -1;
-  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks, sk != 0);
   if (smem > (size_t)qfp4::wg::kSmemMax ||
       cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fn, rw * ks * 128, smem) || per < 1)
@@ -778,7 +795,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
     if (R % 8 || !qfp4::gemm_lora(la, lt, lbn, ldt, rp, R, bound1, bound2, roff, rk, S * 16, 16)) return -1;
     la.R = R;
   }
-  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks, kz == 0);
   if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
   const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return (int)e;
