@@ -221,10 +221,16 @@ bf16_tests() {  # the BF16 GEMV's GPU tests, the FP4 GEMV's and the fused decode
     -k "bf16 or gemv or teacher" -rf --tb=short 2>&1 | tail -60 > "$OUT/tests_bf16.txt"
   tail -3 "$OUT/tests_bf16.txt" >> "$LOG"
 }
+peak() {  # SECONDS ARGS...: benchmarks.wgmma_peak ARGS into $OUT/peak, its result lines in the log
+  local secs=$1
+  shift
+  timeout "$secs" python3 -m benchmarks.wgmma_peak "$@" --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
+}
 kernel_ab() {  # SWITCH PREFIX RUNS TESTED TESTS: the builds of RUNS' values ("VALUE:PASS ..." in the order run) at
   # once, the GPU tests -k TESTS over tests/test_cuda_fp4.py on each build in TESTED ($OUT/tests_PREFIX_VALUE.txt; none
   # when TESTS is empty), then each 7B product at its tuned config with a rank-32 LoRA term (benchmarks.wgmma_profile
-  # --configs tuned --lora 32 --m ${ABK_M:-64,128,256}) once per run ($OUT/PREFIX_VALUE_PASS)
+  # --configs tuned --lora 32 --m ${ABK_M:-64,128,256}) once per run ($OUT/PREFIX_VALUE_PASS), and the gains against
+  # the first run's value ($OUT/ab.md)
   local sw=$1 prefix=$2 runs=$3 tested=$4 tests=$5 v run pass
   # shellcheck disable=SC2046  # one word per build
   builds_at_once $(for r in $runs; do echo "$sw=${r%%:*}"; done | sort -u)
@@ -235,6 +241,7 @@ kernel_ab() {  # SWITCH PREFIX RUNS TESTED TESTS: the builds of RUNS' values ("V
   fi
   ab_runs "$sw" "$prefix" "$runs" 60 "prof\]" python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 \
     --m "${ABK_M:-64,128,256}"
+  python3 -m benchmarks.ab_compare "$OUT" --prefix "$prefix" --base "${runs%%:*}" --md "$OUT/ab.md" >> "$LOG" 2>&1
 }
 ab_runs() {  # SWITCH PREFIX RUNS SECONDS PATTERN CMD...: CMD once per run of RUNS ("VALUE:PASS ..." in the order run)
   # under SWITCH=VALUE, with --out $OUT/PREFIX_VALUE_PASS; the log keeps its output lines matching PATTERN
@@ -520,8 +527,7 @@ abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   BASE=${RUNS%%:*}
   # the GPU tests on every build but the baseline (or on ABK_TESTED's)
   kernel_ab "$SW" abk "$RUNS" \
-    "${ABK_TESTED:-$(for r in $RUNS; do v=${r%%:*}; [ "$v" = "$BASE" ] || echo "$v"; done | sort -u)}" "${ABK_TESTS:-}"
-  python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base "$BASE" --md "$OUT/ab.md" >> "$LOG" 2>&1 ;;
+    "${ABK_TESTED:-$(for r in $RUNS; do v=${r%%:*}; [ "$v" = "$BASE" ] || echo "$v"; done | sort -u)}" "${ABK_TESTS:-}" ;;
 lora42)  # issue 10 / 11: the decode step with no adapters (rank 0) beside rank 32, both formats
   build 2
   if [ "${LORA42:-roll}" = roll ]; then
@@ -568,7 +574,7 @@ lora44)  # issue 11: what each part of the decode GEMV's LoRA costs (see the hea
   done ;;
 wgpeak)  # issue 10: the wgmma MMA schedule alone against the GEMM (see the header)
   build 2
-  timeout 200 python3 -m benchmarks.wgmma_peak --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
+  peak 200
   timeout 100 python3 -m benchmarks.wgmma_profile --configs tuned --m 64,128,256 --out "$OUT/prof" 2>&1 \
     | grep "prof\]" >> "$LOG" ;;
 kfix)  # issue 10: the wgmma GEMM's per-CTA fixed cost (see the header)
@@ -578,20 +584,15 @@ kfix)  # issue 10: the wgmma GEMM's per-CTA fixed cost (see the header)
       --shapes 16896x896,16896x1792,16896x3584,16896x7168,16896x14336,37888x3584 2>&1 | grep "prof\]" >> "$LOG"
   done
   for it in 28 56 112 224 4096; do
-    timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs --wgs 4 --depth 1 --iters $it --tag "_i$it" \
-      --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
+    peak 100 --n 128 --ops rs --wgs 4 --depth 1 --iters "$it" --tag "_i$it"
   done
-  timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs --wgs 4 --depth 1 --iters 28 --grid 296 \
-    --tag _g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
+  peak 100 --n 128 --ops rs --wgs 4 --depth 1 --iters 28 --grid 296 --tag _g296 ;;
 dec49)  # issue 10: the MMA schedule with the GEMM's decode (see the header)
-  timeout 200 python3 -m benchmarks.wgmma_peak --n 128,256 --ops rs,rsdec --wgs 2,4 --depth 1 --tag _dec \
-    --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG"
-  timeout 100 python3 -m benchmarks.wgmma_peak --n 128 --ops rs,rsdec --wgs 4 --depth 1 --iters 28 --grid 296 \
-    --tag _dec_g296 --out "$OUT/peak" 2>&1 | grep "peak\]\|Error" >> "$LOG" ;;
+  peak 200 --n 128,256 --ops rs,rsdec --wgs 2,4 --depth 1 --tag _dec
+  peak 100 --n 128 --ops rs,rsdec --wgs 4 --depth 1 --iters 28 --grid 296 --tag _dec_g296 ;;
 la3)  # issue 10: the copies 3 chunks ahead (see the header)
   if [ "${LA3:-kernel}" = kernel ]; then
     kernel_ab QERL_WGMMA_TMA abk "1:1 la3:1 la4:1 0:1 0:2 la4:2 la3:2 1:2" la4 "tma_is_bit_identical and (la3 or la4)"
-    python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base 1 --md "$OUT/ab.md" >> "$LOG" 2>&1
   else
     builds_at_once - QERL_WGMMA_TMA=la3 QERL_WGMMA_TMA=la4
     timeout 520 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \

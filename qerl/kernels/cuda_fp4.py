@@ -738,6 +738,8 @@ def wgmma_pipe() -> int:
 
 
 WGMMA_TMA = ("0", "1", "la3", "la4")
+WGMMA_TMA_EARLY = ("la3", "la4")  # the values that refill a stage on its release (csrc QFP4_WGMMA_TMA_EARLY)
+WGMMA_TMA_STAGES = {"la4": 5}  # csrc QFP4_WGMMA_TMA_STAGES of the TMA-staged variants per value (others: WGMMA_STAGES)
 
 
 def wgmma_tma() -> str:
@@ -799,12 +801,12 @@ def _build_flags() -> list[str]:
     their tensor copies (``QERL_WGMMA_L2PF``, 5-14% slower) and the producer refilling after its own MMAs
     (``QERL_WGMMA_TMA=late``, 1-5% slower)."""
     from qerl.kernels import wgmma_lora_mode
-    pipe = wgmma_pipe()
+    pipe, tma = wgmma_pipe(), wgmma_tma()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
-            *(["-DQFP4_WGMMA_TMA=1"] if wgmma_tma() != "0" else []),
-            *(["-DQFP4_WGMMA_TMA_EARLY=1"] if wgmma_tma() in ("la3", "la4") else []),
-            *(["-DQFP4_WGMMA_TMA_STAGES=5"] if wgmma_tma() == "la4" else []),
+            *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
+            *(["-DQFP4_WGMMA_TMA_EARLY=1"] if tma in WGMMA_TMA_EARLY else []),
+            *([f"-DQFP4_WGMMA_TMA_STAGES={WGMMA_TMA_STAGES[tma]}"] if tma in WGMMA_TMA_STAGES else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
@@ -1259,7 +1261,7 @@ def wgmma_smem_bytes(ntok: int, rw: int, ks: int, sk: bool = False) -> int:
     ``n_stages``: 5 for the TMA-staged variants of ``QERL_WGMMA_TMA=la4``) of (ntok x 128 B tokens + 4 rw strips x
     576 B weights and scales, rounded up to 1 KB), or the split-K reduction if larger, + 1 KB of alignment slack."""
     stage = -(-(ntok * 128 + rw * 4 * (512 + 64)) // 1024) * 1024
-    stages = 5 if wgmma_tma() == "la4" and ntok >= 128 and not sk else WGMMA_STAGES
+    stages = WGMMA_TMA_STAGES.get(wgmma_tma(), WGMMA_STAGES) if ntok >= 128 and not sk else WGMMA_STAGES
     return max(ks * stages * stage, (ks - 1) * rw * 128 * (ntok // 2) * 4) + 1024
 
 
