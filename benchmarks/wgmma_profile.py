@@ -15,7 +15,9 @@ rate at which the SMs pull operands through L2; the ``tflops`` column the tensor
 re-reads, which only more weight rows per CTA (or sharing one staged tile across CTAs) reduce.
 
 ``--configs "16,0,2,2 8,0,4,1"`` limits either mode to those configurations; ``--configs tuned`` to the one the
-device's tuned table (or heuristic) picks per shape and M (an A/B of two builds: `scripts/gpu_bench.sh desc40`).
+device's tuned table (or heuristic) picks per shape and M (an A/B of two builds: `scripts/gpu_bench.sh desc40`);
+``--configs tail`` to that one and, where it splits no K across CTAs, its tail splits kt = 2..WGMMA_MAX_KZ (a
+``QERL_WGMMA_TAIL=1`` build: `scripts/gpu_bench.sh tail`).
 ``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
 (``--kernel-name regex:fp4_wgmma_kernel``; the permutation kernel is not profiled). Writes
 ``wgmma_profile_<gpu>.csv`` / ``.md`` under ``--out`` in timing mode.
@@ -54,14 +56,16 @@ def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int],
     """What one wgmma launch moves and computes: weight bytes (packed words + the scale pairs a stage holds, once
     per token tile), token bytes staged (every CTA stages its token tile's rows that exist, over its range of K),
     the fp32 partials of CTA splits of K or of stream-K's shared tiles (written and read once), and the useful FLOPs.
-    A stream-K config (sw = WGMMA_SK) needs ``sk_ctas`` (``cuda_fp4.wgmma_sk_ctas``: the device's CTAs)."""
+    A stream-K config (sw = WGMMA_SK) needs ``sk_ctas`` (``cuda_fp4.wgmma_sk_ctas``: the device's CTAs), a tail-split
+    one (``cuda_fp4.wgmma_tail_sw``) the CTAs of one wave (``cuda_fp4.wgmma_ctas``)."""
     nt, sw, r, ks = config
     if sw > 0:
         raise ValueError(f"config {config!r} is not a wgmma one (sw <= 0)")
-    sk = sw == cf.WGMMA_SK
-    if sk and not sk_ctas:
-        raise ValueError(f"stream-K config {config!r}: give sk_ctas (the launch's CTAs on the device)")
-    ntok, kz = 8 * nt, 1 if sk else 1 - sw
+    sk, kt = sw == cf.WGMMA_SK, cf.wgmma_tail_kt(sw)
+    if (sk or kt) and not sk_ctas:
+        raise ValueError(f"stream-K / tail-split config {config!r}: give sk_ctas (the launch's CTAs on the device, "
+                         f"or one wave's)")
+    ntok, kz = 8 * nt, 1 if sk or kt else 1 - sw
     s, c = n // 16, k // 64
     sl = 32 if fmt == "nvfp4" else 16  # uint16 scale pairs per (strip, chunk), as the kernel stages them
     tiles_x = -(-m // ntok)
@@ -75,6 +79,10 @@ def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int],
         segs = cf.streamk_segments(tiles_x * tiles_y, c, sk_ctas * ks)
         ws_bytes = 2 * tile_bytes * sum(1 for seg in segs if seg[4] >= 0)
         ctas = min(sk_ctas, -(-tiles_x * tiles_y * c // ks))
+    elif kt:
+        split = cf.wgmma_tail_ctas(tiles_x * tiles_y, sk_ctas, kt)
+        ws_bytes = 2 * tile_bytes * sum(1 for cta in split if cta[2] > 1)
+        ctas = len(split)
     else:
         ws_bytes = 0 if kz == 1 else 2 * kz * tiles_x * tiles_y * tile_bytes
         ctas = tiles_x * tiles_y * kz
@@ -86,14 +94,15 @@ def _wgmma_configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     return [cfg for cfg in cgb.configs(s, c, m) if cfg[1] <= 0]
 
 
-TUNED = "tuned"
+TUNED, TAIL = "tuned", "tail"
 
 
 def parse_configs(text: str) -> list[tuple[int, int, int, int]] | str:
     """``"16,0,2,2 8,0,4,1"`` (or ``;``-separated) -> [(16, 0, 2, 2), (8, 0, 4, 1)]: wgmma configs (sw <= 0);
-    ``"tuned"`` -> ``TUNED``: each (shape, M) at the configuration the device's table or heuristic picks."""
-    if text.strip() == TUNED:
-        return TUNED
+    ``"tuned"`` -> ``TUNED``: each (shape, M) at the configuration the device's table or heuristic picks; ``"tail"``
+    -> ``TAIL``: that one, then its tail splits (:func:`tail_configs`)."""
+    if text.strip() in (TUNED, TAIL):
+        return text.strip()
     out = []
     for part in text.replace(";", " ").split():
         try:
@@ -104,6 +113,15 @@ def parse_configs(text: str) -> list[tuple[int, int, int, int]] | str:
             raise ValueError(f"--configs entry {part!r}: expected nt,sw,r,ks with sw <= 0 (a wgmma config)")
         out.append(cfg)
     return out
+
+
+def tail_configs(tuned: tuple[int, int, int, int], c: int) -> list[tuple[int, int, int, int]]:
+    """``tuned`` and, when it is a grid wgmma config without splits of K across CTAs (sw 0), the same variant with
+    its last partial wave split kt = 2..WGMMA_MAX_KZ ways (``cuda_fp4.wgmma_tail_sw``; every split >= 4 chunks)."""
+    nt, sw, r, ks = tuned
+    if sw != 0:
+        return [tuned]
+    return [tuned] + [(nt, cf.wgmma_tail_sw(kt), r, ks) for kt in range(2, cf.WGMMA_MAX_KZ + 1) if c // (kt * ks) >= 4]
 
 
 def _lora_operand(n: int, rank: int, k: int, seed: int):
@@ -130,11 +148,11 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0
             cfgs = _wgmma_configs(s, c, m)
             if tuned[1] <= 0 and tuned not in cfgs:
                 cfgs.append(tuned)
-            if only == TUNED:
+            if only in (TUNED, TAIL):
                 if tuned[1] > 0:
                     print(f"[prof] {fmt} {n}x{k} M={m}: the device's pick {tuned} is not a wgmma config; skipped")
                     continue
-                cfgs = [tuned]
+                cfgs = [tuned] if only == TUNED else tail_configs(tuned, c)
             elif only:
                 cfgs = [cf.check_gemm_config(cfg, s, c) for cfg in only]
             for cfg in cfgs:
@@ -144,7 +162,9 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0
                     print(f"[ncu] {fmt} {n}x{k} M={m} config {cfg}", flush=True)
                     continue
                 t = cgb._time_gemm(cws, m, rep_ms, cfg, lora) * 1e-3  # s
-                sk = cf.wgmma_sk_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3]) if cfg[1] == cf.WGMMA_SK else None
+                sk = (cf.wgmma_sk_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3]) if cfg[1] == cf.WGMMA_SK else
+                      cf.wgmma_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3], lora is not None) if cf.wgmma_tail_kt(cfg[1])
+                      else None)
                 tr = traffic(fmt, n, k, m, cfg, sk)
                 row = dict(fmt=fmt, N=n, K=k, M=m, config=str(cfg), tuned=cfg == tuned, lora_rank=rank,
                            us=round(t * 1e6, 2),
@@ -178,7 +198,8 @@ def main(argv=None) -> None:
     ap.add_argument("--m", default="64,128,256")
     ap.add_argument("--rep", type=float, default=10.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--configs", default="", help="only these wgmma configs, e.g. '16,0,2,2 8,0,4,1'; 'tuned': only "
-                    "the configuration the device's table or heuristic picks for each shape and M")
+                    "the configuration the device's table or heuristic picks for each shape and M; 'tail': that one "
+                    "and its tail splits (a QERL_WGMMA_TAIL=1 build)")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="with a LoRA term of this rank in the GEMM's epilogue (its x·Aᵀ launch included); 0: none")
     ap.add_argument("--ncu", action="store_true", help="run each configuration once for ncu; no timing")

@@ -159,13 +159,12 @@
 #                                (benchmarks.wgmma_peak --ops rs,rsdec, N 128 / 256, 2 and 4 warpgroups, wait 1) over one
 #                                wave of long loops, and at the 7B gate|up launch's shape (296 CTAs x 28 chunks)
 #                                ($OUT/peak); ~2 min
-#   scripts/gpu_bench.sh la3     issue 10, session 49's plan: QERL_WGMMA_TMA=la3 (the tensor copies 3 chunks ahead
-#                                instead of 2, same 4 stages) and la4 (4 ahead, 5 stages). LA3=kernel (default): builds
-#                                0 / 1 / la3 / la4 at once, the bit-identity tests on la3 and la4, each 7B product at its
-#                                tuned config with a rank-32 LoRA (1 la3 la4 0 0 la4 la3 1; $OUT/abk_*, $OUT/ab.md);
-#                                ~5 min. LA3=roll: 7B NVFP4 rollouts at 16 (warm-up), 64, 128, 256 sequences, one
-#                                process, decode modes fused / fused-tma-la3 / fused-tma-la4 and back ($OUT/roll_la3);
-#                                ~8 min
+#   scripts/gpu_bench.sh tail    issue 10, session 50: the wgmma grid launches' last partial wave split along K
+#                                (QERL_WGMMA_TAIL=1, a build of its own; configs (nt, WGMMA_SK - kt, r, ks)): the default
+#                                and the tail builds at once, the tail GPU tests ($OUT/tests_tail.txt), then each 7B
+#                                product at 64, 128, 256 tokens at its tuned config and that config's tail splits kt =
+#                                2, 3, 4 with a rank-32 LoRA (benchmarks.wgmma_profile --configs tail), two passes
+#                                ($OUT/tail_1, tail_2); ~4 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -590,15 +589,13 @@ kfix)  # issue 10: the wgmma GEMM's per-CTA fixed cost (see the header)
 dec49)  # issue 10: the MMA schedule with the GEMM's decode (see the header)
   peak 200 --n 128,256 --ops rs,rsdec --wgs 2,4 --depth 1 --tag _dec
   peak 100 --n 128 --ops rs,rsdec --wgs 4 --depth 1 --iters 28 --grid 296 --tag _dec_g296 ;;
-la3)  # issue 10: the copies 3 chunks ahead (see the header)
-  if [ "${LA3:-kernel}" = kernel ]; then
-    kernel_ab QERL_WGMMA_TMA abk "1:1 la3:1 la4:1 0:1 0:2 la4:2 la3:2 1:2" la4 "tma_is_bit_identical and (la3 or la4)"
-  else
-    builds_at_once - QERL_WGMMA_TMA=la3 QERL_WGMMA_TMA=la4
-    timeout 520 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-      --decode fused,fused-tma-la3,fused-tma-la4,fused-tma-la4,fused-tma-la3,fused --out "$OUT/roll_la3" 2>&1 \
-      | grep -v Warn >> "$LOG"
-  fi ;;
+tail)  # issue 10: the last partial wave's tiles split along K (see the header)
+  builds_at_once - QERL_WGMMA_TAIL=1
+  (export QERL_WGMMA_TAIL=1; gpu_tests tail 300 tests/test_cuda_fp4.py -k tail_split)
+  for pass in 1 2; do
+    QERL_WGMMA_TAIL=1 timeout 150 python3 -m benchmarks.wgmma_profile --configs tail --lora 32 --m 64,128,256 \
+      --out "$OUT/tail_$pass" 2>&1 | grep "prof\]" >> "$LOG"
+  done ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}
   case "$part" in

@@ -226,12 +226,6 @@ def test_wgmma_config_validation():
     # the shared-memory formula is csrc's: 4 stages of (tokens + 4 rw strips x 576 B) rounded to 1 KB, + 1 KB
     assert cf.wgmma_smem_bytes(128, 2, 1) == 4 * 21 * 1024 + 1024
     assert cf.wgmma_smem_bytes(32, 1, 4) == 4 * 4 * 7 * 1024 + 1024
-    with pytest.MonkeyPatch.context() as mp:  # session 49's la4: 5 stages in the TMA-staged variants only
-        mp.setenv("QERL_WGMMA_TMA", "la4")
-        assert cf.wgmma_smem_bytes(128, 2, 2) == 2 * 5 * 21 * 1024 + 1024 <= cf.GEMM_SMEM_MAX
-        assert cf.wgmma_smem_bytes(128, 2, 1, sk=True) == cf.wgmma_smem_bytes(128, 2, 1) - 5 * 21 * 1024 + 4 * 21 * 1024
-        assert cf.wgmma_smem_bytes(64, 1, 2) == 2 * 4 * 11 * 1024 + 1024
-        assert all(cf.wgmma_smem_bytes(*v) <= cf.GEMM_SMEM_MAX for v in cf.WGMMA_VARIANTS)
     for ntok, rw, ks in cf.WGMMA_VARIANTS:  # every compiled variant fits some shape's opt-in shared memory
         assert cf.wgmma_smem_bytes(ntok, rw, ks) <= cf.GEMM_SMEM_MAX, (ntok, rw, ks)
     cfgs = cf.wgmma_configs(224, 56)
@@ -250,6 +244,51 @@ def test_wgmma_config_validation():
     assert all((1 - c[1]) * c[3] == 1 for c in cf.wgmma_configs(224, 7) if c[1] != cf.WGMMA_SK)
     with pytest.raises(ValueError, match="no wgmma variant"):
         cf.gemm_kernel_attributes("nvfp4", 16, 0, 4, 2)
+
+
+def test_wgmma_tail_split_configs(monkeypatch):
+    """Session 50's tail-split configs (nt, wgmma_tail_sw(kt), r, ks): sw WGMMA_SK - kt for kt = 2..WGMMA_MAX_KZ, only
+    in a QERL_WGMMA_TAIL=1 build, every grid variant; the launch's CTAs (csrc's mapping in pure Python) cover each
+    tile's K exactly once: the tiles up to the last whole wave whole, the rest kt ways."""
+    monkeypatch.delenv("QERL_WGMMA_TAIL", raising=False)
+    monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
+    assert [cf.wgmma_tail_kt(cf.wgmma_tail_sw(kt)) for kt in range(2, cf.WGMMA_MAX_KZ + 1)] == [2, 3, 4]
+    assert [cf.wgmma_tail_kt(sw) for sw in (0, -1, -3, cf.WGMMA_SK, cf.WGMMA_SK - 1, cf.WGMMA_SK - 5)] == [0] * 6
+    with pytest.raises(ValueError, match="tail split kt=1; valid: 2..4"):
+        cf.wgmma_tail_sw(1)
+    tail = (16, cf.wgmma_tail_sw(4), 2, 2)
+    assert not any(cf.wgmma_tail_kt(c[1]) for c in cf.wgmma_configs(224, 56))  # the default build has none
+    with pytest.raises(ValueError, match=r"needs a QERL_WGMMA_TAIL=1 build \(this one: False\)"):
+        cf.check_gemm_config(tail, s=2368, c=56)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
+    assert "-DQFP4_WGMMA_TAIL=1" in cf._build_flags()
+    assert cf.check_gemm_config(tail, s=2368, c=56) == tail
+    with pytest.raises(ValueError, match="kt \\* ks <= C \\(kt = 4\\)"):
+        cf.check_gemm_config(tail, s=2368, c=7)
+    with pytest.raises(ValueError, match="tail-split config"):
+        cf.check_gemm_config((16, cf.wgmma_tail_sw(2), 4, 2), s=2368, c=56)  # no such variant
+    cfgs = cf.wgmma_configs(224, 56)
+    tails = [c for c in cfgs if cf.wgmma_tail_kt(c[1])]
+    # every variant x kt 2..4 but kt 4 x ks 4 (16 splits of 56 chunks: < 4 each), each one valid
+    assert len(tails) == (cf.WGMMA_MAX_KZ - 1) * len(cf.WGMMA_VARIANTS) - 2 and tail in tails
+    assert all(cf.check_gemm_config(c, 224, 56) == c for c in tails)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "2")
+    with pytest.raises(ValueError, match="QERL_WGMMA_TAIL='2'; valid: 0, 1$"):
+        cf._build_flags()
+    for tiles, wave, kt in [(296, 132, 4), (264, 132, 4), (5, 132, 3), (133, 132, 2), (296, 132, 1)]:
+        ctas = cf.wgmma_tail_ctas(tiles, wave, kt)
+        rest = tiles % wave
+        split = kt if rest and kt > 1 else 1
+        assert len(ctas) == tiles - rest + rest * split if split > 1 else len(ctas) == tiles
+        assert ctas[: tiles - rest] == [(t, 0, 1) for t in range(tiles - rest)] or split == 1
+        cover = {}
+        for t, z, n in ctas:
+            cover.setdefault(t, []).append((z, n))
+        assert sorted(cover) == list(range(tiles))
+        for t, parts in cover.items():  # each tile: splits 0..n-1 of n, once each, n = kt only past the last wave
+            n = parts[0][1]
+            assert sorted(parts) == [(z, n) for z in range(n)] and n == (split if t >= tiles - rest else 1), (t, parts)
+    assert len(cf.wgmma_tail_ctas(296, 132, 4)) == 264 + 32 * 4 <= 3 * 132  # the last wave's 32 tiles on 128 CTAs
 
 
 @pytest.mark.parametrize("tiles,c,workers", [(296, 56, 264), (1, 56, 264), (72, 56, 528), (3, 5, 7), (10, 3, 40),
@@ -365,13 +404,14 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_BF16_LOADS", "pair")  # the wgmma flags below without the BF16 one
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
-    monkeypatch.setenv("QERL_WGMMA_TMA", "all-bar")  # removed in session 48
-    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='all-bar'; valid: 0, 1, la3, la4$"):
-        cf._build_flags()
-    monkeypatch.setenv("QERL_WGMMA_TMA", "la3")  # session 49's experiments
-    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_EARLY=1"]
-    monkeypatch.setenv("QERL_WGMMA_TMA", "la4")
-    assert cf._build_flags()[-3:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TMA_EARLY=1", "-DQFP4_WGMMA_TMA_STAGES=5"]
+    for v in ("all-bar", "la3", "la4"):  # removed in sessions 48 and 50
+        monkeypatch.setenv("QERL_WGMMA_TMA", v)
+        with pytest.raises(ValueError, match=f"QERL_WGMMA_TMA='{v}'; valid: 0, 1$"):
+            cf._build_flags()
+    monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")  # session 50's experiment
+    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TAIL=1"]
+    monkeypatch.delenv("QERL_WGMMA_TAIL")
     monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in ("0", "1", "pdl"):
         monkeypatch.setenv("QERL_WGMMA_LORA", v)
@@ -1292,11 +1332,9 @@ def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfg
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("on", [v for v in cf.WGMMA_TMA if v != "0"])
-def test_gpu_wgmma_tma_is_bit_identical(fmt, on, monkeypatch):
+def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     """QERL_WGMMA_TMA=1's build (the default: the grid variants of 128+ tokens a CTA stage their chunks by tensor
-    copies on mbarriers), and =la3's / =la4's (session 49: 3 / 4 chunks ahead instead of 2), give the output of
-    QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split
+    copies on mbarriers) gives the output of QERL_WGMMA_TMA=0's (cp.async) bit for bit: every wgmma config (K split
     inside CTAs, across CTAs, stream-K, which keeps cp.async), with and without LoRA, token tiles partial or past M
     (the copies' zero fill), strips past the weight's last (13 strips), odd and even chunk counts per split; in a CUDA
     graph; and matches the emulator."""
@@ -1305,7 +1343,53 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, on, monkeypatch):
     q, w, ops, k = _gemm_lora_case(fmt)
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
-    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", on, (q, w, ops, k), cfgs, seed=41)
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", "1", (q, w, ops, k), cfgs, seed=41)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_tail_split(fmt, monkeypatch):
+    """QERL_WGMMA_TAIL=1's build (session 50's experiment) gives the default build's output bit for bit at every
+    config (``_check_build_bit_identical``); and a tail-split config (nt, wgmma_tail_sw(kt), r, ks) gives, tile by
+    tile (``cf.wgmma_tail_ctas`` over the device's wave), the output of (nt, 0, r, ks) on the tiles it runs whole and
+    of (nt, 1 - kt, r, ks) on the split ones, bit for bit: with and without LoRA, a partial token tile and a partial
+    row block, a last wave of a few tiles; in a CUDA graph too (the tile counters left at zero)."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    case = _gemm_lora_case(fmt)
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TAIL", "1", case, cf.wgmma_configs(13, 24), seed=50)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, k, m = 16 * ((sms // 2 + 3) * 8 - 3), 512, 130  # 128-row blocks: sms / 2 + 3, the last partial
+    q = _quant(fmt, n, k, seed=51, device="cuda")
+    w = _prep(fmt, q)
+    op = _lora([(n - 16 * 40, 16), (16 * 40, 8)], k, seed=52, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(53)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    split_seen = 0
+    for nt, r, ks in [(16, 2, 2), (16, 2, 1), (8, 1, 2)]:
+        tx, rows = -(-m // (8 * nt)), 64 * r
+        tiles = cf.wgmma_tiles(m, n // 16, nt, r)
+        for lora in (None, op):
+            wave = cf.wgmma_ctas(fmt, 8 * nt, r, ks, lora is not None)
+            whole = cf.gemm(x, w, config=(nt, 0, r, ks), lora=lora)
+            for kt in range(2, cf.WGMMA_MAX_KZ + 1):
+                if kt * ks > k // 64:
+                    continue
+                want = whole.clone()
+                parts = cf.gemm(x, w, config=(nt, 1 - kt, r, ks), lora=lora)
+                for t in sorted({t for t, _, splits in cf.wgmma_tail_ctas(tiles, wave, kt) if splits > 1}):
+                    bx, by = t % tx, t // tx
+                    tok, row = slice(8 * nt * bx, 8 * nt * (bx + 1)), slice(rows * by, rows * (by + 1))
+                    want[tok, row] = parts[tok, row]
+                    split_seen += 1
+                cfg = (nt, cf.wgmma_tail_sw(kt), r, ks)
+                got = cf.gemm(x, w, config=cfg, lora=lora)
+                assert torch.equal(got, want), (cfg, lora is None, tiles, wave)
+                assert torch.equal(cf.gemm(x, w, config=cfg, lora=lora), want), cfg  # the counters were left at 0
+    assert split_seen > 0
+    _check_gemm_lora_graph(w, op, (16, cf.wgmma_tail_sw(4), 2, 2), x)
 
 
 @pytest.mark.gpu

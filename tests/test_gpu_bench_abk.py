@@ -70,39 +70,30 @@ def test_abk_builds_tests_and_times_each_build_in_order(tmp_path):
 def test_abk_tests_only_the_builds_abk_tested_names(tmp_path):
     """ABK_TESTED (for tests that set the switch themselves) runs the tests on the named build only; every value is
     still built once and timed in RUNS' order."""
-    p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_TMA", ABK_RUNS="1:1 la3:1 0:1 0:2 la3:2 1:2",
-                    ABK_TESTED="la3", ABK_TESTS="tma_is_bit_identical")
+    p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_TMA", ABK_RUNS="1:1 0:1 0:2 1:2",
+                    ABK_TESTED="0", ABK_TESTS="tma_is_bit_identical")
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "1", "la3"]
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "1"]
     tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("la3|") and "-k tma_is_bit_identical" in tests[0]
+    assert len(tests) == 1 and tests[0].startswith("0|") and "-k tma_is_bit_identical" in tests[0]
     prof = [c.split("|")[0] for c in calls if "benchmarks.wgmma_profile" in c]
-    assert prof == ["1", "la3", "0", "0", "la3", "1"]
+    assert prof == ["1", "0", "0", "1"]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_la3_kernel_ab_then_rollouts_alternating_in_one_process(tmp_path):
-    """``la3`` (session 49's plan): by default the builds 0 / 1 / la3 / la4, the bit-identity tests once (on la4's
-    build: they set the switch themselves), the kernel timings in the order 1 la3 la4 0 0 la4 la3 1 and their gains
-    against 1; with LA3=roll, the default, la3 and la4 builds, then one NVFP4 rollout process alternating the decode
-    modes (A B C C B A)."""
-    p, calls = _run(tmp_path, "la3")
+def test_tail_builds_tests_and_times_the_tail_splits_twice(tmp_path):
+    """``tail`` (session 50): the default and QERL_WGMMA_TAIL=1's builds at once, the tail-split GPU tests on the tail
+    build, then two passes of the 7B products at their tuned configs and tail splits, each on the tail build."""
+    stub = STUB.replace('echo "${QERL_WGMMA_TMA:-unset}|$*"', 'echo "${QERL_WGMMA_TAIL:-unset}|$*"')
+    p, calls = _run(tmp_path, "tail", stub)
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "1", "la3", "la4"]
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["1", "unset"]
     tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("la4|") and "-k tma_is_bit_identical and (la3 or la4)" in tests[0]
-    assert [c.split("|")[0] for c in calls if "benchmarks.wgmma_profile" in c] == \
-        ["1", "la3", "la4", "0", "0", "la4", "la3", "1"]
-    ab = (tmp_path / "out" / "ab.md").read_text()  # the stub: 100 us for build 0, 80 for the others
-    assert "| 0 | nvfp4 gate\\|up | 128 | (16, 0, 2, 2) | 80.0 | 100.0 | -20.0 % |" in ab
-    (tmp_path / "roll").mkdir()
-    stub = '#!/usr/bin/env bash\necho "${QERL_WGMMA_TMA:-unset}|$*" >> "$STUB_LOG"\n'
-    p, calls = _run(tmp_path / "roll", "la3", stub, LA3="roll")
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["la3", "la4", "unset"]
-    roll = [c for c in calls if "|-m qerl.bench rollout" in c]
-    assert len(roll) == 1 and "--formats nvfp4 --batch 16,64,128,256" in roll[0]
-    assert "--decode fused,fused-tma-la3,fused-tma-la4,fused-tma-la4,fused-tma-la3,fused " in roll[0]
+    assert len(tests) == 1 and tests[0].startswith("1|") and "-k tail_split" in tests[0]
+    prof = [c for c in calls if "benchmarks.wgmma_profile" in c]
+    assert [c.split("|")[0] for c in prof] == ["1", "1"]
+    assert all("--configs tail --lora 32 --m 64,128,256" in c for c in prof)
+    assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in prof] == ["tail_1", "tail_2"]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")

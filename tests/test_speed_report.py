@@ -464,9 +464,6 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
         with bench.decode_mode(_S(), dec):
             flags[dec] = cf._build_flags()  # raises on a value the switch does not know
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
-    assert "-DQFP4_WGMMA_TMA_EARLY=1" in flags["fused-tma-la3"] and "-DQFP4_WGMMA_TMA_EARLY=1" not in flags["fused"]
-    assert "-DQFP4_WGMMA_TMA_STAGES=5" in flags["fused-tma-la4"]
-    assert "-DQFP4_WGMMA_TMA_STAGES=5" not in flags["fused-tma-la3"]
     assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
     assert "-DQFP4_WGMMA_PDL=1" in flags["fused"] and "-DQFP4_WGMMA_PDL=1" not in flags["fused-s36"]

@@ -221,18 +221,16 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
     (UTMALDG: three a chunk at five places -- the two prologue chunks, the two of a loop pass, and the loop's first pass
     peeled by ptxas), no cp.async (LDGSTS) in a plain one (a LoRA one keeps it for its t tile) and no group barrier
     inside its main loop; the 32- and 64-token grid variants and the stream-K ones keep cp.async and issue no tensor
-    copy; the loop check stays clean. Session 49's QERL_WGMMA_TMA=la4 (built beside it: 5 stages in the TMA-staged
-    variants, refilled from the loop's releases, 4 chunks ahead) the same, its prologue staging five chunks instead of
-    two (21 copies)."""
+    copy; the loop check stays clean. Session 50's QERL_WGMMA_TAIL=1 (built beside it: the tail-split launches' tile
+    mapping and two more kernel parameters) the same."""
     with ThreadPoolExecutor(2) as pool:  # both builds at once
         builds = list(pool.map(lambda d: wsc.compile_sass(2, None, d),
                                [("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"),
-                                ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TMA_EARLY=1",
-                                 "QFP4_WGMMA_TMA_STAGES=5")]))
-    for la4, (sass, msgs) in zip((False, True), builds, strict=True):
+                                ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1")]))
+    for tail, (sass, msgs) in zip((False, True), builds, strict=True):
         r = wsc.check(sass, msgs)
         assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
-        assert r["hazards"] == [] and not r["serialized"], (la4, r)
+        assert r["hazards"] == [] and not r["serialized"], (tail, r)
         seen = {True: 0, False: 0}
         for name, body in wsc.functions(sass).items():
             if "fp4_wgmma_kernel" not in name:
@@ -246,7 +244,7 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
             if not by_tma:
                 assert tma == 0 and cp > 0, (name, tma, cp)
                 continue
-            assert tma == (21 if la4 else 15) and (cp == 0) == (not lora), (name, tma, cp)
+            assert tma == 15 and (cp == 0) == (not lora), (name, tail, tma, cp)
             loop = [wsc.opcode(t) for t in wsc.main_loop(body)]
             assert not any(t.startswith("BAR.SYNC") for t in loop), name
             assert any(t.startswith("SYNCS.ARRIVE.TRANS64.A1T0") for t in loop), name  # the threads' stage releases

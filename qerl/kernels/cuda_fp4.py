@@ -737,9 +737,7 @@ def wgmma_pipe() -> int:
     return int(v)
 
 
-WGMMA_TMA = ("0", "1", "la3", "la4")
-WGMMA_TMA_EARLY = ("la3", "la4")  # the values that refill a stage on its release (csrc QFP4_WGMMA_TMA_EARLY)
-WGMMA_TMA_STAGES = {"la4": 5}  # csrc QFP4_WGMMA_TMA_STAGES of the TMA-staged variants per value (others: WGMMA_STAGES)
+WGMMA_TMA = ("0", "1")
 
 
 def wgmma_tma() -> str:
@@ -755,12 +753,24 @@ def wgmma_tma() -> str:
     40's kernel. Experiments measured and removed (session 48; the code is at b686701): the same path in every grid
     variant, with or without the "empty" mbarrier, and the token tile alone by a tensor copy (sessions 41-43,
     `results/speed/raw/h200_s42_tma`, `h200_s43_tok`): the 64-token configs 1.9-7% slower, the 128+-token ones within
-    ~1% of this default. ``la3`` / ``la4`` (session 49's experiments, builds of their own): the same, looking 3
-    chunks ahead instead of 2 with the same 4 stages (a stage refilled as soon as its group released it), or 4 ahead
-    with 5 stages in the TMA-staged variants. Measured and removed in session 49: the producer refilling after its
-    own chunk's MMAs (1.3-4.7% slower at 128 / 256 tokens)."""
+    ~1% of this default. Measured and removed in session 49 / 50: the producer refilling after its own chunk's MMAs
+    (1.3-4.7% slower at 128 / 256 tokens; the code is at f40a905), and ``la3`` / ``la4``, the copies 3 chunks ahead
+    with the same 4 stages (0.3-1.7% slower) or 4 ahead with 5 stages (up to 13% slower;
+    `results/speed/raw/h200_s50_la3`, the code at 5d33040)."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
+
+
+WGMMA_TAIL = ("0", "1")
+
+
+def wgmma_tail() -> bool:
+    """``QERL_WGMMA_TAIL``: ``1`` (session 50's experiment, a build of its own, ``-DQFP4_WGMMA_TAIL=1``) lets the
+    wgmma grid variants take tail-split configs (nt, :func:`wgmma_tail_sw` (kt), r, ks): the output tiles up to the
+    last whole wave of CTAs run whole, one CTA each, and each tile of the last, partial wave is split kt ways along K
+    across CTAs (:func:`wgmma_tail_ctas`). ``0`` (default): no such configs."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_WGMMA_TAIL", "0", WGMMA_TAIL) == "1"
 
 
 BF16_LOADS = ("pair", "sector")
@@ -783,15 +793,15 @@ def bf16_loads() -> str:
 
 
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_BF16_LOADS")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth;
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
-    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build; ``la3`` / ``la4``, session 49's experiments, add
-    ``-DQFP4_WGMMA_TMA_EARLY=1`` / and ``-DQFP4_WGMMA_TMA_STAGES=5``);
+    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` the tail-split configs
+    (``-DQFP4_WGMMA_TAIL=1``, session 50's experiment);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
     loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
@@ -799,14 +809,14 @@ def _build_flags() -> list[str]:
     bar | all-bar | tok | all-tok``), two CTAs an SM (``QERL_WGMMA_OCC=2``) and the GEMV LoRA's K skew
     (``QERL_LORA_SKEW``); in session 49 (the code is at 38b0e06 / f40a905), the weights prefetched into L2 ahead of
     their tensor copies (``QERL_WGMMA_L2PF``, 5-14% slower) and the producer refilling after its own MMAs
-    (``QERL_WGMMA_TMA=late``, 1-5% slower)."""
+    (``QERL_WGMMA_TMA=late``, 1-5% slower); in session 50 (the code is at 5d33040) the copies 3 or 4 chunks ahead
+    (``QERL_WGMMA_TMA=la3 | la4``, 0.3-13% slower)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, tma = wgmma_pipe(), wgmma_tma()
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
-            *(["-DQFP4_WGMMA_TMA_EARLY=1"] if tma in WGMMA_TMA_EARLY else []),
-            *([f"-DQFP4_WGMMA_TMA_STAGES={WGMMA_TMA_STAGES[tma]}"] if tma in WGMMA_TMA_STAGES else []),
+            *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
@@ -1214,11 +1224,19 @@ def check_gemm_config(config, s: int, c: int) -> tuple[int, int, int, int]:
     kernel instead: (8 nt tokens per CTA, 1 - kz, r warpgroups of 64 rows per split-K group, ks groups per CTA) with
     (8 nt, r, ks) one of :data:`WGMMA_VARIANTS` and kz = 1 - sw splits of K across CTAs (1..WGMMA_MAX_KZ), or
     sw = :data:`WGMMA_SK`: stream-K (persistent CTAs; whole waves of tiles, the last partial wave's (tile, chunk) units
-    split evenly between the split-K groups: :func:`streamk_segments`)."""
+    split evenly between the split-K groups: :func:`streamk_segments`), or sw = :func:`wgmma_tail_sw` (kt), kt in
+    2..WGMMA_MAX_KZ, in a ``QERL_WGMMA_TAIL=1`` build: the last partial wave's tiles split kt ways
+    (:func:`wgmma_tail_ctas`)."""
     try:
         nt, sw, r, ks = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"GEMM config must be (nt, sw, r, ks), got {config!r}") from None
+    if kt := wgmma_tail_kt(sw):
+        if (8 * nt, r, ks) not in WGMMA_VARIANTS or kt * ks > c or not wgmma_tail():
+            raise ValueError(f"wgmma tail-split config {config!r} invalid for C={c} chunks: needs a "
+                             f"QERL_WGMMA_TAIL=1 build (this one: {wgmma_tail()}), (8 nt, r, ks) one of "
+                             f"{list(WGMMA_VARIANTS)} and kt * ks <= C (kt = {kt})")
+        return nt, sw, r, ks
     if sw <= 0:
         kz = 1 if sw == WGMMA_SK else 1 - sw
         if ((8 * nt, r, ks) not in (WGMMA_SK_VARIANTS if sw == WGMMA_SK else WGMMA_VARIANTS) or kz > WGMMA_MAX_KZ
@@ -1247,22 +1265,46 @@ WGMMA_VARIANTS = ((32, 1, 1), (32, 2, 1), (32, 1, 2), (32, 1, 4), (32, 2, 2),
                   (256, 1, 1), (256, 2, 1))
 # the variants with a stream-K kernel (csrc sk_variant: not 128 tokens on 512 threads, where its loop spills)
 WGMMA_SK_VARIANTS = tuple(v for v in WGMMA_VARIANTS if not (v[0] >= 128 and v[1] * v[2] >= 4))
-WGMMA_STAGES = 4  # csrc kStages (QERL_WGMMA_TMA=la4: 5 in the TMA-staged variants, csrc n_stages)
+WGMMA_STAGES = 4  # csrc kStages
 WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)
 # sw of a stream-K wgmma config (nt, WGMMA_SK, r, ks): as many CTAs as fit the device at once, each split-K group a
 # worker; whole waves of tiles round-robin, then an even share of the rest's (output tile, chunk) units; shared tiles
 # reduced in worker order (csrc kz = 0; streamk_segments)
 WGMMA_SK = -16
+
+
+def wgmma_tail_sw(kt: int) -> int:
+    """sw of a tail-split wgmma config (nt, sw, r, ks), kt = 2..WGMMA_MAX_KZ splits of the last partial wave's tiles
+    (a ``QERL_WGMMA_TAIL=1`` build; csrc kz = -kt): WGMMA_SK - kt."""
+    if not 2 <= kt <= WGMMA_MAX_KZ:
+        raise ValueError(f"tail split kt={kt}; valid: 2..{WGMMA_MAX_KZ}")
+    return WGMMA_SK - kt
+
+
+def wgmma_tail_kt(sw: int) -> int:
+    """The splits kt of a tail-split config's sw (:func:`wgmma_tail_sw`), 0 for any other sw."""
+    return WGMMA_SK - sw if WGMMA_SK - WGMMA_MAX_KZ <= sw <= WGMMA_SK - 2 else 0
+
+
+def wgmma_tail_ctas(tiles: int, wave: int, kt: int) -> list[tuple[int, int, int]]:
+    """The CTAs of a tail-split launch (csrc, QFP4_WGMMA_TAIL) in pure Python, as (tile, split, splits) per CTA in
+    launch order: the tiles up to the last whole multiple of ``wave`` (the CTAs resident at once) one CTA each
+    (split 0 of 1), then each tile of the rest kt CTAs (splits 0..kt-1 of kt); no split when the tiles fill whole
+    waves."""
+    rest = tiles % wave
+    dp = tiles - rest
+    if rest == 0 or kt < 2:
+        return [(t, 0, 1) for t in range(tiles)]
+    return [(t, 0, 1) for t in range(dp)] + [(dp + u // kt, u % kt, kt) for u in range(rest * kt)]
 WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
 
-def wgmma_smem_bytes(ntok: int, rw: int, ks: int, sk: bool = False) -> int:
-    """Dynamic shared memory of a wgmma launch (csrc ``smem_bytes``): ks groups x WGMMA_STAGES stages (the build's
-    ``n_stages``: 5 for the TMA-staged variants of ``QERL_WGMMA_TMA=la4``) of (ntok x 128 B tokens + 4 rw strips x
-    576 B weights and scales, rounded up to 1 KB), or the split-K reduction if larger, + 1 KB of alignment slack."""
+def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
+    """Dynamic shared memory of a wgmma launch (csrc ``smem_bytes``): ks groups x WGMMA_STAGES stages of (ntok x
+    128 B tokens + 4 rw strips x 576 B weights and scales, rounded up to 1 KB), or the split-K reduction if larger,
+    + 1 KB of alignment slack."""
     stage = -(-(ntok * 128 + rw * 4 * (512 + 64)) // 1024) * 1024
-    stages = WGMMA_TMA_STAGES.get(wgmma_tma(), WGMMA_STAGES) if ntok >= 128 and not sk else WGMMA_STAGES
-    return max(ks * stages * stage, (ks - 1) * rw * 128 * (ntok // 2) * 4) + 1024
+    return max(ks * WGMMA_STAGES * stage, (ks - 1) * rw * 128 * (ntok // 2) * 4) + 1024
 
 
 def wgmma_supported(device: torch.device | int | None = None) -> bool:
@@ -1277,11 +1319,14 @@ def wgmma_tiles(m: int, s: int, nt: int, r: int) -> int:
 
 def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
     """Every wgmma config (nt, 1 - kz, r, ks) that fits a weight of S strips and C chunks (shared memory <= the
-    opt-in limit, every split of K >= 4 chunks), then every variant's stream-K config (nt, WGMMA_SK, r, ks)."""
+    opt-in limit, every split of K >= 4 chunks), then every variant's stream-K config (nt, WGMMA_SK, r, ks), then (a
+    ``QERL_WGMMA_TAIL=1`` build) the tail-split ones (nt, wgmma_tail_sw(kt), r, ks)."""
     fits = [(ntok, rw, ks) for ntok, rw, ks in WGMMA_VARIANTS if wgmma_smem_bytes(ntok, rw, ks) <= GEMM_SMEM_MAX]
     return ([(ntok // 8, 1 - kz, rw, ks) for kz in range(1, WGMMA_MAX_KZ + 1) for ntok, rw, ks in fits
              if kz * ks == 1 or c // (kz * ks) >= 4]
-            + [(ntok // 8, WGMMA_SK, rw, ks) for ntok, rw, ks in fits if ks <= c and (ntok, rw, ks) in WGMMA_SK_VARIANTS])
+            + [(ntok // 8, WGMMA_SK, rw, ks) for ntok, rw, ks in fits if ks <= c and (ntok, rw, ks) in WGMMA_SK_VARIANTS]
+            + [(ntok // 8, wgmma_tail_sw(kt), rw, ks) for kt in range(2, WGMMA_MAX_KZ + 1) for ntok, rw, ks in fits
+               if wgmma_tail() and c // (kt * ks) >= 4])
 
 
 def streamk_segments(tiles: int, c: int, workers: int) -> list[tuple[int, int, int, int, int]]:
@@ -1490,11 +1535,12 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         permuted = xp is not None
         if not permuted:
             xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
-        kz = 0 if sw == WGMMA_SK else 1 - sw
+        kt = wgmma_tail_kt(sw)
+        kz = -kt if kt else 0 if sw == WGMMA_SK else 1 - sw
         ws = ctr = xp
         if kz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
             tiles = wgmma_tiles(m, s, nt, r)
-            slots = kz * tiles if kz > 1 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
+            slots = abs(kz) * tiles if kz != 0 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
             ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
             ctr = _wgmma_counters(x.device)
             if tiles > ctr.numel():

@@ -88,26 +88,20 @@
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
-// QFP4_WGMMA_TMA_EARLY and QFP4_WGMMA_TMA_STAGES (the build's -D with QFP4_WGMMA_TMA, set by QERL_WGMMA_TMA=la3 /
-// la4; experiments of session 49): the TMA-staged variants' lookahead. EARLY: the producer refills the stage of chunk
-// idx - 1 with chunk idx - 1 + stages as soon as every thread of its group has released it (after its own wait for
-// chunk idx - 1's MMAs), instead of refilling chunk idx - 2's before decoding chunk idx: 3 chunks ahead instead of 2
-// with 4 stages (la3). STAGES: the stages of those variants (4 by default; 5 fits every TMA variant's shared memory;
-// la4 = EARLY with 5 stages, 4 chunks ahead). Same copies, same MMAs in the same order: the same results. Session 49
-// measured the main loop at ~72% of its MMAs' rate whatever the bytes staged (raw/h200_s49_kfix, h200_s49_rw4) while
-// the same loop with its decode but nothing to wait for reaches 96% (raw/h200_s49_dec): 2 chunks of copies in flight
-// look too few for the L2's latency.
-#ifndef QFP4_WGMMA_TMA_EARLY
-#define QFP4_WGMMA_TMA_EARLY 0
+// QFP4_WGMMA_TAIL (the build's -D, set by QERL_WGMMA_TAIL=1; session 50's experiment): the grid variants take a
+// "tail split" launch (kz < 0 at the launcher: kt = -kz): the output tiles up to the last whole wave of CTAs run whole,
+// one CTA each (data-parallel), and each tile of the last, partial wave is split kt ways along K across CTAs (the
+// split-K of kz > 1: fp32 partials, the last CTA to finish a tile adds them in split order). Session 50 measured the
+// 7B gate|up product at 128 tokens (296 tiles on 132 SMs) at 3 x the time of one wave (raw/h200_s50_tail): the last
+// 32 tiles cost a whole wave. The kernel parameters tail_dp (tiles run whole; the grid is 1-D then) and tail_kt are
+// in this build only, so the other builds' kernels keep their signature and machine code.
+#ifndef QFP4_WGMMA_TAIL
+#define QFP4_WGMMA_TAIL 0
 #endif
-#ifndef QFP4_WGMMA_TMA_STAGES
-#define QFP4_WGMMA_TMA_STAGES 4
-#endif
-#if (QFP4_WGMMA_TMA_EARLY || QFP4_WGMMA_TMA_STAGES != 4) && !QFP4_WGMMA_TMA
-#error "QFP4_WGMMA_TMA_EARLY / _STAGES need QFP4_WGMMA_TMA"
-#endif
-#if QFP4_WGMMA_TMA_STAGES != 4 && QFP4_WGMMA_TMA_STAGES != 5
-#error "QFP4_WGMMA_TMA_STAGES must be 4 or 5"
+#if QFP4_WGMMA_TAIL
+#define QFP4_WG_TAIL_PARAM , int tail_dp, int tail_kt
+#else
+#define QFP4_WG_TAIL_PARAM
 #endif
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
@@ -122,7 +116,7 @@
 namespace qfp4 {
 namespace wg {
 
-constexpr int kStages = 4;  // a power of 2; lookahead kStages - 2 chunks (see above; the TMA variants: n_stages)
+constexpr int kStages = 4;  // a power of 2; lookahead kStages - 2 chunks (see above)
 constexpr int kSmemMax = 227 * 1024;
 
 #if QFP4_WGMMA
@@ -188,11 +182,6 @@ __host__ __device__ constexpr bool tma_staged(int ntok, bool sk) {
   return QFP4_WGMMA_TMA && !sk && ntok >= 128;
 }
 
-// Stages of a variant's pipeline (QFP4_WGMMA_TMA_STAGES for the TMA-staged ones).
-__host__ __device__ constexpr int n_stages(int ntok, bool sk) {
-  return tma_staged(ntok, sk) ? QFP4_WGMMA_TMA_STAGES : kStages;
-}
-
 // Bytes of one pipeline stage of a group (a multiple of 1024: every token tile starts on a swizzle atom).
 __host__ __device__ constexpr int stage_bytes(int ntok, int rw) {
   return (ntok * 128 + rw * 4 * (512 + 64) + 1023) / 1024 * 1024;
@@ -231,16 +220,13 @@ __global__ void __launch_bounds__(RW * KS * 128, 1)
 fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ xp,
                  __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
                  uint32_t bword, int M, int S, int C, float* __restrict__ ws, int* __restrict__ ctr, const WgLora la
-                 QFP4_WG_MAPS_PARAM) {
+                 QFP4_WG_TAIL_PARAM QFP4_WG_MAPS_PARAM) {
 #if QFP4_WGMMA
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = NTOK * 128;          // bytes of one staged chunk of tokens
   constexpr int GT = RW * 128;            // threads of one split-K group
   constexpr int SB = stage_bytes(NTOK, RW);
   constexpr int NA = NTOK / 2;            // accumulators per thread
-  constexpr int ST = n_stages(NTOK, SK);  // stages of this variant's pipeline
-  // the stage of chunk idx (a macro: a lambda changed the default build's machine code; 4 stages: the same as before)
-#define QFP4_SLOT(idx) (ST == 4 ? ((idx) & 3) : ((idx) % ST))
   // chunks staged by tensor copies (QFP4_WGMMA_TMA; the grid variants of 128+ tokens a CTA)
   [[maybe_unused]] constexpr bool TMA = tma_staged(NTOK, SK);
   constexpr int SP = QFP4_WGMMA_TMA ? SL * 2 : 64;  // bytes between two strips' scale pairs in a stage
@@ -255,15 +241,15 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   const int grp = wgi / RW, wr = wgi - grp * RW;
   const int gtid = threadIdx.x - grp * GT;
   const int bar = 1 + grp;  // the group's named barrier
-  unsigned char* gbase = smem + grp * ST * SB;
-  const uint32_t gbase_s = raw_s + pad + grp * ST * SB;
+  unsigned char* gbase = smem + grp * kStages * SB;
+  const uint32_t gbase_s = raw_s + pad + grp * kStages * SB;
   const int my_w = XB + (wr * 4 + wq) * 512;             // this warp's weight words inside a stage
   const int my_s = XB + RW * 4 * 512 + (wr * 4 + wq) * SP;  // and its scale pairs
 #if QFP4_WGMMA_TMA
   // per split-K group and stage: "full" (the producer's arrival + the copies' bytes), "empty" (the group's threads)
-  __shared__ alignas(8) uint64_t tma_bar[KS][2][ST];
+  __shared__ alignas(8) uint64_t tma_bar[KS][2][kStages];
   const uint32_t full_s = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[grp][0][0]));
-  const uint32_t empty_s = full_s + ST * 8;
+  const uint32_t empty_s = full_s + kStages * 8;
   if constexpr (TMA) {
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&maps.x)) : "memory");
@@ -272,10 +258,10 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
       for (int k = 0; k < KS; ++k)
 #pragma unroll
-        for (int s = 0; s < ST; ++s) {
+        for (int s = 0; s < kStages; ++s) {
           const uint32_t f = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[k][0][s]));
           mbar_init(f, 1);
-          mbar_init(f + ST * 8, GT);
+          mbar_init(f + kStages * 8, GT);
         }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -297,11 +283,11 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto stage = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-        // the group's first thread: once every thread has released the stage's previous chunk (idx - ST), the
+        // the group's first thread: once every thread has released the stage's previous chunk (idx - kStages), the
         // three copies of chunk idx into it, completing on its full barrier
         if (idx < n && gtid == 0) {
-          const int sidx = QFP4_SLOT(idx);
-          if (idx >= ST) mbar_wait(empty_s + sidx * 8, ((idx / ST) - 1) & 1);
+          const int sidx = idx & (kStages - 1);
+          if (idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
           const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
           mbar_expect(fb, XB + RW * 4 * (512 + SP));
           const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
@@ -313,9 +299,9 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       }
 #endif
       if (idx < n) {
-        const uint32_t dst = gbase_s + QFP4_SLOT(idx) * SB;
-        if (!(QFP4_WGMMA_ABLATE & 1) || idx < ST - 2) tokens.stage(dst);
-        if (!(QFP4_WGMMA_ABLATE & 2) || idx < ST - 2) {
+        const uint32_t dst = gbase_s + (idx & (kStages - 1)) * SB;
+        if (!(QFP4_WGMMA_ABLATE & 1) || idx < kStages - 2) tokens.stage(dst);
+        if (!(QFP4_WGMMA_ABLATE & 2) || idx < kStages - 2) {
           cp_async16(dst + my_w + lane * 16, wq_p, true);
           if (lane < SL / 8) cp_async16(dst + my_s + lane * 16, sq_p, true);
         }
@@ -335,20 +321,19 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     auto acquire = [&](int idx) {
 #if QFP4_WGMMA_TMA
       if constexpr (TMA) {
-        if constexpr (!QFP4_WGMMA_TMA_EARLY) stage(idx + ST - 2);  // into chunk idx - 2's stage, once the group
-                                                                   // has released it (TMA_EARLY: see release)
-        mbar_wait(full_s + QFP4_SLOT(idx) * 8, (idx / ST) & 1);  // chunk idx's tokens have landed
+        stage(idx + kStages - 2);  // into chunk idx - 2's stage, once the group has released it
+        mbar_wait(full_s + (idx & (kStages - 1)) * 8, (idx / kStages) & 1);  // chunk idx's tokens have landed
         return;
       }
 #endif
-      cp_async_wait<ST - 3>();  // this thread's copies of chunk idx have landed
+      cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
       fence_proxy_async();            // ... and are visible to the tensor cores' (async proxy) reads
       if (!(QFP4_WGMMA_ABLATE & 8)) group_sync(bar, GT);  // every thread's; and chunk idx - 2's MMAs are done in
                                                          // every warpgroup
-      stage(idx + ST - 2);       // into chunk idx - 2's stage
+      stage(idx + kStages - 2);       // into chunk idx - 2's stage
     };
     auto decode = [&](int idx, uint32_t (&a)[4][4]) {
-      const unsigned char* sb = gbase + QFP4_SLOT(idx) * SB;
+      const unsigned char* sb = gbase + (idx & (kStages - 1)) * SB;
       const uint4 w = *reinterpret_cast<const uint4*>(sb + my_w + lane * 16);
       const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + my_s + 2 * (FMT == 0 ? lane : lane >> 1));
       uint32_t sg, sg8;
@@ -367,21 +352,18 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       decode_word(w.w, sg, sg8, a[3]);
     };
 #pragma unroll
-    for (int s = 0; s < (TMA && QFP4_WGMMA_TMA_EARLY ? ST : ST - 2); ++s) stage(s);
+    for (int s = 0; s < kStages - 2; ++s) stage(s);
 #pragma unroll
     for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     if constexpr (QFP4_WGMMA_PIPE == 2) {
       // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
-        if constexpr (TMA) mbar_arrive(empty_s + QFP4_SLOT(idx) * 8);
-#if QFP4_WGMMA_TMA_EARLY
-        if constexpr (TMA) stage(idx + ST);  // the producer: chunk idx + ST into this stage once all released it
-#endif
+        if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
-        mma_chunk<NTOK>(acc, a, gbase_s + QFP4_SLOT(idx) * SB);
+        mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
       };
       // Two register sets, even chunks in a0, odd in a1 (the loop runs two chunks per pass, so neither set is
       // copied): chunk idx's MMAs are issued while chunk idx - 1's may still run; wait_group 1 then retires chunk
@@ -416,7 +398,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       acquire(0);
       decode(0, a);
       for (int idx = 0; idx < n; ++idx) {
-        mma_chunk<NTOK>(acc, a, gbase_s + QFP4_SLOT(idx) * SB);
+        mma_chunk<NTOK>(acc, a, gbase_s + (idx & (kStages - 1)) * SB);
         uint32_t an[4][4];
         if (idx + 1 < n) {
           acquire(idx + 1);
@@ -505,10 +487,38 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   };
 
   if constexpr (!SK) {
-    const int tok0 = blockIdx.x * NTOK;
-    const int strip = (blockIdx.y * RW + wr) * 4 + wq;
-    // split q of the KZ * KS splits of K: CTA split blockIdx.z (gridDim.z = KZ), group grp inside it
-    const int KZ = gridDim.z, q = blockIdx.z * KS + grp;
+#if QFP4_WGMMA_TAIL
+    // the CTA's output tile (token tile bx, row block by), its split bz of K and the tile's splits kz: the grid's
+    // (x, y, z), or in a tail split (tail_kt > 1, a 1-D grid) CTA b < tail_dp: tile b whole, then tail_kt CTAs a tile
+    int bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z, kz = gridDim.z, tile_ = by * gridDim.x + bx;
+    int tiles_ = gridDim.x * gridDim.y;
+    if (tail_kt > 1) {
+      const int tx_n = (M + NTOK - 1) / NTOK, u = (int)blockIdx.x - tail_dp;
+      tiles_ = tx_n * ((S + 4 * RW - 1) / (4 * RW));
+      tile_ = u < 0 ? (int)blockIdx.x : tail_dp + u / tail_kt;
+      bz = u < 0 ? 0 : u - (u / tail_kt) * tail_kt;
+      kz = u < 0 ? 1 : tail_kt;
+      bx = tile_ % tx_n;
+      by = tile_ / tx_n;
+    }
+#define QFP4_BX bx
+#define QFP4_BY by
+#define QFP4_BZ bz
+#define QFP4_KZ kz
+#define QFP4_TILE tile_
+#define QFP4_TILES tiles_
+#else
+#define QFP4_BX blockIdx.x
+#define QFP4_BY blockIdx.y
+#define QFP4_BZ blockIdx.z
+#define QFP4_KZ gridDim.z
+#define QFP4_TILE blockIdx.y * gridDim.x + blockIdx.x
+#define QFP4_TILES gridDim.x * gridDim.y
+#endif
+    const int tok0 = QFP4_BX * NTOK;
+    const int strip = (QFP4_BY * RW + wr) * 4 + wq;
+    // split q of the KZ * KS splits of K: CTA split QFP4_BZ (blockIdx.z; gridDim.z = KZ), group grp inside it
+    const int KZ = QFP4_KZ, q = QFP4_BZ * KS + grp;
     const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
     mainloop(tok0, strip, c0, c1 - c0);  // >= 1 chunk: the caller keeps KZ * KS <= C
     if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
@@ -534,9 +544,9 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     if (KZ > 1) {
       __shared__ int last;
       const int rt = threadIdx.x;  // group 0's threads: 0 .. GT - 1
-      const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+      const int tile = QFP4_TILE;
       const size_t tile_floats = (size_t)NA * GT;
-      float* mine = ws + ((size_t)blockIdx.z * gridDim.x * gridDim.y + tile) * tile_floats;
+      float* mine = ws + ((size_t)QFP4_BZ * QFP4_TILES + tile) * tile_floats;
 #pragma unroll
       for (int i = 0; i < NA; ++i) __stcg(mine + (size_t)i * GT + rt, acc[i]);
       __threadfence();
@@ -548,13 +558,19 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
       for (int i = 0; i < NA; ++i) acc[i] = 0.f;
       for (int z = 0; z < KZ; ++z) {
-        const float* part = ws + ((size_t)z * gridDim.x * gridDim.y + tile) * tile_floats;
+        const float* part = ws + ((size_t)z * QFP4_TILES + tile) * tile_floats;
 #pragma unroll
         for (int i = 0; i < NA; ++i) acc[i] += __ldcg(part + (size_t)i * GT + rt);
       }
       if (rt == 0) ctr[tile] = 0;
     }
     epilogue(tok0, strip);
+#undef QFP4_BX
+#undef QFP4_BY
+#undef QFP4_BZ
+#undef QFP4_KZ
+#undef QFP4_TILE
+#undef QFP4_TILES
   } else {
   // Stream-K (SK; a grid of P CTAs, at most as many as fit the device at once), after a data-parallel part: each
   // split-K group of each CTA is one of P KS workers; the tiles (token tile fastest) up to the last whole multiple
@@ -624,7 +640,6 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     if constexpr (LORA) group_sync(bar, GT);  // every warp done with the LoRA tile before the next segment stages
   }
   }
-#undef QFP4_SLOT
 #else
   __trap();  // compiled for sm_90a only (the launcher refuses other devices)
 #endif
@@ -686,8 +701,8 @@ const void* pick(int fmt, int ntok, int rw, int ks, bool lora = false, bool sk =
             : (lora ? pick_lora<true, false>(fmt, ntok, rw, ks) : pick_lora<false, false>(fmt, ntok, rw, ks));
 }
 
-size_t smem_bytes(int ntok, int rw, int ks, bool sk) {
-  const size_t pipe = (size_t)ks * n_stages(ntok, sk) * stage_bytes(ntok, rw);
+size_t smem_bytes(int ntok, int rw, int ks) {
+  const size_t pipe = (size_t)ks * kStages * stage_bytes(ntok, rw);
   const size_t red = (size_t)(ks - 1) * rw * 128 * (ntok / 2) * 4;
   return (pipe > red ? pipe : red) + 1024;  // + the 1024-byte alignment slack
 }
@@ -754,7 +769,7 @@ extern "C" int qfp4_wgmma_ctas(int fmt, int ntok, int rw, int ks, int lora, int 
   int dev = 0, sms = 0, per = 0;
   if (fn == nullptr || cudaGetDevice(&dev) || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev))
     return -1;
-  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks, sk != 0);
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
   if (smem > (size_t)qfp4::wg::kSmemMax ||
       cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, fn, rw * ks * 128, smem) || per < 1)
@@ -772,7 +787,9 @@ extern "C" int qfp4_wgmma_sk_ctas(int fmt, int ntok, int rw, int ks) {
 // ntok: tokens per CTA, rw: warpgroups per split-K group, ks: split-K groups inside a CTA, kz: splits of K across
 // CTAs (kz > 1: ws holds >= kz * tiles * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints, tiles = the
 // output tiles; one GEMM at a time per counter buffer); kz = 0: stream-K over qfp4_wgmma_sk_ctas CTAs (ws holds
-// >= 2 * ctas * ks * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints). sm_90 only.
+// >= 2 * ctas * ks * ntok / 2 * rw * 128 floats, ctr >= tiles zeroed ints); kz < 0 (a QFP4_WGMMA_TAIL build only):
+// the tiles of the last partial wave (qfp4_wgmma_ctas CTAs a wave) split -kz ways, the rest whole (ws and ctr as for
+// kz = -kz). sm_90 only.
 // LoRA (lt != nullptr): out += t Bn^T per member in the epilogue (WgLora above): lt (M, R) bf16 with row stride ldt,
 // 16-byte aligned; lbn (N, rp) bf16; members at rows 0, bound1, bound2 with ranks [roff_i, roff_i + rk_i).
 // pdl (LoRA only, a QFP4_WGMMA_PDL build): launch with programmatic stream serialization: the main loop overlaps the
@@ -787,6 +804,9 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   const bool lora = lt != nullptr;
   if (pdl && (!lora || !QFP4_WGMMA_PDL)) return -1;  // the plain variants (and a build without the waits) never wait
   const void* fn = qfp4::wg::pick(fmt, ntok, rw, ks, lora, kz == 0);
+  int tail_dp = 0, tail_kt = kz < 0 ? -kz : 1;  // a tail split's tiles run whole and its last wave's splits
+  if (kz < 0 && !QFP4_WGMMA_TAIL) return -1;
+  if (kz < 0) kz = tail_kt;
   if (fn == nullptr || !qfp4::wg::device_ok() || M < 1 || S < 1 || kz < 0 || kz * ks > C ||
       (unsigned long long)M * 64ull * (unsigned long long)C >= (1ull << 32))
     return -1;
@@ -795,7 +815,7 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
     if (R % 8 || !qfp4::gemm_lora(la, lt, lbn, ldt, rp, R, bound1, bound2, roff, rk, S * 16, 16)) return -1;
     la.R = R;
   }
-  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks, kz == 0);
+  const size_t smem = qfp4::wg::smem_bytes(ntok, rw, ks);
   if (smem > (size_t)qfp4::wg::kSmemMax) return -1;
   const cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (e != cudaSuccess) return (int)e;
@@ -816,6 +836,14 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
     if (grid.y > 65535u || kz > 64) return -1;
     if (kz > 1 && (ws == nullptr || ctr == nullptr || tiles > ctr_len || (long long)kz * tiles * tile_floats > ws_floats))
       return -1;  // the workspace holds kz partial tiles of every output tile, the counters one int per tile
+    if (tail_kt > 1) {  // a tail split: whole tiles up to the last whole wave, then tail_kt CTAs a tile (1-D grid)
+      const int wave = qfp4_wgmma_ctas(fmt, ntok, rw, ks, lora, 0);
+      if (wave < 1) return -1;
+      const long long rest = tiles % wave;
+      tail_dp = (int)(tiles - rest);
+      if (rest == 0) tail_kt = 1;  // whole waves: no split
+      grid = rest == 0 ? dim3(grid.x, grid.y, 1u) : dim3((unsigned)(tail_dp + rest * tail_kt), 1u, 1u);
+    }
   }
 #if QFP4_WGMMA_TMA
   qfp4::wg::WgMaps maps;
@@ -834,6 +862,9 @@ extern "C" int qfp4_wgmma_gemm(const void* qw, const void* sc, const void* xp, v
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&xp, (void*)&out, (void*)&ldo, (void*)&gs,
                   (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ws, (void*)&ctr,
                   (void*)&la,
+#if QFP4_WGMMA_TAIL
+                  (void*)&tail_dp, (void*)&tail_kt,
+#endif
 #if QFP4_WGMMA_TMA
                   (void*)&maps
 #endif
