@@ -289,6 +289,14 @@ def test_wgmma_tail_split_configs(monkeypatch):
             n = parts[0][1]
             assert sorted(parts) == [(z, n) for z in range(n)] and n == (split if t >= tiles - rest else 1), (t, parts)
     assert len(cf.wgmma_tail_ctas(296, 132, 4)) == 264 + 32 * 4 <= 3 * 132  # the last wave's 32 tiles on 128 CTAs
+    # the pick fills the last wave: 7B gate|up at 128 tokens (296 tiles, 32 left) 4 ways, at 64 (592, 64 left) 2 ways;
+    # none below one whole wave, on whole waves, or where a split would keep < 4 chunks a group
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 56, 132) == (16, cf.wgmma_tail_sw(4), 2, 2)
+    assert cf.wgmma_tail_pick((8, 0, 1, 2), 592, 56, 132) == (8, cf.wgmma_tail_sw(2), 1, 2)
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 100, 56, 132) == (16, 0, 2, 2)
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 264, 56, 132) == (16, 0, 2, 2)
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 8, 132) == (16, 0, 2, 2)
+    assert cf.wgmma_tail_pick((16, -1, 2, 2), 296, 56, 132) == (16, -1, 2, 2)
 
 
 @pytest.mark.parametrize("tiles,c,workers", [(296, 56, 264), (1, 56, 264), (72, 56, 528), (3, 5, 7), (10, 3, 40),
@@ -1358,7 +1366,9 @@ def test_gpu_wgmma_tail_split(fmt, monkeypatch):
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     case = _gemm_lora_case(fmt)
-    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TAIL", "1", case, cf.wgmma_configs(13, 24), seed=50)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "0")
+    cfgs = cf.wgmma_configs(13, 24)  # the default build's (no tail splits)
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TAIL", "1", case, cfgs, seed=50)
     monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n, k, m = 16 * ((sms // 2 + 3) * 8 - 3), 512, 130  # 128-row blocks: sms / 2 + 3, the last partial

@@ -94,6 +94,12 @@ def test_tail_builds_tests_and_times_the_tail_splits_twice(tmp_path):
     assert [c.split("|")[0] for c in prof] == ["1", "1"]
     assert all("--configs tail --lora 32 --m 64,128,256" in c for c in prof)
     assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in prof] == ["tail_1", "tail_2"]
+    (tmp_path / "roll").mkdir()
+    p, calls = _run(tmp_path / "roll", "tail", stub, TAIL="roll")
+    assert p.returncode == 0, p.stderr
+    assert not [c for c in calls if "wgmma_profile" in c]
+    roll = [c for c in calls if "|-m qerl.bench rollout" in c]
+    assert len(roll) == 1 and roll[0].startswith("unset|") and "--decode fused,fused-tail,fused-tail,fused " in roll[0]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")

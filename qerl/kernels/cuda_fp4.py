@@ -1286,6 +1286,20 @@ def wgmma_tail_kt(sw: int) -> int:
     return WGMMA_SK - sw if WGMMA_SK - WGMMA_MAX_KZ <= sw <= WGMMA_SK - 2 else 0
 
 
+def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: int) -> tuple[int, int, int, int]:
+    """A grid wgmma config (nt, 0, r, ks) of ``tiles`` output tiles and C chunks as the tail-split config that fills
+    its last partial wave of ``wave`` CTAs: kt = min(WGMMA_MAX_KZ, wave // rest, C // (4 ks)) splits of each of the
+    rest's tiles, where at least one whole wave runs first and kt >= 2; else ``cfg`` itself. The rule follows from
+    the mechanism (the rest's tiles on as many SMs as the wave has), not from a sweep: session 50 timed kt = 2..4 on
+    the 7B products once (`results/speed/raw/h200_s50_tail`), and the best kt was this one at all three gate|up points."""
+    nt, sw, r, ks = cfg
+    rest = tiles % wave
+    if sw != 0 or tiles < wave or rest == 0:
+        return cfg
+    kt = min(WGMMA_MAX_KZ, wave // rest, c // (4 * ks))
+    return (nt, wgmma_tail_sw(kt), r, ks) if kt >= 2 else cfg
+
+
 def wgmma_tail_ctas(tiles: int, wave: int, kt: int) -> list[tuple[int, int, int]]:
     """The CTAs of a tail-split launch (csrc, QFP4_WGMMA_TAIL) in pure Python, as (tile, split, splits) per CTA in
     launch order: the tiles up to the last whole multiple of ``wave`` (the CTAs resident at once) one CTA each
@@ -1587,13 +1601,17 @@ def dequantize(w: CudaFP4Weight, out: torch.Tensor | None = None) -> torch.Tenso
 
 def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int, int, int]:
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    key = ("gemm", idx, w.fmt, w.n, w.k, m)
+    key = ("gemm", idx, w.fmt, w.n, w.k, m, wgmma_tail())  # per build: QERL_WGMMA_TAIL=1 picks tail splits
     cfg = _STATE.get(key)
     if cfg is None:
         props = torch.cuda.get_device_properties(idx)
         hit = tuned_gemm_config(w.fmt, w.n, w.k, m, props.name)
         cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count,
                                                               wgmma=wgmma_supported(idx))
+        if wgmma_tail() and cfg[1] == 0:  # session 50's experiment: fill the last partial wave
+            nt, _, r, ks = cfg
+            cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
+                                  wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False))
         _STATE[key] = cfg
     return cfg
 
