@@ -16,8 +16,8 @@ re-reads, which only more weight rows per CTA (or sharing one staged tile across
 
 ``--configs "16,0,2,2 8,0,4,1"`` limits either mode to those configurations; ``--configs tuned`` to the one the
 device's tuned table (or heuristic) picks per shape and M (an A/B of two builds: `scripts/gpu_bench.sh desc40`);
-``--configs tail`` to that one and, where it splits no K across CTAs, its tail splits kt = 2..WGMMA_MAX_KZ (a
-``QERL_WGMMA_TAIL=1`` build: `scripts/gpu_bench.sh tail`).
+``--configs tail`` to that one's grid config and, where it splits no K across CTAs, its tail splits kt =
+2..WGMMA_MAX_KZ (a ``QERL_WGMMA_TAIL=1`` build, the default: `scripts/gpu_bench.sh tail`).
 ``--ncu``: each configuration runs once (no graphs, no timing) so that ``ncu`` profiles exactly these launches
 (``--kernel-name regex:fp4_wgmma_kernel``; the permutation kernel is not profiled). Writes
 ``wgmma_profile_<gpu>.csv`` / ``.md`` under ``--out`` in timing mode.
@@ -116,12 +116,16 @@ def parse_configs(text: str) -> list[tuple[int, int, int, int]] | str:
 
 
 def tail_configs(tuned: tuple[int, int, int, int], c: int) -> list[tuple[int, int, int, int]]:
-    """``tuned`` and, when it is a grid wgmma config without splits of K across CTAs (sw 0), the same variant with
-    its last partial wave split kt = 2..WGMMA_MAX_KZ ways (``cuda_fp4.wgmma_tail_sw``; every split >= 4 chunks)."""
+    """When ``tuned`` is a grid wgmma config without splits of K across CTAs (sw 0) or a tail split of one (the
+    dispatcher's pick, ``cuda_fp4.wgmma_tail_pick``): that grid config, then the same variant with its last partial
+    wave split kt = 2..WGMMA_MAX_KZ ways (``cuda_fp4.wgmma_tail_sw``; every split >= 4 chunks); else ``[tuned]``."""
     nt, sw, r, ks = tuned
+    if cf.wgmma_tail_kt(sw):
+        sw = 0
     if sw != 0:
         return [tuned]
-    return [tuned] + [(nt, cf.wgmma_tail_sw(kt), r, ks) for kt in range(2, cf.WGMMA_MAX_KZ + 1) if c // (kt * ks) >= 4]
+    return [(nt, 0, r, ks)] + [(nt, cf.wgmma_tail_sw(kt), r, ks) for kt in range(2, cf.WGMMA_MAX_KZ + 1)
+                               if c // (kt * ks) >= 4]
 
 
 def _lora_operand(n: int, rank: int, k: int, seed: int):

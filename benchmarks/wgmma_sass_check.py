@@ -17,7 +17,8 @@ whose destination registers meet an in-flight group's is a hazard. Walking in ad
 branch inside the body as executed: conservative (it can report a write on a path that never runs with the MMA in
 flight, never miss one on the straight path). ptxas's own serialization warning (C7513) is reported too.
 Exit status 1 on any hazard or warning. The library's default build adds ``--pipe 2 --define QFP4_WGMMA_PDL=1 --define
-QFP4_WGMMA_TMA=1`` (``tests/test_wgmma_sass_check.py`` checks both that build and the plain one).
+QFP4_WGMMA_TMA=1 --define QFP4_WGMMA_TAIL=1`` (``tests/test_wgmma_sass_check.py`` checks both that build and the plain
+one).
 """
 
 from __future__ import annotations

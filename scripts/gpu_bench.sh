@@ -160,13 +160,14 @@
 #                                wave of long loops, and at the 7B gate|up launch's shape (296 CTAs x 28 chunks)
 #                                ($OUT/peak); ~2 min
 #   scripts/gpu_bench.sh tail    issue 10, session 50: the wgmma grid launches' last partial wave split along K
-#                                (QERL_WGMMA_TAIL=1, a build of its own; configs (nt, WGMMA_SK - kt, r, ks)): the default
-#                                and the tail builds at once, the tail GPU tests ($OUT/tests_tail.txt), then each 7B
-#                                product at 64, 128, 256 tokens at its tuned config and that config's tail splits kt =
-#                                2, 3, 4 with a rank-32 LoRA (benchmarks.wgmma_profile --configs tail), two passes
-#                                ($OUT/tail_1, tail_2); ~4 min. TAIL=roll: the builds and tests, then 7B NVFP4 rollouts
-#                                at 16 (warm-up), 64, 128, 256 sequences in one process, decode modes fused / fused-tail
-#                                (cuda_fp4.wgmma_tail_pick on the tuned configs) and back ($OUT/roll_tail); ~8 min
+#                                (QERL_WGMMA_TAIL=1, the default; configs (nt, WGMMA_SK - kt, r, ks)): the default and
+#                                QERL_WGMMA_TAIL=0's builds at once, the tail GPU tests ($OUT/tests_tail.txt), then each
+#                                7B product at 64, 128, 256 tokens (TAIL_M) at its tuned grid config and that config's
+#                                tail splits kt = 2, 3, 4 with a rank-32 LoRA (benchmarks.wgmma_profile --configs tail),
+#                                two passes ($OUT/tail_1, tail_2); ~4 min. TAIL=roll: the builds and tests, then 7B
+#                                NVFP4 rollouts at 16 (warm-up), 64, 128, 256 sequences in one process, decode modes
+#                                fused-no-tail / fused (cuda_fp4.wgmma_tail_pick on the tuned configs) and back
+#                                ($OUT/roll_tail); ~8 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -592,16 +593,16 @@ dec49)  # issue 10: the MMA schedule with the GEMM's decode (see the header)
   peak 200 --n 128,256 --ops rs,rsdec --wgs 2,4 --depth 1 --tag _dec
   peak 100 --n 128 --ops rs,rsdec --wgs 4 --depth 1 --iters 28 --grid 296 --tag _dec_g296 ;;
 tail)  # issue 10: the last partial wave's tiles split along K (see the header)
-  builds_at_once - QERL_WGMMA_TAIL=1
-  (export QERL_WGMMA_TAIL=1; gpu_tests tail 300 tests/test_cuda_fp4.py -k tail_split)
+  builds_at_once - QERL_WGMMA_TAIL=0
+  gpu_tests tail 300 tests/test_cuda_fp4.py -k tail_split
   if [ "${TAIL:-kernel}" = kernel ]; then
     for pass in 1 2; do
-      QERL_WGMMA_TAIL=1 timeout 150 python3 -m benchmarks.wgmma_profile --configs tail --lora 32 --m 64,128,256 \
+      timeout 150 python3 -m benchmarks.wgmma_profile --configs tail --lora 32 --m "${TAIL_M:-64,128,256}" \
         --out "$OUT/tail_$pass" 2>&1 | grep "prof\]" >> "$LOG"
     done
   else
     timeout 420 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-      --decode fused,fused-tail,fused-tail,fused --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
+      --decode fused-no-tail,fused,fused,fused-no-tail --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
   fi ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}

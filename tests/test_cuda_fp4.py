@@ -229,8 +229,9 @@ def test_wgmma_config_validation():
     for ntok, rw, ks in cf.WGMMA_VARIANTS:  # every compiled variant fits some shape's opt-in shared memory
         assert cf.wgmma_smem_bytes(ntok, rw, ks) <= cf.GEMM_SMEM_MAX, (ntok, rw, ks)
     cfgs = cf.wgmma_configs(224, 56)
-    # all variants x CTA splits but kz 4 x ks 4 (16 splits of 56 chunks: < 4 chunks each), + each one's stream-K
-    assert len(cfgs) == cf.WGMMA_MAX_KZ * len(cf.WGMMA_VARIANTS) - 2 + len(cf.WGMMA_SK_VARIANTS)
+    # all variants x CTA splits but kz 4 x ks 4 (16 splits of 56 chunks: < 4 chunks each), + each one's stream-K,
+    # + the tail splits kt 2..4 but kt 4 x ks 4 (test_wgmma_tail_split_configs)
+    assert len(cfgs) == (2 * cf.WGMMA_MAX_KZ - 1) * len(cf.WGMMA_VARIANTS) - 4 + len(cf.WGMMA_SK_VARIANTS)
     assert (4, -3, 1, 4) not in cfgs and (16, cf.WGMMA_SK, 2, 1) in cfgs and (16, cf.WGMMA_SK, 2, 2) not in cfgs
     with pytest.raises(ValueError, match="stream-K, variants"):  # 128 tokens on 512 threads: no stream-K kernel
         cf.check_gemm_config((16, cf.WGMMA_SK, 2, 2), s=224, c=56)
@@ -248,19 +249,19 @@ def test_wgmma_config_validation():
 
 def test_wgmma_tail_split_configs(monkeypatch):
     """Session 50's tail-split configs (nt, wgmma_tail_sw(kt), r, ks): sw WGMMA_SK - kt for kt = 2..WGMMA_MAX_KZ, only
-    in a QERL_WGMMA_TAIL=1 build, every grid variant; the launch's CTAs (csrc's mapping in pure Python) cover each
-    tile's K exactly once: the tiles up to the last whole wave whole, the rest kt ways."""
-    monkeypatch.delenv("QERL_WGMMA_TAIL", raising=False)
+    in a QERL_WGMMA_TAIL=1 build (the default), every grid variant; the launch's CTAs (csrc's mapping in pure Python)
+    cover each tile's K exactly once: the tiles up to the last whole wave whole, the rest kt ways."""
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "0")
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     assert [cf.wgmma_tail_kt(cf.wgmma_tail_sw(kt)) for kt in range(2, cf.WGMMA_MAX_KZ + 1)] == [2, 3, 4]
     assert [cf.wgmma_tail_kt(sw) for sw in (0, -1, -3, cf.WGMMA_SK, cf.WGMMA_SK - 1, cf.WGMMA_SK - 5)] == [0] * 6
     with pytest.raises(ValueError, match="tail split kt=1; valid: 2..4"):
         cf.wgmma_tail_sw(1)
     tail = (16, cf.wgmma_tail_sw(4), 2, 2)
-    assert not any(cf.wgmma_tail_kt(c[1]) for c in cf.wgmma_configs(224, 56))  # the default build has none
+    assert not any(cf.wgmma_tail_kt(c[1]) for c in cf.wgmma_configs(224, 56))  # QERL_WGMMA_TAIL=0's has none
     with pytest.raises(ValueError, match=r"needs a QERL_WGMMA_TAIL=1 build \(this one: False\)"):
         cf.check_gemm_config(tail, s=2368, c=56)
-    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
+    monkeypatch.delenv("QERL_WGMMA_TAIL")
     assert "-DQFP4_WGMMA_TAIL=1" in cf._build_flags()
     assert cf.check_gemm_config(tail, s=2368, c=56) == tail
     with pytest.raises(ValueError, match="kt \\* ks <= C \\(kt = 4\\)"):
@@ -394,6 +395,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     -DQFP4_WGMMA_PIPE=1 (a separate build: the flags are part of its name); anything else is refused by name.
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing.
     QERL_WGMMA_TMA=1 (the default) adds -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing.
+    QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl import kernels as qk
@@ -402,23 +404,24 @@ def test_wgmma_pipe_switch(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert cf.wgmma_pipe() == 2
     default = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1", "-DQFP4_WGMMA_TMA=1",
-               "-DQFP4_DENSE_SECTOR=1"]
+               "-DQFP4_WGMMA_TAIL=1", "-DQFP4_DENSE_SECTOR=1"]
     assert cf._build_flags() == default
     monkeypatch.setenv("QERL_BF16_LOADS", "pair")
-    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
+    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TAIL=1"
     monkeypatch.setenv("QERL_BF16_LOADS", "quad")
     with pytest.raises(ValueError, match="QERL_BF16_LOADS='quad'; valid: pair, sector"):
         cf._build_flags()
     monkeypatch.setenv("QERL_BF16_LOADS", "pair")  # the wgmma flags below without the BF16 one
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
-    assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1"]
+    assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1",
+                                 "-DQFP4_WGMMA_TAIL=1"]
     for v in ("all-bar", "la3", "la4"):  # removed in sessions 48 and 50
         monkeypatch.setenv("QERL_WGMMA_TMA", v)
         with pytest.raises(ValueError, match=f"QERL_WGMMA_TMA='{v}'; valid: 0, 1$"):
             cf._build_flags()
     monkeypatch.setenv("QERL_WGMMA_TMA", "1")
-    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")  # session 50's experiment
-    assert cf._build_flags()[-2:] == ["-DQFP4_WGMMA_TMA=1", "-DQFP4_WGMMA_TAIL=1"]
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "0")  # session 49's kernel, without the tail splits
+    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
     monkeypatch.delenv("QERL_WGMMA_TAIL")
     monkeypatch.delenv("QERL_WGMMA_TMA")
     for v in ("0", "1", "pdl"):
@@ -1358,7 +1361,7 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
 def test_gpu_wgmma_tail_split(fmt, monkeypatch):
-    """QERL_WGMMA_TAIL=1's build (session 50's experiment) gives the default build's output bit for bit at every
+    """QERL_WGMMA_TAIL=1's build (the default since session 50) gives QERL_WGMMA_TAIL=0's output bit for bit at every
     config (``_check_build_bit_identical``); and a tail-split config (nt, wgmma_tail_sw(kt), r, ks) gives, tile by
     tile (``cf.wgmma_tail_ctas`` over the device's wave), the output of (nt, 0, r, ks) on the tiles it runs whole and
     of (nt, 1 - kt, r, ks) on the split ones, bit for bit: with and without LoRA, a partial token tile and a partial

@@ -82,24 +82,26 @@ def test_abk_tests_only_the_builds_abk_tested_names(tmp_path):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_tail_builds_tests_and_times_the_tail_splits_twice(tmp_path):
-    """``tail`` (session 50): the default and QERL_WGMMA_TAIL=1's builds at once, the tail-split GPU tests on the tail
-    build, then two passes of the 7B products at their tuned configs and tail splits, each on the tail build."""
+    """``tail`` (session 50): the default (tail) and QERL_WGMMA_TAIL=0's builds at once, the tail-split GPU tests on
+    the default build (they set the switch themselves), then two passes of the 7B products at their tuned grid configs
+    and tail splits; with TAIL=roll one NVFP4 rollout process alternating fused-no-tail / fused and back."""
     stub = STUB.replace('echo "${QERL_WGMMA_TMA:-unset}|$*"', 'echo "${QERL_WGMMA_TAIL:-unset}|$*"')
     p, calls = _run(tmp_path, "tail", stub)
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["1", "unset"]
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "unset"]
     tests = [c for c in calls if "|-m pytest" in c]
-    assert len(tests) == 1 and tests[0].startswith("1|") and "-k tail_split" in tests[0]
+    assert len(tests) == 1 and tests[0].startswith("unset|") and "-k tail_split" in tests[0]
     prof = [c for c in calls if "benchmarks.wgmma_profile" in c]
-    assert [c.split("|")[0] for c in prof] == ["1", "1"]
+    assert [c.split("|")[0] for c in prof] == ["unset", "unset"]
     assert all("--configs tail --lora 32 --m 64,128,256" in c for c in prof)
     assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in prof] == ["tail_1", "tail_2"]
     (tmp_path / "roll").mkdir()
-    p, calls = _run(tmp_path / "roll", "tail", stub, TAIL="roll")
+    p, calls = _run(tmp_path / "roll", "tail", stub, TAIL="roll", TAIL_M="512")
     assert p.returncode == 0, p.stderr
     assert not [c for c in calls if "wgmma_profile" in c]
     roll = [c for c in calls if "|-m qerl.bench rollout" in c]
-    assert len(roll) == 1 and roll[0].startswith("unset|") and "--decode fused,fused-tail,fused-tail,fused " in roll[0]
+    assert len(roll) == 1 and roll[0].startswith("unset|")
+    assert "--decode fused-no-tail,fused,fused,fused-no-tail " in roll[0]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")

@@ -464,7 +464,8 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
         with bench.decode_mode(_S(), dec):
             flags[dec] = cf._build_flags()  # raises on a value the switch does not know
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
-    assert "-DQFP4_WGMMA_TAIL=1" in flags["fused-tail"] and "-DQFP4_WGMMA_TAIL=1" not in flags["fused"]
+    assert "-DQFP4_WGMMA_TAIL=1" in flags["fused-tail"] and "-DQFP4_WGMMA_TAIL=1" in flags["fused"]
+    assert "-DQFP4_WGMMA_TAIL=1" not in flags["fused-no-tail"]
     assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
     assert "-DQFP4_WGMMA_PDL=1" in flags["fused"] and "-DQFP4_WGMMA_PDL=1" not in flags["fused-s36"]

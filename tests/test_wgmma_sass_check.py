@@ -217,17 +217,18 @@ def test_the_wgmma_wrappers_are_the_generators_output():
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_tma_build_stages_the_grid_variants_by_tensor_copies():
-    """QERL_WGMMA_TMA=1's build (-DQFP4_WGMMA_TMA=1): every grid variant of 128+ tokens a CTA issues tensor copies
+    """QERL_WGMMA_TMA=1's build (-DQFP4_WGMMA_TMA=1, with the default -DQFP4_WGMMA_TAIL=1): every grid variant of
+    128+ tokens a CTA issues tensor copies
     (UTMALDG: three a chunk at five places -- the two prologue chunks, the two of a loop pass, and the loop's first pass
     peeled by ptxas), no cp.async (LDGSTS) in a plain one (a LoRA one keeps it for its t tile) and no group barrier
     inside its main loop; the 32- and 64-token grid variants and the stream-K ones keep cp.async and issue no tensor
-    copy; the loop check stays clean. Session 50's QERL_WGMMA_TAIL=1 (built beside it: the tail-split launches' tile
-    mapping and two more kernel parameters) the same."""
+    copy; the loop check stays clean. QERL_WGMMA_TAIL=0's build (beside it: session 49's kernel, without the
+    tail-split launches' tile mapping and their two kernel parameters) the same."""
     with ThreadPoolExecutor(2) as pool:  # both builds at once
         builds = list(pool.map(lambda d: wsc.compile_sass(2, None, d),
-                               [("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"),
-                                ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1")]))
-    for tail, (sass, msgs) in zip((False, True), builds, strict=True):
+                               [("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1"),
+                                ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1")]))
+    for tail, (sass, msgs) in zip((True, False), builds, strict=True):
         r = wsc.check(sass, msgs)
         assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
         assert r["hazards"] == [] and not r["serialized"], (tail, r)

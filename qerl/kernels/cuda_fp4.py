@@ -765,12 +765,17 @@ WGMMA_TAIL = ("0", "1")
 
 
 def wgmma_tail() -> bool:
-    """``QERL_WGMMA_TAIL``: ``1`` (session 50's experiment, a build of its own, ``-DQFP4_WGMMA_TAIL=1``) lets the
-    wgmma grid variants take tail-split configs (nt, :func:`wgmma_tail_sw` (kt), r, ks): the output tiles up to the
-    last whole wave of CTAs run whole, one CTA each, and each tile of the last, partial wave is split kt ways along K
-    across CTAs (:func:`wgmma_tail_ctas`). ``0`` (default): no such configs."""
+    """``QERL_WGMMA_TAIL``: ``1`` (default since session 50, ``-DQFP4_WGMMA_TAIL=1``; decode mode ``fused-tail``
+    spells it out) lets the wgmma grid variants take tail-split configs (nt, :func:`wgmma_tail_sw` (kt), r, ks): the
+    output tiles up to the last whole wave of CTAs run whole, one CTA each, and each tile of the last, partial wave is
+    split kt ways along K across CTAs (:func:`wgmma_tail_ctas`); the dispatcher turns a tuned grid config into the
+    one that fills its last wave (:func:`wgmma_tail_pick`), and the tuner tries them (:func:`wgmma_configs`). Measured
+    on an H200 (session 50, `results/speed/raw/h200_s50_tail`, two passes): the 7B gate|up product with a rank-32
+    LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2); 7B NVFP4 rollouts
+    +1.6 / +2.8% tokens/s at 128 sequences and +1.2 / +1.6% at 256 (+3.1 / -0.8% at 64). ``0`` (a build of its own,
+    decode mode ``fused-no-tail``): no such configs, session 49's kernel."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_TAIL", "0", WGMMA_TAIL) == "1"
+    return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
 
 BF16_LOADS = ("pair", "sector")
@@ -800,8 +805,8 @@ def _build_flags() -> list[str]:
     """nvcc flags of the extension (part of its build's name): the wgmma main loop's pipe depth;
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
-    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` the tail-split configs
-    (``-DQFP4_WGMMA_TAIL=1``, session 50's experiment);
+    (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` (default) the tail-split configs
+    (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
     loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
@@ -1608,7 +1613,7 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
         hit = tuned_gemm_config(w.fmt, w.n, w.k, m, props.name)
         cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count,
                                                               wgmma=wgmma_supported(idx))
-        if wgmma_tail() and cfg[1] == 0:  # session 50's experiment: fill the last partial wave
+        if wgmma_tail() and cfg[1] == 0:  # fill the last partial wave (session 50)
             nt, _, r, ks = cfg
             cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
                                   wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False))

@@ -88,13 +88,14 @@
 #if QFP4_WGMMA_TMA && QFP4_WGMMA_PIPE != 2
 #error "QFP4_WGMMA_TMA needs QFP4_WGMMA_PIPE 2"
 #endif
-// QFP4_WGMMA_TAIL (the build's -D, set by QERL_WGMMA_TAIL=1; session 50's experiment): the grid variants take a
-// "tail split" launch (kz < 0 at the launcher: kt = -kz): the output tiles up to the last whole wave of CTAs run whole,
-// one CTA each (data-parallel), and each tile of the last, partial wave is split kt ways along K across CTAs (the
+// QFP4_WGMMA_TAIL (the build's -D, set by QERL_WGMMA_TAIL=1, the library's default since session 50): the grid
+// variants take a "tail split" launch (kz < 0 at the launcher: kt = -kz): the output tiles up to the last whole wave
+// of CTAs run whole, one CTA each, and each tile of the last, partial wave is split kt ways along K across CTAs (the
 // split-K of kz > 1: fp32 partials, the last CTA to finish a tile adds them in split order). Session 50 measured the
-// 7B gate|up product at 128 tokens (296 tiles on 132 SMs) at 3 x the time of one wave (raw/h200_s50_tail): the last
-// 32 tiles cost a whole wave. The kernel parameters tail_dp (tiles run whole; the grid is 1-D then) and tail_kt are
-// in this build only, so the other builds' kernels keep their signature and machine code.
+// 7B gate|up product at 128 tokens (296 tiles on 132 SMs) at 3 x the time of one wave (raw/h200_s50_waves): the last
+// 32 tiles cost a whole wave; split 4 ways, the product ran 9% faster (raw/h200_s50_tail). The kernel parameters
+// tail_dp (tiles run whole; the grid is 1-D then) and tail_kt are in this build only: QERL_WGMMA_TAIL=0's kernels
+// keep session 49's signature and machine code.
 #ifndef QFP4_WGMMA_TAIL
 #define QFP4_WGMMA_TAIL 0
 #endif
