@@ -182,6 +182,9 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 QERL_REWARD_WORKERS=2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$LOG"
+# no build runs when a call starts: a lock left by one killed in an earlier call on this (still warm) machine would
+# make every load of that build wait forever (session 50 lost a call to one)
+find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/qerl_kernels}" -maxdepth 2 -name lock -type f -print -delete >> "$LOG" 2>/dev/null
 B="python3 -m qerl.bench"
 build() {  # the extension build for QERL_WGMMA_PIPE=$1 (a separate build per value: the flag is part of its name)
   QERL_WGMMA_PIPE=$1 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe $1 build', c.available(), c.build_error())" >> "$LOG" 2>&1

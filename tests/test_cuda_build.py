@@ -36,3 +36,34 @@ def test_load_extension_keeps_one_build_per_flags(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="qerl_test"):  # remembered: the same error again, no second build
         cuda_build.load_extension("qerl_test", [], [], "not C++", ["-DV=3"], state)
     assert cuda_build.load_extension("qerl_test", [], [], "", ["-DV=2"], state) is mods[2]
+
+
+def test_a_killed_builds_lock_is_cleared_not_waited_on(tmp_path, monkeypatch):
+    """A build killed midway leaves torch's ``lock`` in its directory and every later load of that build waited on it
+    forever (session 50 lost a device call to one): a lock older than STALE_LOCK_S is removed with a warning and the
+    load goes on; a younger one (a build running now) is left alone."""
+    import os
+    import threading
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    binding = _BINDING.replace("QERL_TEST_FLAG", "7")
+    assert cuda_build.load_extension("qerl_lock", [], [], binding, ["-DV=7"], {}).flag() == 7
+    (bdir,) = [p for p in tmp_path.iterdir() if p.name.startswith("qerl_lock_")]
+    lock = bdir / "lock"
+    lock.write_text("")
+    assert not cuda_build.clear_stale_lock(str(bdir)) and lock.exists()  # fresh: a build may be running
+    old = time.time() - cuda_build.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    got = {}
+
+    def load():  # in a thread: without the fix torch's loader sleeps on the lock without end
+        with pytest.warns(UserWarning, match="removing the build lock .* s old"):
+            got["mod"] = cuda_build.load_extension("qerl_lock", [], [], binding, ["-DV=7"], {})
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the load waited on the stale lock"
+    assert got["mod"].flag() == 7 and not lock.exists()
+    assert not cuda_build.clear_stale_lock(str(bdir))  # no lock: nothing to do

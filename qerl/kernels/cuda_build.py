@@ -2,18 +2,43 @@
 
 Each extension is named after a hash of its sources, headers, binding and flags, so an edit or another flag set gets
 a build of its own; builds live under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/qerl_kernels``. A failed build is
-remembered in the caller's state (``state["error"]``) and not retried in the same process.
+remembered in the caller's state (``state["error"]``) and not retried in the same process. A build killed midway
+leaves torch's ``lock`` file in its directory, on which every later load of that build would wait forever: one older
+than :data:`STALE_LOCK_S` is removed with a warning (``clear_stale_lock``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
+STALE_LOCK_S = 1200  # a build takes 1-4 min; a lock this old belongs to a killed one
+
+
+def clear_stale_lock(bdir: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``bdir``'s build lock (torch's FileBaton file) when it is older than ``max_age_s`` seconds: a build
+    killed midway (a timeout, Ctrl-C) never removes it, and torch's loader waits on it without end. Returns whether one
+    was removed."""
+    lock = os.path.join(bdir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:  # no lock
+        return False
+    if age <= max_age_s:
+        return False
+    warnings.warn(f"removing the build lock {lock}, {age:.0f} s old (a build killed midway; > {max_age_s:.0f} s)",
+                  stacklevel=2)
+    try:
+        os.remove(lock)
+    except OSError:  # another process removed it first
+        pass
+    return True
 
 
 def arch_flags() -> list[str]:
@@ -42,6 +67,7 @@ def load_extension(prefix: str, sources, headers, binding: str, flags: list[str]
                                                                   "qerl_kernels")
     bdir = os.path.join(root, name)
     os.makedirs(bdir, exist_ok=True)
+    clear_stale_lock(bdir)
     cpp = os.path.join(bdir, "binding.cpp")
     if not os.path.exists(cpp) or open(cpp).read() != binding:
         with open(cpp, "w") as fh:
