@@ -683,6 +683,14 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 50 (H200, 5d33040-cd9d57a; `raw/h200_s50_*/README.md`): session 49's last hypothesis refuted: the tensor
+copies 3 chunks ahead (`la3`) 0.3-1.7% slower, 4 ahead with 5 stages (`la4`) 4-10% slower; removed. An ncu wave and
+source profile of the TMA kernel (gate|up at 128 tokens) showed the last partial wave costing a whole wave (296 CTAs
+on 132 SMs: 3 x 26.2 µs). New default `QERL_WGMMA_TAIL=1`: the tiles up to the last whole wave run whole and the
+last wave's tiles split kt ways along K (`cuda_fp4.wgmma_tail_pick`). With a rank-32 LoRA, gate|up ran 8.8-9.0%
+faster at 128 tokens, 10.5-10.8% at 256 and 2.8-3.5% at 64. 7B NVFP4 rollouts gained +1.6 / +2.8% at 128 sequences
+and +1.2 / +1.6% at 256, inconclusive at 64 (+3.1 / -0.8%). Two passes each. The GPU regression on the new default
+was cut short: 31 tests passed before a killed build's lock stalled it (fixed). Not measured on an H100.
 Session 49 (H200, c256f9f-963b57f; `raw/h200_s49_*/README.md`): where the wgmma GEMM's 128-token time goes. Its MMA
 schedule alone (no loads, no decode) reaches 94-98% of the 989 TFLOPS peak; over one wave the main loop costs 0.805
 µs a chunk against 0.577 for its MMAs alone (72%), and the per-launch / per-CTA costs ~2 µs. Not the cause, each

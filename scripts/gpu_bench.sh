@@ -172,7 +172,9 @@
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
 #                                parts, one per call: 1 test_cuda_fp4.py's tests but the wgmma GEMM's (19 s with the
-#                                builds cached), 2 the wgmma GEMM's (238 s cold: two builds), 3 every other file (151 s)
+#                                builds cached), 2 the wgmma GEMM's (238 s cold in session 48; since session 50 it
+#                                first builds the default, QERL_WGMMA_TMA=0's and QERL_WGMMA_TAIL=0's at once), 3 every
+#                                other file (151 s)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -617,6 +619,8 @@ regress)  # every GPU test in parts (see the header)
     *) echo "gpu_bench.sh regress: PART=$part is not a part; choose all, 1, 2 or 3" >&2; exit 2 ;;
   esac
   res="$OUT/tests_regress_$part.txt"
+  # the builds the wgmma tests compare against, all at once first (inside the tests they would compile one by one)
+  case "$part" in all|2) builds_at_once - QERL_WGMMA_TMA=0 QERL_WGMMA_TAIL=0 ;; esac
   timeout "${SECS:-560}" python3 -m pytest -v -m gpu "$@" -rfE --tb=short -p no:cacheprovider > "$res" 2>&1
   grep -cE " PASSED| FAILED| ERROR| SKIPPED" "$res" | sed 's/^/tests finished: /' >> "$LOG"
   grep -E " FAILED| ERROR|^=+ .*(passed|failed|error)" "$res" >> "$LOG" ;;

@@ -153,7 +153,8 @@ echo "============ 1 passed in 0.1s ============"
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_regress_parts_cover_every_gpu_test_once(tmp_path):
-    """``regress``: each PART runs one pytest -v over its share of the GPU tests, and the three shares, collected by
+    """``regress``: each PART runs one pytest -v over its share of the GPU tests (PART=2 and all after the builds the
+    wgmma tests compare against, all at once), and the three shares, collected by
     the real pytest on this repository, are every GPU test exactly once -- the tests PART=all (the default) runs. A
     PART that is not one names the choices."""
     parts = {}
@@ -161,6 +162,8 @@ def test_regress_parts_cover_every_gpu_test_once(tmp_path):
         p, calls = _run(tmp_path, "regress", REGRESS_STUB, PART=part)
         assert p.returncode == 0, p.stderr
         assert len([c for c in calls if "|-m pytest" in c]) == 1
+        # PART=2 first builds the default, QERL_WGMMA_TMA=0's and QERL_WGMMA_TAIL=0's (the wgmma tests' references)
+        assert len([c for c in calls if "|-c " in c]) == (3 if part == "2" else 0)
         args = (tmp_path / "calls.txt.args").read_bytes().decode().split("\0")[:-1]
         assert args[:5] == ["-m", "pytest", "-v", "-m", "gpu"]
         parts[part] = args[5:]
