@@ -299,6 +299,26 @@ def test_wgmma_tail_split_configs(monkeypatch):
     assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 8, 132) == (16, 0, 2, 2)
     assert cf.wgmma_tail_pick((16, -1, 2, 2), 296, 56, 132) == (16, -1, 2, 2)
 
+    # the dispatcher (CUDA-free here: the device's name and SMs, its tuned table and its wave stand in): the default
+    # build turns the tuned grid config of 7B gate|up at 128 tokens into its kt 4 split; QERL_WGMMA_TAIL=0's build
+    # runs a table's tail split as its grid config; the choice is cached per build
+    from types import SimpleNamespace
+    props = SimpleNamespace(name="NVIDIA H200", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: props)
+    monkeypatch.setattr(cf, "wgmma_ctas", lambda fmt, ntok, r, ks, lora: 132)
+    w = SimpleNamespace(fmt="nvfp4", n=37888, k=3584)
+    for tuned, tail_on, want in [((16, 0, 2, 2), "1", (16, cf.wgmma_tail_sw(4), 2, 2)),
+                                 ((16, 0, 2, 2), "0", (16, 0, 2, 2)),
+                                 ((16, cf.wgmma_tail_sw(3), 2, 2), "0", (16, 0, 2, 2)),
+                                 ((16, cf.wgmma_tail_sw(3), 2, 2), "1", (16, cf.wgmma_tail_sw(3), 2, 2)),
+                                 ((16, -1, 2, 2), "1", (16, -1, 2, 2))]:
+        monkeypatch.setattr(cf, "tuned_gemm_config", lambda *a, t=tuned: (t, True))
+        monkeypatch.setenv("QERL_WGMMA_TAIL", tail_on)
+        cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 128, tail_on == "1"), None)
+        assert cf._gemm_config(w, 128, torch.device("cuda", 0)) == want, (tuned, tail_on)
+    assert cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 128, True)) == (16, -1, 2, 2)
+    cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 128, False))
+
 
 @pytest.mark.parametrize("tiles,c,workers", [(296, 56, 264), (1, 56, 264), (72, 56, 528), (3, 5, 7), (10, 3, 40),
                                              (7, 56, 6), (2368, 56, 132), (296, 56, 132), (264, 56, 132)])

@@ -1276,6 +1276,7 @@ WGMMA_MAX_KZ = 4  # splits of K across CTAs the tuner tries (csrc allows 64)
 # worker; whole waves of tiles round-robin, then an even share of the rest's (output tile, chunk) units; shared tiles
 # reduced in worker order (csrc kz = 0; streamk_segments)
 WGMMA_SK = -16
+WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
 
 def wgmma_tail_sw(kt: int) -> int:
@@ -1296,7 +1297,8 @@ def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: in
     its last partial wave of ``wave`` CTAs: kt = min(WGMMA_MAX_KZ, wave // rest, C // (4 ks)) splits of each of the
     rest's tiles, where at least one whole wave runs first and kt >= 2; else ``cfg`` itself. The rule follows from
     the mechanism (the rest's tiles on as many SMs as the wave has), not from a sweep: session 50 timed kt = 2..4 on
-    the 7B products once (`results/speed/raw/h200_s50_tail`), and the best kt was this one at all three gate|up points."""
+    the 7B products in one call of two passes (`results/speed/raw/h200_s50_tail`), and the best kt was this one at
+    all three gate|up points."""
     nt, sw, r, ks = cfg
     rest = tiles % wave
     if sw != 0 or tiles < wave or rest == 0:
@@ -1315,7 +1317,6 @@ def wgmma_tail_ctas(tiles: int, wave: int, kt: int) -> list[tuple[int, int, int]
     if rest == 0 or kt < 2:
         return [(t, 0, 1) for t in range(tiles)]
     return [(t, 0, 1) for t in range(dp)] + [(dp + u // kt, u % kt, kt) for u in range(rest * kt)]
-WGMMA_COUNTERS = 1 << 16  # per-device tile counters of the split-K across CTAs (zeroed once, left zero by the kernel)
 
 
 def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
@@ -1613,10 +1614,12 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
         hit = tuned_gemm_config(w.fmt, w.n, w.k, m, props.name)
         cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count,
                                                               wgmma=wgmma_supported(idx))
-        if wgmma_tail() and cfg[1] == 0:  # fill the last partial wave (session 50)
-            nt, _, r, ks = cfg
+        nt, sw, r, ks = cfg
+        if wgmma_tail() and sw == 0:  # fill the last partial wave (session 50)
             cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
                                   wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False))
+        elif wgmma_tail_kt(sw) and not wgmma_tail():  # a table tuned with tail splits, in QERL_WGMMA_TAIL=0's build
+            cfg = (nt, 0, r, ks)
         _STATE[key] = cfg
     return cfg
 
