@@ -761,7 +761,8 @@ def wgmma_tma() -> str:
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
 
-WGMMA_TAIL = ("0", "1")
+WGMMA_TAIL = ("0", "1", "first")
+WGMMA_TAIL_DEFINE = {"1": 1, "first": 2}  # csrc QFP4_WGMMA_TAIL per value
 
 
 def wgmma_tail() -> bool:
@@ -773,9 +774,16 @@ def wgmma_tail() -> bool:
     on an H200 (session 50, `results/speed/raw/h200_s50_tail`, two passes): the 7B gate|up product with a rank-32
     LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2); 7B NVFP4 rollouts
     +1.6 / +2.8% tokens/s at 128 sequences and +1.2 / +1.6% at 256 (+3.1 / -0.8% at 64). ``0`` (a build of its own,
-    decode mode ``fused-no-tail``): no such configs, session 49's kernel."""
+    decode mode ``fused-no-tail``): no such configs, session 49's kernel. ``first`` (session 50's experiment, a build
+    of its own, decode mode ``fused-tail-first``; not run on a GPU yet): the same splits, their CTAs launched before
+    the whole tiles' (:func:`wgmma_tail_ctas` ``first``)."""
+    return wgmma_tail_mode() != "0"
+
+
+def wgmma_tail_mode() -> str:
+    """``QERL_WGMMA_TAIL``'s value (:func:`wgmma_tail`), checked against its choices."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
+    return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL)
 
 
 BF16_LOADS = ("pair", "sector")
@@ -806,7 +814,7 @@ def _build_flags() -> list[str]:
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
     (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` (default) the tail-split configs
-    (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build);
+    (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build; ``first`` ``-DQFP4_WGMMA_TAIL=2``, the split CTAs launched first);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
     loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
@@ -821,7 +829,7 @@ def _build_flags() -> list[str]:
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
-            *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
+            *([f"-DQFP4_WGMMA_TAIL={WGMMA_TAIL_DEFINE[tail]}"] if (tail := wgmma_tail_mode()) != "0" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
@@ -1307,16 +1315,17 @@ def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: in
     return (nt, wgmma_tail_sw(kt), r, ks) if kt >= 2 else cfg
 
 
-def wgmma_tail_ctas(tiles: int, wave: int, kt: int) -> list[tuple[int, int, int]]:
+def wgmma_tail_ctas(tiles: int, wave: int, kt: int, first: bool = False) -> list[tuple[int, int, int]]:
     """The CTAs of a tail-split launch (csrc, QFP4_WGMMA_TAIL) in pure Python, as (tile, split, splits) per CTA in
     launch order: the tiles up to the last whole multiple of ``wave`` (the CTAs resident at once) one CTA each
-    (split 0 of 1), then each tile of the rest kt CTAs (splits 0..kt-1 of kt); no split when the tiles fill whole
-    waves."""
+    (split 0 of 1), then each tile of the rest kt CTAs (splits 0..kt-1 of kt); ``first`` (``QERL_WGMMA_TAIL=first``)
+    the split CTAs before the whole tiles'. No split when the tiles fill whole waves."""
     rest = tiles % wave
     dp = tiles - rest
     if rest == 0 or kt < 2:
         return [(t, 0, 1) for t in range(tiles)]
-    return [(t, 0, 1) for t in range(dp)] + [(dp + u // kt, u % kt, kt) for u in range(rest * kt)]
+    whole, split = [(t, 0, 1) for t in range(dp)], [(dp + u // kt, u % kt, kt) for u in range(rest * kt)]
+    return split + whole if first else whole + split
 
 
 def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
