@@ -690,7 +690,8 @@ on 132 SMs: 3 x 26.2 µs). New default `QERL_WGMMA_TAIL=1`: the tiles up to the 
 last wave's tiles split kt ways along K (`cuda_fp4.wgmma_tail_pick`). With a rank-32 LoRA, gate|up ran 8.8-9.0%
 faster at 128 tokens, 10.5-10.8% at 256 and 2.8-3.5% at 64. 7B NVFP4 rollouts gained +1.6 / +2.8% at 128 sequences
 and +1.2 / +1.6% at 256, inconclusive at 64 (+3.1 / -0.8%). Two passes each. The GPU regression on the new default
-was cut short: 31 tests passed before a killed build's lock stalled it (fixed). Not measured on an H100.
+was cut short: 31 tests passed before a killed build's lock stalled it (fixed). Built, not run: the split CTAs
+launched first (`QERL_WGMMA_TAIL=first`). Not measured on an H100.
 Session 49 (H200, c256f9f-963b57f; `raw/h200_s49_*/README.md`): where the wgmma GEMM's 128-token time goes. Its MMA
 schedule alone (no loads, no decode) reaches 94-98% of the 989 TFLOPS peak; over one wave the main loop costs 0.805
 µs a chunk against 0.577 for its MMAs alone (72%), and the per-launch / per-CTA costs ~2 µs. Not the cause, each
