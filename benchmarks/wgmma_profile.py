@@ -90,6 +90,14 @@ def traffic(fmt: str, n: int, k: int, m: int, config: tuple[int, int, int, int],
                 ctas=ctas, threads=r * ks * 128)
 
 
+def _ctas_at_once(fmt: str, cfg: tuple[int, int, int, int], lora: bool) -> int | None:
+    """What :func:`traffic` needs of the device for ``cfg``: a stream-K launch's CTAs, a tail split's wave; else None."""
+    nt, sw, r, ks = cfg
+    if sw == cf.WGMMA_SK:
+        return cf.wgmma_sk_ctas(fmt, 8 * nt, r, ks)
+    return cf.wgmma_ctas(fmt, 8 * nt, r, ks, lora) if cf.wgmma_tail_kt(sw) else None
+
+
 def _wgmma_configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
     return [cfg for cfg in cgb.configs(s, c, m) if cfg[1] <= 0]
 
@@ -120,9 +128,7 @@ def tail_configs(tuned: tuple[int, int, int, int], c: int) -> list[tuple[int, in
     dispatcher's pick, ``cuda_fp4.wgmma_tail_pick``): that grid config, then the same variant with its last partial
     wave split kt = 2..WGMMA_MAX_KZ ways (``cuda_fp4.wgmma_tail_sw``; every split >= 4 chunks); else ``[tuned]``."""
     nt, sw, r, ks = tuned
-    if cf.wgmma_tail_kt(sw):
-        sw = 0
-    if sw != 0:
+    if sw != 0 and not cf.wgmma_tail_kt(sw):
         return [tuned]
     return [(nt, 0, r, ks)] + [(nt, cf.wgmma_tail_sw(kt), r, ks) for kt in range(2, cf.WGMMA_MAX_KZ + 1)
                                if c // (kt * ks) >= 4]
@@ -166,10 +172,7 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0
                     print(f"[ncu] {fmt} {n}x{k} M={m} config {cfg}", flush=True)
                     continue
                 t = cgb._time_gemm(cws, m, rep_ms, cfg, lora) * 1e-3  # s
-                sk = (cf.wgmma_sk_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3]) if cfg[1] == cf.WGMMA_SK else
-                      cf.wgmma_ctas(fmt, 8 * cfg[0], cfg[2], cfg[3], lora is not None) if cf.wgmma_tail_kt(cfg[1])
-                      else None)
-                tr = traffic(fmt, n, k, m, cfg, sk)
+                tr = traffic(fmt, n, k, m, cfg, _ctas_at_once(fmt, cfg, lora is not None))
                 row = dict(fmt=fmt, N=n, K=k, M=m, config=str(cfg), tuned=cfg == tuned, lora_rank=rank,
                            us=round(t * 1e6, 2),
                            tflops=round(tr["flops"] / t / 1e12, 1),

@@ -157,8 +157,8 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-triton-attn", "fused-cublas-bf16", "fused-bf16-pdl", "fused-bf16-no-pdl", "fused-lora-a-64",
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
-           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-tail", "fused-no-tail", "fused-tail-first",
-           "fused-bf16-sector",
+           "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-tail",
+           "fused-no-tail", "fused-tail-first", "fused-bf16-sector",
            "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
@@ -219,10 +219,10 @@ def decode_mode(sampler, dec: str):
     session 38's default), "fused-vec-perm" (the producers' permuted copy permuted in registers and stored
     contiguously: ``QERL_PERMUTE_STORE=vector``), "fused-s38-next" (both of the last two), "fused-tma" (the wgmma
     grid variants' chunks staged by tensor copies on mbarriers: ``QERL_WGMMA_TMA=1``, the default spelled out),
-    "fused-no-tma" (by cp.async: ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own), "fused-tail" (the wgmma grid launches' last partial wave split along K:
-    ``QERL_WGMMA_TAIL=1``, the default spelled out; ``cuda_fp4.wgmma_tail_pick``), "fused-no-tail" (no split:
-    ``QERL_WGMMA_TAIL=0``, session 49's kernel, a build of its own), "fused-tail-first" (the split CTAs launched
-    first: ``QERL_WGMMA_TAIL=first``, session 50's experiment),
+    "fused-no-tma" (by cp.async: ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own), "fused-tail" (the
+    wgmma grid launches' last partial wave split along K: ``QERL_WGMMA_TAIL=1``, the default spelled out;
+    ``cuda_fp4.wgmma_tail_pick``), "fused-no-tail" (no split: ``QERL_WGMMA_TAIL=0``, session 49's kernel, a build of
+    its own), "fused-tail-first" (the split CTAs launched first: ``QERL_WGMMA_TAIL=first``, session 50's experiment),
     "fused-bf16-sector"
     (the BF16 GEMV's load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default
     spelled out), "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's
