@@ -158,7 +158,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-gemm-lora", "fused-gemm-lora-a-64", "fused-gemm-lora-pdl", "fused-cublas-lora", "fused-lora-a-256",
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-tail",
-           "fused-no-tail", "fused-tail-first", "fused-bf16-sector",
+           "fused-no-tail", "fused-bf16-sector",
            "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
@@ -180,7 +180,6 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-s38-next": {"QERL_LORA_A_PDL": "1", "QERL_PERMUTE_STORE": "vector"},
                "fused-tma": {"QERL_WGMMA_TMA": "1"}, "fused-no-tma": {"QERL_WGMMA_TMA": "0"},
                "fused-tail": {"QERL_WGMMA_TAIL": "1"}, "fused-no-tail": {"QERL_WGMMA_TAIL": "0"},
-               "fused-tail-first": {"QERL_WGMMA_TAIL": "first"},
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
@@ -222,10 +221,8 @@ def decode_mode(sampler, dec: str):
     "fused-no-tma" (by cp.async: ``QERL_WGMMA_TMA=0``, session 40's kernel, a build of its own), "fused-tail" (the
     wgmma grid launches' last partial wave split along K: ``QERL_WGMMA_TAIL=1``, the default spelled out;
     ``cuda_fp4.wgmma_tail_pick``), "fused-no-tail" (no split: ``QERL_WGMMA_TAIL=0``, session 49's kernel, a build of
-    its own), "fused-tail-first" (the split CTAs launched first: ``QERL_WGMMA_TAIL=first``, session 50's experiment),
-    "fused-bf16-sector"
-    (the BF16 GEMV's load instructions each covering whole 32-byte sectors: ``QERL_BF16_LOADS=sector``, the default
-    spelled out), "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's
+    its own), "fused-bf16-sector" (the BF16 GEMV's load instructions each covering whole 32-byte sectors:
+    ``QERL_BF16_LOADS=sector``, the default spelled out), "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's
     loads, a build of its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic
     dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or
     "unfused"."""

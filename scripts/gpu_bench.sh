@@ -167,10 +167,7 @@
 #                                two passes ($OUT/tail_1, tail_2); ~4 min. TAIL=roll: the builds and tests, then 7B
 #                                NVFP4 rollouts at 16 (warm-up), 64, 128, 256 sequences in one process, decode modes
 #                                fused-no-tail / fused (cuda_fp4.wgmma_tail_pick on the tuned configs) and back
-#                                ($OUT/roll_tail); ~8 min. TAIL=first: QERL_WGMMA_TAIL=first (the split CTAs launched
-#                                before the whole tiles) against 1: the builds, the tail tests on first's, each 7B
-#                                product at its tuned config (the dispatcher's tail pick) with a rank-32 LoRA, runs
-#                                1 first first 1 ($OUT/abf_*, $OUT/ab.md); ~4 min
+#                                ($OUT/roll_tail); ~8 min
 #   scripts/gpu_bench.sh regress every GPU test (-m gpu) with pytest -v, so a run cut short by SECS (default 560) keeps
 #                                each finished test's outcome ($OUT/tests_regress_PART.txt): PART=all (default) every
 #                                file, ~7 min from a cold H200 since session 48 (the extension builds included); or in
@@ -601,20 +598,16 @@ dec49)  # issue 10: the MMA schedule with the GEMM's decode (see the header)
   peak 200 --n 128,256 --ops rs,rsdec --wgs 2,4 --depth 1 --tag _dec
   peak 100 --n 128 --ops rs,rsdec --wgs 4 --depth 1 --iters 28 --grid 296 --tag _dec_g296 ;;
 tail)  # issue 10: the last partial wave's tiles split along K (see the header)
-  if [ "${TAIL:-kernel}" = first ]; then  # the split CTAs launched first: tests, then the 7B products A B B A
-    kernel_ab QERL_WGMMA_TAIL abf "1:1 first:1 first:2 1:2" first tail_split
+  builds_at_once - QERL_WGMMA_TAIL=0
+  gpu_tests tail 300 tests/test_cuda_fp4.py -k tail_split
+  if [ "${TAIL:-kernel}" = kernel ]; then
+    for pass in 1 2; do
+      timeout 150 python3 -m benchmarks.wgmma_profile --configs tail --lora 32 --m "${TAIL_M:-64,128,256}" \
+        --out "$OUT/tail_$pass" 2>&1 | grep "prof\]" >> "$LOG"
+    done
   else
-    builds_at_once - QERL_WGMMA_TAIL=0
-    gpu_tests tail 300 tests/test_cuda_fp4.py -k tail_split
-    if [ "${TAIL:-kernel}" = kernel ]; then
-      for pass in 1 2; do
-        timeout 150 python3 -m benchmarks.wgmma_profile --configs tail --lora 32 --m "${TAIL_M:-64,128,256}" \
-          --out "$OUT/tail_$pass" 2>&1 | grep "prof\]" >> "$LOG"
-      done
-    else
-      timeout 420 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
-        --decode fused-no-tail,fused,fused,fused-no-tail --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
-    fi
+    timeout 420 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 \
+      --decode fused-no-tail,fused,fused,fused-no-tail --out "$OUT/roll_tail" 2>&1 | grep -v Warn >> "$LOG"
   fi ;;
 regress)  # every GPU test in parts (see the header)
   part=${PART:-all}

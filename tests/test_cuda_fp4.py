@@ -273,19 +273,15 @@ def test_wgmma_tail_split_configs(monkeypatch):
     # every variant x kt 2..4 but kt 4 x ks 4 (16 splits of 56 chunks: < 4 each), each one valid
     assert len(tails) == (cf.WGMMA_MAX_KZ - 1) * len(cf.WGMMA_VARIANTS) - 2 and tail in tails
     assert all(cf.check_gemm_config(c, 224, 56) == c for c in tails)
-    monkeypatch.setenv("QERL_WGMMA_TAIL", "first")  # session 50's experiment: the split CTAs launched first
-    assert "-DQFP4_WGMMA_TAIL=2" in cf._build_flags() and cf.wgmma_tail()
     monkeypatch.setenv("QERL_WGMMA_TAIL", "2")
-    with pytest.raises(ValueError, match="QERL_WGMMA_TAIL='2'; valid: 0, 1, first$"):
+    with pytest.raises(ValueError, match="QERL_WGMMA_TAIL='2'; valid: 0, 1$"):
         cf._build_flags()
-    for tiles, wave, kt, first in [(296, 132, 4, False), (264, 132, 4, False), (5, 132, 3, False),
-                                   (133, 132, 2, False), (296, 132, 1, False), (296, 132, 4, True), (133, 132, 2, True)]:
-        ctas = cf.wgmma_tail_ctas(tiles, wave, kt, first)
+    for tiles, wave, kt in [(296, 132, 4), (264, 132, 4), (5, 132, 3), (133, 132, 2), (296, 132, 1)]:
+        ctas = cf.wgmma_tail_ctas(tiles, wave, kt)
         rest = tiles % wave
         split = kt if rest and kt > 1 else 1
         assert len(ctas) == tiles - rest + rest * split if split > 1 else len(ctas) == tiles
-        whole = [(t, 0, 1) for t in range(tiles - rest)]
-        assert (ctas[len(ctas) - len(whole):] if first else ctas[: len(whole)]) == whole or split == 1
+        assert ctas[: tiles - rest] == [(t, 0, 1) for t in range(tiles - rest)] or split == 1
         cover = {}
         for t, z, n in ctas:
             cover.setdefault(t, []).append((z, n))
@@ -294,15 +290,18 @@ def test_wgmma_tail_split_configs(monkeypatch):
             n = parts[0][1]
             assert sorted(parts) == [(z, n) for z in range(n)] and n == (split if t >= tiles - rest else 1), (t, parts)
     assert len(cf.wgmma_tail_ctas(296, 132, 4)) == 264 + 32 * 4 <= 3 * 132  # the last wave's 32 tiles on 128 CTAs
-    assert cf.wgmma_tail_ctas(296, 132, 4, first=True)[:2] == [(264, 0, 4), (264, 1, 4)]  # first: the splits lead
-    # the pick fills the last wave: 7B gate|up at 128 tokens (296 tiles, 32 left) 4 ways, at 64 (592, 64 left) 2 ways;
-    # none below one whole wave, on whole waves, or where a split would keep < 4 chunks a group
-    assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 56, 132) == (16, cf.wgmma_tail_sw(4), 2, 2)
-    assert cf.wgmma_tail_pick((8, 0, 1, 2), 592, 56, 132) == (8, cf.wgmma_tail_sw(2), 1, 2)
-    assert cf.wgmma_tail_pick((16, 0, 2, 2), 100, 56, 132) == (16, 0, 2, 2)
-    assert cf.wgmma_tail_pick((16, 0, 2, 2), 264, 56, 132) == (16, 0, 2, 2)
-    assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 8, 132) == (16, 0, 2, 2)
-    assert cf.wgmma_tail_pick((16, -1, 2, 2), 296, 56, 132) == (16, -1, 2, 2)
+    # the pick fills the last wave: 7B gate|up at 128 tokens (296 tiles, 32 left) 4 ways, at 64 (592, 64 left) 2 ways
+    # whether one CTA fits an SM (a wave of 132) or two (264: (8, 0, 1, 2) on an H200, where 4 ways measured slower
+    # than 2 in sessions 50 and 51); none below one whole wave, on whole waves, where the rest fills every SM, or where
+    # a split would keep < 4 chunks a group
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 56, 132, 132) == (16, cf.wgmma_tail_sw(4), 2, 2)
+    assert cf.wgmma_tail_pick((8, 0, 1, 2), 592, 56, 132, 132) == (8, cf.wgmma_tail_sw(2), 1, 2)
+    assert cf.wgmma_tail_pick((8, 0, 1, 2), 592, 56, 264, 132) == (8, cf.wgmma_tail_sw(2), 1, 2)
+    assert cf.wgmma_tail_pick((8, 0, 1, 2), 400, 56, 264, 132) == (8, 0, 1, 2)  # 136 left: more than the SMs
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 100, 56, 132, 132) == (16, 0, 2, 2)
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 264, 56, 132, 132) == (16, 0, 2, 2)
+    assert cf.wgmma_tail_pick((16, 0, 2, 2), 296, 8, 132, 132) == (16, 0, 2, 2)
+    assert cf.wgmma_tail_pick((16, -1, 2, 2), 296, 56, 132, 132) == (16, -1, 2, 2)
 
     # the dispatcher (CUDA-free here: the device's name and SMs, its tuned table and its wave stand in): the default
     # build turns the tuned grid config of 7B gate|up at 128 tokens into its kt 4 split; QERL_WGMMA_TAIL=0's build
@@ -323,6 +322,12 @@ def test_wgmma_tail_split_configs(monkeypatch):
         assert cf._gemm_config(w, 128, torch.device("cuda", 0)) == want, (tuned, tail_on)
     assert cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 128, True)) == (16, -1, 2, 2)
     cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 128, False))
+    # at 64 tokens (8, 0, 1, 2) fits two CTAs an SM: the dispatcher splits its 64 left-over tiles over the SMs (2 ways)
+    monkeypatch.setattr(cf, "wgmma_ctas", lambda fmt, ntok, r, ks, lora: 264)
+    monkeypatch.setattr(cf, "tuned_gemm_config", lambda *a: ((8, 0, 1, 2), True))
+    cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 64, True), None)
+    assert cf._gemm_config(w, 64, torch.device("cuda", 0)) == (8, cf.wgmma_tail_sw(2), 1, 2)
+    cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 64, True))
 
 
 @pytest.mark.parametrize("tiles,c,workers", [(296, 56, 264), (1, 56, 264), (72, 56, 528), (3, 5, 7), (10, 3, 40),
@@ -1385,21 +1390,19 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
-@pytest.mark.parametrize("on", ["1", "first"])
-def test_gpu_wgmma_tail_split(fmt, on, monkeypatch):
+def test_gpu_wgmma_tail_split(fmt, monkeypatch):
     """QERL_WGMMA_TAIL=1's build (the default since session 50) gives QERL_WGMMA_TAIL=0's output bit for bit at every
     config (``_check_build_bit_identical``); and a tail-split config (nt, wgmma_tail_sw(kt), r, ks) gives, tile by
     tile (``cf.wgmma_tail_ctas`` over the device's wave), the output of (nt, 0, r, ks) on the tiles it runs whole and
     of (nt, 1 - kt, r, ks) on the split ones, bit for bit: with and without LoRA, a partial token tile and a partial
-    row block, a last wave of a few tiles; in a CUDA graph too (the tile counters left at zero). The same for
-    QERL_WGMMA_TAIL=first's build (session 50's experiment: the split CTAs launched first)."""
+    row block, a last wave of a few tiles; in a CUDA graph too (the tile counters left at zero)."""
     if not cf.wgmma_supported():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     case = _gemm_lora_case(fmt)
     monkeypatch.setenv("QERL_WGMMA_TAIL", "0")
-    cfgs = cf.wgmma_configs(13, 24)  # QERL_WGMMA_TAIL=0's (no tail splits)
-    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TAIL", on, case, cfgs, seed=50)
-    monkeypatch.setenv("QERL_WGMMA_TAIL", on)
+    cfgs = cf.wgmma_configs(13, 24)  # the default build's (no tail splits)
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TAIL", "1", case, cfgs, seed=50)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n, k, m = 16 * ((sms // 2 + 3) * 8 - 3), 512, 130  # 128-row blocks: sms / 2 + 3, the last partial
     q = _quant(fmt, n, k, seed=51, device="cuda")

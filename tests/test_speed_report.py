@@ -466,7 +466,6 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert "-DQFP4_WGMMA_TMA=1" not in flags["fused-no-tma"] and "-DQFP4_WGMMA_TMA=1" in flags["fused"]
     assert "-DQFP4_WGMMA_TAIL=1" in flags["fused-tail"] and "-DQFP4_WGMMA_TAIL=1" in flags["fused"]
     assert "-DQFP4_WGMMA_TAIL=1" not in flags["fused-no-tail"]
-    assert "-DQFP4_WGMMA_TAIL=2" in flags["fused-tail-first"] and "-DQFP4_WGMMA_TAIL=1" not in flags["fused-tail-first"]
     assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
     assert "-DQFP4_WGMMA_PDL=1" in flags["fused"] and "-DQFP4_WGMMA_PDL=1" not in flags["fused-s36"]

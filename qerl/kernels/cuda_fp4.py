@@ -761,8 +761,7 @@ def wgmma_tma() -> str:
     return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
 
 
-WGMMA_TAIL = ("0", "1", "first")
-WGMMA_TAIL_DEFINE = {"1": 1, "first": 2}  # csrc QFP4_WGMMA_TAIL per value
+WGMMA_TAIL = ("0", "1")
 
 
 def wgmma_tail() -> bool:
@@ -772,18 +771,12 @@ def wgmma_tail() -> bool:
     split kt ways along K across CTAs (:func:`wgmma_tail_ctas`); the dispatcher turns a tuned grid config into the
     one that fills its last wave (:func:`wgmma_tail_pick`), and the tuner tries them (:func:`wgmma_configs`). Measured
     on an H200 (session 50, `results/speed/raw/h200_s50_tail`, two passes): the 7B gate|up product with a rank-32
-    LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2); 7B NVFP4 rollouts
+    LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2), 3.6-3.7% at 512
+    (kt 2; session 51), q|k|v 17% at 1024 (kt 4); 7B NVFP4 rollouts
     +1.6 / +2.8% tokens/s at 128 sequences and +1.2 / +1.6% at 256 (+3.1 / -0.8% at 64). ``0`` (a build of its own,
-    decode mode ``fused-no-tail``): no such configs, session 49's kernel. ``first`` (session 50's experiment, a build
-    of its own, decode mode ``fused-tail-first``; not run on a GPU yet): the same splits, their CTAs launched before
-    the whole tiles' (:func:`wgmma_tail_ctas` ``first``)."""
-    return wgmma_tail_mode() != "0"
-
-
-def wgmma_tail_mode() -> str:
-    """``QERL_WGMMA_TAIL``'s value (:func:`wgmma_tail`), checked against its choices."""
+    decode mode ``fused-no-tail``): no such configs, session 49's kernel."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL)
+    return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
 
 BF16_LOADS = ("pair", "sector")
@@ -814,7 +807,7 @@ def _build_flags() -> list[str]:
     ``QERL_WGMMA_LORA=pdl``'s waits in the wgmma LoRA variants (a build of its own, so the default's machine code
     stays the measured one); ``QERL_WGMMA_TMA=1`` (default) the chunks staged by tensor copies
     (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` (default) the tail-split configs
-    (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build; ``first`` ``-DQFP4_WGMMA_TAIL=2``, the split CTAs launched first);
+    (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
     loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
@@ -829,7 +822,7 @@ def _build_flags() -> list[str]:
     return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
-            *([f"-DQFP4_WGMMA_TAIL={WGMMA_TAIL_DEFINE[tail]}"] if (tail := wgmma_tail_mode()) != "0" else []),
+            *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
@@ -1300,32 +1293,35 @@ def wgmma_tail_kt(sw: int) -> int:
     return WGMMA_SK - sw if WGMMA_SK - WGMMA_MAX_KZ <= sw <= WGMMA_SK - 2 else 0
 
 
-def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: int) -> tuple[int, int, int, int]:
+def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: int,
+                    sms: int) -> tuple[int, int, int, int]:
     """A grid wgmma config (nt, 0, r, ks) of ``tiles`` output tiles and C chunks as the tail-split config that fills
-    its last partial wave of ``wave`` CTAs: kt = min(WGMMA_MAX_KZ, wave // rest, C // (4 ks)) splits of each of the
-    rest's tiles, where at least one whole wave runs first and kt >= 2; else ``cfg`` itself. The rule follows from
-    the mechanism (the rest's tiles on as many SMs as the wave has), not from a sweep: session 50 timed kt = 2..4 on
-    the 7B products in one call of two passes (`results/speed/raw/h200_s50_tail`), and the best kt was this one at
-    all three gate|up points."""
+    its last partial wave of ``wave`` CTAs on ``sms`` SMs: kt = min(WGMMA_MAX_KZ, sms // rest, C // (4 ks)) splits of
+    each of the rest's tiles, where at least one whole wave runs first and kt >= 2; else ``cfg`` itself. The rule
+    follows from the mechanism (the rest's tiles spread over the SMs, at most one split a SM), not from a sweep.
+    Session 50 wrote it with ``wave // rest``, which is the same where one CTA fits an SM (the 7B gate|up configs at
+    128 and 256 tokens: kt 4, the best of kt 2..4 measured) but split the 64-token one (8, 0, 1, 2), two CTAs an SM
+    on an H200 (a wave of 264), 4 ways where 2 ways measured 4% faster (`results/speed/raw/h200_s50_tail`,
+    `h200_s51`); at 512 and 1024 tokens this rule picked the best of grid, kt 2, 3, 4 for all four 7B products
+    (session 51)."""
     nt, sw, r, ks = cfg
     rest = tiles % wave
     if sw != 0 or tiles < wave or rest == 0:
         return cfg
-    kt = min(WGMMA_MAX_KZ, wave // rest, c // (4 * ks))
+    kt = min(WGMMA_MAX_KZ, sms // rest, c // (4 * ks))
     return (nt, wgmma_tail_sw(kt), r, ks) if kt >= 2 else cfg
 
 
-def wgmma_tail_ctas(tiles: int, wave: int, kt: int, first: bool = False) -> list[tuple[int, int, int]]:
+def wgmma_tail_ctas(tiles: int, wave: int, kt: int) -> list[tuple[int, int, int]]:
     """The CTAs of a tail-split launch (csrc, QFP4_WGMMA_TAIL) in pure Python, as (tile, split, splits) per CTA in
     launch order: the tiles up to the last whole multiple of ``wave`` (the CTAs resident at once) one CTA each
-    (split 0 of 1), then each tile of the rest kt CTAs (splits 0..kt-1 of kt); ``first`` (``QERL_WGMMA_TAIL=first``)
-    the split CTAs before the whole tiles'. No split when the tiles fill whole waves."""
+    (split 0 of 1), then each tile of the rest kt CTAs (splits 0..kt-1 of kt); no split when the tiles fill whole
+    waves."""
     rest = tiles % wave
     dp = tiles - rest
     if rest == 0 or kt < 2:
         return [(t, 0, 1) for t in range(tiles)]
-    whole, split = [(t, 0, 1) for t in range(dp)], [(dp + u // kt, u % kt, kt) for u in range(rest * kt)]
-    return split + whole if first else whole + split
+    return [(t, 0, 1) for t in range(dp)] + [(dp + u // kt, u % kt, kt) for u in range(rest * kt)]
 
 
 def wgmma_smem_bytes(ntok: int, rw: int, ks: int) -> int:
@@ -1626,7 +1622,7 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
         nt, sw, r, ks = cfg
         if wgmma_tail() and sw == 0:  # fill the last partial wave (session 50)
             cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
-                                  wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False))
+                                  wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False), props.multi_processor_count)
         elif wgmma_tail_kt(sw) and not wgmma_tail():  # a table tuned with tail splits, in QERL_WGMMA_TAIL=0's build
             cfg = (nt, 0, r, ks)
         _STATE[key] = cfg

@@ -95,10 +95,7 @@
 // 7B gate|up product at 128 tokens (296 tiles on 132 SMs) at 3 x the time of one wave (raw/h200_s50_waves): the last
 // 32 tiles cost a whole wave; split 4 ways, the product ran 9% faster (raw/h200_s50_tail). The kernel parameters
 // tail_dp (tiles run whole; the grid is 1-D then) and tail_kt are in this build only: QERL_WGMMA_TAIL=0's kernels
-// keep session 49's signature and machine code. QFP4_WGMMA_TAIL=2 (QERL_WGMMA_TAIL=first, session 50's experiment,
-// not run on a GPU yet): the same tiles split, their CTAs launched first (blocks 0 .. rest * kt - 1) and the whole
-// tiles after them, so the short CTAs run beside the first wave and the launch ends on whole tiles: measured, the
-// split tail took ~2x the time its quarter of the work predicts when it ran last.
+// keep session 49's signature and machine code.
 #ifndef QFP4_WGMMA_TAIL
 #define QFP4_WGMMA_TAIL 0
 #endif
@@ -497,14 +494,9 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     int bx = blockIdx.x, by = blockIdx.y, bz = blockIdx.z, kz = gridDim.z, tile_ = by * gridDim.x + bx;
     int tiles_ = gridDim.x * gridDim.y;
     if (tail_kt > 1) {
-      const int tx_n = (M + NTOK - 1) / NTOK, b = blockIdx.x;
+      const int tx_n = (M + NTOK - 1) / NTOK, u = (int)blockIdx.x - tail_dp;
       tiles_ = tx_n * ((S + 4 * RW - 1) / (4 * RW));
-#if QFP4_WGMMA_TAIL == 2  // the split CTAs first, then the whole tiles
-      const int nsplit = (tiles_ - tail_dp) * tail_kt, u = b < nsplit ? b : -1, whole_tile = b - nsplit;
-#else  // the whole tiles first, then the split CTAs
-      const int u = b - tail_dp, whole_tile = b;
-#endif
-      tile_ = u < 0 ? whole_tile : tail_dp + u / tail_kt;
+      tile_ = u < 0 ? (int)blockIdx.x : tail_dp + u / tail_kt;
       bz = u < 0 ? 0 : u - (u / tail_kt) * tail_kt;
       kz = u < 0 ? 1 : tail_kt;
       bx = tile_ % tx_n;
