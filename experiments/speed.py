@@ -608,6 +608,10 @@ The realistic step (7B, 16 prompts × G 8, micro 16, 1024 new, GC) with session 
 vs 7.67, log-probs 4.48 vs 4.44, update 12.42 vs 12.30): the H200's bandwidth speeds BF16's decode more than NVFP4's.
 Session 48 on an H200 (98600f9, `raw/h200_s48_grpo/README.md`, two processes in reversed format order): NVFP4 24.58 /
 24.59 s vs BF16-LoRA 24.44 / 24.56 s, 0.994× / 0.999× (rollout 1.00× / 1.02×, update 0.99×).
+Session 51 on an H200 (919885a: the tail split, `raw/h200_s51_grpo/README.md`, the same two orders in two calls on one
+machine): NVFP4 24.05 / 24.07 s vs BF16-LoRA 24.44 / 24.32 s, **1.016× / 1.010×** (rollout 7.20 / 7.20 s vs 7.73 /
+7.65 s: 1.07× / 1.06×; log-probs 0.99×, update 0.99×); NVFP4's rollout 0.5 s shorter than session 48's. MXFP4 23.61 s
+(1.03× against the BF16-LoRA mean; its update 12.00 s) and NF4 35.91 s (0.68×), one pass, a third call.
 ### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
 `raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
 kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against
@@ -663,6 +667,11 @@ to about 1.0 at 256 on the H200.
 
 {_floor(root, "H100", "roofline_table")}
 {_floor(root, "H200", "roofline_table")}
+Session 51 (919885a, H200, `raw/h200_s51_cmp/README.md`: the same command with the tail split, session 50's
+default, and session 51's pick of its splits): decode-rate ratios 1.40 / 1.25 / 1.02 / 0.94× at 32 / 64 / 128 / 256
+sequences (pass 2; session 48: 1.40 / 1.23 / 1.00 / 0.93), by tokens/s 1.36 / 1.21 / 1.02 / 0.96. NVFP4's decode rate
+rose 0.7-1.1% at 64, 1.5-1.6% at 128 and 1.2% at 256 over session 48's; BF16-LoRA's moved -0.4…+0.1%:
+{batch_rollout_table(root, "h200_s51_cmp")}
 Session 48 (98600f9, H200, `raw/h200_s48_cmp/README.md`: the same command, the default kernels' machine code
 unchanged since session 42): decode-rate ratios 1.40 / 1.23 / 1.00 / 0.93× at 32 / 64 / 128 / 256 sequences, by
 tokens/s 1.36 / 1.19 / 1.00 / 0.94 (session 42's below within ±0.01):
@@ -683,12 +692,20 @@ order (H200, 0546422; `raw/h200_s39_next38/README.md`). Where the 128-sequence s
 (`raw/h200_s39_prof128/`, KV 1024): NVFP4 graph step 7951 µs vs BF16-LoRA 7794; the wgmma GEMMs take 4541 µs, cuBLAS's
 BF16 GEMMs ~4450:
 {_raw_rollouts(root, "h200_s39_next38/roll_next38")}
+Session 51 (H200, 919885a; `raw/h200_s51_*/README.md`): the split CTAs launched first (`QERL_WGMMA_TAIL=first`)
+refuted: gate|up +0.3…+0.6% (mean of two passes) against the default, inside the +0.6…+1.5% the untouched products
+drifted in the same runs; removed. The dispatcher's pick fixed: it took kt = wave // rest, so the 64-token gate|up
+config (two CTAs an SM: a wave of 264) split 4 ways, measured 1-4% slower than 2 ways; now kt = SMs // rest (kt 2
+there: 61.6 against the grid config's 63.4 µs). At 512 and 1024 tokens the pick is the fastest of the grid config and
+kt 2-4 for all four 7B products (gate|up 512 -3.7%, q|k|v 1024 -17.5%, the rest unsplit); MXFP4 the same at 64-512.
+Every GPU test passed on the default (114; 3 skipped need two GPUs). Not measured on an H100.
 Session 50 (H200, 5d33040-cd9d57a; `raw/h200_s50_*/README.md`): session 49's last hypothesis refuted: the tensor
 copies 3 chunks ahead (`la3`) 0.3-1.7% slower, 4 ahead with 5 stages (`la4`) 4-10% slower; removed. An ncu wave and
 source profile of the TMA kernel (gate|up at 128 tokens) showed the last partial wave costing a whole wave (296 CTAs
 on 132 SMs: 3 x 26.2 µs). New default `QERL_WGMMA_TAIL=1`: the tiles up to the last whole wave run whole and the
 last wave's tiles split kt ways along K (`cuda_fp4.wgmma_tail_pick`). With a rank-32 LoRA, gate|up ran 8.8-9.0%
-faster at 128 tokens, 10.5-10.8% at 256 and 2.8-3.5% at 64. 7B NVFP4 rollouts gained +1.6 / +2.8% at 128 sequences
+faster at 128 tokens, 10.5-10.8% at 256 and 2.8-3.5% at 64 (kt 2; but the dispatcher picked kt 4 there until
+session 51, see below). 7B NVFP4 rollouts gained +1.6 / +2.8% at 128 sequences
 and +1.2 / +1.6% at 256, inconclusive at 64 (+3.1 / -0.8%). Two passes each. The GPU regression on the new default
 was cut short: 31 tests passed before a killed build's lock stalled it (fixed). Built, not run: the split CTAs
 launched first (`QERL_WGMMA_TAIL=first`). Not measured on an H100.
