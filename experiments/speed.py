@@ -698,7 +698,9 @@ drifted in the same runs; removed. The dispatcher's pick fixed: it took kt = wav
 config (two CTAs an SM: a wave of 264) split 4 ways, measured 1-4% slower than 2 ways; now kt = SMs // rest (kt 2
 there: 61.6 against the grid config's 63.4 µs). At 512 and 1024 tokens the pick is the fastest of the grid config and
 kt 2-4 for all four 7B products (gate|up 512 -3.7%, q|k|v 1024 -17.5%, the rest unsplit); MXFP4 the same at 64-512.
-Every GPU test passed on the default (114; 3 skipped need two GPUs). Not measured on an H100.
+Every GPU test passed on the default (114; 3 skipped need two GPUs). The 128-sequence graph step
+(`raw/h200_s51_prof128/README.md`): NVFP4 7466 µs vs BF16-LoRA 7588; the wgmma GEMMs 4053 µs (session 42: 4298) vs
+cuBLAS 4393. Not measured on an H100.
 Session 50 (H200, 5d33040-cd9d57a; `raw/h200_s50_*/README.md`): session 49's last hypothesis refuted: the tensor
 copies 3 chunks ahead (`la3`) 0.3-1.7% slower, 4 ahead with 5 stages (`la4`) 4-10% slower; removed. An ncu wave and
 source profile of the TMA kernel (gate|up at 128 tokens) showed the last partial wave costing a whole wave (296 CTAs
