@@ -771,10 +771,10 @@ def wgmma_tail() -> bool:
     split kt ways along K across CTAs (:func:`wgmma_tail_ctas`); the dispatcher turns a tuned grid config into the
     one that fills its last wave (:func:`wgmma_tail_pick`), and the tuner tries them (:func:`wgmma_configs`). Measured
     on an H200 (session 50, `results/speed/raw/h200_s50_tail`, two passes): the 7B gate|up product with a rank-32
-    LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2), 3.6-3.7% at 512
-    (kt 2; session 51), q|k|v 17% at 1024 (kt 4); 7B NVFP4 rollouts
-    +1.6 / +2.8% tokens/s at 128 sequences and +1.2 / +1.6% at 256 (+3.1 / -0.8% at 64). ``0`` (a build of its own,
-    decode mode ``fused-no-tail``): no such configs, session 49's kernel."""
+    LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2); session 51: 3.6-3.7%
+    at 512 (kt 2), q|k|v 17% at 1024 (kt 4); MXFP4 gate|up 3-11% at 64-512. 7B NVFP4 rollouts +1.6 / +2.8% tokens/s
+    at 128 sequences and +1.2 / +1.6% at 256 (+3.1 / -0.8% at 64). ``0`` (a build of its own, decode mode
+    ``fused-no-tail``): no such configs, session 49's kernel."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
@@ -1298,7 +1298,7 @@ def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: in
     """A grid wgmma config (nt, 0, r, ks) of ``tiles`` output tiles and C chunks as the tail-split config that fills
     its last partial wave of ``wave`` CTAs on ``sms`` SMs: kt = min(WGMMA_MAX_KZ, sms // rest, C // (4 ks)) splits of
     each of the rest's tiles, where at least one whole wave runs first and kt >= 2; else ``cfg`` itself. The rule
-    follows from the mechanism (the rest's tiles spread over the SMs, at most one split a SM), not from a sweep.
+    follows from the mechanism (the rest's tiles spread over the SMs, at most one split CTA an SM), not from a sweep.
     Session 50 wrote it with ``wave // rest``, which is the same where one CTA fits an SM (the 7B gate|up configs at
     128 and 256 tokens: kt 4, the best of kt 2..4 measured) but split the 64-token one (8, 0, 1, 2), two CTAs an SM
     on an H200 (a wave of 264), 4 ways where 2 ways measured 4% faster (`results/speed/raw/h200_s50_tail`,
@@ -1620,7 +1620,9 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
         cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count,
                                                               wgmma=wgmma_supported(idx))
         nt, sw, r, ks = cfg
-        if wgmma_tail() and sw == 0:  # fill the last partial wave (session 50)
+        # fill the last partial wave (session 50). The wave is the plain variant's: the launcher splits by its own
+        # variant's wave, which with a LoRA epilogue can hold fewer CTAs, and then its rest differs from this one's
+        if wgmma_tail() and sw == 0:
             cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
                                   wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False), props.multi_processor_count)
         elif wgmma_tail_kt(sw) and not wgmma_tail():  # a table tuned with tail splits, in QERL_WGMMA_TAIL=0's build
