@@ -222,10 +222,10 @@ def decode_mode(sampler, dec: str):
     wgmma grid launches' last partial wave split along K: ``QERL_WGMMA_TAIL=1``, the default spelled out;
     ``cuda_fp4.wgmma_tail_pick``), "fused-no-tail" (no split: ``QERL_WGMMA_TAIL=0``, session 49's kernel, a build of
     its own), "fused-bf16-sector" (the BF16 GEMV's load instructions each covering whole 32-byte sectors:
-    ``QERL_BF16_LOADS=sector``, the default spelled out), "fused-bf16-pair" (each covering every other 16 bytes: ``QERL_BF16_LOADS=pair``, session 34's
-    loads, a build of its own) — all but "fused" for same-run comparisons —, "fused-pdl" / "fused-no-pdl" (programmatic
-    dependent launch across the step on / off, ``QERL_PDL``; "fused" = the default, on where the GPU has it) or
-    "unfused"."""
+    ``QERL_BF16_LOADS=sector``, the default spelled out), "fused-bf16-pair" (each covering every other 16 bytes:
+    ``QERL_BF16_LOADS=pair``, session 34's loads, a build of its own) — all but "fused" for same-run comparisons —,
+    "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the
+    default, on where the GPU has it) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

@@ -1298,12 +1298,9 @@ def wgmma_tail_pick(cfg: tuple[int, int, int, int], tiles: int, c: int, wave: in
     """A grid wgmma config (nt, 0, r, ks) of ``tiles`` output tiles and C chunks as the tail-split config that fills
     its last partial wave of ``wave`` CTAs on ``sms`` SMs: kt = min(WGMMA_MAX_KZ, sms // rest, C // (4 ks)) splits of
     each of the rest's tiles, where at least one whole wave runs first and kt >= 2; else ``cfg`` itself. The rule
-    follows from the mechanism (the rest's tiles spread over the SMs, at most one split CTA an SM), not from a sweep.
-    Session 50 wrote it with ``wave // rest``, which is the same where one CTA fits an SM (the 7B gate|up configs at
-    128 and 256 tokens: kt 4, the best of kt 2..4 measured) but split the 64-token one (8, 0, 1, 2), two CTAs an SM
-    on an H200 (a wave of 264), 4 ways where 2 ways measured 4% faster (`results/speed/raw/h200_s50_tail`,
-    `h200_s51`); at 512 and 1024 tokens this rule picked the best of grid, kt 2, 3, 4 for all four 7B products
-    (session 51)."""
+    follows from the mechanism (the rest's tiles spread over the SMs, at most one split CTA an SM), not from a sweep;
+    session 51 replaced session 50's ``wave // rest``, which split 4 ways where two CTAs fit an SM and 2 ways measured
+    4% faster. Measured against kt 2..4 and no split: `results/speed/raw/h200_s50_tail`, `h200_s51_tail`."""
     nt, sw, r, ks = cfg
     rest = tiles % wave
     if sw != 0 or tiles < wave or rest == 0:
