@@ -707,7 +707,7 @@ source profile of the TMA kernel (gate|up at 128 tokens) showed the last partial
 on 132 SMs: 3 x 26.2 µs). New default `QERL_WGMMA_TAIL=1`: the tiles up to the last whole wave run whole and the
 last wave's tiles split kt ways along K (`cuda_fp4.wgmma_tail_pick`). With a rank-32 LoRA, gate|up ran 8.8-9.0%
 faster at 128 tokens, 10.5-10.8% at 256 and 2.8-3.5% at 64 (kt 2; but the dispatcher picked kt 4 there until
-session 51, see below). 7B NVFP4 rollouts gained +1.6 / +2.8% at 128 sequences
+session 51, above). 7B NVFP4 rollouts gained +1.6 / +2.8% at 128 sequences
 and +1.2 / +1.6% at 256, inconclusive at 64 (+3.1 / -0.8%). Two passes each. The GPU regression on the new default
 was cut short: 31 tests passed before a killed build's lock stalled it (fixed). Built, not run: the split CTAs
 launched first (`QERL_WGMMA_TAIL=first`). Not measured on an H100.
