@@ -53,10 +53,13 @@ class _env:
             os.environ[self.key] = self.old
 
 
-def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
+def configs(s: int, c: int, m: int, fmt: str = "nvfp4") -> list[tuple[int, int, int, int]]:
     """Candidate (nt, sw, r, ks) for S strips, C chunks, M tokens: the two token-tile widths that suit M, every
     split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks); on sm_90 also the
-    wgmma kernel's variants (sw <= 0: 1 - sw splits of K across CTAs) with the two token tiles that suit M."""
+    wgmma kernel's variants (sw <= 0: 1 - sw splits of K across CTAs) with the two token tiles that suit M. Splits
+    of K across CTAs where the grid leaves SMs idle; a ``QERL_WGMMA_TAIL=1`` build's tail splits
+    (:func:`cf.wgmma_tail_sw`) also where the grid fills at least one wave of ``fmt``'s variant (no LoRA) and leaves
+    a partial one, the case they are for (:func:`cf.wgmma_tail_pick`)."""
     nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8) if m <= 64 else (8, 16)
     out = []
     for nt in nts:
@@ -75,9 +78,15 @@ def configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         for cfg in cf.wgmma_configs(s, c):
             nt, sw, r, ks = cfg
-            # splits of K across CTAs only where the grid without them leaves SMs idle
-            if 8 * nt in ntoks and (sw in (0, cf.WGMMA_SK) or cf.wgmma_tiles(m, s, nt, r) < sms):
+            if 8 * nt not in ntoks:
+                continue
+            tiles = cf.wgmma_tiles(m, s, nt, r)
+            if sw in (0, cf.WGMMA_SK) or tiles < sms:  # splits of K: where the grid without them leaves SMs idle
                 out.append(cfg)
+            elif cf.wgmma_tail_kt(sw):  # a tail split: where a partial wave follows whole ones
+                wave = cf.wgmma_ctas(fmt, 8 * nt, r, ks, lora=False)
+                if tiles >= wave and tiles % wave:
+                    out.append(cfg)
     return out
 
 
@@ -114,7 +123,7 @@ def sweep(models, fmts, ms, rep_ms) -> tuple[list[dict], list[dict]]:
                     res = []
                     x = torch.randn(m, k, device="cuda").bfloat16()
                     ref = cf.emulate(x, cws[0]).float()
-                    for cfg in configs(s, c, m):
+                    for cfg in configs(s, c, m, fmt):
                         err = _rel_err(cf.gemm(x, cws[0], config=cfg), ref)
                         if not err < 2e-2:
                             raise AssertionError(f"gemm {fmt} {n}x{k} M={m} config {cfg}: relative error {err}")
@@ -229,7 +238,7 @@ def main(argv=None) -> None:
         rows, table = sweep(models, fmts, [int(v) for v in a.sweep_m.split(",")], a.rep / 2)
         bench.write_csv(os.path.join(a.out, f"cuda_gemm_sweep_{tag}.csv"), rows)
         doc = {"device": name, "torch": torch.__version__, "command": "python -m benchmarks.cuda_gemm_bench "
-               + " ".join(sys.argv[1:] if argv is None else argv), "entries": table}
+               + " ".join(sys.argv[1:] if argv is None else argv), "tail_splits": cf.wgmma_tail(), "entries": table}
         text = json.dumps(doc, indent=1) + "\n"
         with open(os.path.join(a.out, f"cuda_gemm_table_{tag}.json"), "w") as fh:
             fh.write(text)

@@ -98,8 +98,8 @@ def _ctas_at_once(fmt: str, cfg: tuple[int, int, int, int], lora: bool) -> int |
     return cf.wgmma_ctas(fmt, 8 * nt, r, ks, lora) if cf.wgmma_tail_kt(sw) else None
 
 
-def _wgmma_configs(s: int, c: int, m: int) -> list[tuple[int, int, int, int]]:
-    return [cfg for cfg in cgb.configs(s, c, m) if cfg[1] <= 0]
+def _wgmma_configs(s: int, c: int, m: int, fmt: str) -> list[tuple[int, int, int, int]]:
+    return [cfg for cfg in cgb.configs(s, c, m, fmt) if cfg[1] <= 0]
 
 
 TUNED, TAIL = "tuned", "tail"
@@ -155,7 +155,7 @@ def run(fmt: str, shapes, ms, rep_ms: float, ncu: bool, only=None, rank: int = 0
         for m in ms:
             x = torch.randn(m, k, device="cuda").bfloat16()
             tuned = tuple(cf._gemm_config(cws[0], m, torch.device("cuda")))
-            cfgs = _wgmma_configs(s, c, m)
+            cfgs = _wgmma_configs(s, c, m, fmt)
             if tuned[1] <= 0 and tuned not in cfgs:
                 cfgs.append(tuned)
             if only in (TUNED, TAIL):

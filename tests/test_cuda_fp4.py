@@ -310,6 +310,7 @@ def test_wgmma_tail_split_configs(monkeypatch):
     props = SimpleNamespace(name="NVIDIA H200", multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda idx: props)
     monkeypatch.setattr(cf, "wgmma_ctas", lambda fmt, ntok, r, ks, lora: 132)
+    monkeypatch.setattr(cf, "gemm_table_tails", lambda name: False)  # a table swept before tail splits (or none)
     w = SimpleNamespace(fmt="nvfp4", n=37888, k=3584)
     for tuned, tail_on, want in [((16, 0, 2, 2), "1", (16, cf.wgmma_tail_sw(4), 2, 2)),
                                  ((16, 0, 2, 2), "0", (16, 0, 2, 2)),
@@ -326,6 +327,15 @@ def test_wgmma_tail_split_configs(monkeypatch):
     monkeypatch.setattr(cf, "wgmma_ctas", lambda fmt, ntok, r, ks, lora: 264)
     monkeypatch.setattr(cf, "tuned_gemm_config", lambda *a: ((8, 0, 1, 2), True))
     cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 64, True), None)
+    assert cf._gemm_config(w, 64, torch.device("cuda", 0)) == (8, cf.wgmma_tail_sw(2), 1, 2)
+    cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 64, True))
+    # a table swept with tail splits measured its grid configs against them: kept as they are; without a table hit
+    # (the heuristic's config) the pick applies
+    monkeypatch.setattr(cf, "gemm_table_tails", lambda name: name == "NVIDIA H200")
+    assert cf._gemm_config(w, 64, torch.device("cuda", 0)) == (8, 0, 1, 2)
+    cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 64, True))
+    monkeypatch.setattr(cf, "tuned_gemm_config", lambda *a: None)
+    monkeypatch.setattr(cf, "pick_gemm_config", lambda *a, **k: (8, 0, 1, 2))
     assert cf._gemm_config(w, 64, torch.device("cuda", 0)) == (8, cf.wgmma_tail_sw(2), 1, 2)
     cf._STATE.pop(("gemm", 0, "nvfp4", 37888, 3584, 64, True))
 
@@ -500,12 +510,15 @@ def test_tuned_gemm_table(tmp_path, monkeypatch):
         assert cf.tuned_gemm_config("nvfp4", 18944, 3584, 8192, name) == ((8, 1, 2, 1), False)
         assert cf.tuned_gemm_config("mxfp4", 3584, 3584, 64, name) is None
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 64, "other GPU") is None
+        assert not cf.gemm_table_tails(name) and not cf.gemm_table_tails("other GPU")  # no "tail_splits": swept before
         # installing a new table replaces the cached one at once
         entries[1]["config"] = [4, 2, 2, 4]
-        cf.install_gemm_table(name, json.dumps({"device": "x", "entries": entries}))
+        cf.install_gemm_table(name, json.dumps({"device": "x", "tail_splits": True, "entries": entries}))
         assert cf.tuned_gemm_config("nvfp4", 3584, 3584, 17, name) == ((4, 2, 2, 4), True)
+        assert cf.gemm_table_tails(name)
     finally:
         cf._STATE.pop(("table", name), None)
+        cf._STATE.pop(("table_tails", name), None)
 
 
 def test_installed_gemm_tables_are_valid():

@@ -26,14 +26,46 @@ def test_candidates_without_wgmma_are_mma_sync_only(monkeypatch):
 
 def test_wgmma_candidates_split_k_across_ctas_only_where_the_grid_leaves_sms_idle(monkeypatch):
     _sm90(monkeypatch)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "0")  # tail splits: the next test
     # down_proj of 7B at M = 128: 28-56 CTAs per split, fewer than the SMs -> CTA splits are tried
     down = [c for c in gb.configs(224, 296, 128) if c[1] <= 0]
     assert (16, -3, 2, 2) in down and (16, 0, 2, 2) in down
     assert {8 * nt for nt, _, _, _ in down} == {64, 128}  # the two token tiles that suit M = 128
-    # the fused gate|up at M = 128: 296+ CTAs without splits -> none tried; stream-K (persistent CTAs) always
+    # the fused gate|up at M = 128: 296+ CTAs without splits -> no split-K tried; stream-K (persistent CTAs) always
     gu = [c for c in gb.configs(2368, 56, 128) if c[1] <= 0]
     assert gu and all(sw in (0, cf.WGMMA_SK) for _, sw, _, _ in gu) and (16, cf.WGMMA_SK, 2, 1) in gu
     assert (16, cf.WGMMA_SK, 2, 1) in down
     # every candidate is valid for its shape, and small M keeps 32-token tiles
     assert all(cf.check_gemm_config(c, 224, 296) == c for c in down)
     assert {8 * c[0] for c in gb.configs(224, 296, 24) if c[1] <= 0} == {32}
+
+
+def test_tail_splits_are_tried_where_a_partial_wave_follows_whole_ones(monkeypatch):
+    """The tail-split build's candidates (session 52's fix: before it, the tuner tried tail splits only where the
+    grid left SMs idle -- where they act as plain splits of K -- and never where they fill a last partial wave, the
+    case the dispatcher applies them to). The wave is ``fmt``'s variant's, without LoRA."""
+    _sm90(monkeypatch)
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
+    waves = []
+
+    def ctas(fmt, ntok, r, ks, lora):
+        waves.append((fmt, lora))
+        return 264 if (ntok, r, ks) == (64, 1, 2) else 132
+    monkeypatch.setattr(cf, "wgmma_ctas", ctas)
+    tails = {kt: cf.wgmma_tail_sw(kt) for kt in range(2, cf.WGMMA_MAX_KZ + 1)}
+    # gate|up at 64 tokens, (8, 0, 1, 2): 592 tiles = two waves of 264 + 64; (8, 0, 2, 2): 296 = 132 + 132 + 32
+    gu = gb.configs(2368, 56, 64, "mxfp4")
+    assert all((8, sw, 1, 2) in gu for sw in tails.values())
+    assert all((8, sw, 2, 2) in gu for sw in tails.values())
+    assert set(waves) == {("mxfp4", False)}
+    # (4, 0, 2, 2) at 64 tokens: 2 x 296 = 592 tiles, 132 a wave -> 64 left over: tried too
+    assert (4, tails[2], 2, 2) in gu
+    # q|k|v at 128 tokens, 64-token tiles, r 1: 2 x 72 = 144 tiles; 132 a wave -> a 12-tile tail: tried
+    assert (8, tails[2], 1, 1) in gb.configs(288, 56, 128)
+    # whole waves only: 264 tiles of (8, 0, 1, 1) at 64 tokens over 132 SMs (a shape of 1056 strips) -> none
+    assert not [c for c in gb.configs(1056, 56, 64) if c[:1] == (8,) and c[2:] == (1, 1) and cf.wgmma_tail_kt(c[1])]
+    # every candidate is valid for its shape
+    assert all(cf.check_gemm_config(c, 2368, 56) == c for c in gu)
+    # the build without tail splits has none
+    monkeypatch.setenv("QERL_WGMMA_TAIL", "0")
+    assert not [c for c in gb.configs(2368, 56, 64) if cf.wgmma_tail_kt(c[1])]

@@ -1462,14 +1462,25 @@ def load_gemm_table(device_name: str) -> dict:
         return _STATE[key]
     path = _table_path(device_name)
     table: dict = {}
+    doc = {"entries": []}
     if path.exists():
         import json
-        for e in json.loads(path.read_text())["entries"]:
-            table.setdefault((e["fmt"], e["N"], e["K"]), []).append((e["M"], tuple(e["config"]), bool(e["wins"])))
-        for v in table.values():
-            v.sort()
+        doc = json.loads(path.read_text())
+    _STATE[("table_tails", device_name)] = bool(doc.get("tail_splits"))
+    for e in doc["entries"]:
+        table.setdefault((e["fmt"], e["N"], e["K"]), []).append((e["M"], tuple(e["config"]), bool(e["wins"])))
+    for v in table.values():
+        v.sort()
     _STATE[key] = table
     return table
+
+
+def gemm_table_tails(device_name: str) -> bool:
+    """Whether the device's tuned GEMM table was swept with tail splits (``"tail_splits": true``, session 52's
+    tuner on): its grid configs (sw 0) then beat every tail split that could fill their last wave, and the
+    dispatcher keeps them as they are instead of applying :func:`wgmma_tail_pick`."""
+    load_gemm_table(device_name)
+    return _STATE[("table_tails", device_name)]
 
 
 def install_gemm_table(device_name: str, text: str) -> Path:
@@ -1479,6 +1490,7 @@ def install_gemm_table(device_name: str, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     _STATE.pop(("table", device_name), None)
+    _STATE.pop(("table_tails", device_name), None)
     for key in [k for k in _STATE if isinstance(k, tuple) and k and k[0] == "gemm"]:
         _STATE.pop(key)
     return path
@@ -1617,9 +1629,10 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
         cfg = hit[0] if hit is not None else pick_gemm_config(w.n // 16, w.k // 64, m, props.multi_processor_count,
                                                               wgmma=wgmma_supported(idx))
         nt, sw, r, ks = cfg
-        # fill the last partial wave (session 50). The wave is the plain variant's: the launcher splits by its own
-        # variant's wave, which with a LoRA epilogue can hold fewer CTAs, and then its rest differs from this one's
-        if wgmma_tail() and sw == 0:
+        # fill the last partial wave (session 50), unless a sweep with tail splits measured the grid config faster.
+        # The wave is the plain variant's: the launcher splits by its own variant's wave, which with a LoRA epilogue
+        # can hold fewer CTAs, and then its rest differs from this one's
+        if wgmma_tail() and sw == 0 and not (hit is not None and gemm_table_tails(props.name)):
             cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
                                   wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False), props.multi_processor_count)
         elif wgmma_tail_kt(sw) and not wgmma_tail():  # a table tuned with tail splits, in QERL_WGMMA_TAIL=0's build
@@ -1632,7 +1645,7 @@ __all__ = ["CudaFP4Weight", "dequantize", "LoraOperand", "lora_parts", "lora_wor
            "gemv", "emulate", "ACTS", "GEMV_VARIANTS", "check_gemv_config", "load_gemv_table",
            "install_gemv_table", "tuned_gemv_config", "heuristic_gemv_config", "forget_gemv_configs", "gemv_table_enabled", "gemv_warp_cap", "emulate_weight", "pick_config", "variant_for",
            "pack_words", "build_error", "kernel_attributes", "gemm", "pick_gemm_config", "check_gemm_config",
-           "tuned_gemm_config", "load_gemm_table", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
+           "tuned_gemm_config", "load_gemm_table", "gemm_table_tails", "install_gemm_table", "gemm_kernel_attributes", "gemm_smem_bytes", "gemm_variant_ok",
            "gemm_variants", "WGMMA_VARIANTS", "wgmma_smem_bytes", "wgmma_supported", "wgmma_configs",
            "permute_x_reference", "permute_tokens", "rows_aligned", "wgmma_weight", "WGMMA_MAX_KZ", "wgmma_tiles", "wgmma_lora_ok",
            "WGMMA_PIPES", "wgmma_pipe"]
