@@ -76,6 +76,8 @@
 #                                norm / SwiGLU / attention launch before it (the default) against session 37's permute
 #                                launch (fused-s37): the GPU tests, 7B NVFP4 rollouts at 64-256 sequences alternating
 #                                twice ($OUT/roll_perm), then (LORA_A=1) benchmarks.lora_a_bench --quick; ~8 min
+#   scripts/gpu_bench.sh tableab 7B NVFP4 rollouts at 16-256 sequences (16 = warm-up) with the installed tuned GEMM table
+#                                and with TABLE_OLD (a JSON file), one process each, new/old/new/old ($OUT/roll_tab_*)
 #   scripts/gpu_bench.sh cmp38   issue 10 after session 38's call 2: the permuted-input GPU test again, the x·Aᵀ
 #                                sweep (benchmarks.lora_a_bench --quick, $OUT/lora_a), 7B NVFP4 vs BF16-LoRA rollouts
 #                                at 16 (warm-up) to 256 sequences, one pass ($OUT/roll_cmp); ~7 min
@@ -464,6 +466,17 @@ next38)  # issue 10 after session 38: its two unmeasured opt-ins, x·Aᵀ under 
     timeout 450 $B rollout --models 7b --formats nvfp4 --batch 16,32,64,128,256 --prompt 256 --new 512 \
       --decode "$m,$r" --out "$OUT/roll_next38" 2>&1 | grep -v Warn >> "$LOG"
   fi ;;
+tableab)  # session 52: 7B NVFP4 rollouts with the installed GEMM table against an older one (TABLE_OLD, a file), one
+  # process per table in the order new, old, new, old ($OUT/roll_tab_{new,old}{1,2}); the tree's table is restored
+  build 2
+  T=qerl/kernels/tuned/cuda_gemm_nvidia_h200.json
+  cp "$T" /tmp/table_new.json
+  for run in new1 old1 new2 old2; do
+    if [ "${run%?}" = new ]; then cp /tmp/table_new.json "$T"; else cp "$TABLE_OLD" "$T"; fi
+    timeout 150 $B rollout --models 7b --formats nvfp4 --batch 16,64,128,256 --prompt 256 --new 512 --decode fused \
+      --out "$OUT/roll_tab_$run" 2>&1 | grep -v Warn >> "$LOG"
+  done
+  cp /tmp/table_new.json "$T" ;;
 cmp39)  # issue 10 after session 39's call 2: NVFP4 vs BF16-LoRA with x·Aᵀ under PDL itself (the new default)
   build 2
   if [ "${CMP39:-roll}" = roll ]; then
