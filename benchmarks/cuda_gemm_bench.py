@@ -58,8 +58,10 @@ def configs(s: int, c: int, m: int, fmt: str = "nvfp4") -> list[tuple[int, int, 
     split of at most 8 warps into r along the strips x ks along K (each K range >= 4 chunks); on sm_90 also the
     wgmma kernel's variants (sw <= 0: 1 - sw splits of K across CTAs) with the two token tiles that suit M. Splits
     of K across CTAs where the grid leaves SMs idle; a ``QERL_WGMMA_TAIL=1`` build's tail splits
-    (:func:`cf.wgmma_tail_sw`) also where the grid fills at least one wave of ``fmt``'s variant (no LoRA) and leaves
-    a partial one, the case they are for (:func:`cf.wgmma_tail_pick`)."""
+    (:func:`cf.wgmma_tail_sw`) only where the grid fills at least one wave of ``fmt``'s variant (no LoRA) and leaves
+    a partial one, the case they are for (:func:`cf.wgmma_tail_pick`). Below one wave a tail split splits every
+    tile, the work of the split-K config of as many splits: the sweep without LoRA timed such pairs as ties, and
+    with LoRA under PDL the tail form slowed the x·Aᵀ launch before it (session 52, `raw/h200_s52_tune`)."""
     nts = (2,) if m <= 16 else (2, 4) if m <= 32 else (4, 8) if m <= 64 else (8, 16)
     out = []
     for nt in nts:
@@ -81,12 +83,12 @@ def configs(s: int, c: int, m: int, fmt: str = "nvfp4") -> list[tuple[int, int, 
             if 8 * nt not in ntoks:
                 continue
             tiles = cf.wgmma_tiles(m, s, nt, r)
-            if sw in (0, cf.WGMMA_SK) or tiles < sms:  # splits of K: where the grid without them leaves SMs idle
-                out.append(cfg)
-            elif cf.wgmma_tail_kt(sw):  # a tail split: where a partial wave follows whole ones
+            if cf.wgmma_tail_kt(sw):  # a tail split: where a partial wave follows whole ones
                 wave = cf.wgmma_ctas(fmt, 8 * nt, r, ks, lora=False)
                 if tiles >= wave and tiles % wave:
                     out.append(cfg)
+            elif sw in (0, cf.WGMMA_SK) or tiles < sms:  # splits of K: where the grid without them leaves SMs idle
+                out.append(cfg)
     return out
 
 

@@ -43,7 +43,7 @@ def test_wgmma_candidates_split_k_across_ctas_only_where_the_grid_leaves_sms_idl
 def test_tail_splits_are_tried_where_a_partial_wave_follows_whole_ones(monkeypatch):
     """The tail-split build's candidates (session 52's fix: before it, the tuner tried tail splits only where the
     grid left SMs idle -- where they act as plain splits of K -- and never where they fill a last partial wave, the
-    case the dispatcher applies them to). The wave is ``fmt``'s variant's, without LoRA."""
+    case the dispatcher applies them to). The wave is ``fmt``'s variant's, without LoRA. Below one wave: none."""
     _sm90(monkeypatch)
     monkeypatch.setenv("QERL_WGMMA_TAIL", "1")
     waves = []
@@ -62,6 +62,9 @@ def test_tail_splits_are_tried_where_a_partial_wave_follows_whole_ones(monkeypat
     assert (4, tails[2], 2, 2) in gu
     # q|k|v at 128 tokens, 64-token tiles, r 1: 2 x 72 = 144 tiles; 132 a wave -> a 12-tile tail: tried
     assert (8, tails[2], 1, 1) in gb.configs(288, 56, 128)
+    # below one wave (down at 128 tokens: 28-56 tiles) the split-K configs, not their tail-split twins
+    down = gb.configs(224, 296, 128)
+    assert (16, -3, 2, 2) in down and not [c for c in down if cf.wgmma_tail_kt(c[1])]
     # whole waves only: 264 tiles of (8, 0, 1, 1) at 64 tokens over 132 SMs (a shape of 1056 strips) -> none
     assert not [c for c in gb.configs(1056, 56, 64) if c[:1] == (8,) and c[2:] == (1, 1) and cf.wgmma_tail_kt(c[1])]
     # every candidate is valid for its shape
