@@ -667,6 +667,12 @@ to about 1.0 at 256 on the H200.
 
 {_floor(root, "H100", "roofline_table")}
 {_floor(root, "H200", "roofline_table")}
+Session 52 (4a50a54, H200, `raw/h200_s52_cmp/README.md`: the same command with the GEMM table re-swept by a tuner
+that times tail splits where they fill a partial wave): decode-rate ratios 1.38 / 1.27 / 1.035 / 0.95× at 32 / 64 /
+128 / 256 sequences (pass 2). This machine ran BF16-LoRA 0.7-3.1% slower than session 51's; the table's own effect,
+both tables in one call (`raw/h200_s52_tableab/README.md`), was +1.1% at 64 sequences, -0.1% at 128, -0.3% at 256.
+The installed table is this one re-read under a stricter candidate rule (857f844), whose rollouts were not run:
+{batch_rollout_table(root, "h200_s52_cmp")}
 Session 51 (919885a, H200, `raw/h200_s51_cmp/README.md`: the same command with the tail split, session 50's
 default, and session 51's pick of its splits): decode-rate ratios 1.40 / 1.25 / 1.02 / 0.94× at 32 / 64 / 128 / 256
 sequences (pass 2; session 48: 1.40 / 1.23 / 1.00 / 0.93), by tokens/s 1.36 / 1.21 / 1.02 / 0.96. NVFP4's decode rate
