@@ -768,8 +768,10 @@ def wgmma_tail() -> bool:
     """``QERL_WGMMA_TAIL``: ``1`` (default since session 50, ``-DQFP4_WGMMA_TAIL=1``; decode mode ``fused-tail``
     spells it out) lets the wgmma grid variants take tail-split configs (nt, :func:`wgmma_tail_sw` (kt), r, ks): the
     output tiles up to the last whole wave of CTAs run whole, one CTA each, and each tile of the last, partial wave is
-    split kt ways along K across CTAs (:func:`wgmma_tail_ctas`); the dispatcher turns a tuned grid config into the
-    one that fills its last wave (:func:`wgmma_tail_pick`), and the tuner tries them (:func:`wgmma_configs`). Measured
+    split kt ways along K across CTAs (:func:`wgmma_tail_ctas`). The tuner times them where whole waves run first
+    (``benchmarks.cuda_gemm_bench.configs``, since session 52) and marks its table ``"tail_splits"``; for a table
+    swept before that, or the heuristic's config, the dispatcher turns a grid config into the one that fills its
+    last wave (:func:`wgmma_tail_pick`, :func:`gemm_table_tails`). Measured
     on an H200 (session 50, `results/speed/raw/h200_s50_tail`, two passes): the 7B gate|up product with a rank-32
     LoRA 8.8-9.0% faster at 128 tokens (kt 4), 10.5-10.8% at 256 (kt 4), 2.8-3.5% at 64 (kt 2); session 51: 3.6-3.7%
     at 512 (kt 2), q|k|v 17% at 1024 (kt 4); MXFP4 gate|up 3-11% at 64-512. 7B NVFP4 rollouts +1.6 / +2.8% tokens/s
