@@ -2,6 +2,7 @@
 cuobjdump are installed, both pipelines of the real kernel clean and session 30's broken first version caught."""
 
 import functools
+import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,38 @@ def test_dest_regs_widths():
 _HAVE = shutil.which("nvcc") is not None and wsc._tool("cuobjdump") is not None
 
 
+def _user_defines(**env: str) -> tuple[str, ...]:
+    """The -D's of the extension build (``cuda_fp4.switch_defines``) with these switches set (the others at their
+    defaults), less the pipe's (``compile_sass`` passes it)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        flags = cf.switch_defines()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    return tuple(f[2:] for f in flags if f.startswith("-D") and not f.startswith("-DQFP4_WGMMA_PIPE="))
+
+
+def test_user_defines_are_the_switches_builds(monkeypatch):
+    """The switches' builds: the default (pipe 2, PDL, TMA, tail splits); QERL_WGMMA_TMA=0 without the tensor copies;
+    QERL_WGMMA_PIPE=1 without them too (they need pipe 2: before session 52 pipe 1 with the defaults asked for them,
+    and the kernel's #error stopped the build), and QERL_WGMMA_TMA=1 with pipe 1 a clear error."""
+    for k in ("QERL_WGMMA_PIPE", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_WGMMA_LORA"):
+        monkeypatch.delenv(k, raising=False)
+    assert {"QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1"} <= set(_user_defines())
+    pipe1 = _user_defines(QERL_WGMMA_PIPE="1")
+    assert "QFP4_WGMMA_TMA=1" not in pipe1 and {"QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TAIL=1"} <= set(pipe1)
+    no_tma = _user_defines(QERL_WGMMA_TMA="0")
+    assert "QFP4_WGMMA_TMA=1" not in no_tma and {"QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TAIL=1"} <= set(no_tma)
+    assert "QERL_WGMMA_TMA" not in os.environ  # restored
+    with pytest.raises(ValueError, match="QERL_WGMMA_TMA='1' needs QERL_WGMMA_PIPE=2.*valid: 0"):
+        _user_defines(QERL_WGMMA_PIPE="1", QERL_WGMMA_TMA="1")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
@@ -102,8 +135,11 @@ def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
     old = "        wgmma_wait<0>();\n        keep_regs(a);\n#pragma unroll\n"  # the main loop's (not the LoRA epilogue's)
     assert src.count(old) == 1
     planted = src.replace(old, "        wgmma_wait<1>();\n#pragma unroll\n")
+    # the builds users get: QERL_WGMMA_PIPE=1 with the other switches at their defaults (PDL, tail splits; no TMA,
+    # which needs pipe 2), and pipe 2 with QERL_WGMMA_TMA=0 (the default build, pipe 2 with TMA: test_tma_build_...)
     with ThreadPoolExecutor(3) as pool:  # three nvcc processes at once
-        builds = [pool.submit(wsc.compile_sass, 1), pool.submit(wsc.compile_sass, 2),
+        builds = [pool.submit(wsc.compile_sass, 1, None, _user_defines(QERL_WGMMA_PIPE="1")),
+                  pool.submit(wsc.compile_sass, 2, None, _user_defines(QERL_WGMMA_TMA="0")),
                   pool.submit(wsc.compile_sass, 1, planted, ("QFP4_WGMMA_NO_SK=1",))]  # the grid kernels suffice
         (s1, m1), (s2, m2), (s3, m3) = (b.result() for b in builds)
     for pipe, (sass, msgs) in ((1, (s1, m1)), (2, (s2, m2))):

@@ -756,9 +756,16 @@ def wgmma_tma() -> str:
     ~1% of this default. Measured and removed in session 49 / 50: the producer refilling after its own chunk's MMAs
     (1.3-4.7% slower at 128 / 256 tokens; the code is at f40a905), and ``la3`` / ``la4``, the copies 3 chunks ahead
     with the same 4 stages (0.3-1.7% slower) or 4 ahead with 5 stages (up to 13% slower;
-    `results/speed/raw/h200_s50_la3`, the code at 5d33040)."""
+    `results/speed/raw/h200_s50_la3`, the code at 5d33040).
+    The tensor copies need the two-chunk main loop: with ``QERL_WGMMA_PIPE=1`` the default is ``0`` and ``1`` is an
+    error (the build would stop at the kernel's ``#error``; before session 52 it did, for pipe 1 with the defaults)."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_WGMMA_TMA", "1", WGMMA_TMA)
+    pipe = wgmma_pipe()
+    v = _gemm_lora_switch("QERL_WGMMA_TMA", "1" if pipe == 2 else "0", WGMMA_TMA)
+    if v != "0" and pipe != 2:
+        raise ValueError(f"QERL_WGMMA_TMA={v!r} needs QERL_WGMMA_PIPE=2 (the two-chunk main loop); with "
+                         f"QERL_WGMMA_PIPE={pipe} valid: 0")
+    return v
 
 
 WGMMA_TAIL = ("0", "1")
@@ -819,9 +826,15 @@ def _build_flags() -> list[str]:
     their tensor copies (``QERL_WGMMA_L2PF``, 5-14% slower) and the producer refilling after its own MMAs
     (``QERL_WGMMA_TMA=late``, 1-5% slower); in session 50 (the code is at 5d33040) the copies 3 or 4 chunks ahead
     (``QERL_WGMMA_TMA=la3 | la4``, 0.3-13% slower)."""
+    return ["-O3", *_arch_flags(), *switch_defines()]
+
+
+def switch_defines() -> list[str]:
+    """The -D flags the kernel switches set (:func:`_build_flags` without the device's arch flags; the SASS checks
+    build with them)."""
     from qerl.kernels import wgmma_lora_mode
     pipe, tma = wgmma_pipe(), wgmma_tma()
-    return ["-O3", *_arch_flags(), *([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
+    return [*([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
