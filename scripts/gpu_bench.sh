@@ -468,8 +468,9 @@ next38)  # issue 10 after session 38: its two unmeasured opt-ins, x·Aᵀ under 
   fi ;;
 tableab)  # session 52: 7B NVFP4 rollouts with the installed GEMM table against an older one (TABLE_OLD, a file), one
   # process per table in the order new, old, new, old ($OUT/roll_tab_{new,old}{1,2}); the tree's table is restored
+  : "${TABLE_OLD:?set TABLE_OLD to the older table (a JSON file)}"
   build 2
-  T=qerl/kernels/tuned/cuda_gemm_nvidia_h200.json
+  T=$(python3 -c "import torch; from qerl.kernels import cuda_fp4 as c; print(c._table_path(torch.cuda.get_device_name(0)))")
   cp "$T" /tmp/table_new.json
   for run in new1 old1 new2 old2; do
     if [ "${run%?}" = new ]; then cp /tmp/table_new.json "$T"; else cp "$TABLE_OLD" "$T"; fi
