@@ -97,16 +97,10 @@ _HAVE = shutil.which("nvcc") is not None and wsc._tool("cuobjdump") is not None
 def _user_defines(**env: str) -> tuple[str, ...]:
     """The -D's of the extension build (``cuda_fp4.switch_defines``) with these switches set (the others at their
     defaults), less the pipe's (``compile_sass`` passes it)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
         flags = cf.switch_defines()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
     return tuple(f[2:] for f in flags if f.startswith("-D") and not f.startswith("-DQFP4_WGMMA_PIPE="))
 
 
