@@ -203,9 +203,9 @@ both_pipes() {  # both builds at once (waiting on the PID only: never a bare wai
   done
 }
 builds_at_once() {  # SETTING ...: one extension build per argument, all at once ("-": the default build; NAME=VALUE:
-  local pids="" v p  # the build that switch selects), waiting on their PIDs only (never a bare wait)
-  for v in "$@"; do
-    if [ "$v" = - ]; then build 2 & else ( export "$v"; build 2 ) & fi
+  local pids="" v p pipe=${QERL_WGMMA_PIPE:-2}  # the build that switch selects; the caller's pipe), waiting on their
+  for v in "$@"; do  # PIDs only (never a bare wait)
+    if [ "$v" = - ]; then build "$pipe" & else ( export "$v"; build "$pipe" ) & fi
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
