@@ -612,6 +612,9 @@ Session 51 on an H200 (919885a: the tail split, `raw/h200_s51_grpo/README.md`, t
 machine): NVFP4 24.05 / 24.07 s vs BF16-LoRA 24.44 / 24.32 s, **1.016× / 1.010×** (rollout 7.20 / 7.20 s vs 7.73 /
 7.65 s: 1.07× / 1.06×; log-probs 0.99×, update 0.99×); NVFP4's rollout 0.5 s shorter than session 48's. MXFP4 23.61 s
 (1.03× against the BF16-LoRA mean; its update 12.00 s) and NF4 35.91 s (0.68×), one pass, a third call.
+Session 53 on an H200 (08ad229: the installed table of session 52, `raw/h200_s53_grpo/README.md`, one process, NVFP4
+first): NVFP4 24.88 s vs BF16-LoRA 25.19 s, **1.012×** (rollout 7.68 vs 8.11 s: 1.06×; log-probs 1.00×, update
+0.99×). Both formats ran 3-6% slower than on session 51's machine (the same kernels but for the table); the ratio held.
 ### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
 `raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
 kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against
@@ -667,6 +670,11 @@ to about 1.0 at 256 on the H200.
 
 {_floor(root, "H100", "roofline_table")}
 {_floor(root, "H200", "roofline_table")}
+Session 53 (08ad229, H200, `raw/h200_s53_cmp/README.md`: the same command with the installed table, session 52's
+sweep re-read without tail splits below one wave): decode-rate ratios 1.41 / 1.27 / 1.04 / 0.95× at 32 / 64 / 128 /
+256 sequences (pass 2), within 0.01 of session 52's. The installed table against session 42's in one call
+(`raw/h200_s53_tableab/README.md`): +1.3% at 64 sequences, +0.1% at 128, -0.1% at 256 (noise floor ~0.5%):
+{batch_rollout_table(root, "h200_s53_cmp")}
 Session 52 (4a50a54, H200, `raw/h200_s52_cmp/README.md`: the same command with the GEMM table re-swept by a tuner
 that times tail splits where they fill a partial wave): decode-rate ratios 1.38 / 1.27 / 1.035 / 0.95× at 32 / 64 /
 128 / 256 sequences (pass 2). This machine ran BF16-LoRA 0.7-3.1% slower than session 51's; the table's own effect,
