@@ -176,7 +176,8 @@
 #                                parts, one per call: 1 test_cuda_fp4.py's tests but the wgmma GEMM's (19 s with the
 #                                builds cached), 2 the wgmma GEMM's (238 s cold in session 48; since session 50 it
 #                                first builds the default, QERL_WGMMA_TMA=0's and QERL_WGMMA_TAIL=0's at once), 3 every
-#                                other file (151 s)
+#                                other file (151 s). QERL_WGMMA_PIPE=1 in the environment runs them on pipe 1's builds
+#                                (session 53: PART=2 94 s, the builds included; the TMA test skips, TMA needs pipe 2)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
