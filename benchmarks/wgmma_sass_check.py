@@ -138,7 +138,8 @@ def _tool(name: str) -> str | None:
 def compile_sass(pipe: int = 1, source: str | None = None, defines: tuple[str, ...] = (), nvcc: str = "nvcc"
                  ) -> tuple[str, str]:
     """(SASS text, ptxas/nvcc messages) of the wgmma GEMM built for sm_90a; ``source`` replaces the file's text
-    (the include directory stays the real one)."""
+    (the include directory stays the real one). The messages hold ptxas's resource lines (``-Xptxas -v``: registers
+    and static shared memory per kernel, read by :func:`resources`)."""
     nvcc_path, cuobjdump = _tool(nvcc), _tool("cuobjdump")
     if nvcc_path is None or cuobjdump is None:
         raise FileNotFoundError(f"needs nvcc ({nvcc_path}) and cuobjdump ({cuobjdump})")
@@ -147,12 +148,38 @@ def compile_sass(pipe: int = 1, source: str | None = None, defines: tuple[str, .
         src.write_text(SRC.read_text() if source is None else source)
         cubin = Path(tmp) / "k.cubin"
         cmd = [nvcc_path, "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{SRC.parent}",
-               f"-DQFP4_WGMMA_PIPE={pipe}", *[f"-D{d}" for d in defines], "-o", str(cubin), str(src)]
+               "-Xptxas", "-v", f"-DQFP4_WGMMA_PIPE={pipe}", *[f"-D{d}" for d in defines], "-o", str(cubin), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
         d = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True)
         return d.stdout, r.stdout + r.stderr
+
+
+_ENTRY = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def resources(messages: str) -> dict[str, tuple[int, int]]:
+    """{kernel: (registers a thread, static shared memory bytes)} from ptxas's ``-v`` lines in ``messages``."""
+    out, name = {}, None
+    for line in messages.splitlines():
+        if m := _ENTRY.search(line):
+            name = m.group(1)
+        elif (m := _USED.search(line)) and name is not None:
+            out[name] = (int(m.group(1)), int(m.group(2) or 0))
+    return out
+
+
+def sm90_ctas(threads: int, regs: int, smem: int) -> int:
+    """CTAs of ``threads`` threads, ``regs`` registers a thread and ``smem`` bytes of shared memory (static +
+    dynamic) resident at once on one sm_90 SM (H100, H200): 64 K registers given out per warp in units of 256,
+    228 KB of shared memory with 1 KB reserved per CTA, 2048 threads, 32 CTAs -- what
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor answers there, computed without a GPU."""
+    warps = -(-threads // 32)
+    by_regs = 65536 // (warps * (-(-regs * 32 // 256) * 256))
+    by_smem = 228 * 1024 // (smem + 1024)
+    return min(by_regs, by_smem, 2048 // threads, 32)
 
 
 def check(sass: str, messages: str = "") -> dict:

@@ -283,6 +283,38 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
         big = sum(ntok >= 128 for ntok, _, _ in cf.WGMMA_VARIANTS)
         assert seen[True] == 4 * big, seen
         assert seen[False] == 4 * (len(cf.WGMMA_VARIANTS) - big + len(cf.WGMMA_SK_VARIANTS)), seen
+        if tail:  # the default build
+            waves = _sm90_ctas_by_lora(msgs)
+            assert len(waves) == 2 * len(cf.WGMMA_VARIANTS) and max(p for p, _ in waves.values()) > 1, waves
+            assert all(p == lo >= 1 for p, lo in waves.values()), {k: v for k, v in waves.items() if v[0] != v[1]}
+
+
+def _sm90_ctas_by_lora(messages: str) -> dict[tuple[int, ...], tuple[int, int]]:
+    """{(FMT, NTOK, RW, KS): CTAs an sm_90 SM holds of the grid variant without and with its LoRA epilogue} from a
+    build's ptxas lines. The dispatcher's tail pick and the tuner's candidates split a last wave by the variant
+    without LoRA, the launcher by the one it runs: the same wave only when the two hold as many CTAs."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    for name, (regs, static) in wsc.resources(messages).items():
+        if "fp4_wgmma_kernel" not in name:
+            continue
+        fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
+        if not sk:
+            smem = static + cf.wgmma_smem_bytes(ntok, rw, ks)
+            out.setdefault((fmt, ntok, rw, ks), [0, 0])[lora] = wsc.sm90_ctas(rw * ks * 128, regs, smem)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_resources_and_sm90_occupancy():
+    """ptxas -v's lines per kernel, and CTAs an SM holds as the CUDA occupancy calculator counts them on sm_90."""
+    msgs = ("ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'\n"
+            "ptxas info    : Function properties for _Z1av\n    0 bytes stack frame, 0 bytes spill stores\n"
+            "ptxas info    : Used 95 registers, used 1 barriers, 80 bytes smem, 400 bytes cmem[0]\n"
+            "ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'\n"
+            "ptxas info    : Used 254 registers, 384 bytes cmem[0]\n")
+    assert wsc.resources(msgs) == {"_Z1av": (95, 80), "_Z1bv": (254, 0)}
+    assert wsc.sm90_ctas(256, 128, 0) == 2 and wsc.sm90_ctas(256, 129, 0) == 1  # 129 rounds up to 136 a thread
+    assert wsc.sm90_ctas(128, 32, 0) == 16 and wsc.sm90_ctas(64, 16, 0) == 32  # threads, then the 32-CTA cap
+    assert wsc.sm90_ctas(128, 32, 100 * 1024) == 2 and wsc.sm90_ctas(128, 32, 113 * 1024) == 2 and wsc.sm90_ctas(128, 32, 114 * 1024) == 1  # + 1 KB a CTA
 
 
 @pytest.mark.slow

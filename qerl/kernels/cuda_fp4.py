@@ -1645,8 +1645,9 @@ def _gemm_config(w: CudaFP4Weight, m: int, dev: torch.device) -> tuple[int, int,
                                                               wgmma=wgmma_supported(idx))
         nt, sw, r, ks = cfg
         # fill the last partial wave (session 50), unless a sweep with tail splits measured the grid config faster.
-        # The wave is the plain variant's: the launcher splits by its own variant's wave, which with a LoRA epilogue
-        # can hold fewer CTAs, and then its rest differs from this one's
+        # The wave is the plain variant's, the launcher splits by its own variant's: on sm_90 every grid variant of
+        # the default build holds as many CTAs an SM with its LoRA epilogue as without (ptxas's registers, checked
+        # by tests/test_wgmma_sass_check.py's TMA-build test), so the two agree
         if wgmma_tail() and sw == 0 and not (hit is not None and gemm_table_tails(props.name)):
             cfg = wgmma_tail_pick(cfg, wgmma_tiles(m, w.n // 16, nt, r), w.k // 64,
                                   wgmma_ctas(w.fmt, 8 * nt, r, ks, lora=False), props.multi_processor_count)
