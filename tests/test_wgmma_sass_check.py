@@ -266,8 +266,7 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
         for name, body in wsc.functions(sass).items():
             if "fp4_wgmma_kernel" not in name:
                 continue
-            # template <FMT, NTOK, RW, KS, LORA, SK>
-            fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
+            fmt, ntok, rw, ks, lora, sk = _wgmma_args(name)
             ops = [wsc.opcode(ins) for _, ins in body]
             tma, cp = sum(o.startswith("UTMALDG") for o in ops), sum(o.startswith("LDGSTS") for o in ops)
             by_tma = ntok >= 128 and not sk
@@ -289,6 +288,11 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
             assert all(p == lo >= 1 for p, lo in waves.values()), {k: v for k, v in waves.items() if v[0] != v[1]}
 
 
+def _wgmma_args(name: str) -> tuple[int, ...]:
+    """A wgmma kernel's template arguments <FMT, NTOK, RW, KS, LORA, SK> from its mangled name."""
+    return tuple(int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
+
+
 def _sm90_ctas_by_lora(messages: str) -> dict[tuple[int, ...], tuple[int, int]]:
     """{(FMT, NTOK, RW, KS): CTAs an sm_90 SM holds of the grid variant without and with its LoRA epilogue} from a
     build's ptxas lines. The dispatcher's tail pick and the tuner's candidates split a last wave by the variant
@@ -297,7 +301,7 @@ def _sm90_ctas_by_lora(messages: str) -> dict[tuple[int, ...], tuple[int, int]]:
     for name, (regs, static) in wsc.resources(messages).items():
         if "fp4_wgmma_kernel" not in name:
             continue
-        fmt, ntok, rw, ks, lora, sk = (int(v) for v in re.findall(r"L[ib](\d+)E", name.split("EEv")[0])[:6])
+        fmt, ntok, rw, ks, lora, sk = _wgmma_args(name)
         if not sk:
             smem = static + cf.wgmma_smem_bytes(ntok, rw, ks)
             out.setdefault((fmt, ntok, rw, ks), [0, 0])[lora] = wsc.sm90_ctas(rw * ks * 128, regs, smem)
@@ -314,7 +318,8 @@ def test_resources_and_sm90_occupancy():
     assert wsc.resources(msgs) == {"_Z1av": (95, 80), "_Z1bv": (254, 0)}
     assert wsc.sm90_ctas(256, 128, 0) == 2 and wsc.sm90_ctas(256, 129, 0) == 1  # 129 rounds up to 136 a thread
     assert wsc.sm90_ctas(128, 32, 0) == 16 and wsc.sm90_ctas(64, 16, 0) == 32  # threads, then the 32-CTA cap
-    assert wsc.sm90_ctas(128, 32, 100 * 1024) == 2 and wsc.sm90_ctas(128, 32, 113 * 1024) == 2 and wsc.sm90_ctas(128, 32, 114 * 1024) == 1  # + 1 KB a CTA
+    # 228 KB an SM, + 1 KB reserved a CTA
+    assert [wsc.sm90_ctas(128, 32, kb * 1024) for kb in (100, 113, 114)] == [2, 2, 1]
 
 
 @pytest.mark.slow
