@@ -156,7 +156,9 @@ def compile_sass(pipe: int = 1, source: str | None = None, defines: tuple[str, .
         return d.stdout, r.stdout + r.stderr
 
 
-_ENTRY = re.compile(r"(?:Compiling entry function|Function properties for) '?([\w$]+)'?")
+# a kernel's "Used" line follows its "Compiling entry function" line; "Function properties for" also names the
+# non-inlined device functions it calls, so it does not start a kernel
+_ENTRY = re.compile(r"Compiling entry function '([\w$]+)'")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
