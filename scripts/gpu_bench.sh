@@ -178,6 +178,16 @@
 #                                first builds the default, QERL_WGMMA_TMA=0's and QERL_WGMMA_TAIL=0's at once), 3 every
 #                                other file (151 s). QERL_WGMMA_PIPE=1 in the environment runs them on pipe 1's builds
 #                                (session 53: PART=2 94 s, the builds included; the TMA test skips, TMA needs pipe 2)
+#   scripts/gpu_bench.sh layers  issue 10's per-layer targets at the current code: 7B decoder linears, BF16 cuBLAS against
+#                                NVFP4 and MXFP4 in the kernel layout (the default resident layout) through the
+#                                dispatcher, forward at M = LAYERS_M and backward (grad_input = g·W) from M 512
+#                                (benchmarks.kernel_bench --layout kernel; $OUT/layers); ~3 min with the build
+#   scripts/gpu_bench.sh slices  issue 10, large M: dequantize + cuBLAS in slices of Ŵ (forward: rows; backward: columns).
+#                                The dequantization GPU tests ($OUT/tests_slices.txt), the slice sweep of the 7B
+#                                linears at M = 512-4096 (benchmarks.dequant_slices_bench --write-table: installs
+#                                qerl/kernels/tuned/dequant_slices_<gpu>.json in the tree and $OUT/slices: copy it back),
+#                                then the layer table with the new table and without (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1,
+#                                $OUT/layers_s*); ~7 min with the build
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -639,6 +649,20 @@ regress)  # every GPU test in parts (see the header)
   timeout "${SECS:-560}" python3 -m pytest -v -m gpu "$@" -rfE --tb=short -p no:cacheprovider > "$res" 2>&1
   grep -cE " PASSED| FAILED| ERROR| SKIPPED" "$res" | sed 's/^/tests finished: /' >> "$LOG"
   grep -E " FAILED| ERROR|^=+ .*(passed|failed|error)" "$res" >> "$LOG" ;;
+layers)  # issue 10's per-layer targets at the current code (see the header)
+  build 2
+  timeout "${SECS:-400}" python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4,mxfp4 --layout kernel \
+    --m "${LAYERS_M:-17,32,64,128,256,512,1024,2048,4096}" --out "$OUT/layers" 2>&1 | grep "\[bench\]" >> "$LOG" ;;
+slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
+  build 2
+  gpu_tests slices 240 tests/test_cuda_fp4.py -k "column_slices or row_slices or dequantize"
+  timeout 240 python3 -m benchmarks.dequant_slices_bench --write-table --out "$OUT/slices" 2>&1 \
+    | grep "installed\|^|" >> "$LOG"
+  for v in 1:1 0:1 0:2 1:2; do
+    IFS=: read -r s p <<< "$v"
+    QERL_DEQUANT_SLICES=$s timeout 120 python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4 --layout kernel \
+      --m "${SLICES_M:-512,1024,2048,4096}" --out "$OUT/layers_s${s}_$p" 2>&1 | grep "\[bench\]" | sed "s/^/s$s p$p /" >> "$LOG"
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

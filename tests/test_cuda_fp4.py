@@ -870,6 +870,55 @@ def test_gpu_relaid_dequant_mm_in_row_slices(fmt):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
+def test_gpu_relaid_backward_in_column_slices(fmt, tmp_path, monkeypatch):
+    """The backward g·Ŵ from the kernels' layout in column slices: the CUDA kernel reads a column slice's strided
+    strips as the whole weight's columns (bit for bit), the sliced product matches the whole one, and ``qmm_t``
+    slices as the device's slice table says (and not above its largest measured M)."""
+    import json
+
+    from qerl import kernels as qk
+    from qerl.kernels import configs, relaid
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for i, (n, k) in enumerate(SHAPES):
+        if k < 192:
+            continue
+        w = _prep(fmt, _quant(fmt, n, k, seed=600 + i, device="cuda"))
+        whole = qk.dequantize_relaid(w, torch.empty((n, k), device="cuda", dtype=torch.bfloat16))
+        c0, c1 = 64, k - 64 * (k // 192)
+        part = cf.dequantize(qk._relaid_cols(w, c0, c1), torch.full((n, c1 - c0), float("nan"), device="cuda",
+                                                                   dtype=torch.bfloat16))
+        assert torch.equal(part, whole[:, c0:c1]), (n, k, "column slice")
+        gr = torch.randn(384, n, device="cuda", generator=g).bfloat16()
+        ref = gr.float() @ whole.float()
+        for cols in (0, 1000, 2048):  # 1000: not a multiple of the 64-column chunks (-> 960)
+            out = torch.full((384, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+            qk._relaid_dequant_mm_t(gr, w, out, cols)
+            assert torch.isfinite(out).all() and ((out.float() - ref).norm() / ref.norm()) < 6e-3, (n, k, cols)
+    # the dispatcher: a table entry for (bwd, 18944, 3584) at M 512 slices qmm_t there, the whole weight above
+    name = torch.cuda.get_device_name()
+    monkeypatch.setattr(configs, "_SLICE_DIR", tmp_path)
+    configs._SLICE_TABLES.clear()
+    try:
+        configs.install_slice_table(name, json.dumps({"entries": [dict(op="bwd", N=18944, K=3584, M=512,
+                                                                       slice=1024)]}))
+        q = relaid.from_compressed(FORMATS[fmt], _quant(fmt, 18944, 3584, seed=650, device="cuda"))
+        w = relaid.weight(FORMATS[fmt], q)
+        whole = qk.dequantize_relaid(w, torch.empty((18944, 3584), device="cuda", dtype=torch.bfloat16)).float()
+        calls, orig = [], qk._relaid_dequant_mm_t  # a spy: the real function runs, its slice width recorded
+        monkeypatch.setattr(qk, "_relaid_dequant_mm_t", lambda *a: calls.append(a[3]) or orig(*a))
+        for m in (500, 600):  # 500: the 512 entry (sliced); 600: above every measured M (whole)
+            gr = torch.randn(2, m // 2, 18944, device="cuda", generator=g).bfloat16()
+            y = qk.qmm_t(gr, fmt, q)
+            ref = gr.float() @ whole
+            assert y.shape == (2, m // 2, 3584) and ((y.float() - ref).norm() / ref.norm()) < 6e-3, m
+        assert calls == [1024], calls
+    finally:
+        configs._SLICE_TABLES.clear()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_kernel_matches_reference(fmt):
     assert cf.available(), cf.build_error()
     g = torch.Generator(device="cuda").manual_seed(0)

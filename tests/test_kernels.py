@@ -231,6 +231,17 @@ def _interpreter_main() -> None:
                 sliced = torch.full((5, n), float("nan"), dtype=torch.bfloat16)
                 qk._relaid_dequant_mm(x, cw, sliced, chunk)
                 assert _rel(sliced, ref) < 1e-2, (fmt, n, k, chunk, "chunked relaid dequant+mm")
+            if k > 64:  # the backward's column slices: the strided views read as the whole weight's columns
+                cols = qk._relaid_cols(cw, 64, k)
+                assert not cols.qweight.is_contiguous() and (cols.n, cols.k) == (n, k - 64)
+                part = qk.dequantize_relaid(cols, torch.full((n, k - 64), float("nan")), bn=bn, bk=bk)
+                assert torch.equal(part, got[:, 64:]), (fmt, n, k, "column slice")
+                gr = torch.randn(5, n, generator=gen).bfloat16()
+                ref_t = gr.float() @ got
+                for cols in (0, 64, 100):  # whole, one chunk a slice, 100 -> 64
+                    out_t = torch.full((5, k), float("nan"), dtype=torch.bfloat16)
+                    qk._relaid_dequant_mm_t(gr, cw, out_t, cols)
+                    assert _rel(out_t, ref_t) < 1e-2, (fmt, n, k, cols, "column-sliced relaid dequant+mm (bwd)")
     print("INTERPRETER-OK")
 
 
@@ -418,6 +429,65 @@ def test_gpu_nf4_bitsandbytes_and_dtypes():
 
 if __name__ == "__main__":
     _interpreter_main()
+
+
+def _slice_table(tmp_path, monkeypatch, entries) -> str:
+    import json
+    monkeypatch.setattr(configs, "_SLICE_DIR", tmp_path)
+    configs._SLICE_TABLES.clear()
+    (tmp_path / "dequant_slices_test_gpu.json").write_text(json.dumps({"entries": entries}))
+    return "Test GPU"
+
+
+def test_dequant_slice_table_lookup(tmp_path, monkeypatch):
+    """The measured slice table: the entry of the smallest measured M >= m, the whole weight above the largest
+    measured M and for shapes it lacks, None for a device without a table (the caller's rule) or when switched off."""
+    e = [dict(op="bwd", N=18944, K=3584, M=m, slice=sz) for m, sz in ((512, 0), (2048, 2048), (4096, 1024))]
+    e.append(dict(op="fwd", N=3584, K=18944, M=2048, slice=2048))
+    dev = _slice_table(tmp_path, monkeypatch, e)
+    try:
+        assert configs.dequant_slice("bwd", 18944, 3584, 300, dev) == 0
+        assert configs.dequant_slice("bwd", 18944, 3584, 1024, dev) == 2048  # the next measured M up: 2048
+        assert configs.dequant_slice("bwd", 18944, 3584, 2048, dev) == 2048
+        assert configs.dequant_slice("bwd", 18944, 3584, 3000, dev) == 1024
+        assert configs.dequant_slice("bwd", 18944, 3584, 17408, dev) == 0  # above every measured M: whole
+        assert configs.dequant_slice("fwd", 18944, 3584, 2048, dev) == 0  # a shape (of this op) not in the table
+        assert configs.dequant_slice("fwd", 3584, 18944, 1500, dev) == 2048
+        assert configs.dequant_slice("fwd", 3584, 18944, 2048, "Other GPU") is None  # no table: the caller decides
+        monkeypatch.setenv("QERL_DEQUANT_SLICES", "0")
+        assert configs.dequant_slice("fwd", 3584, 18944, 2048, dev) is None
+        with pytest.raises(ValueError, match="op='up'"):
+            configs.dequant_slice("up", 3584, 18944, 2048, dev)
+    finally:
+        configs._SLICE_TABLES.clear()
+
+
+@pytest.mark.parametrize("entry, bad", [(dict(op="bwd", slice=100), "multiple of 64"),
+                                        (dict(op="fwd", slice=40), "multiple of 16"),
+                                        (dict(op="side", slice=64), "op must be one of")])
+def test_dequant_slice_table_rejects_bad_entries(tmp_path, monkeypatch, entry, bad):
+    dev = _slice_table(tmp_path, monkeypatch, [dict(N=512, K=512, M=512, **entry)])
+    try:
+        with pytest.raises(ValueError, match=bad):
+            configs.load_slice_table(dev)
+    finally:
+        configs._SLICE_TABLES.clear()
+
+
+def test_dequant_slices_bench_table_picks_only_clear_wins():
+    """The bench's table: per (op, N, K, M) the mean over the linears of a shape; a slice enters only when it beats
+    the whole weight by the margin."""
+    from benchmarks.dequant_slices_bench import table
+    rows = [dict(fmt="bf16", op="fwd", N=8, K=8, M=512, slice=0, us=1.0)]
+    for lin, us in (("gate", (100.0, 92.0, 99.0)), ("up", (100.0, 94.0, 101.0))):  # mean: 100, 93, 100
+        rows += [dict(fmt="nvfp4-kernel", op="bwd", N=18944, K=3584, M=2048, slice=sz, us=u, linear=lin)
+                 for sz, u in zip((0, 2048, 1024), us, strict=True)]
+    rows += [dict(fmt="nvfp4-kernel", op="fwd", N=3584, K=3584, M=512, slice=sz, us=u, linear="q")
+             for sz, u in ((0, 30.0), (2048, 29.5))]  # 1.7% faster: not enough
+    got = {(e["op"], e["M"]): e for e in table(rows, 0.03)}
+    assert got[("bwd", 2048)]["slice"] == 2048 and got[("bwd", 2048)]["us"] == 93.0
+    assert got[("bwd", 2048)]["whole_us"] == 100.0 and got[("fwd", 512)]["slice"] == 0
+    assert len(got) == 2  # BF16 rows make no entries
 
 
 def test_sliced_rows_only_while_slices_save_bytes():

@@ -430,6 +430,8 @@ def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int 
     if backend == "cuda" or (backend == "auto" and out.dtype == torch.bfloat16 and out.is_cuda
                              and out.data_ptr() % 16 == 0 and cuda_dequant_enabled(out.device)):
         return cuda_fp4.dequantize(w, out)
+    if not (w.qweight.is_contiguous() and w.scales.is_contiguous()):  # a column slice (_relaid_cols): the Triton
+        w = cuda_fp4.weight_from(w.fmt, w.qweight.contiguous(), w.scales.contiguous(), w.global_scale, w.bexp)
     gs = w.global_scale if w.global_scale is not None else w.qweight  # dummy pointer when HAS_G is off
     grid = (triton.cdiv(w.n, bn), triton.cdiv(w.k, bk))
     _k._relaid_dequant_kernel[grid](w.qweight, w.scales, gs, out, w.n, w.k, FMT=int(w.fmt == "mxfp4"),
@@ -537,11 +539,22 @@ def _relaid_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch
             cuda_fp4.gemv(x2, w, out, pdl=pdl_enabled(x2))
         elif x2.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, w.n, w.k, m, x.device):
             cuda_fp4.gemm(x2, w, out)
-        else:  # the tuned table's row slices where it chose dequantize + cuBLAS (as for the compressed layout)
-            cfg = kernel_config(fmt, w.n, w.k, m, x.device) if x2.dtype == torch.bfloat16 else None
-            _relaid_dequant_mm(x2, w, out, sliced_rows(cfg.chunk, m, w.n) if cfg is not None and
-                               cfg.kernel == "cublas" else 0)
+        else:
+            _relaid_dequant_mm(x2, w, out, _relaid_fwd_slice(fmt, w, m, x2))
     return out.reshape(*x.shape[:-1], w.n)
+
+
+def _relaid_fwd_slice(fmt, w, m: int, x2: torch.Tensor) -> int:
+    """Rows of Ŵ per dequantize + cuBLAS slice of the forward at M = m: the device's measured slice table
+    (``configs.dequant_slice``) where it has one, else the tuned Triton-era table's ``cublas_chN`` under
+    :func:`sliced_rows`' rule (as for the compressed layout); 0 = the whole weight."""
+    if x2.dtype != torch.bfloat16:
+        return 0
+    hit = configs.dequant_slice("fwd", w.n, w.k, m, _device_info(x2.device)[0])
+    if hit is not None:
+        return hit
+    cfg = kernel_config(fmt, w.n, w.k, m, x2.device)
+    return sliced_rows(cfg.chunk, m, w.n) if cfg.kernel == "cublas" else 0
 
 
 def _relaid_rows(w, r0: int, r1: int):
@@ -549,6 +562,29 @@ def _relaid_rows(w, r0: int, r1: int):
     from qerl.kernels import cuda_fp4
     return cuda_fp4.weight_from(w.fmt, w.qweight[r0 // 16:r1 // 16], w.scales[r0 // 16:r1 // 16], w.global_scale,
                                 w.bexp)
+
+
+def _relaid_cols(w, c0: int, c1: int):
+    """Columns ``c0:c1`` (multiples of 64) of a re-laid-out weight, as strided views of its tensors (its strips
+    keep the whole weight's stride; ``cuda_fp4.dequantize`` reads them where they lie)."""
+    from qerl.kernels import cuda_fp4
+    return cuda_fp4.weight_from(w.fmt, w.qweight[:, c0 // 64:c1 // 64], w.scales[:, c0 // 64:c1 // 64],
+                                w.global_scale, w.bexp)
+
+
+def _relaid_dequant_mm_t(g2: torch.Tensor, w, out: torch.Tensor, cols: int) -> None:
+    """out (M, K) = g2 (M, N) @ Ŵ from the kernels' layout by ``dequantize_relaid`` + cuBLAS, ``cols`` columns of Ŵ
+    (rounded down to the layout's 64-column chunks) a slice, each slice's product written into its columns of
+    ``out`` (every output element still one whole-N product); 0: the whole weight at once."""
+    cols -= cols % 64
+    if not cols or cols >= w.k:
+        cols = w.k
+    buf = _workspace(g2.device, g2.dtype, w.n * cols)
+    for k0 in range(0, w.k, cols):
+        c = min(cols, w.k - k0)
+        part = buf[:w.n * c].view(w.n, c)
+        dequantize_relaid(_relaid_cols(w, k0, k0 + c) if c < w.k else w, part)
+        torch.mm(g2, part, out=out[:, k0:k0 + c])
 
 
 def _relaid_dequant_mm(x2: torch.Tensor, w, out: torch.Tensor, chunk: int) -> None:
@@ -754,8 +790,19 @@ def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chun
 def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """g (..., N) @ Ŵ on the GPU: Triton dequantization + cuBLAS (None off the GPU)."""
     if relaid.is_relaid(q):
-        return torch.matmul(g, _relaid_dense(fmt, q, None, g.dtype) if g.is_cuda and _triton_ok(g)
-                            else _relaid_reference(fmt, q, g.dtype))
+        if not (g.is_cuda and _triton_ok(g)):
+            return torch.matmul(g, _relaid_reference(fmt, q, g.dtype))
+        w = relaid.weight(fmt, q)
+        cols = (configs.dequant_slice("bwd", w.n, w.k, g.numel() // max(1, w.n), _device_info(g.device)[0])
+                if g.dtype == torch.bfloat16 else None)
+        if not cols:  # the whole dense weight (no slice table, or its entry is the whole weight)
+            return torch.matmul(g, _relaid_dense(fmt, q, None, g.dtype))
+        g2 = g.reshape(-1, w.n)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+        out = torch.empty((g2.shape[0], w.k), device=g.device, dtype=g.dtype)
+        _relaid_dequant_mm_t(g2, w, out, cols)
+        return out.reshape(*g.shape[:-1], w.k)
     if not (_triton_ok(g) and g.is_cuda):
         return None
     pw = prepare(fmt, q)

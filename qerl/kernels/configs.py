@@ -8,14 +8,18 @@ on the device named in ``TUNED_DEVICE`` (see benchmarks/NOTES.md); other devices
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 # TUNED_DEVICE: device name substring the table was measured on (``torch.cuda.get_device_name``);
 # TUNED: (fmt, N, K, M bucket) -> configuration key (``KernelConfig.key``), written by ``bench --tune``.
 from qerl.kernels.tuned_h100 import TUNED, TUNED_DEVICE
 
-__all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE"]
+__all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE",
+           "dequant_slice", "install_slice_table", "load_slice_table", "SLICE_OPS"]
 
 #: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
 #: weight is dequantized into a reusable BF16 buffer and cuBLAS does the product.
@@ -135,3 +139,68 @@ def set_table(table: dict) -> None:
     TUNED.clear()
     TUNED.update(table)
     _lookup.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------- large-M slices
+
+#: The products of the large-M path (dequantize + cuBLAS) a slice table covers: the forward x Ŵᵀ, sliced by rows of
+#: Ŵ (columns of the output), and the backward g Ŵ, sliced by columns of Ŵ (columns of grad_input).
+SLICE_OPS = ("fwd", "bwd")
+_SLICE_DIR = Path(__file__).resolve().parent / "tuned"
+_SLICE_TABLES: dict[str, dict] = {}
+
+
+def _slice_path(device_name: str) -> Path:
+    slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
+    return _SLICE_DIR / f"dequant_slices_{slug}.json"
+
+
+def load_slice_table(device_name: str) -> dict:
+    """The device's measured slice table (``qerl/kernels/tuned/dequant_slices_<device>.json``, written by ``python -m
+    benchmarks.dequant_slices_bench --write-table``) as {(op, N, K): [(M, slice), ...]} sorted by M; {} when the
+    device has none. Each slice is a whole number of the layout's units (16 rows / 64 columns) or 0 (the whole
+    weight at once)."""
+    if device_name in _SLICE_TABLES:
+        return _SLICE_TABLES[device_name]
+    path = _slice_path(device_name)
+    table: dict = {}
+    if path.exists():
+        for e in json.loads(path.read_text())["entries"]:
+            op, size = e["op"], int(e["slice"])
+            unit = 16 if op == "fwd" else 64
+            if op not in SLICE_OPS or size < 0 or size % unit:
+                raise ValueError(f"{path}: entry {e}: op must be one of {SLICE_OPS} and slice a non-negative "
+                                 f"multiple of {unit}")
+            table.setdefault((op, int(e["N"]), int(e["K"])), []).append((int(e["M"]), size))
+        for v in table.values():
+            v.sort()
+    _SLICE_TABLES[device_name] = table
+    return table
+
+
+def install_slice_table(device_name: str, text: str) -> Path:
+    """Write a slice table (the JSON ``benchmarks.dequant_slices_bench --write-table`` makes) as the device's table
+    and forget this process's cached one."""
+    path = _slice_path(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    _SLICE_TABLES.pop(device_name, None)
+    return path
+
+
+def dequant_slice(op: str, n: int, k: int, m: int, device_name: str) -> int | None:
+    """Rows (``op`` "fwd") or columns ("bwd") of Ŵ per dequantize + cuBLAS slice at M tokens, measured on this
+    device: the entry of the smallest measured M >= m, 0 (the whole weight at once) above the largest measured M
+    (each slice re-reads x or g, and no slice was timed there) or for a shape it lacks; None when the device has no
+    table (or ``QERL_DEQUANT_SLICES=0``), so the caller keeps its own rule."""
+    if op not in SLICE_OPS:
+        raise ValueError(f"dequant_slice: op={op!r}; valid: {SLICE_OPS}")
+    if os.environ.get("QERL_DEQUANT_SLICES", "1") == "0":
+        return None
+    table = load_slice_table(device_name)
+    if not table:
+        return None
+    for mm, size in table.get((op, n, k), ()):
+        if mm >= m:
+            return size
+    return 0

@@ -466,7 +466,7 @@ extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int,
                          int, const int*, const int*, int);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
-extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, int, void*);
+extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, long, int, void*);
 extern "C" int qfp4_permute_x(const void*, int, void*, int, int, void*);
 extern "C" int qfp4_wgmma_gemm(const void*, const void*, const void*, void*, int, const float*, float,
                                unsigned, int, int, int, int, int, int, int, int, void*, long long, void*, int,
@@ -660,14 +660,18 @@ std::vector<int64_t> wgmma_attributes(int64_t fmt, int64_t ntok, int64_t rw, int
 void dequant(torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt, bool has_g) {
   TORCH_CHECK(qw.is_cuda() && sc.is_cuda() && out.is_cuda() && gs.is_cuda(), "tensors must be on CUDA");
   TORCH_CHECK(qw.dim() == 4 && sc.dim() == 3 && out.dim() == 2, "bad ranks");
-  TORCH_CHECK(qw.is_contiguous() && sc.is_contiguous(), "qweight/scales must be contiguous");
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.stride(1) == 1, "out must be bf16 with unit column stride");
   const int S = (int)qw.size(0), C = (int)qw.size(1);
+  // whole strips of chunks; a column slice's strips lie qw.stride(0) / 128 chunks apart (the same for the scales)
+  const int64_t cs = qw.stride(0) / 128;
+  TORCH_CHECK(qw.stride(3) == 1 && qw.stride(2) == 4 && qw.stride(1) == 128 && qw.stride(0) % 128 == 0 && cs >= C
+              && sc.stride(2) == 1 && sc.stride(1) == sc.size(2) && sc.stride(0) == cs * sc.size(2),
+              "qweight/scales must be a weight's strips, whole or a column slice of them");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.stride(1) == 1, "out must be bf16 with unit column stride");
   TORCH_CHECK(out.size(0) == 16 * S && out.size(1) == 64 * C, "out shape mismatch");
   TORCH_CHECK(!has_g || gs.scalar_type() == at::kFloat, "global scale must be float32");
   const c10::cuda::CUDAGuard guard(out.device());
   const int err = qfp4_dequant(qw.data_ptr(), sc.data_ptr(), has_g ? gs.data_ptr<float>() : nullptr,
-                               out.data_ptr(), (long)out.stride(0), S, C, (int)fmt,
+                               out.data_ptr(), (long)out.stride(0), S, C, (long)cs, (int)fmt,
                                (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_dequant: ", err == -1 ? "unsupported out layout (row stride % 8, 16-byte alignment)"
                                                      : cudaGetErrorString((cudaError_t)err));

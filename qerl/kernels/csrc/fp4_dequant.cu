@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
                                                               const uint16_t* __restrict__ sc,
                                                               const float* __restrict__ gs,
                                                               __nv_bfloat16* __restrict__ out, long ldo, int S,
-                                                              int C) {
+                                                              int C, long cs) {
   constexpr int GPC = FMT == 0 ? 4 : 2;  // scale groups per 64-column chunk (G = 16 / 32)
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
   if (task >= (long)S * cb) return;
   const int s = (int)(task / cb), c0 = (int)(task % cb) * kCPW;
   const int nc = min(kCPW, C - c0);
-  const long blk0 = (long)s * C + c0;
+  const long blk0 = (long)s * cs + c0;  // cs: the source's chunks per strip (C, or more for a column slice)
   uint4 w[kCPW];
   uint32_t pr[kCPW];
 #pragma unroll
@@ -114,28 +114,31 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
 }
 
 template <int FMT, bool HAS_G>
-int launch(const void* qw, const void* sc, const float* gs, void* out, long ldo, int S, int C, cudaStream_t st) {
+int launch(const void* qw, const void* sc, const float* gs, void* out, long ldo, int S, int C, long cs,
+           cudaStream_t st) {
   const long tasks = (long)S * ((C + kCPW - 1) / kCPW);
   const long grid = (tasks + kWarps - 1) / kWarps;
   if (grid <= 0) return 0;
   if (grid >= (1L << 31)) return -1;
   dequant_kernel<FMT, HAS_G><<<(unsigned)grid, 32 * kWarps, 0, st>>>(
       static_cast<const uint4*>(qw), static_cast<const uint16_t*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
-      S, C);
+      S, C, cs);
   return (int)cudaGetLastError();
 }
 
 }  // namespace
 
 // out (16 S, 64 C) bf16 with row stride ldo (elements, a multiple of 8) = the weight of qw (S, C, 32, 4) int32 and
-// sc (S, C, 8 * groups per chunk) int16; gs: the NVFP4 global scale (device float) or null. 0, -1 (bad
-// arguments) or a CUDA error code.
+// sc (S, C, 8 * groups per chunk) int16, whose strips lie cs >= C chunks apart (C: the whole weight; more: its
+// column slice of C chunks, e.g. for the backward's column slices); gs: the NVFP4 global scale (device float) or
+// null. 0, -1 (bad arguments) or a CUDA error code.
 extern "C" int qfp4_dequant(const void* qw, const void* sc, const float* gs, void* out, long ldo, int S, int C,
-                            int fmt, void* stream) {
-  if (ldo % 8 || reinterpret_cast<uintptr_t>(out) % 16 || ldo < 64L * C) return -1;
+                            long cs, int fmt, void* stream) {
+  if (ldo % 8 || reinterpret_cast<uintptr_t>(out) % 16 || ldo < 64L * C || cs < C) return -1;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (fmt == 0) {
-    return gs ? launch<0, true>(qw, sc, gs, out, ldo, S, C, st) : launch<0, false>(qw, sc, gs, out, ldo, S, C, st);
+    return gs ? launch<0, true>(qw, sc, gs, out, ldo, S, C, cs, st)
+              : launch<0, false>(qw, sc, gs, out, ldo, S, C, cs, st);
   }
-  return launch<1, false>(qw, sc, nullptr, out, ldo, S, C, st);
+  return launch<1, false>(qw, sc, nullptr, out, ldo, S, C, cs, st);
 }
