@@ -30,6 +30,12 @@ import torch.nn.functional as F
 
 from benchmarks import kernel_bench as kb
 
+#: The table slices only up to this M by default. Session 54 (one H200): slices gained 4-7% a layer at M = 2048-4096
+#: in a second run (the backward, and the forward's down_proj), but the first sweep's slices at M = 8192-16384 lost
+#: 0.5-3% when re-measured (above a few waves of output tiles cuBLAS's shapes matter less, and every slice re-reads
+#: x or g).
+MAX_M = 4096
+
 
 def _fp4_fwd(wts, i: int, x: torch.Tensor, rows: int):
     from qerl import kernels as qk
@@ -105,20 +111,22 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def table(rows: list[dict], margin: float) -> list[dict]:
-    """The slice table's entries from the FP4 rows: per (op, N, K, M) the mean µs of each slice over the linears of
-    that shape, and the fastest slice if it beats the whole weight's (0) by ``margin`` (a fraction), else 0."""
+def table(rows: list[dict], margin: float, max_m: int = 0) -> list[dict]:
+    """The slice table's entries from the FP4 rows: per (op, N, K, M) the mean µs of each slice over the linears (and
+    formats) of that shape, and the fastest slice if it beats the whole weight's (0) by ``margin`` (a fraction), else
+    0; above ``max_m`` (> 0) always 0 (the whole weight)."""
     acc: dict = {}
     for r in rows:
         if r["fmt"] != "bf16":
-            acc.setdefault((r["op"], r["N"], r["K"], r["M"]), {}).setdefault(r["slice"], []).append(r["us"])
+            key = (r["op"], int(r["N"]), int(r["K"]), int(r["M"]))
+            acc.setdefault(key, {}).setdefault(int(r["slice"]), []).append(float(r["us"]))
     out = []
     for (op, n, k, m), by in sorted(acc.items()):
         mean = {sz: sum(v) / len(v) for sz, v in by.items()}
         if 0 not in mean:
             continue
         best = min(mean, key=mean.get)
-        pick = best if mean[best] < (1 - margin) * mean[0] else 0
+        pick = best if mean[best] < (1 - margin) * mean[0] and not (max_m and m > max_m) else 0
         out.append(dict(op=op, N=n, K=k, M=m, slice=pick, us=round(mean[pick], 2), whole_us=round(mean[0], 2),
                         timed={str(sz): round(v, 2) for sz, v in sorted(mean.items())}))
     return out
@@ -136,28 +144,41 @@ def main(argv=None) -> None:
     ap.add_argument("--write-table", action="store_true", help="install the measured slice table for the dispatcher")
     ap.add_argument("--margin", type=float, default=0.03,
                     help="a slice must beat the whole weight by this fraction to enter the table")
+    ap.add_argument("--max-m", type=int, default=MAX_M,
+                    help="no slices above this M in the table (0: no limit); see MAX_M")
+    ap.add_argument("--table-from", default="",
+                    help="no measurement: the table from an earlier run's dequant_slices_<gpu>.csv (its device)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    tag = kb.gpu_tag("")
-    rows = measure(a.models.split(","), a.fmts.split(","), ints(a.m), ints(a.rows), ints(a.cols), a.rep,
-                   os.path.join(a.out, f"dequant_slices_{tag}.csv"))
-    md = summary(rows)
-    with open(os.path.join(a.out, f"dequant_slices_{tag}.md"), "w") as f:
-        f.write(f"## Dequantize + cuBLAS in L2-sized slices: {torch.cuda.get_device_name()}\n\n{md}\n")
-    print(md)
-    if a.write_table:
+    if a.table_from:
+        import csv
+        with open(a.table_from) as f:
+            rows = list(csv.DictReader(f))
+        device = rows[0]["device"]
+        words = device.split()
+        tag = words[1].lower() if len(words) > 1 else "gpu"  # as kernel_bench.gpu_tag names that device
+    else:
+        device, tag = torch.cuda.get_device_name(), kb.gpu_tag("")
+        rows = measure(a.models.split(","), a.fmts.split(","), ints(a.m), ints(a.rows), ints(a.cols), a.rep,
+                       os.path.join(a.out, f"dequant_slices_{tag}.csv"))
+        md = summary(rows)
+        with open(os.path.join(a.out, f"dequant_slices_{tag}.md"), "w") as f:
+            f.write(f"## Dequantize + cuBLAS in L2-sized slices: {device}\n\n{md}\n")
+        print(md)
+    if a.write_table or a.table_from:
         import json
         import sys
 
         from qerl.kernels import configs
-        doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, fmts=a.fmts, margin=a.margin,
+        doc = dict(device=device, torch=None if a.table_from else torch.__version__, fmts=a.fmts, margin=a.margin,
+                   max_m=a.max_m,
                    command="python -m benchmarks.dequant_slices_bench " + " ".join(sys.argv[1:]),
-                   entries=table(rows, a.margin))
+                   entries=table(rows, a.margin, a.max_m))
         text = json.dumps(doc, indent=1) + "\n"
         with open(os.path.join(a.out, f"dequant_slices_table_{tag}.json"), "w") as f:
             f.write(text)
-        print(f"[slices] installed {configs.install_slice_table(doc['device'], text)}", flush=True)
+        print(f"[slices] installed {configs.install_slice_table(device, text)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -485,6 +485,35 @@ def dequant_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def slices_ab_table(root: Path, run: str) -> str:
+    """The large-M path with the device's slice table and without (``QERL_DEQUANT_SLICES`` = 1 / 0), from
+    ``raw/<run>/layers_s<on>_<pass>/layers_*.csv`` (``benchmarks.kernel_bench``, one process each, in the order
+    1, 0, 0, 1): per format, direction and M the FP4 layer µs of each pass, the gain, and each against BF16's µs of the
+    same process."""
+    runs = {}
+    for p in sorted((root / "raw" / run).glob("layers_s*_*/layers_*.csv")):
+        on, pas = p.parent.name.split("_")[1:]
+        d = pd.read_csv(p)
+        runs[(on[1:], pas)] = d[d["linear"] == "layer"].set_index(["fmt", "op", "M"])["us"]
+    if not runs:
+        return f"_no slice A/B in raw/{run}_\n"
+    first = next(iter(runs.values()))
+    lines = ["| FP4 | op | M | with slices µs (pass 1 / 2) | whole weight µs (1 / 2) | gain (1 / 2) | "
+             "vs BF16 with | vs BF16 without |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for fmt, op, m in first.index:
+        if fmt == "bf16":
+            continue
+        on = [runs[("1", p)][(fmt, op, m)] for p in ("1", "2")]
+        off = [runs[("0", p)][(fmt, op, m)] for p in ("1", "2")]
+        bf_on = [runs[("1", p)][("bf16", op, m)] for p in ("1", "2")]
+        bf_off = [runs[("0", p)][("bf16", op, m)] for p in ("1", "2")]
+        gain = " / ".join(f"{(b / a - 1) * 100:+.1f}%" for a, b in zip(on, off, strict=True))
+        vs = [" / ".join(f"{b / a:.2f}×" for a, b in zip(f, bf, strict=True)) for f, bf in ((on, bf_on), (off, bf_off))]
+        lines.append(f"| {fmt.replace('-kernel', '')} | {op} | {m} | {on[0]:.0f} / {on[1]:.0f} | {off[0]:.0f} / "
+                     f"{off[1]:.0f} | {gain} | {vs[0]} | {vs[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def step_ab_table(root: Path, new: str, old: str, what: str) -> str:
     """Two raw step runs of the same configuration on one machine (``raw/<new>/step.csv`` against
     ``raw/<old>/step.csv``): each phase's seconds and the change, per format."""
@@ -663,6 +692,25 @@ What dequantize + cuBLAS pays per call at M > the tuned crossover: the Triton ke
 CUDA kernel (`csrc/fp4_dequant.cu`, the GEMV's bit decode), same bits, same run; TB/s = packed bytes read + BF16
 bytes written per second:
 {dequant_table(root)}
+### The 7B layer at large M on the H200 at the current code, and dequantize + cuBLAS in slices (session 54)
+Issue 10's per-layer targets beyond decode: `python -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4,mxfp4
+--layout kernel` (`scripts/gpu_bench.sh layers`; the default resident layout, the dispatcher's path at each M; forward,
+and the backward `grad_input = g·Ŵ` from M = 512), before the slice table (`raw/h200_s54_layers`, d16574d):
+{_raw_md(root, "h200_s54_layers", "layers_h200.md")}
+Above M = 512 the FP4 linears rebuild Ŵ in BF16 and call cuBLAS. Since session 54 they may do it in slices of Ŵ:
+the forward by rows, the backward by columns (the CUDA dequantization reads a column slice's strips where they lie).
+Each slice's product is one cuBLAS call writing its columns of the output. Where a slice is worth it is measured per
+device (`python -m benchmarks.dequant_slices_bench --write-table`, `qerl/kernels/tuned/dequant_slices_<gpu>.json`),
+and the H200's table slices only the products whose cuBLAS shape is slow: a 3584-wide output over a long
+contraction (the forward's down_proj, the backward's gate/up and q/o), at M = 2048-4096. BF16 cuBLAS runs the same
+FLOPs 7-11% slower in that orientation. The gain does not come from L2: the slices are 2048 × 18944 bf16 (78 MB),
+larger than the L2. The table was chosen in one run (call 4) and checked in another (call 5): the same layers, with
+the table and without, one process each in the order 1, 0, 0, 1 (`raw/h200_s54_slices/README.md`). Call 5 ran call
+4's table as the sweep wrote it, which also sliced a few products at M = 8192-16384; those rows lost 0.5-3% below, so
+the installed table is the same sweep re-read with no slices above M = 4096 (at 16384 it runs the "whole weight"
+column; at 1024-4096 it is the table measured here):
+
+{slices_ab_table(root, "h200_s54_slices/call5")}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
 How far each format is from what the GPU allows (`python -m benchmarks.decode_floor`, session 43): at 128 sequences
 NVFP4's linears are bound by the tensor cores, not by bytes, so the ratio the floors allow shrinks with the batch,
@@ -867,6 +915,12 @@ def _ident(df: pd.DataFrame, keys: list[str]) -> list[tuple]:
         except (TypeError, ValueError):
             return str(v)
     return [tuple(norm(v) for v in row) for row in df[keys].values.tolist()]
+
+
+def _raw_md(root: Path, run: str, name: str) -> str:
+    """A raw run's markdown table file without its first heading line (its own title)."""
+    p = root / "raw" / run / name
+    return p.read_text().split("\n", 1)[1] if p.exists() else f"_no raw/{run}/{name}_\n"
 
 
 def _raw_rollouts(root: Path, *names: str) -> str:

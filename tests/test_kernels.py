@@ -490,6 +490,31 @@ def test_dequant_slices_bench_table_picks_only_clear_wins():
     assert len(got) == 2  # BF16 rows make no entries
 
 
+def test_dequant_slices_bench_table_from_a_csv(tmp_path, monkeypatch):
+    """``--table-from``: the table of an earlier run's CSV (its device), no slices above ``--max-m``, installed where
+    ``configs.dequant_slice`` reads it."""
+    import csv
+
+    from benchmarks import dequant_slices_bench as dsb
+    rows = [dict(model="7b", fmt="nvfp4-kernel", op="fwd", M=m, slice=sz, linear="down_proj", N=3584, K=18944, us=us,
+                 mode="graph", device="NVIDIA Test GPU")
+            for m, sz, us in ((2048, 0, 430.0), (2048, 2048, 390.0), (8192, 0, 1500.0), (8192, 2048, 1400.0))]
+    src = tmp_path / "dequant_slices_test.csv"
+    with open(src, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    monkeypatch.setattr(configs, "_SLICE_DIR", tmp_path / "tuned")
+    configs._SLICE_TABLES.clear()
+    try:
+        dsb.main(["--table-from", str(src), "--out", str(tmp_path / "out")])
+        assert (tmp_path / "out" / "dequant_slices_table_test.json").exists()
+        assert configs.dequant_slice("fwd", 3584, 18944, 2048, "NVIDIA Test GPU") == 2048
+        assert configs.dequant_slice("fwd", 3584, 18944, 8192, "NVIDIA Test GPU") == 0  # 9% faster, but above 4096
+    finally:
+        configs._SLICE_TABLES.clear()
+
+
 def test_sliced_rows_only_while_slices_save_bytes():
     """Row slices of dequantize + cuBLAS re-read x once per extra slice; they are kept only while that costs fewer
     bytes than writing and reading the whole dequantized weight (issue 10: GRPO micro-batches of ~17 K rows)."""

@@ -33,7 +33,9 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    (``configs``/``tuned_h100``) measured it faster: Triton dequantization into a reusable
                    per-device buffer (or L2-sized row slices of it), then cuBLAS; for a base in the kernels'
                    layout, ``dequantize_relaid`` (the same values from the fragment words) for every M the CUDA
-                   GEMV/GEMM do not take
+                   GEMV/GEMM do not take, in slices of Ŵ where the device's measured slice table says so
+                   (``configs.dequant_slice``: rows for ``qmm``, columns for ``qmm_t``, each slice's product one
+                   cuBLAS call into its output columns; ``QERL_DEQUANT_SLICES=0`` ignores the table)
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
 ``cuda_gemv``      also BF16 weights at M <= 16 on CUDA (N % 16 == 0, K % 64 == 0, rows contiguous): the same kernel
                    reading the stored weight row-major (``cuda_fp4.dense_weight``, no copy), with the same LoRA and
@@ -788,7 +790,8 @@ def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chun
 
 
 def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """g (..., N) @ Ŵ on the GPU: Triton dequantization + cuBLAS (None off the GPU)."""
+    """g (..., N) @ Ŵ on the GPU: dequantization + cuBLAS (None off the GPU; a base in the kernels' layout: its
+    reference there), in column slices of Ŵ where the device's slice table says so."""
     if relaid.is_relaid(q):
         if not (g.is_cuda and _triton_ok(g)):
             return torch.matmul(g, _relaid_reference(fmt, q, g.dtype))
