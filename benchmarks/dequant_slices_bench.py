@@ -13,7 +13,7 @@ buffer is reused. Each slice re-reads x (or g) instead.
 Per linear of the model's decoder layer and per M: BF16 cuBLAS (``F.linear`` / ``g @ W``), and the FP4 path at
 each slice size (0 = the whole weight at once, today's backward), timed as ``kernel_bench`` times (one CUDA graph over
 rotating weight copies >= 160 MB, median replay / copies), summed over the layer: the library's own functions
-(``_relaid_dequant_mm``, ``_relaid_dequant_mm_t``) at a given slice. Rows in ``dequant_slices_<gpu>.csv`` (one per
+(``_relaid_dequant_mm``, forward and backward) at a given slice. Rows in ``dequant_slices_<gpu>.csv`` (one per
 measurement, written as they finish) and a markdown summary. ``--write-table`` installs, per (op, N, K, M), the
 fastest slice where it beat the whole weight by at least ``--margin`` in this run (else 0: the whole weight) as
 ``qerl/kernels/tuned/dequant_slices_<gpu>.json``, what ``configs.dequant_slice`` serves the dispatcher; a linear shape
@@ -53,7 +53,7 @@ def _fp4_bwd(wts, i: int, g: torch.Tensor, cols: int):
     from qerl.quant import FORMATS
     w = relaid.weight(FORMATS[kb._base(wts.fmt)], wts.qs[i])
     out = torch.empty(g.shape[0], w.k, device=g.device, dtype=torch.bfloat16)
-    return lambda: qk._relaid_dequant_mm_t(g, w, out, cols)
+    return lambda: qk._relaid_dequant_mm(g, w, out, cols, t=True)
 
 
 def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path) -> list[dict]:
@@ -156,8 +156,7 @@ def main(argv=None) -> None:
         with open(a.table_from) as f:
             rows = list(csv.DictReader(f))
         device = rows[0]["device"]
-        words = device.split()
-        tag = words[1].lower() if len(words) > 1 else "gpu"  # as kernel_bench.gpu_tag names that device
+        tag = kb.gpu_tag("", device)
     else:
         device, tag = torch.cuda.get_device_name(), kb.gpu_tag("")
         rows = measure(a.models.split(","), a.fmts.split(","), ints(a.m), ints(a.rows), ints(a.cols), a.rep,

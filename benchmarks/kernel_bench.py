@@ -97,11 +97,12 @@ def _do_bench(fn, rep_ms: float) -> float:
     return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms / 4), rep=rep_ms, return_mode="median"))
 
 
-def gpu_tag(tag: str = "") -> str:
-    """The file tag of a benchmark's outputs: ``tag`` when given, else the GPU's model word ("h100")."""
+def gpu_tag(tag: str = "", device: str = "") -> str:
+    """The file tag of a benchmark's outputs: ``tag`` when given, else the model word ("h100") of ``device`` (a
+    device name; default this process's GPU)."""
     if tag:
         return tag
-    words = torch.cuda.get_device_name().split()
+    words = (device or torch.cuda.get_device_name()).split()
     return words[1].lower() if len(words) > 1 else "gpu"
 
 

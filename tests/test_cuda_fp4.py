@@ -892,7 +892,7 @@ def test_gpu_relaid_backward_in_column_slices(fmt, tmp_path, monkeypatch):
         ref = gr.float() @ whole.float()
         for cols in (0, 1000, 2048):  # 1000: not a multiple of the 64-column chunks (-> 960)
             out = torch.full((384, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-            qk._relaid_dequant_mm_t(gr, w, out, cols)
+            qk._relaid_dequant_mm(gr, w, out, cols, t=True)
             assert torch.isfinite(out).all() and ((out.float() - ref).norm() / ref.norm()) < 6e-3, (n, k, cols)
     # the dispatcher: a table entry for (bwd, 18944, 3584) at M 512 slices qmm_t there, the whole weight above
     name = torch.cuda.get_device_name()
@@ -904,14 +904,14 @@ def test_gpu_relaid_backward_in_column_slices(fmt, tmp_path, monkeypatch):
         q = relaid.from_compressed(FORMATS[fmt], _quant(fmt, 18944, 3584, seed=650, device="cuda"))
         w = relaid.weight(FORMATS[fmt], q)
         whole = qk.dequantize_relaid(w, torch.empty((18944, 3584), device="cuda", dtype=torch.bfloat16)).float()
-        calls, orig = [], qk._relaid_dequant_mm_t  # a spy: the real function runs, its slice width recorded
-        monkeypatch.setattr(qk, "_relaid_dequant_mm_t", lambda *a: calls.append(a[3]) or orig(*a))
+        calls, orig = [], qk._relaid_dequant_mm  # a spy: the real function runs, its slice width recorded
+        monkeypatch.setattr(qk, "_relaid_dequant_mm", lambda *a, **k: calls.append((a[3], k)) or orig(*a, **k))
         for m in (500, 600):  # 500: the 512 entry (sliced); 600: above every measured M (whole)
             gr = torch.randn(2, m // 2, 18944, device="cuda", generator=g).bfloat16()
             y = qk.qmm_t(gr, fmt, q)
             ref = gr.float() @ whole
             assert y.shape == (2, m // 2, 3584) and ((y.float() - ref).norm() / ref.norm()) < 6e-3, m
-        assert calls == [1024], calls
+        assert calls == [(1024, {"t": True})], calls
     finally:
         configs._SLICE_TABLES.clear()
 

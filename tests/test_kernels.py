@@ -240,7 +240,7 @@ def _interpreter_main() -> None:
                 ref_t = gr.float() @ got
                 for cols in (0, 64, 100):  # whole, one chunk a slice, 100 -> 64
                     out_t = torch.full((5, k), float("nan"), dtype=torch.bfloat16)
-                    qk._relaid_dequant_mm_t(gr, cw, out_t, cols)
+                    qk._relaid_dequant_mm(gr, cw, out_t, cols, t=True)
                     assert _rel(out_t, ref_t) < 1e-2, (fmt, n, k, cols, "column-sliced relaid dequant+mm (bwd)")
     print("INTERPRETER-OK")
 

@@ -574,33 +574,27 @@ def _relaid_cols(w, c0: int, c1: int):
                                 w.global_scale, w.bexp)
 
 
-def _relaid_dequant_mm_t(g2: torch.Tensor, w, out: torch.Tensor, cols: int) -> None:
-    """out (M, K) = g2 (M, N) @ Ŵ from the kernels' layout by ``dequantize_relaid`` + cuBLAS, ``cols`` columns of Ŵ
-    (rounded down to the layout's 64-column chunks) a slice, each slice's product written into its columns of
-    ``out`` (every output element still one whole-N product); 0: the whole weight at once."""
-    cols -= cols % 64
-    if not cols or cols >= w.k:
-        cols = w.k
-    buf = _workspace(g2.device, g2.dtype, w.n * cols)
-    for k0 in range(0, w.k, cols):
-        c = min(cols, w.k - k0)
-        part = buf[:w.n * c].view(w.n, c)
-        dequantize_relaid(_relaid_cols(w, k0, k0 + c) if c < w.k else w, part)
-        torch.mm(g2, part, out=out[:, k0:k0 + c])
-
-
-def _relaid_dequant_mm(x2: torch.Tensor, w, out: torch.Tensor, chunk: int) -> None:
-    """out (M, N) = x2 @ Ŵᵀ from the kernels' layout by ``dequantize_relaid`` + cuBLAS; with ``chunk`` rows at a
-    time (rounded down to the 16-row strips of the layout) so each dequantized slice is still in L2 when cuBLAS reads
-    it, like ``_dequant_mm`` for the compressed-tensors layout; 0: the whole weight at once (one slice)."""
-    chunk -= chunk % 16
-    if not chunk or chunk >= w.n:
-        chunk = w.n
-    buf = _workspace(x2.device, x2.dtype, chunk * w.k).view(chunk, w.k)
-    for n0 in range(0, w.n, chunk):
-        r = min(chunk, w.n - n0)
-        dequantize_relaid(_relaid_rows(w, n0, n0 + r), buf[:r])
-        torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
+def _relaid_dequant_mm(a: torch.Tensor, w, out: torch.Tensor, size: int, t: bool = False) -> None:
+    """out = a @ Ŵᵀ (``t`` False: a (M, K), out (M, N)) or a @ Ŵ (``t``: the backward, a (M, N), out (M, K)) from the
+    kernels' layout by ``dequantize_relaid`` + cuBLAS, in slices of ``size`` rows of Ŵ (forward) or columns (the
+    backward), rounded down to the layout's 16-row strips / 64-column chunks; 0: the whole weight at once. Each
+    slice's product is one cuBLAS call into its columns of ``out`` (every output element one whole product), and
+    the slices share one slice-sized buffer. Where slices pay is measured per device (``configs.dequant_slice``)."""
+    unit, total, other = (64, w.k, w.n) if t else (16, w.n, w.k)
+    size -= size % unit
+    if not size or size >= total:
+        size = total
+    buf = _workspace(a.device, a.dtype, size * other)
+    for s0 in range(0, total, size):
+        c = min(size, total - s0)
+        if t:
+            part = buf[:c * other].view(other, c)
+            dequantize_relaid(_relaid_cols(w, s0, s0 + c) if c < total else w, part)
+            torch.mm(a, part, out=out[:, s0:s0 + c])
+        else:
+            part = buf[:c * other].view(c, other)
+            dequantize_relaid(_relaid_rows(w, s0, s0 + c), part)
+            torch.mm(a, part.t(), out=out[:, s0:s0 + c])
 
 
 def _lora_fits(lora, w) -> bool:
@@ -804,7 +798,7 @@ def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.
         if g2.stride(-1) != 1:
             g2 = g2.contiguous()
         out = torch.empty((g2.shape[0], w.k), device=g.device, dtype=g.dtype)
-        _relaid_dequant_mm_t(g2, w, out, cols)
+        _relaid_dequant_mm(g2, w, out, cols, t=True)
         return out.reshape(*g.shape[:-1], w.k)
     if not (_triton_ok(g) and g.is_cuda):
         return None

@@ -19,7 +19,7 @@ from pathlib import Path
 from qerl.kernels.tuned_h100 import TUNED, TUNED_DEVICE
 
 __all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE",
-           "dequant_slice", "install_slice_table", "load_slice_table", "SLICE_OPS"]
+           "dequant_slice", "device_slug", "install_slice_table", "load_slice_table", "SLICE_OPS"]
 
 #: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
 #: weight is dequantized into a reusable BF16 buffer and cuBLAS does the product.
@@ -150,9 +150,13 @@ _SLICE_DIR = Path(__file__).resolve().parent / "tuned"
 _SLICE_TABLES: dict[str, dict] = {}
 
 
+def device_slug(device_name: str) -> str:
+    """A device name as the tuned tables' file names spell it ("NVIDIA H200" -> "nvidia_h200")."""
+    return "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
+
+
 def _slice_path(device_name: str) -> Path:
-    slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
-    return _SLICE_DIR / f"dequant_slices_{slug}.json"
+    return _SLICE_DIR / f"dequant_slices_{device_slug(device_name)}.json"
 
 
 def load_slice_table(device_name: str) -> dict:

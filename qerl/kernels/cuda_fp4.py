@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from qerl.kernels import cuda_build
+from qerl.kernels.configs import device_slug as _device_slug
 
 FORMATS = ("mxfp4", "nvfp4")
 GEMV_FORMATS = ("bf16", "mxfp4", "nvfp4")  # the GEMV's weights: the FP4 layouts, and a dense BF16 weight as stored
@@ -1462,10 +1463,6 @@ def pick_gemm_config(s: int, c: int, m: int, sms: int, wgmma: bool = False) -> t
     ctas = tiles * math.ceil(s / (r * sw))
     ks = max(1, min(GEMM_MAX_WARPS // r, c, math.ceil(2 * sms / max(1, ctas))))
     return nt, sw, r, ks
-
-
-def _device_slug(device_name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
 
 
 def _table_path(device_name: str) -> Path:
