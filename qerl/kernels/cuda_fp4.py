@@ -1617,9 +1617,10 @@ def permute_tokens(x: torch.Tensor) -> torch.Tensor:
 def dequantize(w: CudaFP4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
     """Ŵ (N, K) bf16 from the re-laid-out weight alone, by the CUDA kernel of ``csrc/fp4_dequant.cu`` (one warp per
     16-row strip and 4 chunks of 64 columns, the GEMV's bit decode, ~4 instructions per element): the values of
-    ``qerl.kernels.dequantize_relaid`` (the Triton kernel) bit for bit, at the copy bandwidth. ``out``: bf16
-    (N, K) with unit column stride, a row stride that is a multiple of 8 and a 16-byte aligned start (allocated when
-    None). On the current CUDA stream; graph capturable."""
+    ``qerl.kernels.dequantize_relaid`` (the Triton kernel) bit for bit, at the copy bandwidth. ``w`` may be a column
+    slice of a weight (``qweight[:, c0:c1]`` and ``scales[:, c0:c1]`` as views: its strips are read where they lie).
+    ``out``: bf16 (N, K) with unit column stride, a row stride that is a multiple of 8 and a 16-byte aligned start
+    (allocated when None). On the current CUDA stream; graph capturable."""
     _check_fmt(w.fmt)
     if not w.qweight.is_cuda:
         raise ValueError("dequantize needs CUDA tensors (qerl.kernels.dequantize_relaid runs elsewhere)")
