@@ -187,7 +187,8 @@
 #                                linears at M = 512-4096 (benchmarks.dequant_slices_bench --write-table: installs
 #                                qerl/kernels/tuned/dequant_slices_<gpu>.json in the tree and $OUT/slices: copy it back),
 #                                then the layer table with the new table and without (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1,
-#                                $OUT/layers_s*); ~7 min with the build
+#                                $OUT/layers_s*); ~7 min with the build. SLICES_MODELS=7b,14b,32b (and SLICES_SECS) sweeps
+#                                more shapes (session 54's H200 table: 7B only); SLICES_M the A/B's Ms
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -656,8 +657,8 @@ layers)  # issue 10's per-layer targets at the current code (see the header)
 slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
   build 2
   gpu_tests slices 240 tests/test_cuda_fp4.py -k "column_slices or row_slices or dequantize"
-  timeout 240 python3 -m benchmarks.dequant_slices_bench --write-table --out "$OUT/slices" 2>&1 \
-    | grep "installed\|^|" >> "$LOG"
+  timeout "${SLICES_SECS:-240}" python3 -m benchmarks.dequant_slices_bench --write-table --out "$OUT/slices" \
+    --models "${SLICES_MODELS:-7b}" --fmts "${SLICES_FMTS:-nvfp4,mxfp4}" 2>&1 | grep "installed\|^|" >> "$LOG"
   for v in 1:1 0:1 0:2 1:2; do
     IFS=: read -r s p <<< "$v"
     QERL_DEQUANT_SLICES=$s timeout 120 python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4 --layout kernel \
