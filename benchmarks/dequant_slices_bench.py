@@ -135,7 +135,7 @@ def table(rows: list[dict], margin: float, max_m: int = 0) -> list[dict]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="7b")
-    ap.add_argument("--fmts", default="nvfp4")
+    ap.add_argument("--fmts", default="nvfp4,mxfp4")
     ap.add_argument("--m", default="512,1024,2048,4096")
     ap.add_argument("--rows", default="0,1024,2048,4096,8192")
     ap.add_argument("--cols", default="0,512,1024,2048,4096")
