@@ -474,6 +474,20 @@ def test_dequant_slice_table_rejects_bad_entries(tmp_path, monkeypatch, entry, b
         configs._SLICE_TABLES.clear()
 
 
+def test_shipped_slice_tables_load_and_slice_only_up_to_their_limit():
+    """Every slice table shipped under qerl/kernels/tuned/ parses (whole units of the layout, known ops) and slices
+    nothing above the M limit it was written with (``max_m``)."""
+    import json
+    files = sorted(configs._SLICE_DIR.glob("dequant_slices_*.json"))
+    assert files, "the H200's table is shipped"
+    for path in files:
+        doc = json.loads(path.read_text())
+        table = configs.load_slice_table(doc["device"])
+        assert table and sum(len(v) for v in table.values()) == len(doc["entries"]), path
+        limit = doc.get("max_m") or 0
+        assert all(not size or not limit or m <= limit for v in table.values() for m, size in v), path
+
+
 def test_dequant_slices_bench_table_picks_only_clear_wins():
     """The bench's table: per (op, N, K, M) the mean over the linears of a shape; a slice enters only when it beats
     the whole weight by the margin."""
