@@ -26,7 +26,6 @@ import argparse
 import os
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import kernel_bench as kb
 
@@ -37,23 +36,15 @@ from benchmarks import kernel_bench as kb
 MAX_M = 4096
 
 
-def _fp4_fwd(wts, i: int, x: torch.Tensor, rows: int):
-    from qerl import kernels as qk
-    from qerl.kernels import relaid
-    from qerl.quant import FORMATS
-    q = wts.qs[i]
-    w = relaid.weight(FORMATS[kb._base(wts.fmt)], q)
-    out = torch.empty(x.shape[0], w.n, device=x.device, dtype=torch.bfloat16)
-    return lambda: qk._relaid_dequant_mm(x, w, out, rows)
-
-
-def _fp4_bwd(wts, i: int, g: torch.Tensor, cols: int):
+def _fp4_call(wts, i: int, a: torch.Tensor, size: int, t: bool):
+    """One product of copy i of the weight through the library's slice loop: a @ Ŵᵀ in slices of ``size`` rows, or
+    (``t``, the backward) a @ Ŵ in slices of ``size`` columns."""
     from qerl import kernels as qk
     from qerl.kernels import relaid
     from qerl.quant import FORMATS
     w = relaid.weight(FORMATS[kb._base(wts.fmt)], wts.qs[i])
-    out = torch.empty(g.shape[0], w.k, device=g.device, dtype=torch.bfloat16)
-    return lambda: qk._relaid_dequant_mm(g, w, out, cols, t=True)
+    out = torch.empty(a.shape[0], w.k if t else w.n, device=a.device, dtype=torch.bfloat16)
+    return lambda: qk._relaid_dequant_mm(a, w, out, size, t=t)
 
 
 def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path) -> list[dict]:
@@ -72,13 +63,8 @@ def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path) -> list[di
                                 continue
                             w = wts[(n, k)]
                             x = torch.randn(m, n if op == "bwd" else k, device="cuda").bfloat16()
-                            if fmt == "bf16":
-                                calls = [(lambda q=q, x=x: torch.matmul(x, q["weight"])) if op == "bwd" else
-                                         (lambda q=q, x=x: F.linear(x, q["weight"])) for q in w.qs]
-                            elif op == "fwd":
-                                calls = [_fp4_fwd(w, i, x, size) for i in range(len(w.qs))]
-                            else:
-                                calls = [_fp4_bwd(w, i, x, size) for i in range(len(w.qs))]
+                            calls = [kb._call(fmt, w, i, x, op) if fmt == "bf16" else
+                                     _fp4_call(w, i, x, size, op == "bwd") for i in range(len(w.qs))]
                             t, mode = kb._graph_ms(calls, rep_ms)
                             row = dict(model=mdl, fmt=fmt, op=op, M=m, slice=size, linear=name, N=n, K=k,
                                        us=round(t * 1e3, 2), mode=mode, device=torch.cuda.get_device_name())

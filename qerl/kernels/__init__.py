@@ -589,7 +589,7 @@ def _relaid_dequant_mm(a: torch.Tensor, w, out: torch.Tensor, size: int, t: bool
         c = min(size, total - s0)
         if t:
             part = buf[:c * other].view(other, c)
-            dequantize_relaid(_relaid_cols(w, s0, s0 + c) if c < total else w, part)
+            dequantize_relaid(_relaid_cols(w, s0, s0 + c), part)
             torch.mm(a, part, out=out[:, s0:s0 + c])
         else:
             part = buf[:c * other].view(c, other)
