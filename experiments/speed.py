@@ -705,7 +705,8 @@ and the H200's table slices only the products whose cuBLAS shape is slow: a 3584
 contraction (the forward's down_proj, the backward's gate/up and q/o), at M = 2048-4096. BF16 cuBLAS runs the same
 FLOPs 7-11% slower in that orientation. The gain does not come from L2: the slices are 2048 × 18944 bf16 (78 MB),
 larger than the L2. The table was chosen in one run (call 4) and checked in another (call 5): the same layers, with
-the table and without, one process each in the order 1, 0, 0, 1 (`raw/h200_s54_slices/README.md`). Call 5 ran call
+the table and without, one process each in the order 1, 0, 0, 1 (`raw/h200_s54_slices/README.md`; random weights,
+seeds 1000 + linear index, medians of graph replays over weight copies larger than L2). Call 5 ran call
 4's table as the sweep wrote it, which also sliced a few products at M = 8192-16384; those rows lost 0.5-3% below, so
 the installed table is the same sweep re-read with no slices above M = 4096 (at 16384 it runs the "whole weight"
 column; at 1024-4096 it is the table measured here):

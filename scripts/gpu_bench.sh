@@ -661,7 +661,8 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
     --models "${SLICES_MODELS:-7b}" --fmts "${SLICES_FMTS:-nvfp4,mxfp4}" 2>&1 | grep "installed\|^|" >> "$LOG"
   for v in 1:1 0:1 0:2 1:2; do
     IFS=: read -r s p <<< "$v"
-    QERL_DEQUANT_SLICES=$s timeout 120 python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4 --layout kernel \
+    QERL_DEQUANT_SLICES=$s timeout 120 python3 -m benchmarks.kernel_bench --models "${SLICES_MODELS:-7b}" \
+      --fmts "bf16,${SLICES_FMTS:-nvfp4,mxfp4}" --layout kernel \
       --m "${SLICES_M:-512,1024,2048,4096}" --out "$OUT/layers_s${s}_$p" 2>&1 | grep "\[bench\]" | sed "s/^/s$s p$p /" >> "$LOG"
   done ;;
 grpo)
