@@ -1,7 +1,7 @@
 """Dequantize + cuBLAS at large M in L2-sized slices: what slicing the dense weight saves, forward and backward.
 
     python -m benchmarks.dequant_slices_bench [--models 7b] [--fmts nvfp4] [--m 512,1024,2048,4096]
-                                              [--rows 0,1024,...] [--cols 0,512,...] [--out DIR]
+                                              [--rows 0,1024,...] [--cols 0,512,...] [--ops fwd,bwd] [--out DIR]
 
 At M above the CUDA GEMM's range the FP4 linears rebuild the dense BF16 weight from the kernels' layout
 (``dequantize_relaid``) and call cuBLAS: the forward ``x Ŵᵀ`` and the backward ``grad_input = g Ŵ``. Rebuilding the
@@ -17,7 +17,9 @@ rotating weight copies >= 160 MB, median replay / copies), summed over the layer
 measurement, written as they finish) and a markdown summary. ``--write-table`` installs, per (op, N, K, M), the
 fastest slice where it beat the whole weight by at least ``--margin`` in this run (else 0: the whole weight) as
 ``qerl/kernels/tuned/dequant_slices_<gpu>.json``, what ``configs.dequant_slice`` serves the dispatcher; a linear shape
-met twice in the layer (q/o, gate/up) is timed twice and averaged.
+met twice in the layer (q/o, gate/up) is timed twice and averaged. ``--ops bwd`` times and tabulates the backward
+alone: the table then names the products it covers (``ops``), and the forward keeps the dispatcher's rule without a
+table (the H100's: its Triton-era ``cublas_chN`` row slices, which session 55's sweep table did not beat there).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _fp4_call(wts, i: int, a: torch.Tensor, size: int, t: bool):
     return lambda: qk._relaid_dequant_mm(a, w, out, size, t=t)
 
 
-def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path) -> list[dict]:
+def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path, ops=("fwd", "bwd")) -> list[dict]:
     res = []
     for mdl in models:
         lins = kb.layer_linears(mdl)
@@ -55,7 +57,7 @@ def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path) -> list[di
         for fmt in ["bf16"] + [f + kb.KL for f in fmts]:
             wts = {s: kb._Weights(fmt, s[0], s[1], seed=1000 + j) for j, s in enumerate(shapes)}
             for m in ms:
-                for op in ("fwd", "bwd"):
+                for op in ops:
                     sizes = [0] if fmt == "bf16" else (rows_list if op == "fwd" else cols_list)
                     for size in sizes:
                         for name, n, k in lins:
@@ -97,13 +99,13 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def table(rows: list[dict], margin: float, max_m: int = 0) -> list[dict]:
-    """The slice table's entries from the FP4 rows: per (op, N, K, M) the mean µs of each slice over the linears (and
-    formats) of that shape, and the fastest slice if it beats the whole weight's (0) by ``margin`` (a fraction), else
-    0; above ``max_m`` (> 0) always 0 (the whole weight)."""
+def table(rows: list[dict], margin: float, max_m: int = 0, ops=("fwd", "bwd")) -> list[dict]:
+    """The slice table's entries from the FP4 rows of ``ops``: per (op, N, K, M) the mean µs of each slice over the
+    linears (and formats) of that shape, and the fastest slice if it beats the whole weight's (0) by ``margin`` (a
+    fraction), else 0; above ``max_m`` (> 0) always 0 (the whole weight)."""
     acc: dict = {}
     for r in rows:
-        if r["fmt"] != "bf16":
+        if r["fmt"] != "bf16" and r["op"] in ops:
             key = (r["op"], int(r["N"]), int(r["K"]), int(r["M"]))
             acc.setdefault(key, {}).setdefault(int(r["slice"]), []).append(float(r["us"]))
     out = []
@@ -132,11 +134,18 @@ def main(argv=None) -> None:
                     help="a slice must beat the whole weight by this fraction to enter the table")
     ap.add_argument("--max-m", type=int, default=MAX_M,
                     help="no slices above this M in the table (0: no limit); see MAX_M")
+    ap.add_argument("--ops", default="fwd,bwd",
+                    help="the products to time and tabulate; the table covers only these, the others keep the "
+                         "dispatcher's rule without a table")
     ap.add_argument("--table-from", default="",
                     help="no measurement: the table from an earlier run's dequant_slices_<gpu>.csv (its device)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
+    from qerl.kernels import configs
+    ops = tuple(o for o in a.ops.split(",") if o)
+    if not ops or any(o not in configs.SLICE_OPS for o in ops):
+        ap.error(f"--ops {a.ops!r}: give one or more of {','.join(configs.SLICE_OPS)}")
     if a.table_from:
         import csv
         with open(a.table_from) as f:
@@ -146,7 +155,7 @@ def main(argv=None) -> None:
     else:
         device, tag = torch.cuda.get_device_name(), kb.gpu_tag("")
         rows = measure(a.models.split(","), a.fmts.split(","), ints(a.m), ints(a.rows), ints(a.cols), a.rep,
-                       os.path.join(a.out, f"dequant_slices_{tag}.csv"))
+                       os.path.join(a.out, f"dequant_slices_{tag}.csv"), ops)
         md = summary(rows)
         with open(os.path.join(a.out, f"dequant_slices_{tag}.md"), "w") as f:
             f.write(f"## Dequantize + cuBLAS in L2-sized slices: {device}\n\n{md}\n")
@@ -155,11 +164,10 @@ def main(argv=None) -> None:
         import json
         import sys
 
-        from qerl.kernels import configs
         doc = dict(device=device, torch=None if a.table_from else torch.__version__, fmts=a.fmts, margin=a.margin,
-                   max_m=a.max_m,
+                   max_m=a.max_m, ops=list(ops),
                    command="python -m benchmarks.dequant_slices_bench " + " ".join(sys.argv[1:]),
-                   entries=table(rows, a.margin, a.max_m))
+                   entries=table(rows, a.margin, a.max_m, ops))
         text = json.dumps(doc, indent=1) + "\n"
         with open(os.path.join(a.out, f"dequant_slices_table_{tag}.json"), "w") as f:
             f.write(text)

@@ -26,7 +26,7 @@
 #                                the sampled stalls per source line ($OUT/prof/ncu_*.txt); builds first (~5 min cold)
 #   scripts/gpu_bench.sh tune    issue 10, the default build: the CUDA FP4 GPU tests, the tuning sweep (installs the table
 #                                into the tree and $OUT/sweep: copy it back into qerl/kernels/tuned/), the layer table,
-#                                bytes and FLOPs per wgmma configuration ($OUT/prof); ~6 min (SKIP_TESTS=1: no tests)
+#                                bytes and FLOPs per wgmma configuration ($OUT/prof); ~6 min (SKIP_TESTS=1: no tests; SKIP_PROF=1: no profile)
 #   scripts/gpu_bench.sh roll    7B rollouts at 16-256 sequences (16 = warm-up): NVFP4, NVFP4 with QERL_WGMMA_LORA=1,
 #                                BF16-LoRA ($OUT/roll_*; ROLLS="nvfp4:1 bf16:0" picks), then the realistic GRPO step
 #                                (as `grpo`; GRPO_LORA=1: with QERL_WGMMA_LORA=1); ~8 min
@@ -314,7 +314,8 @@ tune)
   build 2
   [ "${SKIP_TESTS:-0}" = 1 ] || timeout 240 python3 -m pytest -q -m gpu tests/test_cuda_fp4.py 2>&1 | tail -4 >> "$LOG"
   timeout 240 python3 -m benchmarks.cuda_gemm_bench --models 7b --write-table --out "$OUT/sweep" 2>&1 | grep -v Warn >> "$LOG"
-  timeout 90 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 | grep -v Warn >> "$LOG" ;;
+  [ "${SKIP_PROF:-0}" = 1 ] || timeout 90 python3 -m benchmarks.wgmma_profile --m 64,128,256 --out "$OUT/prof" 2>&1 \
+    | grep -v Warn >> "$LOG" ;;
 roll)
   for v in ${ROLLS:-nvfp4:0 nvfp4:1 bf16:0}; do
     IFS=: read -r f l <<< "$v"

@@ -431,11 +431,11 @@ if __name__ == "__main__":
     _interpreter_main()
 
 
-def _slice_table(tmp_path, monkeypatch, entries) -> str:
+def _slice_table(tmp_path, monkeypatch, entries, **doc) -> str:
     import json
     monkeypatch.setattr(configs, "_SLICE_DIR", tmp_path)
     configs._SLICE_TABLES.clear()
-    (tmp_path / "dequant_slices_test_gpu.json").write_text(json.dumps({"entries": entries}))
+    (tmp_path / "dequant_slices_test_gpu.json").write_text(json.dumps({"entries": entries, **doc}))
     return "Test GPU"
 
 
@@ -462,11 +462,26 @@ def test_dequant_slice_table_lookup(tmp_path, monkeypatch):
         configs._SLICE_TABLES.clear()
 
 
-@pytest.mark.parametrize("entry, bad", [(dict(op="bwd", slice=100), "multiple of 64"),
-                                        (dict(op="fwd", slice=40), "multiple of 16"),
-                                        (dict(op="side", slice=64), "op must be one of")])
-def test_dequant_slice_table_rejects_bad_entries(tmp_path, monkeypatch, entry, bad):
-    dev = _slice_table(tmp_path, monkeypatch, [dict(N=512, K=512, M=512, **entry)])
+def test_dequant_slice_table_of_one_op_leaves_the_other_to_the_caller(tmp_path, monkeypatch):
+    """A table measured and chosen for the backward alone (``ops: ["bwd"]``, the H100's) serves the backward, and for
+    the forward answers None, so the dispatcher keeps its own forward rule rather than the whole weight."""
+    e = [dict(op="bwd", N=18944, K=3584, M=2048, slice=2048)]
+    dev = _slice_table(tmp_path, monkeypatch, e, ops=["bwd"])
+    try:
+        assert configs.dequant_slice("bwd", 18944, 3584, 2048, dev) == 2048
+        assert configs.dequant_slice("bwd", 3584, 3584, 2048, dev) == 0  # a covered op's missing shape: whole
+        assert configs.dequant_slice("fwd", 3584, 18944, 2048, dev) is None
+    finally:
+        configs._SLICE_TABLES.clear()
+
+
+@pytest.mark.parametrize("entry, doc, bad", [(dict(op="bwd", slice=100), {}, "multiple of 64"),
+                                             (dict(op="fwd", slice=40), {}, "multiple of 16"),
+                                             (dict(op="side", slice=64), {}, "op must be one of"),
+                                             (dict(op="fwd", slice=64), dict(ops=["bwd"]), r"one of \('bwd',\)"),
+                                             (dict(op="bwd", slice=64), dict(ops=["up"]), r"ops=\['up'\]")])
+def test_dequant_slice_table_rejects_bad_entries(tmp_path, monkeypatch, entry, doc, bad):
+    dev = _slice_table(tmp_path, monkeypatch, [dict(N=512, K=512, M=512, **entry)], **doc)
     try:
         with pytest.raises(ValueError, match=bad):
             configs.load_slice_table(dev)
@@ -506,13 +521,16 @@ def test_dequant_slices_bench_table_picks_only_clear_wins():
 
 def test_dequant_slices_bench_table_from_a_csv(tmp_path, monkeypatch):
     """``--table-from``: the table of an earlier run's CSV (its device), no slices above ``--max-m``, installed where
-    ``configs.dequant_slice`` reads it."""
+    ``configs.dequant_slice`` reads it; ``--ops bwd`` a table of the backward alone."""
     import csv
+    import json
 
     from benchmarks import dequant_slices_bench as dsb
     rows = [dict(model="7b", fmt="nvfp4-kernel", op="fwd", M=m, slice=sz, linear="down_proj", N=3584, K=18944, us=us,
                  mode="graph", device="NVIDIA Test GPU")
             for m, sz, us in ((2048, 0, 430.0), (2048, 2048, 390.0), (8192, 0, 1500.0), (8192, 2048, 1400.0))]
+    rows += [dict(rows[0], op="bwd", N=18944, K=3584, linear="gate_proj", slice=sz, us=us)
+             for sz, us in ((0, 400.0), (2048, 380.0))]
     src = tmp_path / "dequant_slices_test.csv"
     with open(src, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -525,6 +543,15 @@ def test_dequant_slices_bench_table_from_a_csv(tmp_path, monkeypatch):
         assert (tmp_path / "out" / "dequant_slices_table_test.json").exists()
         assert configs.dequant_slice("fwd", 3584, 18944, 2048, "NVIDIA Test GPU") == 2048
         assert configs.dequant_slice("fwd", 3584, 18944, 8192, "NVIDIA Test GPU") == 0  # 9% faster, but above 4096
+        assert configs.dequant_slice("bwd", 18944, 3584, 2048, "NVIDIA Test GPU") == 2048
+        # the backward alone: the forward is left to the dispatcher's rule, and the table says which it covers
+        dsb.main(["--table-from", str(src), "--ops", "bwd", "--out", str(tmp_path / "out")])
+        doc = json.loads((tmp_path / "out" / "dequant_slices_table_test.json").read_text())
+        assert doc["ops"] == ["bwd"] and {e["op"] for e in doc["entries"]} == {"bwd"}
+        assert configs.dequant_slice("fwd", 3584, 18944, 2048, "NVIDIA Test GPU") is None
+        assert configs.dequant_slice("bwd", 18944, 3584, 2048, "NVIDIA Test GPU") == 2048
+        with pytest.raises(SystemExit):
+            dsb.main(["--table-from", str(src), "--ops", "bwd,up", "--out", str(tmp_path / "out")])
     finally:
         configs._SLICE_TABLES.clear()
 

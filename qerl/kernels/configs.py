@@ -19,7 +19,8 @@ from pathlib import Path
 from qerl.kernels.tuned_h100 import TUNED, TUNED_DEVICE
 
 __all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE",
-           "dequant_slice", "device_slug", "install_slice_table", "load_slice_table", "SLICE_OPS"]
+           "dequant_slice", "device_slug", "install_slice_table", "load_slice_table", "SliceTable",
+           "SLICE_OPS"]
 
 #: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
 #: weight is dequantized into a reusable BF16 buffer and cuBLAS does the product.
@@ -147,7 +148,16 @@ def set_table(table: dict) -> None:
 #: Ŵ (columns of the output), and the backward g Ŵ, sliced by columns of Ŵ (columns of grad_input).
 SLICE_OPS = ("fwd", "bwd")
 _SLICE_DIR = Path(__file__).resolve().parent / "tuned"
-_SLICE_TABLES: dict[str, dict] = {}
+
+
+class SliceTable(dict):
+    """A device's measured slice table: {(op, N, K): [(M, slice), ...]} sorted by M, and ``ops``, the products it
+    was measured and chosen for (a table may cover the backward alone; the other op then keeps the caller's rule)."""
+
+    ops: tuple[str, ...] = ()
+
+
+_SLICE_TABLES: dict[str, SliceTable] = {}
 
 
 def device_slug(device_name: str) -> str:
@@ -159,21 +169,26 @@ def _slice_path(device_name: str) -> Path:
     return _SLICE_DIR / f"dequant_slices_{device_slug(device_name)}.json"
 
 
-def load_slice_table(device_name: str) -> dict:
+def load_slice_table(device_name: str) -> SliceTable:
     """The device's measured slice table (``qerl/kernels/tuned/dequant_slices_<device>.json``, written by ``python -m
-    benchmarks.dequant_slices_bench --write-table``) as {(op, N, K): [(M, slice), ...]} sorted by M; {} when the
-    device has none. Each slice is a whole number of the layout's units (16 rows / 64 columns) or 0 (the whole
-    weight at once)."""
+    benchmarks.dequant_slices_bench --write-table``); empty, covering no op, when the device has none. Each slice is
+    a whole number of the layout's units (16 rows / 64 columns) or 0 (the whole weight at once). The file's ``ops``
+    (default: both) names the products it covers; every entry must be one of them."""
     if device_name in _SLICE_TABLES:
         return _SLICE_TABLES[device_name]
     path = _slice_path(device_name)
-    table: dict = {}
+    table = SliceTable()  # covers no op
     if path.exists():
-        for e in json.loads(path.read_text())["entries"]:
+        doc = json.loads(path.read_text())
+        ops = tuple(doc.get("ops", SLICE_OPS))
+        if not ops or any(op not in SLICE_OPS for op in ops):
+            raise ValueError(f"{path}: ops={list(ops)}; each must be one of {SLICE_OPS}")
+        table.ops = ops
+        for e in doc["entries"]:
             op, size = e["op"], int(e["slice"])
             unit = 16 if op == "fwd" else 64
-            if op not in SLICE_OPS or size < 0 or size % unit:
-                raise ValueError(f"{path}: entry {e}: op must be one of {SLICE_OPS} and slice a non-negative "
+            if op not in ops or size < 0 or size % unit:
+                raise ValueError(f"{path}: entry {e}: op must be one of {ops} and slice a non-negative "
                                  f"multiple of {unit}")
             table.setdefault((op, int(e["N"]), int(e["K"])), []).append((int(e["M"]), size))
         for v in table.values():
@@ -196,13 +211,13 @@ def dequant_slice(op: str, n: int, k: int, m: int, device_name: str) -> int | No
     """Rows (``op`` "fwd") or columns ("bwd") of Ŵ per dequantize + cuBLAS slice at M tokens, measured on this
     device: the entry of the smallest measured M >= m, 0 (the whole weight at once) above the largest measured M
     (each slice re-reads x or g, and no slice was timed there) or for a shape it lacks; None when the device has no
-    table (or ``QERL_DEQUANT_SLICES=0``), so the caller keeps its own rule."""
+    table, its table does not cover ``op``, or ``QERL_DEQUANT_SLICES=0``: the caller keeps its own rule."""
     if op not in SLICE_OPS:
         raise ValueError(f"dequant_slice: op={op!r}; valid: {SLICE_OPS}")
     if os.environ.get("QERL_DEQUANT_SLICES", "1") == "0":
         return None
     table = load_slice_table(device_name)
-    if not table:
+    if op not in table.ops:
         return None
     for mm, size in table.get((op, n, k), ()):
         if mm >= m:
