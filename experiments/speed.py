@@ -498,7 +498,7 @@ def slices_ab_table(root: Path, run: str) -> str:
     if not runs:
         return f"_no slice A/B in raw/{run}_\n"
     first = next(iter(runs.values()))
-    lines = ["| FP4 | op | M | with slices µs (pass 1 / 2) | whole weight µs (1 / 2) | gain (1 / 2) | "
+    lines = ["| FP4 | op | M | with the table µs (pass 1 / 2) | without µs (1 / 2) | gain (1 / 2) | "
              "vs BF16 with | vs BF16 without |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for fmt, op, m in first.index:
         if fmt == "bf16":
@@ -644,6 +644,10 @@ machine): NVFP4 24.05 / 24.07 s vs BF16-LoRA 24.44 / 24.32 s, **1.016× / 1.010�
 Session 53 on an H200 (08ad229: the installed table of session 52, `raw/h200_s53_grpo/README.md`, one process, NVFP4
 first): NVFP4 24.88 s vs BF16-LoRA 25.19 s, **1.012×** (rollout 7.68 vs 8.11 s: 1.06×; log-probs 1.00×, update
 0.99×). Both formats ran 3-6% slower than on session 51's machine (the same kernels but for the table); the ratio held.
+Session 55 on an **H100** (098199f with the re-swept H100 GEMM table, `raw/h100_s55_grpo/README.md`, two processes
+on one machine, NVFP4 first then BF16-LoRA first): NVFP4 26.57 / 26.70 s vs BF16-LoRA 28.05 / 28.37 s, **1.056× /
+1.062×**. Rollout 8.25 / 8.37 s vs 9.88 / 10.19 s: 1.20× / 1.22×. Log-probs 0.99× / 0.99×, update 0.99× / 0.99×.
+Session 37's H100 pair above was 27.47 vs 28.43 s (1.035×).
 ### The training kernels of session 29, same machine (7B, 16 prompts × G 8, micro 16, 1024 new, GC; one H100)
 `raw/h100_s29e` (build 20aa705: RMSNorm and SiLU·up fused forward and backward, `qerl.kernels.train_fused`; the
 kernel layout's dense weight by the CUDA kernel, `csrc/fp4_dequant.cu`; LoRA as one addmm) against
@@ -679,7 +683,10 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
 ## Decoder linears at GRPO batch sizes (M > 16): the CUDA GEMMs (`python -m benchmarks.cuda_gemm_bench`)
 Issue 10. The same re-laid-out weights as the GEMV: the mma.sync kernel (tokens staged in shared memory) and, on
 sm_90, the wgmma kernel (weights as the register operand, permuted tokens read by the tensor cores); the tuned table
-takes the faster per shape and M; `prev` is the path before both.
+takes the faster per shape and M; `prev` is the path before both. The H100 table below is session 55's sweep (098199f,
+TMA staging and tail splits among the candidates; `raw/h100_s55_tune/README.md`). Session 32's table on the same GPU
+model ran the NVFP4 layer (`qmm`) in 135 / 204 / 313 / 497 µs at M = 64 / 128 / 256 / 512; this one in
+131 / 186 / 279 / 445 µs (BF16 cuBLAS within 5% of its own session-32 time at those M):
 {gemm}
 ### The layer against its roofline (`python -m benchmarks.decode_floor`, session 43)
 Above M ≈ 96 the FP4 linears are bound by the tensor cores, so the ratio the floors allow falls to 1.0 by M = 256
@@ -712,6 +719,20 @@ the installed table is the same sweep re-read with no slices above M = 4096 (at 
 column; at 1024-4096 it is the table measured here):
 
 {slices_ab_table(root, "h200_s54_slices/call5")}
+### The same on the H100 (session 55)
+The per-layer table at session 55's code with the new GEMM table installed and no slice table yet
+(`raw/h100_s55_tune/layers`, 098199f + that table; on the H100 the large-M forward then slices Ŵ by the Triton-era
+table's `cublas_chN` rows, the backward rebuilds the whole weight):
+{_raw_md(root, "h100_s55_tune/layers", "layers_h100.md")}
+The H100's slice sweep (`raw/h100_s55_slices/slices`, both formats, M 512-4096) and its table checked against the rule
+without a table, one process each in the order 1, 0, 0, 1 (`raw/h100_s55_slices/README.md`). "Without" is that rule,
+not the whole weight, for the forward. The backward gained in all 8 rows at M 2048-4096 (+2.1…+6.0%, both formats).
+The forward did not beat the Triton-era rows: NVFP4 -2.6…-4.0% at 2048-4096 in both passes, MXFP4 -0.4…+2.2%. The FP4
+rows moved at most 3.5% between passes, BF16's up to 10% between these processes (so the vs-BF16 columns carry that
+noise). So the installed H100 table covers the backward alone (`"ops":
+["bwd"]`; `--table-from ... --ops bwd`, the same picks), and the forward keeps the Triton-era rule:
+
+{slices_ab_table(root, "h100_s55_slices")}
 ### Rollouts at GRPO batch sizes (7B, prompt 256, 512 new tokens; `python -m qerl.bench rollout --batch 16,32,64,128,256`)
 How far each format is from what the GPU allows (`python -m benchmarks.decode_floor`, session 43): at 128 sequences
 NVFP4's linears are bound by the tensor cores, not by bytes, so the ratio the floors allow shrinks with the batch,
@@ -719,6 +740,14 @@ to about 1.0 at 256 on the H200.
 
 {_floor(root, "H100", "roofline_table")}
 {_floor(root, "H200", "roofline_table")}
+Session 55 (H100, 098199f with session 55's re-swept H100 GEMM table, `raw/h100_s55_cmp/README.md`: the command of
+session 39, `scripts/gpu_bench.sh cmp39`, one process, each setting twice back to back, the second pass shown).
+The H100's rows before this were session 38's (below: 1.59 / 1.32 / 1.12 / 0.94× at 32-256 sequences, one pass).
+NVFP4 now 1.59 / 1.43 / 1.17 / 1.00× BF16-LoRA by tokens/s (pass 1: 1.62 / 1.42 / 1.16 / 1.00). By decode rate it is
+1.66 / 1.53 / 1.22 / 1.00× (pass 2). NVFP4's tokens/s rose 9.6 / 6.1 / 6.8% at 64 / 128 / 256 over session 38's;
+BF16-LoRA's rose 0.8-1.3%. These runs cannot split that gain between the new table and the kernel changes of sessions
+39-53, which the H100 had not run before (TMA staging, the tail splits, descriptor halves):
+{batch_rollout_table(root, "h100_s55_cmp")}
 Session 53 (08ad229, H200, `raw/h200_s53_cmp/README.md`: the same command with the installed table, session 52's
 sweep re-read without tail splits below one wave): decode-rate ratios 1.41 / 1.27 / 1.04 / 0.95× at 32 / 64 / 128 /
 256 sequences (pass 2), within 0.01 of session 52's. The installed table against session 42's in one call
