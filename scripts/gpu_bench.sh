@@ -26,7 +26,8 @@
 #                                the sampled stalls per source line ($OUT/prof/ncu_*.txt); builds first (~5 min cold)
 #   scripts/gpu_bench.sh tune    issue 10, the default build: the CUDA FP4 GPU tests, the tuning sweep (installs the table
 #                                into the tree and $OUT/sweep: copy it back into qerl/kernels/tuned/), the layer table,
-#                                bytes and FLOPs per wgmma configuration ($OUT/prof); ~6 min (SKIP_TESTS=1: no tests; SKIP_PROF=1: no profile)
+#                                bytes and FLOPs per wgmma configuration ($OUT/prof); ~6 min (SKIP_TESTS=1: no tests;
+#                                SKIP_PROF=1: no profile)
 #   scripts/gpu_bench.sh roll    7B rollouts at 16-256 sequences (16 = warm-up): NVFP4, NVFP4 with QERL_WGMMA_LORA=1,
 #                                BF16-LoRA ($OUT/roll_*; ROLLS="nvfp4:1 bf16:0" picks), then the realistic GRPO step
 #                                (as `grpo`; GRPO_LORA=1: with QERL_WGMMA_LORA=1); ~8 min
@@ -189,6 +190,12 @@
 #                                then the layer table with the new table and without (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1,
 #                                $OUT/layers_s*); ~7 min with the build. SLICES_MODELS=7b,14b,32b (and SLICES_SECS) sweeps
 #                                more shapes (session 54's H200 table: 7B only); SLICES_M the A/B's Ms
+#   scripts/gpu_bench.sh upslice issue 10, session 55: one GRPO micro-batch's log-prob pass and forward + backward
+#                                (qerl.bench update, 7B, UPSLICE_MICRO=2 completions of 64 + 1024 tokens: M ≈ 2.2 K, where
+#                                the slice tables apply; GC on) with the device's slice table and without
+#                                (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1, one process each, UPSLICE_FMTS=nvfp4,bf16;
+#                                $OUT/up_s<on>_<pass>); ~5 min with the build. The H100's old GEMM table for `tableab`:
+#                                TABLE_OLD=results/speed/raw/h100_s55_tune/cuda_gemm_table_h100_s32.json
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -665,6 +672,14 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
     QERL_DEQUANT_SLICES=$s timeout 120 python3 -m benchmarks.kernel_bench --models "${SLICES_MODELS:-7b}" \
       --fmts "bf16,${SLICES_FMTS:-nvfp4,mxfp4}" --layout kernel \
       --m "${SLICES_M:-512,1024,2048,4096}" --out "$OUT/layers_s${s}_$p" 2>&1 | grep "\[bench\]" | sed "s/^/s$s p$p /" >> "$LOG"
+  done ;;
+upslice)  # issue 10, session 55: the GRPO update where the slice tables apply (see the header)
+  build 2
+  for v in 1:1 0:1 0:2 1:2; do
+    IFS=: read -r s p <<< "$v"
+    QERL_DEQUANT_SLICES=$s timeout "${UPSLICE_SECS:-130}" python3 -m qerl.bench update --models 7b \
+      --formats "${UPSLICE_FMTS:-nvfp4,bf16}" --micro "${UPSLICE_MICRO:-2}" --prompt 64 --new 1024 --gc on --repeats 3 \
+      --out "$OUT/up_s${s}_$p" 2>&1 | grep "micro" | sed "s/^/s$s p$p /" >> "$LOG"
   done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
