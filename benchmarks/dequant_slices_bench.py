@@ -30,6 +30,7 @@ import os
 import torch
 
 from benchmarks import kernel_bench as kb
+from qerl.kernels import configs
 
 #: The table slices only up to this M by default. Session 54 (one H200): slices gained 4-7% a layer at M = 2048-4096
 #: in a second run (the backward, and the forward's down_proj), but the first sweep's slices at M = 8192-16384 lost
@@ -49,7 +50,7 @@ def _fp4_call(wts, i: int, a: torch.Tensor, size: int, t: bool):
     return lambda: qk._relaid_dequant_mm(a, w, out, size, t=t)
 
 
-def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path, ops=("fwd", "bwd")) -> list[dict]:
+def measure(models, fmts, ms, rows_list, cols_list, rep_ms, csv_path, ops=configs.SLICE_OPS) -> list[dict]:
     res = []
     for mdl in models:
         lins = kb.layer_linears(mdl)
@@ -99,7 +100,7 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def table(rows: list[dict], margin: float, max_m: int = 0, ops=("fwd", "bwd")) -> list[dict]:
+def table(rows: list[dict], margin: float, max_m: int = 0, ops=configs.SLICE_OPS) -> list[dict]:
     """The slice table's entries from the FP4 rows of ``ops``: per (op, N, K, M) the mean µs of each slice over the
     linears (and formats) of that shape, and the fastest slice if it beats the whole weight's (0) by ``margin`` (a
     fraction), else 0; above ``max_m`` (> 0) always 0 (the whole weight)."""
@@ -142,7 +143,6 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    from qerl.kernels import configs
     ops = tuple(o for o in a.ops.split(",") if o)
     if not ops or any(o not in configs.SLICE_OPS for o in ops):
         ap.error(f"--ops {a.ops!r}: give one or more of {','.join(configs.SLICE_OPS)}")
