@@ -485,6 +485,90 @@ def dequant_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Issue 10's per-layer targets on the H100 (7B decoder linears, FP4 vs BF16 cuBLAS): (op, M, at least).
+LAYER_TARGETS = (("fwd", 32, 2.3), ("fwd", 64, 1.6), ("fwd", 128, 1.15), ("fwd", 256, 0.95), ("fwd", 512, 0.95),
+                 ("fwd", 2048, 0.95), ("bwd", 512, 0.95), ("bwd", 2048, 0.95))
+#: Issue 11's decode targets on the H100 (256 + 2048 tokens, LoRA r32, tokens/s): (model, weights, batch, at least).
+DECODE_TARGETS = (("Qwen2.5-7B-Instruct", "NVFP4", 8, 2600), ("Qwen2.5-7B-Instruct", "MXFP4", 8, 2600),
+                  ("Qwen2.5-7B-Instruct", "BF16", 8, 1650), ("Qwen2.5-7B-Instruct", "NVFP4", 2, 700),
+                  ("Qwen2.5-14B-Instruct", "NVFP4", 8, 1300), ("Qwen2.5-32B-Instruct", "NVFP4", 8, 800))
+
+
+def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
+    """Issues 10 and 11's H100 targets beside the H100 measurement each is judged by, its run, and whether it is met.
+    The layer rows come from ``raw/<fwd_run>`` (forward) and ``raw/<bwd_run>`` (backward; the runs of the installed
+    setting, ``benchmarks.kernel_bench`` CSVs), the rollout rows from ``raw/<roll_run>/rollout.csv`` (its last pass),
+    the realistic GRPO step, the 32B step's peak, the 7B resident size and the decode rows from the top-level CSVs'
+    H100 rows (the row merged last where several match). Values are not rounded before the comparison."""
+    out = ["| issue | target | measured | met | run |", "|---|---|---:|---|---|"]
+
+    def row(issue, what, bound, value, run, fmt="{:.3f}×", at_most=False):
+        if value is None:
+            out.append(f"| {issue} | {what} | not measured | — | — |")
+            return
+        ok = value <= bound if at_most else value >= bound
+        out.append(f"| {issue} | {what} | {fmt.format(value)} | {'yes' if ok else 'no'} | `{run}` |")
+
+    layer = {}
+    for op, run in (("fwd", fwd_run), ("bwd", bwd_run)):
+        for p in sorted((root / "raw" / run).glob("layers_*.csv")):
+            d = pd.read_csv(p)
+            d = d[(d["linear"] == "layer") & (d["op"] == op)].set_index(["fmt", "M"])["us"]
+            layer.update({(op, f, m): (us, run) for (f, m), us in d.items()})
+    for fmt in ("nvfp4", "mxfp4"):
+        for op, m, bound in LAYER_TARGETS:
+            bf, fp = layer.get((op, "bf16", m)), layer.get((op, f"{fmt}-kernel", m))
+            row(10, f"7B layer {fmt.upper()} {op} M = {m}: ≥ {bound}× BF16", bound,
+                None if bf is None or fp is None else bf[0] / fp[0], fp[1] if fp else "")
+    roll = _read(root / "raw" / roll_run, "rollout.csv")
+    if roll is not None:
+        roll = _last_pass(roll, ["model", "batch_size", "weights"])
+    for n in (64, 128):
+        v = None
+        if roll is not None:
+            g = roll[roll.batch_size == n].set_index("weights").tokens_per_s
+            v = g["NVFP4"] / g["BF16"] if {"NVFP4", "BF16"} <= set(g.index) else None
+        row(10, f"7B rollout, {n} sequences: NVFP4 ≥ 1.3× BF16-LoRA", 1.3, v, roll_run)
+    step = _read(root, "step.csv")
+    h100 = step[step["device"].astype(str).str.contains("H100")] if step is not None else None
+    v, run = None, ""
+    if h100 is not None and "group_size" in h100:
+        real = h100[(h100.model == "Qwen2.5-7B-Instruct") & (h100.batch_size == 128) & (h100.group_size == 8)
+                    & (h100.new_tokens == 1024)
+                    & (h100.gc.astype(str) == "True") & (h100.status == "ok")]
+        nv, bf = real[real.weights == "NVFP4"], real[real.weights == "BF16"]
+        if len(nv) and len(bf):  # the last NVFP4 row against BF16-LoRA of its own run where it has one
+            nv = nv.iloc[-1]
+            bf = bf[bf.run == nv.run] if (bf.run == nv.run).any() else bf
+            v, run = bf.iloc[-1].step_s / nv.step_s, nv.run
+    row(10, "realistic GRPO step (7B, 16 × G 8): NVFP4 faster than BF16-LoRA", 1.0 + 1e-9, v, run)
+    v, run = None, ""
+    if h100 is not None:
+        big = h100[(h100.model == "Qwen2.5-32B-Instruct") & (h100.weights == "NVFP4") & (h100.status == "ok")]
+        big = big[big["layout"] == "kernel"] if "layout" in big else big
+        if len(big):
+            v, run = float(big.iloc[-1].peak_mem_gb), big.iloc[-1].run
+    row(10, "32B NVFP4 GRPO step peak < 45 GB", 45.0, v, run, "{:.1f} GB", at_most=True)
+    mem, v, run = _read(root, "memory.csv"), None, ""
+    if mem is not None and "layout" in mem:
+        r = mem[(mem.model == "Qwen2.5-7B-Instruct") & (mem.weights == "NVFP4") & (mem["layout"] == "kernel")
+                & mem.device.astype(str).str.contains("H100")]
+        if len(r):
+            v, run = float(r.iloc[-1].model_size_gb), r.iloc[-1].run
+    row(10, "7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB", 5.9, v, run, "{:.2f} GB", at_most=True)
+    rolls = _read(root, "rollout.csv")
+    for model, w, b, bound in DECODE_TARGETS:
+        v, run = None, ""
+        if rolls is not None:
+            r = rolls[(rolls.model == model) & (rolls.weights == w) & (rolls.batch_size == b) & (rolls.lora_rank == 32)
+                      & (rolls.prompt_len == 256) & (rolls.new_tokens == 2048) & (rolls.decode == "fused")
+                      & rolls.device.astype(str).str.contains("H100")]
+            if len(r):
+                v, run = float(r.iloc[-1].tokens_per_s), r.iloc[-1].run
+        row(11, f"{model.split('-')[0]}-{model.split('-')[1]} {w} batch {b}: ≥ {bound} tok/s", bound, v, run, "{:.0f}")
+    return "\n".join(out) + "\n"
+
+
 def slices_ab_table(root: Path, run: str) -> str:
     """The large-M path with the device's slice table and without (``QERL_DEQUANT_SLICES`` = 1 / 0), from
     ``raw/<run>/layers_s<on>_<pass>/layers_*.csv`` (``benchmarks.kernel_bench``, one process each, in the order
@@ -577,6 +661,13 @@ Raw logs, per-run CSVs and env.json: `results/speed/raw/`.
 
 ## Model size (Table 3)
 {memory_table(root)}
+## Where issues 10 and 11's H100 targets stand
+Each target beside the H100 measurement that judges it and the run that made it. The forward layer rows come from
+session 55's layer table with the installed GEMM table (`raw/h100_s55_tune/layers`). The backward rows come from the
+slice A/B's second pass with the installed slice table (`raw/h100_s55_slices/layers_s1_2`). One pass each; a ratio
+within ~3% of its bound is within one process's noise (NVFP4's 1.147× at M = 128 among them).
+
+{targets_table(root, "h100_s55_tune/layers", "h100_s55_slices/layers_s1_2", "h100_s55_cmp")}
 ## Rollout throughput (Tables 5-8, Fig. 1)
 The current sampler: fused decode step (`qerl.kernels.fused`, q|k|v and gate|up as one matmul each) and, for
 NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = ratio against a row of another run

@@ -380,6 +380,69 @@ def test_dequant_and_step_ab_tables(tmp_path):
     assert speed.step_ab_table(root, "new", "missing", "x") == "_not measured_\n"
 
 
+def _layers(path, rows):
+    """A ``benchmarks.kernel_bench`` CSV of layer rows: (fmt, op, M, µs)."""
+    path.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([dict(model="7b", fmt=f, op=op, M=m, linear="layer", us=us) for f, op, m, us in rows]).to_csv(
+        path / "layers_h100.csv", index=False)
+
+
+def test_slices_ab_table_per_pass_gain_and_ratio(tmp_path):
+    """The slice A/B: per format, op and M the FP4 µs with the table and without in each pass, the gain (without /
+    with - 1), and each against BF16 of its own process."""
+    raw = tmp_path / "raw" / "ab"
+    for on, p, us in (("1", "1", 90.0), ("0", "1", 100.0), ("0", "2", 99.0), ("1", "2", 95.0)):
+        _layers(raw / f"layers_s{on}_{p}", [("bf16", "bwd", 2048, 80.0), ("nvfp4-kernel", "bwd", 2048, us)])
+    lines = speed.slices_ab_table(tmp_path, "ab").splitlines()
+    assert lines[2:] == ["| nvfp4 | bwd | 2048 | 90 / 95 | 100 / 99 | +11.1% / +4.2% | 0.89× / 0.84× | "
+                         "0.80× / 0.81× |"]
+    assert speed.slices_ab_table(tmp_path, "none").startswith("_no slice A/B")
+
+
+def test_targets_table_judges_each_target_by_its_h100_run(tmp_path):
+    """Issues 10 and 11's targets: the layer ratios from the named runs (forward and backward from different runs),
+    the rollout from its last pass, the step, peak and decode rows from the top-level CSVs' H100 rows only (the row
+    merged last; the step's NVFP4 against BF16-LoRA of the same run), 'not measured' where nothing is, and no
+    rounding before the comparison."""
+    _layers(tmp_path / "raw" / "fw", [("bf16", "fwd", 128, 115.0), ("nvfp4-kernel", "fwd", 128, 100.0),
+                                      ("bf16", "bwd", 2048, 50.0), ("nvfp4-kernel", "bwd", 2048, 100.0)])
+    _layers(tmp_path / "raw" / "bw", [("bf16", "bwd", 2048, 96.0), ("nvfp4-kernel", "bwd", 2048, 100.0)])
+    (tmp_path / "raw" / "ro").mkdir()
+    pd.DataFrame([dict(model="7B", weights="BF16", batch_size=64, tokens_per_s=100.0),
+                  dict(model="7B", weights="NVFP4", batch_size=64, tokens_per_s=120.0),
+                  dict(model="7B", weights="BF16", batch_size=64, tokens_per_s=100.0, **{"pass": 2}),
+                  dict(model="7B", weights="NVFP4", batch_size=64, tokens_per_s=135.0, **{"pass": 2})]).to_csv(
+        tmp_path / "raw" / "ro" / "rollout.csv", index=False)
+    step = dict(model="Qwen2.5-7B-Instruct", batch_size=128, group_size=8, new_tokens=1024, gc=True, status="ok",
+                peak_mem_gb=20.0, layout="kernel")
+    pd.DataFrame([dict(step, weights="BF16", step_s=30.0, device="NVIDIA H100 80GB HBM3", run="a"),
+                  dict(step, weights="NVFP4", step_s=31.0, device="NVIDIA H100 80GB HBM3", run="a"),
+                  dict(step, weights="NVFP4", step_s=29.0, device="NVIDIA H100 80GB HBM3", run="b"),
+                  dict(step, weights="BF16", step_s=30.0, device="NVIDIA H100 80GB HBM3", run="b"),
+                  dict(step, weights="BF16", step_s=40.0, device="NVIDIA H100 80GB HBM3", run="c"),
+                  dict(step, weights="NVFP4", step_s=10.0, device="NVIDIA H200", run="h200"),
+                  dict(step, model="Qwen2.5-32B-Instruct", weights="NVFP4", step_s=40.0, peak_mem_gb=46.2,
+                       device="NVIDIA H100 80GB HBM3", run="big")]).to_csv(tmp_path / "step.csv", index=False)
+    roll = _rollout([_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 8, 2650.0),
+                     _row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 2, 699.9)], "dec")
+    roll["device"] = "NVIDIA H100 80GB HBM3"
+    h200 = _rollout([_row("Qwen2.5-32B-Instruct", "QeRL", "NVFP4", 8, 900.0)], "h200")
+    h200["device"] = "NVIDIA H200"
+    pd.concat([roll, h200]).to_csv(tmp_path / "rollout.csv", index=False)
+    got = {ln.split("|")[2].strip(): (ln.split("|")[3].strip(), ln.split("|")[4].strip(), ln.split("|")[5].strip())
+           for ln in speed.targets_table(tmp_path, "fw", "bw", "ro").splitlines()[2:]}
+    assert got["7B layer NVFP4 fwd M = 128: ≥ 1.15× BF16"] == ("1.150×", "yes", "`fw`")
+    assert got["7B layer NVFP4 bwd M = 2048: ≥ 0.95× BF16"] == ("0.960×", "yes", "`bw`")  # the backward's run
+    assert got["7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16"] == ("not measured", "—", "—")
+    assert got["7B rollout, 64 sequences: NVFP4 ≥ 1.3× BF16-LoRA"] == ("1.350×", "yes", "`ro`")  # the last pass
+    assert got["realistic GRPO step (7B, 16 × G 8): NVFP4 faster than BF16-LoRA"] == ("1.034×", "yes", "`b`")  # not 40 / 29
+    assert got["32B NVFP4 GRPO step peak < 45 GB"] == ("46.2 GB", "no", "`big`")
+    assert got["7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB"][0] == "not measured"
+    assert got["Qwen2.5-7B NVFP4 batch 8: ≥ 2600 tok/s"] == ("2650", "yes", "`dec`")
+    assert got["Qwen2.5-7B NVFP4 batch 2: ≥ 700 tok/s"] == ("700", "no", "`dec`")  # 699.9 is not 700
+    assert got["Qwen2.5-32B NVFP4 batch 8: ≥ 800 tok/s"][0] == "not measured"  # only an H200 row
+
+
 def test_batch_rollout_table_takes_the_default_mode_and_the_last_pass(tmp_path):
     """A run with several decode modes and passes (session 39's `--decode fused,fused`; session 37's `fused,fused-s36`):
     the table shows the `fused` rows of the last pass, whatever order the CSV holds them in."""
