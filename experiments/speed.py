@@ -502,12 +502,11 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
     H100 rows (the row merged last where several match). Values are not rounded before the comparison."""
     out = ["| issue | target | measured | met | run |", "|---|---|---:|---|---|"]
 
-    def row(issue, what, bound, value, run, fmt="{:.3f}×", at_most=False):
+    def row(issue, what, meets, value, run, fmt="{:.3f}×"):
         if value is None:
             out.append(f"| {issue} | {what} | not measured | — | — |")
             return
-        ok = value <= bound if at_most else value >= bound
-        out.append(f"| {issue} | {what} | {fmt.format(value)} | {'yes' if ok else 'no'} | `{run}` |")
+        out.append(f"| {issue} | {what} | {fmt.format(value)} | {'yes' if meets(value) else 'no'} | `{run}` |")
 
     layer = {}
     for op, run in (("fwd", fwd_run), ("bwd", bwd_run)):
@@ -518,7 +517,7 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
     for fmt in ("nvfp4", "mxfp4"):
         for op, m, bound in LAYER_TARGETS:
             bf, fp = layer.get((op, "bf16", m)), layer.get((op, f"{fmt}-kernel", m))
-            row(10, f"7B layer {fmt.upper()} {op} M = {m}: ≥ {bound}× BF16", bound,
+            row(10, f"7B layer {fmt.upper()} {op} M = {m}: ≥ {bound}× BF16", lambda v, t=bound: v >= t,
                 None if bf is None or fp is None else bf[0] / fp[0], fp[1] if fp else "")
     roll = _read(root / "raw" / roll_run, "rollout.csv")
     if roll is not None:
@@ -528,7 +527,7 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
         if roll is not None:
             g = roll[roll.batch_size == n].set_index("weights").tokens_per_s
             v = g["NVFP4"] / g["BF16"] if {"NVFP4", "BF16"} <= set(g.index) else None
-        row(10, f"7B rollout, {n} sequences: NVFP4 ≥ 1.3× BF16-LoRA", 1.3, v, roll_run)
+        row(10, f"7B rollout, {n} sequences: NVFP4 ≥ 1.3× BF16-LoRA", lambda v: v >= 1.3, v, roll_run)
     step = _read(root, "step.csv")
     h100 = step[step["device"].astype(str).str.contains("H100")] if step is not None else None
     v, run = None, ""
@@ -541,21 +540,21 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
             nv = nv.iloc[-1]
             bf = bf[bf.run == nv.run] if (bf.run == nv.run).any() else bf
             v, run = bf.iloc[-1].step_s / nv.step_s, nv.run
-    row(10, "realistic GRPO step (7B, 16 × G 8): NVFP4 faster than BF16-LoRA", 1.0 + 1e-9, v, run)
+    row(10, "realistic GRPO step (7B, 16 × G 8): NVFP4 faster than BF16-LoRA", lambda v: v > 1.0, v, run)
     v, run = None, ""
     if h100 is not None:
         big = h100[(h100.model == "Qwen2.5-32B-Instruct") & (h100.weights == "NVFP4") & (h100.status == "ok")]
         big = big[big["layout"] == "kernel"] if "layout" in big else big
         if len(big):
             v, run = float(big.iloc[-1].peak_mem_gb), big.iloc[-1].run
-    row(10, "32B NVFP4 GRPO step peak < 45 GB", 45.0, v, run, "{:.1f} GB", at_most=True)
+    row(10, "32B NVFP4 GRPO step peak < 45 GB", lambda v: v < 45.0, v, run, "{:.1f} GB")
     mem, v, run = _read(root, "memory.csv"), None, ""
     if mem is not None and "layout" in mem:
         r = mem[(mem.model == "Qwen2.5-7B-Instruct") & (mem.weights == "NVFP4") & (mem["layout"] == "kernel")
                 & mem.device.astype(str).str.contains("H100")]
         if len(r):
             v, run = float(r.iloc[-1].model_size_gb), r.iloc[-1].run
-    row(10, "7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB", 5.9, v, run, "{:.2f} GB", at_most=True)
+    row(10, "7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB", lambda v: v <= 5.9, v, run, "{:.2f} GB")
     rolls = _read(root, "rollout.csv")
     for model, w, b, bound in DECODE_TARGETS:
         v, run = None, ""
@@ -565,7 +564,8 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
                       & rolls.device.astype(str).str.contains("H100")]
             if len(r):
                 v, run = float(r.iloc[-1].tokens_per_s), r.iloc[-1].run
-        row(11, f"{model.split('-')[0]}-{model.split('-')[1]} {w} batch {b}: ≥ {bound} tok/s", bound, v, run, "{:.0f}")
+        row(11, f"{model.split('-')[0]}-{model.split('-')[1]} {w} batch {b}: ≥ {bound} tok/s",
+            lambda v, t=bound: v >= t, v, run, "{:.0f}")
     return "\n".join(out) + "\n"
 
 
