@@ -189,7 +189,8 @@
 #                                qerl/kernels/tuned/dequant_slices_<gpu>.json in the tree and $OUT/slices: copy it back),
 #                                then the layer table with the new table and without (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1,
 #                                $OUT/layers_s*); ~7 min with the build. SLICES_MODELS=7b,14b,32b (and SLICES_SECS) sweeps
-#                                more shapes (session 54's H200 table: 7B only); SLICES_M the A/B's Ms
+#                                more shapes (session 54's H200 table: 7B only); SLICES_M the A/B's Ms; SLICES_OPS=bwd
+#                                sweeps and tabulates the backward alone (session 55's H100 table covers only it)
 #   scripts/gpu_bench.sh upslice issue 10, session 55: one GRPO micro-batch's log-prob pass and forward + backward
 #                                (qerl.bench update, 7B, UPSLICE_MICRO=2 completions of 64 + 1024 tokens: M ≈ 2.2 K, where
 #                                the slice tables apply; GC on) with the device's slice table and without
@@ -666,7 +667,8 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
   build 2
   gpu_tests slices 240 tests/test_cuda_fp4.py -k "column_slices or row_slices or dequantize"
   timeout "${SLICES_SECS:-240}" python3 -m benchmarks.dequant_slices_bench --write-table --out "$OUT/slices" \
-    --models "${SLICES_MODELS:-7b}" --fmts "${SLICES_FMTS:-nvfp4,mxfp4}" 2>&1 | grep "installed\|^|" >> "$LOG"
+    --models "${SLICES_MODELS:-7b}" --fmts "${SLICES_FMTS:-nvfp4,mxfp4}" --ops "${SLICES_OPS:-fwd,bwd}" 2>&1 \
+    | grep "installed\|^|" >> "$LOG"
   for v in 1:1 0:1 0:2 1:2; do
     IFS=: read -r s p <<< "$v"
     QERL_DEQUANT_SLICES=$s timeout 120 python3 -m benchmarks.kernel_bench --models "${SLICES_MODELS:-7b}" \
