@@ -59,7 +59,9 @@ def speed_csvs(root) -> dict[str, list[tuple[Path, pd.DataFrame]]]:
     """``{"rollout": [(path, frame)], "layer": [...]}`` for every CSV under ``<root>/speed``.
 
     ``speed/raw/`` (per-session logs and CSVs, already merged into the top-level CSVs) and ``step.csv`` (whose
-    ``rollout_tokens_per_s`` is an in-training figure, not a rollout benchmark) are not read."""
+    ``rollout_tokens_per_s`` is an in-training figure, not a rollout benchmark) are not read, nor the rows of a
+    CSV whose ``bench`` column names another benchmark (``scaling``), nor, for the layer figure, the kernel
+    comparisons that time several paths per linear (a ``path`` column: their sum would mix kernels)."""
     out = {"rollout": [], "layer": []}
     for p in sorted((Path(root) / "speed").rglob("*.csv")):
         if "raw" in p.relative_to(Path(root) / "speed").parts[:-1] or p.name == "step.csv":
@@ -69,10 +71,13 @@ def speed_csvs(root) -> dict[str, list[tuple[Path, pd.DataFrame]]]:
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
             print(f"[paper_figures] ignoring {p}: {e}")
             continue
+        if "bench" in df:  # qerl.bench rows say what they measured: scaling.csv's tokens/s are training steps
+            df = df[df["bench"] == "rollout"] if "tok_s" in df else df
         if "tok_s" in df:
-            out["rollout"].append((p, df))
-        elif ("time_ms" in df or "us" in df) and "m" in df:
-            out["layer"].append((p, df))
+            if len(df):
+                out["rollout"].append((p, df))
+        elif ("time_ms" in df or ("us" in df and "linear" in df)) and "m" in df and "path" not in df:
+            out["layer"].append((p, df))  # one time per linear and M (a "path" CSV compares kernels side by side)
     return out
 
 
@@ -164,6 +169,36 @@ def current_decode(df: pd.DataFrame) -> pd.DataFrame:
     return df[(df["decode"] == "fused") | ~df["model"].isin(fused_models)]
 
 
+def one_machine(df: pd.DataFrame, key=("model", "label", "batch", "rank")) -> tuple[pd.DataFrame, str]:
+    """Ours on one GPU model, one measurement a bar: the rows of the paper's GPU (an H100) where a ``device`` column
+    names one, else of the device with the most rows; per model and batch one length, the one most formats were
+    measured at (ties: the paper's 2048 new tokens, else the longest), so the bars of a group compare like with like;
+    per ``key`` the row merged last (the top-level CSV keeps one row per configuration and layout). Returns the rows
+    and a title note naming the device and the lengths."""
+    note = []
+    if "device" in df and df["device"].notna().any():
+        dev = df["device"].astype(str)
+        pick = "H100" if dev.str.contains("H100").any() else dev.value_counts().idxmax()
+        df = df[dev.str.contains(pick, regex=False)]
+        note.append(df["device"].iloc[0] if pick == "H100" else pick)
+    key = [k for k in key if k in df]
+    group = [k for k in ("model", "batch") if k in df]
+    if "new_tokens" in df and group:
+        def length(g):
+            n = g.groupby("new_tokens")["label"].nunique() if "label" in g else g["new_tokens"].value_counts()
+            return max(n.index, key=lambda t: (n[t], t == 2048, t))
+        best = df.groupby(group)[df.columns.tolist()].apply(length).rename("best").reset_index()
+        df = df.merge(best, on=group, how="left")
+        df = df[df["new_tokens"] == df.pop("best")]
+        lengths = df.groupby("new_tokens")["batch"].agg(lambda b: sorted(set(int(x) for x in b))) \
+            if "batch" in df else None
+        if lengths is not None and len(lengths):
+            note.append("; ".join(f"{int(n)} new tokens at batch {', '.join(map(str, b))}" for n, b in lengths.items()))
+    if key:
+        df = df.groupby(key, dropna=False, sort=False).tail(1)
+    return df, (" · " + ", ".join(note)) if note else ""
+
+
 def _rollout_frame(root):
     found = speed_csvs(root)["rollout"]
     if not found:
@@ -182,7 +217,9 @@ def speed_rollout(root="results", out_dir=None) -> list[Path]:
     note = ""
     if "rank" in df and df["rank"].nunique() > 1:
         r = df["rank"].value_counts().sort_index().idxmax()
-        df, note = df[df["rank"] == r], f", LoRA rank {r}"
+        df, note = df[df["rank"] == r], f", LoRA rank {int(r)}"
+    df, machine = one_machine(df)
+    note += machine
     return _bars("speed_rollout", df, _paper_rollout(), "batch", "batch size (prompts)",
                  f"Rollout throughput per format and batch size{note} (Fig. 1 / Tables 5–8)", sources, root, out_dir)
 
@@ -196,6 +233,8 @@ def speed_rank(root="results", out_dir=None) -> list[Path]:
     if "batch" in df:
         b = df["batch"].min()
         df, note = df[df["batch"] == b], f", ours at batch {int(b)}, the paper's at batch 1"
+    df, machine = one_machine(df)
+    note += machine
     # only the (model, format) pairs that were swept over ranks
     swept = df.groupby(["model", "label"])["rank"].transform("nunique") > 1
     if swept.any():
@@ -237,5 +276,6 @@ def speed_layers(root="results", out_dir=None) -> list[Path]:
         ax.set_title(str(model), fontsize=10)
         ax.set_xlabel("M (tokens in the batch)")
         ax.set_ylabel("time / BF16 time" if y == "ratio" else "time (ms)")
-    fig.suptitle("Linear-layer time per format\n(mean ± sd over the CSV's layers and repeats)", fontsize=9)
+    fig.suptitle("Linear-layer time per format\n(mean ± sd over the CSV's layers and repeats; "
+                 f"{', '.join(p.name for p, _ in found)})", fontsize=9)
     return save(fig, out_dir_for(root, out_dir), "speed_layers", [str(p) for p, _ in found])

@@ -318,6 +318,28 @@ def test_scale_free_figures_skip_without_files(tmp_path, capsys):
     assert all(f"skip {n}" in out for n in ("fig15", "speed_rollout", "speed_rank", "speed_layers"))
 
 
+def test_speed_rollout_keeps_one_gpu_and_one_length_a_group():
+    """The rollout figure's bars: the paper's GPU (an H100) only, one length per model and batch (the one most
+    formats were measured at; ties: 2048 new tokens) so a group compares like with like, and per bar the row merged
+    last; the title names both."""
+    import pandas as pd
+    rows = [("BF16", 8, 2048, "NVIDIA H100 80GB HBM3", 1200.0), ("NVFP4", 8, 2048, "NVIDIA H100 80GB HBM3", 2400.0),
+            ("NVFP4", 8, 2048, "NVIDIA H100 80GB HBM3", 2450.0),  # merged later (another layout): this one
+            ("NVFP4", 8, 512, "NVIDIA H100 80GB HBM3", 9999.0),  # another length, fewer formats: out
+            ("BF16", 64, 512, "NVIDIA H100 80GB HBM3", 7400.0), ("NVFP4", 64, 512, "NVIDIA H100 80GB HBM3", 10600.0),
+            ("NVFP4", 64, 2048, "NVIDIA H100 80GB HBM3", 7500.0),  # one format at 2048: the group stays at 512
+            ("BF16", 8, 2048, "NVIDIA H200", 1500.0), ("NVFP4", 8, 2048, "NVIDIA H200", 2900.0)]  # another GPU: out
+    df = S._prep(pd.DataFrame([dict(model="Qwen2.5-7B-Instruct", method="QeRL" if w == "NVFP4" else "LoRA",
+                                    weights=w, batch=b, rank=32, new_tokens=n, device=d, tok_s=t)
+                               for w, b, n, d, t in rows]))
+    got, note = S.one_machine(df)
+    assert sorted(zip(got["weights"], got["batch"], got["tok_s"], strict=True)) == [
+        ("BF16", 8, 1200.0), ("BF16", 64, 7400.0), ("NVFP4", 8, 2450.0), ("NVFP4", 64, 10600.0)]
+    assert note == " · NVIDIA H100 80GB HBM3, 512 new tokens at batch 64; 2048 new tokens at batch 8"
+    plain, none = S.one_machine(df.drop(columns=["device", "new_tokens"]).iloc[:2])
+    assert len(plain) == 2 and none == ""  # CSVs without those columns pass as they are
+
+
 def test_speed_columns_are_read_defensively():
     df = S._canon(__import__("pandas").DataFrame({"Preset": ["x"], "FMT": ["nvfp4"], "BS": [2], "tok_s": [3.0]}))
     assert {"model", "weights", "batch", "tok_s"} <= set(df.columns)
