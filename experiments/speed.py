@@ -188,7 +188,7 @@ def _tokens(r) -> str:
 
 def rank_table(root: Path) -> str:
     """Table 9: ours per LoRA rank (the batch of our sweep) beside the paper's (vLLM, batch 1); † = a ratio against
-    the BF16 row of another run."""
+    the BF16 row of another run; each row's run (a rank re-measured later replaces that rank's row only)."""
     d = _read(root, "rollout.csv")
     if d is None:
         return "_no rollout.csv_\n"
@@ -202,7 +202,7 @@ def rank_table(root: Path) -> str:
         return "_no rank sweep_\n"
     t9 = pd.read_csv(PAPER_DIR / "table9.csv")
     lines = ["| model | batch (ours) | weights | rank | ours tok/s | ours ×LoRA | paper tok/s (vLLM, batch 1) | "
-             "paper ×LoRA |", "|---|---|---|---|---|---|---|---|"]
+             "paper ×LoRA | run |", "|---|---|---|---|---|---|---|---|---|"]
     for (model, batch, device) in swept.index:
         g = d[(d.model == model) & (d.batch_size == batch) & (d.device == device)].sort_values(["lora_rank", "weights"])
         for _, r in g.iterrows():
@@ -214,7 +214,7 @@ def rank_table(root: Path) -> str:
             lines.append(f"| {model} | {int(batch)} | {r.weights} | {int(r.lora_rank)} | {r.tokens_per_s:.0f} | "
                          f"{_fmt(r.tokens_per_s / ref.tokens_per_s, 2) + mark if ref is not None else '—'} | "
                          f"{_fmt(pvv)} | "
-                         f"{_fmt(pvv / pbv, 2) if pvv and pbv else '—'} |")
+                         f"{_fmt(pvv / pbv, 2) if pvv and pbv else '—'} | {r.get('run', '')} |")
     return "\n".join(lines) + "\n"
 
 

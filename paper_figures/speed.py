@@ -232,15 +232,18 @@ def speed_rank(root="results", out_dir=None) -> list[Path]:
     note = ""
     if "batch" in df:
         b = df["batch"].min()
-        df, note = df[df["batch"] == b], f", ours at batch {int(b)}, the paper's at batch 1"
+        df, note = df[df["batch"] == b], f",\nours at batch {int(b)}, the paper's at batch 1"
     df, machine = one_machine(df)
-    note += machine
+    note += machine.replace(" · ", "\n")  # a one-model figure is narrow: one part a line
     # only the (model, format) pairs that were swept over ranks
     swept = df.groupby(["model", "label"])["rank"].transform("nunique") > 1
     if swept.any():
         df = df[swept]
+    if "run" in df and df["run"].nunique() > 1:  # a rank re-measured later replaced its row: say whose each bar is
+        runs = df.groupby("rank")["run"].agg(lambda r: ", ".join(sorted(set(map(str, r)))))
+        note += "\nruns (rank: run): " + "; ".join(f"{int(k)}: {v}" for k, v in runs.items())
     return _bars("speed_rank", df, _paper_rank(), "rank", "LoRA rank",
-                 f"Rollout throughput per LoRA rank{note} (Fig. 11 / Table 9)", sources, root, out_dir)
+                 f"Rollout throughput per LoRA rank (Fig. 11 / Table 9){note}", sources, root, out_dir)
 
 
 def speed_layers(root="results", out_dir=None) -> list[Path]:

@@ -127,6 +127,7 @@ def test_rank_table_beside_paper_table9(tmp_path):
     assert cells[8] == f"{137.7 / 108.3:.2f}"
     row = next(x for x in md.splitlines() if "| NVFP4 | 16 |" in x)
     assert [c.strip() for c in row.split("|")][6] == "1.50†"  # against the BF16 row of run r: marked
+    assert [c.strip() for c in row.split("|")][9] == "s"  # and its own run named
 
 
 def test_bench_profile_runs_on_cpu(tmp_path):
