@@ -184,12 +184,12 @@ def one_machine(df: pd.DataFrame, key=("model", "label", "batch", "rank")) -> tu
     key = [k for k in key if k in df]
     group = [k for k in ("model", "batch") if k in df]
     if "new_tokens" in df and group:
-        def length(g):
-            n = g.groupby("new_tokens")["label"].nunique() if "label" in g else g["new_tokens"].value_counts()
-            return max(n.index, key=lambda t: (n[t], t == 2048, t))
-        best = df.groupby(group)[df.columns.tolist()].apply(length).rename("best").reset_index()
-        df = df.merge(best, on=group, how="left")
-        df = df[df["new_tokens"] == df.pop("best")]
+        by = [*group, "new_tokens"]
+        formats = (df.groupby(by, dropna=False)["label"].transform("nunique") if "label" in df
+                   else df.groupby(by, dropna=False)["new_tokens"].transform("size"))
+        order = df.assign(_f=formats, _p=df["new_tokens"] == 2048).sort_values(["_f", "_p", "new_tokens"], kind="stable")
+        best = order.groupby(group, dropna=False)["new_tokens"].transform("last").reindex(df.index)
+        df = df[df["new_tokens"] == best]
         lengths = df.groupby("new_tokens")["batch"].agg(lambda b: sorted(set(int(x) for x in b))) \
             if "batch" in df else None
         if lengths is not None and len(lengths):
