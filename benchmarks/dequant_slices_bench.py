@@ -143,9 +143,10 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     ints = lambda s: [int(v) for v in s.split(",") if v]  # noqa: E731
-    ops = tuple(o for o in a.ops.split(",") if o)
-    if not ops or any(o not in configs.SLICE_OPS for o in ops):
-        ap.error(f"--ops {a.ops!r}: give one or more of {','.join(configs.SLICE_OPS)}")
+    try:
+        ops = configs.slice_ops(o for o in a.ops.split(",") if o)
+    except ValueError as e:
+        ap.error(f"--ops {a.ops!r}: {e}")
     if a.table_from:
         import csv
         with open(a.table_from) as f:

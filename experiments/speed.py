@@ -494,6 +494,17 @@ DECODE_TARGETS = (("Qwen2.5-7B-Instruct", "NVFP4", 8, 2600), ("Qwen2.5-7B-Instru
                   ("Qwen2.5-14B-Instruct", "NVFP4", 8, 1300), ("Qwen2.5-32B-Instruct", "NVFP4", 8, 800))
 
 
+def _layer_us(path: Path) -> pd.Series:
+    """A ``benchmarks.kernel_bench`` CSV's decoder-layer µs (its ``linear == "layer"`` rows) by (fmt, op, M)."""
+    d = pd.read_csv(path)
+    return d[d["linear"] == "layer"].set_index(["fmt", "op", "M"])["us"]
+
+
+def _on_h100(d: pd.DataFrame | None) -> pd.DataFrame | None:
+    """The rows of ``d`` measured on an H100 (issue 10's and 11's targets are H100 targets)."""
+    return None if d is None or "device" not in d else d[d["device"].astype(str).str.contains("H100")]
+
+
 def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
     """Issues 10 and 11's H100 targets beside the H100 measurement each is judged by, its run, and whether it is met.
     The layer rows come from ``raw/<fwd_run>`` (forward) and ``raw/<bwd_run>`` (backward; the runs of the installed
@@ -511,9 +522,7 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
     layer = {}
     for op, run in (("fwd", fwd_run), ("bwd", bwd_run)):
         for p in sorted((root / "raw" / run).glob("layers_*.csv")):
-            d = pd.read_csv(p)
-            d = d[(d["linear"] == "layer") & (d["op"] == op)].set_index(["fmt", "M"])["us"]
-            layer.update({(op, f, m): (us, run) for (f, m), us in d.items()})
+            layer.update({(o, f, m): (us, run) for (f, o, m), us in _layer_us(p).items() if o == op})
     for fmt in ("nvfp4", "mxfp4"):
         for op, m, bound in LAYER_TARGETS:
             bf, fp = layer.get((op, "bf16", m)), layer.get((op, f"{fmt}-kernel", m))
@@ -528,8 +537,7 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
             g = roll[roll.batch_size == n].set_index("weights").tokens_per_s
             v = g["NVFP4"] / g["BF16"] if {"NVFP4", "BF16"} <= set(g.index) else None
         row(10, f"7B rollout, {n} sequences: NVFP4 ≥ 1.3× BF16-LoRA", lambda v: v >= 1.3, v, roll_run)
-    step = _read(root, "step.csv")
-    h100 = step[step["device"].astype(str).str.contains("H100")] if step is not None else None
+    h100 = _on_h100(_read(root, "step.csv"))
     v, run = None, ""
     if h100 is not None and "group_size" in h100:
         real = h100[(h100.model == "Qwen2.5-7B-Instruct") & (h100.batch_size == 128) & (h100.group_size == 8)
@@ -548,20 +556,18 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
         if len(big):
             v, run = float(big.iloc[-1].peak_mem_gb), big.iloc[-1].run
     row(10, "32B NVFP4 GRPO step peak < 45 GB", lambda v: v < 45.0, v, run, "{:.1f} GB")
-    mem, v, run = _read(root, "memory.csv"), None, ""
+    mem, v, run = _on_h100(_read(root, "memory.csv")), None, ""
     if mem is not None and "layout" in mem:
-        r = mem[(mem.model == "Qwen2.5-7B-Instruct") & (mem.weights == "NVFP4") & (mem["layout"] == "kernel")
-                & mem.device.astype(str).str.contains("H100")]
+        r = mem[(mem.model == "Qwen2.5-7B-Instruct") & (mem.weights == "NVFP4") & (mem["layout"] == "kernel")]
         if len(r):
             v, run = float(r.iloc[-1].model_size_gb), r.iloc[-1].run
     row(10, "7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB", lambda v: v <= 5.9, v, run, "{:.2f} GB")
-    rolls = _read(root, "rollout.csv")
+    rolls = _on_h100(_read(root, "rollout.csv"))
     for model, w, b, bound in DECODE_TARGETS:
         v, run = None, ""
         if rolls is not None:
             r = rolls[(rolls.model == model) & (rolls.weights == w) & (rolls.batch_size == b) & (rolls.lora_rank == 32)
-                      & (rolls.prompt_len == 256) & (rolls.new_tokens == 2048) & (rolls.decode == "fused")
-                      & rolls.device.astype(str).str.contains("H100")]
+                      & (rolls.prompt_len == 256) & (rolls.new_tokens == 2048) & (rolls.decode == "fused")]
             if len(r):
                 v, run = float(r.iloc[-1].tokens_per_s), r.iloc[-1].run
         row(11, f"{model.split('-')[0]}-{model.split('-')[1]} {w} batch {b}: ≥ {bound} tok/s",
@@ -577,8 +583,7 @@ def slices_ab_table(root: Path, run: str) -> str:
     runs = {}
     for p in sorted((root / "raw" / run).glob("layers_s*_*/layers_*.csv")):
         on, pas = p.parent.name.split("_")[1:]
-        d = pd.read_csv(p)
-        runs[(on[1:], pas)] = d[d["linear"] == "layer"].set_index(["fmt", "op", "M"])["us"]
+        runs[(on[1:], pas)] = _layer_us(p)
     if not runs:
         return f"_no slice A/B in raw/{run}_\n"
     first = next(iter(runs.values()))

@@ -195,7 +195,7 @@
 #                                (qerl.bench update, 7B, UPSLICE_MICRO=2 completions of 64 + 1024 tokens: M ≈ 2.2 K, where
 #                                the slice tables apply; GC on) with the device's slice table and without
 #                                (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1, one process each, UPSLICE_FMTS=nvfp4,bf16;
-#                                $OUT/up_s<on>_<pass>); ~5 min with the build. The H100's old GEMM table for `tableab`:
+#                                $OUT/up_<on>_<pass>, the log's lines in that order); ~5 min with the build. The H100's old GEMM table for `tableab`:
 #                                TABLE_OLD=results/speed/raw/h100_s55_tune/cuda_gemm_table_h100_s32.json
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
@@ -677,12 +677,9 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
   done ;;
 upslice)  # issue 10, session 55: the GRPO update where the slice tables apply (see the header)
   build 2
-  for v in 1:1 0:1 0:2 1:2; do
-    IFS=: read -r s p <<< "$v"
-    QERL_DEQUANT_SLICES=$s timeout "${UPSLICE_SECS:-130}" python3 -m qerl.bench update --models 7b \
-      --formats "${UPSLICE_FMTS:-nvfp4,bf16}" --micro "${UPSLICE_MICRO:-2}" --prompt 64 --new 1024 --gc on --repeats 3 \
-      --out "$OUT/up_s${s}_$p" 2>&1 | grep "micro" | sed "s/^/s$s p$p /" >> "$LOG"
-  done ;;
+  ab_runs QERL_DEQUANT_SLICES up "1:1 0:1 0:2 1:2" "${UPSLICE_SECS:-130}" micro python3 -m qerl.bench update \
+    --models 7b --formats "${UPSLICE_FMTS:-nvfp4,bf16}" --micro "${UPSLICE_MICRO:-2}" --prompt 64 --new 1024 --gc on \
+    --repeats 3 ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

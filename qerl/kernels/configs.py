@@ -19,8 +19,8 @@ from pathlib import Path
 from qerl.kernels.tuned_h100 import TUNED, TUNED_DEVICE
 
 __all__ = ["KernelConfig", "heuristic", "lookup", "m_bucket", "replace", "set_table", "TUNED", "TUNED_DEVICE",
-           "dequant_slice", "device_slug", "install_slice_table", "load_slice_table", "SliceTable",
-           "SLICE_OPS"]
+           "dequant_slice", "device_slug", "install_slice_table", "load_slice_table", "slice_ops",
+           "SliceTable", "SLICE_OPS"]
 
 #: Largest M sent to the split-K GEMV family (decode), and to the fused Triton GEMM; above it the
 #: weight is dequantized into a reusable BF16 buffer and cuBLAS does the product.
@@ -160,6 +160,15 @@ class SliceTable(dict):
 _SLICE_TABLES: dict[str, SliceTable] = {}
 
 
+def slice_ops(ops) -> tuple[str, ...]:
+    """``ops`` (an iterable of names) as a tuple of :data:`SLICE_OPS` members; a ValueError naming the bad value and
+    the valid ones otherwise (a table file's ``ops``, the bench's ``--ops``)."""
+    ops = tuple(ops)
+    if not ops or any(op not in SLICE_OPS for op in ops):
+        raise ValueError(f"ops={list(ops)}; give one or more of {SLICE_OPS}")
+    return ops
+
+
 def device_slug(device_name: str) -> str:
     """A device name as the tuned tables' file names spell it ("NVIDIA H200" -> "nvidia_h200")."""
     return "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
@@ -180,10 +189,10 @@ def load_slice_table(device_name: str) -> SliceTable:
     table = SliceTable()  # covers no op
     if path.exists():
         doc = json.loads(path.read_text())
-        ops = tuple(doc.get("ops", SLICE_OPS))
-        if not ops or any(op not in SLICE_OPS for op in ops):
-            raise ValueError(f"{path}: ops={list(ops)}; each must be one of {SLICE_OPS}")
-        table.ops = ops
+        try:
+            table.ops = ops = slice_ops(doc.get("ops", SLICE_OPS))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         for e in doc["entries"]:
             op, size = e["op"], int(e["slice"])
             unit = 16 if op == "fwd" else 64
