@@ -440,16 +440,20 @@ def _slice_table(tmp_path, monkeypatch, entries, **doc) -> str:
 
 
 def test_dequant_slice_table_lookup(tmp_path, monkeypatch):
-    """The measured slice table: the entry of the smallest measured M >= m, the whole weight above the largest
-    measured M and for shapes it lacks, None for a device without a table (the caller's rule) or when switched off."""
+    """The measured slice table: the entry of the measured M nearest to m in ratio (ties: the larger), the whole
+    weight above the largest measured M and for shapes it lacks, None for a device without a table (the caller's
+    rule) or when switched off."""
     e = [dict(op="bwd", N=18944, K=3584, M=m, slice=sz) for m, sz in ((512, 0), (2048, 2048), (4096, 1024))]
     e.append(dict(op="fwd", N=3584, K=18944, M=2048, slice=2048))
     dev = _slice_table(tmp_path, monkeypatch, e)
     try:
         assert configs.dequant_slice("bwd", 18944, 3584, 300, dev) == 0
-        assert configs.dequant_slice("bwd", 18944, 3584, 1024, dev) == 2048  # the next measured M up: 2048
+        assert configs.dequant_slice("bwd", 18944, 3584, 1024, dev) == 2048  # 512 and 2048 tie at 2x: the larger
         assert configs.dequant_slice("bwd", 18944, 3584, 2048, dev) == 2048
+        # micro-batch 2 of the GRPO update: 2048 is nearer than 4096 (the old rule, next M up, took 4096's 1024)
+        assert configs.dequant_slice("bwd", 18944, 3584, 2176, dev) == 2048
         assert configs.dequant_slice("bwd", 18944, 3584, 3000, dev) == 1024
+        assert configs.dequant_slice("bwd", 18944, 3584, 4096, dev) == 1024
         assert configs.dequant_slice("bwd", 18944, 3584, 17408, dev) == 0  # above every measured M: whole
         assert configs.dequant_slice("fwd", 18944, 3584, 2048, dev) == 0  # a shape (of this op) not in the table
         assert configs.dequant_slice("fwd", 3584, 18944, 1500, dev) == 2048

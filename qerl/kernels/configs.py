@@ -218,9 +218,12 @@ def install_slice_table(device_name: str, text: str) -> Path:
 
 def dequant_slice(op: str, n: int, k: int, m: int, device_name: str) -> int | None:
     """Rows (``op`` "fwd") or columns ("bwd") of Ŵ per dequantize + cuBLAS slice at M tokens, measured on this
-    device: the entry of the smallest measured M >= m, 0 (the whole weight at once) above the largest measured M
-    (each slice re-reads x or g, and no slice was timed there) or for a shape it lacks; None when the device has no
-    table, its table does not cover ``op``, or ``QERL_DEQUANT_SLICES=0``: the caller keeps its own rule."""
+    device: the entry of the measured M nearest to m in ratio (a tie: the larger), 0 (the whole weight at once)
+    above the largest measured M (each slice re-reads x or g, and no slice was timed there) or for a shape it lacks;
+    None when the device has no table, its table does not cover ``op``, or ``QERL_DEQUANT_SLICES=0``: the caller
+    keeps its own rule. (Until session 56 the smallest measured M >= m: the GRPO update at micro-batch 2, M = 2176,
+    then ran the M = 4096 picks, which the same sweep had timed slower than the whole weight at M = 2048;
+    ``results/speed/raw/h100_s56_upslice``.)"""
     if op not in SLICE_OPS:
         raise ValueError(f"dequant_slice: op={op!r}; valid: {SLICE_OPS}")
     if os.environ.get("QERL_DEQUANT_SLICES", "1") == "0":
@@ -228,7 +231,8 @@ def dequant_slice(op: str, n: int, k: int, m: int, device_name: str) -> int | No
     table = load_slice_table(device_name)
     if op not in table.ops:
         return None
-    for mm, size in table.get((op, n, k), ()):
-        if mm >= m:
-            return size
-    return 0
+    entries = table.get((op, n, k), ())
+    if not entries or m > entries[-1][0]:
+        return 0
+    # ratio distance max(mm, m) / min(mm, m); entries are sorted by M, so on a tie the later (larger) one wins
+    return min(reversed(entries), key=lambda e: max(e[0], m) / min(e[0], m))[1]
