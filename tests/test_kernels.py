@@ -448,6 +448,7 @@ def test_dequant_slice_table_lookup(tmp_path, monkeypatch):
     dev = _slice_table(tmp_path, monkeypatch, e)
     try:
         assert configs.dequant_slice("bwd", 18944, 3584, 300, dev) == 0
+        assert configs.dequant_slice("bwd", 18944, 3584, 0, dev) == 0  # an empty input
         assert configs.dequant_slice("bwd", 18944, 3584, 1024, dev) == 2048  # 512 and 2048 tie at 2x: the larger
         assert configs.dequant_slice("bwd", 18944, 3584, 2048, dev) == 2048
         # micro-batch 2 of the GRPO update: 2048 is nearer than 4096 (the old rule, next M up, took 4096's 1024)
