@@ -234,6 +234,6 @@ def dequant_slice(op: str, n: int, k: int, m: int, device_name: str) -> int | No
     entries = table.get((op, n, k), ())
     if not entries or m > entries[-1][0]:
         return 0
-    # ratio distance max(mm, m) / min(mm, m); entries are sorted by M, so on a tie the later (larger) one wins
     m = max(m, 1)  # an empty input: the smallest M's entry
+    # ratio distance max(mm, m) / min(mm, m); entries are sorted by M, so on a tie the later (larger) one wins
     return min(reversed(entries), key=lambda e: max(e[0], m) / min(e[0], m))[1]
