@@ -197,6 +197,11 @@
 #                                (QERL_DEQUANT_SLICES=1 / 0 / 0 / 1, one process each, UPSLICE_FMTS=nvfp4,bf16;
 #                                $OUT/up_<on>_<pass>, the log's lines in that order); ~5 min with the build. The H100's old GEMM table for `tableab`:
 #                                TABLE_OLD=results/speed/raw/h100_s55_tune/cuda_gemm_table_h100_s32.json
+#   scripts/gpu_bench.sh row32   issue 11's 32B NVFP4 batch-8 row (256 + 2048, r32, two passes: the first a warm-up;
+#                                $OUT/roll32) and its decode-step profiles with and without adapters (ROW32_RANKS=32,0,
+#                                one process each; $OUT/prof32). The extension builds beside the first 32B load (on a
+#                                cold machine the build takes ~100-130 s and the load ~80 s: session 56 lost both rows
+#                                to limits that left no room for them). ~8 min cold
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -680,6 +685,17 @@ upslice)  # issue 10, session 55: the GRPO update where the slice tables apply (
   ab_runs QERL_DEQUANT_SLICES up "1:1 0:1 0:2 1:2" "${UPSLICE_SECS:-130}" micro python3 -m qerl.bench update \
     --models 7b --formats "${UPSLICE_FMTS:-nvfp4,bf16}" --micro "${UPSLICE_MICRO:-2}" --prompt 64 --new 1024 --gc on \
     --repeats 3 ;;
+row32)  # issue 11: the 32B NVFP4 batch-8 row and its profiles (see the header)
+  build 2 &
+  bpid=$!
+  timeout "${ROW32_SECS:-280}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
+    --decode fused,fused --out "$OUT/roll32" 2>&1 | grep -v Warn >> "$LOG"
+  wait "$bpid"
+  ranks=${ROW32_RANKS:-32,0}
+  for r in ${ranks//,/ }; do
+    timeout 150 $B profile --models 32b --formats nvfp4 --batch 8 --ranks "$r" --decode fused --out "$OUT/prof32" 2>&1 \
+      | grep -v "Warn\|_warn_once" >> "$LOG"
+  done ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -188,3 +188,25 @@ def test_regress_parts_cover_every_gpu_test_once(tmp_path):
     assert all(ids[k] for k in ("1", "2", "3")) and len(ids["all"]) > 50
     assert sorted(shares) == sorted(ids["all"])  # every GPU test, none twice
     assert all("wgmma" in t for t in ids["2"]) and all(t.startswith("tests/test_cuda_fp4.py") for t in ids["1"])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_row32_builds_beside_the_32b_rollout_then_profiles_each_rank(tmp_path):
+    """``row32`` (session 57): the extension's build started in the background before the 32B NVFP4 batch-8 rollout
+    (256 + 2048, a warm-up pass and a timed one), then one profile process per ROW32_RANKS entry, rank 32 first."""
+    # the build takes a second and logs its end: the rollout must start before it, and the profiles after it
+    stub = STUB.replace('"-c "*) echo "pipe 2 build True None" ;;',
+                        '"-c "*) sleep 1; echo "built" >> "$STUB_LOG"; echo "pipe 2 build True None" ;;')
+    p, calls = _run(tmp_path, "row32", stub)
+    assert p.returncode == 0, p.stderr
+    kinds = [("build" if "|-c " in c else "built" if c == "built" else "rollout" if "qerl.bench rollout" in c else
+              "profile" if "qerl.bench profile" in c else c) for c in calls]
+    assert sorted(kinds[:2]) == ["build", "rollout"] and kinds[2:] == ["built", "profile", "profile"], kinds
+    roll = calls[kinds.index("rollout")]
+    assert "--models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 --decode fused,fused" in roll
+    assert [c.split("--ranks ")[1].split()[0] for c in calls[3:]] == ["32", "0"]
+    assert all("--models 32b" in c and "--batch 8" in c for c in calls[3:])
+    (tmp_path / "one").mkdir()
+    p, calls = _run(tmp_path / "one", "row32", ROW32_RANKS="0")
+    assert p.returncode == 0, p.stderr
+    assert [c.split("--ranks ")[1].split()[0] for c in calls if "qerl.bench profile" in c] == ["0"]
