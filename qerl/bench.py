@@ -159,7 +159,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-tail",
            "fused-no-tail", "fused-bf16-sector",
-           "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "unfused")
+           "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "fused-torch-ends", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
@@ -183,7 +183,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
-               "fused-no-pdl": {"QERL_PDL": "0"}}
+               "fused-no-pdl": {"QERL_PDL": "0"}, "fused-torch-ends": {"QERL_FUSED_STEP_ENDS": "0"}}
 
 
 def check_decodes(decodes) -> None:
@@ -225,7 +225,8 @@ def decode_mode(sampler, dec: str):
     ``QERL_BF16_LOADS=sector``, the default spelled out), "fused-bf16-pair" (each covering every other 16 bytes:
     ``QERL_BF16_LOADS=pair``, session 34's loads, a build of its own) — all but "fused" for same-run comparisons —,
     "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the
-    default, on where the GPU has it) or "unfused"."""
+    default, on where the GPU has it), "fused-torch-ends" (the step's opening and close as session 57's ~30 torch
+    launches instead of one launch each: ``QERL_FUSED_STEP_ENDS=0``) or "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

@@ -202,6 +202,13 @@
 #                                one process each; $OUT/prof32). The extension builds beside the first 32B load (on a
 #                                cold machine the build takes ~100-130 s and the load ~80 s: session 56 lost both rows
 #                                to limits that left no room for them). ~8 min cold
+#   scripts/gpu_bench.sh ends    issue 11, session 58: the decode step's opening (slot, embedding, rotary rows) and close
+#                                (the bookkeeping after the draw, from bf16 logits) in one launch each (fused) against
+#                                session 57's ~30 torch launches (fused-torch-ends): the extension's build beside 7B
+#                                NVFP4 rollouts at batch 8 and 2 (256 + 2048; old / new / new / old in one process;
+#                                $OUT/roll_ends), the GPU tests of the fused step's tokens ($OUT/tests_ends.txt),
+#                                decode-step profiles of both at batch 8 ($OUT/prof), then MXFP4 and BF16-LoRA at
+#                                batch 8 the same way ($OUT/roll_ends_fmt); ~7 min cold
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -696,6 +703,18 @@ row32)  # issue 11: the 32B NVFP4 batch-8 row and its profiles (see the header)
     timeout 150 $B profile --models 32b --formats nvfp4 --batch 8 --ranks "$r" --decode fused --out "$OUT/prof32" 2>&1 \
       | grep -v "Warn\|_warn_once" >> "$LOG"
   done ;;
+ends)  # issue 11, session 58: the step's opening and close in one launch each (see the header)
+  build 2 &
+  bpid=$!
+  ab=fused-torch-ends,fused,fused,fused-torch-ends
+  timeout "${ENDS_SECS:-200}" $B rollout --models 7b --formats nvfp4 --batch 8,2 --prompt 256 --new 2048 \
+    --decode $ab --out "$OUT/roll_ends" 2>&1 | grep -v Warn >> "$LOG"
+  wait "$bpid"
+  gpu_tests ends 150 tests/test_fused_decode.py -k "step_ends or pdl_decode_is or graph_sampler or sample_race"
+  timeout 90 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-torch-ends --out "$OUT/prof" 2>&1 \
+    | grep -v "Warn\|_warn_once" >> "$LOG"
+  timeout "${ENDS_FMT_SECS:-200}" $B rollout --models 7b --formats mxfp4,bf16 --batch 8 --prompt 256 --new 2048 \
+    --decode $ab --out "$OUT/roll_ends_fmt" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

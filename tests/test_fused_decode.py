@@ -250,6 +250,43 @@ def _interpreter_main() -> None:
             lp = (z / temp).log_softmax(-1)  # the reference's entropy is NaN where z = -inf (0 · -inf): skip those
             h1 = -torch.where(lp.isfinite(), lp.exp() * lp, torch.zeros(())).sum(-1)
             torch.testing.assert_close(h2, h1, rtol=1e-5, atol=1e-5)
+            # bf16 logits (the lm_head's output) are read as float32 by the kernels: the same draw as their copy
+            zb = z.to(BF)
+            for a, b in zip(fk.sample_race(zb, temp, e), fk.sample_race(zb.float(), temp, e), strict=True):
+                assert torch.equal(a, b)
+    # the decode step's opening (slot, embedding, position-table rows) and close (bookkeeping), bit for bit
+    for n, D in ((5, 700), (3, 2100)):  # one partial block of the embedding row; two blocks (2048 + 52)
+        V, hd, smax = 300, 16, 40
+        emb = torch.randn(V, D, generator=g).to(BF)
+        ctab, stab = (torch.randn(smax, hd, generator=g).to(BF) for _ in range(2))
+        tok, plen = torch.randint(0, V, (n,), generator=g), torch.randint(1, 9, (n,), generator=g)
+        t, lp = torch.tensor([4]), torch.tensor([9])
+        b1, b2 = torch.full((n, smax), -math.inf), torch.full((n, smax), -math.inf)
+        r1 = fk.step_begin_ref(tok, t, lp, plen, emb, ctab, stab, b1)
+        r2 = fk.step_begin(tok, t, lp, plen, emb, ctab, stab, b2)
+        for a, b in zip(r1, r2, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+        assert torch.equal(b1, b2) and int(r2[3]) == 12 and (b2[:, 12] == 0).all() and int((b2 == 0).sum()) == n
+        assert torch.equal(r2[0], emb[tok]) and torch.equal(r2[1], ctab[plen + 3])
+    for n, eos, fin in ((6, torch.tensor([3, 7]), torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.bool)),
+                        (6, torch.tensor([-1]), torch.zeros(6, dtype=torch.bool)),  # ignore_eos
+                        (20, torch.tensor([2, 5, 11]), torch.rand(20, generator=g) < 0.3)):
+        tok = torch.tensor([5, 3, 9, 3, 0, 7]) if n == 6 else torch.randint(0, 12, (n,), generator=g)
+        lp, ent, T = torch.randn(n, generator=g), torch.rand(n, generator=g), 7
+        st = [[fin.clone(), torch.tensor([2]), torch.zeros(n, dtype=torch.long), torch.full((n, T), -5),
+               torch.zeros(n, T, dtype=torch.bool), torch.full((n, T), 9.0), torch.full((n, T), 9.0)] for _ in range(2)]
+        for f, (fi, tt, *outs) in zip((fk.sample_finish_ref, fk.sample_finish), st, strict=True):
+            f(tok, lp, ent, fi, eos, 1, tt, *outs)
+        for a, b in zip(*st, strict=True):
+            assert torch.equal(a, b), (a, b)
+        fi, tt, stok, otok, omask, olp, _ = st[1]
+        alive = ~fin
+        assert int(tt) == 3 and torch.equal(stok, torch.where(alive, tok, 1)) and torch.equal(otok[:, 2], stok)
+        assert torch.equal(omask[:, 2], alive) and torch.equal(olp[:, 2], torch.where(alive, lp, 0.0))
+        assert (otok[:, 3:] == -5).all() and not omask[:, 3:].any()
+        assert torch.equal(fi, fin | torch.isin(stok, eos))
+        if n == 6 and eos[0] == 3:
+            assert fi.tolist() == [False, True, False, True, True, True]
     print("FUSED-INTERPRETER-OK")
 
 
@@ -290,10 +327,18 @@ def test_fused_kernels_compile_for_sm90():
                    dict(BLOCK=1024, PERM=perm, VEC=vec), attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
         ptx = ck.asm["ptx"]
         assert "st.global.v4.b32" in ptx and ("st.global.b16" in ptx) == (perm and not vec), (perm, vec)
-    build(fk._sample_part_kernel, dict(z_ptr=f32, e_ptr=f32, ws_ptr=f32, idx_ptr="*i32", V="i32", temp="fp32",
-                                       S="i32"), dict(BLOCK=fk.SAMPLE_BLOCK), 8)
-    build(fk._sample_combine_kernel, dict(z_ptr=f32, ws_ptr=f32, idx_ptr="*i32", tok_ptr="*i64", lp_ptr=f32,
-                                          ent_ptr=f32, V="i32", temp="fp32", S="i32"), dict(SB=64), 1)
+    for zt in (f32, bf):  # float32 logits, and the lm_head's bf16 ones read as float32
+        build(fk._sample_part_kernel, dict(z_ptr=zt, e_ptr=f32, ws_ptr=f32, idx_ptr="*i32", V="i32", temp="fp32",
+                                           S="i32"), dict(BLOCK=fk.SAMPLE_BLOCK), 8)
+        build(fk._sample_combine_kernel, dict(z_ptr=zt, ws_ptr=f32, idx_ptr="*i32", tok_ptr="*i64", lp_ptr=f32,
+                                              ent_ptr=f32, V="i32", temp="fp32", S="i32"), dict(SB=64), 1)
+    i64 = "*i64"
+    build(fk._step_begin_kernel, dict(tok_ptr=i64, t_ptr=i64, lp_ptr=i64, plen_ptr=i64, emb_ptr=bf, cos_tab_ptr=bf,
+                                      sin_tab_ptr=bf, bias_ptr=f32, h_ptr=bf, cos_ptr=bf, sin_ptr=bf, slot_ptr=i64,
+                                      D="i32", S_MAX="i32", HD="i32"), dict(BLOCK=2048, HB=128))
+    build(fk._sample_finish_kernel, dict(tok_ptr=i64, lp_ptr=f32, ent_ptr=f32, fin_ptr="*i1", eos_ptr=i64, t_ptr=i64,
+                                         stok_ptr=i64, otok_ptr=i64, omask_ptr="*i1", olp_ptr=f32, oent_ptr=f32,
+                                         N="i32", T="i32", E="i32", PAD="i32"), dict(NB=256, EB=4))
     # the programmatic-dependent-launch variants (griddepcontrol.wait / launch_dependents first)
     build(fk._add_rms_norm_kernel, dict(h_ptr=bf, d_ptr=bf, w_ptr=bf, x_ptr=bf, xp_ptr=bf, D="i32",
                                             stride_d="i32", eps="fp32"),
@@ -479,6 +524,38 @@ def test_fused_sampler_matches_teacher_forcing(fmt):
         Sampler(policy, tok, 64, fused="yes")
 
 
+def test_fused_step_ends_match_the_torch_ops(monkeypatch):
+    """The fused step reads each row's cos / sin from a table of every position made once per shape: the same
+    values as HF's rotary embedding computed per step; a whole rollout is bit-identical with QERL_FUSED_STEP_ENDS
+    0 / 1; a warm-up (``precapture``: one prefill of the shape) changes nothing of the rollout after it."""
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", "nvfp4", LoraSpec(rank=4), device="cpu")
+    perturb_lora_b(policy)
+    s = Sampler(policy, tok, 64, fused=True)
+    cos_t, sin_t = s._rope_table(50)
+    pos = torch.tensor([[0], [7], [49], [13]])
+    c, si = s._rope_tables(torch.zeros(4, 1, 8, dtype=policy.model.embed_tokens.weight.dtype), pos)
+    assert torch.equal(cos_t[pos[:, 0]], c.reshape(4, -1)) and torch.equal(sin_t[pos[:, 0]], si.reshape(4, -1))
+    assert not torch.equal(cos_t[7], cos_t[13])
+    prompts, ros = ["how many apples are there", "3 + 4", "a"], {}
+    for mode in ("0", "1", "warm"):
+        monkeypatch.setenv("QERL_FUSED_STEP_ENDS", "1" if mode == "warm" else mode)
+        s = Sampler(policy, tok, 64, fused=True)
+        if mode == "warm":  # the generate's own shape: its state (and cache) is the one warmed
+            s.precapture(3, s.encode(prompts)[0].shape[1], 2, 10, temperature=0.9)
+            warmed = s._static
+            assert warmed["kc"][0].abs().sum() > 0  # the warm-up prefill wrote the cache
+        ros[mode] = s.generate(prompts, 2, max_new_tokens=10, temperature=0.9, seed=3)
+        assert mode != "warm" or s._static is warmed
+        assert ros[mode].stats["fused_decode"] and s._static["rope"] is not None
+    for mode in ("1", "warm"):
+        for f in ("completion_ids", "completion_mask", "logp", "entropy"):
+            assert torch.equal(getattr(ros["0"], f), getattr(ros[mode], f)), (mode, f)
+    monkeypatch.setenv("QERL_FUSED_STEP_ENDS", "2")
+    with pytest.raises(ValueError, match="QERL_FUSED_STEP_ENDS must be one of"):
+        Sampler(policy, tok, 64, fused=True).generate(["a"], 1, max_new_tokens=3, seed=0)
+
+
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if FORMATS[f].fusable and 64 % (FORMATS[f].block or 1) == 0])
 def test_fused_sampler_on_a_llama_stack(fmt):
     """Llama layout (no q/k/v bias), quantized by swap_linears: bf16/mxfp4 groups concatenate; nvfp4 per-linear
@@ -579,6 +656,32 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt, preset, monkeypatc
         stats[fused] = float((lp[m] - ro.logp[m]).abs().mean())
     # bf16 activations: both decode steps agree with the HF forward to bf16 noise (300 tokens: 2 KV buckets)
     assert stats[True] < 0.02 and stats[False] < 0.02, stats
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt,per_group", [("nvfp4", False), ("nvfp4", True), ("bf16", False)])
+def test_gpu_fused_step_ends_are_bit_identical(fmt, per_group, monkeypatch):
+    """The step's opening and close in one launch each (slot, embedding, position-table rows; the bookkeeping
+    after the draw, from bf16 logits) change no token, log-prob, entropy or stop of the graph sampler: the same
+    rollouts as session 57's torch ops (QERL_FUSED_STEP_ENDS=0), EOS stops included (no ignore_eos)."""
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    prompts = ["how many apples", "3 + 4 is", "a"]
+    ros = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("QERL_FUSED_STEP_ENDS", mode)
+        s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+        s.precapture(3, 128, 4, 200)
+        ros[mode] = s.generate(prompts, 4, max_new_tokens=200, temperature=1.0,
+                               seed=[3, 4, 5] if per_group else 3)
+        assert ros[mode].stats["fused_decode"] and s.use_graphs and (s._static["rope"] is not None)
+    a, b = ros["0"], ros["1"]
+    assert torch.equal(a.completion_mask, b.completion_mask) and torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.logp, b.logp) and torch.equal(a.entropy, b.entropy)
+    assert torch.equal(a.truncated, b.truncated)
+    assert_teacher_forced(policy, b, 1.0)
 
 
 @pytest.mark.gpu

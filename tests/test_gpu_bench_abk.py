@@ -210,3 +210,22 @@ def test_row32_builds_beside_the_32b_rollout_then_profiles_each_rank(tmp_path):
     p, calls = _run(tmp_path / "one", "row32", ROW32_RANKS="0")
     assert p.returncode == 0, p.stderr
     assert [c.split("--ranks ")[1].split()[0] for c in calls if "qerl.bench profile" in c] == ["0"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_ends_builds_beside_the_first_rollout_then_tests_profiles_and_the_other_formats(tmp_path):
+    """``ends`` (session 58): the build in the background beside the 7B NVFP4 A/B (old / new / new / old), then, once
+    it has ended, the fused step's GPU tests, the profiles of both steps, and the MXFP4 / BF16-LoRA A/B."""
+    stub = STUB.replace('"-c "*) echo "pipe 2 build True None" ;;',
+                        '"-c "*) sleep 1; echo "built" >> "$STUB_LOG"; echo "pipe 2 build True None" ;;')
+    p, calls = _run(tmp_path, "ends", stub)
+    assert p.returncode == 0, p.stderr
+    kinds = [("build" if "|-c " in c else "built" if c == "built" else "rollout" if "qerl.bench rollout" in c else
+              "profile" if "qerl.bench profile" in c else "tests" if "-m pytest" in c else c) for c in calls]
+    assert sorted(kinds[:2]) == ["build", "rollout"] and kinds[2:] == ["built", "tests", "profile", "rollout"], kinds
+    first, last = (c for c in calls if "qerl.bench rollout" in c)
+    ab = "--decode fused-torch-ends,fused,fused,fused-torch-ends"
+    assert "--models 7b --formats nvfp4 --batch 8,2 --prompt 256 --new 2048 " + ab in first
+    assert "--models 7b --formats mxfp4,bf16 --batch 8 --prompt 256 --new 2048 " + ab in last
+    assert "--decode fused,fused-torch-ends" in calls[kinds.index("profile")]
+    assert "step_ends" in calls[kinds.index("tests")]

@@ -137,7 +137,7 @@ def test_bench_profile_runs_on_cpu(tmp_path):
 
     before = {k: os.environ.get(k) for k in ("QERL_CUDA_LORA", "QERL_FUSED_SAMPLE", "QERL_FUSED_SILU", "QERL_GEMV_TABLE",
                                              "QERL_PDL")}
-    modes = ("fused", "fused-split-lora", "fused-torch-sample", "fused-pdl", "unfused")
+    modes = ("fused", "fused-split-lora", "fused-torch-sample", "fused-pdl", "fused-torch-ends", "unfused")
     rows = bench.bench_profile(["tiny"], ["nvfp4"], [2], 64, "cpu", modes, steps=2, kv=128)
     assert {k: os.environ.get(k) for k in before} == before  # each mode restores its switches
     decodes = {r["decode"] for r in rows}
@@ -153,7 +153,8 @@ def test_bench_profile_runs_on_cpu(tmp_path):
                      ("fused-torch-sample", {"QERL_FUSED_SAMPLE": "0"}), ("fused-split-silu", {"QERL_FUSED_SILU": "0"}),
                      ("fused-heuristic-gemv", {"QERL_GEMV_TABLE": "0"}),
                      ("fused-pdl", {"QERL_PDL": "1"}),
-                     ("fused-no-pdl", {"QERL_PDL": "0"}), ("unfused", {})]:
+                     ("fused-no-pdl", {"QERL_PDL": "0"}), ("fused-torch-ends", {"QERL_FUSED_STEP_ENDS": "0"}),
+                     ("unfused", {})]:
         s = _S()
         with bench.decode_mode(s, dec):
             assert s.fused == (dec != "unfused")

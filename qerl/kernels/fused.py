@@ -95,13 +95,40 @@ def decode_attention_ref(q, kc, vc, bias, S: int, scale: float):
 
 
 def sample_race_ref(z: torch.Tensor, temperature: float, noise: torch.Tensor):
-    """(token (N,), log softmax(z/T)[token] (N,), entropy of softmax(z/T) (N,)) for logits z (N, V) float32 and
-    noise E (N, V) ~ Exp(1): token = argmax_v softmax(z/T)_v / E_v (``qerl.rollout.sample_from_logits``'s race)."""
-    z = z / temperature
+    """(token (N,), log softmax(z/T)[token] (N,), entropy of softmax(z/T) (N,)) for logits z (N, V) (float32, or
+    bf16 / fp16 upcast exactly first) and noise E (N, V) float32 ~ Exp(1): token = argmax_v softmax(z/T)_v / E_v (``qerl.rollout.sample_from_logits``'s race)."""
+    z = z.float() / temperature
     logp = z.log_softmax(-1)
     ent = -(logp.exp() * logp).sum(-1)
     tok = (z.softmax(-1) / noise).argmax(-1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1), ent
+
+
+def step_begin_ref(tok, t, lp, prompt_len, emb, cos_tab, sin_tab, attn_bias):
+    """The opening of a decode step: the slot of the token fed this step (sampled last step) is cache slot
+    ``t - 1 + Lp``, unmasked in ``attn_bias`` (N, S_max) (in place); each row's position is ``prompt_len + t - 1``.
+    Returns (h = emb[tok] (N, D), cos (N, d), ssin (N, d) = the rows of the position tables at those positions,
+    slot (1,)). tok (N,), t (1,), lp (1,), prompt_len (N,) int64; emb (V, D); cos_tab / sin_tab (S_max, d)."""
+    cur = t - 1
+    slot = cur + lp
+    attn_bias.index_fill_(1, slot, 0.0)
+    pos = prompt_len + cur
+    return emb.index_select(0, tok), cos_tab.index_select(0, pos), sin_tab.index_select(0, pos), slot
+
+
+def sample_finish_ref(tok, lp, ent, finished, eos, pad_id: int, t, s_tok, out_tok, out_mask, out_logp, out_ent):
+    """The close of a decode step, in place: rows already finished get ``pad_id`` (log-prob and entropy 0, mask
+    False); the token goes to ``s_tok`` (N,) (the next step's input) and column t of out_* (N, T); a row drawing
+    an id of ``eos`` (E,) is finished from now on; t += 1."""
+    alive = ~finished
+    tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
+    s_tok.copy_(tok)
+    out_tok.index_copy_(1, t, tok[:, None])
+    out_mask.index_copy_(1, t, alive[:, None])
+    out_logp.index_copy_(1, t, torch.where(alive, lp, torch.zeros_like(lp))[:, None])
+    out_ent.index_copy_(1, t, torch.where(alive, ent, torch.zeros_like(ent))[:, None])
+    finished |= (tok[:, None] == eos[None, :]).any(-1)  # plain compare: graph-safe
+    t += 1
 
 
 def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
@@ -313,7 +340,7 @@ if HAS_TRITON:
         row, c = tl.program_id(0), tl.program_id(1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         msk = offs < V
-        x = tl.load(z_ptr + row * V + offs, mask=msk, other=float("-inf")) / temp
+        x = tl.load(z_ptr + row * V + offs, mask=msk, other=float("-inf")).to(tl.float32) / temp
         e = tl.load(e_ptr + row * V + offs, mask=msk, other=1.0)
         m = tl.max(x, 0)
         p = tl.where(x > float("-inf"), tl.exp(x - m), 0.0)
@@ -347,10 +374,52 @@ if HAS_TRITON:
         b = tl.max(best, 0)
         ci = tl.min(tl.where(best == b, c, SB), 0)  # the first chunk reaching the best: the lowest index
         tok = tl.load(idx_ptr + row * S + ci)
-        xt = tl.load(z_ptr + row * V + tok) / temp
+        xt = tl.load(z_ptr + row * V + tok).to(tl.float32) / temp
         tl.store(tok_ptr + row, tok.to(tl.int64))
         tl.store(lp_ptr + row, xt - log_z)
         tl.store(ent_ptr + row, log_z - ts / zs)
+
+    @triton.jit
+    def _step_begin_kernel(tok_ptr, t_ptr, lp_ptr, plen_ptr, emb_ptr, cos_tab_ptr, sin_tab_ptr, bias_ptr, h_ptr,
+                           cos_ptr, sin_ptr, slot_ptr, D, S_MAX, HD, BLOCK: tl.constexpr, HB: tl.constexpr):
+        # one program per row: unmask the new slot, gather the embedding row and the position-table rows
+        row = tl.program_id(0)
+        cur = tl.load(t_ptr) - 1
+        slot = cur + tl.load(lp_ptr)
+        tl.store(bias_ptr + row * S_MAX + slot, 0.0)
+        if row == 0:
+            tl.store(slot_ptr, slot)
+        pos = tl.load(plen_ptr + row) + cur
+        src = emb_ptr + tl.load(tok_ptr + row) * D
+        for k in range(0, D, BLOCK):
+            offs = k + tl.arange(0, BLOCK)
+            msk = offs < D
+            tl.store(h_ptr + row * D + offs, tl.load(src + offs, mask=msk), mask=msk)
+        offs = tl.arange(0, HB)
+        msk = offs < HD
+        tl.store(cos_ptr + row * HD + offs, tl.load(cos_tab_ptr + pos * HD + offs, mask=msk), mask=msk)
+        tl.store(sin_ptr + row * HD + offs, tl.load(sin_tab_ptr + pos * HD + offs, mask=msk), mask=msk)
+
+    @triton.jit
+    def _sample_finish_kernel(tok_ptr, lp_ptr, ent_ptr, fin_ptr, eos_ptr, t_ptr, stok_ptr, otok_ptr, omask_ptr,
+                              olp_ptr, oent_ptr, N, T, E, PAD, NB: tl.constexpr, EB: tl.constexpr):
+        # one program for all rows, so that t is read before it is advanced
+        r = tl.arange(0, NB)
+        rm = r < N
+        t = tl.load(t_ptr)
+        fin = tl.load(fin_ptr + r, mask=rm, other=1) != 0
+        alive = fin == 0
+        tok = tl.where(alive, tl.load(tok_ptr + r, mask=rm, other=0), PAD)
+        tl.store(stok_ptr + r, tok, mask=rm)
+        tl.store(otok_ptr + r * T + t, tok, mask=rm)
+        tl.store(omask_ptr + r * T + t, alive, mask=rm)
+        tl.store(olp_ptr + r * T + t, tl.where(alive, tl.load(lp_ptr + r, mask=rm, other=0.0), 0.0), mask=rm)
+        tl.store(oent_ptr + r * T + t, tl.where(alive, tl.load(ent_ptr + r, mask=rm, other=0.0), 0.0), mask=rm)
+        e = tl.arange(0, EB)
+        eos = tl.load(eos_ptr + e, mask=e < E, other=-1)
+        hit = tl.max((tok[:, None] == eos[None, :]).to(tl.int32), axis=1) > 0  # ids are >= 0: -1 never hits
+        tl.store(fin_ptr + r, fin | hit, mask=rm)
+        tl.store(t_ptr, t + 1)
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -576,11 +645,15 @@ def _tag_reference(x: torch.Tensor) -> torch.Tensor:
 SAMPLE_BLOCK = 4096  # vocabulary entries per program of sample_race's first pass
 
 
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def sample_race(z: torch.Tensor, temperature: float, noise: torch.Tensor):
     """:func:`sample_race_ref` in two launches on CUDA (or the Triton interpreter); the reference elsewhere or for
-    inputs other than contiguous float32 (N, V). The race compares x − log E (x = z/T) instead of softmax(x)/E: the
+    inputs other than contiguous (N, V) logits (float32, or bf16 / fp16, read as float32: the lm_head's output needs
+    no float32 copy) and float32 noise. The race compares x − log E (x = z/T) instead of softmax(x)/E: the
     same order, so the same token but where two candidates tie to float32 rounding."""
-    if (not _triton_ok(z) or z.dtype != torch.float32 or noise.dtype != torch.float32 or z.dim() != 2
+    if (not _triton_ok(z) or z.dtype not in _LOGIT_DTYPES or noise.dtype != torch.float32 or z.dim() != 2
             or noise.shape != z.shape or not z.is_contiguous() or not noise.is_contiguous() or temperature <= 0):
         return sample_race_ref(z, temperature, noise)
     n, v = z.shape
@@ -595,3 +668,44 @@ def sample_race(z: torch.Tensor, temperature: float, noise: torch.Tensor):
     _sample_combine_kernel[(n,)](z, ws, idx, tok, lp, ent, v, float(temperature), chunks,
                                  SB=max(16, triton.next_power_of_2(chunks)), num_warps=1)
     return tok, lp, ent
+
+
+def fused_step_ends() -> bool:
+    """``QERL_FUSED_STEP_ENDS`` (default 1): the fused decode step opens with :func:`step_begin` and closes with
+    :func:`sample_finish` (one launch each), and samples from the lm_head's bf16 logits; 0: session 57's torch ops
+    (the slot and position arithmetic, the embedding, the rotary tables per step, a float32 copy of the logits, the
+    bookkeeping after the draw: ~30 launches), for same-run comparisons (``qerl.bench`` decode mode
+    ``fused-torch-ends``). Read when a step is traced (captured)."""
+    v = os.environ.get("QERL_FUSED_STEP_ENDS", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_FUSED_STEP_ENDS must be one of ['0', '1'], got {v!r}")
+    return v == "1"
+
+
+def step_begin(tok, t, lp, prompt_len, emb, cos_tab, sin_tab, attn_bias):
+    """:func:`step_begin_ref` in one launch on CUDA (or the Triton interpreter); the reference elsewhere or for
+    non-contiguous tables."""
+    n, (d, hd) = tok.shape[0], (emb.shape[1], cos_tab.shape[1])
+    if (not _triton_ok(emb) or not all(x.is_contiguous() for x in (emb, cos_tab, sin_tab, attn_bias))
+            or cos_tab.dtype != sin_tab.dtype):
+        return step_begin_ref(tok, t, lp, prompt_len, emb, cos_tab, sin_tab, attn_bias)
+    h = torch.empty((n, d), dtype=emb.dtype, device=emb.device)
+    cos = torch.empty((n, hd), dtype=cos_tab.dtype, device=emb.device)
+    ssin = torch.empty_like(cos)
+    slot = torch.empty(1, dtype=torch.int64, device=emb.device)
+    _step_begin_kernel[(n,)](tok, t, lp, prompt_len, emb, cos_tab, sin_tab, attn_bias, h, cos, ssin, slot, d,
+                             attn_bias.shape[1], hd, BLOCK=min(2048, triton.next_power_of_2(d)),
+                             HB=triton.next_power_of_2(hd), num_warps=4)
+    return h, cos, ssin, slot
+
+
+def sample_finish(tok, lp, ent, finished, eos, pad_id: int, t, s_tok, out_tok, out_mask, out_logp, out_ent) -> None:
+    """:func:`sample_finish_ref` in one launch on CUDA (or the Triton interpreter); the reference elsewhere."""
+    outs = (s_tok, out_tok, out_mask, out_logp, out_ent)
+    if (not _triton_ok(tok) or eos.dtype != torch.int64
+            or not all(x.is_contiguous() for x in outs + (tok, lp, ent, finished, eos))):
+        return sample_finish_ref(tok, lp, ent, finished, eos, pad_id, t, *outs)
+    n, e = tok.shape[0], eos.shape[0]
+    _sample_finish_kernel[(1,)](tok, lp, ent, finished, eos, t, s_tok, out_tok, out_mask, out_logp, out_ent, n,
+                                out_tok.shape[1], e, int(pad_id), NB=max(16, triton.next_power_of_2(n)),
+                                EB=max(2, triton.next_power_of_2(e)), num_warps=4)
