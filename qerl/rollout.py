@@ -426,16 +426,17 @@ class Sampler:
                    temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False) -> int:
         """Warm this shape up ahead of time, so that a timed :meth:`generate` of ``n_prompts`` prompts of
         ``prompt_len`` tokens runs as every later call does (benchmarks keep one-time costs out of the timed region):
-        one prefill of that shape (its first run pays Triton compiles and autotuning, cuBLAS heuristics and workspace
-        allocations: on an H100 the first 7B batch-8 prefill took 0.29 s, a repeated one of twice the tokens 0.15 s),
-        then, with CUDA
+        one prefill of that shape and the draw after it (their first run pays Triton compiles and autotuning, cuBLAS
+        heuristics and workspace allocations: on an H100 the first 7B batch-8 prefill took 0.29 s, later ones
+        0.07-0.09 s, session 58), then, with CUDA
         graphs, the capture of the decode graph of every KV bucket. Returns the number of graphs (0 without)."""
         Lp = int(math.ceil(min(prompt_len, self.max_prompt_tokens) / self.prompt_pad_multiple)) * self.prompt_pad_multiple
         N, S_max = n_prompts * group_size, Lp + max_new_tokens
         with self._autocast(), lora_inference_cache(self.model, self._act_dtype()):
             s = self._state(N, Lp, max_new_tokens, temperature, top_p, top_k, ignore_eos, self._decode_plan())
             ids = torch.full((n_prompts, Lp), self.pad_id, dtype=torch.long, device=self.device)
-            self._prefill(ids, torch.ones_like(ids, dtype=torch.bool), group_size, s["kc"], s["vc"])
+            logits = self._prefill(ids, torch.ones_like(ids, dtype=torch.bool), group_size, s["kc"], s["vc"])
+            self._sample_into(s, logits.repeat_interleave(group_size, 0))  # its kernels' float32-logit variants
             if self.use_graphs:
                 s["t"].fill_(1)
                 s["attn_bias"][:, :Lp] = 0.0
