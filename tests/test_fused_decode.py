@@ -705,7 +705,9 @@ def test_gpu_fused_step_ends_are_bit_identical(fmt, per_group, monkeypatch):
     torch.testing.assert_close(b.logp, a.logp, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(b.entropy, a.entropy, rtol=1e-6, atol=1e-5)
     assert torch.equal(a.logp == 0, b.logp == 0) and torch.equal(a.truncated, b.truncated)
-    assert_teacher_forced(policy, b, 1.0)
+    with torch.no_grad():  # and the HF forward to bf16 noise, as test_gpu_fused_graph_sampler_matches_teacher_forcing
+        lp_tf, _ = completion_logprobs(policy, b, slice(0, 12), 1.0, False)
+    assert float((lp_tf[b.completion_mask] - b.logp[b.completion_mask]).abs().mean()) < 0.02
 
 
 @pytest.mark.gpu
