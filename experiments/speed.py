@@ -709,6 +709,17 @@ drains and waits for it before reading; the GEMV loads its first weight batch an
 L2 before that wait. `fused-no-pdl`: the same kernels launched one after the other. The same tokens either way
 (`tests/test_fused_decode.py::test_gpu_pdl_decode_is_bit_identical`).
 {_raw_rollouts(root, "h100_s23_pdl_7b", "h100_s23_pdl_32b")}
+### The decode step's opening and close in one launch each (session 58; old / new / new / old in one process)
+`fused`: the step opens with one launch (the new token's cache slot unmasked, its embedding row, each row's rotary
+cos / sin read from a table of every position made once per shape: `qerl.kernels.fused.step_begin`) and closes with
+one (the bookkeeping after the draw: padding finished rows, the output columns, EOS, t + 1: `sample_finish`), and the
+draw reads the lm_head's bf16 logits (no float32 copy). `fused-torch-ends` (`QERL_FUSED_STEP_ENDS=0`): session 57's
+~30 torch launches for the same work. 7B batch 8 step at KV 1024: 2899 vs 2972 µs, 259 vs 289 launches
+(`raw/h100_s58_ends/profile.csv`). The same tokens and stops; log-probs and entropies agree to float32 rounding
+(`tests/test_fused_decode.py::test_gpu_fused_step_ends_are_bit_identical`). Both modes warm the prefill first
+(`Sampler.precapture`: session 55's one-pass rows, `h100_s55_decode`, carried a first 7B batch-8 prefill of 0.29 s in
+their tokens/s; the prefills here took 0.07-0.16 s).
+{_raw_rollouts(root, "h100_s58_ends", "h100_s58_ends_fmt", "h100_s58_32b_ab")}
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
