@@ -395,16 +395,22 @@ class Sampler:
     def _state(self, N: int, Lp: int, max_new: int, temperature: float, top_p: float, top_k: int,
                ignore_eos: bool = False, plan=None, groups: int = 0) -> dict:
         """Static buffers for one shape; kept across calls so captured CUDA graphs are replayed, not re-captured.
-        ``groups`` > 0: one sampling generator per group (``gens``) instead of one for the batch (``gen``)."""
-        key = (N, Lp, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos), plan is not None,
-               groups)
-        if self._static is not None and self._static["key"] == key:
+        ``groups`` > 0: one sampling generator per group (``gens``) instead of one for the batch (``gen``).
+        The prompt length is data, not shape: a call whose (padded) prompts are no longer than those the buffers were
+        made for reuses them and their graphs (its ``Lp`` goes into ``s["Lp"]``; its attention reads the slots it
+        would read in a fresh cache), so a training run whose prompt lengths vary from step to step re-allocates and
+        re-captures only when a batch's prompts are longer than every one before (``stats["state_built"]``), and
+        captures one graph more for each new last KV bucket (Lp + max_new)."""
+        key = (N, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos), plan is not None, groups)
+        if self._static is not None and self._static["key"] == key and self._static["Lp_alloc"] >= Lp:
+            self._static["Lp"].fill_(Lp)
+            self._static["built"] = False
             return self._static
         self._static = None  # free the old cache and graphs first
         dev, dt, S_max = self.device, self._act_dtype(), Lp + max_new
         shape = (N, self.n_kv, S_max, self.head_dim)
         self._static = dict(
-            key=key, plan=plan, graphs={}, pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
+            key=key, Lp_alloc=Lp, built=True, plan=plan, graphs={}, pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
             kc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             vc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             gen=torch.Generator(device=dev), gens=[torch.Generator(device=dev) for _ in range(groups)],
@@ -431,9 +437,10 @@ class Sampler:
         0.07-0.09 s, session 58), then, with CUDA
         graphs, the capture of the decode graph of every KV bucket. Returns the number of graphs (0 without)."""
         Lp = int(math.ceil(min(prompt_len, self.max_prompt_tokens) / self.prompt_pad_multiple)) * self.prompt_pad_multiple
-        N, S_max = n_prompts * group_size, Lp + max_new_tokens
+        N = n_prompts * group_size
         with self._autocast(), lora_inference_cache(self.model, self._act_dtype()):
             s = self._state(N, Lp, max_new_tokens, temperature, top_p, top_k, ignore_eos, self._decode_plan())
+            S_max = Lp + max_new_tokens
             ids = torch.full((n_prompts, Lp), self.pad_id, dtype=torch.long, device=self.device)
             logits = self._prefill(ids, torch.ones_like(ids, dtype=torch.bool), group_size, s["kc"], s["vc"])
             self._sample_into(s, logits.repeat_interleave(group_size, 0))  # its kernels' float32-logit variants
@@ -501,10 +508,13 @@ class Sampler:
         t0 = time.perf_counter()
         ids, mask, cut = self.encode(prompts)
         B, Lp = ids.shape
-        N, S_max = B * G, Lp + max_new
+        N = B * G
         per_group = isinstance(seed, (list, tuple))
         s = self._state(N, Lp, max_new, temperature, top_p, top_k, ignore_eos, self._decode_plan(),
                         B if per_group else 0)
+        # the attention reads the slots a fresh sampler's would (S_max here, not the reused cache's length): the same
+        # results whatever came before; a new last bucket (Lp + max_new) is one more graph, captured once
+        S_max, built = Lp + max_new, s["built"]
         if per_group:
             for g, sd in zip(s["gens"], seed, strict=True):
                 g.manual_seed(int(sd))
@@ -540,7 +550,7 @@ class Sampler:
         texts = self.tok.batch_decode(rows, skip_special_tokens=True)
         n_tok = int(out_mask.sum())
         stats = dict(prefill_s=t1 - t0, decode_s=t2 - t1, rollout_s=t2 - t0, generated_tokens=n_tok,
-                     decode_steps=steps, prompts_truncated=cut, rows=N, graphs=len(s["graphs"]),
+                     decode_steps=steps, prompts_truncated=cut, rows=N, graphs=len(s["graphs"]), state_built=built,
                      fused_decode=s["plan"] is not None)
         return Rollout(ids.repeat_interleave(G, 0), rep_mask, comp, out_mask, s["out_logp"][:, :steps].clone(),
                        s["out_ent"][:, :steps].clone(), ~s["finished"].clone(), texts, G, stats)

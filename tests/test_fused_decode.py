@@ -660,6 +660,30 @@ def test_gpu_fused_graph_sampler_matches_teacher_forcing(fmt, preset, monkeypatc
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_gpu_graphs_replayed_for_shorter_prompts_draw_what_fresh_ones_draw(fmt):
+    """The graph sampler after a batch of long prompts (Lp 128 after padding to 64) keeps its cache and graphs for a
+    batch of short ones (Lp 64): the same tokens, log-probs and entropies as a fresh sampler's, bit for bit (the
+    prompt length and the slot are data the graphs read; the attention covers the slots a fresh cache's would)."""
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    long_ = [" ".join(["apples and pears"] * 30), "3 + 4 is"]
+    short = ["how many apples", "a"]
+    s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+    kw = dict(max_new_tokens=300, temperature=1.0, seed=3)
+    first = s.generate(long_, 3, **kw)
+    assert first.stats["state_built"] and first.prompt_ids.shape[1] == 128
+    ro = s.generate(short, 3, **kw)
+    fresh = Sampler(policy, tok, 128, cuda_graphs=True, fused=True).generate(short, 3, **kw)
+    assert not ro.stats["state_built"] and fresh.stats["state_built"] and ro.prompt_ids.shape[1] == 64
+    assert ro.stats["graphs"] > first.stats["graphs"]  # the new last bucket (64 + 300) captured once
+    for f in ("completion_ids", "completion_mask", "logp", "entropy"):
+        assert torch.equal(getattr(ro, f), getattr(fresh, f)), f
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("fmt,per_group", [("nvfp4", False), ("nvfp4", True), ("bf16", False)])
 def test_gpu_fused_step_ends_are_bit_identical(fmt, per_group, monkeypatch):
     """The step's opening and close in one launch each (slot, embedding, position-table rows; the bookkeeping

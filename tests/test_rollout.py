@@ -70,6 +70,30 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert not torch.equal(a.completion_ids, c.completion_ids)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_shorter_prompts_reuse_the_buffers_and_draw_what_a_fresh_sampler_draws(tiny, fused):
+    """The prompt length is data, not shape: a batch of shorter prompts than the last reuses the sampler's cache
+    (and, on CUDA, its captured graphs) and draws exactly what a fresh sampler draws; a longer batch rebuilds them
+    (``stats["state_built"]``)."""
+    policy, tok = tiny
+    long_, short, longer = (["how many apples are there in the basket", "3 + 4"], ["a b", "3"],
+                            ["how many apples are there in the basket now, and how many pears are left"])
+    s = Sampler(policy, tok, 64, fused=fused)
+    kw = dict(max_new_tokens=9, temperature=0.9, seed=3)
+    assert s.generate(long_, 2, **kw).stats["state_built"]
+    first = s._static
+    for prompts in (short, long_):  # reused, the extra slots masked; then the first length again
+        ro = s.generate(prompts, 2, **kw)
+        assert not ro.stats["state_built"] and s._static is first and ro.stats["fused_decode"] is fused
+        fresh = Sampler(policy, tok, 64, fused=fused).generate(prompts, 2, **kw)
+        assert fresh.stats["state_built"] and fresh.prompt_ids.shape[1] <= first["Lp_alloc"]
+        for f in ("completion_ids", "completion_mask", "logp", "entropy"):
+            assert torch.equal(getattr(ro, f), getattr(fresh, f)), f
+    assert s.generate(longer + short[:1], 2, **kw).stats["state_built"] and s._static is not first  # longer: rebuilt
+    assert not s.generate(short, 2, **kw).stats["state_built"]  # and kept for the shorter ones after it
+    assert s.generate(short, 1, **kw).stats["state_built"]  # another batch shape (N = 2): its own buffers
+
+
 def test_sampling_law_top_k_top_p():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     z = p.log()[None].repeat(40000, 1)

@@ -19,7 +19,13 @@ functions cover all of it in 5 launches per layer (4 where the gate|up GEMV appl
 * :func:`sample_race`   the sampler's token draw from logits z (N, V) and exponential noise: the race
                         argmax_v softmax(z/T)_v / E_v, log softmax(z/T) of the drawn token and the entropy of
                         softmax(z/T), in two launches (per-chunk partials over V, then a per-row combine) instead
-                        of ~15 (two full softmaxes among them, one CTA per row).
+                        of ~15 (two full softmaxes among them, one CTA per row); it reads the lm_head's bf16
+                        logits as float32 itself (no float32 copy);
+* :func:`step_begin`    the step's opening in one launch: the new token's cache slot unmasked, its embedding row,
+                        and each row's rotary cos / sin gathered from a table of every position (built once per
+                        shape by the sampler) instead of HF's rotary embedding computed per step (~14 launches);
+* :func:`sample_finish` the step's close in one launch: finished rows padded, column t of the outputs written, EOS,
+                        t += 1 (~14 launches before; ``QERL_FUSED_STEP_ENDS=0`` keeps the torch ops of both ends).
 
 With programmatic dependent launch (``qerl.kernels.pdl_enabled``, ``QERL_PDL``) the decode-step kernels are
 launched so that each may start while its predecessor drains: their ``PDL`` variant first waits for the previous
