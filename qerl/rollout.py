@@ -410,7 +410,8 @@ class Sampler:
         dev, dt, S_max = self.device, self._act_dtype(), Lp + max_new
         shape = (N, self.n_kv, S_max, self.head_dim)
         self._static = dict(
-            key=key, Lp_alloc=Lp, built=True, plan=plan, graphs={}, pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
+            key=key, Lp_alloc=Lp, built=True, plan=plan, graphs={},
+            pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
             kc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             vc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             gen=torch.Generator(device=dev), gens=[torch.Generator(device=dev) for _ in range(groups)],
@@ -434,8 +435,8 @@ class Sampler:
         ``prompt_len`` tokens runs as every later call does (benchmarks keep one-time costs out of the timed region):
         one prefill of that shape and the draw after it (their first run pays Triton compiles and autotuning, cuBLAS
         heuristics and workspace allocations: on an H100 the first 7B batch-8 prefill took 0.29 s, later ones
-        0.07-0.09 s, session 58), then, with CUDA
-        graphs, the capture of the decode graph of every KV bucket. Returns the number of graphs (0 without)."""
+        0.07-0.09 s, session 58), then, with CUDA graphs, the capture of the decode graph of every KV bucket.
+        Returns the number of graphs (0 without)."""
         Lp = int(math.ceil(min(prompt_len, self.max_prompt_tokens) / self.prompt_pad_multiple)) * self.prompt_pad_multiple
         N = n_prompts * group_size
         with self._autocast(), lora_inference_cache(self.model, self._act_dtype()):
