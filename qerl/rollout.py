@@ -404,13 +404,12 @@ class Sampler:
         key = (N, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos), plan is not None, groups)
         if self._static is not None and self._static["key"] == key and self._static["Lp_alloc"] >= Lp:
             self._static["Lp"].fill_(Lp)
-            self._static["built"] = False
             return self._static
         self._static = None  # free the old cache and graphs first
         dev, dt, S_max = self.device, self._act_dtype(), Lp + max_new
         shape = (N, self.n_kv, S_max, self.head_dim)
         self._static = dict(
-            key=key, Lp_alloc=Lp, built=True, plan=plan, graphs={},
+            key=key, Lp_alloc=Lp, plan=plan, graphs={},
             pool=torch.cuda.graph_pool_handle() if self.use_graphs else None,
             kc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
             vc=[torch.zeros(shape, dtype=dt, device=dev) for _ in self._layers],
@@ -511,11 +510,13 @@ class Sampler:
         B, Lp = ids.shape
         N = B * G
         per_group = isinstance(seed, (list, tuple))
+        before = self._static
         s = self._state(N, Lp, max_new, temperature, top_p, top_k, ignore_eos, self._decode_plan(),
                         B if per_group else 0)
+        built = s is not before  # new buffers (and graphs to capture), not the last call's
         # the attention reads the slots a fresh sampler's would (S_max here, not the reused cache's length): the same
         # results whatever came before; a new last bucket (Lp + max_new) is one more graph, captured once
-        S_max, built = Lp + max_new, s["built"]
+        S_max = Lp + max_new
         if per_group:
             for g, sd in zip(s["gens"], seed, strict=True):
                 g.manual_seed(int(sd))
