@@ -183,7 +183,8 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-bf16-sector": {"QERL_BF16_LOADS": "sector"}, "fused-bf16-pair": {"QERL_BF16_LOADS": "pair"},
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
-               "fused-no-pdl": {"QERL_PDL": "0"}, "fused-torch-ends": {"QERL_FUSED_STEP_ENDS": "0"}}
+               "fused-no-pdl": {"QERL_PDL": "0"}, "fused-torch-ends": {"QERL_FUSED_STEP_ENDS": "0"},
+               "fused-rope-split": {"QERL_FUSED_ROPE_ATTN": "0"}}
 
 
 def check_decodes(decodes) -> None:
@@ -226,7 +227,9 @@ def decode_mode(sampler, dec: str):
     ``QERL_BF16_LOADS=pair``, session 34's loads, a build of its own) — all but "fused" for same-run comparisons —,
     "fused-pdl" / "fused-no-pdl" (programmatic dependent launch across the step on / off, ``QERL_PDL``; "fused" = the
     default, on where the GPU has it), "fused-torch-ends" (the step's opening and close as session 57's ~30 torch
-    launches instead of one launch each: ``QERL_FUSED_STEP_ENDS=0``) or "unfused"."""
+    launches instead of one launch each: ``QERL_FUSED_STEP_ENDS=0``), "fused-rope-split" (bias + RoPE + cache write a
+    launch of their own before the Triton attention split kernel, session 58's step: ``QERL_FUSED_ROPE_ATTN=0``) or
+    "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     env = _DECODE_ENV.get(dec, {})

@@ -281,7 +281,8 @@ class Sampler:
 
     def _decode_step_fused(self, s, S: int):
         """The same step with fused projections and kernels (see the module docstring): per layer
-        add+norm, q|k|v (+LoRA), bias+RoPE+cache write, attention (2), o_proj (+LoRA), add+norm,
+        add+norm, q|k|v (+LoRA), bias+RoPE+cache write and attention (2 launches where the Triton split
+        kernel runs, :func:`qerl.kernels.fused.rope_attention`; else 3), o_proj (+LoRA), add+norm,
         gate|up (+LoRA, and SiLU·up in its epilogue where the FP4 GEMV runs it; else a launch of its own),
         down_proj (+LoRA)."""
         ends = s["rope"] is not None and fk.fused_step_ends()
@@ -303,10 +304,9 @@ class Sampler:
         h, x = fk.add_rms_norm(h, None, *self._norm_args(layers[0].input_layernorm), permuted=perm[0][0])
         for i, layer in enumerate(layers):
             p, a = s["plan"][i], layer.self_attn
-            q = fk.rope_qkv(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
-                            self.head_dim, s["kc"][i], s["vc"][i], slot)        # (N, H, d)
-            o = fk.decode_attention(q, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot,
-                                    permuted=perm[i][3])  # (N, H*d)
+            o = fk.rope_attention(p["qkv"](x), p["qkv"].pending_bias, cos, ssin, self.n_heads, self.n_kv,
+                                  self.head_dim, s["kc"][i], s["vc"][i], s["attn_bias"], S, a.scaling, slot,
+                                  permuted=perm[i][3])  # (N, H*d)
             h, x = fk.add_rms_norm(h, a.o_proj(o), *self._norm_args(layer.post_attention_layernorm),
                                    permuted=perm[i][1])
             d = layer.mlp.down_proj(p["gate_up"].silu_mul(x, permuted=perm[i][2]))

@@ -219,6 +219,31 @@ def _interpreter_main() -> None:
     for S in (1, 70, 257, 300):
         ref = _naive_attention(q, kc, vc, bias, S, 0.17)
         torch.testing.assert_close(fk.decode_attention(q, kc, vc, bias, S, 0.17).double(), ref, rtol=1e-5, atol=1e-5)
+    # bias + RoPE + cache write inside the split kernel: the same q, cache and output as the two launches, at every
+    # split of the new token's slot (first, middle, last key; one split and several), G = 1 and 3, with a bias or not
+    for m, H, hkv, d, smax in ((3, 6, 2, 32, 300), (2, 4, 4, 16, 70)):
+        qkv = torch.randn(m, (H + 2 * hkv) * d + 3, generator=g)[:, :(H + 2 * hkv) * d]  # rows further apart
+        b = torch.randn((H + 2 * hkv) * d, generator=g)
+        cos, ssin = torch.randn(m, d, generator=g), torch.randn(m, d, generator=g)
+        bias = torch.zeros(m, smax)
+        bias[0, 1:20] = -math.inf  # left padding, not the slot
+        for S, sl, qb in ((1, 0, b), (70, 69, None), (257, 129, b), (smax, smax - 1, b), (130, 64, None)):
+            if S > smax:
+                continue
+            kv = [torch.randn(m, hkv, smax, d, generator=g) for _ in range(2)]
+            c1, c2 = [t.clone() for t in kv], [t.clone() for t in kv]
+            slot = torch.tensor([sl])
+            os.environ["QERL_FUSED_ROPE_ATTN"] = "0"
+            o1 = fk.rope_attention(qkv, qb, cos, ssin, H, hkv, d, c1[0], c1[1], bias, S, 0.17, slot)
+            os.environ["QERL_FUSED_ROPE_ATTN"] = "1"
+            o2 = fk.rope_attention(qkv, qb, cos, ssin, H, hkv, d, c2[0], c2[1], bias, S, 0.17, slot)
+            assert torch.equal(c1[1], c2[1]) and not torch.equal(c2[1], kv[1]), (S, sl)
+            torch.testing.assert_close(c2[0], c1[0], rtol=1e-6, atol=1e-6)
+            q = fk.rope_qkv_ref(qkv, qb, cos, ssin, H, hkv, d, kv[0].clone(), kv[1].clone(), slot)
+            ref = _naive_attention(q, c1[0], c1[1], bias, S, 0.17)
+            torch.testing.assert_close(o2.double(), ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(o2, o1, rtol=1e-6, atol=1e-6)
+    os.environ.pop("QERL_FUSED_ROPE_ATTN")
     gu = torch.randn(4, 2 * 1500, generator=g)
     torch.testing.assert_close(fk.silu_mul(gu), fk.silu_mul_ref(gu), rtol=1e-6, atol=1e-6)
     gu = torch.randn(4, 2 * 1500 + 96, generator=g)[:, :3000]  # rows 3096 apart
@@ -320,6 +345,13 @@ def test_fused_kernels_compile_for_sm90():
                                       S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32"),
           dict(HKV=4, G=7, GP=16, D=128, BS=64, DOT_F32=False))
     build(fk._attn_combine_kernel, dict(m_ptr=f32, l_ptr=f32, acc_ptr=f32, o_ptr=bf, NSPLIT="i32"), dict(D=128, SP=16))
+    for pdl in (False, True):  # bias + RoPE + cache write in the split kernel (7B: G = 7; 32B: G = 5, no bias)
+        for hkv, g, has_bias in ((4, 7, True), (8, 5, False)):
+            build(fk._rope_attn_split_kernel, dict(qkv_ptr=bf, qb_ptr=bf, cos_ptr=bf, sin_ptr=bf, k_ptr=bf, v_ptr=bf,
+                                                   slot_ptr="*i64", b_ptr=f32, m_ptr=f32, l_ptr=f32, acc_ptr=f32,
+                                                   S="i32", S_MAX="i32", CHUNK="i32", NSPLIT="i32", scale="fp32",
+                                                   stride_qkv="i32"),
+                  dict(H=hkv * g, HKV=hkv, G=g, GP=16, D=128, BS=64, HAS_BIAS=has_bias, DOT_F32=False, PDL=pdl))
     for perm, vec in ((False, False), (True, False), (True, True)):
         # with the sizes divisible by 16 (as every Qwen shape is, so the JIT specializes on it): the output in 16-byte
         # stores; the permuted copy element by element, or (vec) permuted in registers and in 16-byte stores too
@@ -680,6 +712,49 @@ def test_gpu_graphs_replayed_for_shorter_prompts_draw_what_fresh_ones_draw(fmt):
     assert ro.stats["graphs"] > first.stats["graphs"]  # the new last bucket (64 + 300) captured once
     for f in ("completion_ids", "completion_mask", "logp", "entropy"):
         assert torch.equal(getattr(ro, f), getattr(fresh, f)), f
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_gpu_rope_in_the_attention_split_kernel_changes_nothing(fmt, monkeypatch):
+    """Bias + RoPE + cache write inside the Triton attention split kernel (QERL_FUSED_ROPE_ATTN=1, the default) against
+    their own launch before it (0): on bf16 tensors of the 7B and 32B attention shapes the same cache bit for bit and
+    the same output, at a slot in the first, a middle and the last split; in the graph sampler (PDL on) the same
+    tokens, stops and log-probs over 3 x 4 x 300 tokens, and the HF forward's log-probs to bf16 noise."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for H, hkv, d, bias_on in ((28, 4, 128, True), (40, 8, 128, False)):
+        qkv = torch.randn(8, (H + 2 * hkv) * d, generator=g, device="cuda").to(BF)
+        b = torch.randn((H + 2 * hkv) * d, generator=g, device="cuda").to(BF) if bias_on else None
+        cos, ssin = (torch.randn(8, d, generator=g, device="cuda").to(BF) for _ in range(2))
+        bias = torch.zeros(8, 1100, device="cuda")
+        bias[:4, 1:40] = -math.inf
+        for S, sl in ((1, 0), (300, 150), (1100, 1099), (700, 699)):
+            kv = [torch.randn(8, hkv, 1100, d, generator=g, device="cuda").to(BF) for _ in range(2)]
+            outs = {}
+            for mode in ("0", "1"):
+                monkeypatch.setenv("QERL_FUSED_ROPE_ATTN", mode)
+                c = [t.clone() for t in kv]
+                outs[mode] = (fk.rope_attention(qkv, b, cos, ssin, H, hkv, d, c[0], c[1], bias, S, d ** -0.5,
+                                                torch.tensor([sl], device="cuda")), c)
+            (o0, c0), (o1, c1) = outs["0"], outs["1"]
+            assert torch.equal(c0[0], c1[0]) and torch.equal(c0[1], c1[1]) and not torch.equal(c1[0], kv[0]), (H, S)
+            torch.testing.assert_close(o1.float(), o0.float(), rtol=0, atol=1e-6 * float(o0.abs().max()))
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    ros = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("QERL_FUSED_ROPE_ATTN", mode)
+        s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+        ros[mode] = s.generate(["how many apples", "3 + 4 is", "a"], 4, max_new_tokens=300, temperature=1.0, seed=3)
+        assert ros[mode].stats["fused_decode"] and s.use_graphs
+    a, b = ros["0"], ros["1"]
+    assert torch.equal(a.completion_mask, b.completion_mask) and torch.equal(a.completion_ids, b.completion_ids)
+    torch.testing.assert_close(b.logp, a.logp, rtol=1e-6, atol=1e-5)
+    with torch.no_grad():
+        lp_tf, _ = completion_logprobs(policy, b, slice(0, 12), 1.0, False)
+    assert float((lp_tf[b.completion_mask] - b.logp[b.completion_mask]).abs().mean()) < 0.02
 
 
 @pytest.mark.gpu

@@ -235,6 +235,22 @@ if HAS_TRITON:
             _store_permuted(xp_ptr + row * D, offs, y, msk, BLOCK, VEC)
 
     @triton.jit
+    def _rope_vals(row_ptr, b_ptr, off, roff, c, s, msk, HAS_BIAS: tl.constexpr, ROT: tl.constexpr):
+        # the fused q|k|v output at row_ptr + off (+ its bias), rotated (ROT: x·cos + roll(x, d/2)·ssin, with roff the
+        # rolled offsets and c, s float32 cos / ssin broadcastable to off), rounded where the unfused modules round
+        x = tl.load(row_ptr + off, mask=msk, other=0.0)
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + tl.load(b_ptr + off, mask=msk, other=0.0).to(tl.float32)).to(row_ptr.dtype.element_ty)
+        if ROT:
+            xr = tl.load(row_ptr + roff, mask=msk, other=0.0)
+            if HAS_BIAS:
+                xr = (xr.to(tl.float32) + tl.load(b_ptr + roff, mask=msk, other=0.0).to(tl.float32)).to(
+                    row_ptr.dtype.element_ty)
+            t = (x.to(tl.float32) * c).to(row_ptr.dtype.element_ty).to(tl.float32)
+            x = (t + xr.to(tl.float32) * s).to(row_ptr.dtype.element_ty)
+        return x
+
+    @triton.jit
     def _rope_qkv_kernel(qkv_ptr, b_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, S_MAX, stride_qkv,
                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PDL: tl.constexpr = False):
@@ -242,18 +258,11 @@ if HAS_TRITON:
         row = tl.program_id(0)
         j = tl.program_id(1)  # head: [0, H) q, [H, H+HKV) k, [H+HKV, H+2HKV) v
         offs = tl.arange(0, D)
-        x = tl.load(qkv_ptr + row * stride_qkv + j * D + offs)
-        if HAS_BIAS:
-            x = (x.to(tl.float32) + tl.load(b_ptr + j * D + offs).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
-        if j < H + HKV:
-            roll = (offs + D // 2) % D  # roll(x, d/2)[i] = x[(i - d/2) mod d] = x[(i + d/2) mod d]
-            xr = tl.load(qkv_ptr + row * stride_qkv + j * D + roll)
-            if HAS_BIAS:
-                xr = (xr.to(tl.float32) + tl.load(b_ptr + j * D + roll).to(tl.float32)).to(qkv_ptr.dtype.element_ty)
-            c = tl.load(cos_ptr + row * D + offs).to(tl.float32)
-            s = tl.load(sin_ptr + row * D + offs).to(tl.float32)
-            t = (x.to(tl.float32) * c).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-            x = (t + xr.to(tl.float32) * s).to(qkv_ptr.dtype.element_ty)
+        roll = (offs + D // 2) % D  # roll(x, d/2)[i] = x[(i - d/2) mod d] = x[(i + d/2) mod d]
+        c = tl.load(cos_ptr + row * D + offs).to(tl.float32)
+        s = tl.load(sin_ptr + row * D + offs).to(tl.float32)
+        x = _rope_vals(qkv_ptr + row * stride_qkv, b_ptr, j * D + offs, j * D + roll, c, s, offs < D, HAS_BIAS,
+                       j < H + HKV)
         slot = tl.load(slot_ptr)
         if j < H:
             tl.store(q_ptr + (row * H + j) * D + offs, x)
@@ -263,30 +272,24 @@ if HAS_TRITON:
             tl.store(vc_ptr + ((row * HKV + (j - H - HKV)) * S_MAX + slot) * D + offs, x)
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
-                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
-        pid = tl.program_id(0)  # row * HKV + kv head
-        sp = tl.program_id(1)  # split of the keys
-        row = pid // HKV
-        gi = tl.arange(0, GP)
+    def _attn_tiles(q, k_ptr, v_ptr, b_ptr, row, base, start, stop, S_MAX, scale, kn, vn, slot,
+                    GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT_F32: tl.constexpr, NEW: tl.constexpr):
+        # online softmax over cache slots [start, stop) of one (row, KV head) (K / V rows at base + slot): the (GP,)
+        # running max and sum and the (GP, D) accumulator. NEW: slot `slot`'s K and V rows are kn / vn (this
+        # launch's own, not yet in the cache) instead of what the cache holds there
         dm = tl.arange(0, D)
-        gmask = gi < G
-        q = tl.load(q_ptr + (pid * G + gi)[:, None] * D + dm[None, :], mask=gmask[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
         m_i = tl.full([GP], _NEG, tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        start = sp * CHUNK
-        stop = tl.minimum(start + CHUNK, S)
-        base = pid.to(tl.int64) * S_MAX
         for s0 in range(start, stop, BS):
             offs = s0 + tl.arange(0, BS)
             smask = offs < stop
             kb = tl.load(k_ptr + (base + offs)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
             vb = tl.load(v_ptr + (base + offs)[:, None] * D + dm[None, :], mask=smask[:, None], other=0.0)
+            if NEW:
+                fresh = (offs == slot)[:, None]
+                kb = tl.where(fresh, kn[None, :], kb)
+                vb = tl.where(fresh, vn[None, :], vb)
             if DOT_F32:
                 kb = kb.to(tl.float32)
                 vb = vb.to(tl.float32)
@@ -303,10 +306,73 @@ if HAS_TRITON:
                 pv = tl.dot(p.to(v_ptr.dtype.element_ty), vb)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _attn_split_store(m_ptr, l_ptr, acc_ptr, pid, sp, NSPLIT, m_i, l_i, acc, G: tl.constexpr, GP: tl.constexpr,
+                          D: tl.constexpr):
+        gi = tl.arange(0, GP)
+        gmask = gi < G
         out = (pid * G + gi) * NSPLIT + sp  # (row, head, split)
         tl.store(m_ptr + out, m_i, mask=gmask)
         tl.store(l_ptr + out, l_i, mask=gmask)
-        tl.store(acc_ptr + out[:, None] * D + dm[None, :], acc, mask=gmask[:, None])
+        tl.store(acc_ptr + out[:, None] * D + tl.arange(0, D)[None, :], acc, mask=gmask[:, None])
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, b_ptr, m_ptr, l_ptr, acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale,
+                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BS: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+        _pdl_enter(PDL)
+        pid = tl.program_id(0)  # row * HKV + kv head
+        sp = tl.program_id(1)  # split of the keys
+        gi = tl.arange(0, GP)
+        dm = tl.arange(0, D)
+        q = tl.load(q_ptr + (pid * G + gi)[:, None] * D + dm[None, :], mask=(gi < G)[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        start = sp * CHUNK
+        m_i, l_i, acc = _attn_tiles(q, k_ptr, v_ptr, b_ptr, pid // HKV, pid.to(tl.int64) * S_MAX, start,
+                                    tl.minimum(start + CHUNK, S), S_MAX, scale, q, q, 0, GP, D, BS, DOT_F32, False)
+        _attn_split_store(m_ptr, l_ptr, acc_ptr, pid, sp, NSPLIT, m_i, l_i, acc, G, GP, D)
+
+    @triton.jit
+    def _rope_attn_split_kernel(qkv_ptr, qb_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, b_ptr, m_ptr, l_ptr,
+                                acc_ptr, S, S_MAX, CHUNK, NSPLIT, scale, stride_qkv, H: tl.constexpr,
+                                HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                BS: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+                                PDL: tl.constexpr = False):
+        # _rope_qkv_kernel and _attn_split_kernel in one launch: each split rotates its KV group's q rows from the
+        # fused q|k|v output itself; the split holding the new token's slot rotates its k, takes it and v into its
+        # tiles from registers, and writes both into the cache (the one program of the (row, KV head) to read or
+        # write that slot)
+        _pdl_enter(PDL)
+        pid = tl.program_id(0)  # row * HKV + kv head
+        sp = tl.program_id(1)  # split of the keys
+        row, kvh = pid // HKV, pid % HKV
+        gi = tl.arange(0, GP)
+        dm = tl.arange(0, D)
+        roll = (dm + D // 2) % D
+        c = tl.load(cos_ptr + row * D + dm).to(tl.float32)
+        s = tl.load(sin_ptr + row * D + dm).to(tl.float32)
+        src = qkv_ptr + row * stride_qkv
+        head = (kvh * G + gi)[:, None] * D
+        q = _rope_vals(src, qb_ptr, head + dm[None, :], head + roll[None, :], c[None, :], s[None, :],
+                       (gi < G)[:, None], HAS_BIAS, True)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        slot = tl.load(slot_ptr)
+        start = sp * CHUNK
+        stop = tl.minimum(start + CHUNK, S)
+        base = pid.to(tl.int64) * S_MAX
+        mine = (slot >= start) & (slot < stop)
+        kn = _rope_vals(src, qb_ptr, (H + kvh) * D + dm, (H + kvh) * D + roll, c, s, mine & (dm < D), HAS_BIAS, True)
+        vn = _rope_vals(src, qb_ptr, (H + HKV + kvh) * D + dm, dm, c, s, mine & (dm < D), HAS_BIAS, False)
+        m_i, l_i, acc = _attn_tiles(q, k_ptr, v_ptr, b_ptr, row, base, start, stop, S_MAX, scale, kn, vn, slot,
+                                    GP, D, BS, DOT_F32, True)
+        if mine:
+            tl.store(k_ptr + (base + slot) * D + dm, kn)
+            tl.store(v_ptr + (base + slot) * D + dm, vn)
+        _attn_split_store(m_ptr, l_ptr, acc_ptr, pid, sp, NSPLIT, m_i, l_i, acc, G, GP, D)
 
     @triton.jit
     def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, NSPLIT, D: tl.constexpr, SP: tl.constexpr,
@@ -528,6 +594,53 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor |
     _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
                                    **pdl)
     return o
+
+
+def fused_rope_attention() -> bool:
+    """``QERL_FUSED_ROPE_ATTN`` (default 1): where the decode attention runs the Triton split kernel (batches below
+    :data:`qerl.kernels.cuda_attn.MIN_ROWS` (row, KV head) pairs, or ``QERL_ATTN=triton``), the fused step's bias +
+    RoPE + cache write go into that kernel (:func:`rope_attention`: one launch a layer fewer); 0 keeps them a launch
+    of their own (:func:`rope_qkv`), for same-run comparisons (``qerl.bench`` decode mode ``fused-rope-split``).
+    Read when a step is traced (captured)."""
+    v = os.environ.get("QERL_FUSED_ROPE_ATTN", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_FUSED_ROPE_ATTN must be one of ['0', '1'], got {v!r}")
+    return v == "1"
+
+
+def rope_attention(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, attn_bias, S: int,
+                   scale: float, slot: torch.Tensor, permuted: bool = False) -> torch.Tensor:
+    """:func:`rope_qkv` then :func:`decode_attention` (same arguments; returns the attention output (M, H·d)): in one
+    launch of the split kernel plus the combine where the Triton split kernel is the attention that runs and
+    :func:`fused_rope_attention` is on (the same values: q and the new k rounded as :func:`rope_qkv` rounds them, the
+    new token's K and V taken into its split's tiles from registers and written into cache slot ``slot``); else the
+    two functions (the CUDA attention at large batches, the CPU, ``QERL_FUSED_ROPE_ATTN=0``)."""
+    m = qkv.shape[0]
+    if _triton_ok(qkv) and fused_rope_attention() and head_dim == triton.next_power_of_2(head_dim):
+        from qerl.kernels import cuda_attn
+        mode = cuda_attn.attn_mode()
+        triton_attn = _interpret() or not qkv.is_cuda or mode == "triton" or (
+            mode == "auto" and m * n_kv < cuda_attn.MIN_ROWS)
+        if triton_attn and kc.is_contiguous() and vc.is_contiguous() and attn_bias.is_contiguous():
+            qkv = _unit_cols(qkv)
+            g = n_heads // n_kv
+            nsplit, chunk = attention_splits(m * n_kv, S)
+            part = torch.empty((m * n_heads * nsplit * (head_dim + 2),), dtype=torch.float32, device=qkv.device)
+            cut = m * n_heads * nsplit
+            mb, lb, acc = part[:cut], part[cut:2 * cut], part[2 * cut:]
+            pdl = _pdl(qkv)
+            _rope_attn_split_kernel[(m * n_kv, nsplit)](
+                qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), kc, vc, slot, attn_bias,
+                mb, lb, acc, S, kc.shape[2], chunk, nsplit, float(scale), qkv.stride(0), H=n_heads, HKV=n_kv, G=g,
+                GP=max(16, triton.next_power_of_2(g)), D=head_dim, BS=ATTN_BS, HAS_BIAS=bias is not None,
+                DOT_F32=_interpret(), num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}),
+                **pdl)
+            o = torch.empty((m, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+            _attn_combine_kernel[(m * n_heads,)](mb, lb, acc, o, nsplit, D=head_dim,
+                                                 SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4, **pdl)
+            return o
+    q = rope_qkv(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
+    return decode_attention(q, kc, vc, attn_bias, S, scale, slot, permuted=permuted)
 
 
 def lora_a_splits(r: int, k: int, br: int = 16, bk: int = 128, target: int = 96, cap: int = 16) -> tuple[int, int]:
