@@ -9,6 +9,9 @@
                                  --micro 8 --gc on --steps 3      (data-parallel GRPO steps under torchrun)
     python -m qerl.bench update  --models 7b --formats nvfp4,bf16 --micro 16 --prompt 64 --new 1024 --gc on
                                  (one micro-batch of the update: timed, then its kernels by category)
+    python -m qerl.bench reuse   --models 7b --formats nvfp4 --batch 16 --group 8 --new 512 --steps 8 --passes 0,1,1,0
+                                 (GSM8K prompts step after step: the sampler's buffers and graphs rebuilt whenever
+                                 the prompt length changes, or only when it grows)
 
 Models are the ``preset:qwen2.5-*`` shape presets (random weights, exact Qwen2.5-*-Instruct shapes): speed does
 not depend on the values, and nothing is downloaded. Methods are named as in the paper: LoRA = BF16 base +
@@ -71,6 +74,8 @@ IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch",
          "new_tokens", "decode", "layout", "pass")
 SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
                  "new_tokens", "layout")
+REUSE_IDENT = ("bench", "model", "weights", "batch_size", "group_size", "new_tokens", "steps", "layout", "reuse",
+               "pass", "kind", "step")
 UPDATE_IDENT = ("bench", "model", "weights", "micro_batch", "gc", "prompt_len", "new_tokens", "layout", "device",
                 "fused_train", "cuda_dequant", "category", "kernel")
 #: how NVFP4/MXFP4 bases are held in this process's runs (``--layout``; ``qerl.kernels.relaid``) and on which
@@ -488,6 +493,77 @@ def _kernel_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
     return out
 
 
+def bench_reuse(models, formats, steps: int, prompts_per_step: int, group: int, new_tokens: int, device: str,
+                passes=("0", "1", "1", "0"), sink=None, max_prompt_tokens: int = 256) -> list[dict]:
+    """Prompt lengths as a GRPO run meets them: ``steps`` rollouts of ``prompts_per_step`` GSM8K train prompts (Table 1's
+    template, data.max_prompt_tokens 256, a seeded draw per step, the same draws in every pass) x ``group``
+    completions of ``new_tokens`` tokens (ignore_eos, so every pass decodes the same number of steps), by a fresh
+    sampler per pass. ``passes``: ``QERL_SAMPLER_REUSE`` of each pass — 0, session 57's rule (new cache and graphs
+    whenever the padded prompt length changes), 1, the default (only when it grows). One row per step (wall
+    seconds, padded prompt length, whether the buffers were built, graphs held) and one per pass (totals)."""
+    import random as _random
+
+    from qerl.data import load_gsm8k, render_prompt
+    from qerl.rollout import state_reuse
+
+    for v in passes:
+        if v not in ("0", "1"):
+            raise ValueError(f"reuse pass {v!r}: valid QERL_SAMPLER_REUSE values are ['0', '1']")
+    problems = load_gsm8k("train", "local")
+    rng = _random.Random(0)
+    draws = [rng.sample(range(len(problems)), prompts_per_step) for _ in range(steps)]
+    rows = []
+    for m in models:
+        for f in formats:
+            _free()
+            policy, tok = _policy(m, f, 32, device)
+            texts = [[render_prompt(tok, problems[i].prompt, "think_answer_suffix") for i in d] for d in draws]
+            for n_pass, v in enumerate(passes, 1):
+                old = os.environ.get("QERL_SAMPLER_REUSE")
+                os.environ["QERL_SAMPLER_REUSE"] = v
+                try:
+                    assert state_reuse() == (v == "1")
+                    sampler = Sampler(policy, tok, max_prompt_tokens=max_prompt_tokens, cuda_graphs="auto")
+                    total, built, per = 0.0, 0, []
+                    for step, prompts in enumerate(texts):
+                        if device.startswith("cuda"):
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        ro = sampler.generate(prompts, group, new_tokens, 1.0, seed=step, ignore_eos=True)
+                        if device.startswith("cuda"):
+                            torch.cuda.synchronize()
+                        wall = time.perf_counter() - t0
+                        total += wall
+                        built += bool(ro.stats.get("state_built"))
+                        per.append(dict(step=step, prompt_len=int(ro.prompt_ids.shape[1]), wall_s=wall,
+                                        state_built=bool(ro.stats.get("state_built")), graphs=ro.stats.get("graphs"),
+                                        rollout_s=ro.stats["rollout_s"]))
+                    base = dict(bench="reuse", model=PAPER_NAME.get(m, m), method=_method(f, 32),
+                                weights=get_format(f).label, reuse=v, batch_size=prompts_per_step * group,
+                                group_size=group, new_tokens=new_tokens, steps=steps, cuda_graphs=sampler.use_graphs,
+                                **{"pass": n_pass})
+                    for r in per:
+                        rows.append(dict(base, kind="step", **r, status="ok", **_env()))
+                    rows.append(dict(base, kind="pass", wall_s=total, builds=built,
+                                     prompt_lens=" ".join(str(r["prompt_len"]) for r in per),
+                                     graphs=per[-1]["graphs"], status="ok", **_env()))
+                    print({k: (round(x, 2) if isinstance(x, float) else x) for k, x in rows[-1].items()
+                           if k in ("model", "weights", "reuse", "pass", "wall_s", "builds", "prompt_lens", "graphs")},
+                          flush=True)
+                    if sink:
+                        sink(rows[-len(per) - 1:])
+                    sampler.release()
+                    del sampler
+                    _free()
+                finally:
+                    if old is None:
+                        os.environ.pop("QERL_SAMPLER_REUSE", None)
+                    else:
+                        os.environ["QERL_SAMPLER_REUSE"] = old
+            del policy
+    return rows
+
+
 def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused", "unfused"), steps: int = 8,
                   kv: int = 1024, sink=None, ranks=(32,)) -> list[dict]:
     """Where a decode step's GPU time goes: the CUDA kernels of ``steps`` eager decode steps (torch.profiler,
@@ -675,7 +751,7 @@ def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["memory", "rollout", "step", "layers", "profile", "scaling", "update"])
+    p.add_argument("what", choices=["memory", "rollout", "step", "layers", "profile", "scaling", "update", "reuse"])
     p.add_argument("--models", default="7b")
     p.add_argument("--formats", default=",".join(FORMATS))
     p.add_argument("--batch", default="2,8")
@@ -686,6 +762,7 @@ def main(argv=None) -> None:
     p.add_argument("--gc", default="both", choices=["on", "off", "both"])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--passes", default="0,1,1,0", help="reuse: QERL_SAMPLER_REUSE of each pass (comma-separated)")
     p.add_argument("--nproc", default="1,2", help="scaling: world sizes (GPUs, or CPU ranks with --device cpu)")
     p.add_argument("--group", type=int, default=None,
                    help="scaling/step: completions per prompt (GRPO group size; scaling default 8, step: the batch)")
@@ -710,7 +787,7 @@ def main(argv=None) -> None:
         return kb.main(rest)
     models, fmts = a.models.split(","), a.formats.split(",")
     isolate = a.isolate == "yes" or (a.isolate == "auto" and torch.cuda.is_available())
-    if isolate and a.what in ("rollout", "memory", "step", "profile", "update") and len(models) * len(fmts) > 1:
+    if isolate and a.what in ("rollout", "memory", "step", "profile", "update", "reuse") and len(models) * len(fmts) > 1:
         import subprocess
         import sys
 
@@ -733,6 +810,9 @@ def main(argv=None) -> None:
             p.error("update: choose --gc on or --gc off")
         bench_update(models, fmts, a.micro or 16, a.prompt, a.new, a.gc == "on", a.device, max(a.repeats, 1),
                      sink=lambda rows: _write_csv(rows, out / "update.csv", UPDATE_IDENT))
+    elif a.what == "reuse":
+        bench_reuse(models, fmts, a.steps, batches[0], a.group or 8, a.new, a.device, tuple(a.passes.split(",")),
+                    sink=lambda rows: _write_csv(rows, out / "reuse.csv", REUSE_IDENT), max_prompt_tokens=a.prompt)
     elif a.what == "rollout":
         bench_rollout(models, fmts, batches, ranks, a.prompt, a.new, a.device, a.repeats, sink("rollout.csv"),
                       tuple(a.decode.split(",")))

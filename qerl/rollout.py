@@ -147,6 +147,16 @@ def sample_from_logits(z: torch.Tensor, temperature: float, top_k: int, top_p: f
     return tok, logp_all.gather(1, tok[:, None]).squeeze(1), ent
 
 
+def state_reuse() -> bool:
+    """``QERL_SAMPLER_REUSE`` (default 1): a batch whose padded prompts are no longer than those the sampler's buffers
+    were made for reuses its cache and graphs (:meth:`Sampler._state`); 0: session 57's rule, new buffers and graphs
+    whenever the padded prompt length changes, for same-run comparisons (``python -m qerl.bench reuse``)."""
+    v = os.environ.get("QERL_SAMPLER_REUSE", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"QERL_SAMPLER_REUSE must be one of ['0', '1'], got {v!r}")
+    return v == "1"
+
+
 class Sampler:
     """Generates completions with the policy's own modules. See the module docstring."""
 
@@ -402,7 +412,8 @@ class Sampler:
         re-captures only when a batch's prompts are longer than every one before (``stats["state_built"]``), and
         captures one graph more for each new last KV bucket (Lp + max_new)."""
         key = (N, max_new, float(temperature), float(top_p), int(top_k), bool(ignore_eos), plan is not None, groups)
-        if self._static is not None and self._static["key"] == key and self._static["Lp_alloc"] >= Lp:
+        if self._static is not None and self._static["key"] == key and (
+                self._static["Lp_alloc"] >= Lp if state_reuse() else self._static["Lp_alloc"] == Lp):
             self._static["Lp"].fill_(Lp)
             return self._static
         self._static = None  # free the old cache and graphs first

@@ -209,6 +209,15 @@
 #                                $OUT/roll_ends), the GPU tests of the fused step's tokens ($OUT/tests_ends.txt),
 #                                decode-step profiles of both at batch 8 ($OUT/prof), then MXFP4 and BF16-LoRA at
 #                                batch 8 the same way ($OUT/roll_ends_fmt); ~7 min cold
+#   scripts/gpu_bench.sh rope    issue 11, session 59: bias + RoPE + cache write inside the Triton attention split kernel
+#                                (fused) against their own launch (fused-rope-split): the build beside 7B NVFP4 rollouts
+#                                at batch 8 and 2 (256 + 2048; old / new / new / old in one process; $OUT/roll_rope),
+#                                the fused step's GPU tests (the graph reuse across prompt lengths among them;
+#                                $OUT/tests_rope.txt), decode-step profiles of both at batch 8 ($OUT/prof), then the
+#                                sampler's buffer reuse across GSM8K prompt lengths (qerl.bench reuse, 16 prompts x G 8,
+#                                256 new tokens, 6 steps, QERL_SAMPLER_REUSE 0 / 1 / 1 / 0; $OUT/reuse); ~8 min cold
+#   scripts/gpu_bench.sh rope32  the same A/B for 32B NVFP4 at batch 8 ($OUT/roll_rope32) and 14B ($OUT/roll_rope14),
+#                                then 7B MXFP4 and BF16-LoRA at batch 8 ($OUT/roll_rope_fmt); ~9 min cold
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -715,6 +724,30 @@ ends)  # issue 11, session 58: the step's opening and close in one launch each (
     | grep -v "Warn\|_warn_once" >> "$LOG"
   timeout "${ENDS_FMT_SECS:-200}" $B rollout --models 7b --formats mxfp4,bf16 --batch 8 --prompt 256 --new 2048 \
     --decode $ab --out "$OUT/roll_ends_fmt" 2>&1 | grep -v Warn >> "$LOG" ;;
+rope)  # issue 11, session 59: RoPE + cache write inside the attention split kernel, and the buffer reuse (see the header)
+  build 2 &
+  bpid=$!
+  ab=fused-rope-split,fused,fused,fused-rope-split
+  timeout "${ROPE_SECS:-200}" $B rollout --models 7b --formats nvfp4 --batch 8,2 --prompt 256 --new 2048 \
+    --decode $ab --out "$OUT/roll_rope" 2>&1 | grep -v Warn >> "$LOG"
+  wait "$bpid"
+  gpu_tests rope 200 tests/test_fused_decode.py \
+    -k "rope_in_the_attention or graphs_replayed or step_ends or pdl_decode_is or graph_sampler"
+  timeout 90 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-rope-split --out "$OUT/prof" 2>&1 \
+    | grep -v "Warn\|_warn_once" >> "$LOG"
+  timeout "${REUSE_SECS:-200}" $B reuse --models 7b --formats nvfp4 --batch 16 --group 8 --new 256 --steps 6 \
+    --passes 0,1,1,0 --out "$OUT/reuse" 2>&1 | grep -v Warn >> "$LOG" ;;
+rope32)  # the same A/B at 32B and 14B, and for MXFP4 / BF16-LoRA at 7B (see the header)
+  build 2 &
+  bpid=$!
+  ab=fused-rope-split,fused,fused,fused-rope-split
+  timeout "${ROPE32_SECS:-300}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
+    --decode $ab --out "$OUT/roll_rope32" 2>&1 | grep -v Warn >> "$LOG"
+  wait "$bpid"
+  timeout "${ROPE14_SECS:-150}" $B rollout --models 14b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
+    --decode $ab --out "$OUT/roll_rope14" 2>&1 | grep -v Warn >> "$LOG"
+  timeout "${ROPE_FMT_SECS:-150}" $B rollout --models 7b --formats mxfp4,bf16 --batch 8 --prompt 256 --new 2048 \
+    --decode $ab --out "$OUT/roll_rope_fmt" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -229,3 +229,29 @@ def test_ends_builds_beside_the_first_rollout_then_tests_profiles_and_the_other_
     assert "--models 7b --formats mxfp4,bf16 --batch 8 --prompt 256 --new 2048 " + ab in last
     assert "--decode fused,fused-torch-ends" in calls[kinds.index("profile")]
     assert "step_ends" in calls[kinds.index("tests")]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_rope_builds_beside_the_first_rollout_then_tests_profiles_and_the_reuse_bench(tmp_path):
+    """``rope`` (session 59): the build in the background beside the 7B NVFP4 A/B (old / new / new / old), then, once
+    it has ended, the fused step's GPU tests (the new ones among them), the profiles of both steps, and the buffer-reuse
+    bench with its passes in order; ``rope32`` the 32B A/B beside the build, then 14B and the other formats."""
+    stub = STUB.replace('"-c "*) echo "pipe 2 build True None" ;;',
+                        '"-c "*) sleep 1; echo "built" >> "$STUB_LOG"; echo "pipe 2 build True None" ;;')
+    p, calls = _run(tmp_path, "rope", stub)
+    assert p.returncode == 0, p.stderr
+    kinds = [("build" if "|-c " in c else "built" if c == "built" else "rollout" if "qerl.bench rollout" in c else
+              "profile" if "qerl.bench profile" in c else "tests" if "-m pytest" in c else
+              "reuse" if "qerl.bench reuse" in c else c) for c in calls]
+    assert sorted(kinds[:2]) == ["build", "rollout"] and kinds[2:] == ["built", "tests", "profile", "reuse"], kinds
+    ab = "--decode fused-rope-split,fused,fused,fused-rope-split"
+    assert "--models 7b --formats nvfp4 --batch 8,2 --prompt 256 --new 2048 " + ab in calls[kinds.index("rollout")]
+    assert "--decode fused,fused-rope-split" in calls[kinds.index("profile")]
+    assert "rope_in_the_attention" in calls[kinds.index("tests")] and "graphs_replayed" in calls[kinds.index("tests")]
+    assert "--passes 0,1,1,0" in calls[kinds.index("reuse")]
+    (tmp_path / "r32").mkdir()
+    p, calls = _run(tmp_path / "r32", "rope32", stub)
+    assert p.returncode == 0, p.stderr
+    rolls = [c for c in calls if "qerl.bench rollout" in c]
+    assert [c.split("--models ")[1].split()[0] for c in rolls] == ["32b", "14b", "7b"] and all(ab in c for c in rolls)
+    assert calls.index(rolls[0]) < 2 < calls.index("built") + 1 < calls.index(rolls[1]) + 1  # 32B beside the build

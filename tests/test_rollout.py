@@ -94,6 +94,21 @@ def test_shorter_prompts_reuse_the_buffers_and_draw_what_a_fresh_sampler_draws(t
     assert s.generate(short, 1, **kw).stats["state_built"]  # another batch shape (N = 2): its own buffers
 
 
+def test_reuse_switch_restores_the_rebuild_on_every_new_prompt_length(tiny, monkeypatch):
+    """QERL_SAMPLER_REUSE=0 (session 57's rule, for same-run comparisons): a shorter batch gets new buffers; the same
+    length keeps them; a bad value names the valid ones."""
+    policy, tok = tiny
+    monkeypatch.setenv("QERL_SAMPLER_REUSE", "0")
+    s = Sampler(policy, tok, 64)
+    kw = dict(max_new_tokens=4, temperature=0.9, seed=3)
+    assert s.generate(["how many apples are there in the basket", "3 + 4"], 2, **kw).stats["state_built"]
+    assert s.generate(["a b", "3"], 2, **kw).stats["state_built"]  # shorter: rebuilt under this rule
+    assert not s.generate(["a c", "4"], 2, **kw).stats["state_built"]  # the same padded length: kept
+    monkeypatch.setenv("QERL_SAMPLER_REUSE", "yes")
+    with pytest.raises(ValueError, match=r"QERL_SAMPLER_REUSE.*\['0', '1'\].*'yes'"):
+        s.generate(["a b", "3"], 2, **kw)
+
+
 def test_sampling_law_top_k_top_p():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     z = p.log()[None].repeat(40000, 1)

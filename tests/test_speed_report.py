@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pandas as pd
 import pytest
@@ -534,3 +535,29 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
     assert "-DQFP4_DENSE_SECTOR=1" in flags["fused-bf16-sector"] and "-DQFP4_DENSE_SECTOR=1" in flags["fused"]
     assert "-DQFP4_DENSE_SECTOR=1" not in flags["fused-bf16-pair"]
     assert "-DQFP4_WGMMA_PDL=1" in flags["fused"] and "-DQFP4_WGMMA_PDL=1" not in flags["fused-s36"]
+
+
+def test_bench_reuse_rows_per_step_and_pass_on_cpu(tmp_path):
+    """``qerl.bench reuse`` on the CPU (tiny preset, GSM8K train prompts through its tokenizer): one row per step and
+    one per pass, every pass on the same prompts; session 57's rule (0) builds new buffers whenever the prompt length
+    changes, the default (1) only when it grows, so it builds no more often; the environment is restored; a bad pass
+    value is refused before anything loads."""
+    from qerl import bench
+
+    before = os.environ.get("QERL_SAMPLER_REUSE")
+    rows = bench.bench_reuse(["tiny"], ["nvfp4"], 4, 3, 2, 3, "cpu", passes=("0", "1"),
+                             sink=lambda r: bench._write_csv(r, tmp_path / "reuse.csv", bench.REUSE_IDENT),
+                             max_prompt_tokens=400)
+    assert os.environ.get("QERL_SAMPLER_REUSE") == before
+    d = pd.read_csv(tmp_path / "reuse.csv")
+    assert len(d) == len(rows) == 2 * (4 + 1)
+    steps, passes = d[d["kind"] == "step"], d[d["kind"] == "pass"].set_index("reuse")
+    assert list(steps.groupby("reuse")["step"].apply(list)) == [[0, 1, 2, 3]] * 2
+    lens = steps.groupby("reuse")["prompt_len"].apply(list)
+    assert lens[0] == lens[1] and len(set(lens[0])) > 1  # the same draws, and their lengths vary
+    changes = 1 + sum(a != b for a, b in zip(lens[0], lens[0][1:]))
+    grows = sum(1 for i, x in enumerate(lens[0]) if x > max(lens[0][:i], default=0))
+    assert passes.loc[0, "builds"] == changes and passes.loc[1, "builds"] == grows <= changes
+    assert passes.loc[0, "wall_s"] == pytest.approx(steps[steps["reuse"] == 0]["wall_s"].sum())
+    with pytest.raises(ValueError, match=r"reuse pass '2'.*\['0', '1'\]"):
+        bench.bench_reuse(["tiny"], ["nvfp4"], 1, 1, 1, 1, "cpu", passes=("2",))
