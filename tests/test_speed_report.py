@@ -555,7 +555,7 @@ def test_bench_reuse_rows_per_step_and_pass_on_cpu(tmp_path):
     assert list(steps.groupby("reuse")["step"].apply(list)) == [[0, 1, 2, 3]] * 2
     lens = steps.groupby("reuse")["prompt_len"].apply(list)
     assert lens[0] == lens[1] and len(set(lens[0])) > 1  # the same draws, and their lengths vary
-    changes = 1 + sum(a != b for a, b in zip(lens[0], lens[0][1:]))
+    changes = 1 + sum(a != b for a, b in zip(lens[0], lens[0][1:], strict=False))
     grows = sum(1 for i, x in enumerate(lens[0]) if x > max(lens[0][:i], default=0))
     assert passes.loc[0, "builds"] == changes and passes.loc[1, "builds"] == grows <= changes
     assert passes.loc[0, "wall_s"] == pytest.approx(steps[steps["reuse"] == 0]["wall_s"].sum())
