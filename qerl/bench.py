@@ -164,7 +164,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-wgmma-lora-pdl", "fused-wgmma-lora-pdl-a-256", "fused-s36", "fused-s37", "fused-s38",
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-tail",
            "fused-no-tail", "fused-bf16-sector",
-           "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "fused-torch-ends", "unfused")
+           "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "fused-torch-ends", "fused-rope-split", "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},

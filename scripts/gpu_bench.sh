@@ -214,8 +214,9 @@
 #                                at batch 8 and 2 (256 + 2048; old / new / new / old in one process; $OUT/roll_rope),
 #                                the fused step's GPU tests (the graph reuse across prompt lengths among them;
 #                                $OUT/tests_rope.txt), decode-step profiles of both at batch 8 ($OUT/prof), then the
-#                                sampler's buffer reuse across GSM8K prompt lengths (qerl.bench reuse, 16 prompts x G 8,
-#                                256 new tokens, 6 steps, QERL_SAMPLER_REUSE 0 / 1 / 1 / 0; $OUT/reuse); ~8 min cold
+#                                sampler's buffer reuse across GSM8K prompt lengths (qerl.bench reuse, 8 prompts x G 8,
+#                                prompts up to 512 tokens, 256 new, 6 steps, QERL_SAMPLER_REUSE 0 / 1 / 1 / 0;
+#                                $OUT/reuse; SKIP_REUSE=1 skips); ROPE_TESTS: the tests' -k; ~8 min cold
 #   scripts/gpu_bench.sh rope32  the same A/B for 32B NVFP4 at batch 8 ($OUT/roll_rope32) and 14B ($OUT/roll_rope14),
 #                                then 7B MXFP4 and BF16-LoRA at batch 8 ($OUT/roll_rope_fmt); ~9 min cold
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
@@ -732,11 +733,11 @@ rope)  # issue 11, session 59: RoPE + cache write inside the attention split ker
     --decode $ab --out "$OUT/roll_rope" 2>&1 | grep -v Warn >> "$LOG"
   wait "$bpid"
   gpu_tests rope 200 tests/test_fused_decode.py \
-    -k "rope_in_the_attention or graphs_replayed or step_ends or pdl_decode_is or graph_sampler"
+    -k "${ROPE_TESTS:-rope_in_the_attention or graphs_replayed or step_ends or pdl_decode_is or graph_sampler}"
   timeout 90 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-rope-split --out "$OUT/prof" 2>&1 \
     | grep -v "Warn\|_warn_once" >> "$LOG"
-  timeout "${REUSE_SECS:-200}" $B reuse --models 7b --formats nvfp4 --batch 16 --group 8 --new 256 --steps 6 \
-    --passes 0,1,1,0 --out "$OUT/reuse" 2>&1 | grep -v Warn >> "$LOG" ;;
+  [ -z "${SKIP_REUSE:-}" ] && timeout "${REUSE_SECS:-200}" $B reuse --models 7b --formats nvfp4 --batch 8 --group 8 \
+    --prompt 512 --new 256 --steps 6 --passes 0,1,1,0 --out "$OUT/reuse" 2>&1 | grep -v Warn >> "$LOG" ;;
 rope32)  # the same A/B at 32B and 14B, and for MXFP4 / BF16-LoRA at 7B (see the header)
   build 2 &
   bpid=$!

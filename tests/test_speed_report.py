@@ -526,6 +526,7 @@ def test_every_decode_mode_sets_valid_build_switches(monkeypatch):
         fused = None
 
     flags = {}
+    assert set(bench._DECODE_ENV) <= set(bench.DECODES), set(bench._DECODE_ENV) - set(bench.DECODES)
     for dec in bench.DECODES:
         with bench.decode_mode(_S(), dec):
             flags[dec] = cf._build_flags()  # raises on a value the switch does not know
