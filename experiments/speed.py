@@ -720,6 +720,21 @@ draw reads the lm_head's bf16 logits (no float32 copy). `fused-torch-ends` (`QER
 (`Sampler.precapture`: session 55's one-pass rows, `h100_s55_decode`, carried a first 7B batch-8 prefill of 0.29 s in
 their tokens/s; the prefills here took 0.07-0.16 s).
 {_raw_rollouts(root, "h100_s58_ends", "h100_s58_ends_fmt", "h100_s58_32b_ab")}
+### Bias + RoPE + cache write inside the attention split kernel (session 59; old / new / new / old in one process)
+`fused`: where the decode attention is the Triton split kernel (below 128 (row, KV head) pairs: 7B up to batch 31,
+32B up to 15), each split rotates its KV group's q rows from the q|k|v projection's output itself, and the split that
+holds the new token's slot rotates its k, takes k and v into its tiles from registers and writes both into the cache
+(`qerl.kernels.fused.rope_attention`): one launch a layer fewer. `fused-rope-split` (`QERL_FUSED_ROPE_ATTN=0`):
+session 58's step, bias + RoPE + cache write a launch of their own. The same cache bit for bit and the same tokens
+(`tests/test_fused_decode.py::test_gpu_rope_in_the_attention_split_kernel_changes_nothing`).
+{_raw_rollouts(root, "h100_s59_rope", "h100_s59_rope32")}
+### The sampler's buffers across prompt lengths (session 59, `python -m qerl.bench reuse`)
+A training run's batches differ in padded prompt length (a multiple of 64 under CUDA graphs). Since session 58 the
+sampler keeps its KV cache and captured graphs for any batch whose prompts are no longer than those they were made
+for; before (`QERL_SAMPLER_REUSE=0`), every new length re-allocated the cache and re-captured every graph. GSM8K train
+prompts (Table 1's template) through the shape preset's tokenizer (not Qwen's: its prompts run 121-407 tokens, median
+197), the same draws in every pass, one fresh sampler a pass:
+{reuse_table(root, "h100_s59_reuse")}
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
@@ -1058,6 +1073,33 @@ def _raw_md(root: Path, run: str, name: str) -> str:
     """A raw run's markdown table file without its first heading line (its own title)."""
     p = root / "raw" / run / name
     return p.read_text().split("\n", 1)[1] if p.exists() else f"_no raw/{run}/{name}_\n"
+
+
+def reuse_table(root: Path, *names: str) -> str:
+    """``qerl.bench reuse`` runs (raw/<name>/reuse.csv): per pass, the rule (``QERL_SAMPLER_REUSE``), the seconds of
+    all its rollouts, how often the sampler built new buffers (and captured its graphs anew), the padded prompt length
+    of each step, and the seconds against the mean of the same run's default-rule passes after the first pass."""
+    out = []
+    for n in names:
+        f = root / "raw" / n / "reuse.csv"
+        if not f.exists():
+            continue
+        d = pd.read_csv(f)
+        d = d[d["kind"] == "pass"].sort_values("pass")
+        later = d[(d["reuse"] == 1) & (d["pass"] > d["pass"].min())]
+        ref = float(later["wall_s"].mean()) if len(later) else float("nan")
+        r0 = d.iloc[0]
+        out.append(f"`raw/{n}`: {r0['model']} {r0['weights']}-LoRA, {int(r0['batch_size']) // int(r0['group_size'])} "
+                   f"prompts x G {int(r0['group_size'])}, {int(r0['new_tokens'])} new tokens, {int(r0['steps'])} steps "
+                   f"a pass, {r0.get('device', '')}\n")
+        out.append("| pass | rule | s (all steps) | vs the default's later passes | builds | padded prompt lengths |")
+        out.append("|---:|---|---:|---:|---:|---|")
+        for _, r in d.iterrows():
+            rule = "grow only (default)" if int(r["reuse"]) == 1 else "every new length (s57)"
+            out.append(f"| {int(r['pass'])} | {rule} | {r['wall_s']:.2f} | {r['wall_s'] / ref:.3f}x | "
+                       f"{int(r['builds'])} | {r['prompt_lens']} |")
+        out.append("")
+    return "\n".join(out) if out else "_not measured_\n"
 
 
 def _raw_rollouts(root: Path, *names: str) -> str:

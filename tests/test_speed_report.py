@@ -560,5 +560,14 @@ def test_bench_reuse_rows_per_step_and_pass_on_cpu(tmp_path):
     grows = sum(1 for i, x in enumerate(lens[0]) if x > max(lens[0][:i], default=0))
     assert passes.loc[0, "builds"] == changes and passes.loc[1, "builds"] == grows <= changes
     assert passes.loc[0, "wall_s"] == pytest.approx(steps[steps["reuse"] == 0]["wall_s"].sum())
+    raw = tmp_path / "root" / "raw" / "cpu_reuse"
+    raw.mkdir(parents=True)
+    d.to_csv(raw / "reuse.csv", index=False)
+    md = speed.reuse_table(tmp_path / "root", "cpu_reuse", "absent")
+    lines = [ln for ln in md.splitlines() if ln.startswith("| 1 ") or ln.startswith("| 2 ")]
+    assert "3 prompts x G 2" in md and len(lines) == 2 and "every new length" in lines[0]
+    assert lines[0].split("|")[5].strip() == str(changes) and lines[1].endswith(f"| {' '.join(str(int(x)) for x in lens[0])} |")
+    assert f"{passes.loc[0, 'wall_s'] / passes.loc[1, 'wall_s']:.3f}x" in lines[0]  # pass 2 is the only later default
+    assert speed.reuse_table(tmp_path / "root", "absent") == "_not measured_\n"
     with pytest.raises(ValueError, match=r"reuse pass '2'.*\['0', '1'\]"):
         bench.bench_reuse(["tiny"], ["nvfp4"], 1, 1, 1, 1, "cpu", passes=("2",))
