@@ -95,13 +95,20 @@ def shape_ok(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Te
             and bias.is_contiguous())
 
 
+def triton_by_rule(rows: int) -> bool:
+    """True where ``QERL_ATTN`` alone sends a decode batch of ``rows`` (row, KV head) pairs to the Triton split kernel:
+    ``triton``, or ``auto`` below :data:`MIN_ROWS` (before :func:`usable` looks at the device and the build)."""
+    mode = attn_mode()
+    return mode == "triton" or (mode == "auto" and rows < MIN_ROWS)
+
+
 def usable(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Tensor) -> bool:
     """True where :func:`qerl.kernels.fused.decode_attention` runs this kernel (``QERL_ATTN``; ``auto``: from
     :data:`MIN_ROWS` (row, KV head) pairs; a CUDA device of compute capability 8.0+ on which the extension builds);
     ``QERL_ATTN=cuda`` takes it at any batch and raises where it cannot run instead of falling back."""
-    mode = attn_mode()
-    if mode == "triton" or (mode == "auto" and q.shape[0] * kc.shape[1] < MIN_ROWS):
+    if triton_by_rule(q.shape[0] * kc.shape[1]):
         return False
+    mode = attn_mode()
     ok = q.is_cuda and shape_ok(q, kc, vc, bias) and torch.cuda.get_device_capability(q.device)[0] >= 8
     if ok:
         try:

@@ -577,21 +577,30 @@ def decode_attention(q, kc, vc, bias, S: int, scale: float, slot: torch.Tensor |
         return decode_attention_ref(q, kc, vc, bias, S, scale)
     m, H, d = q.shape
     hkv, s_max = kc.shape[1], kc.shape[2]
-    g = H // hkv
     interp, pdl = _interpret(), _pdl(q)
     if not interp and q.is_cuda:
         from qerl.kernels import cuda_attn
         if cuda_attn.usable(q, kc, vc, bias):
             return cuda_attn.attend(q.contiguous(), kc, vc, bias, S, scale, slot, bool(pdl), permuted=permuted)
+    return _split_attention(_attn_split_kernel, (q.contiguous(), kc, vc, bias), (), m, H, hkv, d, S, s_max, scale,
+                            q.dtype, q.device, pdl)
+
+
+def _split_attention(kernel, head, tail, m: int, heads: int, hkv: int, d: int, S: int, s_max: int, scale: float, dtype,
+                     device, pdl: dict, **const) -> torch.Tensor:
+    """A split kernel (``kernel``: its pointer arguments ``head``, the partials, S, S_max, CHUNK, NSPLIT, scale, then
+    ``tail`` and the constexprs; ``const``: its own) over (row, KV head) x key splits, then the combine: (m, H·d)."""
+    g = heads // hkv
     nsplit, chunk = attention_splits(m * hkv, S)
-    part = torch.empty((m * H * nsplit * (d + 2),), dtype=torch.float32, device=q.device)
-    mb, lb, acc = part[:m * H * nsplit], part[m * H * nsplit:2 * m * H * nsplit], part[2 * m * H * nsplit:]
-    _attn_split_kernel[(m * hkv, nsplit)](q.contiguous(), kc, vc, bias, mb, lb, acc, S, s_max, chunk, nsplit,
-                                          float(scale), HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d,
-                                          BS=ATTN_BS, DOT_F32=interp, num_warps=ATTN_WARPS,
-                                          **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **pdl)
-    o = torch.empty((m, H * d), dtype=q.dtype, device=q.device)
-    _attn_combine_kernel[(m * H,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
+    cut = m * heads * nsplit
+    part = torch.empty((cut * (d + 2),), dtype=torch.float32, device=device)
+    mb, lb, acc = part[:cut], part[cut:2 * cut], part[2 * cut:]
+    kernel[(m * hkv, nsplit)](*head, mb, lb, acc, S, s_max, chunk, nsplit, float(scale), *tail, HKV=hkv, G=g,
+                              GP=max(16, triton.next_power_of_2(g)), D=d, BS=ATTN_BS, DOT_F32=_interpret(),
+                              num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}), **const,
+                              **pdl)
+    o = torch.empty((m, heads * d), dtype=dtype, device=device)
+    _attn_combine_kernel[(m * heads,)](mb, lb, acc, o, nsplit, D=d, SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4,
                                    **pdl)
     return o
 
@@ -618,27 +627,14 @@ def rope_attention(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int,
     m = qkv.shape[0]
     if _triton_ok(qkv) and fused_rope_attention() and head_dim == triton.next_power_of_2(head_dim):
         from qerl.kernels import cuda_attn
-        mode = cuda_attn.attn_mode()
-        triton_attn = _interpret() or not qkv.is_cuda or mode == "triton" or (
-            mode == "auto" and m * n_kv < cuda_attn.MIN_ROWS)
+        triton_attn = _interpret() or not qkv.is_cuda or cuda_attn.triton_by_rule(m * n_kv)
         if triton_attn and kc.is_contiguous() and vc.is_contiguous() and attn_bias.is_contiguous():
             qkv = _unit_cols(qkv)
-            g = n_heads // n_kv
-            nsplit, chunk = attention_splits(m * n_kv, S)
-            part = torch.empty((m * n_heads * nsplit * (head_dim + 2),), dtype=torch.float32, device=qkv.device)
-            cut = m * n_heads * nsplit
-            mb, lb, acc = part[:cut], part[cut:2 * cut], part[2 * cut:]
-            pdl = _pdl(qkv)
-            _rope_attn_split_kernel[(m * n_kv, nsplit)](
-                qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), kc, vc, slot, attn_bias,
-                mb, lb, acc, S, kc.shape[2], chunk, nsplit, float(scale), qkv.stride(0), H=n_heads, HKV=n_kv, G=g,
-                GP=max(16, triton.next_power_of_2(g)), D=head_dim, BS=ATTN_BS, HAS_BIAS=bias is not None,
-                DOT_F32=_interpret(), num_warps=ATTN_WARPS, **({"num_stages": ATTN_STAGES} if ATTN_STAGES else {}),
-                **pdl)
-            o = torch.empty((m, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
-            _attn_combine_kernel[(m * n_heads,)](mb, lb, acc, o, nsplit, D=head_dim,
-                                                 SP=max(2, triton.next_power_of_2(nsplit)), num_warps=4, **pdl)
-            return o
+            return _split_attention(
+                _rope_attn_split_kernel,
+                (qkv, bias if bias is not None else qkv, cos.contiguous(), ssin.contiguous(), kc, vc, slot, attn_bias),
+                (qkv.stride(0),), m, n_heads, n_kv, head_dim, S, kc.shape[2], scale, qkv.dtype, qkv.device, _pdl(qkv),
+                H=n_heads, HAS_BIAS=bias is not None)
     q = rope_qkv(qkv, bias, cos, ssin, n_heads, n_kv, head_dim, kc, vc, slot)
     return decode_attention(q, kc, vc, attn_bias, S, scale, slot, permuted=permuted)
 
