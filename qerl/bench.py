@@ -237,7 +237,13 @@ def decode_mode(sampler, dec: str):
     "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
-    env = _DECODE_ENV.get(dec, {})
+    with _environ(_DECODE_ENV.get(dec, {})):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(env: dict):
+    """``env`` set in os.environ while the block runs, the previous values (or their absence) restored after."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -519,9 +525,7 @@ def bench_reuse(models, formats, steps: int, prompts_per_step: int, group: int, 
             policy, tok = _policy(m, f, 32, device)
             texts = [[render_prompt(tok, problems[i].prompt, "think_answer_suffix") for i in d] for d in draws]
             for n_pass, v in enumerate(passes, 1):
-                old = os.environ.get("QERL_SAMPLER_REUSE")
-                os.environ["QERL_SAMPLER_REUSE"] = v
-                try:
+                with _environ({"QERL_SAMPLER_REUSE": v}):
                     assert state_reuse() == (v == "1")
                     sampler = Sampler(policy, tok, max_prompt_tokens=max_prompt_tokens, cuda_graphs="auto")
                     total, built, per = 0.0, 0, []
@@ -555,11 +559,6 @@ def bench_reuse(models, formats, steps: int, prompts_per_step: int, group: int, 
                     sampler.release()
                     del sampler
                     _free()
-                finally:
-                    if old is None:
-                        os.environ.pop("QERL_SAMPLER_REUSE", None)
-                    else:
-                        os.environ["QERL_SAMPLER_REUSE"] = old
             del policy
     return rows
 
