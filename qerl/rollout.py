@@ -376,6 +376,11 @@ class Sampler:
         if S not in graphs:
             tensors = {k: v for k, v in s.items() if isinstance(v, torch.Tensor)}
             backup = {k: v.clone() for k, v in tensors.items()}
+            # the warm-up draws its tokens from the sampling generators: without their states put back, every draw
+            # after a capture would come from further along the stream than a run without that capture draws it
+            # (so tokens would depend on which graphs a sampler happened to hold already; H100, session 60)
+            gens = s["gens"] or [s["gen"]]
+            rng = [gen.get_state() for gen in gens]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, Triton autotuning)
@@ -383,8 +388,10 @@ class Sampler:
             torch.cuda.current_stream().wait_stream(side)
             for k, v in backup.items():
                 tensors[k].copy_(v)
+            for gen, st in zip(gens, rng, strict=True):
+                gen.set_state(st)
             g = torch.cuda.CUDAGraph()
-            for gen in s["gens"] or [s["gen"]]:
+            for gen in gens:
                 g.register_generator_state(gen)
             try:
                 with torch.cuda.graph(g, pool=s["pool"]):
@@ -398,6 +405,8 @@ class Sampler:
                 self.use_graphs = False
                 for k, v in backup.items():
                     tensors[k].copy_(v)
+                for gen, st in zip(gens, rng, strict=True):
+                    gen.set_state(st)
                 return self._decode_step(s, S)
             graphs[S] = g
         graphs[S].replay()

@@ -716,9 +716,41 @@ def test_gpu_graphs_replayed_for_shorter_prompts_draw_what_fresh_ones_draw(fmt):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("fmt,per_group", [("nvfp4", False), ("nvfp4", True), ("bf16", False)])
+def test_gpu_graph_captures_take_no_draws(fmt, per_group):
+    """A graph's capture (its warm-up step samples a token) leaves the sampling generators where they were: the graph
+    sampler draws what the eager step draws from the same seed, bit for bit, whether its graphs are captured during
+    the call (one per KV bucket, mid-rollout) or ahead of it (``precapture``). Before session 60 each warm-up moved
+    the stream on by one step's draws, so a sampler that already held a bucket's graph drew other tokens than a fresh
+    one (the H100 failure of test_gpu_graphs_replayed_for_shorter_prompts_draw_what_fresh_ones_draw)."""
+    torch.manual_seed(0)
+    policy, tok = load_policy("preset:tiny", fmt, LoraSpec(rank=8), train_norms=True, device="cuda")
+    perturb_lora_b(policy)
+    prompts = ["how many apples", "3 + 4 is", "a"]
+    kw = dict(max_new_tokens=300, temperature=1.0, seed=[3, 4, 5] if per_group else 3, ignore_eos=True)
+    e = Sampler(policy, tok, 128, cuda_graphs=False, fused=True)
+    e.prompt_pad_multiple = 64  # the graph sampler's padding: the same slots, KV buckets and kernels, step by step
+    eager = e.generate(prompts, 4, **kw)
+    s = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+    during = s.generate(prompts, 4, **kw)
+    assert during.stats["graphs"] == 2 and during.stats["state_built"]  # buckets 256 and 64 + 300, captured mid-call
+    assert not eager.stats["graphs"] and eager.prompt_ids.shape == during.prompt_ids.shape
+    runs = [during, s.generate(prompts, 4, **kw)]  # the second: every graph replayed, none captured
+    if not per_group:  # precapture's buffers are the one-generator kind
+        ahead = Sampler(policy, tok, 128, cuda_graphs=True, fused=True)
+        ahead.precapture(3, 64, 4, 300, ignore_eos=True)
+        runs.append(ahead.generate(prompts, 4, **kw))
+        assert not runs[-1].stats["state_built"]
+    for ro in runs:
+        for f in ("completion_ids", "completion_mask", "logp", "entropy"):
+            assert torch.equal(getattr(ro, f), getattr(eager, f)), f
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 def test_gpu_rope_in_the_attention_split_kernel_changes_nothing(fmt, monkeypatch):
-    """Bias + RoPE + cache write inside the Triton attention split kernel (QERL_FUSED_ROPE_ATTN=1, the default) against
+    """Bias + RoPE + cache write inside the Triton attention split kernel (QERL_FUSED_ROPE_ATTN=1, an opt-in) against
     their own launch before it (0): on bf16 tensors of the 7B and 32B attention shapes the same cache bit for bit and
     the same output, at a slot in the first, a middle and the last split; in the graph sampler (PDL on) the same
     tokens, stops and log-probs over 3 x 4 x 300 tokens, and the HF forward's log-probs to bf16 noise."""

@@ -606,12 +606,15 @@ def _split_attention(kernel, head, tail, m: int, heads: int, hkv: int, d: int, S
 
 
 def fused_rope_attention() -> bool:
-    """``QERL_FUSED_ROPE_ATTN`` (default 1): where the decode attention runs the Triton split kernel (batches below
-    :data:`qerl.kernels.cuda_attn.MIN_ROWS` (row, KV head) pairs, or ``QERL_ATTN=triton``), the fused step's bias +
-    RoPE + cache write go into that kernel (:func:`rope_attention`: one launch a layer fewer); 0 keeps them a launch
-    of their own (:func:`rope_qkv`), for same-run comparisons (``qerl.bench`` decode mode ``fused-rope-split``).
-    Read when a step is traced (captured)."""
-    v = os.environ.get("QERL_FUSED_ROPE_ATTN", "1")
+    """``QERL_FUSED_ROPE_ATTN`` (default 0): 1 puts the fused step's bias + RoPE + cache write into the Triton
+    attention split kernel where that kernel is the decode attention (batches below
+    :data:`qerl.kernels.cuda_attn.MIN_ROWS` (row, KV head) pairs, or ``QERL_ATTN=triton``): :func:`rope_attention`,
+    one launch a layer fewer, ``qerl.bench`` decode mode ``fused-rope-in-split``. 0 keeps them a launch of their own
+    (:func:`rope_qkv`). Measured on an H100 (session 60, ``results/speed/raw/h100_s59_rope*``) the launch saved costs
+    more than it saves: every split rotates its KV group's q rows again (7B batch 8: 333 µs of split kernel a step
+    against 265 + 50 µs for the two launches; 2588 against 2620 tokens/s; 32B 736 against 739), so 1 is an opt-in for
+    same-run comparisons. Read when a step is traced (captured)."""
+    v = os.environ.get("QERL_FUSED_ROPE_ATTN", "0")
     if v not in ("0", "1"):
         raise ValueError(f"QERL_FUSED_ROPE_ATTN must be one of ['0', '1'], got {v!r}")
     return v == "1"
@@ -623,7 +626,7 @@ def rope_attention(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int,
     launch of the split kernel plus the combine where the Triton split kernel is the attention that runs and
     :func:`fused_rope_attention` is on (the same values: q and the new k rounded as :func:`rope_qkv` rounds them, the
     new token's K and V taken into its split's tiles from registers and written into cache slot ``slot``); else the
-    two functions (the CUDA attention at large batches, the CPU, ``QERL_FUSED_ROPE_ATTN=0``)."""
+    two functions (the CUDA attention at large batches, the CPU, ``QERL_FUSED_ROPE_ATTN=0``, the default)."""
     m = qkv.shape[0]
     if _triton_ok(qkv) and fused_rope_attention() and head_dim == triton.next_power_of_2(head_dim):
         from qerl.kernels import cuda_attn
