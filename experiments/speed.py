@@ -720,21 +720,31 @@ draw reads the lm_head's bf16 logits (no float32 copy). `fused-torch-ends` (`QER
 (`Sampler.precapture`: session 55's one-pass rows, `h100_s55_decode`, carried a first 7B batch-8 prefill of 0.29 s in
 their tokens/s; the prefills here took 0.07-0.16 s).
 {_raw_rollouts(root, "h100_s58_ends", "h100_s58_ends_fmt", "h100_s58_32b_ab")}
-### Bias + RoPE + cache write inside the attention split kernel (session 59; old / new / new / old in one process)
-`fused`: where the decode attention is the Triton split kernel (below 128 (row, KV head) pairs: 7B up to batch 31,
-32B up to 15), each split rotates its KV group's q rows from the q|k|v projection's output itself, and the split that
-holds the new token's slot rotates its k, takes k and v into its tiles from registers and writes both into the cache
-(`qerl.kernels.fused.rope_attention`): one launch a layer fewer. `fused-rope-split` (`QERL_FUSED_ROPE_ATTN=0`):
-session 58's step, bias + RoPE + cache write a launch of their own. The same cache bit for bit and the same tokens
-(`tests/test_fused_decode.py::test_gpu_rope_in_the_attention_split_kernel_changes_nothing`).
-{_raw_rollouts(root, "h100_s59_rope", "h100_s59_rope32")}
-### The sampler's buffers across prompt lengths (session 59, `python -m qerl.bench reuse`)
+### Bias + RoPE + cache write inside the attention split kernel (session 59's opt-in; measured in session 60)
+`fused-rope-in-split` (`QERL_FUSED_ROPE_ATTN=1`): where the decode attention is the Triton split kernel (below 128
+(row, KV head) pairs: 7B up to batch 31, 32B up to 15), each split rotates its KV group's q rows from the q|k|v
+projection's output itself, and the split that holds the new token's slot rotates its k, takes k and v into its tiles
+from registers and writes both into the cache (`qerl.kernels.fused.rope_attention`): one launch a layer fewer.
+`fused-rope-split` (`QERL_FUSED_ROPE_ATTN=0`, the default again since session 60): bias + RoPE + cache write a launch
+of their own, session 58's step. The same cache bit for bit and the same tokens
+(`tests/test_fused_decode.py::test_gpu_rope_in_the_attention_split_kernel_changes_nothing`). One H100, code 6f689ec,
+old / new / new / old in one process per model (the rows were measured as `fused`, session 59's default, and
+renamed when the default went back; `raw/h100_s60_rope/README.md`):
+{_raw_rollouts(root, "h100_s60_rope", "h100_s60_rope32", "h100_s60_rope14", "h100_s60_rope_fmt")}
+Not supported: the launch it saves costs less than the work it adds. Every split rotates its group's q rows again (7B
+batch 8 at KV 1024: the split kernel 333 µs a step against 265 µs + 50 µs for the two launches;
+`raw/h100_s60_rope/profile.csv`), so the step ran 1.2% slower at 7B batch 8 (2588 vs 2620 tok/s), 1.2% at batch 2,
+1.0% / 1.5% for MXFP4 / BF16-LoRA, 0.4-0.5% at 14B and 32B.
+### The sampler's buffers across prompt lengths (`python -m qerl.bench reuse`; built in session 59, measured in 60)
 A training run's batches differ in padded prompt length (a multiple of 64 under CUDA graphs). Since session 58 the
 sampler keeps its KV cache and captured graphs for any batch whose prompts are no longer than those they were made
 for; before (`QERL_SAMPLER_REUSE=0`), every new length re-allocated the cache and re-captured every graph. GSM8K train
 prompts (Table 1's template) through the shape preset's tokenizer (not Qwen's: its prompts run 121-407 tokens, median
-197), the same draws in every pass, one fresh sampler a pass:
-{reuse_table(root, "h100_s59_reuse")}
+197), the same draws in every pass, one fresh sampler a pass, one H100 (code 6f689ec):
+{reuse_table(root, "h100_s60_reuse")}
+At Table 1's cap (256 prompt tokens: `raw/h100_s59_call1`) every step's padded length was the cap and both rules
+built the buffers once. These rollouts ran before session 60's fix of the capture's warm-up draw
+(`Sampler._run_step`): the reused sampler's tokens differed from a fresh one's (not its speed).
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
