@@ -210,9 +210,11 @@
 #                                decode-step profiles of both at batch 8 ($OUT/prof), then MXFP4 and BF16-LoRA at
 #                                batch 8 the same way ($OUT/roll_ends_fmt); ~7 min cold
 #   scripts/gpu_bench.sh rope    issue 11, session 59: bias + RoPE + cache write inside the Triton attention split kernel
-#                                (fused) against their own launch (fused-rope-split): the build beside 7B NVFP4 rollouts
+#                                (fused-rope-in-split, an opt-in since session 60 measured it slower) against their own
+#                                launch (fused, the default): the build beside 7B NVFP4 rollouts
 #                                at batch 8 and 2 (256 + 2048; old / new / new / old in one process; $OUT/roll_rope),
-#                                the fused step's GPU tests (the graph reuse across prompt lengths among them;
+#                                the fused step's GPU tests (the graph reuse across prompt lengths and the captures'
+#                                draws among them;
 #                                $OUT/tests_rope.txt), decode-step profiles of both at batch 8 ($OUT/prof), then the
 #                                sampler's buffer reuse across GSM8K prompt lengths (qerl.bench reuse, 8 prompts x G 8,
 #                                prompts up to 512 tokens, 256 new, 6 steps, QERL_SAMPLER_REUSE 0 / 1 / 1 / 0;
@@ -728,20 +730,20 @@ ends)  # issue 11, session 58: the step's opening and close in one launch each (
 rope)  # issue 11, session 59: RoPE + cache write inside the attention split kernel, and the buffer reuse (see the header)
   build 2 &
   bpid=$!
-  ab=fused-rope-split,fused,fused,fused-rope-split
+  ab=fused,fused-rope-in-split,fused-rope-in-split,fused
   timeout "${ROPE_SECS:-200}" $B rollout --models 7b --formats nvfp4 --batch 8,2 --prompt 256 --new 2048 \
     --decode $ab --out "$OUT/roll_rope" 2>&1 | grep -v Warn >> "$LOG"
   wait "$bpid"
   gpu_tests rope 200 tests/test_fused_decode.py \
-    -k "${ROPE_TESTS:-rope_in_the_attention or graphs_replayed or step_ends or pdl_decode_is or graph_sampler}"
-  timeout 90 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused,fused-rope-split --out "$OUT/prof" 2>&1 \
+    -k "${ROPE_TESTS:-rope_in_the_attention or graphs_replayed or graph_captures or step_ends or pdl_decode_is or graph_sampler}"
+  timeout 90 $B profile --models 7b --formats nvfp4 --batch 8 --decode fused-rope-in-split,fused --out "$OUT/prof" 2>&1 \
     | grep -v "Warn\|_warn_once" >> "$LOG"
   [ -z "${SKIP_REUSE:-}" ] && timeout "${REUSE_SECS:-200}" $B reuse --models 7b --formats nvfp4 --batch 8 --group 8 \
     --prompt 512 --new 256 --steps 6 --passes 0,1,1,0 --out "$OUT/reuse" 2>&1 | grep -v Warn >> "$LOG" ;;
 rope32)  # the same A/B at 32B and 14B, and for MXFP4 / BF16-LoRA at 7B (see the header)
   build 2 &
   bpid=$!
-  ab=fused-rope-split,fused,fused,fused-rope-split
+  ab=fused,fused-rope-in-split,fused-rope-in-split,fused
   timeout "${ROPE32_SECS:-300}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
     --decode $ab --out "$OUT/roll_rope32" 2>&1 | grep -v Warn >> "$LOG"
   wait "$bpid"

@@ -244,10 +244,10 @@ def test_rope_builds_beside_the_first_rollout_then_tests_profiles_and_the_reuse_
               "profile" if "qerl.bench profile" in c else "tests" if "-m pytest" in c else
               "reuse" if "qerl.bench reuse" in c else c) for c in calls]
     assert sorted(kinds[:2]) == ["build", "rollout"] and kinds[2:] == ["built", "tests", "profile", "reuse"], kinds
-    ab = "--decode fused-rope-split,fused,fused,fused-rope-split"
+    ab = "--decode fused,fused-rope-in-split,fused-rope-in-split,fused"
     assert "--models 7b --formats nvfp4 --batch 8,2 --prompt 256 --new 2048 " + ab in calls[kinds.index("rollout")]
-    assert "--decode fused,fused-rope-split" in calls[kinds.index("profile")]
-    assert "rope_in_the_attention" in calls[kinds.index("tests")] and "graphs_replayed" in calls[kinds.index("tests")]
+    assert "--decode fused-rope-in-split,fused" in calls[kinds.index("profile")]
+    assert all(k in calls[kinds.index("tests")] for k in ("rope_in_the_attention", "graphs_replayed", "graph_captures"))
     assert "--passes 0,1,1,0" in calls[kinds.index("reuse")]
     (tmp_path / "r32").mkdir()
     p, calls = _run(tmp_path / "r32", "rope32", stub)
