@@ -444,6 +444,21 @@ def test_lora_a_max_m_switch(monkeypatch):
     assert calls == [24]
 
 
+def test_rope_in_split_switch(monkeypatch):
+    """QERL_FUSED_ROPE_ATTN: off by default (session 60 measured the fold slower on the H100), "1" on, anything else
+    refused by name with the choices; the bench's two decode modes spell out each value."""
+    from qerl import bench
+    monkeypatch.delenv("QERL_FUSED_ROPE_ATTN", raising=False)
+    assert fk.fused_rope_attention() is False
+    monkeypatch.setenv("QERL_FUSED_ROPE_ATTN", "1")
+    assert fk.fused_rope_attention() is True
+    monkeypatch.setenv("QERL_FUSED_ROPE_ATTN", "on")
+    with pytest.raises(ValueError, match="QERL_FUSED_ROPE_ATTN must be one of \\['0', '1'\\], got 'on'"):
+        fk.fused_rope_attention()
+    assert bench._DECODE_ENV["fused-rope-in-split"] == {"QERL_FUSED_ROPE_ATTN": "1"}
+    assert bench._DECODE_ENV["fused-rope-split"] == {"QERL_FUSED_ROPE_ATTN": "0"}
+
+
 def test_pdl_switch(monkeypatch):
     from qerl import kernels
     x = torch.zeros(2)
