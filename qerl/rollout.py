@@ -6,7 +6,9 @@ decode loop, gpt-fast style:
 
 * one prefill per prompt; its K/V are written into the rows of all G samples of the group (prefix shared);
 * a static KV cache (N = B·G rows × prompt + max_new_tokens slots), so every decode step has fixed shapes;
-* on CUDA each decode step is captured once into a CUDA graph per KV-length bucket and replayed;
+* on CUDA each decode step is captured once into a CUDA graph per KV-length bucket and replayed; a capture takes
+  no draws from the sampling generators, so a seed gives the eager step's tokens whichever graphs a sampler already
+  holds (``tests/test_fused_decode.py::test_gpu_graph_captures_take_no_draws``);
 * the fused decode step (``fused``, on by default on CUDA): q|k|v and gate|up as one packed matmul each
   (``qerl.fastdecode``), and norm + residual, bias + RoPE + cache write, attention, SiLU·up as single
   kernels (``qerl.kernels.fused``): ~19 launches per layer instead of ~50;
