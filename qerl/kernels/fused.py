@@ -610,10 +610,10 @@ def fused_rope_attention() -> bool:
     attention split kernel where that kernel is the decode attention (batches below
     :data:`qerl.kernels.cuda_attn.MIN_ROWS` (row, KV head) pairs, or ``QERL_ATTN=triton``): :func:`rope_attention`,
     one launch a layer fewer, ``qerl.bench`` decode mode ``fused-rope-in-split``. 0 keeps them a launch of their own
-    (:func:`rope_qkv`). Measured on an H100 (session 60, ``results/speed/raw/h100_s59_rope*``) the launch saved costs
-    more than it saves: every split rotates its KV group's q rows again (7B batch 8: 333 µs of split kernel a step
-    against 265 + 50 µs for the two launches; 2588 against 2620 tokens/s; 32B 736 against 739), so 1 is an opt-in for
-    same-run comparisons. Read when a step is traced (captured)."""
+    (:func:`rope_qkv`). Measured on an H100 (session 60, ``results/speed/raw/h100_s60_rope*``), the work the fold
+    adds costs more than the launch it saves: every split rotates its KV group's q rows again (7B batch 8: 333 µs of
+    split kernel a step against 265 + 50 µs for the two launches; 2588 against 2620 tokens/s; 32B 736 against 739),
+    so 1 is an opt-in for same-run comparisons. Read when a step is traced (captured)."""
     v = os.environ.get("QERL_FUSED_ROPE_ATTN", "0")
     if v not in ("0", "1"):
         raise ValueError(f"QERL_FUSED_ROPE_ATTN must be one of ['0', '1'], got {v!r}")
