@@ -293,8 +293,8 @@ class Sampler:
 
     def _decode_step_fused(self, s, S: int):
         """The same step with fused projections and kernels (see the module docstring): per layer
-        add+norm, q|k|v (+LoRA), bias+RoPE+cache write and attention (2 launches where the Triton split
-        kernel runs, :func:`qerl.kernels.fused.rope_attention`; else 3), o_proj (+LoRA), add+norm,
+        add+norm, q|k|v (+LoRA), bias+RoPE+cache write and attention (:func:`qerl.kernels.fused.rope_attention`:
+        3 launches; 2 with the opt-in ``QERL_FUSED_ROPE_ATTN=1`` where the Triton split kernel runs), o_proj (+LoRA), add+norm,
         gate|up (+LoRA, and SiLU·up in its epilogue where the FP4 GEMV runs it; else a launch of its own),
         down_proj (+LoRA)."""
         ends = s["rope"] is not None and fk.fused_step_ends()
