@@ -3,6 +3,7 @@ launches — what the LoRA costs at decode, against what its bytes cost.
 
     python -m benchmarks.lora_gemv_bench [--models 7b] [--m 1,2,8,16] [--fmts nvfp4,mxfp4] [--rank 32]
                                          [--chunks 2] [--pdl] [--ablate 1,2,4] [--out results/speed] [--tag NAME]
+                                         [--ncu [--linears "q|k|v,o"]]
 
 For the four linears of one decoder layer as the rollout's sampler runs them (q|k|v and gate|up fused, o, down;
 every member with LoRA rank ``--rank``), each timed as in ``kernel_bench``: one CUDA graph over rotating copies of
@@ -22,7 +23,9 @@ a chain but the first under programmatic dependent launch, as the decode step ru
 the output warps do not wait for them, 8 = the output warps add the term before their main loop, without waiting: with
 2, a launch whose t the kernel before it wrote), a module of its own that the library never loads; **its results are wrong**
 (not checked), only its time counts: what that part of the LoRA costs on the launch's critical path. Writes
-``lora_gemv_<gpu><tag>.csv`` / ``.md`` under ``--out``; prints the markdown last.
+``lora_gemv_<gpu><tag>.csv`` / ``.md`` under ``--out``; prints the markdown last. ``--ncu``: no timing and no report,
+only two eager launches per selected linear (``--linears``) and mode (plain, one-launch) for Nsight Compute, each
+batch named on stdout in launch order (``scripts/gpu_bench.sh ncu32``).
 """
 
 from __future__ import annotations
@@ -195,6 +198,40 @@ def markdown(rows, header: str) -> str:
     return "\n".join(out)
 
 
+def ncu_launches(models, ms, fmts, rank: int, linears, copies: int = 2) -> None:
+    """``--ncu``: no timing, no report. Each selected linear's plain and one-launch GEMV, ``copies`` eager launches
+    each on distinct weight copies, for a profiler to catch (``scripts/gpu_bench.sh ncu32`` runs this under Nsight
+    Compute, ``--kernel-name regex:fp4_gemv``). Prints which launches are which, in launch order."""
+    n = 0
+    for mdl in models:
+        for fmt in fmts:
+            sel = [(name, members, k) for name, members, k in groups(mdl, rank) if name in linears]
+            lins = [_Linear(fmt, members, k, seed=3000 + 10 * j) for j, (_, members, k) in enumerate(sel)]
+            for m in ms:
+                for (name, _, k), lin in zip(sel, lins, strict=True):
+                    x = torch.randn(m, k, device="cuda").bfloat16()
+                    out = torch.empty(m, lin.n, device="cuda", dtype=torch.bfloat16)
+                    for mode in ("plain", "one-launch"):
+                        for i in range(min(copies, len(lin.ws))):
+                            lin.call(mode, i, x, out)()
+                        torch.cuda.synchronize()
+                        print(f"[ncu] GEMV launches {n}..{n + min(copies, len(lin.ws)) - 1}: {mdl} {fmt} M={m} "
+                              f"{name} ({lin.n} x {k}) {mode}", flush=True)
+                        n += min(copies, len(lin.ws))
+            del lins
+            torch.cuda.empty_cache()
+
+
+def parse_linears(text: str) -> list[str]:
+    """``"q|k|v,o"`` -> the named linears of :func:`groups`, in order, no repeats; a bad name names the choices."""
+    names = [g[0] for g in groups("7b", 16)]
+    got = list(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [v for v in got if v not in names]
+    if bad or not got:
+        raise ValueError(f"--linears {text!r}: {bad or 'nothing'} not among {names}")
+    return got
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="7b")
@@ -208,6 +245,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rep", type=float, default=20.0, help="time spent replaying per measurement (ms)")
     ap.add_argument("--out", default="results/speed")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--ncu", action="store_true", help="no timing: a few eager launches per linear and mode for "
+                                                       "Nsight Compute (scripts/gpu_bench.sh ncu32)")
+    ap.add_argument("--linears", default="q|k|v,o,gate|up,down", help="with --ncu: which linears to launch")
     a = ap.parse_args(argv)
     models = [s for s in a.models.split(",") if s]
     bad = [s for s in models if s not in bench.MODELS]
@@ -223,8 +263,14 @@ def main(argv=None) -> None:
     if not chunks or any(c < 1 for c in chunks):
         raise SystemExit(f"--chunks must be positive integers, got {a.chunks!r}")
     ablate = parse_ablate(a.ablate)
+    try:
+        linears = parse_linears(a.linears)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not torch.cuda.is_available() or not cf.available():
         raise SystemExit("lora_gemv_bench needs a CUDA GPU (sm_80+) and the cuda_fp4 extension")
+    if a.ncu:
+        return ncu_launches(models, ms, fmts, a.rank, linears)
     copy_bw = bench.copy_bandwidth()
     rows = run(models, ms, fmts, a.rank, chunks, a.rep, copy_bw, a.pdl, ablate)
     header = (f"## LoRA at decode: FP4 GEMV alone / LoRA in the same launch / LoRA as its own launches\n\n"

@@ -221,6 +221,10 @@
 #                                $OUT/reuse; SKIP_REUSE=1 skips); ROPE_TESTS: the tests' -k; ~8 min cold
 #   scripts/gpu_bench.sh rope32  the same A/B for 32B NVFP4 at batch 8 ($OUT/roll_rope32) and 14B ($OUT/roll_rope14),
 #                                then 7B MXFP4 and BF16-LoRA at batch 8 ($OUT/roll_rope_fmt); ~9 min cold
+#   scripts/gpu_bench.sh ncu32   issue 11, session 60: Nsight Compute on the decode GEMV of the 32B row's small products
+#                                (q|k|v, o; gate|up beside them for comparison) at M = 8, plain and with LoRA in the
+#                                launch, two launches each (benchmarks.lora_gemv_bench --ncu; NCU_MODELS, NCU_M,
+#                                NCU_LINEARS): $OUT/prof/ncu_gemv.txt, its throughput / stall / occupancy lines in the log
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -751,6 +755,17 @@ rope32)  # the same A/B at 32B and 14B, and for MXFP4 / BF16-LoRA at 7B (see the
     --decode $ab --out "$OUT/roll_rope14" 2>&1 | grep -v Warn >> "$LOG"
   timeout "${ROPE_FMT_SECS:-150}" $B rollout --models 7b --formats mxfp4,bf16 --batch 8 --prompt 256 --new 2048 \
     --decode $ab --out "$OUT/roll_rope_fmt" 2>&1 | grep -v Warn >> "$LOG" ;;
+ncu32)  # issue 11, session 60: Nsight Compute on the 32B decode GEMV's small products (see the header)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/prof"
+  build 2
+  timeout "${NCU_SECS:-400}" "$NCU" --clock-control none --kernel-name regex:fp4_gemv --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section SchedulerStats --print-details all python3 -m benchmarks.lora_gemv_bench --ncu \
+    --models "${NCU_MODELS:-32b}" --m "${NCU_M:-8}" --fmts nvfp4 --linears "${NCU_LINEARS:-q|k|v,o,gate|up}" \
+    > "$OUT/prof/ncu_gemv.txt" 2>&1
+  grep -E "fp4_gemv|\[ncu\]|Throughput|Duration|Stall|stall|Eligible|Issued Warp|Achieved Occupancy|Registers" \
+    "$OUT/prof/ncu_gemv.txt" | head -200 >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

@@ -255,3 +255,25 @@ def test_rope_builds_beside_the_first_rollout_then_tests_profiles_and_the_reuse_
     rolls = [c for c in calls if "qerl.bench rollout" in c]
     assert [c.split("--models ")[1].split()[0] for c in rolls] == ["32b", "14b", "7b"] and all(ab in c for c in rolls)
     assert calls.index(rolls[0]) < 2 < calls.index("built") + 1 < calls.index(rolls[1]) + 1  # 32B beside the build
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_ncu32_profiles_the_small_products_gemv_launches(tmp_path):
+    """``ncu32``: the build, then Nsight Compute (found on PATH) over ``lora_gemv_bench --ncu`` for the 32B small
+    products at M = 8 (q|k|v, o, and gate|up to compare), only the FP4 GEMV kernels; NCU_LINEARS / NCU_M override."""
+    stub = '#!/usr/bin/env bash\necho "py|$*" >> "$STUB_LOG"\n'
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "ncu").write_text('#!/usr/bin/env bash\necho "ncu|$*" >> "$STUB_LOG"\n')
+    (tmp_path / "bin" / "ncu").chmod(0o755)
+    p, calls = _run(tmp_path, "ncu32", stub)
+    assert p.returncode == 0, p.stderr
+    assert "py|-c " in calls[0] and len(calls) == 2, calls  # the build first, then the profile
+    ncu = calls[1]
+    assert ncu.startswith("ncu|") and "--kernel-name regex:fp4_gemv " in ncu and "--section WarpStateStats" in ncu
+    assert "python3 -m benchmarks.lora_gemv_bench --ncu --models 32b --m 8 --fmts nvfp4 --linears q|k|v,o,gate|up" in ncu
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "bin").mkdir()
+    (tmp_path / "again" / "bin" / "ncu").write_text((tmp_path / "bin" / "ncu").read_text())
+    (tmp_path / "again" / "bin" / "ncu").chmod(0o755)
+    p, calls = _run(tmp_path / "again", "ncu32", stub, NCU_LINEARS="o", NCU_M="2")
+    assert p.returncode == 0 and "--m 2 --fmts nvfp4 --linears o" in calls[1], (p.stderr, calls)

@@ -25,6 +25,15 @@ def test_bad_arguments_name_the_value_and_the_choices(argv, why):
         lb.main(argv)
 
 
+def test_linears_parse_and_bad_ones_name_the_choices():
+    assert lb.parse_linears("o, q|k|v,o") == ["o", "q|k|v"]
+    for text, why in (("qkv", r"\['qkv'\] not among \['q\|k\|v', 'o', 'gate\|up', 'down'\]"), (",", "nothing")):
+        with pytest.raises(ValueError, match=why):
+            lb.parse_linears(text)
+    with pytest.raises(SystemExit, match="--linears 'gate'"):
+        lb.main(["--ncu", "--linears", "gate"])
+
+
 def test_ablate_variants_parse_and_bad_ones_name_the_bits():
     assert lb.parse_ablate("1,2,4,1,10") == [1, 2, 4, 10] and lb.parse_ablate("") == []
     for text, why in (("16", r"\[16\] not a bit set"), ("0", r"\[0\] not a bit set"),
