@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--ncu", action="store_true", help="no timing: a few eager launches per linear and mode for "
                                                        "Nsight Compute (scripts/gpu_bench.sh ncu32)")
-    ap.add_argument("--linears", default="q|k|v,o,gate|up,down", help="with --ncu: which linears to launch")
+    ap.add_argument("--linears", default=None, help="with --ncu: which linears to launch (default: all four)")
     a = ap.parse_args(argv)
     models = [s for s in a.models.split(",") if s]
     bad = [s for s in models if s not in bench.MODELS]
@@ -263,8 +263,10 @@ def main(argv=None) -> None:
     if not chunks or any(c < 1 for c in chunks):
         raise SystemExit(f"--chunks must be positive integers, got {a.chunks!r}")
     ablate = parse_ablate(a.ablate)
+    if a.linears is not None and not a.ncu:
+        raise SystemExit(f"--linears {a.linears!r} applies only with --ncu (the timed run covers the whole layer)")
     try:
-        linears = parse_linears(a.linears)
+        linears = parse_linears(a.linears or "q|k|v,o,gate|up,down")
     except ValueError as e:
         raise SystemExit(str(e)) from None
     if not torch.cuda.is_available() or not cf.available():

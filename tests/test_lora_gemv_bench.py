@@ -32,6 +32,8 @@ def test_linears_parse_and_bad_ones_name_the_choices():
             lb.parse_linears(text)
     with pytest.raises(SystemExit, match="--linears 'gate'"):
         lb.main(["--ncu", "--linears", "gate"])
+    with pytest.raises(SystemExit, match="--linears 'o' applies only with --ncu"):
+        lb.main(["--linears", "o"])
 
 
 def test_ablate_variants_parse_and_bad_ones_name_the_bits():
