@@ -153,10 +153,7 @@ def state_reuse() -> bool:
     """``QERL_SAMPLER_REUSE`` (default 1): a batch whose padded prompts are no longer than those the sampler's buffers
     were made for reuses its cache and graphs (:meth:`Sampler._state`); 0: session 57's rule, new buffers and graphs
     whenever the padded prompt length changes, for same-run comparisons (``python -m qerl.bench reuse``)."""
-    v = os.environ.get("QERL_SAMPLER_REUSE", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"QERL_SAMPLER_REUSE must be one of ['0', '1'], got {v!r}")
-    return v == "1"
+    return fk.env_flag("QERL_SAMPLER_REUSE", "1")
 
 
 class Sampler:
@@ -383,15 +380,19 @@ class Sampler:
             # (so tokens would depend on which graphs a sampler happened to hold already; H100, session 60)
             gens = s["gens"] or [s["gen"]]
             rng = [gen.get_state() for gen in gens]
+
+            def restore():  # the buffers and the generators as they were before the warm-up
+                for k, v in backup.items():
+                    tensors[k].copy_(v)
+                for gen, st in zip(gens, rng, strict=True):
+                    gen.set_state(st)
+
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the capture (lazy init, Triton autotuning)
                 self._decode_step(s, S)
             torch.cuda.current_stream().wait_stream(side)
-            for k, v in backup.items():
-                tensors[k].copy_(v)
-            for gen, st in zip(gens, rng, strict=True):
-                gen.set_state(st)
+            restore()
             g = torch.cuda.CUDAGraph()
             for gen in gens:
                 g.register_generator_state(gen)
@@ -405,10 +406,7 @@ class Sampler:
                               stacklevel=2)
                 torch.cuda.synchronize()
                 self.use_graphs = False
-                for k, v in backup.items():
-                    tensors[k].copy_(v)
-                for gen, st in zip(gens, rng, strict=True):
-                    gen.set_state(st)
+                restore()
                 return self._decode_step(s, S)
             graphs[S] = g
         graphs[S].replay()

@@ -605,6 +605,14 @@ def _split_attention(kernel, head, tail, m: int, heads: int, hkv: int, d: int, S
     return o
 
 
+def env_flag(name: str, default: str) -> bool:
+    """A 0 / 1 switch from the environment (``default`` when unset); any other value is refused by name."""
+    v = os.environ.get(name, default)
+    if v not in ("0", "1"):
+        raise ValueError(f"{name} must be one of ['0', '1'], got {v!r}")
+    return v == "1"
+
+
 def fused_rope_attention() -> bool:
     """``QERL_FUSED_ROPE_ATTN`` (default 0): 1 puts the fused step's bias + RoPE + cache write into the Triton
     attention split kernel where that kernel is the decode attention (batches below
@@ -614,10 +622,7 @@ def fused_rope_attention() -> bool:
     adds costs more than the launch it saves: every split rotates its KV group's q rows again (7B batch 8: 333 µs of
     split kernel a step against 265 + 50 µs for the two launches; 2588 against 2620 tokens/s; 32B 736 against 739),
     so 1 is an opt-in for same-run comparisons. Read when a step is traced (captured)."""
-    v = os.environ.get("QERL_FUSED_ROPE_ATTN", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"QERL_FUSED_ROPE_ATTN must be one of ['0', '1'], got {v!r}")
-    return v == "1"
+    return env_flag("QERL_FUSED_ROPE_ATTN", "0")
 
 
 def rope_attention(qkv, bias, cos, ssin, n_heads: int, n_kv: int, head_dim: int, kc, vc, attn_bias, S: int,
@@ -794,10 +799,7 @@ def fused_step_ends() -> bool:
     (the slot and position arithmetic, the embedding, the rotary tables per step, a float32 copy of the logits, the
     bookkeeping after the draw: ~30 launches), for same-run comparisons (``qerl.bench`` decode mode
     ``fused-torch-ends``). Read when a step is traced (captured)."""
-    v = os.environ.get("QERL_FUSED_STEP_ENDS", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"QERL_FUSED_STEP_ENDS must be one of ['0', '1'], got {v!r}")
-    return v == "1"
+    return env_flag("QERL_FUSED_STEP_ENDS", "1")
 
 
 def step_begin(tok, t, lp, prompt_len, emb, cos_tab, sin_tab, attn_bias):
