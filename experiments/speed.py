@@ -734,7 +734,9 @@ renamed when the default went back; `raw/h100_s60_rope/README.md`):
 Not supported: the launch it saves costs less than the work it adds. Every split rotates its group's q rows again (7B
 batch 8 at KV 1024: the split kernel 333 µs a step against 265 µs + 50 µs for the two launches;
 `raw/h100_s60_rope/profile.csv`), so the step ran 1.2% slower at 7B batch 8 (2588 vs 2620 tok/s), 1.2% at batch 2,
-1.0% / 1.5% for MXFP4 / BF16-LoRA, 0.4-0.5% at 14B and 32B.
+1.0% / 1.5% for MXFP4 / BF16-LoRA, 0.4-0.5% at 14B and 32B. One process per model, two passes per mode, no
+interval: at 14B and 32B the difference is within the passes' own spread (~0.4%), so only its sign repeats there; at
+7B it repeated on a second machine (`raw/h100_s60_default`: 2624 / 2624 vs 2658).
 ### The sampler's buffers across prompt lengths (`python -m qerl.bench reuse`; built in session 59, measured in 60)
 A training run's batches differ in padded prompt length (a multiple of 64 under CUDA graphs). Since session 58 the
 sampler keeps its KV cache and captured graphs for any batch whose prompts are no longer than those they were made
