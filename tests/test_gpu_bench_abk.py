@@ -277,3 +277,30 @@ def test_ncu32_profiles_the_small_products_gemv_launches(tmp_path):
     (tmp_path / "again" / "bin" / "ncu").chmod(0o755)
     p, calls = _run(tmp_path / "again", "ncu32", stub, NCU_LINEARS="o", NCU_M="2")
     assert p.returncode == 0 and "--m 2 --fmts nvfp4 --linears o" in calls[1], (p.stderr, calls)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_pf_times_each_prefetch_depth_on_its_own_build_then_the_resume_test(tmp_path):
+    """``pf``: the three QERL_GEMV_PREFETCH builds at once, lora_gemv_bench once per depth in the order 8, 16, 32, 8
+    (each process with its own depth, each into its own folder), then the GPU resume test; ``pfroll``: the builds,
+    then the 32B rollout with the depths as decode modes."""
+    stub = ('#!/usr/bin/env bash\necho "${QERL_GEMV_PREFETCH:-unset}|$*" >> "$STUB_LOG"\n'
+            'case "$1 ${2:-}" in\n  "-c "*) echo "pipe 2 build True None" ;;\n'
+            '  "-m pytest") echo "1 passed in 0.1s" ;;\n  *) echo "| layer | 1.0 |" ;;\nesac\n')
+    p, calls = _run(tmp_path, "pf", stub)
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["16", "32", "unset"]
+    lin = [c for c in calls if "benchmarks.lora_gemv_bench" in c]
+    assert [c.split("|")[0] for c in lin] == ["8", "16", "32", "8"]
+    assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in lin] == ["lin_pf1_8", "lin_pf2_16",
+                                                                                 "lin_pf3_32", "lin_pf4_8"]
+    assert all("--models 32b,7b --m 8 --fmts nvfp4 --pdl" in c for c in lin)
+    assert "-k resumed_run" in calls[-1] and "tests/test_train.py" in calls[-1]
+    assert "| layer | 1.0 |" in (tmp_path / "out" / "log.txt").read_text()
+    (tmp_path / "roll").mkdir()
+    p, calls = _run(tmp_path / "roll", "pfroll", stub)
+    assert p.returncode == 0, p.stderr
+    roll = [c for c in calls if "qerl.bench rollout" in c]
+    assert len(roll) == 1 and calls.index(roll[0]) == 3  # after the three builds
+    assert "--models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048" in roll[0]
+    assert "--decode fused,fused-gemv-pf32,fused-gemv-pf16,fused" in roll[0]
