@@ -225,12 +225,9 @@
 #                                (q|k|v, o; gate|up beside them for comparison) at M = 8, plain and with LoRA in the
 #                                launch, two launches each (benchmarks.lora_gemv_bench --ncu; NCU_MODELS, NCU_M,
 #                                NCU_LINEARS): $OUT/prof/ncu_gemv.txt, its throughput / stall / occupancy lines in the log
-#   scripts/gpu_bench.sh pf      issue 11, session 61: the FP4 GEMV's L2 prefetch depth before its wait (QERL_GEMV_PREFETCH
-#                                8 / 16 / 32, a build each, built at once): benchmarks.lora_gemv_bench on the 32B and 7B
-#                                linears at M = 8 under PDL per depth (8, 16, 32, 8: $OUT/lin_pf<pass>_<depth>), then the GPU resume
-#                                test (tests/test_train.py: a resumed run recomputes steps 3-4 bit for bit on a GPU)
-#   scripts/gpu_bench.sh pfroll   the 32B NVFP4 batch-8 rollout A/B of the depths (fused, fused-gemv-pf32,
-#                                fused-gemv-pf16, fused, 256 + 2048: $OUT/roll_pf32; PF_MODES overrides the order)
+#   scripts/gpu_bench.sh tune32  issue 11, session 61: benchmarks.gemv_tune on the 32B decode linears (NVFP4, M = 8, LoRA
+#                                r32; --write-table: the tree's table, copied to $OUT/tune), then the 32B batch-8 rollout,
+#                                256 + 2048, with that table against the heuristic (fused, fused-heuristic-gemv x 2, fused)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -772,20 +769,13 @@ ncu32)  # issue 11, session 60: Nsight Compute on the 32B decode GEMV's small pr
     > "$OUT/prof/ncu_gemv.txt" 2>&1
   grep -E "fp4_gemv|\[ncu\]|Throughput|Duration|Stall|stall|Eligible|Issued Warp|Achieved Occupancy|Registers" \
     "$OUT/prof/ncu_gemv.txt" | head -200 >> "$LOG" ;;
-pf)  # issue 11, session 61: the GEMV's prefetch depth per linear, and the GPU resume test (see the header)
-  builds_at_once - QERL_GEMV_PREFETCH=16 QERL_GEMV_PREFETCH=32
-  local_i=0
-  for v in 8 16 32 8; do
-    local_i=$((local_i + 1))
-    echo "lora_gemv_bench, QERL_GEMV_PREFETCH=$v (pass $local_i)" >> "$LOG"
-    QERL_GEMV_PREFETCH=$v timeout "${PF_LIN_SECS:-120}" python3 -m benchmarks.lora_gemv_bench --models "${PF_MODELS:-32b,7b}" \
-      --m 8 --fmts nvfp4 --pdl --out "$OUT/lin_pf${local_i}_$v" --tag "_pf$v" 2>&1 | grep -E "^\| " >> "$LOG"
-  done
-  gpu_tests resume "${PF_TEST_SECS:-240}" tests/test_train.py -k resumed_run ;;
-pfroll)  # the 32B rollout A/B of the prefetch depths (see the header)
-  builds_at_once - QERL_GEMV_PREFETCH=16 QERL_GEMV_PREFETCH=32
-  timeout "${PF_ROLL_SECS:-420}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
-    --decode "${PF_MODES:-fused,fused-gemv-pf32,fused-gemv-pf16,fused}" --out "$OUT/roll_pf32" 2>&1 | grep -v Warn >> "$LOG" ;;
+tune32)  # issue 11, session 61: the 32B decode linears' tuned launch configurations in the rollout (see the header)
+  build 2
+  timeout "${TUNE32_SECS:-240}" python3 -m benchmarks.gemv_tune --models 32b --fmts nvfp4 --m 8 --ranks 32 \
+    --out "$OUT/tune" --write-table 2>&1 | grep -v Warn >> "$LOG"
+  cp qerl/kernels/tuned/cuda_gemv_*.json "$OUT/tune/" 2>/dev/null
+  timeout "${TUNE32_ROLL_SECS:-300}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
+    --decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused --out "$OUT/roll_tune32" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

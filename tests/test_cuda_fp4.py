@@ -437,7 +437,6 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_TMA=1 (the default) adds -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing.
     QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
-    QERL_GEMV_PREFETCH=8 (the default) adds nothing, 16 / 32 -DQFP4_GEMV_PF=16 / 32, other depths are refused.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
@@ -452,14 +451,6 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_BF16_LOADS", "quad")
     with pytest.raises(ValueError, match="QERL_BF16_LOADS='quad'; valid: pair, sector"):
         cf._build_flags()
-    monkeypatch.delenv("QERL_BF16_LOADS")
-    for v, flags in (("8", default), ("16", [*default, "-DQFP4_GEMV_PF=16"]), ("32", [*default, "-DQFP4_GEMV_PF=32"])):
-        monkeypatch.setenv("QERL_GEMV_PREFETCH", v)
-        assert cf._build_flags() == flags, v
-    monkeypatch.setenv("QERL_GEMV_PREFETCH", "12")  # not a whole round of 8 chunks
-    with pytest.raises(ValueError, match="QERL_GEMV_PREFETCH='12'; valid: 8, 16, 32"):
-        cf._build_flags()
-    monkeypatch.delenv("QERL_GEMV_PREFETCH")
     monkeypatch.setenv("QERL_BF16_LOADS", "pair")  # the wgmma flags below without the BF16 one
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1",

@@ -280,27 +280,14 @@ def test_ncu32_profiles_the_small_products_gemv_launches(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_pf_times_each_prefetch_depth_on_its_own_build_then_the_resume_test(tmp_path):
-    """``pf``: the three QERL_GEMV_PREFETCH builds at once, lora_gemv_bench once per depth in the order 8, 16, 32, 8
-    (each process with its own depth, each into its own folder), then the GPU resume test; ``pfroll``: the builds,
-    then the 32B rollout with the depths as decode modes."""
-    stub = ('#!/usr/bin/env bash\necho "${QERL_GEMV_PREFETCH:-unset}|$*" >> "$STUB_LOG"\n'
-            'case "$1 ${2:-}" in\n  "-c "*) echo "pipe 2 build True None" ;;\n'
-            '  "-m pytest") echo "1 passed in 0.1s" ;;\n  *) echo "| layer | 1.0 |" ;;\nesac\n')
-    p, calls = _run(tmp_path, "pf", stub)
+def test_tune32_tunes_the_32b_linears_then_ab_tests_the_table_in_the_rollout(tmp_path):
+    """``tune32``: the build, the tuner on the 32B linears at M = 8 with rank 32 writing the table, then one 32B
+    rollout process with the table (fused) and the heuristic alternating, A B B A."""
+    stub = '#!/usr/bin/env bash\necho "py|$*" >> "$STUB_LOG"\n'
+    p, calls = _run(tmp_path, "tune32", stub)
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["16", "32", "unset"]
-    lin = [c for c in calls if "benchmarks.lora_gemv_bench" in c]
-    assert [c.split("|")[0] for c in lin] == ["8", "16", "32", "8"]
-    assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in lin] == ["lin_pf1_8", "lin_pf2_16",
-                                                                                 "lin_pf3_32", "lin_pf4_8"]
-    assert all("--models 32b,7b --m 8 --fmts nvfp4 --pdl" in c for c in lin)
-    assert "-k resumed_run" in calls[-1] and "tests/test_train.py" in calls[-1]
-    assert "| layer | 1.0 |" in (tmp_path / "out" / "log.txt").read_text()
-    (tmp_path / "roll").mkdir()
-    p, calls = _run(tmp_path / "roll", "pfroll", stub)
-    assert p.returncode == 0, p.stderr
-    roll = [c for c in calls if "qerl.bench rollout" in c]
-    assert len(roll) == 1 and calls.index(roll[0]) == 3  # after the three builds
-    assert "--models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048" in roll[0]
-    assert "--decode fused,fused-gemv-pf32,fused-gemv-pf16,fused" in roll[0]
+    assert "py|-c " in calls[0] and len(calls) == 3, calls
+    assert "-m benchmarks.gemv_tune --models 32b --fmts nvfp4 --m 8 --ranks 32" in calls[1]
+    assert calls[1].endswith("--write-table")
+    assert "-m qerl.bench rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048" in calls[2]
+    assert "--decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused" in calls[2]

@@ -812,24 +812,8 @@ def bf16_loads() -> str:
     return _gemm_lora_switch("QERL_BF16_LOADS", "sector", BF16_LOADS)
 
 
-GEMV_PREFETCH = ("8", "16", "32")
-
-
-def gemv_prefetch() -> int:
-    """``QERL_GEMV_PREFETCH``: chunks (64 K) per strip past its first batch that a warp of the FP4 decode GEMV
-    prefetches into L2 before ``griddepcontrol.wait`` (under programmatic dependent launch, while the kernel before it
-    runs), fixed when the extension is built. ``8`` (default, session 23's prefetch; no -D flag): on the 32B q|k|v at
-    M = 8 (16 chunks a warp, batches of 4) that is 12 of a warp's 16 chunks requested before the wait. ``16`` /
-    ``32`` (session 61's experiment, ``-DQFP4_GEMV_PF=16`` / ``32``, decode modes ``fused-gemv-pf16`` /
-    ``fused-gemv-pf32``): every chunk of the small products' warps, and more of the large ones' (which may push
-    other lines out of L2: the prefetches ask for ``evict_last``)."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return int(_gemm_lora_switch("QERL_GEMV_PREFETCH", "8", GEMV_PREFETCH))
-
-
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS",
-                  "QERL_GEMV_PREFETCH")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
@@ -839,8 +823,7 @@ def _build_flags() -> list[str]:
     (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` (default) the tail-split configs
     (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
-    loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build); ``QERL_GEMV_PREFETCH`` the FP4 GEMV's L2 prefetch depth
-    before its wait (``8`` default, no flag; ``16`` / ``32`` ``-DQFP4_GEMV_PF=N``, another build each). Opt-ins measured and not adopted were removed with
+    loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
     split-K groups' halves of the epilogue (``QERL_WGMMA_SPLIT_EPI``), the TMA experiments (``QERL_WGMMA_TMA=all |
     bar | all-bar | tok | all-tok``), two CTAs an SM (``QERL_WGMMA_OCC=2``) and the GEMV LoRA's K skew
@@ -860,8 +843,7 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
-            *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
-            *([f"-DQFP4_GEMV_PF={gemv_prefetch()}"] if gemv_prefetch() != 8 else [])]
+            *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
 def _ext():

@@ -425,13 +425,7 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
 // CTAs start during the previous grid's tail and wait (griddepcontrol.wait) before reading anything that grid
 // may write; the first weight batch is loaded before the wait (the wait depends on its words, else ptxas 13.0
 // schedules the wait first), so its HBM latency overlaps the previous kernel.
-// QFP4_GEMV_PF (the build's -D, set by QERL_GEMV_PREFETCH; 8 unless set): chunks per strip past the first batch a
-// warp prefetches into L2 before griddepcontrol.wait, in rounds of 8 (a lane a 128-byte line of each round's chunks).
-#ifndef QFP4_GEMV_PF
-#define QFP4_GEMV_PF 8
-#endif
-constexpr int kPrefetch = QFP4_GEMV_PF;
-static_assert(kPrefetch > 0 && kPrefetch % 8 == 0, "QFP4_GEMV_PF: a multiple of 8 chunks");
+constexpr int kPrefetch = 8;  // chunks per strip a warp prefetches into L2 before griddepcontrol.wait
 
 template <int FMT, int NT, int U, int SW, bool LORA>
 __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc,
@@ -556,9 +550,8 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
 
   int left = work ? c1 - c0 : 0;  // chunks not yet computed
   load_batch(wa, sa, left, std::true_type{});
-  {  // and the next kPrefetch chunks of each strip into L2 (round b: lane chunk U + b + lane / 4, 128-byte line
-     // lane % 4; the scale lines by the first lanes): under programmatic dependent launch they arrive while the
-     // previous grid runs
+  {  // and the next kPrefetch chunks of each strip into L2 (lane: chunk U + lane / 4, 128-byte line lane % 4; the
+     // scale lines by the first lanes): under programmatic dependent launch they arrive while the previous grid runs
     if constexpr (DENSE) {  // the same bytes: two chunks of 16 rows x 128 bytes (lane: row lane % 16)
       const int pc = U + (lane >> 4), row = lane & 15;
       if (pc < left) {
@@ -567,15 +560,12 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
           prefetch_l2(wq[i] - ((size_t)g * C * 8 + LT / 8 * t) + (size_t)row * C * 8 + pc * 8);
       }
     } else {
+      const int pc = U + (lane >> 2);
+      if (pc < left && pc < U + kPrefetch) {
 #pragma unroll
-      for (int b = 0; b < kPrefetch; b += 8) {
-        const int pc = U + b + (lane >> 2);
-        if (pc < left) {
-#pragma unroll
-          for (int i = 0; i < SW; ++i) {
-            prefetch_l2(wq[i] - lane + pc * 32 + (lane & 3) * 8);
-            if ((lane & 3) == 0) prefetch_l2(sq[i] - soff + pc * SL);
-          }
+        for (int i = 0; i < SW; ++i) {
+          prefetch_l2(wq[i] - lane + pc * 32 + (lane & 3) * 8);
+          if ((lane & 3) == 0) prefetch_l2(sq[i] - soff + pc * SL);
         }
       }
     }
