@@ -18,8 +18,15 @@ heuristic in the run that wrote it.
 What it measures is one linear's launches back to back; what the decode step runs is each linear between small
 Triton kernels. On the H100 (session 25, ``results/speed/raw/h100_s25_*``) the table it wrote was 1-10% faster per
 launch than the heuristic but not in the rollout (7B batch 8 2398 vs 2419 tok/s, 7B batch 2 666 vs 671, 14B batch 8
-1285 vs 1299 — the heuristic ahead in 3 of 3 same-run pairs, by 0.4-1.1%), so no table ships: install one only
-with a same-run rollout A/B (``qerl.bench rollout --decode fused,fused-heuristic-gemv``) that shows it helps.
+1285 vs 1299 — the heuristic ahead in 3 of 3 same-run pairs, by 0.4-1.1%), so that table was not shipped: install
+one only with a same-run rollout A/B (``qerl.bench rollout --decode fused,fused-heuristic-gemv``) that shows it helps.
+Session 61 (``results/speed/raw/h100_s61_tune32``, ``scripts/gpu_bench.sh tune32`` / ``tune32ab``) tuned the 32B
+linears at M = 8 with rank 32: q|k|v and o took 5 splits with batches of 2 chunks, (5, 1, 2, 1), against the rule's
+(5, 1, 4, 1) / (6, 1, 4, 1), 12.14 vs 13.17 µs and 10.07 vs 11.07 µs a launch (gate|up and down kept the rule's
+pick). 14B shares those two shapes. In the rollouts (A B B A in one process per model, 256 + 2048): 32B batch 8
+744.0 / 748.5 vs 737.9 / 739.3 tok/s (call 4) and 756.9 / 756.9 vs 752.2 / 753.1 (call 5, another machine); 32B
+batch 2 217.0 / 216.3 vs 213.4 / 214.0; 14B batch 8 1353.6 / 1376.7 vs 1353.5 / 1337.9: the table ahead or level
+in 8 of 8 pairs (+0.0…+2.9%), so the H100 table ships with those entries (``qerl/kernels/tuned/``).
 For BF16 weights (session 34, ``raw/h100_s34_bf16``) the tuner's picks for 7B on the H100 set the BF16 rule
 (``cuda_fp4.bf16_gemv_config``); re-tuned against that rule it chose the rule for q|k|v, o and gate|up and was within
 1.2% on down, and the rollouts with its table and with the rule tied (batch 8: 1251 / 1257 vs 1260 / 1251 tokens/s,

@@ -747,6 +747,22 @@ prompts (Table 1's template) through the shape preset's tokenizer (not Qwen's: i
 At Table 1's cap (256 prompt tokens: `raw/h100_s59_call1`) every step's padded length was the cap and both rules
 built the buffers once. These rollouts ran before session 60's fix of the capture's warm-up draw
 (`Sampler._run_step`): the reused sampler's tokens differed from a fresh one's (not its speed).
+### The 14B / 32B small products' launch configurations from the tuner (session 61)
+`benchmarks.gemv_tune` on the 32B decode linears at M = 8, LoRA rank 32 (`raw/h100_s61_tune32`): q|k|v and o run
+fastest with 5 splits and batches of 2 chunks, `(5, 1, 2, 1)`, against the rule's `(5, 1, 4, 1)` / `(6, 1, 4, 1)`:
+12.14 vs 13.17 µs and 10.07 vs 11.07 µs a launch; gate|up and down kept the rule's pick. 14B has the same two shapes
+(hidden 5120, 40 / 8 heads), so the H100 table (`qerl/kernels/tuned/cuda_gemv_nvidia_h100_80gb_hbm3.json`, shipped
+since session 61) serves both at M = 1-8. `fused` = the table, `fused-heuristic-gemv` = the rule, A B B A in one
+process per model, code 2272ef5 (call 4 on one machine, call 5 on another):
+{_raw_rollouts(root, "h100_s61_tune32", "h100_s61_tab32", "h100_s61_tab14")}
+The table was ahead or level in 8 of 8 pairs: 32B batch 8 +0.8 / +1.2% (call 4) and +0.6 / +0.5% (call 5), batch 2
++1.7 / +1.1%, 14B batch 8 +0.0 / +2.9%. One process per model and call, two passes per mode: no interval; the 14B
+pairs spread more than their difference. Session 25's table for 7B / 14B (other entries) lost in the rollout, so none
+shipped then. Tried before it this session and refuted: a deeper L2 prefetch of the GEMV's weights before its wait (16
+chunks a strip instead of 8: 32B batch 8 717.7 / 717.3 vs 735.7 / 739.2 tok/s; `raw/h100_s61_pf`, the code at
+5572829). Nsight Compute on the 32B small products (`raw/h100_s61_ncu32`): q|k|v ran at 42% of DRAM peak with 26% of
+the warps resident (register-bound at 89 registers, 0.85 waves), two thirds of a warp's cycles between instructions
+stalled on global loads (long scoreboard).
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4

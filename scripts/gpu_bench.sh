@@ -228,6 +228,8 @@
 #   scripts/gpu_bench.sh tune32  issue 11, session 61: benchmarks.gemv_tune on the 32B decode linears (NVFP4, M = 8, LoRA
 #                                r32; --write-table: the tree's table, copied to $OUT/tune), then the 32B batch-8 rollout,
 #                                256 + 2048, with that table against the heuristic (fused, fused-heuristic-gemv x 2, fused)
+#   scripts/gpu_bench.sh tune32ab  the installed table (32B / 14B shapes: the two share q|k|v and o) against the
+#                                heuristic in the rollouts it reaches: 14B batch 8, 32B batch 2 and 8 (A B B A, 256 + 2048)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -776,6 +778,13 @@ tune32)  # issue 11, session 61: the 32B decode linears' tuned launch configurat
   cp qerl/kernels/tuned/cuda_gemv_*.json "$OUT/tune/" 2>/dev/null
   timeout "${TUNE32_ROLL_SECS:-300}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
     --decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused --out "$OUT/roll_tune32" 2>&1 | grep -v Warn >> "$LOG" ;;
+tune32ab)  # the installed table against the heuristic at 14B batch 8 and 32B batch 2 / 8 (see the header)
+  build 2
+  ab=fused,fused-heuristic-gemv,fused-heuristic-gemv,fused
+  timeout "${TAB14_SECS:-150}" $B rollout --models 14b --formats nvfp4 --batch 8 --prompt 256 --new 2048 --decode $ab \
+    --out "$OUT/roll_tab14" 2>&1 | grep -v Warn >> "$LOG"
+  timeout "${TAB32_SECS:-330}" $B rollout --models 32b --formats nvfp4 --batch 2,8 --prompt 256 --new 2048 --decode $ab \
+    --out "$OUT/roll_tab32" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

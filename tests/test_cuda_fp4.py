@@ -533,9 +533,10 @@ def test_installed_gemm_tables_are_valid():
 
 
 def test_installed_gemv_tables_are_valid():
-    """Every GEMV table shipped under qerl/kernels/tuned/ (none at present: the rules matched the tuner's picks in
-    the rollout, ``benchmarks.gemv_tune``'s docstring) loads with its configs checked against the format's compiled
-    variants and keys decode-size points; a device without a table gets {} (the rules decide)."""
+    """Every GEMV table shipped under qerl/kernels/tuned/ (the H100's since session 61: the 14B / 32B q|k|v and o at
+    M <= 8 with rank-32 LoRA, ``benchmarks.gemv_tune``'s docstring) loads with its configs checked against the
+    format's compiled variants and keys decode-size points; a device without a table gets {} (the rules decide).
+    The H100 table's q|k|v / o entries reach M = 1-8 of those shapes and no M > 8 (the other n8-tile variants)."""
     import json
     for path in sorted(cf._GEMM_TABLE_DIR.glob("cuda_gemv_*.json")):
         doc = json.loads(path.read_text())
@@ -545,6 +546,13 @@ def test_installed_gemv_tables_are_valid():
             assert e["fmt"] in cf.GEMV_FORMATS and 1 <= e["M"] <= 16 and e["us"] <= e["heuristic_us"]
     assert cf.load_gemv_table("no such GPU") == {}
     assert cf.tuned_gemv_config("bf16", 37888, 3584, 8, (64, 32), "silu_mul", "no such GPU") is None
+    h100 = "NVIDIA H100 80GB HBM3"
+    for m in (1, 2, 8):  # 14B / 32B q|k|v (r32 on q, k, v: 96 ranks) and o
+        assert cf.tuned_gemv_config("nvfp4", 7168, 5120, m, (96, 32), None, h100) == (5, 1, 2, 1)
+        assert cf.tuned_gemv_config("nvfp4", 5120, 5120, m, (32, 32), None, h100) == (5, 1, 2, 1)
+    assert cf.tuned_gemv_config("nvfp4", 7168, 5120, 9, (96, 32), None, h100) is None
+    assert cf.tuned_gemv_config("nvfp4", 7168, 5120, 8, None, None, h100) is None  # no LoRA: not tuned
+    assert cf.tuned_gemv_config("mxfp4", 7168, 5120, 8, (96, 32), None, h100) is None
 
 
 def test_gemv_config_validation():

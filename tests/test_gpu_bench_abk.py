@@ -291,3 +291,16 @@ def test_tune32_tunes_the_32b_linears_then_ab_tests_the_table_in_the_rollout(tmp
     assert calls[1].endswith("--write-table")
     assert "-m qerl.bench rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048" in calls[2]
     assert "--decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused" in calls[2]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_tune32ab_ab_tests_the_installed_table_at_14b_and_32b(tmp_path):
+    """``tune32ab``: the build, then one rollout process at 14B batch 8 and one at 32B batch 2 and 8, each with the
+    installed table (fused) and the rule alternating, A B B A."""
+    stub = '#!/usr/bin/env bash\necho "py|$*" >> "$STUB_LOG"\n'
+    p, calls = _run(tmp_path, "tune32ab", stub)
+    assert p.returncode == 0, p.stderr
+    assert "py|-c " in calls[0] and len(calls) == 3, calls
+    ab = "--decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused"
+    assert "--models 14b --formats nvfp4 --batch 8 --prompt 256 --new 2048 " + ab in calls[1]
+    assert "--models 32b --formats nvfp4 --batch 2,8 --prompt 256 --new 2048 " + ab in calls[2]
