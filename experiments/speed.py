@@ -762,7 +762,9 @@ shipped then. Tried before it this session and refuted: a deeper L2 prefetch of 
 chunks a strip instead of 8: 32B batch 8 717.7 / 717.3 vs 735.7 / 739.2 tok/s; `raw/h100_s61_pf`, the code at
 5572829). Nsight Compute on the 32B small products (`raw/h100_s61_ncu32`): q|k|v ran at 42% of DRAM peak with 26% of
 the warps resident (register-bound at 89 registers, 0.85 waves), two thirds of a warp's cycles between instructions
-stalled on global loads (long scoreboard).
+stalled on global loads (long scoreboard). The 32B batch-8 step at KV 1024 with the table and with the rule
+(`raw/h100_s61_prof32`, code 6b7b16b): 10293 vs 10389 µs, q|k|v + o 25.4 vs ~26.9 µs a layer; the rest unchanged
+(gate|up 68.7 µs a layer, down 35.9, attention 18.2, lm_head 542 µs a step, add + RMSNorm 334, RoPE 125).
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
