@@ -181,17 +181,26 @@ def test_8bit_adamw_keeps_the_trained_embedding_state_in_float32():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quant", ["nvfp4", "bf16"])
-def test_gpu_resumed_run_matches_uninterrupted(tmp_path, quant, capsys):
+def test_gpu_resumed_run_matches_uninterrupted(tmp_path, quant, capsys, monkeypatch):
     """On a GPU the sampler decodes through captured CUDA graphs, and a resumed run captures its graphs afresh.
     Until session 60 each capture's warm-up step took one step's draws from the sampling generators, so a resumed
     run sampled other completions than the uninterrupted one from the same checkpoint. A run of 4 steps
     (checkpoints at 2 and 4), then the same run resumed from step 2: steps 3 and 4 must be recomputed bit for bit
     (rewards, losses, gradient norms, entropies, lengths), graphs and all."""
+    from qerl.rollout import Sampler
     from qerl.train import run
 
+    graphs, real = [], Sampler.generate
+
+    def generate(self, *a, **k):  # the real sampler; records how many decode graphs it held after each rollout
+        ro = real(self, *a, **k)
+        graphs.append(ro.stats["graphs"])
+        return ro
+    monkeypatch.setattr(Sampler, "generate", generate)
     cfg = load_config([*FAST, "train.steps=4", "train.save_every=2", "train.keep_checkpoints=2", f"out_dir={tmp_path}",
                        f"quant={quant}", "aqn=paper", "aqn.stages=2", "device=cuda", "eval.limit=4"])
     run(cfg)
+    assert graphs and min(graphs) > 0, graphs  # every rollout decoded through captured CUDA graphs
     ref = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in ref] == [1, 2, 3, 4]
     ck = cfg.run_dir / "checkpoints"
@@ -200,7 +209,9 @@ def test_gpu_resumed_run_matches_uninterrupted(tmp_path, quant, capsys):
     shutil.rmtree(ck / "step_0000004")  # the run stopped after step 3: step 2's checkpoint is the newest
     (cfg.run_dir / "summary.json").unlink()
     capsys.readouterr()
+    n = len(graphs)
     summary = run(cfg)
+    assert len(graphs) > n and min(graphs[n:]) > 0, graphs  # the resumed run captured graphs of its own
     assert "resuming" in capsys.readouterr().out
     rows = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and summary["finished"]
