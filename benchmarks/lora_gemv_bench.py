@@ -211,13 +211,14 @@ def ncu_launches(models, ms, fmts, rank: int, linears, copies: int = 2) -> None:
                 for (name, _, k), lin in zip(sel, lins, strict=True):
                     x = torch.randn(m, k, device="cuda").bfloat16()
                     out = torch.empty(m, lin.n, device="cuda", dtype=torch.bfloat16)
+                    c = min(copies, len(lin.ws))
                     for mode in ("plain", "one-launch"):
-                        for i in range(min(copies, len(lin.ws))):
+                        for i in range(c):
                             lin.call(mode, i, x, out)()
                         torch.cuda.synchronize()
-                        print(f"[ncu] GEMV launches {n}..{n + min(copies, len(lin.ws)) - 1}: {mdl} {fmt} M={m} "
-                              f"{name} ({lin.n} x {k}) {mode}", flush=True)
-                        n += min(copies, len(lin.ws))
+                        print(f"[ncu] GEMV launches {n}..{n + c - 1}: {mdl} {fmt} M={m} {name} ({lin.n} x {k}) {mode}",
+                              flush=True)
+                        n += c
             del lins
             torch.cuda.empty_cache()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,13 @@ FAST = ["scale=smoke", "train.steps=10", "train.batch_size=16", "algo.group_size
         "eval.max_new_tokens=40", "algo.ppo_epochs=1", "train.progress=false"]
 SAME = ("reward", "rewards/accuracy/mean", "pg_loss", "grad_norm", "entropy", "sampling_entropy", "clip_frac",
         "sigma", "lr", "response_length", "mismatch/kl_k3")
+
+
+def _same_lines(a, b, *where):
+    """Two runs' metrics lines pair up exactly and agree on every SAME metric (``where``: context for a failure)."""
+    for ra, rb in zip(a, b, strict=True):
+        for k in SAME:
+            assert ra.get(k) == rb.get(k), (*where, ra["step"], k, ra.get(k), rb.get(k))
 
 
 def _cmd(out, name, extra=()):
@@ -53,9 +61,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     a = read_jsonl(tmp_path / "resume" / "ref" / "metrics.jsonl")
     b = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 11))  # no gap, no duplicate
-    for ra, rb in zip(a, b, strict=True):
-        for k in SAME:
-            assert ra.get(k) == rb.get(k), (ra["step"], k, ra.get(k), rb.get(k))
+    _same_lines(a, b)
     sa = json.loads((tmp_path / "resume" / "ref" / "summary.json").read_text())
     sb = json.loads((run / "summary.json").read_text())
     assert sa["eval"]["toy"]["pass@1"] == sb["eval"]["toy"]["pass@1"]
@@ -103,9 +109,7 @@ def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
         summary = run(cfg)
     rows = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and summary["finished"]
-    for ra, rb in zip(ref, rows, strict=True):
-        for k in SAME:
-            assert ra.get(k) == rb.get(k), (ra["step"], k, ra.get(k), rb.get(k))
+    _same_lines(ref, rows)
 
 
 def _poisoned_build_policy(poison: dict):
@@ -205,7 +209,6 @@ def test_gpu_resumed_run_matches_uninterrupted(tmp_path, quant, capsys, monkeypa
     assert [r["step"] for r in ref] == [1, 2, 3, 4]
     ck = cfg.run_dir / "checkpoints"
     assert (ck / "step_0000002").is_dir() and (ck / "step_0000004").is_dir()
-    import shutil
     shutil.rmtree(ck / "step_0000004")  # the run stopped after step 3: step 2's checkpoint is the newest
     (cfg.run_dir / "summary.json").unlink()
     capsys.readouterr()
@@ -215,6 +218,4 @@ def test_gpu_resumed_run_matches_uninterrupted(tmp_path, quant, capsys, monkeypa
     assert "resuming" in capsys.readouterr().out
     rows = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and summary["finished"]
-    for ra, rb in zip(ref, rows, strict=True):
-        for k in SAME:
-            assert ra.get(k) == rb.get(k), (quant, ra["step"], k, ra.get(k), rb.get(k))
+    _same_lines(ref, rows, quant)
