@@ -165,7 +165,7 @@ DECODES = ("fused", "fused-split-lora", "fused-torch-sample", "fused-split-silu"
            "fused-lora-a-pdl", "fused-vec-perm", "fused-s38-next", "fused-tma", "fused-no-tma", "fused-tail",
            "fused-no-tail", "fused-bf16-sector",
            "fused-bf16-pair", "fused-pdl", "fused-no-pdl", "fused-torch-ends", "fused-rope-split", "fused-rope-in-split",
-           "fused-gemv-256b", "fused-gemv-pf4", "fused-gemv-pf8", "unfused")
+           "unfused")
 # environment each decode mode sets while it runs (restored after): the fused step's switches
 _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"}, "fused-torch-sample": {"QERL_FUSED_SAMPLE": "0"},
                "fused-split-silu": {"QERL_FUSED_SILU": "0"}, "fused-heuristic-gemv": {"QERL_GEMV_TABLE": "0"},
@@ -190,9 +190,7 @@ _DECODE_ENV = {"fused-split-lora": {"QERL_CUDA_LORA": "0", "QERL_LORA_ROWS": "0"
                "fused-wgmma-lora-pdl-a-256": {"QERL_WGMMA_LORA": "pdl", "QERL_LORA_A_MAX_M": "256"},
                "fused-pdl": {"QERL_PDL": "1"},
                "fused-no-pdl": {"QERL_PDL": "0"}, "fused-torch-ends": {"QERL_FUSED_STEP_ENDS": "0"},
-               "fused-rope-split": {"QERL_FUSED_ROPE_ATTN": "0"}, "fused-rope-in-split": {"QERL_FUSED_ROPE_ATTN": "1"},
-               "fused-gemv-256b": {"QERL_GEMV_L2": "256b"}, "fused-gemv-pf4": {"QERL_GEMV_L2": "pf4"},
-               "fused-gemv-pf8": {"QERL_GEMV_L2": "pf8"}}
+               "fused-rope-split": {"QERL_FUSED_ROPE_ATTN": "0"}, "fused-rope-in-split": {"QERL_FUSED_ROPE_ATTN": "1"}}
 
 
 def check_decodes(decodes) -> None:
@@ -237,9 +235,8 @@ def decode_mode(sampler, dec: str):
     default, on where the GPU has it), "fused-torch-ends" (the step's opening and close as session 57's ~30 torch
     launches instead of one launch each: ``QERL_FUSED_STEP_ENDS=0``), "fused-rope-split" (bias + RoPE + cache write a
     launch of their own before the Triton attention split kernel: ``QERL_FUSED_ROPE_ATTN=0``, the default spelled
-    out), "fused-rope-in-split" (them inside that kernel, session 59's opt-in: ``QERL_FUSED_ROPE_ATTN=1``),
-    "fused-gemv-256b" / "fused-gemv-pf4" / "fused-gemv-pf8" (the decode GEMV's L2 fetch-size hint or its rolling L2
-    prefetch 4 / 8 chunks ahead: ``QERL_GEMV_L2``, a build each; ``qerl.kernels.cuda_fp4.gemv_l2``) or "unfused"."""
+    out), "fused-rope-in-split" (them inside that kernel, session 59's opt-in: ``QERL_FUSED_ROPE_ATTN=1``) or
+    "unfused"."""
     check_decodes([dec])
     sampler.fused = dec != "unfused"
     with _environ(_DECODE_ENV.get(dec, {})):

@@ -230,13 +230,6 @@
 #                                256 + 2048, with that table against the heuristic (fused, fused-heuristic-gemv x 2, fused)
 #   scripts/gpu_bench.sh tune32ab  the installed table (32B / 14B shapes: the two share q|k|v and o) against the
 #                                heuristic in the rollouts it reaches: 14B batch 8, 32B batch 2 and 8 (A B B A, 256 + 2048)
-#   scripts/gpu_bench.sh l2      issue 11, session 62: the decode GEMV's L2 hints (QERL_GEMV_L2 = 0 / 256b / pf4 / pf8, a
-#                                build each, built at once): benchmarks.lora_gemv_bench on the 32B and 7B linears at M = 8
-#                                under PDL per setting (0, 256b, pf4, pf8, 0: $OUT/lin_l2<pass>_<setting>; L2_MODELS),
-#                                then the FP4 GEMV's GPU tests on each new build ($OUT/tests_l2_<setting>.txt)
-#   scripts/gpu_bench.sh l2roll  the 32B NVFP4 batch-8 rollout, 256 + 2048, with the settings as decode modes (L2_MODES,
-#                                default fused, fused-gemv-pf8, fused-gemv-256b, fused-gemv-256b, fused-gemv-pf8, fused:
-#                                $OUT/roll_l2)
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -792,23 +785,6 @@ tune32ab)  # the installed table against the heuristic at 14B batch 8 and 32B ba
     --out "$OUT/roll_tab14" 2>&1 | grep -v Warn >> "$LOG"
   timeout "${TAB32_SECS:-330}" $B rollout --models 32b --formats nvfp4 --batch 2,8 --prompt 256 --new 2048 --decode $ab \
     --out "$OUT/roll_tab32" 2>&1 | grep -v Warn >> "$LOG" ;;
-l2)  # issue 11, session 62: the GEMV's L2 hints per linear, and its GPU tests on each build (see the header)
-  builds_at_once - QERL_GEMV_L2=256b QERL_GEMV_L2=pf4 QERL_GEMV_L2=pf8
-  local_i=0
-  for v in 0 256b pf4 pf8 0; do
-    local_i=$((local_i + 1))
-    echo "lora_gemv_bench, QERL_GEMV_L2=$v (pass $local_i)" >> "$LOG"
-    QERL_GEMV_L2=$v timeout "${L2_LIN_SECS:-100}" python3 -m benchmarks.lora_gemv_bench --models "${L2_MODELS:-32b,7b}" \
-      --m 8 --fmts nvfp4 --pdl --out "$OUT/lin_l2${local_i}_$v" --tag "_l2$v" 2>&1 | grep -E "^\| " >> "$LOG"
-  done
-  for v in 256b pf4 pf8; do
-    QERL_GEMV_L2=$v gpu_tests "l2_$v" "${L2_TEST_SECS:-100}" tests/test_cuda_fp4.py -k "(kernel_matches or every_config_and or gemv) and not bf16"
-  done ;;
-l2roll)  # the 32B rollout with the L2 settings as decode modes (see the header)
-  builds_at_once - QERL_GEMV_L2=256b QERL_GEMV_L2=pf8
-  timeout "${L2_ROLL_SECS:-480}" $B rollout --models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048 \
-    --decode "${L2_MODES:-fused,fused-gemv-pf8,fused-gemv-256b,fused-gemv-256b,fused-gemv-pf8,fused}" \
-    --out "$OUT/roll_l2" 2>&1 | grep -v Warn >> "$LOG" ;;
 grpo)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   $B step --models 7b --formats "${FORMATS:-nvfp4,bf16}" --batch 128 --group 8 --micro 16 --new 1024 --gc on \

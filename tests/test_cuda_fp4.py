@@ -437,7 +437,6 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_TMA=1 (the default) adds -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing.
     QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
-    QERL_GEMV_L2=0 (the default) adds nothing, 256b -DQFP4_LD_L2_256=1, pf4 / pf8 -DQFP4_GEMV_L2PF=4 / 8.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl import kernels as qk
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
@@ -452,15 +451,6 @@ def test_wgmma_pipe_switch(monkeypatch):
     monkeypatch.setenv("QERL_BF16_LOADS", "quad")
     with pytest.raises(ValueError, match="QERL_BF16_LOADS='quad'; valid: pair, sector"):
         cf._build_flags()
-    monkeypatch.delenv("QERL_BF16_LOADS")
-    for v, extra in (("0", []), ("256b", ["-DQFP4_LD_L2_256=1"]), ("pf4", ["-DQFP4_GEMV_L2PF=4"]),
-                     ("pf8", ["-DQFP4_GEMV_L2PF=8"])):
-        monkeypatch.setenv("QERL_GEMV_L2", v)
-        assert cf._build_flags() == [*default, *extra], v
-    monkeypatch.setenv("QERL_GEMV_L2", "pf16")
-    with pytest.raises(ValueError, match="QERL_GEMV_L2='pf16'; valid: 0, 256b, pf4, pf8"):
-        cf._build_flags()
-    monkeypatch.delenv("QERL_GEMV_L2")
     monkeypatch.setenv("QERL_BF16_LOADS", "pair")  # the wgmma flags below without the BF16 one
     monkeypatch.setenv("QERL_WGMMA_TMA", "0")
     assert cf._build_flags() == ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-DQFP4_WGMMA_PDL=1",

@@ -304,34 +304,3 @@ def test_tune32ab_ab_tests_the_installed_table_at_14b_and_32b(tmp_path):
     ab = "--decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused"
     assert "--models 14b --formats nvfp4 --batch 8 --prompt 256 --new 2048 " + ab in calls[1]
     assert "--models 32b --formats nvfp4 --batch 2,8 --prompt 256 --new 2048 " + ab in calls[2]
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_l2_times_each_gemv_l2_setting_on_its_own_build_then_tests_each_new_build(tmp_path):
-    """``l2``: the four QERL_GEMV_L2 builds at once, lora_gemv_bench once per setting in the order 0, 256b, pf4, pf8, 0
-    (each process with its own setting, each into its own folder), then the FP4 GEMV's GPU tests once on each new
-    build; ``l2roll``: the default, 256b and pf8 builds, then one 32B rollout with the settings as decode modes."""
-    stub = ('#!/usr/bin/env bash\necho "${QERL_GEMV_L2:-unset}|$*" >> "$STUB_LOG"\n'
-            'case "$1 ${2:-}" in\n  "-c "*) echo "pipe 2 build True None" ;;\n'
-            '  "-m pytest") echo "1 passed in 0.1s" ;;\n  *) echo "| layer | 1.0 |" ;;\nesac\n')
-    p, calls = _run(tmp_path, "l2", stub)
-    assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["256b", "pf4", "pf8", "unset"]
-    lin = [c for c in calls if "benchmarks.lora_gemv_bench" in c]
-    assert [c.split("|")[0] for c in lin] == ["0", "256b", "pf4", "pf8", "0"]
-    assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in lin] == [
-        "lin_l21_0", "lin_l22_256b", "lin_l23_pf4", "lin_l24_pf8", "lin_l25_0"]
-    assert all("--models 32b,7b --m 8 --fmts nvfp4 --pdl" in c for c in lin)
-    tests = [c for c in calls if "|-m pytest" in c]
-    assert [c.split("|")[0] for c in tests] == ["256b", "pf4", "pf8"]
-    assert all(calls.index(t) > calls.index(lin[-1]) and "tests/test_cuda_fp4.py" in t for t in tests)
-    for name in ("l2_256b", "l2_pf4", "l2_pf8"):
-        assert (tmp_path / "out" / f"tests_{name}.txt").read_text().strip() == "1 passed in 0.1s"
-    assert "| layer | 1.0 |" in (tmp_path / "out" / "log.txt").read_text()
-    (tmp_path / "roll").mkdir()
-    p, calls = _run(tmp_path / "roll", "l2roll", stub, L2_MODES="fused,fused-gemv-pf8,fused")
-    assert p.returncode == 0, p.stderr
-    roll = [c for c in calls if "qerl.bench rollout" in c]
-    assert len(roll) == 1 and calls.index(roll[0]) == 3  # after the three builds
-    assert "--models 32b --formats nvfp4 --batch 8 --prompt 256 --new 2048" in roll[0]
-    assert "--decode fused,fused-gemv-pf8,fused " in roll[0] + " "

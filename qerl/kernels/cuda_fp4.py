@@ -812,26 +812,8 @@ def bf16_loads() -> str:
     return _gemm_lora_switch("QERL_BF16_LOADS", "sector", BF16_LOADS)
 
 
-GEMV_L2 = ("0", "256b", "pf4", "pf8")
-_GEMV_L2_FLAGS = {"0": [], "256b": ["-DQFP4_LD_L2_256=1"], "pf4": ["-DQFP4_GEMV_L2PF=4"], "pf8": ["-DQFP4_GEMV_L2PF=8"]}
-
-
-def gemv_l2() -> str:
-    """``QERL_GEMV_L2``: how the decode GEMV's streaming loads use L2 beyond their own requests, fixed when the extension
-    is built (session 62's experiment on the large products' 2.2-2.5 TB/s against the 2.8-2.9 TB/s a read-only kernel
-    reaches on the same pattern, session 23). ``0`` (default, no flag): none. ``256b`` (``-DQFP4_LD_L2_256=1``): the
-    weight and scale loads carry the ``.L2::256B`` fetch-size hint (a warp's 64-byte scale request of a chunk brings
-    its strip's next three chunks' scales; the dequantization kernel's loads too). ``pf4`` / ``pf8``
-    (``-DQFP4_GEMV_L2PF=4`` / ``8``): with each batch it loads, an FP4 warp prefetches into L2 the batch 4 / 8 chunks
-    further on in each strip (normal eviction priority), HBM working ahead of the two register batches without more
-    registers. Decode modes ``fused-gemv-256b``, ``fused-gemv-pf4``, ``fused-gemv-pf8``."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_GEMV_L2", "0", GEMV_L2)
-
-
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS",
-                  "QERL_GEMV_L2")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
@@ -841,8 +823,7 @@ def _build_flags() -> list[str]:
     (``-DQFP4_WGMMA_TMA=1``; ``0`` another build); ``QERL_WGMMA_TAIL=1`` (default) the tail-split configs
     (``-DQFP4_WGMMA_TAIL=1``; ``0`` another build);
     ``QERL_BF16_LOADS=sector`` (default) the BF16 GEMV's sector-wide
-    loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build); ``QERL_GEMV_L2`` the decode GEMV's L2 hints
-    (:func:`gemv_l2`; ``0`` default, no flag). Opt-ins measured and not adopted were removed with
+    loads (``-DQFP4_DENSE_SECTOR=1``; ``pair`` another build). Opt-ins measured and not adopted were removed with
     their builds in session 48 (the code is at b686701): the wgmma tail launch (``QERL_WGMMA_LORA=pdl-tail``), the
     split-K groups' halves of the epilogue (``QERL_WGMMA_SPLIT_EPI``), the TMA experiments (``QERL_WGMMA_TMA=all |
     bar | all-bar | tok | all-tok``), two CTAs an SM (``QERL_WGMMA_OCC=2``) and the GEMV LoRA's K skew
@@ -862,8 +843,7 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
-            *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else []),
-            *_GEMV_L2_FLAGS[gemv_l2()]]
+            *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
 def _ext():

@@ -34,21 +34,9 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 }
 
 // Weights: streamed once, keep them out of L1 (x lives there).
-// QFP4_LD_L2_256 (the build's -D, set by QERL_GEMV_L2=256b; session 62's experiment): the streaming weight and scale
-// loads ask L2 to fetch 256 bytes around each miss (.L2::256B), so a warp's 64-byte scale request brings the next three
-// chunks' scales of its strip along. 0 (the library's default): no size hint.
-#ifndef QFP4_LD_L2_256
-#define QFP4_LD_L2_256 0
-#endif
-#if QFP4_LD_L2_256
-#define QFP4_L2SZ ".L2::256B"
-#else
-#define QFP4_L2SZ ""
-#endif
-
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate" QFP4_L2SZ ".v4.u32 {%0,%1,%2,%3}, [%4];\n"
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
@@ -57,14 +45,14 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 // are not .nc loads (it hoists the wait above every ld.global.nc). The weights are never written by a kernel.
 __device__ __forceinline__ uint4 ld_stream_early(const uint4* p) {
   uint4 r;
-  asm volatile("ld.global.L1::no_allocate" QFP4_L2SZ ".v4.u32 {%0,%1,%2,%3}, [%4];\n"
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
 
 __device__ __forceinline__ uint32_t ld_stream_early_u16(const uint16_t* p) {
   unsigned short r;
-  asm volatile("ld.global.L1::no_allocate" QFP4_L2SZ ".u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
   return r;
 }
 
@@ -72,12 +60,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
 }
 
-// The same with the normal eviction priority (lines streamed once: QFP4_GEMV_L2PF's rolling prefetch).
-__device__ __forceinline__ void prefetch_l2_normal(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 __device__ __forceinline__ uint32_t ld_stream_u16(const uint16_t* p) {
   unsigned short r;
-  asm volatile("ld.global.nc.L1::no_allocate" QFP4_L2SZ ".u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
   return r;
 }
 

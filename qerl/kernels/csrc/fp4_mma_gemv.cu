@@ -426,14 +426,6 @@ __device__ __forceinline__ void lora_term(const LoraArgs& la, int M, int strip0,
 // may write; the first weight batch is loaded before the wait (the wait depends on its words, else ptxas 13.0
 // schedules the wait first), so its HBM latency overlaps the previous kernel.
 constexpr int kPrefetch = 8;  // chunks per strip a warp prefetches into L2 before griddepcontrol.wait
-// QFP4_GEMV_L2PF (the build's -D, set by QERL_GEMV_L2=pf4 / pf8; session 62's experiment): in the main loop, with each
-// batch of U chunks it loads, an FP4 warp asks L2 (prefetch, normal eviction priority) for the U chunks that lie
-// QFP4_GEMV_L2PF chunks past that batch in each of its strips (lane l < 4 U: 128-byte line l % 4 of chunk l / 4;
-// lane l < U: chunk l's scales), so HBM works ahead of the registers' two batches without more registers; with 8
-// the first loop batch continues the pre-wait prefetch's window. 0 (the library's default): no such prefetch.
-#ifndef QFP4_GEMV_L2PF
-#define QFP4_GEMV_L2PF 0
-#endif
 
 template <int FMT, int NT, int U, int SW, bool LORA>
 __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc,
@@ -538,18 +530,6 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
       if constexpr (!DENSE) sq[i] += U * SL;
     }
   };
-  // QFP4_GEMV_L2PF: with the batch at the current pointers (`ahead` chunks from them to the end of the warp's range),
-  // the U chunks QFP4_GEMV_L2PF further on into L2
-  auto prefetch_ahead = [&](int ahead) {
-    if constexpr (!DENSE && QFP4_GEMV_L2PF > 0) {
-      const int pw = QFP4_GEMV_L2PF + (lane >> 2), ps = QFP4_GEMV_L2PF + lane;
-#pragma unroll
-      for (int i = 0; i < SW; ++i) {
-        if (lane < 4 * U && pw < ahead) prefetch_l2_normal(wq[i] - lane + pw * 32 + (lane & 3) * 8);
-        if (lane < U && ps < ahead) prefetch_l2_normal(sq[i] - soff + ps * SL);
-      }
-    }
-  };
   // Chunk u uses x fragment (u & 1) and prefetches chunk u + 1's (possibly the next batch's first) into the
   // other one; U is even, so parities carry over between batches.
   auto compute_batch = [&](const uint4 (&w)[U][SW][WN], const uint32_t (&s)[U][SW], int left) {
@@ -603,14 +583,12 @@ __device__ __forceinline__ void gemv_body(const uint4* __restrict__ qw, const ui
     while (true) {
       advance();
       load_batch(wb, sb, left - U, std::false_type{});
-      prefetch_ahead(left - U);
       compute_batch(wa, sa, left);
       xq += 64 * U;
       left -= U;
       if (left <= 0) break;
       advance();
       load_batch(wa, sa, left - U, std::false_type{});
-      prefetch_ahead(left - U);
       compute_batch(wb, sb, left);
       xq += 64 * U;
       left -= U;
