@@ -765,6 +765,10 @@ the warps resident (register-bound at 89 registers, 0.85 waves), two thirds of a
 stalled on global loads (long scoreboard). The 32B batch-8 step at KV 1024 with the table and with the rule
 (`raw/h100_s61_prof32`, code 6b7b16b): 10293 vs 10389 µs, q|k|v + o 25.4 vs ~26.9 µs a layer; the rest unchanged
 (gate|up 68.7 µs a layer, down 35.9, attention 18.2, lm_head 542 µs a step, add + RMSNorm 334, RoPE 125).
+Session 62 tried two L2 hints on the large products (`raw/h100_s62_l2`, code e28c15f, a build each, removed after):
+the `.L2::256B` fetch-size hint on the weight and scale loads (32B gate|up with LoRA 66.4 µs against 65.8 / 65.6
+without) and a rolling L2 prefetch 4 / 8 chunks ahead in the main loop (75.2 / 77.0 µs; down 37.2 / 37.8 against 33.3
+/ 33.2). The plain gate|up runs at 2.57 TB/s there; more requests for the same bytes only slowed it.
 ### Throughput per LoRA rank (Table 9, Fig. 11)
 {rank_table(root)}
 Earlier builds (unfused decode, Triton FP4 GEMV only) are kept in `raw/h100_run1`–`h100_run4`: 7B batch 8 NVFP4
