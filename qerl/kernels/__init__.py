@@ -783,6 +783,13 @@ def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chun
         torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
+def _dq_route(w, device: torch.device) -> bool:
+    """The backward of a weight in the kernels' layout takes the in-loop dequantizing GEMM (``cuda_dq``): its switch
+    on (``QERL_DQ_GEMM``), the shape one it runs, an sm_90 device where it builds."""
+    from qerl.kernels import cuda_dq
+    return cuda_dq.enabled() and cuda_dq.supported(w) and cuda_dq.available(device)
+
+
 def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """g (..., N) @ Ŵ on the GPU: dequantization + cuBLAS (None off the GPU; a base in the kernels' layout: its
     reference there), in column slices of Ŵ where the device's slice table says so."""
@@ -790,6 +797,12 @@ def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.
         if not (g.is_cuda and _triton_ok(g)):
             return torch.matmul(g, _relaid_reference(fmt, q, g.dtype))
         w = relaid.weight(fmt, q)
+        if g.dtype == torch.bfloat16 and g.numel() and _dq_route(w, g.device):
+            from qerl.kernels import cuda_dq
+            g2 = g.reshape(-1, w.n)
+            if g2.stride(-1) != 1 or g2.stride(0) % 8 or g2.data_ptr() % 16:
+                g2 = g2.contiguous()
+            return cuda_dq.gemm_t(g2, w).reshape(*g.shape[:-1], w.k)
         cols = (configs.dequant_slice("bwd", w.n, w.k, g.numel() // max(1, w.n), _device_info(g.device)[0])
                 if g.dtype == torch.bfloat16 else None)
         if not cols:  # the whole dense weight (no slice table, or its entry is the whole weight)

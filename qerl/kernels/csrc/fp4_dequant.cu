@@ -17,28 +17,6 @@ namespace {
 
 constexpr int kCPW = 4;                 // chunks per warp
 constexpr int kWarps = 8;               // warps per CTA
-constexpr uint32_t kOne = 0x7E807E80u;  // bf16x2 (2^126, 2^126)
-
-// The scale byte -> float32, exactly as qerl.kernels.fp4_triton._scale_val.
-template <int FMT>
-__device__ __forceinline__ float scale_val(uint32_t s) {
-  if constexpr (FMT == 0) {
-    const uint32_t e = (s >> 3) & 15u, m = s & 7u;
-    float v = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
-    return (s & 128u) ? -v : v;
-  } else {
-    return __uint_as_float(s << 23);
-  }
-}
-
-// Two e2m1 * 2^-126 bf16 halves -> bf16x2 of (value * sv) each, rounded once from float32.
-__device__ __forceinline__ uint32_t scaled_pair(uint32_t masked, float sv) {
-  const uint32_t p = qfp4::bmul2(masked, kOne);  // exact e2m1 values as bf16
-  const float lo = __uint_as_float(p << 16) * sv;
-  const float hi = __uint_as_float(p & 0xFFFF0000u) * sv;
-  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&r);
-}
 
 // The four lanes t = 0..3 of a row hold its 128-byte chunk segment as 32 bytes each (lane t: bytes 32 t .. 32 t + 31,
 // halves h0, h1). Two butterfly exchanges (xor 1, then xor 2; 8 shuffles) give lane t bytes 16 t .. and 64 + 16 t ..,
@@ -93,20 +71,14 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
 #pragma unroll
   for (int i = 0; i < kCPW; ++i) {
     if (i < nc) {
-      float s0 = scale_val<FMT>(pr[i] & 0xFFu), s8 = scale_val<FMT>((pr[i] >> 8) & 0xFFu);
+      float s0 = qfp4::scale_val<FMT>(pr[i] & 0xFFu), s8 = qfp4::scale_val<FMT>((pr[i] >> 8) & 0xFFu);
       if (HAS_G) {
         s0 = __fdiv_rn(s0, inv);
         s8 = __fdiv_rn(s8, inv);
       }
       const uint32_t v[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
       uint32_t a[8], b[8];  // row g / row g + 8: columns 4 j + {0, 1}, {2, 3} of word j
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        a[2 * j] = scaled_pair(v[j] & qfp4::kMask, s0);
-        b[2 * j] = scaled_pair(qfp4::rotr(v[j], 3) & qfp4::kMask, s8);
-        a[2 * j + 1] = scaled_pair(qfp4::rotr(v[j], 6) & qfp4::kMask, s0);
-        b[2 * j + 1] = scaled_pair(((v[j] & qfp4::kRest) * qfp4::kSpread) & qfp4::kMask, s8);
-      }
+      qfp4::dequant_unit(v, s0, s8, a, b);
       store_row(r0 + 64 * i, a, t);
       store_row(r8 + 64 * i, b, t);
     }

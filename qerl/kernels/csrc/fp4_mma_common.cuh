@@ -100,6 +100,44 @@ __device__ __forceinline__ void decode_word(uint32_t v, uint32_t sg, uint32_t sg
   a[3] = bmul2(((v & kRest) * kSpread) & kMask, sg8);
 }
 
+// Exact dequantization to bf16 (csrc/fp4_dequant.cu's dense weight and csrc/fp4_dq_gemm.cu's shared-memory tiles):
+// the scale byte -> float32, exactly as qerl.kernels.fp4_triton._scale_val (NVFP4: E4M3; MXFP4: 2^(e-127)) ...
+template <int FMT>
+__device__ __forceinline__ float scale_val(uint32_t s) {
+  if constexpr (FMT == 0) {
+    const uint32_t e = (s >> 3) & 15u, m = s & 7u;
+    float v = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (s & 128u) ? -v : v;
+  } else {
+    return __uint_as_float(s << 23);
+  }
+}
+
+// ... and two masked e2m1 nibbles (bf16 halves of e2m1 * 2^-126, as decode_word masks them) -> bf16x2 of
+// (value * sv) each, rounded once from float32 (no fast-math: float32 subnormals are kept).
+constexpr uint32_t kOne = 0x7E807E80u;  // bf16x2 (2^126, 2^126)
+__device__ __forceinline__ uint32_t scaled_pair(uint32_t masked, float sv) {
+  const uint32_t p = bmul2(masked, kOne);  // exact e2m1 values as bf16
+  const float lo = __uint_as_float(p << 16) * sv;
+  const float hi = __uint_as_float(p & 0xFFFF0000u) * sv;
+  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// A lane's 16-byte word group of a (strip, chunk) block, dequantized: rows g (a) and g + 8 (b), each 16 columns
+// 16 t .. 16 t + 15 of the chunk in order as 8 bf16x2 words (word j of the group holds columns 4 j .. 4 j + 3 of
+// both rows); s0 / s8: the rows' float32 scales (the global scale already divided in).
+__device__ __forceinline__ void dequant_unit(const uint32_t (&v)[4], float s0, float s8, uint32_t (&a)[8],
+                                             uint32_t (&b)[8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    a[2 * j] = scaled_pair(v[j] & kMask, s0);
+    b[2 * j] = scaled_pair(rotr(v[j], 3) & kMask, s8);
+    a[2 * j + 1] = scaled_pair(rotr(v[j], 6) & kMask, s0);
+    b[2 * j + 1] = scaled_pair(((v[j] & kRest) * kSpread) & kMask, s8);
+  }
+}
+
 // 16-byte cp.async into shared memory (src-size 0 when !valid: zero-fill, nothing read), its groups.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)

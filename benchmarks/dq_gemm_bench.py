@@ -1,0 +1,186 @@
+"""The backward's g @ Ŵ with the FP4 weight dequantized inside the GEMM (``qerl.kernels.cuda_dq``) against the path
+before it (dequantize + cuBLAS, with the device's slice table) and BF16 cuBLAS, per decoder-layer linear.
+
+    python -m benchmarks.dq_gemm_bench [--models 7b] [--fmts nvfp4,mxfp4] [--m 256,512,1024,2048]
+                                       [--kz 1,2,3,4,6,8] [--rep 10] [--out DIR]
+
+Per model, format, M and linear of one decoder layer (``kernel_bench.layer_linears``): BF16 ``g @ W``, the library's
+backward with ``QERL_DQ_GEMM=0`` (``prev``: dequantize + cuBLAS) and ``=1`` (``rule``: the dq kernel at
+``cuda_dq.pick_config``'s config), and the dq kernel at every (nb, kz) of ``--kz`` (``cfg``), timed as ``kernel_bench``
+times (one CUDA graph over rotating weight copies >= 160 MB, median replay / copies). Before timing, each linear's dq
+output at every config is compared with the ``prev`` path's on the same inputs (the same Ŵ values; only the fp32
+summation order differs): the largest |difference| over the largest |reference| goes into the rows (``rel_err``), and
+a config above ``--tol`` stops the run (a wrong kernel is not timed). Rows in ``dq_gemm_<gpu>.csv`` (written as they
+finish), the per-layer summary (sums over the 7 linears; speed-ups against BF16 in the same run) in
+``dq_gemm_<gpu>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from benchmarks import kernel_bench as kb
+
+PATHS = ("bf16", "prev", "rule")
+TOL = 2e-2  # |dq - prev| / max |prev|: bf16 rounding of the outputs (2^-8) plus the summation order, with margin
+
+
+def _weight(wts, i: int):
+    from qerl.kernels import relaid
+    from qerl.quant import FORMATS
+    return relaid.weight(FORMATS[kb._base(wts.fmt)], wts.qs[i])
+
+
+def _library(wts, i: int, g: torch.Tensor, dq: str):
+    """A closure of the library's backward on copy i with ``QERL_DQ_GEMM=dq`` (read when the closure runs, so the
+    caller sets it around capture)."""
+    from qerl import kernels as qk
+    base, q = kb._base(wts.fmt), wts.qs[i]
+    _weight(wts, i)  # its one host read, before any capture
+
+    def run():
+        old = os.environ.get("QERL_DQ_GEMM")
+        os.environ["QERL_DQ_GEMM"] = dq
+        try:
+            return qk.qmm_t(g, base, q)
+        finally:
+            if old is None:
+                os.environ.pop("QERL_DQ_GEMM", None)
+            else:
+                os.environ["QERL_DQ_GEMM"] = old
+    return run
+
+
+def _dq(wts, i: int, g: torch.Tensor, cfg):
+    from qerl.kernels import cuda_dq
+    w = _weight(wts, i)
+    out = torch.empty(g.shape[0], w.k, device=g.device, dtype=torch.bfloat16)
+    cuda_dq.gemm_t(g, w, out, cfg)  # grows the split workspace before any capture
+    return lambda: cuda_dq.gemm_t(g, w, out, cfg)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+
+
+def measure(models, fmts, ms, kzs, rep_ms, csv_path, tol: float = TOL) -> list[dict]:
+    from qerl.kernels import cuda_dq
+    res = []
+    dev = torch.cuda.get_device_name()
+    for mdl in models:
+        lins = kb.layer_linears(mdl)
+        shapes = list(dict.fromkeys((n, k) for _, n, k in lins))
+        for fmt in ["bf16"] + [f + kb.KL for f in fmts]:
+            wts = {s: kb._Weights(fmt, s[0], s[1], seed=2000 + j) for j, s in enumerate(shapes)}
+            for m in ms:
+                for name, n, k in lins:
+                    w = wts[(n, k)]
+                    g = torch.randn(m, n, device="cuda").bfloat16()
+                    if fmt == "bf16":
+                        jobs = [("bf16", None, [kb._call("bf16", w, i, g, "bwd") for i in range(len(w.qs))])]
+                    else:
+                        cfgs = [c for c in cuda_dq.configs(m, n, k) if c[1] in kzs]
+                        ref = _library(w, 0, g, "0")()
+                        errs = {}
+                        for c in cfgs:
+                            errs[c] = rel_err(_dq(w, 0, g, c)(), ref)
+                            if errs[c] > tol:
+                                raise SystemExit(f"[dq] {mdl} {fmt} M={m} {name} config {c}: |dq - prev| / max|prev| "
+                                                 f"= {errs[c]:.3g} > {tol}: the kernel is wrong, not timed")
+                        rule = cuda_dq.pick_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+                        jobs = [("prev", None, [_library(w, i, g, "0") for i in range(len(w.qs))]),
+                                ("rule", rule, [_library(w, i, g, "1") for i in range(len(w.qs))])]
+                        jobs += [("cfg", c, [_dq(w, i, g, c) for i in range(len(w.qs))]) for c in cfgs]
+                    for path, cfg, calls in jobs:
+                        t, mode = kb._graph_ms(calls, rep_ms)
+                        row = dict(model=mdl, fmt=kb._base(fmt), M=m, linear=name, N=n, K=k, path=path,
+                                   nb=cfg[0] if cfg else "", kz=cfg[1] if cfg else "", us=round(t * 1e3, 2),
+                                   rel_err=(f"{errs[cfg]:.2e}" if path == "cfg" else ""), mode=mode, device=dev)
+                        res.append(row)
+                        kb.write_csv(csv_path, res)
+                        print(f"[dq] {mdl} {row['fmt']} M={m} {name} {path} {cfg or ''}: {row['us']} us", flush=True)
+                    del jobs
+            del wts
+            torch.cuda.empty_cache()
+    return res
+
+
+def _vs(t: float, bf: float) -> str:
+    return f"{t:.1f} ({bf / t:.2f}×)" if t else "—"
+
+
+def summary(rows: list[dict]) -> str:
+    """Per (model, format, M): the layer's backward µs (sum of its linears) by BF16, prev, rule and the best config
+    per linear, with speed-ups against BF16 in the same run."""
+    out = ["| model | FP4 | M | BF16 µs | prev µs (vs BF16) | dq rule µs (vs BF16) | dq best µs (vs BF16) | "
+           "best (nb, kz) per linear | max rel err |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    for mdl, m in dict.fromkeys((r["model"], int(r["M"])) for r in rows):
+        sel = [r for r in rows if r["model"] == mdl and int(r["M"]) == m]
+        bf = sum(float(r["us"]) for r in sel if r["path"] == "bf16")
+        for fmt in dict.fromkeys(r["fmt"] for r in sel if r["path"] != "bf16"):
+            f = [r for r in sel if r["fmt"] == fmt]
+            prev = sum(float(r["us"]) for r in f if r["path"] == "prev")
+            rule = sum(float(r["us"]) for r in f if r["path"] == "rule")
+            best, picks = 0.0, []
+            for li in dict.fromkeys(r["linear"] for r in f):
+                c = [r for r in f if r["linear"] == li and r["path"] == "cfg"]
+                if c:
+                    b = min(c, key=lambda r: float(r["us"]))
+                    best += float(b["us"])
+                    picks.append(f"{li} ({b['nb']}, {b['kz']})")
+            err = max((float(r["rel_err"]) for r in f if r["rel_err"] not in ("", None)), default=float("nan"))
+            out.append(f"| {mdl} | {fmt} | {m} | {bf:.1f} | {_vs(prev, bf)} | {_vs(rule, bf)} | {_vs(best, bf)} | "
+                       f"{', '.join(picks)} | {err:.1e} |")
+    return "\n".join(out)
+
+
+def parse_ints(text: str, name: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} {text!r}: comma-separated integers expected") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise ValueError(f"--{name} {text!r}: positive integers expected")
+    return vals
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="7b")
+    ap.add_argument("--fmts", default="nvfp4,mxfp4")
+    ap.add_argument("--m", default="256,512,1024,2048")
+    ap.add_argument("--kz", default="1,2,3,4,6,8")
+    ap.add_argument("--rep", type=float, default=10.0)
+    ap.add_argument("--tol", type=float, default=TOL)
+    ap.add_argument("--out", default="results/speed")
+    a = ap.parse_args(argv)
+    from qerl.kernels import cuda_dq
+    try:
+        ms, kzs = parse_ints(a.m, "m"), parse_ints(a.kz, "kz")
+    except ValueError as e:
+        ap.error(str(e))
+    bad = [f for f in a.fmts.split(",") if f not in ("nvfp4", "mxfp4")]
+    if bad:
+        ap.error(f"--fmts {a.fmts!r}: {bad} not FP4 formats; valid: nvfp4, mxfp4")
+    if any(kz > cuda_dq.MAX_KZ for kz in kzs):
+        ap.error(f"--kz {a.kz!r}: at most {cuda_dq.MAX_KZ}")
+    if not cuda_dq.available():
+        sys.exit(f"[dq] the dq GEMM needs an sm_90 GPU and its extension build ({cuda_dq._STATE.get('error')})")
+    os.makedirs(a.out, exist_ok=True)
+    tag = kb.gpu_tag("")
+    rows = measure(a.models.split(","), a.fmts.split(","), ms, kzs, a.rep,
+                   os.path.join(a.out, f"dq_gemm_{tag}.csv"), a.tol)
+    md = summary(rows)
+    with open(os.path.join(a.out, f"dq_gemm_{tag}.md"), "w") as f:
+        f.write(f"## The backward g @ Ŵ with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
+                f"\n\ntorch {torch.__version__}. Command: `python -m benchmarks.dq_gemm_bench "
+                f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{md}\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

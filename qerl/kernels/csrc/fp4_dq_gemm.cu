@@ -1,0 +1,292 @@
+// The backward's input gradient of an FP4 linear, out (M, K) = g (M, N) @ W (N, K), on Hopper's warpgroup MMA with the
+// weight dequantized tile by tile into shared memory inside the main loop: no BF16 copy of the weight in global memory
+// (the path before it, dequantize + cuBLAS, wrote and re-read all of Ŵ per call: 2 bytes a weight each way).
+//
+// Why not the forward GEMM's design (fp4_wgmma_gemm.cu: the weight as wgmma's register A operand, decoded straight
+// from its loaded words): here the weight is the contraction's (N) side and its scale groups run along the OUTPUT
+// (K). A register A fragment of Wᵀ would need, per thread, nibbles of four different weight rows; the re-laid-out
+// words hold a row's 16 consecutive columns. So the weight goes through shared memory: each chunk of 64 contraction
+// rows (four 16-row strips) x NB output columns is copied in its packed form (the same words and scale pairs as every
+// other kernel reads: one resident layout), dequantized by every thread of the CTA into a BF16 tile (the values of
+// csrc/fp4_dequant.cu bit for bit: float32 fp4 * scale rounded once), and read by the tensor cores from there as
+// the MMA's B operand, MN-major (transpose-B: the tile's rows are contraction rows n, each NB output columns long).
+// The A operand is g's tile, K-major (g's rows are contiguous along N), in the 128-byte swizzle.
+//
+// A CTA = two warpgroups over 128 token rows (64 each, the MMA's M) x NB output columns (the MMA's N: 128 or 256),
+// the contraction in chunks of 64 (four k16 MMAs a chunk). Per chunk, a kStages-deep cp.async ring stages g's tile
+// (128 rows x 128 B) and the weight's NB / 16 (strip, chunk) blocks (512 B of words + the scale pairs each); every
+// thread waits for its copies, the CTA syncs (barrier A: also, every warpgroup has retired its MMAs of two chunks
+// back), refills the stage of two chunks back, dequantizes this chunk's words into one of two BF16 tiles, fences them
+// for the async proxy, syncs (barrier B), and issues the chunk's MMAs, keeping one chunk's MMAs in flight
+// (wgmma.wait_group 1) while the next chunk is staged and dequantized. The tile's 16-byte unit u of row n lies at
+// unit u ^ (n & 7) of the row's 128 bytes (every 64 output columns an 8 KB block): the swizzle the descriptor names.
+//
+// Splits of the contraction across CTAs (gridDim.z = kz > 1) write fp32 partials to a workspace (kz, M, K); a second
+// launch adds them in split order (deterministic) and rounds once to bf16. Grid: x = token tiles (fastest: the CTAs in
+// flight together share a weight tile through L2), y = output column tiles, z = splits. CUDA-graph capturable.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "fp4_mma_common.cuh"
+#include "fp4_wgmma_ops.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QFP4_DQ_WGMMA 1
+#else
+#define QFP4_DQ_WGMMA 0
+#endif
+
+namespace qfp4 {
+namespace dq {
+
+constexpr int kStages = 4;      // a power of 2; lookahead kStages - 2 chunks
+constexpr int kBM = 128;        // token rows a CTA (two warpgroups of 64)
+constexpr int kThreads = 256;
+constexpr int kGBytes = kBM * 128;  // g's tile a stage: 128 rows of 64 bf16
+
+template <int FMT>
+__host__ __device__ constexpr int scale_bytes() { return FMT == 0 ? 64 : 32; }  // a block's scale pairs: 8 rows x (4 | 2) groups x 2 B
+
+template <int FMT, int NB>
+struct Smem {
+  static constexpr int CB = NB / 64;                      // output chunks a tile
+  static constexpr int BLOCKS = 4 * CB;                   // (strip, chunk) blocks a stage
+  static constexpr int WOFF = kGBytes;                    // the blocks' words
+  static constexpr int SOFF = WOFF + BLOCKS * 512;        // their scale pairs
+  static constexpr int STAGE = (SOFF + BLOCKS * scale_bytes<FMT>() + 1023) / 1024 * 1024;
+  static constexpr int TILE = 64 * NB * 2;                // one dequantized BF16 tile (64 rows x NB)
+  static constexpr int BYTES = kStages * STAGE + 2 * TILE + 1024;  // + the 1024-byte alignment of the base
+};
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// Descriptor (low half) of the MN-major dequantized tile in the 128-byte swizzle: start address >> 4 | the leading
+// byte offset (between the tile's 64-column blocks along N: 64 rows x 128 B = 8 KB) >> 4 in bits 16-29. The high half
+// is kDescHi's: the stride byte offset (between 8-row groups along the contraction: 1024 B) and the swizzle mode.
+__device__ __forceinline__ uint32_t desc_lo_mn(uint32_t saddr) {
+  return ((saddr & 0x3FFFFu) >> 4) | ((8192u >> 4) << 16);
+}
+
+struct Args {
+  const __nv_bfloat16* g;
+  long ldg;
+  const uint4* qw;         // (S, cs, 32) 16-byte word groups
+  const unsigned char* sc;  // (S, cs) blocks of scale pairs
+  const float* gs;
+  __nv_bfloat16* out;
+  long ldo;
+  float* ws;  // (kz, M, K) fp32 partials when gridDim.z > 1
+  int M, N, K;
+  long cs;  // chunks between strips of the weight (its C, or more for a column slice)
+};
+
+template <int FMT, bool HAS_G, int NB>
+__global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
+#if QFP4_DQ_WGMMA
+  using L = Smem<FMT, NB>;
+  constexpr int SPB = scale_bytes<FMT>();
+  constexpr int GPC = FMT == 0 ? 4 : 2;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t sbase = (raw + 1023u) & ~1023u;
+  const uint32_t tbase = sbase + kStages * L::STAGE;  // the two BF16 tiles
+  unsigned char* const gbase = smem_raw + (sbase - raw);
+
+  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
+  const int m0 = blockIdx.x * kBM, col0 = blockIdx.y * NB;  // token row, output column of the tile
+  const int oc0 = blockIdx.y * L::CB;                        // its first output chunk
+  const int nc_all = a.N / 64, kz = gridDim.z;
+  const int per = (nc_all + kz - 1) / kz;
+  const int c_begin = min(nc_all, (int)blockIdx.z * per), nck = min(nc_all, c_begin + per) - c_begin;
+
+  // g's staging: thread tid copies unit tid & 7 of rows tid / 8 + 32 j (j < 4); (row & 7) == ((tid >> 3) & 7)
+  const int gu = tid & 7, gr = tid >> 3;
+  const __nv_bfloat16* gsrc = a.g + (long)min(m0 + gr, a.M - 1) * a.ldg + 8 * gu + 64L * c_begin;
+  const uint32_t gdst = gr * 128 + ((gu ^ (gr & 7)) << 4);
+  auto stage = [&](int idx) {
+    const uint32_t st = sbase + (idx & (kStages - 1)) * L::STAGE;
+    const long off = 64L * idx;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      cp_async16(st + gdst + j * 32 * 128, gsrc + off + (long)j * 32 * a.ldg, m0 + gr + 32 * j < a.M);
+    const int s0 = 4 * (c_begin + idx);  // the chunk's first strip
+#pragma unroll
+    for (int u = tid; u < L::BLOCKS * 32; u += kThreads) {
+      const int b = u >> 5, sl = b / L::CB, cb = b % L::CB;
+      cp_async16(st + L::WOFF + b * 512 + (u & 31) * 16, a.qw + ((long)(s0 + sl) * a.cs + oc0 + cb) * 32 + (u & 31),
+                 true);
+    }
+    constexpr int SU = SPB / 16;  // 16-byte units of a block's scale pairs
+    if (tid < L::BLOCKS * SU) {
+      const int b = tid / SU, sl = b / L::CB, cb = b % L::CB;
+      cp_async16(st + L::SOFF + tid * 16, a.sc + ((long)(s0 + sl) * a.cs + oc0 + cb) * SPB + (tid % SU) * 16, true);
+    }
+  };
+  const float inv = HAS_G ? *a.gs : 1.0f;
+  auto dequant = [&](int idx) {
+    const unsigned char* st = gbase + (idx & (kStages - 1)) * L::STAGE;
+    const uint32_t tile = tbase + (idx & 1) * L::TILE;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int u = tid; u < L::BLOCKS * 32; u += kThreads) {
+      const int b = u >> 5, sl = b / L::CB, cb = b % L::CB;
+      const uint4 w = *reinterpret_cast<const uint4*>(st + L::WOFF + b * 512 + lane * 16);
+      const uint32_t s16 =
+          *reinterpret_cast<const uint16_t*>(st + L::SOFF + b * SPB + 2 * (g * GPC + (FMT == 0 ? t : t >> 1)));
+      float s0 = scale_val<FMT>(s16 & 0xFFu), s8 = scale_val<FMT>((s16 >> 8) & 0xFFu);
+      if (HAS_G) {
+        s0 = __fdiv_rn(s0, inv);
+        s8 = __fdiv_rn(s8, inv);
+      }
+      const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+      uint32_t ra[8], rb[8];
+      dequant_unit(v, s0, s8, ra, rb);
+      const int row = 16 * sl + g;  // rows row and row + 8 share (row & 7)
+      const uint32_t p = tile + cb * 8192 + row * 128;
+      const uint32_t u0 = ((2 * t) ^ (row & 7)) << 4, u1 = ((2 * t + 1) ^ (row & 7)) << 4;
+      st_shared_v4(p + u0, ra[0], ra[1], ra[2], ra[3]);
+      st_shared_v4(p + u1, ra[4], ra[5], ra[6], ra[7]);
+      st_shared_v4(p + 1024 + u0, rb[0], rb[1], rb[2], rb[3]);
+      st_shared_v4(p + 1024 + u1, rb[4], rb[5], rb[6], rb[7]);
+    }
+  };
+
+  float acc[NB / 2];
+#pragma unroll
+  for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) {
+    if (s < nck) stage(s);
+    cp_async_commit();
+  }
+#pragma unroll
+  for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
+  for (int idx = 0; idx < nck; ++idx) {
+    cp_async_wait<kStages - 3>();  // this thread's copies of chunk idx have landed
+    fence_proxy_async();
+    __syncthreads();  // (A) every thread's; and chunk idx - 2's MMAs are retired in both warpgroups
+    if (idx + kStages - 2 < nck) stage(idx + kStages - 2);  // into chunk idx - 2's stage
+    cp_async_commit();
+    dequant(idx);  // into the tile chunk idx - 2's MMAs read
+    fence_proxy_async();
+    __syncthreads();  // (B) the tile is whole
+    const uint32_t alo = desc_lo(sbase + (idx & (kStages - 1)) * L::STAGE + wg * 64 * 128);
+    const uint32_t blo = desc_lo_mn(tbase + (idx & 1) * L::TILE);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_ss_tb<NB>(acc, alo + 2 * j, kDescHi, blo + 128 * j, kDescHi);  // +16 rows
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
+  cp_async_wait<0>();
+
+  // acc[4 i + e]: row 64 wg + 16 warp + g + 8 (e >> 1), column 8 i + 2 t + (e & 1) of the tile
+  const int w4 = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+  const int r0 = m0 + 64 * wg + 16 * w4 + g;
+  if (gridDim.z == 1) {
+#pragma unroll
+    for (int i = 0; i < NB / 8; ++i) {
+      const int c = col0 + 8 * i + 2 * t;
+      if (r0 < a.M)
+        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)r0 * a.ldo + c) = __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      if (r0 + 8 < a.M)
+        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)(r0 + 8) * a.ldo + c) =
+            __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+  } else {
+    float* ws = a.ws + (long)blockIdx.z * a.M * a.K;
+#pragma unroll
+    for (int i = 0; i < NB / 8; ++i) {
+      const int c = col0 + 8 * i + 2 * t;
+      if (r0 < a.M) *reinterpret_cast<float2*>(ws + (long)r0 * a.K + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      if (r0 + 8 < a.M)
+        *reinterpret_cast<float2*>(ws + (long)(r0 + 8) * a.K + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+  }
+#endif
+}
+
+// out = bf16(sum over splits z = 0, 1, ... of ws[z]), four columns a thread
+__global__ void dq_reduce_kernel(const float* __restrict__ ws, int kz, int M, int K, __nv_bfloat16* __restrict__ out,
+                                 long ldo) {
+  const long q = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long total = (long)M * K / 4;
+  if (q >= total) return;
+  const long e = 4 * q;
+  float4 s = *reinterpret_cast<const float4*>(ws + e);
+  for (int z = 1; z < kz; ++z) {
+    const float4 v = *reinterpret_cast<const float4*>(ws + (long)z * M * K + e);
+    s.x += v.x;
+    s.y += v.y;
+    s.z += v.z;
+    s.w += v.w;
+  }
+  const long r = e / K, c = e % K;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r * ldo + c);
+  o[0] = __floats2bfloat162_rn(s.x, s.y);
+  o[1] = __floats2bfloat162_rn(s.z, s.w);
+}
+
+template <int FMT, bool HAS_G, int NB>
+int launch(const Args& a, int kz, cudaStream_t st) {
+  constexpr int bytes = Smem<FMT, NB>::BYTES;
+  static bool ready = false;  // the attribute, once per kernel and process (the launch itself is capturable)
+  if (!ready) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(dq_gemm_t_kernel<FMT, HAS_G, NB>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return (int)e;
+    ready = true;
+  }
+  const dim3 grid((a.M + kBM - 1) / kBM, a.K / NB, kz);
+  dq_gemm_t_kernel<FMT, HAS_G, NB><<<grid, kThreads, bytes, st>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || kz == 1) return (int)e;
+  const long quads = (long)a.M * a.K / 4;
+  dq_reduce_kernel<<<(unsigned)((quads + 255) / 256), 256, 0, st>>>(a.ws, kz, a.M, a.K, a.out, a.ldo);
+  return (int)cudaGetLastError();
+}
+
+template <int FMT, bool HAS_G>
+int launch_nb(const Args& a, int nb, int kz, cudaStream_t st) {
+  return nb == 256 ? launch<FMT, HAS_G, 256>(a, kz, st) : launch<FMT, HAS_G, 128>(a, kz, st);
+}
+
+}  // namespace dq
+}  // namespace qfp4
+
+// Shared-memory bytes of a (fmt, nb) kernel (the launch asks for them; > 227 KB would not launch).
+extern "C" int qfp4_dq_smem(int fmt, int nb) {
+  using namespace qfp4::dq;
+  if (fmt == 0) return nb == 256 ? Smem<0, 256>::BYTES : Smem<0, 128>::BYTES;
+  return nb == 256 ? Smem<1, 256>::BYTES : Smem<1, 128>::BYTES;
+}
+
+// out (M, K) = g (M, N) @ W (N, K), W the re-laid-out FP4 weight: qw (S = N / 16, C, 32, 4) int32 word groups and sc
+// (S, C, 8 * groups per chunk) int16 scale pairs whose strips lie cs >= C chunks apart (a column slice: more), gs the
+// NVFP4 global scale (device float) or null. nb: 128 | 256 output columns a CTA (K % nb == 0); kz: splits of the
+// contraction across CTAs (1..N / 64; > 1 needs ws, kz * M * K floats). g, out: bf16 with unit column stride, row
+// strides multiples of 8, 16-byte aligned. 0, -1 (bad arguments) or a CUDA error code. sm_90a only (elsewhere the
+// kernel is empty: the caller checks the device).
+extern "C" int qfp4_dq_gemm_t(const void* g, long ldg, const void* qw, const void* sc, const float* gs, void* out,
+                              long ldo, void* ws, int M, int N, int K, long cs, int fmt, int nb, int kz,
+                              void* stream) {
+  using namespace qfp4::dq;
+  if (M <= 0 || N % 64 || N <= 0 || (nb != 128 && nb != 256) || K % nb || kz < 1 || kz > N / 64 ||
+      (kz > 1 && !ws) || ldg % 8 || ldo % 8 || cs < K / 64 || reinterpret_cast<uintptr_t>(g) % 16 ||
+      reinterpret_cast<uintptr_t>(out) % 16 || reinterpret_cast<uintptr_t>(sc) % 16 || (fmt != 0 && fmt != 1))
+    return -1;
+  Args a{static_cast<const __nv_bfloat16*>(g), ldg, static_cast<const uint4*>(qw),
+         static_cast<const unsigned char*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
+         static_cast<float*>(ws), M, N, K, cs};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (fmt == 0) return gs ? launch_nb<0, true>(a, nb, kz, st) : launch_nb<0, false>(a, nb, kz, st);
+  return launch_nb<1, false>(a, nb, kz, st);
+}

@@ -1,0 +1,229 @@
+"""qerl.kernels.cuda_dq (the backward's g @ Ŵ with the FP4 weight dequantized inside a wgmma GEMM): its launch rules
+and argument errors on any machine, its sm_90a build (registers, no spills) where nvcc is installed, and, with
+``-m gpu`` on an sm_90 device, the kernel against g @ the exactly dequantized weight over shapes, token counts and
+every launch configuration, a column slice, the dispatcher's route, determinism and CUDA-graph replay."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from benchmarks import dq_gemm_bench as bench
+from qerl.kernels import cuda_dq as dq
+from qerl.kernels import cuda_fp4 as cf
+from qerl.quant import FORMATS
+
+FP4 = ("nvfp4", "mxfp4")
+
+
+def _weight(fmt: str, n: int, k: int, seed: int, device="cpu") -> cf.CudaFP4Weight:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=gen, device=device) * torch.exp(torch.randn(n, 1, generator=gen, device=device))
+    q = FORMATS[fmt].quantize(0.02 * w)
+    return cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+def test_configs_and_the_rule():
+    # 7B's down_proj backward (N 3584 -> K 18944) and gate_proj's (N 18944 -> K 3584)
+    assert (256, 1) in dq.configs(512, 3584, 18944) and (128, 8) in dq.configs(512, 3584, 18944)
+    assert all(nb == 128 for nb, _ in dq.configs(64, 256, 384))  # 384 columns: no 256-column tiles
+    assert dq.configs(64, 256, 384) == [(128, 1)]  # 4 contraction chunks: no splits (each keeps >= 4)
+    assert max(kz for _, kz in dq.configs(512, 18944, 3584)) == dq.MAX_KZ
+    assert dq.tiles(512, 3584, 256) == 4 * 14 and dq.tiles(200, 3584, 128) == 2 * 28
+    for m, n, k in ((512, 18944, 3584), (512, 3584, 18944), (2048, 4608, 3584), (17, 3584, 3584), (1, 64, 128)):
+        nb, kz = dq.pick_config(m, n, k, 132)
+        assert (nb, kz) in dq.configs(m, n, k)
+        ctas = dq.tiles(m, k, nb) * kz
+        fill = ctas / (-(-ctas // 132) * 132)
+        best = max(c * 1.0 / (-(-c // 132) * 132) for c in (dq.tiles(m, k, b) * z for b, z in dq.configs(m, n, k)))
+        assert fill == pytest.approx(best, abs=0.01), (m, n, k, nb, kz)
+    # gate_proj at M 512: 4 x 14 tiles of 256 columns fill 56 of 132 SMs; the rule splits the contraction
+    assert dq.pick_config(512, 18944, 3584, 132)[1] > 1
+    with pytest.raises(ValueError, match=r"no config for N=64, K=96"):
+        dq.pick_config(8, 64, 96, 132)
+
+
+def test_check_config_names_the_bad_value_and_the_valid_ones():
+    assert dq.check_config([256, 2], 512, 18944, 3584) == (256, 2)
+    with pytest.raises(ValueError, match=r"dq config \(256, 1\) for N=256, K=384: valid \[\(128, 1\)\]"):
+        dq.check_config((256, 1), 64, 256, 384)
+    with pytest.raises(ValueError, match=r"expected \(nb, kz\)"):
+        dq.check_config("fast", 64, 256, 384)
+
+
+def test_switch_and_argument_errors(monkeypatch):
+    monkeypatch.delenv("QERL_DQ_GEMM", raising=False)
+    assert dq.enabled() is False
+    monkeypatch.setenv("QERL_DQ_GEMM", "1")
+    assert dq.enabled() is True
+    monkeypatch.setenv("QERL_DQ_GEMM", "yes")
+    with pytest.raises(ValueError, match=r"QERL_DQ_GEMM='yes'; valid: 0, 1"):
+        dq.enabled()
+    w = _weight("nvfp4", 64, 128, seed=1)
+    assert dq.supported(w) and not dq.supported(_weight("nvfp4", 48, 128, seed=1))
+    with pytest.raises(ValueError, match=r"weight nvfp4 \(48, 128\) not supported"):
+        dq.gemm_t(torch.zeros(4, 48, dtype=torch.bfloat16), _weight("nvfp4", 48, 128, seed=1))
+    with pytest.raises(ValueError, match=r"g must be a CUDA bf16 \(M, 64\) tensor.*torch.bfloat16 \(4, 64\).*cpu"):
+        dq.gemm_t(torch.zeros(4, 64, dtype=torch.bfloat16), w)
+
+
+def test_cpu_backward_is_unchanged_by_the_switch(monkeypatch):
+    """Off the GPU the kernels' layout's backward stays the reference product whatever the switch says."""
+    from qerl import kernels as qk
+    from qerl.kernels import relaid
+    q = relaid.from_compressed(FORMATS["nvfp4"], FORMATS["nvfp4"].quantize(torch.randn(64, 128) * 0.02))
+    g = torch.randn(3, 64).bfloat16()
+    monkeypatch.setenv("QERL_DQ_GEMM", "0")
+    ref = qk.qmm_t(g, "nvfp4", q)
+    monkeypatch.setenv("QERL_DQ_GEMM", "1")
+    assert torch.equal(qk.qmm_t(g, "nvfp4", q), ref)
+
+
+def test_bench_arguments_and_summary(capsys):
+    assert bench.parse_ints("256,512", "m") == [256, 512]
+    for text in ("", "a", "0", "-1"):
+        with pytest.raises(ValueError, match=r"--m"):
+            bench.parse_ints(text, "m")
+    for argv, msg in ((["--fmts", "nf4"], "not FP4 formats; valid: nvfp4, mxfp4"), (["--kz", "9"], "at most 8"),
+                      (["--m", "x"], "comma-separated integers")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert msg in capsys.readouterr().err, argv
+    base = dict(model="7b", M=512, N=18944, K=3584, mode="graph", device="d")
+    rows = [dict(base, fmt="bf16", linear="gate", path="bf16", nb="", kz="", us=100.0, rel_err=""),
+            dict(base, fmt="nvfp4", linear="gate", path="prev", nb="", kz="", us=160.0, rel_err=""),
+            dict(base, fmt="nvfp4", linear="gate", path="rule", nb="", kz="", us=125.0, rel_err=""),
+            dict(base, fmt="nvfp4", linear="gate", path="cfg", nb=256, kz=2, us=125.0, rel_err="1.0e-03"),
+            dict(base, fmt="nvfp4", linear="gate", path="cfg", nb=128, kz=4, us=120.0, rel_err="2.0e-03")]
+    md = bench.summary(rows)
+    assert "| 7b | nvfp4 | 512 | 100.0 | 160.0 (0.62×) | 125.0 (0.80×) | 120.0 (0.83×) | gate (128, 4) | 2.0e-03 |" \
+        in md, md
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (sm_90a code is compiled, not run)")
+def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
+    """Every (format, global scale, tile width) kernel compiles for sm_90a within the 255 registers its one CTA an SM
+    allows, without spills or serialized MMAs; the dense dequantization kernel that shares its decode still builds."""
+    src = dq._CU[0]
+    r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                        f"-I{src.parent}", "-o", str(tmp_path / "dq.o"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kern = {}
+    for block in r.stderr.split("Compiling entry function '")[1:]:
+        kern[block.split("'")[0]] = (int(re.search(r"Used (\d+) registers", block).group(1)),
+                                     int(re.search(r"(\d+) bytes spill stores", block).group(1)))
+    gemms = [n for n in kern if "dq_gemm_t_kernel" in n]
+    assert len(gemms) == 6 and any("dq_reduce_kernel" in n for n in kern), sorted(kern)
+    for n in gemms:
+        assert kern[n][0] <= 255 and kern[n][1] == 0, (n, kern[n])
+    assert "C7512" not in r.stderr and "C7513" not in r.stderr, r.stderr
+    r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{src.parent}", "-o",
+                        str(tmp_path / "deq.o"), str(src.parent / "fp4_dequant.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and cf.wgmma_supported()),
+                                reason="needs an sm_90 GPU")
+
+
+def _ref(g: torch.Tensor, w: cf.CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    whole = cf.dequantize(w).float()  # Ŵ's exact bf16 values (tested bit for bit against the format elsewhere)
+    return g.float() @ whole, g.float().abs() @ whole.abs()
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, what) -> None:
+    """One bf16 rounding of the output plus fp32 summation in another order."""
+    y = y.float()
+    assert torch.isfinite(y).all(), (what, "unwritten or non-finite output")
+    err = (y - ref).abs() - (2**-8 * ref.abs() + 1e-5 * mag)
+    assert (err <= 0).all(), (what, float(err.max()), float((y - ref).abs().max()))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_dq_gemm_every_config(fmt):
+    assert dq.available(), dq._STATE.get("error")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    small = [(64, 128), (192, 256), (320, 384), (1024, 512)]
+    big = [(4608, 3584), (18944, 3584), (3584, 18944), (5120, 27648)]
+    for i, (n, k) in enumerate(small + big):
+        w = _weight(fmt, n, k, seed=40 + i, device="cuda")
+        for m in (1, 17, 128, 200, 512):
+            g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+            ref, mag = _ref(g, w)
+            cfgs = dq.configs(m, n, k) if (n, k) in small else \
+                {dq.pick_config(m, n, k, 132), (256, 1), (128, 3), (256, 8)} & set(dq.configs(m, n, k))
+            for cfg in sorted(cfgs):
+                out = torch.full((m, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+                _close(dq.gemm_t(g, w, out, cfg), ref, mag, (fmt, n, k, m, cfg))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_dq_gemm_without_global_scale_on_a_column_slice_into_strided_out():
+    """NVFP4 without its global scale (the kernel's HAS_G = false build), a column slice of a weight (its strips
+    read where they lie: cs > C), g and out with row strides wider than their rows."""
+    from qerl import kernels as qk
+    w = dataclasses.replace(_weight("nvfp4", 256, 1024, seed=7, device="cuda"), global_scale=None)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    gw = torch.randn(300, 256 + 24, device="cuda", generator=gen).bfloat16()
+    g = gw[:, 8:8 + 256]
+    part = qk._relaid_cols(w, 256, 768)  # 512 columns of 1024
+    ref, mag = _ref(g, part)
+    wide = torch.full((300, 512 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for cfg in ((256, 1), (128, 2), (256, 4)):
+        wide.fill_(float("nan"))
+        out = dq.gemm_t(g, part, wide[:, 8:8 + 512], cfg)
+        _close(out, ref, mag, cfg)
+        assert torch.isnan(wide[:, :8]).all() and torch.isnan(wide[:, 8 + 512:]).all(), cfg
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
+    """``qmm_t`` on a weight in the kernels' layout takes the kernel with ``QERL_DQ_GEMM=1`` (its output bit for bit)
+    and dequantize + cuBLAS with 0; the kernel gives the same bits twice and inside a replayed CUDA graph."""
+    from qerl import kernels as qk
+    from qerl.kernels import relaid
+    q = relaid.from_compressed(FORMATS[fmt], FORMATS[fmt].quantize(
+        torch.randn(4608, 3584, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) * 0.02))
+    w = relaid.weight(FORMATS[fmt], q)
+    g = torch.randn(2, 256, 4608, device="cuda").bfloat16()
+    direct = dq.gemm_t(g.reshape(-1, 4608), w)
+    assert torch.equal(dq.gemm_t(g.reshape(-1, 4608), w), direct)
+    monkeypatch.setenv("QERL_DQ_GEMM", "1")
+    calls, orig = [], dq.gemm_t
+    monkeypatch.setattr(dq, "gemm_t", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
+    y = qk.qmm_t(g, fmt, q)
+    assert calls == [(512, 4608)] and y.shape == (2, 256, 3584) and torch.equal(y.reshape(512, 3584), direct)
+    monkeypatch.setenv("QERL_DQ_GEMM", "0")
+    prev = qk.qmm_t(g, fmt, q)
+    assert calls == [(512, 4608)]  # not taken
+    ref, mag = _ref(g.reshape(-1, 4608), w)
+    _close(prev.reshape(512, 3584), ref, mag, "prev")
+    monkeypatch.setattr(dq, "gemm_t", orig)
+    for cfg in ((256, 1), (128, 6)):
+        gs = g.reshape(-1, 4608).clone()
+        out = torch.empty(512, 3584, device="cuda", dtype=torch.bfloat16)
+        eager = dq.gemm_t(gs, w, None, cfg).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dq.gemm_t(gs, w, out, cfg)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), cfg
+        gs.copy_(torch.randn_like(gs))
+        graph.replay()
+        assert torch.equal(out, dq.gemm_t(gs, w, None, cfg)), cfg
