@@ -138,20 +138,31 @@ def check_config(config, m: int, n: int, k: int) -> tuple[int, int]:
     return nb, kz
 
 
+#: Time model of :func:`pick_config` (µs): one 64-row contraction chunk of a CTA's tile at ~70% of the H100's dense
+#: BF16 peak per SM (2 x 128 x nb x 64 FLOP over 989.4 / 132 TFLOP/s / 0.7), the split partials' fp32 bytes (written
+#: once, read once) at 2.5 TB/s, and the reduction launch.
+CHUNK_US = {128: 0.45, 256: 0.80}
+SPLIT_TBPS = 2.5
+REDUCE_US = 3.0
+
+
+def estimate_us(m: int, n: int, k: int, nb: int, kz: int, sms: int) -> float:
+    """The rule's estimate of one launch: whole waves of CTAs times a CTA's chunks, plus the split partials' traffic
+    and the reduction launch when kz > 1."""
+    waves = math.ceil(tiles(m, k, nb) * kz / sms)
+    t = waves * math.ceil(n // 64 / kz) * CHUNK_US[nb]
+    if kz > 1:
+        t += 2 * kz * m * k * 4 / (SPLIT_TBPS * 1e6) + REDUCE_US
+    return t
+
+
 def pick_config(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
-    """The rule without a sweep: the config whose CTAs fill the last wave best (one CTA an SM), preferring 256-column
-    tiles (half the re-reads of g's tiles through L2) and fewer splits at equal fill."""
-    best, key = None, None
-    for nb, kz in configs(m, n, k):
-        ctas = tiles(m, k, nb) * kz
-        waves = math.ceil(ctas / sms)
-        fill = ctas / (waves * sms)
-        cand = (round(fill, 2), -waves, nb, -kz)
-        if key is None or cand > key:
-            best, key = (nb, kz), cand
-    if best is None:
+    """The rule without a sweep: the config of the least :func:`estimate_us` (ties: 256-column tiles, which re-read
+    g's tiles half as often through L2, then fewer splits)."""
+    cands = configs(m, n, k)
+    if not cands:
         raise ValueError(f"dq_gemm: no config for N={n}, K={k} (N % 64 and K % 128 must be 0)")
-    return best
+    return min(cands, key=lambda c: (round(estimate_us(m, n, k, c[0], c[1], sms), 3), -c[0], c[1]))
 
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -196,5 +207,6 @@ def gemm_t(g: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None 
     return out
 
 
-__all__ = ["gemm_t", "enabled", "available", "supported", "configs", "check_config", "pick_config", "tiles", "NBS",
+__all__ = ["gemm_t", "enabled", "available", "supported", "configs", "check_config", "pick_config", "estimate_us",
+           "tiles", "NBS",
            "MAX_KZ", "DQ_MODES"]
