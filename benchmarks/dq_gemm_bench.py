@@ -1,18 +1,19 @@
-"""The backward's g @ Ŵ with the FP4 weight dequantized inside the GEMM (``qerl.kernels.cuda_dq``) against the path
-before it (dequantize + cuBLAS, with the device's slice table) and BF16 cuBLAS, per decoder-layer linear.
+"""FP4 products at large M with the weight dequantized inside the GEMM (``qerl.kernels.cuda_dq``) against the library's
+path without it and BF16 cuBLAS, per decoder-layer linear: the backward g @ Ŵ and the forward x @ Ŵᵀ.
 
-    python -m benchmarks.dq_gemm_bench [--models 7b] [--fmts nvfp4,mxfp4] [--m 256,512,1024,2048]
+    python -m benchmarks.dq_gemm_bench [--models 7b] [--fmts nvfp4,mxfp4] [--ops bwd,fwd] [--m 512,2048]
                                        [--kz 1,2,3,4,6,8] [--rep 10] [--out DIR]
 
-Per model, format, M and linear of one decoder layer (``kernel_bench.layer_linears``): BF16 ``g @ W``, the library's
-backward with ``QERL_DQ_GEMM=0`` (``prev``: dequantize + cuBLAS) and ``=1`` (``rule``: the dq kernel at
-``cuda_dq.pick_config``'s config), and the dq kernel at every (nb, kz) of ``--kz`` (``cfg``), timed as ``kernel_bench``
-times (one CUDA graph over rotating weight copies >= 160 MB, median replay / copies). Before timing, each linear's dq
-output at every config is compared with the ``prev`` path's on the same inputs (the same Ŵ values; only the fp32
-summation order differs): the largest |difference| over the largest |reference| goes into the rows (``rel_err``), and
-a config above ``--tol`` stops the run (a wrong kernel is not timed). Rows in ``dq_gemm_<gpu>.csv`` (written as they
-finish), the per-layer summary (sums over the 7 linears; speed-ups against BF16 in the same run) in
-``dq_gemm_<gpu>.md``.
+Per model, op, format, M and linear of one decoder layer (``kernel_bench.layer_linears``): BF16 (``g @ W`` /
+``F.linear``), the library's product with ``QERL_DQ_GEMM=0`` (``prev``: dequantize + cuBLAS, with the device's slice
+table; for the forward, the wgmma GEMM where its tuned table picks it) and with the switch on for the op (``rule``: the
+dq kernel at ``cuda_dq.pick_config``'s config wherever the library would dequantize), and the dq kernel at every
+(nb, kz) of ``--kz`` (``cfg``), timed as ``kernel_bench`` times (one CUDA graph over rotating weight copies >= 160 MB,
+median replay / copies). Before timing, each linear's dq output at every config is compared with the ``prev`` path's
+on the same inputs (the same Ŵ values; only the fp32 summation order differs): the largest |difference| over the
+largest |reference| goes into the rows (``rel_err``), and a config above ``--tol`` stops the run (a wrong kernel is
+not timed). Rows in ``dq_gemm_<gpu>.csv`` (written as they finish), the per-layer summary (sums over the 7 linears;
+speed-ups against BF16 in the same run) in ``dq_gemm_<gpu>.md``.
 """
 
 from __future__ import annotations
@@ -35,18 +36,19 @@ def _weight(wts, i: int):
     return relaid.weight(FORMATS[kb._base(wts.fmt)], wts.qs[i])
 
 
-def _library(wts, i: int, g: torch.Tensor, dq: str):
-    """A closure of the library's backward on copy i with ``QERL_DQ_GEMM=dq`` (read when the closure runs, so the
-    caller sets it around capture)."""
+def _library(wts, i: int, g: torch.Tensor, dq: str, op: str):
+    """A closure of the library's product ``op`` on copy i with ``QERL_DQ_GEMM=dq`` (read when the closure runs, so
+    the capture takes the route it names)."""
     from qerl import kernels as qk
     base, q = kb._base(wts.fmt), wts.qs[i]
     _weight(wts, i)  # its one host read, before any capture
+    f = qk.qmm_t if op == "bwd" else qk.qmm
 
     def run():
         old = os.environ.get("QERL_DQ_GEMM")
         os.environ["QERL_DQ_GEMM"] = dq
         try:
-            return qk.qmm_t(g, base, q)
+            return f(g, base, q)
         finally:
             if old is None:
                 os.environ.pop("QERL_DQ_GEMM", None)
@@ -55,19 +57,20 @@ def _library(wts, i: int, g: torch.Tensor, dq: str):
     return run
 
 
-def _dq(wts, i: int, g: torch.Tensor, cfg):
+def _dq(wts, i: int, g: torch.Tensor, cfg, op: str):
     from qerl.kernels import cuda_dq
     w = _weight(wts, i)
-    out = torch.empty(g.shape[0], w.k, device=g.device, dtype=torch.bfloat16)
-    cuda_dq.gemm_t(g, w, out, cfg)  # grows the split workspace before any capture
-    return lambda: cuda_dq.gemm_t(g, w, out, cfg)
+    f = cuda_dq.gemm_t if op == "bwd" else cuda_dq.gemm
+    out = torch.empty(g.shape[0], cuda_dq.dims(w, op)[1], device=g.device, dtype=torch.bfloat16)
+    f(g, w, out, cfg)  # grows the split workspace before any capture
+    return lambda: f(g, w, out, cfg)
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
-def measure(models, fmts, ms, kzs, rep_ms, csv_path, tol: float = TOL) -> list[dict]:
+def measure(models, fmts, ms, kzs, rep_ms, csv_path, tol: float = TOL, ops=("bwd", "fwd")) -> list[dict]:
     from qerl.kernels import cuda_dq
     res = []
     dev = torch.cuda.get_device_name()
@@ -76,33 +79,38 @@ def measure(models, fmts, ms, kzs, rep_ms, csv_path, tol: float = TOL) -> list[d
         shapes = list(dict.fromkeys((n, k) for _, n, k in lins))
         for fmt in ["bf16"] + [f + kb.KL for f in fmts]:
             wts = {s: kb._Weights(fmt, s[0], s[1], seed=2000 + j) for j, s in enumerate(shapes)}
-            for m in ms:
+            for op, m in ((op, m) for op in ops for m in ms):
                 for name, n, k in lins:
                     w = wts[(n, k)]
-                    g = torch.randn(m, n, device="cuda").bfloat16()
+                    r, c = (n, k) if op == "bwd" else (k, n)
+                    g = torch.randn(m, r, device="cuda").bfloat16()
                     if fmt == "bf16":
-                        jobs = [("bf16", None, [kb._call("bf16", w, i, g, "bwd") for i in range(len(w.qs))])]
+                        jobs = [("bf16", None, [kb._call("bf16", w, i, g, op) for i in range(len(w.qs))])]
                     else:
-                        cfgs = [c for c in cuda_dq.configs(m, n, k) if c[1] in kzs]
-                        ref = _library(w, 0, g, "0")()
+                        if not cuda_dq.supported(_weight(w, 0), op):
+                            print(f"[dq] {mdl} {op} {name} {(n, k)}: not a shape the kernel takes", flush=True)
+                            continue
+                        cfgs = [cf for cf in cuda_dq.configs(m, r, c) if cf[1] in kzs]
+                        ref = _library(w, 0, g, "0", op)()
                         errs = {}
-                        for c in cfgs:
-                            errs[c] = rel_err(_dq(w, 0, g, c)(), ref)
-                            if errs[c] > tol:
-                                raise SystemExit(f"[dq] {mdl} {fmt} M={m} {name} config {c}: |dq - prev| / max|prev| "
-                                                 f"= {errs[c]:.3g} > {tol}: the kernel is wrong, not timed")
-                        rule = cuda_dq.pick_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-                        jobs = [("prev", None, [_library(w, i, g, "0") for i in range(len(w.qs))]),
-                                ("rule", rule, [_library(w, i, g, "1") for i in range(len(w.qs))])]
-                        jobs += [("cfg", c, [_dq(w, i, g, c) for i in range(len(w.qs))]) for c in cfgs]
+                        for cf in cfgs:
+                            errs[cf] = rel_err(_dq(w, 0, g, cf, op)(), ref)
+                            if errs[cf] > tol:
+                                raise SystemExit(f"[dq] {mdl} {op} {fmt} M={m} {name} config {cf}: |dq - prev| / "
+                                                 f"max|prev| = {errs[cf]:.3g} > {tol}: the kernel is wrong, not timed")
+                        rule = cuda_dq.pick_config(m, r, c, torch.cuda.get_device_properties(0).multi_processor_count)
+                        jobs = [("prev", None, [_library(w, i, g, "0", op) for i in range(len(w.qs))]),
+                                ("rule", rule, [_library(w, i, g, op, op) for i in range(len(w.qs))])]
+                        jobs += [("cfg", cf, [_dq(w, i, g, cf, op) for i in range(len(w.qs))]) for cf in cfgs]
                     for path, cfg, calls in jobs:
                         t, mode = kb._graph_ms(calls, rep_ms)
-                        row = dict(model=mdl, fmt=kb._base(fmt), M=m, linear=name, N=n, K=k, path=path,
+                        row = dict(model=mdl, op=op, fmt=kb._base(fmt), M=m, linear=name, N=n, K=k, path=path,
                                    nb=cfg[0] if cfg else "", kz=cfg[1] if cfg else "", us=round(t * 1e3, 2),
                                    rel_err=(f"{errs[cfg]:.2e}" if path == "cfg" else ""), mode=mode, device=dev)
                         res.append(row)
                         kb.write_csv(csv_path, res)
-                        print(f"[dq] {mdl} {row['fmt']} M={m} {name} {path} {cfg or ''}: {row['us']} us", flush=True)
+                        print(f"[dq] {mdl} {op} {row['fmt']} M={m} {name} {path} {cfg or ''}: {row['us']} us",
+                              flush=True)
                     del jobs
             del wts
             torch.cuda.empty_cache()
@@ -114,12 +122,12 @@ def _vs(t: float, bf: float) -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    """Per (model, format, M): the layer's backward µs (sum of its linears) by BF16, prev, rule and the best config
-    per linear, with speed-ups against BF16 in the same run."""
-    out = ["| model | FP4 | M | BF16 µs | prev µs (vs BF16) | dq rule µs (vs BF16) | dq best µs (vs BF16) | "
-           "best (nb, kz) per linear | max rel err |", "|---|---|---:|---:|---:|---:|---:|---|---:|"]
-    for mdl, m in dict.fromkeys((r["model"], int(r["M"])) for r in rows):
-        sel = [r for r in rows if r["model"] == mdl and int(r["M"]) == m]
+    """Per (model, op, format, M): the layer's µs (sum of its linears) by BF16, prev, rule and the best config per
+    linear, with speed-ups against BF16 in the same run."""
+    out = ["| model | op | FP4 | M | BF16 µs | prev µs (vs BF16) | dq rule µs (vs BF16) | dq best µs (vs BF16) | "
+           "best (nb, kz) per linear | max rel err |", "|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    for mdl, op, m in dict.fromkeys((r["model"], r["op"], int(r["M"])) for r in rows):
+        sel = [r for r in rows if r["model"] == mdl and r["op"] == op and int(r["M"]) == m]
         bf = sum(float(r["us"]) for r in sel if r["path"] == "bf16")
         for fmt in dict.fromkeys(r["fmt"] for r in sel if r["path"] != "bf16"):
             f = [r for r in sel if r["fmt"] == fmt]
@@ -133,7 +141,7 @@ def summary(rows: list[dict]) -> str:
                     best += float(b["us"])
                     picks.append(f"{li} ({b['nb']}, {b['kz']})")
             err = max((float(r["rel_err"]) for r in f if r["rel_err"] not in ("", None)), default=float("nan"))
-            out.append(f"| {mdl} | {fmt} | {m} | {bf:.1f} | {_vs(prev, bf)} | {_vs(rule, bf)} | {_vs(best, bf)} | "
+            out.append(f"| {mdl} | {op} | {fmt} | {m} | {bf:.1f} | {_vs(prev, bf)} | {_vs(rule, bf)} | {_vs(best, bf)} | "
                        f"{', '.join(picks)} | {err:.1e} |")
     return "\n".join(out)
 
@@ -152,7 +160,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="7b")
     ap.add_argument("--fmts", default="nvfp4,mxfp4")
-    ap.add_argument("--m", default="256,512,1024,2048")
+    ap.add_argument("--m", default="512,2048")
+    ap.add_argument("--ops", default="bwd,fwd")
     ap.add_argument("--kz", default="1,2,3,4,6,8")
     ap.add_argument("--rep", type=float, default=10.0)
     ap.add_argument("--tol", type=float, default=TOL)
@@ -166,6 +175,9 @@ def main(argv=None) -> None:
     bad = [f for f in a.fmts.split(",") if f not in ("nvfp4", "mxfp4")]
     if bad:
         ap.error(f"--fmts {a.fmts!r}: {bad} not FP4 formats; valid: nvfp4, mxfp4")
+    ops = [o for o in a.ops.split(",") if o]
+    if not ops or any(o not in cuda_dq.OPS for o in ops):
+        ap.error(f"--ops {a.ops!r}: valid: {', '.join(cuda_dq.OPS)}")
     if any(kz > cuda_dq.MAX_KZ for kz in kzs):
         ap.error(f"--kz {a.kz!r}: at most {cuda_dq.MAX_KZ}")
     if not cuda_dq.available():
@@ -173,10 +185,10 @@ def main(argv=None) -> None:
     os.makedirs(a.out, exist_ok=True)
     tag = kb.gpu_tag("")
     rows = measure(a.models.split(","), a.fmts.split(","), ms, kzs, a.rep,
-                   os.path.join(a.out, f"dq_gemm_{tag}.csv"), a.tol)
+                   os.path.join(a.out, f"dq_gemm_{tag}.csv"), a.tol, ops)
     md = summary(rows)
     with open(os.path.join(a.out, f"dq_gemm_{tag}.md"), "w") as f:
-        f.write(f"## The backward g @ Ŵ with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
+        f.write(f"## FP4 products with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
                 f"\n\ntorch {torch.__version__}. Command: `python -m benchmarks.dq_gemm_bench "
                 f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{md}\n")
     print(md)

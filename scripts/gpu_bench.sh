@@ -230,11 +230,11 @@
 #                                256 + 2048, with that table against the heuristic (fused, fused-heuristic-gemv x 2, fused)
 #   scripts/gpu_bench.sh tune32ab  the installed table (32B / 14B shapes: the two share q|k|v and o) against the
 #                                heuristic in the rollouts it reaches: 14B batch 8, 32B batch 2 and 8 (A B B A, 256 + 2048)
-#   scripts/gpu_bench.sh dq      issue 10, item 2 for the backward: the in-loop dequantizing GEMM g·Ŵ (qerl.kernels.cuda_dq)
-#                                built beside the default extension, its GPU tests ($OUT/tests_dq.txt), then
-#                                benchmarks.dq_gemm_bench (DQ_M, DQ_FMTS, DQ_KZ, DQ_SECS; $OUT/dq): BF16 cuBLAS, dequantize
-#                                + cuBLAS and the kernel at every launch config per 7B linear, each config's output
-#                                checked against dequantize + cuBLAS first; ~6 min cold. SKIP_TESTS=1: no tests
+#   scripts/gpu_bench.sh dq      issue 10, item 2: the in-loop dequantizing GEMM (qerl.kernels.cuda_dq: the backward g·Ŵ and
+#                                the forward x·Ŵᵀ) built beside the default extension, its GPU tests ($OUT/tests_dq.txt),
+#                                then benchmarks.dq_gemm_bench (DQ_OPS, DQ_M, DQ_FMTS, DQ_KZ, DQ_SECS; $OUT/dq): BF16
+#                                cuBLAS, the library's path and the kernel at every launch config per 7B linear, each
+#                                config's output checked against the library's first; ~6 min cold. SKIP_TESTS=1: no tests
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -720,7 +720,7 @@ dq)  # issue 10: the backward's in-loop dequantizing GEMM (see the header)
   wait $bpid
   [ -z "${SKIP_TESTS:-}" ] && gpu_tests dq "${DQ_TEST_SECS:-240}" tests/test_cuda_dq.py
   timeout "${DQ_SECS:-300}" python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQ_FMTS:-nvfp4,mxfp4}" \
-    --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-1,2,3,4,6,8}" --out "$OUT/dq" 2>&1 | grep "^|\|Error\|wrong\|dq\] the" >> "$LOG" ;;
+    --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-1,2,3,4,6,8}" --out "$OUT/dq" 2>&1 | grep "^|\|Error\|wrong\|dq\] the" >> "$LOG" ;;
 upslice)  # issue 10, session 55: the GRPO update where the slice tables apply (see the header)
   build 2
   ab_runs QERL_DEQUANT_SLICES up "1:1 0:1 0:2 1:2" "${UPSLICE_SECS:-130}" micro python3 -m qerl.bench update \

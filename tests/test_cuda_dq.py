@@ -49,13 +49,13 @@ def test_configs_and_the_rule():
     assert one == pytest.approx(296 * dq.CHUNK_US[256])  # one wave of 56 CTAs, each all 296 chunks
     assert dq.estimate_us(512, 18944, 3584, 256, 2, 132) == pytest.approx(
         148 * dq.CHUNK_US[256] + 2 * 2 * 512 * 3584 * 4 / 2.5e6 + dq.REDUCE_US)
-    with pytest.raises(ValueError, match=r"no config for N=64, K=96"):
+    with pytest.raises(ValueError, match=r"no config for contraction 64, output width 96"):
         dq.pick_config(8, 64, 96, 132)
 
 
 def test_check_config_names_the_bad_value_and_the_valid_ones():
     assert dq.check_config([256, 2], 512, 18944, 3584) == (256, 2)
-    with pytest.raises(ValueError, match=r"dq config \(256, 1\) for N=256, K=384: valid \[\(128, 1\)\]"):
+    with pytest.raises(ValueError, match=r"dq config \(256, 1\) for contraction 256, output width 384: valid \[\(128, 1\)\]"):
         dq.check_config((256, 1), 64, 256, 384)
     with pytest.raises(ValueError, match=r"expected \(nb, kz\)"):
         dq.check_config("fast", 64, 256, 384)
@@ -63,17 +63,24 @@ def test_check_config_names_the_bad_value_and_the_valid_ones():
 
 def test_switch_and_argument_errors(monkeypatch):
     monkeypatch.delenv("QERL_DQ_GEMM", raising=False)
-    assert dq.enabled() is False
-    monkeypatch.setenv("QERL_DQ_GEMM", "1")
-    assert dq.enabled() is True
+    assert not dq.enabled("bwd") and not dq.enabled("fwd")
+    for v, bwd, fwd in (("bwd", True, False), ("fwd", False, True), ("all", True, True), ("0", False, False)):
+        monkeypatch.setenv("QERL_DQ_GEMM", v)
+        assert (dq.enabled("bwd"), dq.enabled("fwd")) == (bwd, fwd), v
+    with pytest.raises(ValueError, match=r"dq op 'grad'; valid: bwd, fwd"):
+        dq.enabled("grad")
     monkeypatch.setenv("QERL_DQ_GEMM", "yes")
-    with pytest.raises(ValueError, match=r"QERL_DQ_GEMM='yes'; valid: 0, 1"):
+    with pytest.raises(ValueError, match=r"QERL_DQ_GEMM='yes'; valid: 0, bwd, fwd, all"):
         dq.enabled()
     w = _weight("nvfp4", 64, 128, seed=1)
-    assert dq.supported(w) and not dq.supported(_weight("nvfp4", 48, 128, seed=1))
-    with pytest.raises(ValueError, match=r"weight nvfp4 \(48, 128\) not supported"):
+    assert dq.supported(w, "bwd") and not dq.supported(w, "fwd")  # the forward's 64 output columns: no 128 tile
+    assert dq.dims(w, "bwd") == (64, 128) and dq.dims(w, "fwd") == (128, 64)
+    assert not dq.supported(_weight("nvfp4", 48, 128, seed=1), "bwd")
+    with pytest.raises(ValueError, match=r"dq_gemm bwd: weight nvfp4 \(48, 128\) not supported"):
         dq.gemm_t(torch.zeros(4, 48, dtype=torch.bfloat16), _weight("nvfp4", 48, 128, seed=1))
-    with pytest.raises(ValueError, match=r"g must be a CUDA bf16 \(M, 64\) tensor.*torch.bfloat16 \(4, 64\).*cpu"):
+    with pytest.raises(ValueError, match=r"dq_gemm fwd: weight nvfp4 \(64, 128\) not supported"):
+        dq.gemm(torch.zeros(4, 128, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"bf16 \(M, 64\) tensor.*torch.bfloat16 \(4, 64\).*cpu"):
         dq.gemm_t(torch.zeros(4, 64, dtype=torch.bfloat16), w)
 
 
@@ -85,7 +92,7 @@ def test_cpu_backward_is_unchanged_by_the_switch(monkeypatch):
     g = torch.randn(3, 64).bfloat16()
     monkeypatch.setenv("QERL_DQ_GEMM", "0")
     ref = qk.qmm_t(g, "nvfp4", q)
-    monkeypatch.setenv("QERL_DQ_GEMM", "1")
+    monkeypatch.setenv("QERL_DQ_GEMM", "all")
     assert torch.equal(qk.qmm_t(g, "nvfp4", q), ref)
 
 
@@ -95,18 +102,18 @@ def test_bench_arguments_and_summary(capsys):
         with pytest.raises(ValueError, match=r"--m"):
             bench.parse_ints(text, "m")
     for argv, msg in ((["--fmts", "nf4"], "not FP4 formats; valid: nvfp4, mxfp4"), (["--kz", "9"], "at most 8"),
-                      (["--m", "x"], "comma-separated integers")):
+                      (["--m", "x"], "comma-separated integers"), (["--ops", "grad"], "valid: bwd, fwd")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err, argv
-    base = dict(model="7b", M=512, N=18944, K=3584, mode="graph", device="d")
+    base = dict(model="7b", op="bwd", M=512, N=18944, K=3584, mode="graph", device="d")
     rows = [dict(base, fmt="bf16", linear="gate", path="bf16", nb="", kz="", us=100.0, rel_err=""),
             dict(base, fmt="nvfp4", linear="gate", path="prev", nb="", kz="", us=160.0, rel_err=""),
             dict(base, fmt="nvfp4", linear="gate", path="rule", nb="", kz="", us=125.0, rel_err=""),
             dict(base, fmt="nvfp4", linear="gate", path="cfg", nb=256, kz=2, us=125.0, rel_err="1.0e-03"),
             dict(base, fmt="nvfp4", linear="gate", path="cfg", nb=128, kz=4, us=120.0, rel_err="2.0e-03")]
     md = bench.summary(rows)
-    assert "| 7b | nvfp4 | 512 | 100.0 | 160.0 (0.62×) | 125.0 (0.80×) | 120.0 (0.83×) | gate (128, 4) | 2.0e-03 |" \
+    assert "| 7b | bwd | nvfp4 | 512 | 100.0 | 160.0 (0.62×) | 125.0 (0.80×) | 120.0 (0.83×) | gate (128, 4) | 2.0e-03 |" \
         in md, md
 
 
@@ -122,8 +129,8 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     for block in r.stderr.split("Compiling entry function '")[1:]:
         kern[block.split("'")[0]] = (int(re.search(r"Used (\d+) registers", block).group(1)),
                                      int(re.search(r"(\d+) bytes spill stores", block).group(1)))
-    gemms = [n for n in kern if "dq_gemm_t_kernel" in n]
-    assert len(gemms) == 6 and any("dq_reduce_kernel" in n for n in kern), sorted(kern)
+    gemms = [n for n in kern if "dq_gemm_kernel" in n]  # (format, global scale, width) x (backward, forward)
+    assert len(gemms) == 12 and any("dq_reduce_kernel" in n for n in kern), sorted(kern)
     for n in gemms:
         assert kern[n][0] <= 255 and kern[n][1] == 0, (n, kern[n])
     assert "C7512" not in r.stderr and "C7513" not in r.stderr, r.stderr
@@ -138,8 +145,10 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and cf.wgmma_supp
                                 reason="needs an sm_90 GPU")
 
 
-def _ref(g: torch.Tensor, w: cf.CudaFP4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+def _ref(g: torch.Tensor, w: cf.CudaFP4Weight, op: str = "bwd") -> tuple[torch.Tensor, torch.Tensor]:
     whole = cf.dequantize(w).float()  # Ŵ's exact bf16 values (tested bit for bit against the format elsewhere)
+    if op == "fwd":
+        whole = whole.t()
     return g.float() @ whole, g.float().abs() @ whole.abs()
 
 
@@ -155,20 +164,27 @@ def _close(y: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, what) -> None:
 @needs_sm90
 @pytest.mark.parametrize("fmt", FP4)
 def test_gpu_dq_gemm_every_config(fmt):
+    """Both products at token counts around the 128-row tiles, on small shapes at every launch config and on the 7B /
+    32B shapes at the rule's and a few others."""
     assert dq.available(), dq._STATE.get("error")
     gen = torch.Generator(device="cuda").manual_seed(11)
-    small = [(64, 128), (192, 256), (320, 384), (1024, 512)]
+    small = [(64, 128), (192, 256), (320, 384), (1024, 512), (256, 640)]
     big = [(4608, 3584), (18944, 3584), (3584, 18944), (5120, 27648)]
     for i, (n, k) in enumerate(small + big):
         w = _weight(fmt, n, k, seed=40 + i, device="cuda")
-        for m in (1, 17, 128, 200, 512):
-            g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
-            ref, mag = _ref(g, w)
-            cfgs = dq.configs(m, n, k) if (n, k) in small else \
-                {dq.pick_config(m, n, k, 132), (256, 1), (128, 3), (256, 8)} & set(dq.configs(m, n, k))
-            for cfg in sorted(cfgs):
-                out = torch.full((m, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-                _close(dq.gemm_t(g, w, out, cfg), ref, mag, (fmt, n, k, m, cfg))
+        for op in dq.OPS:
+            if not dq.supported(w, op):
+                continue
+            r, c = dq.dims(w, op)
+            for m in (1, 17, 128, 200, 512):
+                g = torch.randn(m, r, device="cuda", generator=gen).bfloat16()
+                ref, mag = _ref(g, w, op)
+                cfgs = dq.configs(m, r, c) if (n, k) in small else \
+                    {dq.pick_config(m, r, c, 132), (256, 1), (128, 3), (256, 8)} & set(dq.configs(m, r, c))
+                for cfg in sorted(cfgs):
+                    out = torch.full((m, c), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    y = (dq.gemm_t if op == "bwd" else dq.gemm)(g, w, out, cfg)
+                    _close(y, ref, mag, (fmt, op, n, k, m, cfg))
 
 
 @pytest.mark.gpu
@@ -216,6 +232,18 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     ref, mag = _ref(g.reshape(-1, 4608), w)
     _close(prev.reshape(512, 3584), ref, mag, "prev")
     monkeypatch.setattr(dq, "gemm_t", orig)
+    # the forward: where the dispatcher dequantizes (M 4096, above the wgmma GEMM's range), QERL_DQ_GEMM=fwd takes the
+    # kernel (its output bit for bit), and leaves the backward alone
+    x = torch.randn(4096, 3584, device="cuda").bfloat16()
+    monkeypatch.setenv("QERL_DQ_GEMM", "fwd")
+    fcalls, forig = [], dq.gemm
+    monkeypatch.setattr(dq, "gemm", lambda *a, **k: fcalls.append(a[0].shape) or forig(*a, **k))
+    yf = qk.qmm(x, fmt, q)
+    assert fcalls == [(4096, 3584)] and torch.equal(yf, dq.gemm(x, w)), fcalls
+    assert torch.equal(qk.qmm_t(g, fmt, q), prev) and calls == [(512, 4608)]
+    monkeypatch.setattr(dq, "gemm", forig)
+    ref, mag = _ref(x, w, "fwd")
+    _close(yf, ref, mag, "fwd route")
     for cfg in ((256, 1), (128, 6)):
         gs = g.reshape(-1, 4608).clone()
         out = torch.empty(512, 3584, device="cuda", dtype=torch.bfloat16)

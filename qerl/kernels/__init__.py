@@ -541,6 +541,10 @@ def _relaid_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch
             cuda_fp4.gemv(x2, w, out, pdl=pdl_enabled(x2))
         elif x2.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, w.n, w.k, m, x.device):
             cuda_fp4.gemm(x2, w, out)
+        elif (x2.dtype == torch.bfloat16 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0
+              and _dq_route(w, x.device, "fwd")):
+            from qerl.kernels import cuda_dq
+            cuda_dq.gemm(x2, w, out)
         else:
             _relaid_dequant_mm(x2, w, out, _relaid_fwd_slice(fmt, w, m, x2))
     return out.reshape(*x.shape[:-1], w.n)
@@ -783,11 +787,12 @@ def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chun
         torch.mm(x2, buf[:r].t(), out=out[:, n0:n0 + r])
 
 
-def _dq_route(w, device: torch.device) -> bool:
-    """The backward of a weight in the kernels' layout takes the in-loop dequantizing GEMM (``cuda_dq``): its switch
-    on (``QERL_DQ_GEMM``), the shape one it runs, an sm_90 device where it builds."""
+def _dq_route(w, device: torch.device, op: str = "bwd") -> bool:
+    """The product ``op`` (``bwd``: g @ Ŵ; ``fwd``: x @ Ŵᵀ where the dispatcher would dequantize) of a weight in the
+    kernels' layout takes the in-loop dequantizing GEMM (``cuda_dq``): its switch on for ``op`` (``QERL_DQ_GEMM``),
+    the shape one it runs, an sm_90 device where it builds."""
     from qerl.kernels import cuda_dq
-    return cuda_dq.enabled() and cuda_dq.supported(w) and cuda_dq.available(device)
+    return cuda_dq.enabled(op) and cuda_dq.supported(w, op) and cuda_dq.available(device)
 
 
 def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

@@ -1,16 +1,18 @@
-"""The backward's input gradient g (M, N) @ Ŵ (N, K) of an FP4 linear with the weight dequantized inside the GEMM
-(``csrc/fp4_dq_gemm.cu``, sm_90a wgmma): issue 10's item 2 for the backward, which until now rebuilt all of Ŵ in
-BF16 (2 bytes a weight written and read again) and called cuBLAS.
+"""FP4 linears at large M with the weight dequantized inside the GEMM (``csrc/fp4_dq_gemm.cu``, sm_90a wgmma):
+issue 10's item 2. The backward's input gradient g (M, N) @ Ŵ (N, K) (``gemm_t``) and the forward x (M, K) @ Ŵᵀ
+(``gemm``) until now rebuilt all of Ŵ in BF16 (2 bytes a weight written and read again) and called cuBLAS.
 
-Each CTA stages g's tile (128 token rows) and the packed weight's blocks of 64 contraction rows x ``nb`` output
-columns (128 or 256) in a cp.async ring, every thread dequantizes the chunk into a BF16 tile in shared memory (the
-values of ``cuda_fp4.dequantize`` bit for bit), and two warpgroups multiply from there (A = g K-major, B = the tile
-MN-major). ``kz`` > 1 splits the contraction across CTAs: fp32 partials in a workspace, added in split order by a
-second launch (deterministic). The result differs from dequantize + cuBLAS only by the fp32 summation order.
+Each CTA stages the activations' tile (128 token rows) and the packed weight's blocks for one 64-wide contraction
+chunk x ``nb`` output columns (128 or 256) in a cp.async ring; every thread dequantizes the chunk into a BF16 tile in
+shared memory (the values of ``cuda_fp4.dequantize`` bit for bit), and two warpgroups multiply from there (A = the
+activations, K-major; B = the tile: MN-major for the backward, whose contraction runs over the weight's rows, K-major
+for the forward). ``kz`` > 1 splits the contraction across CTAs: fp32 partials in a workspace, added in split order by
+a second launch (deterministic). The result differs from dequantize + cuBLAS only by the fp32 summation order.
 
-``gemm_t`` is the entry point; ``enabled()`` (``QERL_DQ_GEMM``) decides whether ``qerl.kernels``' backward takes it
-(see its docstring for the measurements behind the default); ``configs`` lists the launch configurations a sweep
-times (``benchmarks.dq_gemm_bench``); ``pick_config`` is the rule without a sweep.
+Shapes are given as (m, r, c): m tokens, r the contraction (the weight's N for the backward, K for the forward), c
+the output width (K, or N). ``enabled(op)`` (``QERL_DQ_GEMM``) decides whether ``qerl.kernels`` takes the kernel;
+``configs`` lists the launch configurations a sweep times (``benchmarks.dq_gemm_bench``), ``pick_config`` is the rule
+without a sweep.
 """
 
 from __future__ import annotations
@@ -32,40 +34,42 @@ _BINDING = r"""
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-extern "C" int qfp4_dq_gemm_t(const void*, long, const void*, const void*, const float*, void*, long, void*, int, int,
-                              int, long, int, int, int, void*);
+extern "C" int qfp4_dq_gemm(const void*, long, const void*, const void*, const float*, void*, long, void*, int, int,
+                            int, long, int, int, int, int, void*);
 extern "C" int qfp4_dq_smem(int, int);
 
-void gemm_t(torch::Tensor g, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
-            torch::Tensor ws, int64_t fmt, bool has_g, int64_t nb, int64_t kz) {
+// fwd: out (M, N) = g (M, K) @ Wᵀ; else out (M, K) = g (M, N) @ W
+void gemm(torch::Tensor g, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
+          torch::Tensor ws, int64_t fmt, bool has_g, int64_t nb, int64_t kz, bool fwd) {
   TORCH_CHECK(g.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda() && gs.is_cuda() && ws.is_cuda(),
               "tensors must be on CUDA");
   TORCH_CHECK(g.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "g, out must be bf16");
   TORCH_CHECK(g.dim() == 2 && out.dim() == 2 && qw.dim() == 4 && sc.dim() == 3, "bad ranks");
   const int S = (int)qw.size(0), C = (int)qw.size(1);
   const int M = (int)g.size(0), N = 16 * S, K = 64 * C;
-  TORCH_CHECK(g.size(1) == N && out.size(0) == M && out.size(1) == K, "shape mismatch");
+  const int R = fwd ? K : N, Cw = fwd ? N : K;
+  TORCH_CHECK(g.size(1) == R && out.size(0) == M && out.size(1) == Cw, "shape mismatch");
   const int64_t cs = qw.stride(0) / 128;
   TORCH_CHECK(qw.stride(3) == 1 && qw.stride(2) == 4 && qw.stride(1) == 128 && qw.stride(0) % 128 == 0 && cs >= C
               && sc.stride(2) == 1 && sc.stride(1) == sc.size(2) && sc.stride(0) == cs * sc.size(2),
               "qweight/scales must be a weight's strips");
   TORCH_CHECK(g.stride(1) == 1 && out.stride(1) == 1, "g/out need unit column stride");
   TORCH_CHECK(!has_g || gs.scalar_type() == at::kFloat, "global scale must be float32");
-  TORCH_CHECK(kz == 1 || (ws.scalar_type() == at::kFloat && ws.numel() >= kz * (int64_t)M * K),
+  TORCH_CHECK(kz == 1 || (ws.scalar_type() == at::kFloat && ws.numel() >= kz * (int64_t)M * Cw),
               "workspace too small");
   const c10::cuda::CUDAGuard guard(out.device());
-  const int err = qfp4_dq_gemm_t(g.data_ptr(), (long)g.stride(0), qw.data_ptr(), sc.data_ptr(),
-                                 has_g ? gs.data_ptr<float>() : nullptr, out.data_ptr(), (long)out.stride(0),
-                                 kz > 1 ? ws.data_ptr() : nullptr, M, N, K, (long)cs, (int)fmt, (int)nb, (int)kz,
-                                 (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
-  TORCH_CHECK(err == 0, "qfp4_dq_gemm_t: ", err == -1 ? "unsupported arguments (shapes, strides, alignment, nb, kz)"
-                                                     : cudaGetErrorString((cudaError_t)err));
+  const int err = qfp4_dq_gemm(g.data_ptr(), (long)g.stride(0), qw.data_ptr(), sc.data_ptr(),
+                               has_g ? gs.data_ptr<float>() : nullptr, out.data_ptr(), (long)out.stride(0),
+                               kz > 1 ? ws.data_ptr() : nullptr, M, N, K, (long)cs, (int)fmt, (int)nb, (int)kz,
+                               fwd ? 1 : 0, (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+  TORCH_CHECK(err == 0, "qfp4_dq_gemm: ", err == -1 ? "unsupported arguments (shapes, strides, alignment, nb, kz)"
+                                                   : cudaGetErrorString((cudaError_t)err));
 }
 
 int64_t smem(int64_t fmt, int64_t nb) { return qfp4_dq_smem((int)fmt, (int)nb); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_t", &gemm_t);
+  m.def("gemm", &gemm);
   m.def("smem", &smem);
 }
 """
@@ -76,15 +80,20 @@ _HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh")
 _STATE: dict = {}
 _WS: dict = {}
 
-DQ_MODES = ("0", "1")
+OPS = ("bwd", "fwd")
+DQ_MODES = ("0", "bwd", "fwd", "all")
 
 
-def enabled() -> bool:
-    """``QERL_DQ_GEMM``: ``1`` lets ``qerl.kernels.qmm_t`` (the backward's g @ Ŵ of a weight in the kernels' layout,
-    bf16, on an sm_90 device) run :func:`gemm_t` instead of dequantize + cuBLAS; ``0`` (the default until it is
-    measured faster on a GPU) keeps dequantize + cuBLAS."""
+def enabled(op: str = "bwd") -> bool:
+    """``QERL_DQ_GEMM``: which products of a weight in the kernels' layout (bf16 activations, an sm_90 device) take
+    the kernel instead of dequantize + cuBLAS: ``bwd`` the backward's g @ Ŵ (``qerl.kernels.qmm_t``), ``fwd`` the
+    forward x @ Ŵᵀ where the dispatcher would dequantize (large M; the wgmma GEMM's M range keeps that kernel),
+    ``all`` both; ``0`` (the default until it is measured faster on a GPU) neither."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    return _gemm_lora_switch("QERL_DQ_GEMM", "0", DQ_MODES) == "1"
+    if op not in OPS:
+        raise ValueError(f"dq op {op!r}; valid: {', '.join(OPS)}")
+    v = _gemm_lora_switch("QERL_DQ_GEMM", "0", DQ_MODES)
+    return v == "all" or v == op
 
 
 def _ext():
@@ -103,42 +112,49 @@ def available(device: torch.device | int | None = None) -> bool:
     return True
 
 
-def supported(w: cuda_fp4.CudaFP4Weight) -> bool:
-    """Shapes the kernel takes: an FP4 weight with N % 64 == 0 (whole 64-row contraction chunks) and K % 128 == 0."""
-    return w.fmt in cuda_fp4.FORMATS and w.n % 64 == 0 and w.k % 128 == 0
+def dims(w: cuda_fp4.CudaFP4Weight, op: str) -> tuple[int, int]:
+    """(r, c): the contraction and the output width of ``op`` on ``w``."""
+    return (w.n, w.k) if op == "bwd" else (w.k, w.n)
 
 
-def tiles(m: int, k: int, nb: int) -> int:
-    """Output tiles (CTAs before splits) at M = m over K = k columns, nb a tile."""
-    return math.ceil(m / BM) * (k // nb)
+def supported(w: cuda_fp4.CudaFP4Weight, op: str = "bwd") -> bool:
+    """Shapes the kernel takes: an FP4 weight whose contraction is whole 64-wide chunks (N % 64 == 0) and whose
+    output width is whole 128-column tiles."""
+    r, c = dims(w, op)
+    return w.fmt in cuda_fp4.FORMATS and w.n % 64 == 0 and r % 64 == 0 and c % 128 == 0
 
 
-def configs(m: int, n: int, k: int) -> list[tuple[int, int]]:
-    """Every (nb, kz) the kernel runs for this shape: nb dividing k, kz up to :data:`MAX_KZ` with at least
-    :data:`MIN_SPLIT_CHUNKS` contraction chunks a split."""
+def tiles(m: int, c: int, nb: int) -> int:
+    """Output tiles (CTAs before splits) at M = m over c output columns, nb a tile."""
+    return math.ceil(m / BM) * (c // nb)
+
+
+def configs(m: int, r: int, c: int) -> list[tuple[int, int]]:
+    """Every (nb, kz) the kernel runs for a contraction r and output width c: nb dividing c, kz up to
+    :data:`MAX_KZ` with at least :data:`MIN_SPLIT_CHUNKS` contraction chunks a split."""
     out = []
     for nb in NBS:
-        if k % nb:
+        if c % nb:
             continue
         for kz in range(1, MAX_KZ + 1):
-            if kz == 1 or n // 64 >= kz * MIN_SPLIT_CHUNKS:
+            if kz == 1 or r // 64 >= kz * MIN_SPLIT_CHUNKS:
                 out.append((nb, kz))
     return out
 
 
-def check_config(config, m: int, n: int, k: int) -> tuple[int, int]:
+def check_config(config, m: int, r: int, c: int) -> tuple[int, int]:
     """``config`` as (nb, kz), or a ValueError naming it and the valid ones."""
-    valid = configs(m, n, k)
+    valid = configs(m, r, c)
     try:
         nb, kz = (int(v) for v in config)
     except (TypeError, ValueError):
         raise ValueError(f"dq config {config!r}: expected (nb, kz), one of {valid}") from None
     if (nb, kz) not in valid:
-        raise ValueError(f"dq config {(nb, kz)} for N={n}, K={k}: valid {valid}")
+        raise ValueError(f"dq config {(nb, kz)} for contraction {r}, output width {c}: valid {valid}")
     return nb, kz
 
 
-#: Time model of :func:`pick_config` (µs): one 64-row contraction chunk of a CTA's tile at ~70% of the H100's dense
+#: Time model of :func:`pick_config` (µs): one 64-wide contraction chunk of a CTA's tile at ~70% of the H100's dense
 #: BF16 peak per SM (2 x 128 x nb x 64 FLOP over 989.4 / 132 TFLOP/s / 0.7), the split partials' fp32 bytes (written
 #: once, read once) at 2.5 TB/s, and the reduction launch.
 CHUNK_US = {128: 0.45, 256: 0.80}
@@ -146,23 +162,23 @@ SPLIT_TBPS = 2.5
 REDUCE_US = 3.0
 
 
-def estimate_us(m: int, n: int, k: int, nb: int, kz: int, sms: int) -> float:
+def estimate_us(m: int, r: int, c: int, nb: int, kz: int, sms: int) -> float:
     """The rule's estimate of one launch: whole waves of CTAs times a CTA's chunks, plus the split partials' traffic
     and the reduction launch when kz > 1."""
-    waves = math.ceil(tiles(m, k, nb) * kz / sms)
-    t = waves * math.ceil(n // 64 / kz) * CHUNK_US[nb]
+    waves = math.ceil(tiles(m, c, nb) * kz / sms)
+    t = waves * math.ceil(r // 64 / kz) * CHUNK_US[nb]
     if kz > 1:
-        t += 2 * kz * m * k * 4 / (SPLIT_TBPS * 1e6) + REDUCE_US
+        t += 2 * kz * m * c * 4 / (SPLIT_TBPS * 1e6) + REDUCE_US
     return t
 
 
-def pick_config(m: int, n: int, k: int, sms: int) -> tuple[int, int]:
+def pick_config(m: int, r: int, c: int, sms: int) -> tuple[int, int]:
     """The rule without a sweep: the config of the least :func:`estimate_us` (ties: 256-column tiles, which re-read
-    g's tiles half as often through L2, then fewer splits)."""
-    cands = configs(m, n, k)
+    the activations' tiles half as often through L2, then fewer splits)."""
+    cands = configs(m, r, c)
     if not cands:
-        raise ValueError(f"dq_gemm: no config for N={n}, K={k} (N % 64 and K % 128 must be 0)")
-    return min(cands, key=lambda c: (round(estimate_us(m, n, k, c[0], c[1], sms), 3), -c[0], c[1]))
+        raise ValueError(f"dq_gemm: no config for contraction {r}, output width {c} (multiples of 64 and 128)")
+    return min(cands, key=lambda cf: (round(estimate_us(m, r, c, cf[0], cf[1], sms), 3), -cf[0], cf[1]))
 
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -174,39 +190,51 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     return buf
 
 
+def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None, config) -> torch.Tensor:
+    if not supported(w, op):
+        raise ValueError(f"dq_gemm {op}: weight {w.fmt} {(w.n, w.k)} not supported (FP4, N % 64 == 0, the output "
+                         f"width a multiple of 128)")
+    r, c = dims(w, op)
+    if not (a.is_cuda and a.dtype == torch.bfloat16 and a.dim() == 2 and a.shape[1] == r and a.stride(1) == 1
+            and a.stride(0) % 8 == 0 and a.data_ptr() % 16 == 0):
+        raise ValueError(f"dq_gemm {op}: the activations must be a CUDA bf16 (M, {r}) tensor with unit column stride, "
+                         f"row stride a multiple of 8, 16-byte aligned; got {a.dtype} {tuple(a.shape)} strides "
+                         f"{tuple(a.stride())} on {a.device}")
+    m = a.shape[0]
+    if out is None:
+        out = torch.empty((m, c), device=a.device, dtype=torch.bfloat16)
+    if m == 0:
+        return out
+    dev = a.device
+    if config is None:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        key = ("cfg", idx, r, c, m)
+        config = _STATE.get(key)
+        if config is None:
+            config = _STATE[key] = pick_config(m, r, c, torch.cuda.get_device_properties(idx).multi_processor_count)
+    nb, kz = check_config(config, m, r, c)
+    ws = _workspace(dev, kz * m * c) if kz > 1 else out
+    has_g = w.global_scale is not None
+    _ext().gemm(a, w.qweight, w.scales, w.global_scale if has_g else w.qweight, out, ws,
+                0 if w.fmt == "nvfp4" else 1, has_g, nb, kz, op == "fwd")
+    return out
+
+
 def gemm_t(g: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = None,
            config: tuple[int, int] | None = None) -> torch.Tensor:
     """out (M, K) = g (M, N) @ Ŵ, Ŵ the re-laid-out FP4 weight ``w`` (N, K), by the in-loop dequantizing wgmma GEMM.
     g: CUDA bf16 (M, N), unit column stride, row stride a multiple of 8, 16-byte aligned. ``config``: (nb, kz)
-    (:func:`configs`); None: :func:`pick_config`. ``out``: bf16 (M, K) like g (allocated when None). The split
-    workspace is a per-device buffer grown to the largest use (capturable once warmed up)."""
-    if not supported(w):
-        raise ValueError(f"dq_gemm: weight {w.fmt} {(w.n, w.k)} not supported (FP4, N % 64 == 0, K % 128 == 0)")
-    if not (g.is_cuda and g.dtype == torch.bfloat16 and g.dim() == 2 and g.shape[1] == w.n and g.stride(1) == 1
-            and g.stride(0) % 8 == 0 and g.data_ptr() % 16 == 0):
-        raise ValueError(f"dq_gemm: g must be a CUDA bf16 (M, {w.n}) tensor with unit column stride, row stride a "
-                         f"multiple of 8, 16-byte aligned; got {g.dtype} {tuple(g.shape)} strides {tuple(g.stride())}"
-                         f" on {g.device}")
-    m = g.shape[0]
-    if out is None:
-        out = torch.empty((m, w.k), device=g.device, dtype=torch.bfloat16)
-    if m == 0:
-        return out
-    dev = g.device
-    if config is None:
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        key = ("cfg", idx, w.n, w.k, m)
-        config = _STATE.get(key)
-        if config is None:
-            config = _STATE[key] = pick_config(m, w.n, w.k, torch.cuda.get_device_properties(idx).multi_processor_count)
-    nb, kz = check_config(config, m, w.n, w.k)
-    ws = _workspace(dev, kz * m * w.k) if kz > 1 else out
-    has_g = w.global_scale is not None
-    _ext().gemm_t(g, w.qweight, w.scales, w.global_scale if has_g else w.qweight, out, ws,
-                  0 if w.fmt == "nvfp4" else 1, has_g, nb, kz)
-    return out
+    (:func:`configs` of (M, N, K)); None: :func:`pick_config`. ``out``: bf16 (M, K) with g's constraints (allocated
+    when None). The split workspace is a per-device buffer grown to the largest use (capturable once warmed up)."""
+    return _run("bwd", g, w, out, config)
 
 
-__all__ = ["gemm_t", "enabled", "available", "supported", "configs", "check_config", "pick_config", "estimate_us",
-           "tiles", "NBS",
-           "MAX_KZ", "DQ_MODES"]
+def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = None,
+         config: tuple[int, int] | None = None) -> torch.Tensor:
+    """out (M, N) = x (M, K) @ Ŵᵀ by the same kernel with the weight tile K-major (the forward); as :func:`gemm_t`
+    otherwise (``config`` from :func:`configs` of (M, K, N))."""
+    return _run("fwd", x, w, out, config)
+
+
+__all__ = ["gemm_t", "gemm", "enabled", "available", "supported", "dims", "configs", "check_config", "pick_config",
+           "estimate_us", "tiles", "NBS", "MAX_KZ", "OPS", "DQ_MODES"]

@@ -80,13 +80,15 @@ struct Args {
   const float* gs;
   __nv_bfloat16* out;
   long ldo;
-  float* ws;  // (kz, M, K) fp32 partials when gridDim.z > 1
-  int M, N, K;
-  long cs;  // chunks between strips of the weight (its C, or more for a column slice)
+  float* ws;  // (kz, M, C) fp32 partials when gridDim.z > 1
+  int M;
+  int R;    // the contraction: the weight's N (BWD) or K (FWD)
+  int C;    // output columns: the weight's K (BWD) or N (FWD)
+  long cs;  // chunks between strips of the weight (its K / 64, or more for a column slice)
 };
 
-template <int FMT, bool HAS_G, int NB>
-__global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
+template <int FMT, bool HAS_G, int NB, bool FWD>
+__global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
 #if QFP4_DQ_WGMMA
   using L = Smem<FMT, NB>;
   constexpr int SPB = scale_bytes<FMT>();
@@ -99,8 +101,9 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
 
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
   const int m0 = blockIdx.x * kBM, col0 = blockIdx.y * NB;  // token row, output column of the tile
-  const int oc0 = blockIdx.y * L::CB;                        // its first output chunk
-  const int nc_all = a.N / 64, kz = gridDim.z;
+  const int oc0 = blockIdx.y * L::CB;                        // BWD: its first output chunk
+  const int os0 = blockIdx.y * (NB / 16);                    // FWD: its first weight strip
+  const int nc_all = a.R / 64, kz = gridDim.z;
   const int per = (nc_all + kz - 1) / kz;
   const int c_begin = min(nc_all, (int)blockIdx.z * per), nck = min(nc_all, c_begin + per) - c_begin;
 
@@ -114,18 +117,17 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       cp_async16(st + gdst + j * 32 * 128, gsrc + off + (long)j * 32 * a.ldg, m0 + gr + 32 * j < a.M);
-    const int s0 = 4 * (c_begin + idx);  // the chunk's first strip
+    // block b: BWD strip 4 (chunk) + b / CB of the contraction, output chunk oc0 + b % CB; FWD strip os0 + b of the
+    // output, contraction chunk c_begin + idx
+    auto block = [&](int b) -> long {
+      return FWD ? (long)(os0 + b) * a.cs + c_begin + idx
+                 : (long)(4 * (c_begin + idx) + b / L::CB) * a.cs + oc0 + b % L::CB;
+    };
 #pragma unroll
-    for (int u = tid; u < L::BLOCKS * 32; u += kThreads) {
-      const int b = u >> 5, sl = b / L::CB, cb = b % L::CB;
-      cp_async16(st + L::WOFF + b * 512 + (u & 31) * 16, a.qw + ((long)(s0 + sl) * a.cs + oc0 + cb) * 32 + (u & 31),
-                 true);
-    }
+    for (int u = tid; u < L::BLOCKS * 32; u += kThreads)
+      cp_async16(st + L::WOFF + (u >> 5) * 512 + (u & 31) * 16, a.qw + block(u >> 5) * 32 + (u & 31), true);
     constexpr int SU = SPB / 16;  // 16-byte units of a block's scale pairs
-    if (tid < L::BLOCKS * SU) {
-      const int b = tid / SU, sl = b / L::CB, cb = b % L::CB;
-      cp_async16(st + L::SOFF + tid * 16, a.sc + ((long)(s0 + sl) * a.cs + oc0 + cb) * SPB + (tid % SU) * 16, true);
-    }
+    if (tid < L::BLOCKS * SU) cp_async16(st + L::SOFF + tid * 16, a.sc + block(tid / SU) * SPB + (tid % SU) * 16, true);
   };
   const float inv = HAS_G ? *a.gs : 1.0f;
   auto dequant = [&](int idx) {
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int u = tid; u < L::BLOCKS * 32; u += kThreads) {
-      const int b = u >> 5, sl = b / L::CB, cb = b % L::CB;
+      const int b = u >> 5;
       const uint4 w = *reinterpret_cast<const uint4*>(st + L::WOFF + b * 512 + lane * 16);
       const uint32_t s16 =
           *reinterpret_cast<const uint16_t*>(st + L::SOFF + b * SPB + 2 * (g * GPC + (FMT == 0 ? t : t >> 1)));
@@ -146,8 +148,10 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
       const uint32_t v[4] = {w.x, w.y, w.z, w.w};
       uint32_t ra[8], rb[8];
       dequant_unit(v, s0, s8, ra, rb);
-      const int row = 16 * sl + g;  // rows row and row + 8 share (row & 7)
-      const uint32_t p = tile + cb * 8192 + row * 128;
+      // BWD: contraction row 16 (b / CB) + g of the 64-column block b % CB (MN-major); FWD: weight row 16 b + g of
+      // the tile (K-major: its 64 contraction columns in the row's 128 bytes). Rows row and row + 8 share (row & 7).
+      const int row = FWD ? 16 * b + g : 16 * (b / L::CB) + g;
+      const uint32_t p = tile + (FWD ? 0 : (b % L::CB) * 8192) + row * 128;
       const uint32_t u0 = ((2 * t) ^ (row & 7)) << 4, u1 = ((2 * t + 1) ^ (row & 7)) << 4;
       st_shared_v4(p + u0, ra[0], ra[1], ra[2], ra[3]);
       st_shared_v4(p + u1, ra[4], ra[5], ra[6], ra[7]);
@@ -176,10 +180,16 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
     fence_proxy_async();
     __syncthreads();  // (B) the tile is whole
     const uint32_t alo = desc_lo(sbase + (idx & (kStages - 1)) * L::STAGE + wg * 64 * 128);
-    const uint32_t blo = desc_lo_mn(tbase + (idx & 1) * L::TILE);
     wgmma_fence();
+    if constexpr (FWD) {
+      const uint32_t blo = desc_lo(tbase + (idx & 1) * L::TILE);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_ss_tb<NB>(acc, alo + 2 * j, kDescHi, blo + 128 * j, kDescHi);  // +16 rows
+      for (int j = 0; j < 4; ++j) wgmma_ss<NB>(acc, alo + 2 * j, kDescHi, blo + 2 * j, kDescHi);  // +16 columns
+    } else {
+      const uint32_t blo = desc_lo_mn(tbase + (idx & 1) * L::TILE);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wgmma_ss_tb<NB>(acc, alo + 2 * j, kDescHi, blo + 128 * j, kDescHi);  // +16 rows
+    }
     wgmma_commit();
     wgmma_wait<1>();
   }
@@ -196,19 +206,20 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_t_kernel(const Args a) {
     for (int i = 0; i < NB / 8; ++i) {
       const int c = col0 + 8 * i + 2 * t;
       if (r0 < a.M)
-        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)r0 * a.ldo + c) = __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)r0 * a.ldo + c) =
+            __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
       if (r0 + 8 < a.M)
         *reinterpret_cast<__nv_bfloat162*>(a.out + (long)(r0 + 8) * a.ldo + c) =
             __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
     }
   } else {
-    float* ws = a.ws + (long)blockIdx.z * a.M * a.K;
+    float* ws = a.ws + (long)blockIdx.z * a.M * a.C;
 #pragma unroll
     for (int i = 0; i < NB / 8; ++i) {
       const int c = col0 + 8 * i + 2 * t;
-      if (r0 < a.M) *reinterpret_cast<float2*>(ws + (long)r0 * a.K + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      if (r0 < a.M) *reinterpret_cast<float2*>(ws + (long)r0 * a.C + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
       if (r0 + 8 < a.M)
-        *reinterpret_cast<float2*>(ws + (long)(r0 + 8) * a.K + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+        *reinterpret_cast<float2*>(ws + (long)(r0 + 8) * a.C + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
     }
   }
 #endif
@@ -235,28 +246,34 @@ __global__ void dq_reduce_kernel(const float* __restrict__ ws, int kz, int M, in
   o[1] = __floats2bfloat162_rn(s.z, s.w);
 }
 
-template <int FMT, bool HAS_G, int NB>
+template <int FMT, bool HAS_G, int NB, bool FWD>
 int launch(const Args& a, int kz, cudaStream_t st) {
   constexpr int bytes = Smem<FMT, NB>::BYTES;
   static bool ready = false;  // the attribute, once per kernel and process (the launch itself is capturable)
   if (!ready) {
     const cudaError_t e =
-        cudaFuncSetAttribute(dq_gemm_t_kernel<FMT, HAS_G, NB>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        cudaFuncSetAttribute(dq_gemm_kernel<FMT, HAS_G, NB, FWD>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     ready = true;
   }
-  const dim3 grid((a.M + kBM - 1) / kBM, a.K / NB, kz);
-  dq_gemm_t_kernel<FMT, HAS_G, NB><<<grid, kThreads, bytes, st>>>(a);
+  const dim3 grid((a.M + kBM - 1) / kBM, a.C / NB, kz);
+  dq_gemm_kernel<FMT, HAS_G, NB, FWD><<<grid, kThreads, bytes, st>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || kz == 1) return (int)e;
-  const long quads = (long)a.M * a.K / 4;
-  dq_reduce_kernel<<<(unsigned)((quads + 255) / 256), 256, 0, st>>>(a.ws, kz, a.M, a.K, a.out, a.ldo);
+  const long quads = (long)a.M * a.C / 4;
+  dq_reduce_kernel<<<(unsigned)((quads + 255) / 256), 256, 0, st>>>(a.ws, kz, a.M, a.C, a.out, a.ldo);
   return (int)cudaGetLastError();
 }
 
-template <int FMT, bool HAS_G>
+template <int FMT, bool HAS_G, bool FWD>
 int launch_nb(const Args& a, int nb, int kz, cudaStream_t st) {
-  return nb == 256 ? launch<FMT, HAS_G, 256>(a, kz, st) : launch<FMT, HAS_G, 128>(a, kz, st);
+  return nb == 256 ? launch<FMT, HAS_G, 256, FWD>(a, kz, st) : launch<FMT, HAS_G, 128, FWD>(a, kz, st);
+}
+
+template <bool FWD>
+int launch_fmt(const Args& a, int fmt, int nb, int kz, cudaStream_t st) {
+  if (fmt == 0) return a.gs ? launch_nb<0, true, FWD>(a, nb, kz, st) : launch_nb<0, false, FWD>(a, nb, kz, st);
+  return launch_nb<1, false, FWD>(a, nb, kz, st);
 }
 
 }  // namespace dq
@@ -269,24 +286,25 @@ extern "C" int qfp4_dq_smem(int fmt, int nb) {
   return nb == 256 ? Smem<1, 256>::BYTES : Smem<1, 128>::BYTES;
 }
 
-// out (M, K) = g (M, N) @ W (N, K), W the re-laid-out FP4 weight: qw (S = N / 16, C, 32, 4) int32 word groups and sc
-// (S, C, 8 * groups per chunk) int16 scale pairs whose strips lie cs >= C chunks apart (a column slice: more), gs the
-// NVFP4 global scale (device float) or null. nb: 128 | 256 output columns a CTA (K % nb == 0); kz: splits of the
-// contraction across CTAs (1..N / 64; > 1 needs ws, kz * M * K floats). g, out: bf16 with unit column stride, row
-// strides multiples of 8, 16-byte aligned. 0, -1 (bad arguments) or a CUDA error code. sm_90a only (elsewhere the
-// kernel is empty: the caller checks the device).
-extern "C" int qfp4_dq_gemm_t(const void* g, long ldg, const void* qw, const void* sc, const float* gs, void* out,
-                              long ldo, void* ws, int M, int N, int K, long cs, int fmt, int nb, int kz,
-                              void* stream) {
+// fwd 0: out (M, K) = a (M, N) @ W (N, K) (the backward's input gradient, a = g); fwd 1: out (M, N) = a (M, K) @ Wᵀ
+// (the forward, a = x). W is the re-laid-out FP4 weight (N, K): qw (S = N / 16, C, 32, 4) int32 word groups and sc
+// (S, C, 8 * groups per chunk) int16 scale pairs whose strips lie cs >= K / 64 chunks apart (a column slice: more),
+// gs the NVFP4 global scale (device float) or null. nb: 128 | 256 output columns a CTA (they divide the output
+// width); kz: splits of the contraction across CTAs (1 .. its chunks of 64; > 1 needs ws, kz * M * out-width floats).
+// a, out: bf16 with unit column stride, row strides multiples of 8, 16-byte aligned. 0, -1 (bad arguments) or a CUDA
+// error code. sm_90a only (elsewhere the kernel is empty: the caller checks the device).
+extern "C" int qfp4_dq_gemm(const void* act, long lda, const void* qw, const void* sc, const float* gs, void* out,
+                            long ldo, void* ws, int M, int N, int K, long cs, int fmt, int nb, int kz, int fwd,
+                            void* stream) {
   using namespace qfp4::dq;
-  if (M <= 0 || N % 64 || N <= 0 || (nb != 128 && nb != 256) || K % nb || kz < 1 || kz > N / 64 ||
-      (kz > 1 && !ws) || ldg % 8 || ldo % 8 || cs < K / 64 || reinterpret_cast<uintptr_t>(g) % 16 ||
+  const int R = fwd ? K : N, C = fwd ? N : K;
+  if (M <= 0 || N % 64 || K % 64 || N <= 0 || K <= 0 || (nb != 128 && nb != 256) || C % nb || kz < 1 ||
+      kz > R / 64 || (kz > 1 && !ws) || lda % 8 || ldo % 8 || cs < K / 64 || reinterpret_cast<uintptr_t>(act) % 16 ||
       reinterpret_cast<uintptr_t>(out) % 16 || reinterpret_cast<uintptr_t>(sc) % 16 || (fmt != 0 && fmt != 1))
     return -1;
-  Args a{static_cast<const __nv_bfloat16*>(g), ldg, static_cast<const uint4*>(qw),
-         static_cast<const unsigned char*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
-         static_cast<float*>(ws), M, N, K, cs};
+  const Args a{static_cast<const __nv_bfloat16*>(act), lda, static_cast<const uint4*>(qw),
+               static_cast<const unsigned char*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
+               static_cast<float*>(ws), M, R, C, cs};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (fmt == 0) return gs ? launch_nb<0, true>(a, nb, kz, st) : launch_nb<0, false>(a, nb, kz, st);
-  return launch_nb<1, false>(a, nb, kz, st);
+  return fwd ? launch_fmt<true>(a, fmt, nb, kz, st) : launch_fmt<false>(a, fmt, nb, kz, st);
 }
