@@ -235,6 +235,10 @@
 #                                then benchmarks.dq_gemm_bench (DQ_OPS, DQ_M, DQ_FMTS, DQ_KZ, DQ_SECS; $OUT/dq): BF16
 #                                cuBLAS, the library's path and the kernel at every launch config per 7B linear, each
 #                                config's output checked against the library's first; ~6 min cold. SKIP_TESTS=1: no tests
+#   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
+#                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
+#                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
+#                                DQUP_FMTS=nvfp4,bf16; $OUT/dq_<value>_<pass>); ~5 min with the builds
 # An offline host takes extra wheels from .whl (built by the device README's recipe / gpu-wheels.sh).
 set -uo pipefail
 OUT=${OUT:-results/speed}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
@@ -721,6 +725,14 @@ dq)  # issue 10: the backward's in-loop dequantizing GEMM (see the header)
   [ -z "${SKIP_TESTS:-}" ] && gpu_tests dq "${DQ_TEST_SECS:-240}" tests/test_cuda_dq.py
   timeout "${DQ_SECS:-300}" python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQ_FMTS:-nvfp4,mxfp4}" \
     --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-1,2,3,4,6,8}" --out "$OUT/dq" 2>&1 | grep "^|\|Error\|wrong\|dq\] the" >> "$LOG" ;;
+dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and without (see the header)
+  build 2 &
+  bpid=$!
+  python3 -c "from qerl.kernels import cuda_dq as d; print('dq build', d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1
+  wait $bpid
+  ab_runs QERL_DQ_GEMM dq "0:1 all:1 all:2 0:2" "${DQUP_SECS:-130}" micro python3 -m qerl.bench update \
+    --models 7b --formats "${DQUP_FMTS:-nvfp4,bf16}" --micro "${DQUP_MICRO:-2}" --prompt 64 --new 1024 --gc on \
+    --repeats 3 ;;
 upslice)  # issue 10, session 55: the GRPO update where the slice tables apply (see the header)
   build 2
   ab_runs QERL_DEQUANT_SLICES up "1:1 0:1 0:2 1:2" "${UPSLICE_SECS:-130}" micro python3 -m qerl.bench update \
