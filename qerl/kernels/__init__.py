@@ -36,6 +36,10 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    GEMV/GEMM do not take, in slices of Ŵ where the device's measured slice table says so
                    (``configs.dequant_slice``: rows for ``qmm``, columns for ``qmm_t``, each slice's product one
                    cuBLAS call into its output columns; ``QERL_DEQUANT_SLICES=0`` ignores the table)
+``cuda_dq``        NVFP4/MXFP4 in the kernels' layout, sm_90, BF16 activations, instead of ``dequant_cublas`` when
+                   ``QERL_DQ_GEMM`` names the product (``bwd``: every ``qmm_t``; ``fwd``: the forward where the
+                   dispatcher would dequantize; ``all``; ``0`` none): one wgmma GEMM that dequantizes each chunk of the
+                   weight into shared memory inside its main loop (``qerl.kernels.cuda_dq``; no BF16 copy of Ŵ)
 ``bnb``            NF4 on CUDA: bitsandbytes' own kernels (gemv_4bit for one token, dequantize + matmul else)
 ``cuda_gemv``      also BF16 weights at M <= 16 on CUDA (N % 16 == 0, K % 64 == 0, rows contiguous): the same kernel
                    reading the stored weight row-major (``cuda_fp4.dense_weight``, no copy), with the same LoRA and
@@ -74,7 +78,8 @@ try:  # Triton is optional: CPU hosts without it use the reference path.
 except Exception:  # pragma: no cover - depends on the host
     triton, _k, HAS_TRITON = None, None, False
 
-BACKENDS = ("cuda_gemv", "cuda_gemm", "triton_gemv", "triton_gemm", "dequant_cublas", "bnb", "dense", "torch_reference")
+BACKENDS = ("cuda_gemv", "cuda_gemm", "triton_gemv", "triton_gemm", "dequant_cublas", "cuda_dq", "bnb", "dense",
+            "torch_reference")
 # The Triton/CUDA kernels' FMT switch: how a block scale byte decodes (E4M3 with an FP32 divisor, or E8M0).
 _SCALE_KIND_ID = {"e4m3": 0, "e8m0": 1}
 _COUNTER_SLOTS = 1 << 16
@@ -297,6 +302,8 @@ def _fp4_backend(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None) -> 
             return "cuda_gemv"
         if x.dtype == torch.bfloat16 and cuda_gemm_choice(fmt, w.n, w.k, m, x.device):
             return "cuda_gemm"
+        if x.dtype == torch.bfloat16 and _dq_route(w, x.device, "fwd"):
+            return "cuda_dq"
         return "dequant_cublas"
     if x.dtype != torch.bfloat16:
         return "dequant_cublas"
