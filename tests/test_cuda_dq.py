@@ -258,3 +258,18 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
         gs.copy_(torch.randn_like(gs))
         graph.replay()
         assert torch.equal(out, dq.gemm_t(gs, w, None, cfg)), cfg
+
+
+def test_probe_locates_misplaced_outputs():
+    """benchmarks.dq_probe's lookup (its GPU run needs a kernel to probe): a tile whose two 16-byte units of one row
+    are swapped shows as wrong outputs in that row's units only, each found at its true place in the weight."""
+    from benchmarks import dq_probe
+    mat = torch.arange(16 * 128, dtype=torch.float32).reshape(16, 128)
+    y = mat.clone()
+    y[3, 8:16], y[3, 16:24] = mat[3, 16:24], mat[3, 8:16]  # units 1 and 2 of row 3 swapped
+    nbad, lines = dq_probe.locate(y, mat, first=2)
+    assert nbad == 16
+    assert "by 64-column block [16, 0]" in lines[0] and "by unit (col % 64 // 8) [0, 8, 8, 0, 0, 0, 0, 0]" in lines[0]
+    assert "by row % 16 [0, 0, 0, 16" in lines[0]
+    assert lines[1].startswith("  out (3, 8) = 400, expected 392; that value is at [[3, 16]]"), lines[1]
+    assert dq_probe.locate(mat[:4], mat) == (0, [])
