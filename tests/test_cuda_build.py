@@ -67,3 +67,12 @@ def test_a_killed_builds_lock_is_cleared_not_waited_on(tmp_path, monkeypatch):
     assert not t.is_alive(), "the load waited on the stale lock"
     assert got["mod"].flag() == 7 and not lock.exists()
     assert not cuda_build.clear_stale_lock(str(bdir))  # no lock: nothing to do
+
+
+def test_builds_reports_a_loader_that_raises():
+    from qerl.kernels import cuda_build
+
+    def broken():
+        raise RuntimeError("nvcc: not found")
+    assert cuda_build.builds(lambda: object()) is True
+    assert cuda_build.builds(broken) is False

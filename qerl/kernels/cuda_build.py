@@ -49,6 +49,16 @@ def arch_flags() -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
+def builds(load) -> bool:
+    """Whether ``load()`` (an extension's loader, e.g. ``cuda_fp4._ext``) returns without raising; the loader's state
+    keeps the build's error for its caller to report."""
+    try:
+        load()
+    except Exception:
+        return False
+    return True
+
+
 def load_extension(prefix: str, sources, headers, binding: str, flags: list[str], state: dict):
     """The compiled module of ``binding`` (C++ source text) plus the ``sources`` (.cu paths), cached in ``state`` per
     ``flags``: a switch read when the extension loads (``QERL_WGMMA_PIPE``, ``QERL_WGMMA_LORA=pdl``) selects its own

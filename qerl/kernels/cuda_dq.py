@@ -103,13 +103,7 @@ def _ext():
 
 def available(device: torch.device | int | None = None) -> bool:
     """True on an sm_90 device where the extension builds and loads."""
-    if not cuda_fp4.wgmma_supported(device):
-        return False
-    try:
-        _ext()
-    except Exception:
-        return False
-    return True
+    return cuda_fp4.wgmma_supported(device) and cuda_build.builds(_ext)
 
 
 def dims(w: cuda_fp4.CudaFP4Weight, op: str) -> tuple[int, int]:

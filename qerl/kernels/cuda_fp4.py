@@ -855,11 +855,7 @@ def available() -> bool:
     """True when a CUDA device (sm_80+) is present and the extension builds and loads."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         return False
-    try:
-        _ext()
-    except Exception:
-        return False
-    return True
+    return cuda_build.builds(_ext)
 
 
 def build_error() -> str | None:
