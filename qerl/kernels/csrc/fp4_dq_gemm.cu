@@ -1,6 +1,7 @@
-// The backward's input gradient of an FP4 linear, out (M, K) = g (M, N) @ W (N, K), on Hopper's warpgroup MMA with the
-// weight dequantized tile by tile into shared memory inside the main loop: no BF16 copy of the weight in global memory
-// (the path before it, dequantize + cuBLAS, wrote and re-read all of Ŵ per call: 2 bytes a weight each way).
+// FP4 linears at large M on Hopper's warpgroup MMA with the weight dequantized tile by tile into shared memory inside
+// the main loop: the backward's input gradient out (M, K) = g (M, N) @ W (N, K) (BWD) and the forward out (M, N) =
+// x (M, K) @ Wᵀ (FWD), with no BF16 copy of the weight in global memory (the path before it, dequantize + cuBLAS,
+// wrote and re-read all of Ŵ per call: 2 bytes a weight each way). qerl/kernels/cuda_dq.py launches it.
 //
 // Why not the forward GEMM's design (fp4_wgmma_gemm.cu: the weight as wgmma's register A operand, decoded straight
 // from its loaded words): here the weight is the contraction's (N) side and its scale groups run along the OUTPUT
@@ -10,7 +11,9 @@
 // other kernel reads: one resident layout), dequantized by every thread of the CTA into a BF16 tile (the values of
 // csrc/fp4_dequant.cu bit for bit: float32 fp4 * scale rounded once), and read by the tensor cores from there as
 // the MMA's B operand, MN-major (transpose-B: the tile's rows are contraction rows n, each NB output columns long).
-// The A operand is g's tile, K-major (g's rows are contiguous along N), in the 128-byte swizzle.
+// The A operand is g's tile, K-major (g's rows are contiguous along N), in the 128-byte swizzle. FWD runs the same
+// loop over 64-column chunks of the contraction K with NB weight rows a tile: B is then the tile K-major (each weight
+// row's 64 columns in its 128 bytes, the token tile's own layout).
 //
 // A CTA = two warpgroups over 128 token rows (64 each, the MMA's M) x NB output columns (the MMA's N: 128 or 256),
 // the contraction in chunks of 64 (four k16 MMAs a chunk). Per chunk, a kStages-deep cp.async ring stages g's tile
@@ -21,9 +24,10 @@
 // (wgmma.wait_group 1) while the next chunk is staged and dequantized. The tile's 16-byte unit u of row n lies at
 // unit u ^ (n & 7) of the row's 128 bytes (every 64 output columns an 8 KB block): the swizzle the descriptor names.
 //
-// Splits of the contraction across CTAs (gridDim.z = kz > 1) write fp32 partials to a workspace (kz, M, K); a second
-// launch adds them in split order (deterministic) and rounds once to bf16. Grid: x = token tiles (fastest: the CTAs in
-// flight together share a weight tile through L2), y = output column tiles, z = splits. CUDA-graph capturable.
+// Splits of the contraction across CTAs (gridDim.z = kz > 1) write fp32 partials to a workspace (kz, M, out width);
+// a second launch adds them in split order (deterministic) and rounds once to bf16. Grid: x = token tiles (fastest:
+// the CTAs in flight together share a weight tile through L2), y = output column tiles, z = splits. CUDA-graph
+// capturable.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
