@@ -141,7 +141,8 @@ def summary(rows: list[dict]) -> str:
                     best += float(b["us"])
                     picks.append(f"{li} ({b['nb']}, {b['kz']})")
             err = max((float(r["rel_err"]) for r in f if r["rel_err"] not in ("", None)), default=float("nan"))
-            out.append(f"| {mdl} | {op} | {fmt} | {m} | {bf:.1f} | {_vs(prev, bf)} | {_vs(rule, bf)} | {_vs(best, bf)} | "
+            out.append(f"| {mdl} | {op} | {fmt} | {m} | {bf:.1f} | {_vs(prev, bf)} | {_vs(rule, bf)} | "
+                       f"{_vs(best, bf)} | "
                        f"{', '.join(picks)} | {err:.1e} |")
     return "\n".join(out)
 

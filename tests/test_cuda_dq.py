@@ -55,7 +55,8 @@ def test_configs_and_the_rule():
 
 def test_check_config_names_the_bad_value_and_the_valid_ones():
     assert dq.check_config([256, 2], 512, 18944, 3584) == (256, 2)
-    with pytest.raises(ValueError, match=r"dq config \(256, 1\) for contraction 256, output width 384: valid \[\(128, 1\)\]"):
+    with pytest.raises(ValueError, match=r"dq config \(256, 1\) for contraction 256, output width 384: "
+                                         r"valid \[\(128, 1\)\]"):
         dq.check_config((256, 1), 64, 256, 384)
     with pytest.raises(ValueError, match=r"expected \(nb, kz\)"):
         dq.check_config("fast", 64, 256, 384)
@@ -113,8 +114,8 @@ def test_bench_arguments_and_summary(capsys):
             dict(base, fmt="nvfp4", linear="gate", path="cfg", nb=256, kz=2, us=125.0, rel_err="1.0e-03"),
             dict(base, fmt="nvfp4", linear="gate", path="cfg", nb=128, kz=4, us=120.0, rel_err="2.0e-03")]
     md = bench.summary(rows)
-    assert "| 7b | bwd | nvfp4 | 512 | 100.0 | 160.0 (0.62×) | 125.0 (0.80×) | 120.0 (0.83×) | gate (128, 4) | 2.0e-03 |" \
-        in md, md
+    assert ("| 7b | bwd | nvfp4 | 512 | 100.0 | 160.0 (0.62×) | 125.0 (0.80×) | 120.0 (0.83×) | gate (128, 4) | "
+            "2.0e-03 |") in md, md
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (sm_90a code is compiled, not run)")

@@ -49,8 +49,9 @@ constexpr int kBM = 128;        // token rows a CTA (two warpgroups of 64)
 constexpr int kThreads = 256;
 constexpr int kGBytes = kBM * 128;  // g's tile a stage: 128 rows of 64 bf16
 
+// a block's scale pairs: 8 rows x (4 | 2) groups x 2 B
 template <int FMT>
-__host__ __device__ constexpr int scale_bytes() { return FMT == 0 ? 64 : 32; }  // a block's scale pairs: 8 rows x (4 | 2) groups x 2 B
+__host__ __device__ constexpr int scale_bytes() { return FMT == 0 ? 64 : 32; }
 
 template <int FMT, int NB>
 struct Smem {
