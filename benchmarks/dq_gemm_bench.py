@@ -2,7 +2,7 @@
 path without it and BF16 cuBLAS, per decoder-layer linear: the backward g @ Ŵ and the forward x @ Ŵᵀ.
 
     python -m benchmarks.dq_gemm_bench [--models 7b] [--fmts nvfp4,mxfp4] [--ops bwd,fwd] [--m 512,2048]
-                                       [--kz 1,2,3,4,6,8] [--rep 10] [--out DIR]
+                                       [--kz 1,2,3,4,6,8] [--rep 10] [--out DIR] [--write-table]
 
 Per model, op, format, M and linear of one decoder layer (``kernel_bench.layer_linears``): BF16 (``g @ W`` /
 ``F.linear``), the library's product with ``QERL_DQ_GEMM=0`` (``prev``: dequantize + cuBLAS, with the device's slice
@@ -13,7 +13,9 @@ median replay / copies). Before timing, each linear's dq output at every config 
 on the same inputs (the same Ŵ values; only the fp32 summation order differs): the largest |difference| over the
 largest |reference| goes into the rows (``rel_err``), and a config above ``--tol`` stops the run (a wrong kernel is
 not timed). Rows in ``dq_gemm_<gpu>.csv`` (written as they finish), the per-layer summary (sums over the 7 linears;
-speed-ups against BF16 in the same run) in ``dq_gemm_<gpu>.md``.
+speed-ups against BF16 in the same run) in ``dq_gemm_<gpu>.md``. ``--write-table`` installs per (op, shape, M) the
+config of the least mean time as ``qerl/kernels/tuned/dq_gemm_<gpu>.json`` (``cuda_dq.tuned_config`` serves it;
+copy it back from a device run).
 """
 
 from __future__ import annotations
@@ -147,6 +149,25 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def table(rows: list[dict]) -> list[dict]:
+    """The config table's entries: per (op, r, c, M) the (nb, kz) of the least mean µs over the linears (and formats)
+    of that shape (r: the contraction, c: the output width)."""
+    acc: dict = {}
+    for r in rows:
+        if r["path"] != "cfg":
+            continue
+        n, k = int(r["N"]), int(r["K"])
+        rc = (n, k) if r["op"] == "bwd" else (k, n)
+        acc.setdefault((r["op"], *rc, int(r["M"])), {}).setdefault((int(r["nb"]), int(r["kz"])), []).append(
+            float(r["us"]))
+    out = []
+    for (op, rr, c, m), by in sorted(acc.items()):
+        mean = {cfg: sum(v) / len(v) for cfg, v in by.items()}
+        nb, kz = min(mean, key=mean.get)
+        out.append(dict(op=op, r=rr, c=c, M=m, nb=nb, kz=kz, us=round(mean[(nb, kz)], 2)))
+    return out
+
+
 def parse_ints(text: str, name: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
@@ -167,6 +188,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rep", type=float, default=10.0)
     ap.add_argument("--tol", type=float, default=TOL)
     ap.add_argument("--out", default="results/speed")
+    ap.add_argument("--write-table", action="store_true",
+                    help="install the fastest config per (op, shape, M) as qerl/kernels/tuned/dq_gemm_<gpu>.json")
     a = ap.parse_args(argv)
     from qerl.kernels import cuda_dq
     try:
@@ -193,6 +216,15 @@ def main(argv=None) -> None:
                 f"\n\ntorch {torch.__version__}. Command: `python -m benchmarks.dq_gemm_bench "
                 f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{md}\n")
     print(md)
+    if a.write_table:
+        import json
+        doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   command="python -m benchmarks.dq_gemm_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+                   entries=table(rows))
+        text = json.dumps(doc, indent=1) + "\n"
+        with open(os.path.join(a.out, f"dq_gemm_table_{tag}.json"), "w") as f:
+            f.write(text)
+        print(f"[dq] installed {cuda_dq.install_table(torch.cuda.get_device_name(), text)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -234,7 +234,9 @@
 #                                the forward x·Ŵᵀ) built beside the default extension, its GPU tests ($OUT/tests_dq.txt),
 #                                then benchmarks.dq_gemm_bench (DQ_OPS, DQ_M, DQ_FMTS, DQ_KZ, DQ_SECS; $OUT/dq): BF16
 #                                cuBLAS, the library's path and the kernel at every launch config per 7B linear, each
-#                                config's output checked against the library's first; ~6 min cold. SKIP_TESTS=1: no tests.
+#                                config's output checked against the library's first; installs the fastest configs
+#                                (qerl/kernels/tuned/dq_gemm_<gpu>.json in the tree and $OUT/dq: copy it back); ~6 min
+#                                cold. SKIP_TESTS=1: no tests.
 #                                Failed tests run benchmarks.dq_probe ($OUT/dq_probe.txt: where the wrong outputs land)
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
@@ -730,7 +732,8 @@ dq)  # issue 10: the backward's in-loop dequantizing GEMM (see the header)
     fi
   fi
   timeout "${DQ_SECS:-300}" python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQ_FMTS:-nvfp4,mxfp4}" \
-    --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-1,2,3,4,6,8}" --out "$OUT/dq" 2>&1 | grep "^|\|Error\|wrong\|dq\] the" >> "$LOG" ;;
+    --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
+    | grep "^|\|Error\|wrong\|dq\] the\|installed" >> "$LOG" ;;
 dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and without (see the header)
   build 2 &
   bpid=$!

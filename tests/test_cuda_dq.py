@@ -274,3 +274,35 @@ def test_probe_locates_misplaced_outputs():
     assert "by row % 16 [0, 0, 0, 16" in lines[0]
     assert lines[1].startswith("  out (3, 8) = 400, expected 392; that value is at [[3, 16]]"), lines[1]
     assert dq_probe.locate(mat[:4], mat) == (0, [])
+
+
+def test_config_table_lookup_and_its_writer(tmp_path, monkeypatch):
+    """The measured config table: the nearest measured M in ratio (ties to the larger), none above the largest or for
+    another shape (the rule then decides), a bad entry an error naming the file; the bench's writer picks the least
+    mean time per shape and M."""
+    import json
+    monkeypatch.setattr(dq, "_TABLE_DIR", tmp_path)
+    dq._TABLES.clear()
+    try:
+        rows = [dict(op="bwd", N=18944, K=3584, M=512, path="cfg", nb=256, kz=2, us=u) for u in (100.0, 110.0)]
+        rows += [dict(op="bwd", N=18944, K=3584, M=512, path="cfg", nb=128, kz=1, us=u) for u in (104.0, 105.0)]
+        rows += [dict(op="bwd", N=18944, K=3584, M=2048, path="cfg", nb=256, kz=1, us=300.0),
+                 dict(op="fwd", N=18944, K=3584, M=512, path="cfg", nb=128, kz=2, us=90.0),
+                 dict(op="bwd", N=18944, K=3584, M=512, path="prev", nb="", kz="", us=1.0)]
+        entries = bench.table(rows)
+        assert entries == [dict(op="bwd", r=18944, c=3584, M=512, nb=128, kz=1, us=104.5),  # 104.5 beats 105
+                           dict(op="bwd", r=18944, c=3584, M=2048, nb=256, kz=1, us=300.0),
+                           dict(op="fwd", r=3584, c=18944, M=512, nb=128, kz=2, us=90.0)]
+        dq.install_table("NVIDIA H100 80GB HBM3", json.dumps(dict(entries=entries)))
+        assert (tmp_path / "dq_gemm_nvidia_h100_80gb_hbm3.json").exists()
+        look = lambda m, op="bwd": dq.tuned_config(op, m, 18944, 3584, "NVIDIA H100 80GB HBM3")  # noqa: E731
+        assert look(512) == (128, 1) and look(700) == (128, 1) and look(1500) == (256, 1)
+        assert look(1024) == (256, 1)  # 2x from both: the larger
+        assert look(4096) is None and look(512, "fwd") is None  # above the largest; the forward's shape is (3584, 18944)
+        assert dq.tuned_config("fwd", 512, 3584, 18944, "NVIDIA H100 80GB HBM3") == (128, 2)
+        assert dq.tuned_config("bwd", 512, 4608, 3584, "NVIDIA H100 80GB HBM3") is None
+        dq.install_table("Bad GPU", json.dumps(dict(entries=[dict(op="bwd", r=256, c=384, M=64, nb=256, kz=1)])))
+        with pytest.raises(ValueError, match=r"dq_gemm_bad_gpu.json: entry .*\(nb, kz\) one of \[\(128, 1\)\]"):
+            dq.load_table("Bad GPU")
+    finally:
+        dq._TABLES.clear()

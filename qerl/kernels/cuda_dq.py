@@ -11,17 +11,20 @@ a second launch (deterministic). The result differs from dequantize + cuBLAS onl
 
 Shapes are given as (m, r, c): m tokens, r the contraction (the weight's N for the backward, K for the forward), c
 the output width (K, or N). ``enabled(op)`` (``QERL_DQ_GEMM``) decides whether ``qerl.kernels`` takes the kernel;
-``configs`` lists the launch configurations a sweep times (``benchmarks.dq_gemm_bench``), ``pick_config`` is the rule
-without a sweep.
+``configs`` lists the launch configurations a sweep times (``benchmarks.dq_gemm_bench``), whose ``--write-table``
+installs the fastest per shape and M (``tuned_config``); ``pick_config`` is the rule without one.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
 from qerl.kernels import cuda_build, cuda_fp4
+from qerl.kernels.configs import device_slug
 
 NBS = (128, 256)  # output columns a CTA
 MAX_KZ = 8        # splits of the contraction across CTAs
@@ -79,6 +82,8 @@ _CU = (_CSRC / "fp4_dq_gemm.cu",)
 _HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh")
 _STATE: dict = {}
 _WS: dict = {}
+_TABLE_DIR = Path(__file__).resolve().parent / "tuned"
+_TABLES: dict = {}
 
 OPS = ("bwd", "fwd")
 DQ_MODES = ("0", "bwd", "fwd", "all")
@@ -175,6 +180,51 @@ def pick_config(m: int, r: int, c: int, sms: int) -> tuple[int, int]:
     return min(cands, key=lambda cf: (round(estimate_us(m, r, c, cf[0], cf[1], sms), 3), -cf[0], cf[1]))
 
 
+def _table_path(device_name: str) -> Path:
+    return _TABLE_DIR / f"dq_gemm_{device_slug(device_name)}.json"
+
+
+def load_table(device_name: str) -> dict:
+    """The device's measured launch configs (``qerl/kernels/tuned/dq_gemm_<device>.json``, written by ``python -m
+    benchmarks.dq_gemm_bench --write-table``): {(op, r, c): [(M, (nb, kz)), ...] sorted by M}; empty without a file.
+    An entry whose op or config the kernel does not have is an error naming the file and the entry."""
+    if device_name in _TABLES:
+        return _TABLES[device_name]
+    path, table = _table_path(device_name), {}
+    if path.exists():
+        for e in json.loads(path.read_text())["entries"]:
+            op, r, c, m = e.get("op"), int(e["r"]), int(e["c"]), int(e["M"])
+            cfg = (int(e["nb"]), int(e["kz"]))
+            if op not in OPS or cfg not in configs(m, r, c):
+                raise ValueError(f"{path}: entry {e}: op must be one of {OPS} and (nb, kz) one of "
+                                 f"{configs(m, r, c)}")
+            table.setdefault((op, r, c), []).append((m, cfg))
+        for v in table.values():
+            v.sort()
+    _TABLES[device_name] = table
+    return table
+
+
+def install_table(device_name: str, text: str) -> Path:
+    """Write a config table (the JSON of ``benchmarks.dq_gemm_bench --write-table``) as the device's and forget this
+    process's cached one."""
+    path = _table_path(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    _TABLES.pop(device_name, None)
+    return path
+
+
+def tuned_config(op: str, m: int, r: int, c: int, device_name: str) -> tuple[int, int] | None:
+    """The measured config of the entry whose M is nearest to m in ratio (a tie: the larger), None for a shape the
+    table lacks or above its largest measured M (:func:`pick_config` then decides)."""
+    entries = load_table(device_name).get((op, r, c), ())
+    if not entries or m > entries[-1][0]:
+        return None
+    m = max(m, 1)
+    return min(reversed(entries), key=lambda e: max(e[0], m) / min(e[0], m))[1]
+
+
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     buf = _WS.get(device)
     if buf is None or buf.numel() < numel:
@@ -202,10 +252,12 @@ def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor 
     dev = a.device
     if config is None:
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        key = ("cfg", idx, r, c, m)
+        key = ("cfg", idx, op, r, c, m)
         config = _STATE.get(key)
         if config is None:
-            config = _STATE[key] = pick_config(m, r, c, torch.cuda.get_device_properties(idx).multi_processor_count)
+            props = torch.cuda.get_device_properties(idx)
+            config = tuned_config(op, m, r, c, props.name) or pick_config(m, r, c, props.multi_processor_count)
+            _STATE[key] = config
     nb, kz = check_config(config, m, r, c)
     ws = _workspace(dev, kz * m * c) if kz > 1 else out
     has_g = w.global_scale is not None
@@ -218,8 +270,9 @@ def gemm_t(g: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None 
            config: tuple[int, int] | None = None) -> torch.Tensor:
     """out (M, K) = g (M, N) @ Ŵ, Ŵ the re-laid-out FP4 weight ``w`` (N, K), by the in-loop dequantizing wgmma GEMM.
     g: CUDA bf16 (M, N), unit column stride, row stride a multiple of 8, 16-byte aligned. ``config``: (nb, kz)
-    (:func:`configs` of (M, N, K)); None: :func:`pick_config`. ``out``: bf16 (M, K) with g's constraints (allocated
-    when None). The split workspace is a per-device buffer grown to the largest use (capturable once warmed up)."""
+    (:func:`configs` of (M, N, K)); None: :func:`tuned_config`, else :func:`pick_config`. ``out``: bf16 (M, K) with
+    g's constraints (allocated when None). The split workspace is a per-device buffer grown to the largest use
+    (capturable once warmed up)."""
     return _run("bwd", g, w, out, config)
 
 
@@ -231,4 +284,4 @@ def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = 
 
 
 __all__ = ["gemm_t", "gemm", "enabled", "available", "supported", "dims", "configs", "check_config", "pick_config",
-           "estimate_us", "tiles", "NBS", "MAX_KZ", "OPS", "DQ_MODES"]
+           "estimate_us", "tiles", "load_table", "install_table", "tuned_config", "NBS", "MAX_KZ", "OPS", "DQ_MODES"]
