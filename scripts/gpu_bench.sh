@@ -720,7 +720,7 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
       --fmts "bf16,${SLICES_FMTS:-nvfp4,mxfp4}" --layout kernel \
       --m "${SLICES_M:-512,1024,2048,4096}" --out "$OUT/layers_s${s}_$p" 2>&1 | grep "\[bench\]" | sed "s/^/s$s p$p /" >> "$LOG"
   done ;;
-dq)  # issue 10: the backward's in-loop dequantizing GEMM (see the header)
+dq)  # issue 10: the in-loop dequantizing GEMM, both products (see the header)
   build 2 &
   bpid=$!
   python3 -c "from qerl.kernels import cuda_dq as d; print('dq build', d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1
