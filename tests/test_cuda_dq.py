@@ -306,3 +306,65 @@ def test_config_table_lookup_and_its_writer(tmp_path, monkeypatch):
             dq.load_table("Bad GPU")
     finally:
         dq._TABLES.clear()
+
+
+def _swizzle(addr):
+    """The 128-byte swizzle on a shared-memory byte address: bits 4-6 XOR bits 7-9 (Swizzle<3,4,3>)."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+@pytest.mark.parametrize("op,nb", [("bwd", 128), ("bwd", 256), ("fwd", 128), ("fwd", 256)])
+def test_shared_memory_addressing_matches_the_descriptors(op, nb):
+    """The kernel's index math on the CPU: where its threads write the activations' tile (cp.async) and the
+    dequantized weight tile (st.shared), read back through wgmma's canonical 128-byte-swizzle layouts with the
+    descriptors the kernel builds (K-major: SBO 1 KB, k16 step j at +32 j bytes; the backward's MN-major weight tile:
+    LBO 8 KB between 64-column blocks, SBO 1 KB between 8-row groups, step j at +2 KB), gives each MMA step exactly
+    the operand elements it multiplies. The constants are read from the kernel's source, so an edit there that is
+    not made here fails the test."""
+    src = dq._CU[0].read_text()
+    for const in ("((8192u >> 4) << 16)", "blo + 128 * j", "blo + 2 * j", "alo + 2 * j", "wg * 64 * 128",
+                  "gr * 128 + ((gu ^ (gr & 7)) << 4)", "j * 32 * 128", "(FWD ? 0 : (b % L::CB) * 8192) + row * 128",
+                  "FWD ? 16 * b + g : 16 * (b / L::CB) + g", "p + 1024 + u0", "((2 * t) ^ (row & 7)) << 4"):
+        assert const in src, const
+    cb_n = nb // 64
+    # the activations' tile: thread tid writes unit gu = tid & 7 of rows gr + 32 j, gr = tid >> 3
+    act = {}
+    for tid in range(256):
+        gu, gr = tid & 7, tid >> 3
+        for j in range(4):
+            row = gr + 32 * j
+            base = gr * 128 + ((gu ^ (gr & 7)) << 4) + j * 32 * 128
+            for e in range(8):
+                act[base + 2 * e] = (row, 8 * gu + e)  # (token row, contraction column of the chunk)
+    # the weight tile: block b, lane (g, t) writes rows row and row + 8, columns 16 t .. 16 t + 15 of its block
+    wt = {}
+    for b in range(4 * cb_n if op == "bwd" else nb // 16):
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            row = 16 * b + g if op == "fwd" else 16 * (b // cb_n) + g
+            p = (0 if op == "fwd" else (b % cb_n) * 8192) + row * 128
+            for half, u in ((0, 2 * t), (1, 2 * t + 1)):
+                for dr in (0, 8):
+                    for e in range(8):
+                        addr = p + dr * 128 + ((u ^ (row & 7)) << 4) + 2 * e
+                        col = 16 * t + 8 * half + e  # the lane's column of the (strip, chunk) block
+                        # backward: contraction row 16 (b / CB) + g(+8), output column 64 (b % CB) + col
+                        # forward: weight (output) row 16 b + g(+8), contraction column col
+                        wt[addr] = (row + dr, 64 * (b % cb_n) + col) if op == "bwd" else (row + dr, col)
+    assert len(act) == 128 * 64 and len(wt) == 64 * nb
+    for j in range(4):  # k16 step j of the chunk
+        for wg in range(2):  # A: K-major, start + 32 j, SBO 1024
+            start = wg * 64 * 128 + 32 * j
+            for mm in range(64):
+                for kk in range(16):
+                    assert act[_swizzle(start + (mm // 8) * 1024 + (mm % 8) * 128 + 2 * kk)] == (64 * wg + mm,
+                                                                                                  16 * j + kk)
+        for kk in range(16):
+            for nn in range(nb):
+                if op == "bwd":  # B MN-major: start + 2048 j, LBO 8192 (64-column blocks), SBO 1024 (8-row groups)
+                    addr = 2048 * j + (nn // 64) * 8192 + (kk // 8) * 1024 + (kk % 8) * 128 + 2 * (nn % 64)
+                    want = (16 * j + kk, nn)  # contraction row, output column
+                else:  # B K-major: rows are the output (weight rows), start + 32 j, SBO 1024
+                    addr = 32 * j + (nn // 8) * 1024 + (nn % 8) * 128 + 2 * kk
+                    want = (nn, 16 * j + kk)  # output row, contraction column
+                assert wt[_swizzle(addr)] == want, (j, kk, nn)
