@@ -222,11 +222,15 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     g = torch.randn(2, 256, 4608, device="cuda").bfloat16()
     direct = dq.gemm_t(g.reshape(-1, 4608), w)
     assert torch.equal(dq.gemm_t(g.reshape(-1, 4608), w), direct)
-    monkeypatch.setenv("QERL_DQ_GEMM", "1")
+    monkeypatch.setenv("QERL_DQ_GEMM", "bwd")
     calls, orig = [], dq.gemm_t
     monkeypatch.setattr(dq, "gemm_t", lambda *a, **k: calls.append(a[0].shape) or orig(*a, **k))
     y = qk.qmm_t(g, fmt, q)
     assert calls == [(512, 4608)] and y.shape == (2, 256, 3584) and torch.equal(y.reshape(512, 3584), direct)
+    gv = torch.zeros(512, 4608 + 8, device="cuda", dtype=torch.bfloat16)[:, 1:4609]  # rows 2 bytes off alignment
+    gv.copy_(g.reshape(512, 4608))
+    assert torch.equal(qk.qmm_t(gv, fmt, q), direct) and len(calls) == 2  # the route copies it, same bits
+    calls.pop()
     monkeypatch.setenv("QERL_DQ_GEMM", "0")
     prev = qk.qmm_t(g, fmt, q)
     assert calls == [(512, 4608)]  # not taken

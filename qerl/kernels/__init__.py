@@ -804,7 +804,8 @@ def _dq_route(w, device: torch.device, op: str = "bwd") -> bool:
 
 def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """g (..., N) @ Ŵ on the GPU: dequantization + cuBLAS (None off the GPU; a base in the kernels' layout: its
-    reference there), in column slices of Ŵ where the device's slice table says so."""
+    reference there), in column slices of Ŵ where the device's slice table says so; for a base in the kernels' layout
+    with ``QERL_DQ_GEMM`` bwd / all, the in-loop dequantizing GEMM (``cuda_dq.gemm_t``) instead."""
     if relaid.is_relaid(q):
         if not (g.is_cuda and _triton_ok(g)):
             return torch.matmul(g, _relaid_reference(fmt, q, g.dtype))
@@ -813,7 +814,7 @@ def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.
             from qerl.kernels import cuda_dq
             g2 = g.reshape(-1, w.n)
             if g2.stride(-1) != 1 or g2.stride(0) % 8 or g2.data_ptr() % 16:
-                g2 = g2.contiguous()
+                g2 = g2.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy (contiguous() may not)
             return cuda_dq.gemm_t(g2, w).reshape(*g.shape[:-1], w.k)
         cols = (configs.dequant_slice("bwd", w.n, w.k, g.numel() // max(1, w.n), _device_info(g.device)[0])
                 if g.dtype == torch.bfloat16 else None)
