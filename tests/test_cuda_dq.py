@@ -194,14 +194,15 @@ def test_gpu_dq_gemm_without_global_scale_on_a_column_slice_into_strided_out():
     """NVFP4 without its global scale (the kernel's HAS_G = false build), a column slice of a weight (its strips
     read where they lie: cs > C), g and out with row strides wider than their rows."""
     from qerl import kernels as qk
-    w = dataclasses.replace(_weight("nvfp4", 256, 1024, seed=7, device="cuda"), global_scale=None)
+    w = dataclasses.replace(_weight("nvfp4", 1024, 1024, seed=7, device="cuda"), global_scale=None)
     gen = torch.Generator(device="cuda").manual_seed(12)
-    gw = torch.randn(300, 256 + 24, device="cuda", generator=gen).bfloat16()
-    g = gw[:, 8:8 + 256]
+    gw = torch.randn(300, 1024 + 24, device="cuda", generator=gen).bfloat16()
+    g = gw[:, 8:8 + 1024]
     part = qk._relaid_cols(w, 256, 768)  # 512 columns of 1024
     ref, mag = _ref(g, part)
     wide = torch.full((300, 512 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
-    for cfg in ((256, 1), (128, 2), (256, 4)):
+    for cfg in ((256, 1), (128, 2), (256, 4)):  # 16 contraction chunks: up to 4 splits
+        assert cfg in dq.configs(300, 1024, 512)
         wide.fill_(float("nan"))
         out = dq.gemm_t(g, part, wide[:, 8:8 + 512], cfg)
         _close(out, ref, mag, cfg)
