@@ -239,9 +239,16 @@ def test_the_wgmma_wrappers_are_the_generators_output():
     spec.loader.exec_module(gen)
     text = gen.text()
     assert gen.OUT.read_text() == text, "fp4_wgmma_ops.cuh differs from gen_wgmma_ops.py's output: rerun it"
-    assert text.count("mov.b64 dsc, {%") == 2 * len(gen.WIDTHS)  # wgmma_rs and wgmma_ss
-    assert text.count("mov.b64 asc, {%") == len(gen.WIDTHS)
-    assert text.count('"r"(dlo), "r"(dhi)') == 2 * len(gen.WIDTHS) and "uint64_t desc" not in text
+    n_ss = len(gen.WIDTHS) + len(gen.TB_WIDTHS)  # wgmma_ss, and wgmma_ss_tb (B MN-major) for csrc/fp4_dq_gemm.cu
+    assert text.count("mov.b64 dsc, {%") == len(gen.WIDTHS) + n_ss  # wgmma_rs and the SS wrappers
+    assert text.count("mov.b64 asc, {%") == n_ss
+    assert text.count('"r"(dlo), "r"(dhi)') == len(gen.WIDTHS) + n_ss and "uint64_t desc" not in text
+    # the transpose immediates (imm-trans-a, imm-trans-b): K-major B for wgmma_ss, MN-major B for wgmma_ss_tb only
+    assert text.count("asc, dsc, p, 1, 1, 0, 0;") == len(gen.WIDTHS)
+    assert text.count("asc, dsc, p, 1, 1, 0, 1;") == len(gen.TB_WIDTHS)
+    for n in gen.TB_WIDTHS:
+        body = text[text.index(f"wgmma_ss_tb<{n}>(float"):]
+        assert f"m64n{n}k16" in body[:body.index("}\n\n")] and "0, 1;" in body[:body.index("}\n\n")], n
 
 
 @pytest.mark.slow
