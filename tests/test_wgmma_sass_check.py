@@ -197,7 +197,7 @@ def _cuda_include() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
                     reason="needs g++ and the CUDA headers (nvcc's include directory)")
-@pytest.mark.parametrize("ext", ["cuda_fp4", "cuda_attn"])
+@pytest.mark.parametrize("ext", ["cuda_fp4", "cuda_attn", "cuda_dq"])
 def test_extension_binding_compiles_against_torch_headers(tmp_path, ext):
     """An extension's C++ binding (``_BINDING``: the launchers' declarations and the torch wrappers) passes
     g++ -fsyntax-only against this torch's headers, so a signature slip fails here and not as a failed build on a GPU
@@ -215,7 +215,8 @@ def test_extension_binding_compiles_against_torch_headers(tmp_path, ext):
     good.write_text(binding)
     # the check must fail on a slip: a launcher called with one argument too few
     slip = binding.replace(*{"cuda_fp4": ("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()"),
-                             "cuda_attn": ("(float)scale, (int)nst,\n                               pdl ? 1 : 0,", "(float)scale, (int)nst,")}[ext], 1)
+                             "cuda_attn": ("(float)scale, (int)nst,\n                               pdl ? 1 : 0,", "(float)scale, (int)nst,"),
+                             "cuda_dq": ("fwd ? 1 : 0, (void*)", "(void*)")}[ext], 1)
     assert slip != binding
     bad.write_text(slip)
     incs = [*include_paths(), _cuda_include(), sysconfig.get_paths()["include"], str(tmp_path)]
