@@ -27,6 +27,7 @@ import sys
 import torch
 
 from benchmarks import kernel_bench as kb
+from qerl.bench import _environ
 
 PATHS = ("bf16", "prev", "rule")
 TOL = 2e-2  # |dq - prev| / max |prev|: bf16 rounding of the outputs (2^-8) plus the summation order, with margin
@@ -47,15 +48,8 @@ def _library(wts, i: int, g: torch.Tensor, dq: str, op: str):
     f = qk.qmm_t if op == "bwd" else qk.qmm
 
     def run():
-        old = os.environ.get("QERL_DQ_GEMM")
-        os.environ["QERL_DQ_GEMM"] = dq
-        try:
+        with _environ({"QERL_DQ_GEMM": dq}):
             return f(g, base, q)
-        finally:
-            if old is None:
-                os.environ.pop("QERL_DQ_GEMM", None)
-            else:
-                os.environ["QERL_DQ_GEMM"] = old
     return run
 
 

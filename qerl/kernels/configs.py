@@ -231,9 +231,16 @@ def dequant_slice(op: str, n: int, k: int, m: int, device_name: str) -> int | No
     table = load_slice_table(device_name)
     if op not in table.ops:
         return None
-    entries = table.get((op, n, k), ())
+    hit = nearest_measured(table.get((op, n, k), ()), m)
+    return 0 if hit is None else hit
+
+
+def nearest_measured(entries, m: int):
+    """The value of the (M, value) entry (sorted by M) whose M is nearest to m in ratio, a tie going to the larger M;
+    None when there are no entries or m is above the largest measured M. The measured tables' one lookup rule
+    (``dequant_slice``, ``cuda_dq.tuned_config``)."""
     if not entries or m > entries[-1][0]:
-        return 0
+        return None
     m = max(m, 1)  # an empty input: the smallest M's entry
     # ratio distance max(mm, m) / min(mm, m); entries are sorted by M, so on a tie the later (larger) one wins
     return min(reversed(entries), key=lambda e: max(e[0], m) / min(e[0], m))[1]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qerl.kernels import cuda_build, cuda_fp4
-from qerl.kernels.configs import device_slug
+from qerl.kernels.configs import device_slug, nearest_measured
 
 NBS = (128, 256)  # output columns a CTA
 MAX_KZ = 8        # splits of the contraction across CTAs
@@ -81,7 +81,6 @@ _CSRC = cuda_build.CSRC
 _CU = (_CSRC / "fp4_dq_gemm.cu",)
 _HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh")
 _STATE: dict = {}
-_WS: dict = {}
 _TABLE_DIR = Path(__file__).resolve().parent / "tuned"
 _TABLES: dict = {}
 
@@ -218,20 +217,7 @@ def install_table(device_name: str, text: str) -> Path:
 def tuned_config(op: str, m: int, r: int, c: int, device_name: str) -> tuple[int, int] | None:
     """The measured config of the entry whose M is nearest to m in ratio (a tie: the larger), None for a shape the
     table lacks or above its largest measured M (:func:`pick_config` then decides)."""
-    entries = load_table(device_name).get((op, r, c), ())
-    if not entries or m > entries[-1][0]:
-        return None
-    m = max(m, 1)
-    return min(reversed(entries), key=lambda e: max(e[0], m) / min(e[0], m))[1]
-
-
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    buf = _WS.get(device)
-    if buf is None or buf.numel() < numel:
-        _WS.pop(device, None)
-        buf = torch.empty(max(numel, 1), device=device, dtype=torch.float32)
-        _WS[device] = buf
-    return buf
+    return nearest_measured(load_table(device_name).get((op, r, c), ()), m)
 
 
 def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None, config) -> torch.Tensor:
@@ -259,7 +245,11 @@ def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor 
             config = tuned_config(op, m, r, c, props.name) or pick_config(m, r, c, props.multi_processor_count)
             _STATE[key] = config
     nb, kz = check_config(config, m, r, c)
-    ws = _workspace(dev, kz * m * c) if kz > 1 else out
+    if kz > 1:  # the split partials: the kernels' reusable per-device buffer (float32), used within this call
+        from qerl import kernels as qk
+        ws = qk._workspace(dev, torch.float32, kz * m * c)
+    else:
+        ws = out
     has_g = w.global_scale is not None
     _ext().gemm(a, w.qweight, w.scales, w.global_scale if has_g else w.qweight, out, ws,
                 0 if w.fmt == "nvfp4" else 1, has_g, nb, kz, op == "fwd")

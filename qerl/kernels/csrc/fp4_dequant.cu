@@ -71,11 +71,8 @@ __global__ void __launch_bounds__(32 * kWarps) dequant_kernel(const uint4* __res
 #pragma unroll
   for (int i = 0; i < kCPW; ++i) {
     if (i < nc) {
-      float s0 = qfp4::scale_val<FMT>(pr[i] & 0xFFu), s8 = qfp4::scale_val<FMT>((pr[i] >> 8) & 0xFFu);
-      if (HAS_G) {
-        s0 = __fdiv_rn(s0, inv);
-        s8 = __fdiv_rn(s8, inv);
-      }
+      float s0, s8;
+      qfp4::row_scales<FMT, HAS_G>(pr[i], inv, s0, s8);
       const uint32_t v[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
       uint32_t a[8], b[8];  // row g / row g + 8: columns 4 j + {0, 1}, {2, 3} of word j
       qfp4::dequant_unit(v, s0, s8, a, b);

@@ -64,8 +64,6 @@ struct Smem {
   static constexpr int BYTES = kStages * STAGE + 2 * TILE + 1024;  // + the 1024-byte alignment of the base
 };
 
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
@@ -145,11 +143,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
       const uint4 w = *reinterpret_cast<const uint4*>(st + L::WOFF + b * 512 + lane * 16);
       const uint32_t s16 =
           *reinterpret_cast<const uint16_t*>(st + L::SOFF + b * SPB + 2 * (g * GPC + (FMT == 0 ? t : t >> 1)));
-      float s0 = scale_val<FMT>(s16 & 0xFFu), s8 = scale_val<FMT>((s16 >> 8) & 0xFFu);
-      if (HAS_G) {
-        s0 = __fdiv_rn(s0, inv);
-        s8 = __fdiv_rn(s8, inv);
-      }
+      float s0, s8;
+      row_scales<FMT, HAS_G>(s16, inv, s0, s8);
       const uint32_t v[4] = {w.x, w.y, w.z, w.w};
       uint32_t ra[8], rb[8];
       dequant_unit(v, s0, s8, ra, rb);

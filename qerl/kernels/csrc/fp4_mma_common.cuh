@@ -124,6 +124,18 @@ __device__ __forceinline__ uint32_t scaled_pair(uint32_t masked, float sv) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// A lane's 16-bit scale pair (rows g, g + 8) as the rows' float32 scales; HAS_G: divided by the NVFP4 global scale
+// inv as the reference does (div_rn), so that fp4 * scale then rounds once.
+template <int FMT, bool HAS_G>
+__device__ __forceinline__ void row_scales(uint32_t s16, float inv, float& s0, float& s8) {
+  s0 = scale_val<FMT>(s16 & 0xFFu);
+  s8 = scale_val<FMT>((s16 >> 8) & 0xFFu);
+  if (HAS_G) {
+    s0 = __fdiv_rn(s0, inv);
+    s8 = __fdiv_rn(s8, inv);
+  }
+}
+
 // A lane's 16-byte word group of a (strip, chunk) block, dequantized: rows g (a) and g + 8 (b), each 16 columns
 // 16 t .. 16 t + 15 of the chunk in order as 8 bf16x2 words (word j of the group holds columns 4 j .. 4 j + 3 of
 // both rows); s0 / s8: the rows' float32 scales (the global scale already divided in).

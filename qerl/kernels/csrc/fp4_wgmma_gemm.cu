@@ -121,7 +121,6 @@ constexpr int kStages = 4;  // a power of 2; lookahead kStages - 2 chunks (see a
 constexpr int kSmemMax = 227 * 1024;
 
 #if QFP4_WGMMA
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Launched under programmatic dependent launch (qfp4_wgmma_gemm's pdl, LORA variants only), the main loop ran while
 // the previous grid (the one computing t) finished: wait for it before the first global store or read of t (a no-op
 // when launched without PDL, and after the first wait).

@@ -55,6 +55,8 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Makes this thread's generic-proxy shared-memory writes (st.shared, landed cp.async) visible to the MMAs' reads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accesses of an accumulator across the (asynchronous) MMAs.
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 // Keeps a chunk's A registers allocated and unmodified up to this point (see the main loop).
