@@ -117,6 +117,17 @@ def _vs(t: float, bf: float) -> str:
     return f"{t:.1f} ({bf / t:.2f}×)" if t else "—"
 
 
+def prev_note(environ=os.environ) -> str:
+    """What the ``prev`` column ran in this environment: the library's default, or, with the CUDA FP4 extension off
+    (``QERL_CUDA_GEMV=0`` or ``QERL_CUDA_DEQUANT=0``: ``scripts/gpu_bench.sh dqlean``, which skips its build), the
+    Triton dequantization + cuBLAS."""
+    if environ.get("QERL_CUDA_GEMV", "1") == "0" or environ.get("QERL_CUDA_DEQUANT", "1") == "0":
+        return ("prev: Triton dequantization + cuBLAS (QERL_CUDA_GEMV=0 or QERL_CUDA_DEQUANT=0 in this run), not the "
+                "library's default path (the CUDA dequantization, and the wgmma GEMM where its table picks it); the "
+                "BF16 and dq columns do not depend on it.")
+    return "prev: the library's default path (the CUDA dequantization + cuBLAS; the wgmma GEMM where its table picks it)."
+
+
 def summary(rows: list[dict]) -> str:
     """Per (model, op, format, M): the layer's µs (sum of its linears) by BF16, prev, rule and the best config per
     linear, with speed-ups against BF16 in the same run."""
@@ -208,7 +219,7 @@ def main(argv=None) -> None:
     with open(os.path.join(a.out, f"dq_gemm_{tag}.md"), "w") as f:
         f.write(f"## FP4 products with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
                 f"\n\ntorch {torch.__version__}. Command: `python -m benchmarks.dq_gemm_bench "
-                f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{md}\n")
+                f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{prev_note()}\n\n{md}\n")
     print(md)
     if a.write_table:
         import json

@@ -238,6 +238,10 @@
 #                                (qerl/kernels/tuned/dq_gemm_<gpu>.json in the tree and $OUT/dq: copy it back); ~6 min
 #                                cold. SKIP_TESTS=1: no tests.
 #                                Failed tests run benchmarks.dq_probe ($OUT/dq_probe.txt: where the wrong outputs land)
+#   scripts/gpu_bench.sh dqlean  the same without the default extension's build (QERL_CUDA_GEMV=0: the tests' oracle is the
+#                                pure-torch reference, and the bench's "prev" column becomes the Triton dequantization +
+#                                cuBLAS, which its .md says): for a short device call (~2-3 min cold). Defaults: DQ_FMTS
+#                                nvfp4, DQ_KZ 1,2,4, DQ_TEST_SECS 150, DQ_SECS 150
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -720,11 +724,17 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
       --fmts "bf16,${SLICES_FMTS:-nvfp4,mxfp4}" --layout kernel \
       --m "${SLICES_M:-512,1024,2048,4096}" --out "$OUT/layers_s${s}_$p" 2>&1 | grep "\[bench\]" | sed "s/^/s$s p$p /" >> "$LOG"
   done ;;
-dq)  # issue 10: the in-loop dequantizing GEMM, both products (see the header)
-  build 2 &
-  bpid=$!
+dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the header)
+  if [ "${1:-}" = dqlean ]; then
+    export QERL_CUDA_GEMV=0 DQ_FMTS=${DQ_FMTS:-nvfp4} DQ_KZ=${DQ_KZ:-1,2,4} DQ_TEST_SECS=${DQ_TEST_SECS:-150} \
+      DQ_SECS=${DQ_SECS:-150}
+    bpid=
+  else
+    build 2 &
+    bpid=$!
+  fi
   python3 -c "from qerl.kernels import cuda_dq as d; print('dq build', d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1
-  wait $bpid
+  [ -n "$bpid" ] && wait "$bpid"
   if [ -z "${SKIP_TESTS:-}" ]; then
     gpu_tests dq "${DQ_TEST_SECS:-240}" tests/test_cuda_dq.py
     if grep -q "failed\|error" "$OUT/tests_dq.txt"; then  # where the wrong outputs land ($OUT/dq_probe.txt)

@@ -21,11 +21,19 @@ from qerl.quant import FORMATS
 FP4 = ("nvfp4", "mxfp4")
 
 
-def _weight(fmt: str, n: int, k: int, seed: int, device="cpu") -> cf.CudaFP4Weight:
+def _quantized(fmt: str, n: int, k: int, seed: int, device="cpu") -> dict[str, torch.Tensor]:
+    """A random (n, k) weight in the format's compressed-tensors tensors, rows of spread magnitudes."""
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(n, k, generator=gen, device=device) * torch.exp(torch.randn(n, 1, generator=gen, device=device))
-    q = FORMATS[fmt].quantize(0.02 * w)
+    return FORMATS[fmt].quantize(0.02 * w)
+
+
+def _prepared(fmt: str, q) -> cf.CudaFP4Weight:
     return cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+
+
+def _weight(fmt: str, n: int, k: int, seed: int, device="cpu") -> cf.CudaFP4Weight:
+    return _prepared(fmt, _quantized(fmt, n, k, seed, device))
 
 
 # ------------------------------------------------------------------------------------------ CPU
@@ -116,6 +124,9 @@ def test_bench_arguments_and_summary(capsys):
     md = bench.summary(rows)
     assert ("| 7b | bwd | nvfp4 | 512 | 100.0 | 160.0 (0.62×) | 125.0 (0.80×) | 120.0 (0.83×) | gate (128, 4) | "
             "2.0e-03 |") in md, md
+    assert bench.prev_note({}).startswith("prev: the library's default path")
+    for env in ({"QERL_CUDA_GEMV": "0"}, {"QERL_CUDA_DEQUANT": "0"}):
+        assert bench.prev_note(env).startswith("prev: Triton dequantization + cuBLAS"), env
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (sm_90a code is compiled, not run)")
@@ -146,8 +157,18 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and cf.wgmma_supp
                                 reason="needs an sm_90 GPU")
 
 
-def _ref(g: torch.Tensor, w: cf.CudaFP4Weight, op: str = "bwd") -> tuple[torch.Tensor, torch.Tensor]:
-    whole = cf.dequantize(w).float()  # Ŵ's exact bf16 values (tested bit for bit against the format elsewhere)
+def _exact(fmt: str, q) -> torch.Tensor:
+    """Ŵ (N, K) as float32 holding its bf16 values, from the pure-torch reference (the format's ``dequantize``: the
+    float32 products e2m1 x scale, rounded once to bf16), no kernel involved: the values every CUDA path must
+    produce bit for bit (``cuda_fp4.relayout_is_exact`` holds for these weights; tests/test_cuda_fp4.py checks the
+    CUDA dequantization against it). NVFP4 without ``weight_global_scale``: its scales alone (a global scale of 1)."""
+    if fmt == "nvfp4" and q.get("weight_global_scale") is None:
+        q = {**q, "weight_global_scale": torch.ones((), device=q["weight_packed"].device)}
+    return FORMATS[fmt].dequantize(q, torch.bfloat16).float()
+
+
+def _ref(g: torch.Tensor, whole: torch.Tensor, op: str = "bwd") -> tuple[torch.Tensor, torch.Tensor]:
+    """g @ Ŵ (bwd) or g @ Ŵᵀ (fwd) in float32 from the exact Ŵ of ``_exact``, and |g| @ |Ŵ| (the magnitudes)."""
     if op == "fwd":
         whole = whole.t()
     return g.float() @ whole, g.float().abs() @ whole.abs()
@@ -175,14 +196,15 @@ def test_gpu_dq_gemm_every_config(fmt):
     small = [(64, 128), (192, 256), (320, 384), (1024, 512), (256, 640)]
     big = [(4608, 3584), (18944, 3584), (3584, 18944), (5120, 27648)]
     for i, (n, k) in enumerate(small + big):
-        w = _weight(fmt, n, k, seed=40 + i, device="cuda")
+        q = _quantized(fmt, n, k, seed=40 + i, device="cuda")
+        w, whole = _prepared(fmt, q), _exact(fmt, q)
         for op in dq.OPS:
             if not dq.supported(w, op):
                 continue
             r, c = dq.dims(w, op)
             for m in (1, 17, 128, 200, 512):
                 g = torch.randn(m, r, device="cuda", generator=gen).bfloat16()
-                ref, mag = _ref(g, w, op)
+                ref, mag = _ref(g, whole, op)
                 cfgs = dq.configs(m, r, c) if (n, k) in small else \
                     {dq.pick_config(m, r, c, 132), (256, 1), (128, 3), (256, 8)} & set(dq.configs(m, r, c))
                 for cfg in sorted(cfgs):
@@ -197,12 +219,14 @@ def test_gpu_dq_gemm_without_global_scale_on_a_column_slice_into_strided_out():
     """NVFP4 without its global scale (the kernel's HAS_G = false build), a column slice of a weight (its strips
     read where they lie: cs > C), g and out with row strides wider than their rows."""
     from qerl import kernels as qk
-    w = dataclasses.replace(_weight("nvfp4", 1024, 1024, seed=7, device="cuda"), global_scale=None)
+    q = _quantized("nvfp4", 1024, 1024, seed=7, device="cuda")
+    w = dataclasses.replace(_prepared("nvfp4", q), global_scale=None)
+    whole = _exact("nvfp4", {k: v for k, v in q.items() if k != "weight_global_scale"})
     gen = torch.Generator(device="cuda").manual_seed(12)
     gw = torch.randn(300, 1024 + 24, device="cuda", generator=gen).bfloat16()
     g = gw[:, 8:8 + 1024]
     part = qk._relaid_cols(w, 256, 768)  # 512 columns of 1024
-    ref, mag = _ref(g, part)
+    ref, mag = _ref(g, whole[:, 256:768])
     wide = torch.full((300, 512 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
     for cfg in ((256, 1), (128, 2), (256, 4)):  # 16 contraction chunks: up to 4 splits
         assert cfg in dq.configs(300, 1024, 512)
@@ -221,9 +245,10 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     kernel gives the same bits twice and inside a replayed CUDA graph."""
     from qerl import kernels as qk
     from qerl.kernels import relaid
-    q = relaid.from_compressed(FORMATS[fmt], FORMATS[fmt].quantize(
-        torch.randn(4608, 3584, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) * 0.02))
-    w = relaid.weight(FORMATS[fmt], q)
+    qc = FORMATS[fmt].quantize(
+        torch.randn(4608, 3584, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) * 0.02)
+    q = relaid.from_compressed(FORMATS[fmt], qc)
+    w, whole = relaid.weight(FORMATS[fmt], q), _exact(fmt, qc)
     g = torch.randn(2, 256, 4608, device="cuda").bfloat16()
     direct = dq.gemm_t(g.reshape(-1, 4608), w)
     assert torch.equal(dq.gemm_t(g.reshape(-1, 4608), w), direct)
@@ -239,7 +264,7 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     monkeypatch.setenv("QERL_DQ_GEMM", "0")
     prev = qk.qmm_t(g, fmt, q)
     assert calls == [(512, 4608)]  # not taken
-    ref, mag = _ref(g.reshape(-1, 4608), w)
+    ref, mag = _ref(g.reshape(-1, 4608), whole)
     _close(prev.reshape(512, 3584), ref, mag, "prev")
     monkeypatch.setattr(dq, "gemm_t", orig)
     # the forward: where the dispatcher dequantizes (M 4096, above the wgmma GEMM's range), QERL_DQ_GEMM=fwd takes the
@@ -252,7 +277,7 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     assert fcalls == [(4096, 3584)] and torch.equal(yf, dq.gemm(x, w)), fcalls
     assert torch.equal(qk.qmm_t(g, fmt, q), prev) and calls == [(512, 4608)]
     monkeypatch.setattr(dq, "gemm", forig)
-    ref, mag = _ref(x, w, "fwd")
+    ref, mag = _ref(x, whole, "fwd")
     _close(yf, ref, mag, "fwd route")
     for cfg in ((256, 1), (128, 6)):
         gs = g.reshape(-1, 4608).clone()

@@ -304,3 +304,42 @@ def test_tune32ab_ab_tests_the_installed_table_at_14b_and_32b(tmp_path):
     ab = "--decode fused,fused-heuristic-gemv,fused-heuristic-gemv,fused"
     assert "--models 14b --formats nvfp4 --batch 8 --prompt 256 --new 2048 " + ab in calls[1]
     assert "--models 32b --formats nvfp4 --batch 2,8 --prompt 256 --new 2048 " + ab in calls[2]
+
+
+DQ_STUB = r"""#!/usr/bin/env bash
+echo "${QERL_CUDA_GEMV:-unset}|$*" >> "$STUB_LOG"
+case "$1 ${2:-}" in
+  "-m pytest") [ -n "${STUB_FAIL:-}" ] && echo "1 failed, 3 passed in 0.1s" || echo "4 passed in 0.1s" ;;
+  "-m benchmarks.dq_gemm_bench") echo "| 7b | bwd | nvfp4 | 512 | 1.0 |" ;;
+  "-m benchmarks.dq_probe") echo probed ;;
+  "-c "*) echo "build True None" ;;
+  *) echo "stub python3: unexpected call: $*" >&2; exit 3 ;;
+esac
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+@pytest.mark.parametrize("mode", ["dq", "dqlean"])
+def test_dq_modes_build_test_and_bench_and_dqlean_leaves_the_default_extension_out(tmp_path, mode):
+    """``dq``: the default extension's build beside the dq one, the dq GPU tests, the bench over both formats and every
+    split count, installing its table. ``dqlean``: no default build, every step with QERL_CUDA_GEMV=0 (the tests'
+    oracle is pure torch; the bench's prev column the Triton path), NVFP4 and kz 1, 2, 4 unless set. A failed test
+    runs the probe, a passing one does not."""
+    p, calls = _run(tmp_path, mode, DQ_STUB)
+    assert p.returncode == 0, p.stderr
+    builds = [c for c in calls if "|-c " in c]
+    assert any("cuda_dq" in c for c in builds)
+    assert any("cuda_fp4" in c for c in builds) == (mode == "dq"), builds
+    assert {c.split("|")[0] for c in calls} == ({"unset"} if mode == "dq" else {"0"}), calls
+    (t,) = [c for c in calls if "-m pytest" in c]
+    assert "tests/test_cuda_dq.py" in t and "-m gpu" in t
+    (b,) = [c for c in calls if "dq_gemm_bench" in c]
+    want = "--fmts nvfp4,mxfp4 --ops bwd,fwd --m 512,2048 --kz 1,2,3,4,6,8" if mode == "dq" else \
+        "--fmts nvfp4 --ops bwd,fwd --m 512,2048 --kz 1,2,4"
+    assert want in b and "--write-table" in b, b
+    assert not any("dq_probe" in c for c in calls)
+    assert "4 passed" in (tmp_path / "out" / "log.txt").read_text()
+    (tmp_path / "f").mkdir()
+    p, calls = _run(tmp_path / "f", mode, DQ_STUB, STUB_FAIL="1", DQ_FMTS="mxfp4")
+    assert p.returncode == 0, p.stderr
+    assert sum("dq_probe" in c for c in calls) == 1 and "--fmts mxfp4 " in next(c for c in calls if "dq_gemm" in c)
