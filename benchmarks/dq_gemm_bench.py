@@ -2,13 +2,13 @@
 path without it and BF16 cuBLAS, per decoder-layer linear: the backward g @ Ŵ and the forward x @ Ŵᵀ.
 
     python -m benchmarks.dq_gemm_bench [--models 7b] [--fmts nvfp4,mxfp4] [--ops bwd,fwd] [--m 512,2048]
-                                       [--kz 1,2,3,4,6,8] [--rep 10] [--out DIR] [--write-table]
+                                       [--kz 0,1,2,3,4,6,8] [--rep 10] [--out DIR] [--write-table]
 
 Per model, op, format, M and linear of one decoder layer (``kernel_bench.layer_linears``): BF16 (``g @ W`` /
 ``F.linear``), the library's product with ``QERL_DQ_GEMM=0`` (``prev``: dequantize + cuBLAS, with the device's slice
 table; for the forward, the wgmma GEMM where its tuned table picks it) and with the switch on for the op (``rule``: the
 dq kernel at ``cuda_dq.pick_config``'s config wherever the library would dequantize), and the dq kernel at every
-(nb, kz) of ``--kz`` (``cfg``), timed as ``kernel_bench`` times (one CUDA graph over rotating weight copies >= 160 MB,
+(nb, kz) of ``--kz`` (``cfg``; kz 0: stream-K), timed as ``kernel_bench`` times (one CUDA graph over rotating weight copies >= 160 MB,
 median replay / copies). Before timing, each linear's dq output at every config is compared with the ``prev`` path's
 on the same inputs (the same Ŵ values; only the fp32 summation order differs): the largest |difference| over the
 largest |reference| goes into the rows (``rel_err``), and a config above ``--tol`` stops the run (a wrong kernel is
@@ -173,13 +173,13 @@ def table(rows: list[dict]) -> list[dict]:
     return out
 
 
-def parse_ints(text: str, name: str) -> list[int]:
+def parse_ints(text: str, name: str, least: int = 1) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ValueError(f"--{name} {text!r}: comma-separated integers expected") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise ValueError(f"--{name} {text!r}: positive integers expected")
+    if not vals or any(v < least for v in vals):
+        raise ValueError(f"--{name} {text!r}: integers >= {least} expected")
     return vals
 
 
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fmts", default="nvfp4,mxfp4")
     ap.add_argument("--m", default="512,2048")
     ap.add_argument("--ops", default="bwd,fwd")
-    ap.add_argument("--kz", default="1,2,3,4,6,8")
+    ap.add_argument("--kz", default="0,1,2,3,4,6,8", help="splits of the contraction; 0: stream-K over the SMs")
     ap.add_argument("--rep", type=float, default=10.0)
     ap.add_argument("--tol", type=float, default=TOL)
     ap.add_argument("--out", default="results/speed")
@@ -198,7 +198,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     from qerl.kernels import cuda_dq
     try:
-        ms, kzs = parse_ints(a.m, "m"), parse_ints(a.kz, "kz")
+        ms, kzs = parse_ints(a.m, "m"), parse_ints(a.kz, "kz", least=0)
     except ValueError as e:
         ap.error(str(e))
     bad = [f for f in a.fmts.split(",") if f not in ("nvfp4", "mxfp4")]

@@ -241,7 +241,7 @@
 #   scripts/gpu_bench.sh dqlean  the same without the default extension's build (QERL_CUDA_GEMV=0: the tests' oracle is the
 #                                pure-torch reference, and the bench's "prev" column becomes the Triton dequantization +
 #                                cuBLAS, which its .md says): for a short device call (~2-3 min cold). Defaults: DQ_FMTS
-#                                nvfp4, DQ_KZ 1,2,4, DQ_TEST_SECS 150, DQ_SECS 150
+#                                nvfp4, DQ_KZ 0,1,2,4, DQ_TEST_SECS 150, DQ_SECS 150
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -726,7 +726,7 @@ slices)  # issue 10, large M: dequantize + cuBLAS in slices (see the header)
   done ;;
 dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the header)
   if [ "${1:-}" = dqlean ]; then
-    export QERL_CUDA_GEMV=0 DQ_FMTS=${DQ_FMTS:-nvfp4} DQ_KZ=${DQ_KZ:-1,2,4} DQ_TEST_SECS=${DQ_TEST_SECS:-150} \
+    export QERL_CUDA_GEMV=0 DQ_FMTS=${DQ_FMTS:-nvfp4} DQ_KZ=${DQ_KZ:-0,1,2,4} DQ_TEST_SECS=${DQ_TEST_SECS:-150} \
       DQ_SECS=${DQ_SECS:-150}
     bpid=
   else
@@ -742,7 +742,7 @@ dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the he
     fi
   fi
   timeout "${DQ_SECS:-300}" python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQ_FMTS:-nvfp4,mxfp4}" \
-    --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
+    --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-0,1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
     | grep "^|\|Error\|wrong\|dq\] the\|installed" >> "$LOG" ;;
 dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and without (see the header)
   build 2 &

@@ -42,7 +42,7 @@ def test_configs_and_the_rule():
     # 7B's down_proj backward (N 3584 -> K 18944) and gate_proj's (N 18944 -> K 3584)
     assert (256, 1) in dq.configs(512, 3584, 18944) and (128, 8) in dq.configs(512, 3584, 18944)
     assert all(nb == 128 for nb, _ in dq.configs(64, 256, 384))  # 384 columns: no 256-column tiles
-    assert dq.configs(64, 256, 384) == [(128, 1)]  # 4 contraction chunks: no splits (each keeps >= 4)
+    assert dq.configs(64, 256, 384) == [(128, 0), (128, 1)]  # 4 contraction chunks: no splits (each keeps >= 4)
     assert max(kz for _, kz in dq.configs(512, 18944, 3584)) == dq.MAX_KZ
     assert dq.tiles(512, 3584, 256) == 4 * 14 and dq.tiles(200, 3584, 128) == 2 * 28
     for m, n, k in ((512, 18944, 3584), (512, 3584, 18944), (2048, 4608, 3584), (17, 3584, 3584), (1, 64, 128)):
@@ -50,8 +50,9 @@ def test_configs_and_the_rule():
         est = {c: dq.estimate_us(m, n, k, *c, 132) for c in dq.configs(m, n, k)}
         assert est[(nb, kz)] == pytest.approx(min(est.values())), (m, n, k, nb, kz)
     # gate_proj's backward at M 512: 4 x 14 tiles of 256 columns fill 56 of 132 SMs, so the rule splits the 296
-    # contraction chunks; down_proj's (296 tiles, 56 chunks) does not pay 4 splits' 155 MB of fp32 partials
-    assert dq.pick_config(512, 18944, 3584, 132) in ((256, 2), (128, 1))
+    # contraction chunks (by stream-K: 132 even ranges); down_proj's (296 tiles, 56 chunks) does not pay 4 splits'
+    # 155 MB of fp32 partials
+    assert dq.pick_config(512, 18944, 3584, 132) in ((256, 0), (256, 2), (128, 1))
     assert dq.pick_config(512, 3584, 18944, 132)[1] < 4
     one = dq.estimate_us(512, 18944, 3584, 256, 1, 132)
     assert one == pytest.approx(296 * dq.CHUNK_US[256])  # one wave of 56 CTAs, each all 296 chunks
@@ -64,7 +65,7 @@ def test_configs_and_the_rule():
 def test_check_config_names_the_bad_value_and_the_valid_ones():
     assert dq.check_config([256, 2], 512, 18944, 3584) == (256, 2)
     with pytest.raises(ValueError, match=r"dq config \(256, 1\) for contraction 256, output width 384: "
-                                         r"valid \[\(128, 1\)\]"):
+                                         r"valid \[\(128, 0\), \(128, 1\)\]"):
         dq.check_config((256, 1), 64, 256, 384)
     with pytest.raises(ValueError, match=r"expected \(nb, kz\)"):
         dq.check_config("fast", 64, 256, 384)
@@ -107,6 +108,9 @@ def test_cpu_backward_is_unchanged_by_the_switch(monkeypatch):
 
 def test_bench_arguments_and_summary(capsys):
     assert bench.parse_ints("256,512", "m") == [256, 512]
+    assert bench.parse_ints("0,2", "kz", least=0) == [0, 2]  # kz 0: stream-K
+    with pytest.raises(ValueError, match=r"--kz '-1': integers >= 0 expected"):
+        bench.parse_ints("-1", "kz", least=0)
     for text in ("", "a", "0", "-1"):
         with pytest.raises(ValueError, match=r"--m"):
             bench.parse_ints(text, "m")
@@ -143,6 +147,7 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
                                      int(re.search(r"(\d+) bytes spill stores", block).group(1)))
     gemms = [n for n in kern if "dq_gemm_kernel" in n]  # (format, global scale, width) x (backward, forward)
     assert len(gemms) == 12 and any("dq_reduce_kernel" in n for n in kern), sorted(kern)
+    assert any("dq_stream_reduce_kernel" in n for n in kern), sorted(kern)
     for n in gemms:
         assert kern[n][0] <= 255 and kern[n][1] == 0, (n, kern[n])
     assert "C7512" not in r.stderr and "C7513" not in r.stderr, r.stderr
@@ -206,7 +211,7 @@ def test_gpu_dq_gemm_every_config(fmt):
                 g = torch.randn(m, r, device="cuda", generator=gen).bfloat16()
                 ref, mag = _ref(g, whole, op)
                 cfgs = dq.configs(m, r, c) if (n, k) in small else \
-                    {dq.pick_config(m, r, c, 132), (256, 1), (128, 3), (256, 8)} & set(dq.configs(m, r, c))
+                    {dq.pick_config(m, r, c, 132), (256, 1), (128, 3), (256, 8), (128, 0), (256, 0)} & set(dq.configs(m, r, c))
                 for cfg in sorted(cfgs):
                     out = torch.full((m, c), float("nan"), device="cuda", dtype=torch.bfloat16)
                     y = (dq.gemm_t if op == "bwd" else dq.gemm)(g, w, out, cfg)
@@ -228,7 +233,7 @@ def test_gpu_dq_gemm_without_global_scale_on_a_column_slice_into_strided_out():
     part = qk._relaid_cols(w, 256, 768)  # 512 columns of 1024
     ref, mag = _ref(g, whole[:, 256:768])
     wide = torch.full((300, 512 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
-    for cfg in ((256, 1), (128, 2), (256, 4)):  # 16 contraction chunks: up to 4 splits
+    for cfg in ((256, 1), (128, 2), (256, 4), (128, 0), (256, 0)):  # 16 contraction chunks: up to 4 splits
         assert cfg in dq.configs(300, 1024, 512)
         wide.fill_(float("nan"))
         out = dq.gemm_t(g, part, wide[:, 8:8 + 512], cfg)
@@ -279,7 +284,7 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     monkeypatch.setattr(dq, "gemm", forig)
     ref, mag = _ref(x, whole, "fwd")
     _close(yf, ref, mag, "fwd route")
-    for cfg in ((256, 1), (128, 6)):
+    for cfg in ((256, 1), (128, 6), (256, 0)):
         gs = g.reshape(-1, 4608).clone()
         out = torch.empty(512, 3584, device="cuda", dtype=torch.bfloat16)
         eager = dq.gemm_t(gs, w, None, cfg).clone()
@@ -336,7 +341,7 @@ def test_config_table_lookup_and_its_writer(tmp_path, monkeypatch):
         assert dq.tuned_config("fwd", 512, 3584, 18944, "NVIDIA H100 80GB HBM3") == (128, 2)
         assert dq.tuned_config("bwd", 512, 4608, 3584, "NVIDIA H100 80GB HBM3") is None
         dq.install_table("Bad GPU", json.dumps(dict(entries=[dict(op="bwd", r=256, c=384, M=64, nb=256, kz=1)])))
-        with pytest.raises(ValueError, match=r"dq_gemm_bad_gpu.json: entry .*\(nb, kz\) one of \[\(128, 1\)\]"):
+        with pytest.raises(ValueError, match=r"dq_gemm_bad_gpu.json: entry .*\(nb, kz\) one of \[\(128, 0\), \(128, 1\)\]"):
             dq.load_table("Bad GPU")
     finally:
         dq._TABLES.clear()
@@ -402,3 +407,93 @@ def test_shared_memory_addressing_matches_the_descriptors(op, nb):
                     addr = 32 * j + (nn // 8) * 1024 + (nn % 8) * 128 + 2 * kk
                     want = (nn, 16 * j + kk)  # output row, contraction column
                 assert wt[_swizzle(addr)] == want, (j, kk, nn)
+
+
+_STREAM_WALK = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <utility>
+#include <vector>
+#include "fp4_dq_stream.h"
+using namespace qfp4::dq;
+// argv: triples (tiles, chunks a tile, CTAs). Prints every CTA's segments ("S b tile s e") as the kernel walks them,
+// then "OK" when every iteration is covered once, every tile one CTA covers whole was written whole, and for every
+// other tile the reduction's (CTA, slot) list (sk_owner, sk_slot) is exactly what the kernel's CTAs wrote, in order,
+// each CTA using a slot at most once; else "BAD ...".
+int main(int argc, char** argv) {
+  for (int a = 1; a + 2 < argc; a += 3) {
+    const long tiles = atol(argv[a]);
+    const int nc = atoi(argv[a + 1]), G = atoi(argv[a + 2]);
+    const long T = tiles * nc;
+    std::vector<int> cover(T, 0), whole(tiles, 0);
+    std::vector<std::vector<std::pair<int, int>>> parts(tiles);
+    std::set<std::pair<int, int>> used;
+    bool ok = true;
+    for (int b = 0; b < G; ++b) {
+      long i = sk_begin(T, G, b);
+      const long i1 = sk_begin(T, G, b + 1);
+      for (int seg = 0; i < i1; ++seg) {
+        int tile, s, e;
+        sk_segment(nc, i, i1, tile, s, e);
+        printf("S %d %d %d %d\n", b, tile, s, e);
+        for (int c = s; c < e; ++c) cover[(long)tile * nc + c]++;
+        if (s == 0 && e == nc) {
+          whole[tile]++;
+        } else {
+          const std::pair<int, int> slot(b, seg == 0 ? 0 : 1);
+          if (!used.insert(slot).second) { printf("BAD slot %d %d twice\n", b, slot.second); ok = false; }
+          parts[tile].push_back(slot);
+        }
+        i += e - s;
+      }
+    }
+    for (long j = 0; j < T; ++j)
+      if (cover[j] != 1) { printf("BAD cover %ld %d\n", j, cover[j]); ok = false; }
+    for (long t = 0; t < tiles; ++t) {
+      const long j0 = t * nc;
+      const int lo = sk_owner(T, G, j0), hi = sk_owner(T, G, j0 + nc - 1);
+      if (lo == hi) {
+        if (whole[t] != 1 || !parts[t].empty()) { printf("BAD tile %ld not whole\n", t); ok = false; }
+        continue;
+      }
+      std::vector<std::pair<int, int>> want;
+      for (int b = lo; b <= hi; ++b) want.push_back({b, sk_slot(T, G, b, j0)});
+      if (want != parts[t] || whole[t]) { printf("BAD tile %ld reduction list\n", t); ok = false; }
+    }
+    printf(ok ? "OK\n" : "BAD\n");
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_stream_k_walk_and_its_reduction_agree(tmp_path):
+    """Stream-K's index math (csrc/fp4_dq_stream.h, compiled as plain C++): the kernel's walk covers every (tile,
+    chunk) once, a tile one CTA covers whole is written once in bf16, and the reduction finds exactly the CTAs and
+    slots that wrote each other tile's partials, in CTA order; ``cuda_dq.stream_segments`` (the time model's view)
+    is the same walk. Cases: 7B shapes at M 512 / 2048 on 132 SMs, ranges shorter and longer than a tile, one CTA,
+    as many CTAs as iterations."""
+    src = tmp_path / "walk.cpp"
+    src.write_text(_STREAM_WALK)
+    exe = tmp_path / "walk"
+    r = subprocess.run(["g++", "-O1", "-std=c++17", f"-I{dq._CSRC}", "-o", str(exe), str(src)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shapes = [(512, 18944, 3584, 256, 132), (512, 3584, 3584, 128, 132), (2048, 3584, 18944, 256, 132),
+              (200, 512, 3584, 128, 132), (17, 64, 128, 128, 1), (64, 256, 384, 128, 132), (1, 1024, 256, 128, 5)]
+    cases = [(dq.tiles(m, c, nb), r // 64, dq.stream_ctas(m, r, c, nb, sms)) for m, r, c, nb, sms in shapes]
+    cases += [(7, 3, 21), (7, 3, 20), (5, 100, 3), (1, 1, 1)]
+    out = subprocess.run([str(exe), *(str(v) for cs in cases for v in cs)], capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    results = [ln for ln in out if ln in ("OK", "BAD")]
+    assert results == ["OK"] * len(cases), [ln for ln in out if ln.startswith("BAD")][:5]
+    segs = [ln.split()[1:] for ln in out if ln.startswith("S ")]
+    k = 0
+    for m, r, c, nb, sms in shapes:  # the Python walk of the time model, case by case
+        want = [(b, *seg) for b, sg in enumerate(dq.stream_segments(m, r, c, nb, sms)) for seg in sg]
+        got = [tuple(int(v) for v in s) for s in segs[k:k + len(want)]]
+        assert got == want, (m, r, c, nb)
+        k += len(want)
+    assert dq.stream_ctas(512, 3584, 3584, 128, 132) == 132 and dq.stream_ctas(1, 64, 128, 128, 132) == 1

@@ -323,7 +323,7 @@ esac
 def test_dq_modes_build_test_and_bench_and_dqlean_leaves_the_default_extension_out(tmp_path, mode):
     """``dq``: the default extension's build beside the dq one, the dq GPU tests, the bench over both formats and every
     split count, installing its table. ``dqlean``: no default build, every step with QERL_CUDA_GEMV=0 (the tests'
-    oracle is pure torch; the bench's prev column the Triton path), NVFP4 and kz 1, 2, 4 unless set. A failed test
+    oracle is pure torch; the bench's prev column the Triton path), NVFP4 and kz 0 (stream-K), 1, 2, 4 unless set. A failed test
     runs the probe, a passing one does not."""
     p, calls = _run(tmp_path, mode, DQ_STUB)
     assert p.returncode == 0, p.stderr
@@ -334,8 +334,8 @@ def test_dq_modes_build_test_and_bench_and_dqlean_leaves_the_default_extension_o
     (t,) = [c for c in calls if "-m pytest" in c]
     assert "tests/test_cuda_dq.py" in t and "-m gpu" in t
     (b,) = [c for c in calls if "dq_gemm_bench" in c]
-    want = "--fmts nvfp4,mxfp4 --ops bwd,fwd --m 512,2048 --kz 1,2,3,4,6,8" if mode == "dq" else \
-        "--fmts nvfp4 --ops bwd,fwd --m 512,2048 --kz 1,2,4"
+    want = "--fmts nvfp4,mxfp4 --ops bwd,fwd --m 512,2048 --kz 0,1,2,3,4,6,8" if mode == "dq" else \
+        "--fmts nvfp4 --ops bwd,fwd --m 512,2048 --kz 0,1,2,4"
     assert want in b and "--write-table" in b, b
     assert not any("dq_probe" in c for c in calls)
     assert "4 passed" in (tmp_path / "out" / "log.txt").read_text()

@@ -7,7 +7,10 @@ chunk x ``nb`` output columns (128 or 256) in a cp.async ring; every thread dequ
 shared memory (the values of ``cuda_fp4.dequantize`` bit for bit), and two warpgroups multiply from there (A = the
 activations, K-major; B = the tile: MN-major for the backward, whose contraction runs over the weight's rows, K-major
 for the forward). ``kz`` > 1 splits the contraction across CTAs: fp32 partials in a workspace, added in split order by
-a second launch (deterministic). The result differs from dequantize + cuBLAS only by the fp32 summation order.
+a second launch (deterministic); ``kz`` = 0 is stream-K: the (tile, chunk) iterations cut into one even range per SM
+(no partly idle last wave at any tile count), the tiles a range shares written as fp32 slots and added in CTA order by
+a second launch (``csrc/fp4_dq_stream.h``). The result differs from dequantize + cuBLAS only by the fp32 summation
+order.
 
 Shapes are given as (m, r, c): m tokens, r the contraction (the weight's N for the backward, K for the forward), c
 the output width (K, or N). ``enabled(op)`` (``QERL_DQ_GEMM``) decides whether ``qerl.kernels`` takes the kernel;
@@ -38,12 +41,12 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 
 extern "C" int qfp4_dq_gemm(const void*, long, const void*, const void*, const float*, void*, long, void*, int, int,
-                            int, long, int, int, int, int, void*);
+                            int, long, int, int, int, int, int, void*);
 extern "C" int qfp4_dq_smem(int, int);
 
 // fwd: out (M, N) = g (M, K) @ Wᵀ; else out (M, K) = g (M, N) @ W
 void gemm(torch::Tensor g, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
-          torch::Tensor ws, int64_t fmt, bool has_g, int64_t nb, int64_t kz, bool fwd) {
+          torch::Tensor ws, int64_t fmt, bool has_g, int64_t nb, int64_t kz, int64_t sk, bool fwd) {
   TORCH_CHECK(g.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda() && gs.is_cuda() && ws.is_cuda(),
               "tensors must be on CUDA");
   TORCH_CHECK(g.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "g, out must be bf16");
@@ -60,12 +63,15 @@ void gemm(torch::Tensor g, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   TORCH_CHECK(!has_g || gs.scalar_type() == at::kFloat, "global scale must be float32");
   TORCH_CHECK(kz == 1 || (ws.scalar_type() == at::kFloat && ws.numel() >= kz * (int64_t)M * Cw),
               "workspace too small");
+  TORCH_CHECK(sk == 0 || (ws.scalar_type() == at::kFloat && ws.numel() >= 2 * sk * 128 * nb),
+              "stream-K workspace too small");
   const c10::cuda::CUDAGuard guard(out.device());
   const int err = qfp4_dq_gemm(g.data_ptr(), (long)g.stride(0), qw.data_ptr(), sc.data_ptr(),
                                has_g ? gs.data_ptr<float>() : nullptr, out.data_ptr(), (long)out.stride(0),
-                               kz > 1 ? ws.data_ptr() : nullptr, M, N, K, (long)cs, (int)fmt, (int)nb, (int)kz,
-                               fwd ? 1 : 0, (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
-  TORCH_CHECK(err == 0, "qfp4_dq_gemm: ", err == -1 ? "unsupported arguments (shapes, strides, alignment, nb, kz)"
+                               kz > 1 || sk > 0 ? ws.data_ptr() : nullptr, M, N, K, (long)cs, (int)fmt, (int)nb,
+                               (int)kz, (int)sk, fwd ? 1 : 0,
+                               (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+  TORCH_CHECK(err == 0, "qfp4_dq_gemm: ", err == -1 ? "unsupported arguments (shapes, strides, alignment, nb, kz, sk)"
                                                    : cudaGetErrorString((cudaError_t)err));
 }
 
@@ -79,7 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 _CSRC = cuda_build.CSRC
 _CU = (_CSRC / "fp4_dq_gemm.cu",)
-_HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh")
+_HEADERS = (_CSRC / "fp4_mma_common.cuh", _CSRC / "fp4_wgmma_ops.cuh", _CSRC / "fp4_dq_stream.h")
 _STATE: dict = {}
 _TABLE_DIR = Path(__file__).resolve().parent / "tuned"
 _TABLES: dict = {}
@@ -129,13 +135,14 @@ def tiles(m: int, c: int, nb: int) -> int:
 
 def configs(m: int, r: int, c: int) -> list[tuple[int, int]]:
     """Every (nb, kz) the kernel runs for a contraction r and output width c: nb dividing c, kz up to
-    :data:`MAX_KZ` with at least :data:`MIN_SPLIT_CHUNKS` contraction chunks a split."""
+    :data:`MAX_KZ` with at least :data:`MIN_SPLIT_CHUNKS` contraction chunks a split, and kz = 0: stream-K (the
+    tiles' iterations cut evenly over the device's SMs, :func:`stream_ctas`)."""
     out = []
     for nb in NBS:
         if c % nb:
             continue
-        for kz in range(1, MAX_KZ + 1):
-            if kz == 1 or r // 64 >= kz * MIN_SPLIT_CHUNKS:
+        for kz in range(0, MAX_KZ + 1):
+            if kz <= 1 or r // 64 >= kz * MIN_SPLIT_CHUNKS:
                 out.append((nb, kz))
     return out
 
@@ -154,15 +161,48 @@ def check_config(config, m: int, r: int, c: int) -> tuple[int, int]:
 
 #: Time model of :func:`pick_config` (µs): one 64-wide contraction chunk of a CTA's tile at ~70% of the H100's dense
 #: BF16 peak per SM (2 x 128 x nb x 64 FLOP over 989.4 / 132 TFLOP/s / 0.7), the split partials' fp32 bytes (written
-#: once, read once) at 2.5 TB/s, and the reduction launch.
+#: once, read once) at 2.5 TB/s, the reduction launch, and (stream-K) each segment after a CTA's first: the pipeline's
+#: refill and an epilogue.
 CHUNK_US = {128: 0.45, 256: 0.80}
 SPLIT_TBPS = 2.5
 REDUCE_US = 3.0
+SEGMENT_US = 1.0
+
+
+def stream_ctas(m: int, r: int, c: int, nb: int, sms: int) -> int:
+    """The CTAs of a stream-K launch (kz = 0): one an SM, at most one per iteration (tile, contraction chunk)."""
+    return max(1, min(sms, tiles(m, c, nb) * (r // 64)))
+
+
+def stream_segments(m: int, r: int, c: int, nb: int, sms: int) -> list[list[tuple[int, int, int]]]:
+    """Per stream-K CTA, its (tile, first chunk, end chunk) segments: the kernel's walk (``csrc/fp4_dq_stream.h``:
+    range b = [T b / G, T (b + 1) / G) of the T = tiles x chunks iterations, tile-major)."""
+    nc, g = r // 64, stream_ctas(m, r, c, nb, sms)
+    t = tiles(m, c, nb) * nc
+    out = []
+    for b in range(g):
+        i, i1, segs = t * b // g, t * (b + 1) // g, []
+        while i < i1:
+            tile, s = divmod(i, nc)
+            e = min(nc, s + (i1 - i))
+            segs.append((tile, s, e))
+            i += e - s
+        out.append(segs)
+    return out
 
 
 def estimate_us(m: int, r: int, c: int, nb: int, kz: int, sms: int) -> float:
     """The rule's estimate of one launch: whole waves of CTAs times a CTA's chunks, plus the split partials' traffic
-    and the reduction launch when kz > 1."""
+    and the reduction launch when kz > 1; stream-K (kz = 0): the most chunks any CTA runs, its extra segments, and
+    the partial tiles' slots and reduction."""
+    if kz == 0:
+        segs = stream_segments(m, r, c, nb, sms)
+        chunks = max(sum(e - s for _, s, e in sg) for sg in segs)
+        t = chunks * CHUNK_US[nb] + (max(len(sg) for sg in segs) - 1) * SEGMENT_US
+        partial = sum(1 for sg in segs for _, s, e in sg if e - s < r // 64)
+        if partial:
+            t += 2 * partial * BM * nb * 4 / (SPLIT_TBPS * 1e6) + REDUCE_US
+        return t
     waves = math.ceil(tiles(m, c, nb) * kz / sms)
     t = waves * math.ceil(r // 64 / kz) * CHUNK_US[nb]
     if kz > 1:
@@ -172,11 +212,12 @@ def estimate_us(m: int, r: int, c: int, nb: int, kz: int, sms: int) -> float:
 
 def pick_config(m: int, r: int, c: int, sms: int) -> tuple[int, int]:
     """The rule without a sweep: the config of the least :func:`estimate_us` (ties: 256-column tiles, which re-read
-    the activations' tiles half as often through L2, then fewer splits)."""
+    the activations' tiles half as often through L2, then fewer splits, stream-K last)."""
     cands = configs(m, r, c)
     if not cands:
         raise ValueError(f"dq_gemm: no config for contraction {r}, output width {c} (multiples of 64 and 128)")
-    return min(cands, key=lambda cf: (round(estimate_us(m, r, c, cf[0], cf[1], sms), 3), -cf[0], cf[1]))
+    return min(cands, key=lambda cf: (round(estimate_us(m, r, c, cf[0], cf[1], sms), 3), -cf[0],
+                                      cf[1] if cf[1] else MAX_KZ + 1))
 
 
 def _table_path(device_name: str) -> Path:
@@ -245,14 +286,18 @@ def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor 
             config = tuned_config(op, m, r, c, props.name) or pick_config(m, r, c, props.multi_processor_count)
             _STATE[key] = config
     nb, kz = check_config(config, m, r, c)
-    if kz > 1:  # the split partials: the kernels' reusable per-device buffer (float32), used within this call
+    sk = 0
+    if kz == 0:  # stream-K: two slots of a tile's fp32 partials a CTA
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        sk = stream_ctas(m, r, c, nb, torch.cuda.get_device_properties(idx).multi_processor_count)
+    if kz > 1 or sk:  # the partials: the kernels' reusable per-device buffer (float32), used within this call
         from qerl import kernels as qk
-        ws = qk._workspace(dev, torch.float32, kz * m * c)
+        ws = qk._workspace(dev, torch.float32, 2 * sk * BM * nb if sk else kz * m * c)
     else:
         ws = out
     has_g = w.global_scale is not None
     _ext().gemm(a, w.qweight, w.scales, w.global_scale if has_g else w.qweight, out, ws,
-                0 if w.fmt == "nvfp4" else 1, has_g, nb, kz, op == "fwd")
+                0 if w.fmt == "nvfp4" else 1, has_g, nb, max(kz, 1), sk, op == "fwd")
     return out
 
 
@@ -274,4 +319,4 @@ def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = 
 
 
 __all__ = ["gemm_t", "gemm", "enabled", "available", "supported", "dims", "configs", "check_config", "pick_config",
-           "estimate_us", "tiles", "load_table", "install_table", "tuned_config", "NBS", "MAX_KZ", "OPS", "DQ_MODES"]
+           "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config", "NBS", "MAX_KZ", "OPS", "DQ_MODES"]

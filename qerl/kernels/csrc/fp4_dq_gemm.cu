@@ -26,12 +26,14 @@
 //
 // Splits of the contraction across CTAs (gridDim.z = kz > 1) write fp32 partials to a workspace (kz, M, out width);
 // a second launch adds them in split order (deterministic) and rounds once to bf16. Grid: x = token tiles (fastest:
-// the CTAs in flight together share a weight tile through L2), y = output column tiles, z = splits. CUDA-graph
-// capturable.
+// the CTAs in flight together share a weight tile through L2), y = output column tiles, z = splits. Or stream-K
+// (Args::sk > 0, see dq_gemm_kernel and fp4_dq_stream.h): one even range of the (tile, chunk) iterations a CTA, the
+// tiles two ranges share added by a second launch in CTA order. CUDA-graph capturable.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
 
+#include "fp4_dq_stream.h"
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 
@@ -83,32 +85,29 @@ struct Args {
   const float* gs;
   __nv_bfloat16* out;
   long ldo;
-  float* ws;  // (kz, M, C) fp32 partials when gridDim.z > 1
+  float* ws;  // grid splits (gridDim.z > 1): (kz, M, C) fp32 partials; stream-K (sk): (2 sk, kBM, NB) slots
   int M;
   int R;    // the contraction: the weight's N (BWD) or K (FWD)
   int C;    // output columns: the weight's K (BWD) or N (FWD)
   long cs;  // chunks between strips of the weight (its K / 64, or more for a column slice)
+  int sk;   // > 0: stream-K over gridDim.x = sk CTAs (see dq_gemm_kernel); 0: the (tiles, tiles, splits) grid
 };
 
+// One output tile (token tile tm, column tile tc) over contraction chunks [c_begin, c_begin + nck): the main loop
+// described at the top, then the epilogue: bf16 into out (fdst null) or fp32 into fdst (the tile's element (0, 0);
+// row stride fld), rows below M only.
 template <int FMT, bool HAS_G, int NB, bool FWD>
-__global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
-#if QFP4_DQ_WGMMA
+__device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned char* gbase, int tm, int tc,
+                                        int c_begin, int nck, float* fdst, long fld) {
   using L = Smem<FMT, NB>;
   constexpr int SPB = scale_bytes<FMT>();
   constexpr int GPC = FMT == 0 ? 4 : 2;
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t sbase = (raw + 1023u) & ~1023u;
   const uint32_t tbase = sbase + kStages * L::STAGE;  // the two BF16 tiles
-  unsigned char* const gbase = smem_raw + (sbase - raw);
 
   const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
-  const int m0 = blockIdx.x * kBM, col0 = blockIdx.y * NB;  // token row, output column of the tile
-  const int oc0 = blockIdx.y * L::CB;                        // BWD: its first output chunk
-  const int os0 = blockIdx.y * (NB / 16);                    // FWD: its first weight strip
-  const int nc_all = a.R / 64, kz = gridDim.z;
-  const int per = (nc_all + kz - 1) / kz;
-  const int c_begin = min(nc_all, (int)blockIdx.z * per), nck = min(nc_all, c_begin + per) - c_begin;
+  const int m0 = tm * kBM, col0 = tc * NB;  // token row, output column of the tile
+  const int oc0 = tc * L::CB;               // BWD: its first output chunk
+  const int os0 = tc * (NB / 16);           // FWD: its first weight strip
 
   // g's staging: thread tid copies unit tid & 7 of rows tid / 8 + 32 j (j < 4); (row & 7) == ((tid >> 3) & 7)
   const int gu = tid & 7, gr = tid >> 3;
@@ -200,8 +199,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
 
   // acc[4 i + e]: row 64 wg + 16 warp + g + 8 (e >> 1), column 8 i + 2 t + (e & 1) of the tile
   const int w4 = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-  const int r0 = m0 + 64 * wg + 16 * w4 + g;
-  if (gridDim.z == 1) {
+  const int rl = 64 * wg + 16 * w4 + g, r0 = m0 + rl;  // the tile's row, the output's
+  if (fdst == nullptr) {
 #pragma unroll
     for (int i = 0; i < NB / 8; ++i) {
       const int c = col0 + 8 * i + 2 * t;
@@ -213,14 +212,51 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
             __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
     }
   } else {
-    float* ws = a.ws + (long)blockIdx.z * a.M * a.C;
 #pragma unroll
     for (int i = 0; i < NB / 8; ++i) {
-      const int c = col0 + 8 * i + 2 * t;
-      if (r0 < a.M) *reinterpret_cast<float2*>(ws + (long)r0 * a.C + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      const int c = 8 * i + 2 * t;
+      if (r0 < a.M) *reinterpret_cast<float2*>(fdst + (long)rl * fld + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
       if (r0 + 8 < a.M)
-        *reinterpret_cast<float2*>(ws + (long)(r0 + 8) * a.C + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+        *reinterpret_cast<float2*>(fdst + (long)(rl + 8) * fld + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
     }
+  }
+}
+
+// Stream-K (a.sk > 0): the iterations (tile, chunk), tile-major with tiles numbered token tile fastest, are cut into
+// gridDim.x equal contiguous ranges, CTA b taking [T b / G, T (b + 1) / G) (T = tiles x chunks, G = gridDim.x <= T): no
+// wave of partly idle SMs whatever the tile count. A range covers the tail of one tile, whole tiles, the head of
+// another: a whole tile is written in bf16 at once; a partial one, always the range's first (slot 0) or last
+// (slot 1) segment, goes as fp32 into the CTA's slot 2 b + s of the workspace, and dq_stream_reduce_kernel adds each
+// tile's slots in CTA order (deterministic). The grid mode (sk = 0): blockIdx = (token tile, column tile, split).
+template <int FMT, bool HAS_G, int NB, bool FWD>
+__global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
+#if QFP4_DQ_WGMMA
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t sbase = (raw + 1023u) & ~1023u;
+  unsigned char* const gbase = smem_raw + (sbase - raw);
+  const int nc_all = a.R / 64;
+  if (a.sk == 0) {
+    const int kz = gridDim.z;
+    const int per = (nc_all + kz - 1) / kz;
+    const int c_begin = min(nc_all, (int)blockIdx.z * per), nck = min(nc_all, c_begin + per) - c_begin;
+    float* fdst = kz > 1 ? a.ws + (long)blockIdx.z * a.M * a.C + (long)blockIdx.x * kBM * a.C + blockIdx.y * NB
+                         : nullptr;
+    dq_tile<FMT, HAS_G, NB, FWD>(a, sbase, gbase, blockIdx.x, blockIdx.y, c_begin, nck, fdst, a.C);
+    return;
+  }
+  const int tm_n = (a.M + kBM - 1) / kBM;
+  const long T = (long)tm_n * (a.C / NB) * nc_all;
+  const long i1 = sk_begin(T, gridDim.x, blockIdx.x + 1);
+  long i = sk_begin(T, gridDim.x, blockIdx.x);
+  for (int seg = 0; i < i1; ++seg) {
+    int tile, s, e;
+    sk_segment(nc_all, i, i1, tile, s, e);
+    const bool whole = s == 0 && e == nc_all;
+    float* fdst = whole ? nullptr : a.ws + (2L * blockIdx.x + (seg == 0 ? 0 : 1)) * kBM * NB;
+    dq_tile<FMT, HAS_G, NB, FWD>(a, sbase, gbase, tile % tm_n, tile / tm_n, s, e - s, fdst, NB);
+    i += e - s;
+    __syncthreads();  // every thread is done with the stages and tiles before the next segment refills them
   }
 #endif
 }
@@ -246,6 +282,32 @@ __global__ void dq_reduce_kernel(const float* __restrict__ ws, int kz, int M, in
   o[1] = __floats2bfloat162_rn(s.z, s.w);
 }
 
+// Stream-K's second launch: each output element of a tile that more than one CTA covered (four columns a thread) =
+// bf16 of the sum of those CTAs' slots in CTA order (see dq_gemm_kernel); tiles one CTA covered whole are skipped.
+__global__ void dq_stream_reduce_kernel(const float* __restrict__ ws, int G, long T, int nc, int tm_n, int nb, int M,
+                                        int C, __nv_bfloat16* __restrict__ out, long ldo) {
+  const long q = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (q >= (long)M * C / 4) return;
+  const long e = 4 * q;
+  const int r = (int)(e / C), c = (int)(e % C);
+  const long j0 = (long)(r / kBM + tm_n * (c / nb)) * nc;  // the tile's first iteration
+  const int b_lo = sk_owner(T, G, j0), b_hi = sk_owner(T, G, j0 + nc - 1);  // the CTAs of its first, last
+  if (b_lo == b_hi) return;
+  const long off = (long)(r % kBM) * nb + c % nb;
+  float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int b = b_lo; b <= b_hi; ++b) {
+    const int slot = sk_slot(T, G, b, j0);
+    const float4 v = *reinterpret_cast<const float4*>(ws + (2L * b + slot) * kBM * nb + off);
+    s.x += v.x;
+    s.y += v.y;
+    s.z += v.z;
+    s.w += v.w;
+  }
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + (long)r * ldo + c);
+  o[0] = __floats2bfloat162_rn(s.x, s.y);
+  o[1] = __floats2bfloat162_rn(s.z, s.w);
+}
+
 template <int FMT, bool HAS_G, int NB, bool FWD>
 int launch(const Args& a, int kz, cudaStream_t st) {
   constexpr int bytes = Smem<FMT, NB>::BYTES;
@@ -256,12 +318,19 @@ int launch(const Args& a, int kz, cudaStream_t st) {
     if (e != cudaSuccess) return (int)e;
     ready = true;
   }
-  const dim3 grid((a.M + kBM - 1) / kBM, a.C / NB, kz);
+  const int tm_n = (a.M + kBM - 1) / kBM;
+  const dim3 grid = a.sk ? dim3(a.sk, 1, 1) : dim3(tm_n, a.C / NB, kz);
   dq_gemm_kernel<FMT, HAS_G, NB, FWD><<<grid, kThreads, bytes, st>>>(a);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || kz == 1) return (int)e;
+  if (e != cudaSuccess || (kz == 1 && !a.sk)) return (int)e;
   const long quads = (long)a.M * a.C / 4;
-  dq_reduce_kernel<<<(unsigned)((quads + 255) / 256), 256, 0, st>>>(a.ws, kz, a.M, a.C, a.out, a.ldo);
+  if (a.sk) {
+    const int nc = a.R / 64;
+    dq_stream_reduce_kernel<<<(unsigned)((quads + 255) / 256), 256, 0, st>>>(
+        a.ws, a.sk, (long)tm_n * (a.C / NB) * nc, nc, tm_n, NB, a.M, a.C, a.out, a.ldo);
+  } else {
+    dq_reduce_kernel<<<(unsigned)((quads + 255) / 256), 256, 0, st>>>(a.ws, kz, a.M, a.C, a.out, a.ldo);
+  }
   return (int)cudaGetLastError();
 }
 
@@ -290,11 +359,12 @@ extern "C" int qfp4_dq_smem(int fmt, int nb) {
 // (the forward, a = x). W is the re-laid-out FP4 weight (N, K): qw (S = N / 16, C, 32, 4) int32 word groups and sc
 // (S, C, 8 * groups per chunk) int16 scale pairs whose strips lie cs >= K / 64 chunks apart (a column slice: more),
 // gs the NVFP4 global scale (device float) or null. nb: 128 | 256 output columns a CTA (they divide the output
-// width); kz: splits of the contraction across CTAs (1 .. its chunks of 64; > 1 needs ws, kz * M * out-width floats).
+// width); kz: splits of the contraction across CTAs (1 .. its chunks of 64; > 1 needs ws, kz * M * out-width floats);
+// sk > 0: stream-K over sk CTAs instead (kz must be 1; sk <= tiles x chunks; ws: 2 * sk * 128 * nb floats).
 // a, out: bf16 with unit column stride, row strides multiples of 8, 16-byte aligned. 0, -1 (bad arguments) or a CUDA
 // error code. sm_90a only (elsewhere the kernel is empty: the caller checks the device).
 extern "C" int qfp4_dq_gemm(const void* act, long lda, const void* qw, const void* sc, const float* gs, void* out,
-                            long ldo, void* ws, int M, int N, int K, long cs, int fmt, int nb, int kz, int fwd,
+                            long ldo, void* ws, int M, int N, int K, long cs, int fmt, int nb, int kz, int sk, int fwd,
                             void* stream) {
   using namespace qfp4::dq;
   const int R = fwd ? K : N, C = fwd ? N : K;
@@ -302,9 +372,11 @@ extern "C" int qfp4_dq_gemm(const void* act, long lda, const void* qw, const voi
       kz > R / 64 || (kz > 1 && !ws) || lda % 8 || ldo % 8 || cs < K / 64 || reinterpret_cast<uintptr_t>(act) % 16 ||
       reinterpret_cast<uintptr_t>(out) % 16 || reinterpret_cast<uintptr_t>(sc) % 16 || (fmt != 0 && fmt != 1))
     return -1;
+  if (sk < 0 || (sk > 0 && (kz != 1 || !ws || (long)sk > (long)((M + kBM - 1) / kBM) * (C / nb) * (R / 64))))
+    return -1;
   const Args a{static_cast<const __nv_bfloat16*>(act), lda, static_cast<const uint4*>(qw),
                static_cast<const unsigned char*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
-               static_cast<float*>(ws), M, R, C, cs};
+               static_cast<float*>(ws), M, R, C, cs, sk};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return fwd ? launch_fmt<true>(a, fmt, nb, kz, st) : launch_fmt<false>(a, fmt, nb, kz, st);
 }
