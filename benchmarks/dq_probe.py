@@ -6,8 +6,8 @@ With one-hot activations (rows of the identity), output row i of the backward g 
 x @ Ŵᵀ is Ŵᵀ's row i, so every wrong output's value can be looked up in Ŵ: the (row, column) it came from tells which
 index map is off (the tile's swizzle, the matrix descriptor's strides, the order of the weight blocks in a stage).
 Per product, shape and launch config: the count of wrong outputs and, for the first few, where their values are found.
-Exact reference values come from ``qerl.kernels.dequantize_relaid`` into float32 (the Triton path: no other CUDA
-extension is built).
+Exact reference values come from :func:`exact_weight` (the format's pure-torch dequantization; no other CUDA
+extension is built), the oracle of tests/test_cuda_dq.py too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,18 @@ import torch
 #: (op, N, K): one 256-column tile each way, a 64-row contraction, a 128-column tile, two output tiles
 CASES = (("fwd", 256, 256), ("bwd", 256, 256), ("bwd", 64, 256), ("bwd", 128, 128), ("fwd", 512, 128),
          ("bwd", 128, 512))
+
+
+def exact_weight(fmt: str, q) -> torch.Tensor:
+    """Ŵ (N, K) as float32 holding its bf16 values, from the pure-torch reference (the format's ``dequantize``: the
+    float32 products e2m1 x scale, rounded once to bf16), no kernel involved: the values every CUDA path must
+    produce bit for bit (``cuda_fp4.relayout_is_exact`` holds for random weights; tests/test_cuda_fp4.py checks the
+    CUDA dequantization against the compressed-tensors one). NVFP4 without ``weight_global_scale``: its scales alone
+    (a global scale of 1)."""
+    from qerl.quant import FORMATS
+    if fmt == "nvfp4" and q.get("weight_global_scale") is None:
+        q = {**q, "weight_global_scale": torch.ones((), device=q["weight_packed"].device)}
+    return FORMATS[fmt].dequantize(q, torch.bfloat16).float()
 
 
 def locate(y: torch.Tensor, mat: torch.Tensor, tol: float = 1e-3, first: int = 6) -> tuple[int, list[str]]:
@@ -43,7 +55,6 @@ def locate(y: torch.Tensor, mat: torch.Tensor, tol: float = 1e-3, first: int = 6
 
 
 def probe(fmt: str) -> list[str]:
-    from qerl import kernels as qk
     from qerl.kernels import cuda_dq as dq
     from qerl.kernels import cuda_fp4 as cf
     from qerl.quant import FORMATS
@@ -52,13 +63,13 @@ def probe(fmt: str) -> list[str]:
     for op, n, k in CASES:
         q = FORMATS[fmt].quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
         w = cf.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
-        whole = qk.dequantize_relaid(w, torch.empty((n, k), device="cuda", dtype=torch.float32))
+        whole = exact_weight(fmt, q)
         mat = whole if op == "bwd" else whole.t().contiguous()
         r, c = mat.shape
         a = torch.eye(r, device="cuda")[: min(r, 128)].bfloat16()
         for cfg in dq.configs(a.shape[0], r, c):
             y = (dq.gemm_t if op == "bwd" else dq.gemm)(a, w, None, cfg).float()
-            nbad, lines = locate(y, mat.bfloat16().float())
+            nbad, lines = locate(y, mat)
             out.append(f"{op} N={n} K={k} config {cfg}: {nbad} of {y.numel()} outputs wrong")
             out.extend(lines)
     return out

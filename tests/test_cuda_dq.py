@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import dq_gemm_bench as bench
+from benchmarks.dq_probe import exact_weight as _exact
 from qerl.kernels import cuda_dq as dq
 from qerl.kernels import cuda_fp4 as cf
 from qerl.quant import FORMATS
@@ -162,18 +163,9 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and cf.wgmma_supp
                                 reason="needs an sm_90 GPU")
 
 
-def _exact(fmt: str, q) -> torch.Tensor:
-    """Ŵ (N, K) as float32 holding its bf16 values, from the pure-torch reference (the format's ``dequantize``: the
-    float32 products e2m1 x scale, rounded once to bf16), no kernel involved: the values every CUDA path must
-    produce bit for bit (``cuda_fp4.relayout_is_exact`` holds for these weights; tests/test_cuda_fp4.py checks the
-    CUDA dequantization against it). NVFP4 without ``weight_global_scale``: its scales alone (a global scale of 1)."""
-    if fmt == "nvfp4" and q.get("weight_global_scale") is None:
-        q = {**q, "weight_global_scale": torch.ones((), device=q["weight_packed"].device)}
-    return FORMATS[fmt].dequantize(q, torch.bfloat16).float()
-
-
 def _ref(g: torch.Tensor, whole: torch.Tensor, op: str = "bwd") -> tuple[torch.Tensor, torch.Tensor]:
-    """g @ Ŵ (bwd) or g @ Ŵᵀ (fwd) in float32 from the exact Ŵ of ``_exact``, and |g| @ |Ŵ| (the magnitudes)."""
+    """g @ Ŵ (bwd) or g @ Ŵᵀ (fwd) in float32 from the exact Ŵ (``dq_probe.exact_weight``: the format's pure-torch
+    dequantization), and |g| @ |Ŵ| (the magnitudes)."""
     if op == "fwd":
         whole = whole.t()
     return g.float() @ whole, g.float().abs() @ whole.abs()

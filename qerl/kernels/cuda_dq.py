@@ -277,8 +277,8 @@ def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor 
     if m == 0:
         return out
     dev = a.device
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
     if config is None:
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
         key = ("cfg", idx, op, r, c, m)
         config = _STATE.get(key)
         if config is None:
@@ -288,7 +288,6 @@ def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor 
     nb, kz = check_config(config, m, r, c)
     sk = 0
     if kz == 0:  # stream-K: two slots of a tile's fp32 partials a CTA
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
         sk = stream_ctas(m, r, c, nb, torch.cuda.get_device_properties(idx).multi_processor_count)
     if kz > 1 or sk:  # the partials: the kernels' reusable per-device buffer (float32), used within this call
         from qerl import kernels as qk
@@ -319,4 +318,5 @@ def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = 
 
 
 __all__ = ["gemm_t", "gemm", "enabled", "available", "supported", "dims", "configs", "check_config", "pick_config",
-           "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config", "NBS", "MAX_KZ", "OPS", "DQ_MODES"]
+           "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config",
+           "NBS", "MAX_KZ", "OPS", "DQ_MODES"]

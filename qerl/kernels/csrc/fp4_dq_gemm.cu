@@ -261,6 +261,13 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
 #endif
 }
 
+// out[r, c .. c + 3] = bf16(s): a reduction's four columns
+__device__ __forceinline__ void store_bf16x4(__nv_bfloat16* out, long ldo, long r, long c, float4 s) {
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r * ldo + c);
+  o[0] = __floats2bfloat162_rn(s.x, s.y);
+  o[1] = __floats2bfloat162_rn(s.z, s.w);
+}
+
 // out = bf16(sum over splits z = 0, 1, ... of ws[z]), four columns a thread
 __global__ void dq_reduce_kernel(const float* __restrict__ ws, int kz, int M, int K, __nv_bfloat16* __restrict__ out,
                                  long ldo) {
@@ -276,10 +283,7 @@ __global__ void dq_reduce_kernel(const float* __restrict__ ws, int kz, int M, in
     s.z += v.z;
     s.w += v.w;
   }
-  const long r = e / K, c = e % K;
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r * ldo + c);
-  o[0] = __floats2bfloat162_rn(s.x, s.y);
-  o[1] = __floats2bfloat162_rn(s.z, s.w);
+  store_bf16x4(out, ldo, e / K, e % K, s);
 }
 
 // Stream-K's second launch: each output element of a tile that more than one CTA covered (four columns a thread) =
@@ -303,9 +307,7 @@ __global__ void dq_stream_reduce_kernel(const float* __restrict__ ws, int G, lon
     s.z += v.z;
     s.w += v.w;
   }
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + (long)r * ldo + c);
-  o[0] = __floats2bfloat162_rn(s.x, s.y);
-  o[1] = __floats2bfloat162_rn(s.z, s.w);
+  store_bf16x4(out, ldo, r, c, s);
 }
 
 template <int FMT, bool HAS_G, int NB, bool FWD>
