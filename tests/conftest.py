@@ -44,3 +44,32 @@ def run_under_triton_interpreter(test_file: str, marker: str, code: str | None =
     cmd = [sys.executable, "-c", code] if code else [sys.executable, os.path.abspath(test_file)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0 and marker in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def pytest_collection_finish(session):
+    """Start the sm_90a builds the selected SASS tests will read (a test module's ``sass_builds()``: {test name:
+    builds}) in the background at the lowest CPU priority (``benchmarks.wgmma_sass_check.prebuild``): those tests run
+    last, and their ~5 min of nvcc builds overlap the rest of the suite instead of following it.
+    QERL_TEST_PREBUILD=0 turns it off."""
+    if os.environ.get("QERL_TEST_PREBUILD", "1") == "0":
+        return
+    by_module: dict = {}
+    builds = []
+    for item in session.items:
+        module = getattr(item, "module", None)
+        fn = getattr(module, "sass_builds", None)
+        if fn is None:
+            continue
+        if module not in by_module:
+            by_module[module] = fn()
+        builds += by_module[module].get(getattr(item, "originalname", item.name), [])
+    if builds:
+        from benchmarks import wgmma_sass_check as wsc
+        wsc.prebuild(builds)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Builds no test collected (a run stopped early, -x) are dropped, not waited for."""
+    wsc = sys.modules.get("benchmarks.wgmma_sass_check")
+    if wsc is not None:
+        wsc.stop_prebuilds()

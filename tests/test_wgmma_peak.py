@@ -36,14 +36,23 @@ def test_arguments_and_flops():
     assert host.count("op == 2 &&") == host.count(", false, true, ") == len(wp.VARIANTS) * len(wp.DEPTHS)  # rsdec
 
 
+def _peak_src() -> str:
+    """The benchmark's device code with every variant instantiated."""
+    return wp.DEVICE_SRC + "".join(f"template __global__ void wgmma_peak_kernel<{n}, {str(op == 'ss').lower()}, "
+                                   f"{str(op == 'rsdec').lower()}, {d}, {128 * w}>(int, float*);\n"
+                                   for n, w in wp.VARIANTS for op in wp.OPS for d in wp.DEPTHS)
+
+
+def sass_builds() -> dict[str, list[tuple]]:
+    """{test: its ``wsc.compile_sass`` builds}, started ahead by conftest (see test_wgmma_sass_check.sass_builds)."""
+    return {"test_machine_code_is_the_schedule_it_names": [(2, _peak_src(), ())]}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None or wsc._tool("cuobjdump") is None,
                     reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_machine_code_is_the_schedule_it_names():
-    inst = "".join(f"template __global__ void wgmma_peak_kernel<{n}, {str(op == 'ss').lower()}, "
-                   f"{str(op == 'rsdec').lower()}, {d}, {128 * w}>(int, float*);\n"
-                   for n, w in wp.VARIANTS for op in wp.OPS for d in wp.DEPTHS)
-    sass, msgs = wsc.compile_sass(2, wp.DEVICE_SRC + inst)
+    sass, msgs = wsc.compile_sass(2, _peak_src())
     funcs = {n: b for n, b in wsc.functions(sass).items() if "wgmma_peak_kernel" in n}
     assert len(funcs) == len(wp.VARIANTS) * len(wp.OPS) * len(wp.DEPTHS), sorted(funcs)
     for name, body in funcs.items():

@@ -13,11 +13,43 @@ from benchmarks import wgmma_sass_check as wsc
 from qerl.kernels import cuda_fp4 as cf
 
 
+def _gemv_src() -> str:
+    return (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
+
+
 @functools.cache
 def _gemv_sass(*defines: str) -> dict:
     """The decode GEMV's functions (``wsc.functions``) built for sm_90a with these -D's; cached: several tests
     compare against the same build."""
-    return wsc.functions(wsc.compile_sass(2, (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text(), defines)[0])
+    return wsc.functions(wsc.compile_sass(2, _gemv_src(), defines)[0])
+
+
+# session 30's first kernel: one register set, wait_group 1 (the next chunk decoded while the MMAs ran), planted in
+# the main loop (not the LoRA epilogue's)
+_FIRST_OLD = "        wgmma_wait<0>();\n        keep_regs(a);\n#pragma unroll\n"
+_FIRST_NEW = "        wgmma_wait<1>();\n#pragma unroll\n"
+_ABLATE_ALL = ("QFP4_WGMMA_ABLATE=31", "QFP4_WGMMA_NO_SK=1")
+_TMA_TAIL = (("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1"), ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"))
+_LORA_ABLATE = tuple(f"QFP4_LORA_ABLATE={v}" for v in (1, 2, 4, 8))
+
+
+def _both_pipes_builds() -> list[tuple]:
+    """The builds users get: QERL_WGMMA_PIPE=1 with the other switches at their defaults (PDL, tail splits; no TMA,
+    which needs pipe 2), pipe 2 with QERL_WGMMA_TMA=0 (the default build, pipe 2 with TMA: test_tma_build_...), and
+    the first version planted (its grid kernels suffice)."""
+    return [(1, None, _user_defines(QERL_WGMMA_PIPE="1")), (2, None, _user_defines(QERL_WGMMA_TMA="0")),
+            (1, wsc.SRC.read_text().replace(_FIRST_OLD, _FIRST_NEW), ("QFP4_WGMMA_NO_SK=1",))]
+
+
+def sass_builds() -> dict[str, list[tuple]]:
+    """{test: the ``wsc.compile_sass`` builds (pipe, source, defines) it reads}: conftest starts the selected tests'
+    builds in the background when collection ends (``wsc.prebuild``), in this order, the order the tests run."""
+    gemv = _gemv_src()
+    return {"test_real_kernel_both_pipes_clean_and_the_first_version_caught": _both_pipes_builds(),
+            "test_ablation_build_leaves_the_parts_out_of_the_main_loop": [(2, None, _ABLATE_ALL)],
+            "test_tma_build_stages_the_grid_variants_by_tensor_copies": [(2, None, d) for d in _TMA_TAIL],
+            "test_bf16_sector_loads_build_changes_only_the_dense_gemv": [(2, gemv, ()), (2, gemv, ("QFP4_DENSE_SECTOR=1",))],
+            "test_lora_ablate_builds_leave_out_what_they_name": [(2, gemv, ()), *((2, gemv, (d,)) for d in _LORA_ABLATE)]}
 
 
 def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
@@ -123,19 +155,9 @@ def test_user_defines_are_the_switches_builds(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_real_kernel_both_pipes_clean_and_the_first_version_caught():
-    from concurrent.futures import ThreadPoolExecutor
-    # session 30's first kernel: one register set, wait_group 1 (the next chunk decoded while the MMAs ran)
-    src = wsc.SRC.read_text()
-    old = "        wgmma_wait<0>();\n        keep_regs(a);\n#pragma unroll\n"  # the main loop's (not the LoRA epilogue's)
-    assert src.count(old) == 1
-    planted = src.replace(old, "        wgmma_wait<1>();\n#pragma unroll\n")
-    # the builds users get: QERL_WGMMA_PIPE=1 with the other switches at their defaults (PDL, tail splits; no TMA,
-    # which needs pipe 2), and pipe 2 with QERL_WGMMA_TMA=0 (the default build, pipe 2 with TMA: test_tma_build_...)
-    with ThreadPoolExecutor(3) as pool:  # three nvcc processes at once
-        builds = [pool.submit(wsc.compile_sass, 1, None, _user_defines(QERL_WGMMA_PIPE="1")),
-                  pool.submit(wsc.compile_sass, 2, None, _user_defines(QERL_WGMMA_TMA="0")),
-                  pool.submit(wsc.compile_sass, 1, planted, ("QFP4_WGMMA_NO_SK=1",))]  # the grid kernels suffice
-        (s1, m1), (s2, m2), (s3, m3) = (b.result() for b in builds)
+    assert wsc.SRC.read_text().count(_FIRST_OLD) == 1  # the first version is planted in the main loop only
+    with ThreadPoolExecutor(3) as pool:  # three nvcc processes at once (or the prebuilt ones)
+        (s1, m1), (s2, m2), (s3, m3) = pool.map(lambda b: wsc.compile_sass(*b), _both_pipes_builds())
     for pipe, (sass, msgs) in ((1, (s1, m1)), (2, (s2, m2))):
         r = wsc.check(sass, msgs)
         # every variant x 2 formats x (without, with the LoRA epilogue, whose 64-rank passes are a loop with MMAs
@@ -161,7 +183,7 @@ def test_ablation_build_leaves_the_parts_out_of_the_main_loop():
     for bad in ("32", "-1", "a", ""):
         with pytest.raises(ValueError, match="--variants"):
             wa.parse_variants(bad)
-    sass, _ = wsc.compile_sass(2, None, ("QFP4_WGMMA_ABLATE=31", "QFP4_WGMMA_NO_SK=1"))
+    sass, _ = wsc.compile_sass(2, None, _ABLATE_ALL)
     plain = {n: b for n, b in wsc.functions(sass).items() if "fp4_wgmma_kernel" in n and "Lb0ELb0E" in n}
     assert len(plain) == 2 * len(cf.WGMMA_VARIANTS)
     for name, body in plain.items():
@@ -263,9 +285,7 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
     copy; the loop check stays clean. QERL_WGMMA_TAIL=0's build (beside it: session 49's kernel, without the
     tail-split launches' tile mapping and their two kernel parameters) the same."""
     with ThreadPoolExecutor(2) as pool:  # both builds at once
-        builds = list(pool.map(lambda d: wsc.compile_sass(2, None, d),
-                               [("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1"),
-                                ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1")]))
+        builds = list(pool.map(lambda d: wsc.compile_sass(2, None, d), _TMA_TAIL))
     for tail, (sass, msgs) in zip((True, False), builds, strict=True):
         r = wsc.check(sass, msgs)
         assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
@@ -386,7 +406,7 @@ def test_lora_ablate_builds_leave_out_what_they_name():
     ranks), bit 2 the LoRA CTAs' work (fewer MMAs: theirs over A's chunks), bit 4 only the spin on the count (fewer
     NANOSLEEPs, the same MMAs), bit 8 the spin too, its term moved before the main loop (the same MMAs in other
     machine code than bit 4's)."""
-    found, lora = _gemv_lora_builds(*(f"QFP4_LORA_ABLATE={v}" for v in (1, 2, 4, 8)))
+    found, lora = _gemv_lora_builds(*_LORA_ABLATE)
     builds = dict(zip((0, 1, 2, 4, 8), found, strict=True))
 
     def count(v, name, pred):
@@ -398,3 +418,35 @@ def test_lora_ablate_builds_leave_out_what_they_name():
         assert mma[1] < mma[0] and mma[2] < mma[0] and mma[4] == mma[0] == mma[8], (name, mma)
         assert sleeps[4] < sleeps[0] and sleeps[8] < sleeps[0] and sleeps[0] >= 1, (name, sleeps)
         assert [t for _, t in builds[8][name]] != [t for _, t in builds[4][name]], name
+
+
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
+    """wsc.prebuild (conftest starts the SASS tests' builds with it): compile_sass with the same arguments gets the
+    background build (once: the next call builds again); the builds run at nice 19; stop_prebuilds kills a running
+    one and returns at once (in a child process, so this suite's own prebuilds are left alone)."""
+    import subprocess
+    import sys
+    import time
+
+    src = "__global__ void k(float* p) { p[threadIdx.x] = A; }\n"
+    assert wsc.prebuild([(2, src, ("A=1.f",)), (2, src, ("A=1.f",))]) == 1  # the same build twice: started once
+    key = wsc._build_key(2, src, ("A=1.f",), "nvcc")
+    fut = wsc._PREBUILT[key]
+    sass, msgs = wsc.compile_sass(2, src, ("A=1.f",))
+    assert fut.done() and (sass, msgs) == fut.result() and key not in wsc._PREBUILT
+    assert "_Z1kPf" in sass and "Used" in msgs
+    assert wsc._build_key(2, src, ("A=2.f",), "nvcc") != key and wsc._build_key(2, src + " ", ("A=1.f",), "nvcc") != key
+    code = ("import os, time\nfrom benchmarks import wgmma_sass_check as w\n"
+            "w.prebuild([(1, None, ('QFP4_WGMMA_NO_SK=1',))], workers=1)\n"
+            "while not w._RUNNING: time.sleep(0.05)\n"
+            "(p,) = w._RUNNING\ntime.sleep(0.5)\nprint('nice', os.getpriority(os.PRIO_PROCESS, p.pid))\n"
+            "t = time.time(); w.stop_prebuilds(); print('stop', time.time() - t, p.returncode)\n")
+    t = time.time()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(wsc.SRC.parents[3]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert int(lines["nice"]) == 19, r.stdout
+    took, rc = lines["stop"].split()
+    assert float(took) < 5 and int(rc) < 0 and time.time() - t < 60, r.stdout  # killed, not finished (~60 s)
