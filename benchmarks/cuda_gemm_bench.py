@@ -7,12 +7,16 @@ replaces (issue 10: FP4 faster than BF16 at the batch sizes RL runs).
 1. **Sweep** (per format, decoder-linear shape -- the 7 linears and the fused q|k|v and gate|up of the sampler's
    decode step -- and M in ``--sweep-m``): every launch configuration (nt, sw, r, ks) of
    the kernel is checked against the emulator once and timed; the best is kept with ``wins`` = faster than the FP4
-   path the dispatcher would take without it (``QERL_CUDA_GEMM=0``: Triton GEMM or dequantize + cuBLAS).
+   path the dispatcher would take without it (``QERL_CUDA_GEMM=0``) on the weights as ``--prev-layout`` holds them:
+   ``kernel`` (default), the kernels' layout alone, as rollouts and the update hold every linear after
+   ``relayout_model`` (the CUDA dequantization + cuBLAS, or with ``QERL_DQ_GEMM`` the in-loop dequantizing GEMM);
+   ``compressed``, the compressed-tensors layout (Triton GEMM or Triton dequantization + cuBLAS; before session 65
+   the only choice, so tables swept then compared with a path training no longer takes).
    ``--write-table`` installs the result as ``qerl/kernels/tuned/cuda_gemm_<device>.json`` (what the dispatcher
    reads); it is also written under ``--out``.
 2. **Layer table** (M in ``--m``): µs per decoder layer (the 7 linears' per-linear medians summed) of BF16
-   ``F.linear``, the previous FP4 path, and the CUDA GEMM at its tuned configuration, with speed-ups against BF16
-   measured in the same run.
+   ``F.linear``, the previous FP4 path and the dispatcher (both on ``--prev-layout``'s weights), and the CUDA GEMM
+   at its tuned configuration, with speed-ups against BF16 measured in the same run.
 
 Timing as in ``cuda_bench``: per linear, one CUDA graph over rotating weight copies (>= 160 MB, every weight read
 from HBM) replayed; median replay / copies. Writes ``cuda_gemm_<gpu>.csv`` / ``.md`` and ``cuda_gemm_sweep_<gpu>.csv``.
@@ -34,6 +38,15 @@ from qerl.kernels import cuda_fp4 as cf
 SWEEP_M = (24, 32, 64, 128, 256, 512)
 LAYER_M = (17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 TARGETS = {32: 2.3, 64: 1.6, 128: 1.15, 256: 0.95, 512: 0.95}  # issue 10's forward targets vs BF16 (7B)
+LAYOUTS = ("kernel", "compressed")  # --prev-layout: how the "prev" path's weights are held
+
+
+def prev_weights(fmt: str, n: int, k: int, seed: int, layout: str) -> bench._Weights:
+    """The weight the "prev" path and the dispatcher are timed on: the kernels' layout alone (``fmt`` + ``-kernel``,
+    what training holds) or the compressed-tensors layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"--prev-layout {layout!r}: valid: {', '.join(LAYOUTS)}")
+    return bench._Weights(fmt + bench.KL if layout == "kernel" else fmt, n, k, seed=seed)
 
 
 class _env:
@@ -106,7 +119,7 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def sweep(models, fmts, ms, rep_ms) -> tuple[list[dict], list[dict]]:
+def sweep(models, fmts, ms, rep_ms, layout: str = "kernel") -> tuple[list[dict], list[dict]]:
     rows, table = [], []
     for mdl in models:
         h, inter, nh, nkv, hd = bench.MODELS[mdl]
@@ -118,10 +131,11 @@ def sweep(models, fmts, ms, rep_ms) -> tuple[list[dict], list[dict]]:
             for i, (n, k) in enumerate(shapes):
                 wts = bench._Weights(fmt, n, k, seed=2000 + i)
                 cws = wts.cuda()
+                prev = prev_weights(fmt, n, k, 2000 + i, layout)
                 s, c = n // 16, k // 64
                 for m in ms:
                     with _env("QERL_CUDA_GEMM", "0"):
-                        t_prev = bench._time_fn(fmt, wts, m, k, n, "fwd", rep_ms)
+                        t_prev = bench._time_fn(prev.fmt, prev, m, k, n, "fwd", rep_ms)
                     res = []
                     x = torch.randn(m, k, device="cuda").bfloat16()
                     ref = cf.emulate(x, cws[0]).float()
@@ -142,20 +156,22 @@ def sweep(models, fmts, ms, rep_ms) -> tuple[list[dict], list[dict]]:
                     print(f"[sweep] {fmt} {n}x{k} M={m}: best {best} {best_t * 1e3:.1f}us, prev path "
                           f"{t_prev * 1e3:.1f}us, heuristic {heur} {'' if th is None else f'{th * 1e3:.1f}us'}",
                           flush=True)
-                del wts, cws
+                del wts, cws, prev
                 torch.cuda.empty_cache()
     return rows, table
 
 
-def layer_table(models, fmts, ms, rep_ms) -> list[dict]:
+def layer_table(models, fmts, ms, rep_ms, layout: str = "kernel") -> list[dict]:
     rows = []
     for mdl in models:
         lins = bench.layer_linears(mdl)
         shapes = list(dict.fromkeys((n, k) for _, n, k in lins))
         for fmt in ["bf16", *fmts]:
-            wts = {(n, k): bench._Weights(fmt, n, k, seed=3000 + i) for i, (n, k) in enumerate(shapes)}
+            wts = {(n, k): bench._Weights(fmt, n, k, seed=3000 + i) if fmt == "bf16"
+                   else prev_weights(fmt, n, k, 3000 + i, layout) for i, (n, k) in enumerate(shapes)}
             paths = ["bf16"] if fmt == "bf16" else ["prev", "cuda_gemm", "qmm"]
-            cws = {} if fmt == "bf16" else {key: w.cuda() for key, w in wts.items()}
+            cws = {} if fmt == "bf16" else {(n, k): bench._Weights(fmt, n, k, seed=3000 + i).cuda()
+                                             for i, (n, k) in enumerate(shapes)}
             for path in paths:
                 for m in ms:
                     total, cfgs = 0.0, []
@@ -167,7 +183,7 @@ def layer_table(models, fmts, ms, rep_ms) -> list[dict]:
                         else:
                             mode = {"prev": "0", "qmm": "auto", "bf16": "auto"}[path]
                             with _env("QERL_CUDA_GEMM", mode):
-                                t = bench._time_fn(fmt, wts[(n, k)], m, k, n, "fwd", rep_ms)
+                                t = bench._time_fn(wts[(n, k)].fmt, wts[(n, k)], m, k, n, "fwd", rep_ms)
                         total += t
                     rows.append(dict(model=mdl, fmt=fmt, path=path, M=m, us=round(total * 1e3, 2),
                                      configs=" ".join(cfgs)))
@@ -198,13 +214,13 @@ def markdown(rows: list[dict], header: str) -> str:
                              else f"{r['us']:.1f} ({r.get('speedup_vs_bf16', float('nan')):.2f}×)")
             tgt = TARGETS.get(m)
             out.append(f"| {m} | " + " | ".join(cells) + f" | {'' if tgt is None else f'≥ {tgt}×'} |")
-        out += ["", "Paths: `prev` = the FP4 path without this kernel (Triton GEMM or dequantize + cuBLAS, as "
-                "dispatched); `cuda_gemm` = the CUDA GEMM at its tuned configuration; `qmm` = the dispatcher now "
-                "(the faster of the two by the tuned table).", ""]
+        out += ["", "Paths: `prev` = the FP4 path without this kernel (as dispatched with QERL_CUDA_GEMM=0 on the "
+                "layout in the header); `cuda_gemm` = the CUDA GEMM at its tuned configuration; `qmm` = the "
+                "dispatcher now (the faster of the two by the tuned table).", ""]
     return "\n".join(out)
 
 
-def _header(name: str, argv) -> str:
+def _header(name: str, argv, layout: str = "kernel") -> str:
     import triton
     attrs = {(f, *v): cf.gemm_kernel_attributes(f, *v) for f in cf.FORMATS for v in cf.gemm_variants()}
     if cf.wgmma_supported():
@@ -213,7 +229,8 @@ def _header(name: str, argv) -> str:
     return (f"## CUDA FP4 GEMM (M > 16) vs BF16 cuBLAS and the previous FP4 path: {name}\n\n"
             f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}. "
             f"Registers/local bytes per (fmt, n8 tiles, strips per warp, warps per group): {attrs}. Per linear: median over CUDA-graph "
-            f"replays over rotating weight copies (>= 160 MB). Command: `python -m benchmarks.cuda_gemm_bench "
+            f"replays over rotating weight copies (>= 160 MB). The `prev` and `qmm` paths hold the weights in "
+            f"the {'kernels' if layout == 'kernel' else 'compressed-tensors'} layout (--prev-layout {layout}). Command: `python -m benchmarks.cuda_gemm_bench "
             f"{' '.join(sys.argv[1:] if argv is None else argv)}`")
 
 
@@ -227,6 +244,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="results/speed")
     ap.add_argument("--write-table", action="store_true", help="install the tuned table for the dispatcher")
     ap.add_argument("--no-sweep", action="store_true", help="use the installed table / heuristic as they are")
+    ap.add_argument("--prev-layout", default="kernel", choices=LAYOUTS,
+                    help="the layout the path without this kernel (and the dispatcher) is timed on")
     a = ap.parse_args(argv)
     if not cf.available():
         sys.exit(f"[cuda_gemm_bench] CUDA FP4 kernel unavailable: {cf.build_error()}")
@@ -234,20 +253,21 @@ def main(argv=None) -> None:
     tag = bench.gpu_tag()
     os.makedirs(a.out, exist_ok=True)
     models, fmts = a.models.split(","), a.fmts.split(",")
-    hdr = _header(name, argv)
+    hdr = _header(name, argv, a.prev_layout)
     print(hdr, flush=True)
     if not a.no_sweep:
-        rows, table = sweep(models, fmts, [int(v) for v in a.sweep_m.split(",")], a.rep / 2)
+        rows, table = sweep(models, fmts, [int(v) for v in a.sweep_m.split(",")], a.rep / 2, a.prev_layout)
         bench.write_csv(os.path.join(a.out, f"cuda_gemm_sweep_{tag}.csv"), rows)
         doc = {"device": name, "torch": torch.__version__, "command": "python -m benchmarks.cuda_gemm_bench "
-               + " ".join(sys.argv[1:] if argv is None else argv), "tail_splits": cf.wgmma_tail(), "entries": table}
+               + " ".join(sys.argv[1:] if argv is None else argv), "tail_splits": cf.wgmma_tail(),
+               "prev_layout": a.prev_layout, "entries": table}
         text = json.dumps(doc, indent=1) + "\n"
         with open(os.path.join(a.out, f"cuda_gemm_table_{tag}.json"), "w") as fh:
             fh.write(text)
         if a.write_table:
             path = cf.install_gemm_table(name, text)
             print(f"[cuda_gemm_bench] installed {path}", flush=True)
-    rows = layer_table(models, fmts, [int(v) for v in a.m.split(",")], a.rep)
+    rows = layer_table(models, fmts, [int(v) for v in a.m.split(",")], a.rep, a.prev_layout)
     bench.write_csv(os.path.join(a.out, f"cuda_gemm_{tag}.csv"), rows,
                     ["model", "fmt", "path", "M", "us", "speedup_vs_bf16", "configs"])
     md = markdown(rows, hdr)

@@ -72,3 +72,26 @@ def test_tail_splits_are_tried_where_a_partial_wave_follows_whole_ones(monkeypat
     # the build without tail splits has none
     monkeypatch.setenv("QERL_WGMMA_TAIL", "0")
     assert not [c for c in gb.configs(2368, 56, 64) if cf.wgmma_tail_kt(c[1])]
+
+
+def test_prev_path_weights_are_held_in_the_layout_asked_for(monkeypatch):
+    """--prev-layout: the "prev" path (and the dispatcher's column) is timed on the kernels' layout alone by default
+    -- what rollouts and the update hold after relayout_model -- or on the compressed-tensors layout; the same
+    weight either way; anything else a clear error naming the valid choices."""
+    import pytest
+
+    from benchmarks import kernel_bench as kb
+    from qerl.kernels import relaid
+
+    monkeypatch.setattr(kb, "DEVICE", "cpu")
+    monkeypatch.setattr(kb, "ROTATE_BYTES", 1)  # one copy of each weight
+    wk = gb.prev_weights("nvfp4", 48, 192, 7, "kernel")
+    wc = gb.prev_weights("nvfp4", 48, 192, 7, "compressed")
+    assert wk.fmt == "nvfp4" + kb.KL and relaid.is_relaid(wk.qs[0]) and "weight_packed" not in wk.qs[0]
+    assert wc.fmt == "nvfp4" and "weight_packed" in wc.qs[0] and not relaid.is_relaid(wc.qs[0])
+    x = torch.randn(3, 192).bfloat16()
+    assert torch.equal(kb._call(wk.fmt, wk, 0, x, "fwd")(), kb._call(wc.fmt, wc, 0, x, "fwd")())
+    with pytest.raises(ValueError, match="--prev-layout 'relaid': valid: kernel, compressed"):
+        gb.prev_weights("nvfp4", 48, 192, 7, "relaid")
+    with pytest.raises(SystemExit):  # argparse's choices, before any device is asked for
+        gb.main(["--prev-layout", "relaid"])
