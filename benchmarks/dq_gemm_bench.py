@@ -209,13 +209,22 @@ def main(argv=None) -> None:
         ap.error(f"--ops {a.ops!r}: valid: {', '.join(cuda_dq.OPS)}")
     if any(kz > cuda_dq.MAX_KZ for kz in kzs):
         ap.error(f"--kz {a.kz!r}: at most {cuda_dq.MAX_KZ}")
+    try:
+        abl = cuda_dq.ablate()
+    except ValueError as e:
+        ap.error(str(e))
+    if abl and a.write_table:
+        ap.error(f"QERL_DQ_ABLATE={abl} times a kernel that computes wrong results: no --write-table")
     if not cuda_dq.available():
         sys.exit(f"[dq] the dq GEMM needs an sm_90 GPU and its extension build ({cuda_dq._STATE.get('error')})")
     os.makedirs(a.out, exist_ok=True)
     tag = kb.gpu_tag("")
     rows = measure(a.models.split(","), a.fmts.split(","), ms, kzs, a.rep,
-                   os.path.join(a.out, f"dq_gemm_{tag}.csv"), a.tol, ops)
+                   os.path.join(a.out, f"dq_gemm_{tag}.csv"), float("inf") if abl else a.tol, ops)
     md = summary(rows)
+    if abl:  # the parts left out; the error column then measures the ablation, not the kernel
+        md = (f"**Ablation QERL_DQ_ABLATE={abl}** (timing only, wrong results): "
+              + ", ".join(w for b, w in cuda_dq.ABLATE_BITS.items() if abl & b) + ".\n\n" + md)
     with open(os.path.join(a.out, f"dq_gemm_{tag}.md"), "w") as f:
         f.write(f"## FP4 products with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
                 f"\n\ntorch {torch.__version__}. Command: `python -m benchmarks.dq_gemm_bench "

@@ -242,6 +242,13 @@
 #                                pure-torch reference, and the bench's "prev" column becomes the Triton dequantization +
 #                                cuBLAS, which its .md says): for a short device call (~2-3 min cold). Defaults: DQ_FMTS
 #                                nvfp4, DQ_KZ 0,1,2,4, DQ_TEST_SECS 150, DQ_SECS 150
+#   scripts/gpu_bench.sh dqablate  issue 10, session 65: what each part of the dq kernel costs. One build per
+#                                QERL_DQ_ABLATE value (DQABL, default 0 1 2 3 4: 1 no dequantization, 2 no MMAs, 4 no
+#                                barrier before the MMAs; timing only), all at once with the default extension's; the bench
+#                                (NVFP4, 7B, both ops, DQABL_M default 2048, kz 1) per value into $OUT/abl/<v>; then the
+#                                wgmma GEMM's sweep against dequantize + cuBLAS on the kernels' layout at large M
+#                                (cuda_gemm_bench --prev-layout kernel, DQABL_SWEEP_M default 512,1024,2048, no table
+#                                installed; $OUT/abl/sweep); $OUT/abl.tgz holds it all; ~6 min
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -744,6 +751,23 @@ dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the he
   timeout "${DQ_SECS:-300}" python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQ_FMTS:-nvfp4,mxfp4}" \
     --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-0,1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
     | grep "^|\|Error\|wrong\|dq\] the\|installed" >> "$LOG" ;;
+dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at large M (see the header)
+  build 2 &
+  pids=$!
+  for v in ${DQABL:-0 1 2 3 4}; do
+    QERL_CUDA_GEMV=0 QERL_DQ_ABLATE=$v python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $v', \
+      d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1 &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
+  for v in ${DQABL:-0 1 2 3 4}; do
+    QERL_CUDA_GEMV=0 QERL_DQ_ABLATE=$v timeout 90 python3 -m benchmarks.dq_gemm_bench --models 7b --fmts nvfp4 \
+      --ops bwd,fwd --m "${DQABL_M:-2048}" --kz 1 --out "$OUT/abl/$v" 2>&1 | grep "^|\|Error\|dq\]" >> "$LOG"
+  done
+  timeout "${DQABL_SWEEP_SECS:-200}" python3 -m benchmarks.cuda_gemm_bench --models 7b --fmts nvfp4 --prev-layout kernel \
+    --sweep-m "${DQABL_SWEEP_M:-512,1024,2048}" --m "${DQABL_SWEEP_M:-512,1024,2048}" --out "$OUT/abl/sweep" 2>&1 \
+    | grep -v Warn >> "$LOG"
+  tar czf "$OUT/abl.tgz" -C "$OUT" abl ;;
 dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and without (see the header)
   build 2 &
   bpid=$!

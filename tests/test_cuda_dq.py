@@ -157,6 +157,61 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def _wsc_tool(name: str):
+    from benchmarks import wgmma_sass_check as wsc
+    return wsc._tool(name)
+
+
+def sass_builds() -> dict[str, list[tuple]]:
+    """{test: its ``wgmma_sass_check.compile_sass`` builds}, started ahead by conftest."""
+    src = dq._CU[0].read_text()
+    return {"test_ablation_builds_leave_out_what_they_name": [(2, src, (f"QFP4_DQ_ABLATE={v}",)) for v in (0, 1, 2, 4)]}
+
+
+def test_ablation_switch():
+    """QERL_DQ_ABLATE (timing only) is a sum of the parts a build leaves out; anything else names the choices."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("QERL_DQ_ABLATE", raising=False)
+        assert dq.ablate() == 0
+        mp.setenv("QERL_DQ_ABLATE", "5")
+        assert dq.ablate() == 5
+        for bad in ("8", "-1", "x", ""):
+            mp.setenv("QERL_DQ_ABLATE", bad)
+            with pytest.raises(ValueError, match=rf"QERL_DQ_ABLATE={bad!r}: a sum of 1 \(no dequantization\), 2 "
+                                                 r"\(no MMAs\), 4 \(no barrier before the MMAs\), 0 to 7"):
+                dq.ablate()
+        from benchmarks import dq_gemm_bench as bench
+        mp.setenv("QERL_DQ_ABLATE", "1")
+        with pytest.raises(SystemExit):  # a wrong kernel's times are never installed as the table
+            bench.main(["--write-table"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None or _wsc_tool("cuobjdump") is None,
+                    reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_ablation_builds_leave_out_what_they_name():
+    """-DQFP4_DQ_ABLATE=1 drops the dequantization's shared-memory stores (the MMAs stay), 2 every MMA, 4 a barrier a
+    chunk; in every GEMM kernel, against the default build."""
+    from benchmarks import wgmma_sass_check as wsc
+    builds = {}
+    for src, defines in (b[1:] for b in sass_builds()["test_ablation_builds_leave_out_what_they_name"]):
+        funcs = wsc.functions(wsc.compile_sass(2, src, defines)[0])
+        builds[int(defines[0].split("=")[1])] = {n: [wsc.opcode(t) for _, t in b] for n, b in funcs.items()
+                                                 if "dq_gemm_kernel" in n}
+    assert len(builds[0]) == 12 and all(b.keys() == builds[0].keys() for b in builds.values())
+
+    def count(v, name, prefix):
+        return sum(op.startswith(prefix) for op in builds[v][name])
+
+    for name in builds[0]:
+        # the MMAs: fp32-accumulating HGMMA (without any, ptxas keeps a placeholder F16 one of zero registers)
+        sts, bar = ({v: count(v, name, p) for v in builds} for p in ("STS", "BAR.SYNC"))
+        mma = {v: sum(op.startswith("HGMMA") and ".F32" in op for op in builds[v][name]) for v in builds}
+        assert mma[0] > 0 and mma[1] == mma[4] == mma[0] and mma[2] == 0, (name, mma)
+        assert sts[1] < sts[0] and sts[0] > 0, (name, sts)
+        assert bar[4] < bar[0] == bar[1], (name, bar)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and cf.wgmma_supported()),

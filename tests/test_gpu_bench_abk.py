@@ -343,3 +343,27 @@ def test_dq_modes_build_test_and_bench_and_dqlean_leaves_the_default_extension_o
     p, calls = _run(tmp_path / "f", mode, DQ_STUB, STUB_FAIL="1", DQ_FMTS="mxfp4")
     assert p.returncode == 0, p.stderr
     assert sum("dq_probe" in c for c in calls) == 1 and "--fmts mxfp4 " in next(c for c in calls if "dq_gemm" in c)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_dqablate_builds_every_ablation_then_benches_each_and_sweeps_the_wgmma_gemm(tmp_path):
+    """``dqablate``: the default build and one dq build per QERL_DQ_ABLATE value (0 1 2 3 4) at once, the bench per
+    value (NVFP4, 7B, M 2048, kz 1, no table) into its own folder, then the wgmma sweep at large M on the kernels'
+    layout with no table installed; everything in $OUT/abl.tgz."""
+    stub = ('#!/usr/bin/env bash\necho "${QERL_DQ_ABLATE:-unset}|$*" >> "$STUB_LOG"\n'
+            'case "$1 ${2:-}" in "-m benchmarks.cuda_gemm_bench") mkdir -p "${@: -1}"; echo "| x |" ;; '
+            '"-m benchmarks.dq_gemm_bench") echo "| 7b | fwd |" ;; *) echo "build True None" ;; esac\n')
+    p, calls = _run(tmp_path, "dqablate", stub)
+    assert p.returncode == 0, p.stderr
+    builds = [c for c in calls if "|-c " in c]
+    assert sum("cuda_fp4" in c for c in builds) == 1
+    assert sorted(c.split("|")[0] for c in builds if "cuda_dq" in c) == ["0", "1", "2", "3", "4"]
+    benches = [c for c in calls if "dq_gemm_bench" in c]
+    assert [c.split("|")[0] for c in benches] == ["0", "1", "2", "3", "4"]
+    for c in benches:
+        v = c.split("|")[0]
+        assert "--fmts nvfp4 --ops bwd,fwd --m 2048 --kz 1 --out" in c and c.endswith(f"/abl/{v}"), c
+        assert "--write-table" not in c
+    (sw,) = [c for c in calls if "cuda_gemm_bench" in c]
+    assert "--prev-layout kernel --sweep-m 512,1024,2048 --m 512,1024,2048" in sw and "--write-table" not in sw
+    assert (tmp_path / "out" / "abl.tgz").exists()

@@ -106,9 +106,23 @@ def enabled(op: str = "bwd") -> bool:
     return v == "all" or v == op
 
 
+ABLATE_BITS = {1: "no dequantization", 2: "no MMAs", 4: "no barrier before the MMAs"}
+
+
+def ablate() -> int:
+    """``QERL_DQ_ABLATE`` (timing only: the results are wrong; ``benchmarks.dq_gemm_bench`` then skips its check): a
+    sum of ``ABLATE_BITS``, the parts its build of the kernel leaves out; 0 (the default) leaves nothing out."""
+    import os
+    text = os.environ.get("QERL_DQ_ABLATE", "0")
+    if not text.isdigit() or int(text) >= 2 * max(ABLATE_BITS):
+        raise ValueError(f"QERL_DQ_ABLATE={text!r}: a sum of {', '.join(f'{b} ({w})' for b, w in ABLATE_BITS.items())}"
+                         f", 0 to {2 * max(ABLATE_BITS) - 1}")
+    return int(text)
+
+
 def _ext():
-    return cuda_build.load_extension("qerl_fp4_dq", _CU, _HEADERS, _BINDING, ["-O3", *cuda_build.arch_flags()],
-                                     _STATE)
+    flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={ablate()}"] if ablate() else [])
+    return cuda_build.load_extension("qerl_fp4_dq", _CU, _HEADERS, _BINDING, flags, _STATE)
 
 
 def available(device: torch.device | int | None = None) -> bool:

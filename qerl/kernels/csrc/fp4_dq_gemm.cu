@@ -37,6 +37,13 @@
 #include "fp4_mma_common.cuh"
 #include "fp4_wgmma_ops.cuh"
 
+// QFP4_DQ_ABLATE (timing only, wrong results; QERL_DQ_ABLATE selects the build): bit 1 leaves the dequantization
+// into the tile out (the MMAs read whatever it holds), bit 2 the MMAs, bit 4 the barrier between the dequantization
+// and the MMAs. What a part costs is the time it takes away.
+#ifndef QFP4_DQ_ABLATE
+#define QFP4_DQ_ABLATE 0
+#endif
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_DQ_WGMMA 1
 #else
@@ -175,12 +182,13 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
     __syncthreads();  // (A) every thread's; and chunk idx - 2's MMAs are retired in both warpgroups
     if (idx + kStages - 2 < nck) stage(idx + kStages - 2);  // into chunk idx - 2's stage
     cp_async_commit();
-    dequant(idx);  // into the tile chunk idx - 2's MMAs read
+    if constexpr (!(QFP4_DQ_ABLATE & 1)) dequant(idx);  // into the tile chunk idx - 2's MMAs read
     fence_proxy_async();
-    __syncthreads();  // (B) the tile is whole
+    if constexpr (!(QFP4_DQ_ABLATE & 4)) __syncthreads();  // (B) the tile is whole
     const uint32_t alo = desc_lo(sbase + (idx & (kStages - 1)) * L::STAGE + wg * 64 * 128);
     wgmma_fence();
-    if constexpr (FWD) {
+    if constexpr (QFP4_DQ_ABLATE & 2) {
+    } else if constexpr (FWD) {
       const uint32_t blo = desc_lo(tbase + (idx & 1) * L::TILE);
 #pragma unroll
       for (int j = 0; j < 4; ++j) wgmma_ss<NB>(acc, alo + 2 * j, kDescHi, blo + 2 * j, kDescHi);  // +16 columns
