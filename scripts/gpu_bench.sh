@@ -248,7 +248,8 @@
 #                                (NVFP4, 7B, both ops, DQABL_M default 2048, kz 1) per value into $OUT/abl/<v>; then the
 #                                wgmma GEMM's sweep against dequantize + cuBLAS on the kernels' layout at large M
 #                                (cuda_gemm_bench --prev-layout kernel, DQABL_SWEEP_M default 512,1024,2048, no table
-#                                installed; $OUT/abl/sweep); $OUT/abl.tgz holds it all; ~6 min
+#                                installed; $OUT/abl/sweep; DQABL_SWEEP_SECS=0: neither it nor the default build);
+#                                $OUT/abl.tgz holds it all; ~6 min (~2 min without the sweep)
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -752,8 +753,8 @@ dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the he
     --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-0,1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
     | grep "^|\|Error\|wrong\|dq\] the\|installed" >> "$LOG" ;;
 dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at large M (see the header)
-  build 2 &
-  pids=$!
+  pids=
+  if [ "${DQABL_SWEEP_SECS:-200}" != 0 ]; then build 2 & pids=$!; fi
   for v in ${DQABL:-0 1 2 3 4}; do
     QERL_CUDA_GEMV=0 QERL_DQ_ABLATE=$v python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $v', \
       d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1 &
@@ -764,9 +765,10 @@ dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at
     QERL_CUDA_GEMV=0 QERL_DQ_ABLATE=$v timeout 90 python3 -m benchmarks.dq_gemm_bench --models 7b --fmts nvfp4 \
       --ops bwd,fwd --m "${DQABL_M:-2048}" --kz 1 --out "$OUT/abl/$v" 2>&1 | grep "^|\|Error\|dq\]" >> "$LOG"
   done
-  timeout "${DQABL_SWEEP_SECS:-200}" python3 -m benchmarks.cuda_gemm_bench --models 7b --fmts nvfp4 --prev-layout kernel \
-    --sweep-m "${DQABL_SWEEP_M:-512,1024,2048}" --m "${DQABL_SWEEP_M:-512,1024,2048}" --out "$OUT/abl/sweep" 2>&1 \
-    | grep -v Warn >> "$LOG"
+  [ "${DQABL_SWEEP_SECS:-200}" = 0 ] || timeout "${DQABL_SWEEP_SECS:-200}" python3 -m benchmarks.cuda_gemm_bench \
+    --models 7b --fmts nvfp4 --prev-layout kernel --sweep-m "${DQABL_SWEEP_M:-512,1024,2048}" \
+    --m "${DQABL_SWEEP_M:-512,1024,2048}" --out "$OUT/abl/sweep" 2>&1 | grep -v Warn >> "$LOG"
+  mkdir -p "$OUT/abl"
   tar czf "$OUT/abl.tgz" -C "$OUT" abl ;;
 dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and without (see the header)
   build 2 &

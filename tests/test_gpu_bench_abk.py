@@ -367,3 +367,9 @@ def test_dqablate_builds_every_ablation_then_benches_each_and_sweeps_the_wgmma_g
     (sw,) = [c for c in calls if "cuda_gemm_bench" in c]
     assert "--prev-layout kernel --sweep-m 512,1024,2048 --m 512,1024,2048" in sw and "--write-table" not in sw
     assert (tmp_path / "out" / "abl.tgz").exists()
+    (tmp_path / "lean").mkdir()  # DQABL_SWEEP_SECS=0: the ablations alone, without the default build
+    p, calls = _run(tmp_path / "lean", "dqablate", stub, DQABL_SWEEP_SECS="0", DQABL="0 1")
+    assert p.returncode == 0, p.stderr
+    assert not any("cuda_fp4" in c or "cuda_gemm_bench" in c for c in calls), calls
+    assert [c.split("|")[0] for c in calls if "dq_gemm_bench" in c] == ["0", "1"]
+    assert (tmp_path / "lean" / "out" / "abl.tgz").exists()
