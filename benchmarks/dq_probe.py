@@ -22,16 +22,17 @@ CASES = (("fwd", 256, 256), ("bwd", 256, 256), ("bwd", 64, 256), ("bwd", 128, 12
          ("bwd", 128, 512))
 
 
-def exact_weight(fmt: str, q) -> torch.Tensor:
+def exact_weight(fmt: str, q, rounded: bool = True) -> torch.Tensor:
     """Ŵ (N, K) as float32 holding its bf16 values, from the pure-torch reference (the format's ``dequantize``: the
     float32 products e2m1 x scale, rounded once to bf16), no kernel involved: the values every CUDA path must
     produce bit for bit (``cuda_fp4.relayout_is_exact`` holds for random weights; tests/test_cuda_fp4.py checks the
     CUDA dequantization against the compressed-tensors one). NVFP4 without ``weight_global_scale``: its scales alone
-    (a global scale of 1)."""
+    (a global scale of 1). ``rounded=False``: the float32 products themselves, not rounded to bf16 -- the weight
+    ``QERL_DQ_DECODE=mma``'s build multiplies by (e2m1 x scale exact, the global scale applied to the accumulators)."""
     from qerl.quant import FORMATS
     if fmt == "nvfp4" and q.get("weight_global_scale") is None:
         q = {**q, "weight_global_scale": torch.ones((), device=q["weight_packed"].device)}
-    return FORMATS[fmt].dequantize(q, torch.bfloat16).float()
+    return FORMATS[fmt].dequantize(q, torch.bfloat16 if rounded else torch.float32).float()
 
 
 def locate(y: torch.Tensor, mat: torch.Tensor, tol: float = 1e-3, first: int = 6) -> tuple[int, list[str]]:

@@ -250,6 +250,10 @@
 #                                (cuda_gemm_bench --prev-layout kernel, DQABL_SWEEP_M default 512,1024,2048, no table
 #                                installed; $OUT/abl/sweep; DQABL_SWEEP_SECS=0: neither it nor the default build);
 #                                $OUT/abl.tgz holds it all; ~6 min (~2 min without the sweep)
+#   scripts/gpu_bench.sh dqdecode  issue 10, session 65: the dq kernel's two decodes (QERL_DQ_DECODE=exact, mma), each
+#                                built (at once, QERL_CUDA_GEMV=0), its GPU tests ($OUT/tests_dq_<decode>.txt) and the
+#                                bench (DQDEC_FMTS nvfp4,mxfp4, both ops, M 512,2048, kz 0,1,2; no table) into
+#                                $OUT/dec_<decode>; ~3 min
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -752,6 +756,23 @@ dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the he
   timeout "${DQ_SECS:-300}" python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQ_FMTS:-nvfp4,mxfp4}" \
     --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-0,1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
     | grep "^|\|Error\|wrong\|dq\] the\|installed" >> "$LOG" ;;
+dqdecode)  # issue 10, session 65: the dq kernel's exact and mma decodes (see the header)
+  export QERL_CUDA_GEMV=0
+  pids=
+  for d in exact mma; do
+    QERL_DQ_DECODE=$d python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $d', d.available(), \
+      d._STATE.get('error'))" >> "$LOG" 2>&1 &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
+  for d in exact mma; do
+    QERL_DQ_DECODE=$d timeout "${DQDEC_TEST_SECS:-100}" python3 -m pytest -q -m gpu tests/test_cuda_dq.py \
+      > "$OUT/tests_dq_$d.txt" 2>&1
+    tail -2 "$OUT/tests_dq_$d.txt" | sed "s/^/$d: /" >> "$LOG"
+    QERL_DQ_DECODE=$d timeout "${DQDEC_SECS:-100}" python3 -m benchmarks.dq_gemm_bench --models 7b \
+      --fmts "${DQDEC_FMTS:-nvfp4,mxfp4}" --ops bwd,fwd --m 512,2048 --kz 0,1,2 --out "$OUT/dec_$d" 2>&1 \
+      | grep "^|\|Error\|dq\] the" | sed "s/^/$d: /" >> "$LOG"
+  done ;;
 dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at large M (see the header)
   pids=
   if [ "${DQABL_SWEEP_SECS:-200}" != 0 ]; then build 2 & pids=$!; fi

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks import dq_gemm_bench as bench
-from benchmarks.dq_probe import exact_weight as _exact
+from benchmarks.dq_probe import exact_weight
 from qerl.kernels import cuda_dq as dq
 from qerl.kernels import cuda_fp4 as cf
 from qerl.quant import FORMATS
@@ -165,7 +165,8 @@ def _wsc_tool(name: str):
 def sass_builds() -> dict[str, list[tuple]]:
     """{test: its ``wgmma_sass_check.compile_sass`` builds}, started ahead by conftest."""
     src = dq._CU[0].read_text()
-    return {"test_ablation_builds_leave_out_what_they_name": [(2, src, (f"QFP4_DQ_ABLATE={v}",)) for v in (0, 1, 2, 4)]}
+    return {"test_ablation_builds_leave_out_what_they_name": [(2, src, (f"QFP4_DQ_ABLATE={v}",)) for v in (0, 1, 2, 4)]
+            + [(2, src, ("QFP4_DQ_MMA_DECODE=1",))]}
 
 
 def test_ablation_switch():
@@ -180,6 +181,14 @@ def test_ablation_switch():
             with pytest.raises(ValueError, match=rf"QERL_DQ_ABLATE={bad!r}: a sum of 1 \(no dequantization\), 2 "
                                                  r"\(no MMAs\), 4 \(no barrier before the MMAs\), 0 to 7"):
                 dq.ablate()
+        mp.delenv("QERL_DQ_DECODE", raising=False)
+        assert dq.decode() == "exact"
+        mp.setenv("QERL_DQ_DECODE", "mma")
+        assert dq.decode() == "mma"
+        mp.setenv("QERL_DQ_DECODE", "fast")
+        with pytest.raises(ValueError, match=r"QERL_DQ_DECODE='fast'; valid: exact, mma"):
+            dq.decode()
+        mp.delenv("QERL_DQ_DECODE")
         from benchmarks import dq_gemm_bench as bench
         mp.setenv("QERL_DQ_ABLATE", "1")
         with pytest.raises(SystemExit):  # a wrong kernel's times are never installed as the table
@@ -196,9 +205,13 @@ def test_ablation_builds_leave_out_what_they_name():
     builds = {}
     for src, defines in (b[1:] for b in sass_builds()["test_ablation_builds_leave_out_what_they_name"]):
         funcs = wsc.functions(wsc.compile_sass(2, src, defines)[0])
-        builds[int(defines[0].split("=")[1])] = {n: [wsc.opcode(t) for _, t in b] for n, b in funcs.items()
-                                                 if "dq_gemm_kernel" in n}
+        key = "mma" if "MMA_DECODE" in defines[0] else int(defines[0].split("=")[1])
+        builds[key] = {n: [wsc.opcode(t) for _, t in b] for n, b in funcs.items() if "dq_gemm_kernel" in n}
     assert len(builds[0]) == 12 and all(b.keys() == builds[0].keys() for b in builds.values())
+    mma = builds.pop("mma")  # QERL_DQ_DECODE=mma: no float32 products rounded to bf16 pairs in the decode
+    for name in builds[0]:
+        f2fp = [sum(op.startswith("F2FP") for op in b[name]) for b in (builds[0], mma)]
+        assert f2fp[1] < f2fp[0], (name, f2fp)
 
     def count(v, name, prefix):
         return sum(op.startswith(prefix) for op in builds[v][name])
@@ -216,6 +229,12 @@ def test_ablation_builds_leave_out_what_they_name():
 
 needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and cf.wgmma_supported()),
                                 reason="needs an sm_90 GPU")
+
+
+def _exact(fmt: str, q, rounded: bool | None = None) -> torch.Tensor:
+    """The weight the kernel's build multiplies by (``exact_weight``): rounded to bf16 for QERL_DQ_DECODE=exact, the
+    float32 products for mma (``rounded`` overrides: the dequantize + cuBLAS path's is always rounded)."""
+    return exact_weight(fmt, q, dq.decode() == "exact" if rounded is None else rounded)
 
 
 def _ref(g: torch.Tensor, whole: torch.Tensor, op: str = "bwd") -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +335,7 @@ def test_gpu_dispatcher_route_determinism_and_graphs(fmt, monkeypatch):
     monkeypatch.setenv("QERL_DQ_GEMM", "0")
     prev = qk.qmm_t(g, fmt, q)
     assert calls == [(512, 4608)]  # not taken
-    ref, mag = _ref(g.reshape(-1, 4608), whole)
+    ref, mag = _ref(g.reshape(-1, 4608), _exact(fmt, qc, rounded=True))  # dequantize + cuBLAS: bf16 weights
     _close(prev.reshape(512, 3584), ref, mag, "prev")
     monkeypatch.setattr(dq, "gemm_t", orig)
     # the forward: where the dispatcher dequantizes (M 4096, above the wgmma GEMM's range), QERL_DQ_GEMM=fwd takes the

@@ -373,3 +373,28 @@ def test_dqablate_builds_every_ablation_then_benches_each_and_sweeps_the_wgmma_g
     assert not any("cuda_fp4" in c or "cuda_gemm_bench" in c for c in calls), calls
     assert [c.split("|")[0] for c in calls if "dq_gemm_bench" in c] == ["0", "1"]
     assert (tmp_path / "lean" / "out" / "abl.tgz").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_dqdecode_builds_tests_and_benches_both_decodes(tmp_path):
+    """``dqdecode``: both QERL_DQ_DECODE builds at once (no default build: QERL_CUDA_GEMV=0), then per decode its GPU
+    tests and the bench (both formats, both ops, M 512 and 2048, kz 0 1 2, no table) into its own folder."""
+    stub = ('#!/usr/bin/env bash\necho "${QERL_DQ_DECODE:-unset}|${QERL_CUDA_GEMV:-unset}|$*" >> "$STUB_LOG"\n'
+            'case "$1 ${2:-}" in "-m pytest") echo "4 passed in 0.1s" ;; *) echo "| x |" ;; esac\n')
+    p, calls = _run(tmp_path, "dqdecode", stub)
+    assert p.returncode == 0, p.stderr
+    assert {c.split("|")[1] for c in calls} == {"0"}
+    builds = [c for c in calls if "|-c " in c]
+    assert sorted(c.split("|")[0] for c in builds) == ["exact", "mma"] and all("cuda_dq" in c for c in builds)
+    runs = [c for c in calls if "|-c " not in c]
+    assert [(c.split("|")[0], "-m pytest" in c) for c in runs] == [("exact", True), ("exact", False), ("mma", True),
+                                                                 ("mma", False)]
+    for c in runs:
+        if "-m pytest" in c:
+            assert "-m gpu tests/test_cuda_dq.py" in c
+        else:
+            d = c.split("|")[0]
+            assert "--fmts nvfp4,mxfp4 --ops bwd,fwd --m 512,2048 --kz 0,1,2" in c and c.endswith(f"dec_{d}"), c
+            assert "--write-table" not in c
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "exact: 4 passed" in log and "mma: 4 passed" in log

@@ -238,7 +238,7 @@ def test_extension_binding_compiles_against_torch_headers(tmp_path, ext):
     # the check must fail on a slip: a launcher called with one argument too few
     slip = binding.replace(*{"cuda_fp4": ("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()"),
                              "cuda_attn": ("(float)scale, (int)nst,\n                               pdl ? 1 : 0,", "(float)scale, (int)nst,"),
-                             "cuda_dq": ("(int)sk, fwd ? 1 : 0,", "(int)sk,")}[ext], 1)
+                             "cuda_dq": ("(float)out_mult,\n", "(float)out_mult);\n//")}[ext], 1)
     assert slip != binding
     bad.write_text(slip)
     incs = [*include_paths(), _cuda_include(), sysconfig.get_paths()["include"], str(tmp_path)]

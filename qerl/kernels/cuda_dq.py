@@ -10,7 +10,8 @@ for the forward). ``kz`` > 1 splits the contraction across CTAs: fp32 partials i
 a second launch (deterministic); ``kz`` = 0 is stream-K: the (tile, chunk) iterations cut into one even range per SM
 (no partly idle last wave at any tile count), the tiles a range shares written as fp32 slots and added in CTA order by
 a second launch (``csrc/fp4_dq_stream.h``). The result differs from dequantize + cuBLAS only by the fp32 summation
-order.
+order; with ``QERL_DQ_DECODE=mma`` (:func:`decode`) the tile holds the wgmma GEMM's cheaper decode instead and the
+weight is not rounded to bf16 at all.
 
 Shapes are given as (m, r, c): m tokens, r the contraction (the weight's N for the backward, K for the forward), c
 the output width (K, or N). ``enabled(op)`` (``QERL_DQ_GEMM``) decides whether ``qerl.kernels`` takes the kernel;
@@ -41,12 +42,13 @@ _BINDING = r"""
 #include <cuda_runtime_api.h>
 
 extern "C" int qfp4_dq_gemm(const void*, long, const void*, const void*, const float*, void*, long, void*, int, int,
-                            int, long, int, int, int, int, int, void*);
+                            int, long, int, int, int, int, int, unsigned, float, void*);
 extern "C" int qfp4_dq_smem(int, int);
 
 // fwd: out (M, N) = g (M, K) @ Wᵀ; else out (M, K) = g (M, N) @ W
 void gemm(torch::Tensor g, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out,
-          torch::Tensor ws, int64_t fmt, bool has_g, int64_t nb, int64_t kz, int64_t sk, bool fwd) {
+          torch::Tensor ws, int64_t fmt, bool has_g, int64_t nb, int64_t kz, int64_t sk, bool fwd, int64_t bword,
+          double out_mult) {
   TORCH_CHECK(g.is_cuda() && qw.is_cuda() && sc.is_cuda() && out.is_cuda() && gs.is_cuda() && ws.is_cuda(),
               "tensors must be on CUDA");
   TORCH_CHECK(g.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "g, out must be bf16");
@@ -69,7 +71,7 @@ void gemm(torch::Tensor g, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
   const int err = qfp4_dq_gemm(g.data_ptr(), (long)g.stride(0), qw.data_ptr(), sc.data_ptr(),
                                has_g ? gs.data_ptr<float>() : nullptr, out.data_ptr(), (long)out.stride(0),
                                kz > 1 || sk > 0 ? ws.data_ptr() : nullptr, M, N, K, (long)cs, (int)fmt, (int)nb,
-                               (int)kz, (int)sk, fwd ? 1 : 0,
+                               (int)kz, (int)sk, fwd ? 1 : 0, (unsigned)bword, (float)out_mult,
                                (void*)c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
   TORCH_CHECK(err == 0, "qfp4_dq_gemm: ", err == -1 ? "unsupported arguments (shapes, strides, alignment, nb, kz, sk)"
                                                    : cudaGetErrorString((cudaError_t)err));
@@ -120,8 +122,22 @@ def ablate() -> int:
     return int(text)
 
 
+DECODES = ("exact", "mma")
+
+
+def decode() -> str:
+    """``QERL_DQ_DECODE``: how the kernel fills its BF16 tile. ``exact`` (the default): the exact dequantization,
+    float32 products rounded once to bf16 (``cuda_fp4.dequantize``'s values: the result is dequantize + cuBLAS's up to
+    the fp32 summation order); ``mma``: the wgmma GEMM's decode, e2m1 x scale exact in bf16 with the weight's
+    exponent offset (one HMUL2 a pair), the offset and the NVFP4 global scale applied to the fp32 accumulators: the
+    weight is not rounded to bf16 at all (as in ``cuda_fp4.gemm``)."""
+    from qerl.kernels import _gemm_lora_switch
+    return _gemm_lora_switch("QERL_DQ_DECODE", "exact", DECODES)
+
+
 def _ext():
-    flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={ablate()}"] if ablate() else [])
+    flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={ablate()}"] if ablate() else []) \
+        + (["-DQFP4_DQ_MMA_DECODE=1"] if decode() == "mma" else [])
     return cuda_build.load_extension("qerl_fp4_dq", _CU, _HEADERS, _BINDING, flags, _STATE)
 
 
@@ -310,7 +326,7 @@ def _run(op: str, a: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor 
         ws = out
     has_g = w.global_scale is not None
     _ext().gemm(a, w.qweight, w.scales, w.global_scale if has_g else w.qweight, out, ws,
-                0 if w.fmt == "nvfp4" else 1, has_g, nb, max(kz, 1), sk, op == "fwd")
+                0 if w.fmt == "nvfp4" else 1, has_g, nb, max(kz, 1), sk, op == "fwd", w.bword, w.out_mult)
     return out
 
 
@@ -331,6 +347,6 @@ def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = 
     return _run("fwd", x, w, out, config)
 
 
-__all__ = ["gemm_t", "gemm", "enabled", "available", "supported", "dims", "configs", "check_config", "pick_config",
+__all__ = ["gemm_t", "gemm", "enabled", "decode", "ablate", "available", "supported", "dims", "configs", "check_config", "pick_config",
            "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config",
            "NBS", "MAX_KZ", "OPS", "DQ_MODES"]

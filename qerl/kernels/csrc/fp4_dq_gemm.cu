@@ -43,6 +43,14 @@
 #ifndef QFP4_DQ_ABLATE
 #define QFP4_DQ_ABLATE 0
 #endif
+// QFP4_DQ_MMA_DECODE (QERL_DQ_DECODE=mma selects the build): the tile holds the wgmma GEMM's decode (e2m1 x scale x
+// 2^(bexp - 126), exact in bf16: one HMUL2 a pair, csrc/fp4_mma_common.cuh's scale_words / bmul2) and the epilogue
+// multiplies by 2^(126 - bexp) (/ the NVFP4 global scale): the weight's values are not rounded to bf16, so the result
+// differs from dequantize + cuBLAS by that rounding. 0: the exact dequantization (float32 products rounded once to
+// bf16, cuda_fp4.dequantize's values bit for bit), ~5 instructions a pair more.
+#ifndef QFP4_DQ_MMA_DECODE
+#define QFP4_DQ_MMA_DECODE 0
+#endif
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_DQ_WGMMA 1
@@ -98,6 +106,8 @@ struct Args {
   int C;    // output columns: the weight's K (BWD) or N (FWD)
   long cs;  // chunks between strips of the weight (its K / 64, or more for a column slice)
   int sk;   // > 0: stream-K over gridDim.x = sk CTAs (see dq_gemm_kernel); 0: the (tiles, tiles, splits) grid
+  uint32_t bword;  // QFP4_DQ_MMA_DECODE: the weight's scale-word bias (cuda_fp4.CudaFP4Weight.bword) ...
+  float out_mult;  // ... and accumulator multiplier 2^(126 - bexp)
 };
 
 // One output tile (token tile tm, column tile tc) over contraction chunks [c_begin, c_begin + nck): the main loop
@@ -149,11 +159,23 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
       const uint4 w = *reinterpret_cast<const uint4*>(st + L::WOFF + b * 512 + lane * 16);
       const uint32_t s16 =
           *reinterpret_cast<const uint16_t*>(st + L::SOFF + b * SPB + 2 * (g * GPC + (FMT == 0 ? t : t >> 1)));
-      float s0, s8;
-      row_scales<FMT, HAS_G>(s16, inv, s0, s8);
       const uint32_t v[4] = {w.x, w.y, w.z, w.w};
       uint32_t ra[8], rb[8];
+#if QFP4_DQ_MMA_DECODE
+      uint32_t sg, sg8;
+      scale_words<FMT>(s16, a.bword, sg, sg8);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // dequant_unit's pairs, scaled as decode_word scales them
+        ra[2 * j] = bmul2(v[j] & kMask, sg);
+        rb[2 * j] = bmul2(rotr(v[j], 3) & kMask, sg8);
+        ra[2 * j + 1] = bmul2(rotr(v[j], 6) & kMask, sg);
+        rb[2 * j + 1] = bmul2(((v[j] & kRest) * kSpread) & kMask, sg8);
+      }
+#else
+      float s0, s8;
+      row_scales<FMT, HAS_G>(s16, inv, s0, s8);
       dequant_unit(v, s0, s8, ra, rb);
+#endif
       // BWD: contraction row 16 (b / CB) + g of the 64-column block b % CB (MN-major); FWD: weight row 16 b + g of
       // the tile (K-major: its 64 contraction columns in the row's 128 bytes). Rows row and row + 8 share (row & 7).
       const int row = FWD ? 16 * b + g : 16 * (b / L::CB) + g;
@@ -205,6 +227,13 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
   for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
   cp_async_wait<0>();
 
+#if QFP4_DQ_MMA_DECODE
+  {  // the decode's exponent offset and the global scale, once a tile (linear: partials may carry it)
+    const float mult = HAS_G ? a.out_mult / inv : a.out_mult;
+#pragma unroll
+    for (int i = 0; i < NB / 2; ++i) acc[i] *= mult;
+  }
+#endif
   // acc[4 i + e]: row 64 wg + 16 warp + g + 8 (e >> 1), column 8 i + 2 t + (e & 1) of the tile
   const int w4 = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   const int rl = 64 * wg + 16 * w4 + g, r0 = m0 + rl;  // the tile's row, the output's
@@ -375,7 +404,7 @@ extern "C" int qfp4_dq_smem(int fmt, int nb) {
 // error code. sm_90a only (elsewhere the kernel is empty: the caller checks the device).
 extern "C" int qfp4_dq_gemm(const void* act, long lda, const void* qw, const void* sc, const float* gs, void* out,
                             long ldo, void* ws, int M, int N, int K, long cs, int fmt, int nb, int kz, int sk, int fwd,
-                            void* stream) {
+                            unsigned bword, float out_mult, void* stream) {
   using namespace qfp4::dq;
   const int R = fwd ? K : N, C = fwd ? N : K;
   if (M <= 0 || N % 64 || K % 64 || N <= 0 || K <= 0 || (nb != 128 && nb != 256) || C % nb || kz < 1 ||
@@ -386,7 +415,7 @@ extern "C" int qfp4_dq_gemm(const void* act, long lda, const void* qw, const voi
     return -1;
   const Args a{static_cast<const __nv_bfloat16*>(act), lda, static_cast<const uint4*>(qw),
                static_cast<const unsigned char*>(sc), gs, static_cast<__nv_bfloat16*>(out), ldo,
-               static_cast<float*>(ws), M, R, C, cs, sk};
+               static_cast<float*>(ws), M, R, C, cs, sk, bword, out_mult};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return fwd ? launch_fmt<true>(a, fmt, nb, kz, st) : launch_fmt<false>(a, fmt, nb, kz, st);
 }
