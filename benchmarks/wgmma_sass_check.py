@@ -168,7 +168,10 @@ def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, n
             if nice and _STOPPED:
                 raise RuntimeError("prebuilds stopped")
             proc = subprocess.Popen([*low, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=nice)  # its own group: stop_prebuilds kills cicc/ptxas too
+                                    preexec_fn=os.setpgrp if nice else None)
+            # its own process group (stop_prebuilds kills cicc and ptxas with it) in this session: a new session
+            # (setsid) would be a scheduler autogroup of its own, which Linux gives an equal share of the CPU
+            # whatever its nice value (session 65's first version slowed the two-rank tests so)
             _RUNNING.add(proc)
         try:
             out, err = proc.communicate()

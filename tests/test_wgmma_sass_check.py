@@ -423,8 +423,9 @@ def test_lora_ablate_builds_leave_out_what_they_name():
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
     """wsc.prebuild (conftest starts the SASS tests' builds with it): compile_sass with the same arguments gets the
-    background build (once: the next call builds again); the builds run at nice 19; stop_prebuilds kills a running
-    one and returns at once (in a child process, so this suite's own prebuilds are left alone)."""
+    background build (once: the next call builds again); the builds run at nice 19 in the caller's session (Linux's
+    autogroups give a new session an equal CPU share whatever its nice); stop_prebuilds kills a running one (its
+    process group) and returns at once (in a child process, so this suite's own prebuilds are left alone)."""
     import subprocess
     import sys
     import time
@@ -441,6 +442,7 @@ def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
             "w.prebuild([(1, None, ('QFP4_WGMMA_NO_SK=1',))], workers=1)\n"
             "while not w._RUNNING: time.sleep(0.05)\n"
             "(p,) = w._RUNNING\ntime.sleep(0.5)\nprint('nice', os.getpriority(os.PRIO_PROCESS, p.pid))\n"
+            "print('session', os.getsid(p.pid) == os.getsid(0), os.getpgid(p.pid) == p.pid)\n"
             "t = time.time(); w.stop_prebuilds(); print('stop', time.time() - t, p.returncode)\n")
     t = time.time()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -448,5 +450,7 @@ def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
     assert int(lines["nice"]) == 19, r.stdout
+    # this session (one scheduler autogroup with the tests: nice then counts), a process group of its own
+    assert lines["session"] == "True True", r.stdout
     took, rc = lines["stop"].split()
     assert float(took) < 5 and int(rc) < 0 and time.time() - t < 60, r.stdout  # killed, not finished (~60 s)
