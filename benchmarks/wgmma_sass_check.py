@@ -172,7 +172,8 @@ def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, n
             # its own process group (stop_prebuilds kills cicc and ptxas with it) in this session: a new session
             # (setsid) would be a scheduler autogroup of its own, which Linux gives an equal share of the CPU
             # whatever its nice value (session 65's first version slowed the two-rank tests so)
-            _RUNNING.add(proc)
+            if nice:
+                _RUNNING.add(proc)
         try:
             out, err = proc.communicate()
         finally:
@@ -185,6 +186,7 @@ def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, n
 
 
 # builds started ahead by prebuild(): {build key: future}, the pool running them and their live nvcc processes
+# (each the leader of its process group)
 _PREBUILT: dict[tuple, Future] = {}
 _POOL: list[ThreadPoolExecutor] = []
 _RUNNING: set[subprocess.Popen] = set()

@@ -48,8 +48,8 @@ def run_under_triton_interpreter(test_file: str, marker: str, code: str | None =
 
 def pytest_collection_finish(session):
     """Start the sm_90a builds the selected SASS tests will read (a test module's ``sass_builds()``: {test name:
-    builds}) in the background at the lowest CPU priority (``benchmarks.wgmma_sass_check.prebuild``): those tests run
-    last, and their ~5 min of nvcc builds overlap the rest of the suite instead of following it.
+    builds}) in the background at the lowest CPU priority (``benchmarks.wgmma_sass_check.prebuild``), in the order the
+    tests run: most run last, and their ~5 min of nvcc builds overlap the rest of the suite instead of following it.
     QERL_TEST_PREBUILD=0 turns it off."""
     if os.environ.get("QERL_TEST_PREBUILD", "1") == "0":
         return

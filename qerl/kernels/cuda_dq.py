@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -114,7 +115,6 @@ ABLATE_BITS = {1: "no dequantization", 2: "no MMAs", 4: "no barrier before the M
 def ablate() -> int:
     """``QERL_DQ_ABLATE`` (timing only: the results are wrong; ``benchmarks.dq_gemm_bench`` then skips its check): a
     sum of ``ABLATE_BITS``, the parts its build of the kernel leaves out; 0 (the default) leaves nothing out."""
-    import os
     text = os.environ.get("QERL_DQ_ABLATE", "0")
     if not text.isdigit() or int(text) >= 2 * max(ABLATE_BITS):
         raise ValueError(f"QERL_DQ_ABLATE={text!r}: a sum of {', '.join(f'{b} ({w})' for b, w in ABLATE_BITS.items())}"
@@ -347,6 +347,6 @@ def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = 
     return _run("fwd", x, w, out, config)
 
 
-__all__ = ["gemm_t", "gemm", "enabled", "decode", "ablate", "available", "supported", "dims", "configs", "check_config", "pick_config",
-           "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config",
+__all__ = ["gemm_t", "gemm", "enabled", "decode", "ablate", "available", "supported", "dims", "configs", "check_config",
+           "pick_config", "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config",
            "NBS", "MAX_KZ", "OPS", "DQ_MODES"]
