@@ -211,6 +211,7 @@ def main(argv=None) -> None:
         ap.error(f"--kz {a.kz!r}: at most {cuda_dq.MAX_KZ}")
     try:
         abl = cuda_dq.ablate()
+        cuda_dq.decode()
     except ValueError as e:
         ap.error(str(e))
     if abl and a.write_table:
@@ -227,12 +228,12 @@ def main(argv=None) -> None:
               + ", ".join(w for b, w in cuda_dq.ABLATE_BITS.items() if abl & b) + ".\n\n" + md)
     with open(os.path.join(a.out, f"dq_gemm_{tag}.md"), "w") as f:
         f.write(f"## FP4 products with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
-                f"\n\ntorch {torch.__version__}. Command: `python -m benchmarks.dq_gemm_bench "
+                f"\n\ntorch {torch.__version__}, QERL_DQ_DECODE={cuda_dq.decode()}. Command: `python -m benchmarks.dq_gemm_bench "
                 f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{prev_note()}\n\n{md}\n")
     print(md)
     if a.write_table:
         import json
-        doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+        doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, decode=cuda_dq.decode(),
                    command="python -m benchmarks.dq_gemm_bench " + " ".join(sys.argv[1:] if argv is None else argv),
                    entries=table(rows))
         text = json.dumps(doc, indent=1) + "\n"
