@@ -189,12 +189,14 @@ def test_ablation_switch():
         with pytest.raises(ValueError, match=r"QERL_DQ_DECODE='fast'; valid: exact, mma"):
             dq.decode()
         from benchmarks import dq_gemm_bench as bench
-        with pytest.raises(SystemExit):  # the bench's argument error, before any device is asked for
+        with pytest.raises(SystemExit) as e:  # the bench's argument error, before any device is asked for
             bench.main([])
+        assert e.value.code == 2
         mp.delenv("QERL_DQ_DECODE")
         mp.setenv("QERL_DQ_ABLATE", "1")
-        with pytest.raises(SystemExit):  # a wrong kernel's times are never installed as the table
+        with pytest.raises(SystemExit) as e:  # a wrong kernel's times are never installed as the table
             bench.main(["--write-table"])
+        assert e.value.code == 2
 
 
 @pytest.mark.slow
