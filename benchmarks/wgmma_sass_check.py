@@ -145,15 +145,33 @@ def compile_sass(pipe: int = 1, source: str | None = None, defines: tuple[str, .
     (the include directory stays the real one). The messages hold ptxas's resource lines (``-Xptxas -v``: registers
     and static shared memory per kernel, read by :func:`resources`). A build :func:`prebuild` started with the same
     arguments is waited on and handed over (once) instead of building again."""
-    fut = _PREBUILT.pop(_build_key(pipe, source, defines, nvcc), None)
-    return fut.result() if fut is not None else _build(pipe, source, tuple(defines), nvcc, nice=False)
+    key = _build_key(pipe, source, defines, nvcc)
+    return _collect(key) or _build(pipe, source, tuple(defines), nvcc, nice=False)
+
+
+def _collect(key):
+    """The result of the prebuild of ``key`` (handed over once), None where there is none to wait for. One still
+    queued is cancelled (the caller runs it now, at its own priority); one running at nice 19 is moved back to nice
+    0 where the OS allows it (the caller waits on it)."""
+    fut = _PREBUILT.pop(key, None)
+    if fut is None or fut.cancel():
+        return None
+    with _LOCK:
+        proc = _BY_KEY.get(key)
+    if proc is not None:
+        try:
+            os.setpriority(os.PRIO_PGRP, proc.pid, 0)
+        except OSError:  # lowering a nice value needs the privilege to (CAP_SYS_NICE): then it keeps 19
+            pass
+    return fut.result()
 
 
 def _build_key(pipe: int, source: str | None, defines, nvcc: str) -> tuple:
     return (pipe, None if source is None else hashlib.sha256(source.encode()).hexdigest(), tuple(defines), nvcc)
 
 
-def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, nice: bool) -> tuple[str, str]:
+def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, nice: bool,
+           key: tuple | None = None) -> tuple[str, str]:
     nvcc_path, cuobjdump = _tool(nvcc), _tool("cuobjdump")
     if nvcc_path is None or cuobjdump is None:
         raise FileNotFoundError(f"needs nvcc ({nvcc_path}) and cuobjdump ({cuobjdump})")
@@ -163,26 +181,47 @@ def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, n
         cubin = Path(tmp) / "k.cubin"
         cmd = [nvcc_path, "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", f"-I{SRC.parent}",
                "-Xptxas", "-v", f"-DQFP4_WGMMA_PIPE={pipe}", *[f"-D{d}" for d in defines], "-o", str(cubin), str(src)]
-        low = [shutil.which("nice"), "-n", "19"] if nice and shutil.which("nice") else []
-        with _LOCK:
-            if nice and _STOPPED:
-                raise RuntimeError("prebuilds stopped")
-            proc = subprocess.Popen([*low, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    preexec_fn=os.setpgrp if nice else None)
-            # its own process group (stop_prebuilds kills cicc and ptxas with it) in this session: a new session
-            # (setsid) would be a scheduler autogroup of its own, which Linux gives an equal share of the CPU
-            # whatever its nice value (session 65's first version slowed the two-rank tests so)
-            if nice:
-                _RUNNING.add(proc)
-        try:
-            out, err = proc.communicate()
-        finally:
-            with _LOCK:
-                _RUNNING.discard(proc)
-        if proc.returncode:
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}, exit {proc.returncode}):\n{err[-4000:]}")
+        rc, out, err = _run_low(cmd, nice, key)
+        if rc:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}, exit {rc}):\n{err[-4000:]}")
         d = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True)
         return d.stdout, out + err
+
+
+def _run_low(cmd: list[str], nice: bool, key: tuple | None = None) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``cmd``; ``nice``: at nice 19, as the leader of its own process group
+    (registered under the prebuild's ``key``)."""
+    low = [shutil.which("nice"), "-n", "19"] if nice and shutil.which("nice") else []
+    with _LOCK:
+        if nice and _STOPPED:
+            raise RuntimeError("prebuilds stopped")
+        proc = subprocess.Popen([*low, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=os.setpgrp if nice else None)
+        # its own process group (stop_prebuilds kills cicc and ptxas with it) in this session: a new session
+        # (setsid) would be a scheduler autogroup of its own, which Linux gives an equal share of the CPU
+        # whatever its nice value (session 65's first version slowed the two-rank tests so)
+        if nice:
+            _RUNNING.add(proc)
+            if key is not None:
+                _BY_KEY[key] = proc
+    try:
+        out, err = proc.communicate()
+    finally:
+        with _LOCK:
+            _RUNNING.discard(proc)
+            if key is not None:
+                _BY_KEY.pop(key, None)
+    return proc.returncode, out, err
+
+
+class Command(tuple):
+    """A prebuild entry that is a plain command (its argv), run by :func:`run_command` (e.g. a g++ syntax check)."""
+
+
+def run_command(argv) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the command ``argv``: the one :func:`prebuild` started (``Command(argv)``),
+    handed over once, else run now."""
+    return _collect(("cmd", tuple(argv))) or _run_low(list(argv), nice=False)
 
 
 # builds started ahead by prebuild(): {build key: future}, the pool running them and their live nvcc processes
@@ -190,12 +229,14 @@ def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, n
 _PREBUILT: dict[tuple, Future] = {}
 _POOL: list[ThreadPoolExecutor] = []
 _RUNNING: set[subprocess.Popen] = set()
+_BY_KEY: dict[tuple, subprocess.Popen] = {}
 _LOCK = threading.Lock()
 _STOPPED = False
 
 
 def prebuild(builds, workers: int = 2, nvcc: str = "nvcc") -> int:
-    """Start the :func:`compile_sass` builds ``builds`` ((pipe, source, defines) each) in the background, in order,
+    """Start the :func:`compile_sass` builds ``builds`` ((pipe, source, defines) each, or a :class:`Command` for
+    :func:`run_command`) in the background, in order,
     ``workers`` at once, nvcc at the lowest CPU priority (``nice -n 19``: it takes only CPU time nothing else wants),
     so that the test suite's SASS checks find them built instead of building them one after another at its end.
     Builds already started, and any where nvcc or cuobjdump is missing, are left out; returns how many started."""
@@ -206,10 +247,16 @@ def prebuild(builds, workers: int = 2, nvcc: str = "nvcc") -> int:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="sass-prebuild"))
     started = 0
-    for pipe, source, defines in builds:
-        key = _build_key(pipe, source, defines, nvcc)
+    for b in builds:
+        if isinstance(b, Command):
+            key = ("cmd", tuple(b))
+            args = (_run_low, list(b), True, key)
+        else:
+            pipe, source, defines = b
+            key = _build_key(pipe, source, defines, nvcc)
+            args = (_build, pipe, source, tuple(defines), nvcc, True, key)
         if key not in _PREBUILT:
-            _PREBUILT[key] = _POOL[0].submit(_build, pipe, source, tuple(defines), nvcc, True)
+            _PREBUILT[key] = _POOL[0].submit(*args)
             started += 1
     return started
 

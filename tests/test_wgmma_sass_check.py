@@ -41,17 +41,6 @@ def _both_pipes_builds() -> list[tuple]:
             (1, wsc.SRC.read_text().replace(_FIRST_OLD, _FIRST_NEW), ("QFP4_WGMMA_NO_SK=1",))]
 
 
-def sass_builds() -> dict[str, list[tuple]]:
-    """{test: the ``wsc.compile_sass`` builds (pipe, source, defines) it reads}: conftest starts the selected tests'
-    builds in the background when collection ends (``wsc.prebuild``), in this order, the order the tests run."""
-    gemv = _gemv_src()
-    return {"test_real_kernel_both_pipes_clean_and_the_first_version_caught": _both_pipes_builds(),
-            "test_ablation_build_leaves_the_parts_out_of_the_main_loop": [(2, None, _ABLATE_ALL)],
-            "test_tma_build_stages_the_grid_variants_by_tensor_copies": [(2, None, d) for d in _TMA_TAIL],
-            "test_bf16_sector_loads_build_changes_only_the_dense_gemv": [(2, gemv, ()), (2, gemv, ("QFP4_DENSE_SECTOR=1",))],
-            "test_lora_ablate_builds_leave_out_what_they_name": [(2, gemv, ()), *((2, gemv, (d,)) for d in _LORA_ABLATE)]}
-
-
 def _gemv_lora_builds(*defines: str) -> tuple[list[dict], list[str]]:
     """The default GEMV build and one per define, checked to have the same functions and, but for the LoRA kernels,
     the same machine code; returns (builds, the LoRA kernels' names)."""
@@ -216,38 +205,73 @@ def _cuda_include() -> str | None:
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
-                    reason="needs g++ and the CUDA headers (nvcc's include directory)")
-@pytest.mark.parametrize("ext", ["cuda_fp4", "cuda_attn", "cuda_dq"])
-def test_extension_binding_compiles_against_torch_headers(tmp_path, ext):
-    """An extension's C++ binding (``_BINDING``: the launchers' declarations and the torch wrappers) passes
-    g++ -fsyntax-only against this torch's headers, so a signature slip fails here and not as a failed build on a GPU
-    host. A CPU-only torch wheel lacks c10/cuda/impl/cuda_cmake_macros.h: an empty one stands in."""
+_EXTS = ("cuda_fp4", "cuda_attn", "cuda_dq")
+# each extension's binding with a launcher called with one argument too few: the check must fail on it
+_SLIPS = {"cuda_fp4": ("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()"),
+          "cuda_attn": ("(float)scale, (int)nst,\n                               pdl ? 1 : 0,", "(float)scale, (int)nst,"),
+          "cuda_dq": ("(float)out_mult,\n", "(float)out_mult);\n//")}
+_BINDING_DIR: list = []  # the temporary directory of the binding checks' sources, kept for the process's life
+
+
+@functools.cache
+def _binding_commands(ext: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The g++ -fsyntax-only commands of ``ext``'s binding and of its slip (``_SLIPS``), against this torch's headers
+    (a CPU-only torch wheel lacks c10/cuda/impl/cuda_cmake_macros.h: an empty one stands in); their sources written
+    into one temporary directory (conftest starts them at collection, the test reads their results)."""
     import importlib
-    import subprocess
     import sysconfig
+    import tempfile
+    from pathlib import Path
 
     from torch.utils.cpp_extension import include_paths
 
+    if not _BINDING_DIR:
+        _BINDING_DIR.append(tempfile.TemporaryDirectory(prefix="qerl-binding-"))
+    root = Path(_BINDING_DIR[0].name)
+    (root / "c10" / "cuda" / "impl").mkdir(parents=True, exist_ok=True)
+    (root / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
     binding = importlib.import_module(f"qerl.kernels.{ext}")._BINDING
-    (tmp_path / "c10" / "cuda" / "impl").mkdir(parents=True)
-    (tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    good, bad = tmp_path / "binding.cpp", tmp_path / "slip.cpp"
+    good, bad = root / f"{ext}_binding.cpp", root / f"{ext}_slip.cpp"
     good.write_text(binding)
-    # the check must fail on a slip: a launcher called with one argument too few
-    slip = binding.replace(*{"cuda_fp4": ("(int)ctr.numel(), lora ? t.data_ptr() : nullptr", "(int)ctr.numel()"),
-                             "cuda_attn": ("(float)scale, (int)nst,\n                               pdl ? 1 : 0,", "(float)scale, (int)nst,"),
-                             "cuda_dq": ("(float)out_mult,\n", "(float)out_mult);\n//")}[ext], 1)
-    assert slip != binding
-    bad.write_text(slip)
-    incs = [*include_paths(), _cuda_include(), sysconfig.get_paths()["include"], str(tmp_path)]
-    cmd = ["g++", "-std=c++17", "-fsyntax-only", *[f"-I{i}" for i in incs], "-DTORCH_EXTENSION_NAME=qerl_check"]
-    runs = [subprocess.Popen([*cmd, str(f)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for f in (good, bad)]  # both at once
-    (_, err_good), (_, err_bad) = (p.communicate() for p in runs)
-    assert runs[0].returncode == 0, err_good[-3000:]
-    assert runs[1].returncode != 0 and "too few arguments" in err_bad, err_bad[-2000:]
+    bad.write_text(binding.replace(*_SLIPS[ext], 1))
+    incs = [*include_paths(), _cuda_include(), sysconfig.get_paths()["include"], str(root)]
+    cmd = ("g++", "-std=c++17", "-fsyntax-only", *[f"-I{i}" for i in incs], "-DTORCH_EXTENSION_NAME=qerl_check")
+    return (*cmd, str(good)), (*cmd, str(bad))
+
+
+def sass_builds() -> dict[str, list]:
+    """{test: the ``wsc.compile_sass`` builds (pipe, source, defines) or ``wsc.Command``s it reads}: conftest starts
+    the selected tests' builds in the background when collection ends (``wsc.prebuild``), in this order, the order
+    the tests run."""
+    gemv = _gemv_src()
+    out = {"test_real_kernel_both_pipes_clean_and_the_first_version_caught": _both_pipes_builds(),
+           "test_ablation_build_leaves_the_parts_out_of_the_main_loop": [(2, None, _ABLATE_ALL)],
+           "test_tma_build_stages_the_grid_variants_by_tensor_copies": [(2, None, d) for d in _TMA_TAIL],
+           "test_bf16_sector_loads_build_changes_only_the_dense_gemv": [(2, gemv, ()),
+                                                                        (2, gemv, ("QFP4_DENSE_SECTOR=1",))],
+           "test_lora_ablate_builds_leave_out_what_they_name": [(2, gemv, ()),
+                                                                 *((2, gemv, (d,)) for d in _LORA_ABLATE)]}
+    if shutil.which("g++") is not None and _cuda_include() is not None:
+        out["test_extension_binding_compiles_against_torch_headers"] = [
+            wsc.Command(c) for ext in _EXTS for c in _binding_commands(ext)]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None or _cuda_include() is None,
+                    reason="needs g++ and the CUDA headers (nvcc's include directory)")
+@pytest.mark.parametrize("ext", _EXTS)
+def test_extension_binding_compiles_against_torch_headers(ext):
+    """An extension's C++ binding (``_BINDING``: the launchers' declarations and the torch wrappers) passes
+    g++ -fsyntax-only against this torch's headers, so a signature slip fails here and not as a failed build on a GPU
+    host; the check must fail on a slip: a launcher called with one argument too few."""
+    from pathlib import Path
+    good, bad = _binding_commands(ext)
+    assert Path(bad[-1]).read_text() != Path(good[-1]).read_text()  # the slip is planted
+    with ThreadPoolExecutor(2) as pool:  # both at once (or the prebuilt ones)
+        (rc_good, _, err_good), (rc_bad, _, err_bad) = pool.map(wsc.run_command, (good, bad))
+    assert rc_good == 0, err_good[-3000:]
+    assert rc_bad != 0 and "too few arguments" in err_bad, err_bad[-2000:]
 
 
 def test_the_wgmma_wrappers_are_the_generators_output():
@@ -423,9 +447,12 @@ def test_lora_ablate_builds_leave_out_what_they_name():
 @pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
     """wsc.prebuild (conftest starts the SASS tests' builds with it): compile_sass with the same arguments gets the
-    background build (once: the next call builds again); the builds run at nice 19 in the caller's session (Linux's
-    autogroups give a new session an equal CPU share whatever its nice); stop_prebuilds kills a running one (its
-    process group) and returns at once (in a child process, so this suite's own prebuilds are left alone)."""
+    background build (once: the next call builds again). In a child process (this suite's own prebuilds are left
+    alone): the builds run at nice 19 in the caller's session (Linux's autogroups give a new session an equal CPU
+    share whatever its nice); a queued command asked for is cancelled and run at once; a running build asked for is
+    moved back to nice 0 (where the OS lets this user); stop_prebuilds kills a running one (its process group) and
+    returns at once."""
+    import os
     import subprocess
     import sys
     import time
@@ -433,16 +460,20 @@ def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
     src = "__global__ void k(float* p) { p[threadIdx.x] = A; }\n"
     assert wsc.prebuild([(2, src, ("A=1.f",)), (2, src, ("A=1.f",))]) == 1  # the same build twice: started once
     key = wsc._build_key(2, src, ("A=1.f",), "nvcc")
-    fut = wsc._PREBUILT[key]
-    sass, msgs = wsc.compile_sass(2, src, ("A=1.f",))
-    assert fut.done() and (sass, msgs) == fut.result() and key not in wsc._PREBUILT
-    assert "_Z1kPf" in sass and "Used" in msgs
+    sass, msgs = wsc.compile_sass(2, src, ("A=1.f",))  # the prebuild's (or, still queued here, built now)
+    assert key not in wsc._PREBUILT and "_Z1kPf" in sass and "Used" in msgs
     assert wsc._build_key(2, src, ("A=2.f",), "nvcc") != key and wsc._build_key(2, src + " ", ("A=1.f",), "nvcc") != key
-    code = ("import os, time\nfrom benchmarks import wgmma_sass_check as w\n"
-            "w.prebuild([(1, None, ('QFP4_WGMMA_NO_SK=1',))], workers=1)\n"
+    code = ("import os, threading, time\nfrom benchmarks import wgmma_sass_check as w\n"
+            "big = (1, None, ('QFP4_WGMMA_NO_SK=1',))\n"
+            "w.prebuild([big, w.Command(('echo', 'hi'))], workers=1)\n"
             "while not w._RUNNING: time.sleep(0.05)\n"
             "(p,) = w._RUNNING\ntime.sleep(0.5)\nprint('nice', os.getpriority(os.PRIO_PROCESS, p.pid))\n"
             "print('session', os.getsid(p.pid) == os.getsid(0), os.getpgid(p.pid) == p.pid)\n"
+            "fut = w._PREBUILT[('cmd', ('echo', 'hi'))]\n"
+            "rc, out, err = w.run_command(('echo', 'hi'))\n"
+            "print('queued', fut.cancelled(), rc, out.strip())\n"
+            "th = threading.Thread(target=w._collect, args=(w._build_key(*big, 'nvcc'),), daemon=True)\n"
+            "th.start(); time.sleep(1.0)\nprint('renice', os.getpriority(os.PRIO_PROCESS, p.pid))\n"
             "t = time.time(); w.stop_prebuilds(); print('stop', time.time() - t, p.returncode)\n")
     t = time.time()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -452,5 +483,7 @@ def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
     assert int(lines["nice"]) == 19, r.stdout
     # this session (one scheduler autogroup with the tests: nice then counts), a process group of its own
     assert lines["session"] == "True True", r.stdout
+    assert lines["queued"] == "True 0 hi", r.stdout  # cancelled in the queue, run at once
+    assert int(lines["renice"]) == (0 if os.geteuid() == 0 else 19), r.stdout
     took, rc = lines["stop"].split()
     assert float(took) < 5 and int(rc) < 0 and time.time() - t < 60, r.stdout  # killed, not finished (~60 s)
