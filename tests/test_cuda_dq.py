@@ -165,12 +165,13 @@ def _wsc_tool(name: str):
 def sass_builds() -> dict[str, list[tuple]]:
     """{test: its ``wgmma_sass_check.compile_sass`` builds}, started ahead by conftest."""
     src = dq._CU[0].read_text()
-    return {"test_ablation_builds_leave_out_what_they_name": [(2, src, (f"QFP4_DQ_ABLATE={v}",)) for v in (0, 1, 2, 4)]
+    return {"test_ablation_and_decode_builds": [(2, src, (f"QFP4_DQ_ABLATE={v}",)) for v in (0, 1, 2, 4)]
             + [(2, src, ("QFP4_DQ_MMA_DECODE=1",))]}
 
 
-def test_ablation_switch():
-    """QERL_DQ_ABLATE (timing only) is a sum of the parts a build leaves out; anything else names the choices."""
+def test_ablation_and_decode_switches():
+    """QERL_DQ_ABLATE (timing only) is a sum of the parts a build leaves out, QERL_DQ_DECODE exact or mma; anything
+    else names the choices (the bench: an argument error, and no table from an ablated build)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("QERL_DQ_ABLATE", raising=False)
         assert dq.ablate() == 0
@@ -188,7 +189,6 @@ def test_ablation_switch():
         mp.setenv("QERL_DQ_DECODE", "fast")
         with pytest.raises(ValueError, match=r"QERL_DQ_DECODE='fast'; valid: exact, mma"):
             dq.decode()
-        from benchmarks import dq_gemm_bench as bench
         with pytest.raises(SystemExit) as e:  # the bench's argument error, before any device is asked for
             bench.main([])
         assert e.value.code == 2
@@ -202,19 +202,20 @@ def test_ablation_switch():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None or _wsc_tool("cuobjdump") is None,
                     reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
-def test_ablation_builds_leave_out_what_they_name():
+def test_ablation_and_decode_builds():
     """-DQFP4_DQ_ABLATE=1 drops the dequantization's shared-memory stores (the MMAs stay), 2 every MMA, 4 a barrier a
-    chunk; in every GEMM kernel, against the default build."""
+    chunk; -DQFP4_DQ_MMA_DECODE=1 drops float32 -> bf16 packs (F2FP) from the decode: in every GEMM kernel, against
+    the default build."""
     from benchmarks import wgmma_sass_check as wsc
     builds = {}
-    for src, defines in (b[1:] for b in sass_builds()["test_ablation_builds_leave_out_what_they_name"]):
+    for src, defines in (b[1:] for b in sass_builds()["test_ablation_and_decode_builds"]):
         funcs = wsc.functions(wsc.compile_sass(2, src, defines)[0])
         key = "mma" if "MMA_DECODE" in defines[0] else int(defines[0].split("=")[1])
         builds[key] = {n: [wsc.opcode(t) for _, t in b] for n, b in funcs.items() if "dq_gemm_kernel" in n}
     assert len(builds[0]) == 12 and all(b.keys() == builds[0].keys() for b in builds.values())
-    mma = builds.pop("mma")  # QERL_DQ_DECODE=mma: no float32 products rounded to bf16 pairs in the decode
+    mma_build = builds.pop("mma")  # QERL_DQ_DECODE=mma: no float32 products rounded to bf16 pairs in the decode
     for name in builds[0]:
-        f2fp = [sum(op.startswith("F2FP") for op in b[name]) for b in (builds[0], mma)]
+        f2fp = [sum(op.startswith("F2FP") for op in b[name]) for b in (builds[0], mma_build)]
         assert f2fp[1] < f2fp[0], (name, f2fp)
 
     def count(v, name, prefix):
