@@ -51,7 +51,7 @@ def pytest_collection_finish(session):
     builds}) in the background at the lowest CPU priority (``benchmarks.wgmma_sass_check.prebuild``), in the order the
     tests run: most run last, and their ~5 min of nvcc builds overlap the rest of the suite instead of following it.
     QERL_TEST_PREBUILD=0 turns it off."""
-    if os.environ.get("QERL_TEST_PREBUILD", "1") == "0":
+    if os.environ.get("QERL_TEST_PREBUILD", "1") == "0" or session.config.option.collectonly:
         return
     by_module: dict = {}
     builds = []
