@@ -157,7 +157,7 @@ def _collect(key):
     if fut is None or fut.cancel():
         return None
     with _LOCK:
-        proc = _BY_KEY.get(key)
+        proc = _RUNNING.get(key)
     if proc is not None:
         try:
             os.setpriority(os.PRIO_PGRP, proc.pid, 0)
@@ -189,8 +189,8 @@ def _build(pipe: int, source: str | None, defines: tuple[str, ...], nvcc: str, n
 
 
 def _run_low(cmd: list[str], nice: bool, key: tuple | None = None) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of ``cmd``; ``nice``: at nice 19, as the leader of its own process group
-    (registered under the prebuild's ``key``)."""
+    """(exit status, stdout, stderr) of ``cmd``; ``nice`` (a prebuild's, ``key`` given): at nice 19, as the leader of
+    its own process group, registered under ``key`` while it runs."""
     low = [shutil.which("nice"), "-n", "19"] if nice and shutil.which("nice") else []
     with _LOCK:
         if nice and _STOPPED:
@@ -201,16 +201,13 @@ def _run_low(cmd: list[str], nice: bool, key: tuple | None = None) -> tuple[int,
         # (setsid) would be a scheduler autogroup of its own, which Linux gives an equal share of the CPU
         # whatever its nice value (session 65's first version slowed the two-rank tests so)
         if nice:
-            _RUNNING.add(proc)
-            if key is not None:
-                _BY_KEY[key] = proc
+            _RUNNING[key] = proc
     try:
         out, err = proc.communicate()
     finally:
-        with _LOCK:
-            _RUNNING.discard(proc)
-            if key is not None:
-                _BY_KEY.pop(key, None)
+        if nice:
+            with _LOCK:
+                _RUNNING.pop(key, None)
     return proc.returncode, out, err
 
 
@@ -224,21 +221,20 @@ def run_command(argv) -> tuple[int, str, str]:
     return _collect(("cmd", tuple(argv))) or _run_low(list(argv), nice=False)
 
 
-# builds started ahead by prebuild(): {build key: future}, the pool running them and their live nvcc processes
+# builds started ahead by prebuild(): {build key: future}, the pool running them and {build key: its live process}
 # (each the leader of its process group)
 _PREBUILT: dict[tuple, Future] = {}
 _POOL: list[ThreadPoolExecutor] = []
-_RUNNING: set[subprocess.Popen] = set()
-_BY_KEY: dict[tuple, subprocess.Popen] = {}
+_RUNNING: dict[tuple, subprocess.Popen] = {}
 _LOCK = threading.Lock()
 _STOPPED = False
 
 
 def prebuild(builds, workers: int = 2, nvcc: str = "nvcc") -> int:
     """Start the :func:`compile_sass` builds ``builds`` ((pipe, source, defines) each, or a :class:`Command` for
-    :func:`run_command`) in the background, in order,
-    ``workers`` at once, nvcc at the lowest CPU priority (``nice -n 19``: it takes only CPU time nothing else wants),
-    so that the test suite's SASS checks find them built instead of building them one after another at its end.
+    :func:`run_command`) in the background, in order, ``workers`` at once, at the lowest CPU priority (``nice -n 19``:
+    they take only CPU time nothing else wants), so that the test suite's SASS checks find them built instead of
+    building them one after another at its end.
     Builds already started, and any where nvcc or cuobjdump is missing, are left out; returns how many started."""
     global _STOPPED
     if _tool(nvcc) is None or _tool("cuobjdump") is None:
@@ -267,7 +263,7 @@ def stop_prebuilds() -> None:
     global _STOPPED
     with _LOCK:
         _STOPPED = True
-        for proc in _RUNNING:
+        for proc in _RUNNING.values():
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:  # already gone

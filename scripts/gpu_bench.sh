@@ -274,6 +274,10 @@ B="python3 -m qerl.bench"
 build() {  # the extension build for QERL_WGMMA_PIPE=$1 (a separate build per value: the flag is part of its name)
   QERL_WGMMA_PIPE=$1 python3 -c "from qerl.kernels import cuda_fp4 as c; print('pipe $1 build', c.available(), c.build_error())" >> "$LOG" 2>&1
 }
+dq_build() {  # the dq extension's build for the caller's QERL_DQ_* switches (each its own build), labelled $1 in the log
+  python3 -c "from qerl.kernels import cuda_dq as d; print('dq build ${1:-}', d.available(), d._STATE.get('error'))" \
+    >> "$LOG" 2>&1
+}
 both_pipes() {  # both builds at once (waiting on the PID only: never a bare wait), then the wgmma GPU tests with each
   build 1 &
   local p1=$!
@@ -745,7 +749,7 @@ dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the he
     build 2 &
     bpid=$!
   fi
-  python3 -c "from qerl.kernels import cuda_dq as d; print('dq build', d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1
+  dq_build
   [ -n "$bpid" ] && wait "$bpid"
   if [ -z "${SKIP_TESTS:-}" ]; then
     gpu_tests dq "${DQ_TEST_SECS:-240}" tests/test_cuda_dq.py
@@ -760,8 +764,7 @@ dqdecode)  # issue 10, session 65: the dq kernel's exact and mma decodes (see th
   export QERL_CUDA_GEMV=0
   pids=
   for d in exact mma; do
-    QERL_DQ_DECODE=$d python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $d', d.available(), \
-      d._STATE.get('error'))" >> "$LOG" 2>&1 &
+    QERL_DQ_DECODE=$d dq_build "$d" &
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
@@ -777,8 +780,7 @@ dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at
   pids=
   if [ "${DQABL_SWEEP_SECS:-200}" != 0 ]; then build 2 & pids=$!; fi
   for v in ${DQABL:-0 1 2 3 4}; do
-    QERL_CUDA_GEMV=0 QERL_DQ_ABLATE=$v python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $v', \
-      d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1 &
+    QERL_CUDA_GEMV=0 QERL_DQ_ABLATE=$v dq_build "$v" &
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
@@ -794,7 +796,7 @@ dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at
 dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and without (see the header)
   build 2 &
   bpid=$!
-  python3 -c "from qerl.kernels import cuda_dq as d; print('dq build', d.available(), d._STATE.get('error'))" >> "$LOG" 2>&1
+  dq_build
   wait $bpid
   ab_runs QERL_DQ_GEMM dq "0:1 all:1 all:2 0:2" "${DQUP_SECS:-130}" micro python3 -m qerl.bench update \
     --models 7b --formats "${DQUP_FMTS:-nvfp4,bf16}" --micro "${DQUP_MICRO:-2}" --prompt 64 --new 1024 --gc on \

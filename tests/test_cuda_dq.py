@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import dq_gemm_bench as bench
+from benchmarks import wgmma_sass_check as wsc
 from benchmarks.dq_probe import exact_weight
 from qerl.kernels import cuda_dq as dq
 from qerl.kernels import cuda_fp4 as cf
@@ -157,11 +158,6 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def _wsc_tool(name: str):
-    from benchmarks import wgmma_sass_check as wsc
-    return wsc._tool(name)
-
-
 def sass_builds() -> dict[str, list[tuple]]:
     """{test: its ``wgmma_sass_check.compile_sass`` builds}, started ahead by conftest."""
     src = dq._CU[0].read_text()
@@ -200,13 +196,12 @@ def test_ablation_and_decode_switches():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None or _wsc_tool("cuobjdump") is None,
+@pytest.mark.skipif(shutil.which("nvcc") is None or wsc._tool("cuobjdump") is None,
                     reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
 def test_ablation_and_decode_builds():
     """-DQFP4_DQ_ABLATE=1 drops the dequantization's shared-memory stores (the MMAs stay), 2 every MMA, 4 a barrier a
     chunk; -DQFP4_DQ_MMA_DECODE=1 drops float32 -> bf16 packs (F2FP) from the decode: in every GEMM kernel, against
     the default build."""
-    from benchmarks import wgmma_sass_check as wsc
     builds = {}
     for src, defines in (b[1:] for b in sass_builds()["test_ablation_and_decode_builds"]):
         funcs = wsc.functions(wsc.compile_sass(2, src, defines)[0])

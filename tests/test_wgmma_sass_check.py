@@ -467,7 +467,7 @@ def test_prebuild_hands_its_build_over_once_and_stop_kills_the_rest():
             "big = (1, None, ('QFP4_WGMMA_NO_SK=1',))\n"
             "w.prebuild([big, w.Command(('echo', 'hi'))], workers=1)\n"
             "while not w._RUNNING: time.sleep(0.05)\n"
-            "(p,) = w._RUNNING\ntime.sleep(0.5)\nprint('nice', os.getpriority(os.PRIO_PROCESS, p.pid))\n"
+            "(p,) = w._RUNNING.values()\ntime.sleep(0.5)\nprint('nice', os.getpriority(os.PRIO_PROCESS, p.pid))\n"
             "print('session', os.getsid(p.pid) == os.getsid(0), os.getpgid(p.pid) == p.pid)\n"
             "fut = w._PREBUILT[('cmd', ('echo', 'hi'))]\n"
             "rc, out, err = w.run_command(('echo', 'hi'))\n"

@@ -136,7 +136,8 @@ def decode() -> str:
 
 
 def _ext():
-    flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={ablate()}"] if ablate() else []) \
+    abl = ablate()
+    flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={abl}"] if abl else []) \
         + (["-DQFP4_DQ_MMA_DECODE=1"] if decode() == "mma" else [])
     return cuda_build.load_extension("qerl_fp4_dq", _CU, _HEADERS, _BINDING, flags, _STATE)
 
