@@ -254,6 +254,11 @@
 #                                built (at once, QERL_CUDA_GEMV=0), its GPU tests ($OUT/tests_dq_<decode>.txt) and the
 #                                bench (DQDEC_FMTS nvfp4,mxfp4, both ops, M 512,2048, kz 0,1,2; no table) into
 #                                $OUT/dec_<decode>; ~3 min
+#                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, then `ahead`'s bench
+#   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
+#                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
+#                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
+#                                ops, AHEAD_ROUNDS 2, AHEAD_SECS 240) into $OUT/ahead and $OUT/ahead.tgz; ~4 min cold
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -302,6 +307,11 @@ lora_a_sweep() {  # benchmarks.lora_a_bench --quick over 7B's four x·Aᵀ produ
   mkdir -p "$OUT/lora_a"
   timeout 130 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 --quick --out "$OUT/lora_a" 2>&1 \
     | grep -v Warn > "$OUT/lora_a/log.txt"
+}
+ahead_bench() {  # benchmarks.dequant_ahead_bench (7B; AHEAD_FMTS, AHEAD_M, AHEAD_ROUNDS) into $OUT/ahead, tarred
+  timeout "${AHEAD_SECS:-240}" python3 -m benchmarks.dequant_ahead_bench --models 7b --fmts "${AHEAD_FMTS:-nvfp4,mxfp4}" \
+    --m "${AHEAD_M:-512,1024,2048}" --rounds "${AHEAD_ROUNDS:-2}" --out "$OUT/ahead" 2>&1 | grep "^|\|rror" >> "$LOG"
+  tar czf "$OUT/ahead.tgz" -C "$OUT" ahead
 }
 gpu_tests() {  # NAME SECONDS PYTEST-ARGS...: the GPU tests' tail in $OUT/tests_NAME.txt, their summary in the log
   local name=$1 secs=$2
@@ -761,21 +771,25 @@ dq|dqlean)  # issue 10: the in-loop dequantizing GEMM, both products (see the he
     --ops "${DQ_OPS:-bwd,fwd}" --m "${DQ_M:-512,2048}" --kz "${DQ_KZ:-0,1,2,3,4,6,8}" --out "$OUT/dq" --write-table 2>&1 \
     | grep "^|\|Error\|wrong\|dq\] the\|installed" >> "$LOG" ;;
 dqdecode)  # issue 10, session 65: the dq kernel's exact and mma decodes (see the header)
-  export QERL_CUDA_GEMV=0
   pids=
+  if [ -n "${DQDEC_AHEAD:-}" ]; then build 2 & pids=$!; fi
   for d in exact mma; do
-    QERL_DQ_DECODE=$d dq_build "$d" &
+    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=$d dq_build "$d" &
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
   for d in exact mma; do
-    QERL_DQ_DECODE=$d timeout "${DQDEC_TEST_SECS:-100}" python3 -m pytest -q -m gpu tests/test_cuda_dq.py \
-      > "$OUT/tests_dq_$d.txt" 2>&1
+    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=$d timeout "${DQDEC_TEST_SECS:-100}" python3 -m pytest -q -m gpu \
+      tests/test_cuda_dq.py > "$OUT/tests_dq_$d.txt" 2>&1
     tail -2 "$OUT/tests_dq_$d.txt" | sed "s/^/$d: /" >> "$LOG"
-    QERL_DQ_DECODE=$d timeout "${DQDEC_SECS:-100}" python3 -m benchmarks.dq_gemm_bench --models 7b \
+    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=$d timeout "${DQDEC_SECS:-100}" python3 -m benchmarks.dq_gemm_bench --models 7b \
       --fmts "${DQDEC_FMTS:-nvfp4,mxfp4}" --ops bwd,fwd --m 512,2048 --kz 0,1,2 --out "$OUT/dec_$d" 2>&1 \
       | grep "^|\|Error\|dq\] the" | sed "s/^/$d: /" >> "$LOG"
-  done ;;
+  done
+  [ -n "${DQDEC_AHEAD:-}" ] && ahead_bench ;;
+ahead)  # issue 10, session 66: the next weight's rebuild under this GEMM at large M (see the header)
+  build 2
+  ahead_bench ;;
 dqablate)  # issue 10, session 65: the dq kernel's parts, then the wgmma GEMM at large M (see the header)
   pids=
   if [ "${DQABL_SWEEP_SECS:-200}" != 0 ]; then build 2 & pids=$!; fi

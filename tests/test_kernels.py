@@ -570,3 +570,25 @@ def test_sliced_rows_only_while_slices_save_bytes():
     assert qk.sliced_rows(2048, 17000, 3584) == 0  # 1 extra x 17000 > 7168: one dequantize, one GEMM
     assert qk.sliced_rows(2048, 2048, 37888) == 2048 and qk.sliced_rows(2048, 17000, 37888) == 0  # 18 extra
     assert qk.sliced_rows(0, 64, 3584) == 0 and qk.sliced_rows(4096, 64, 3584) == 0  # none / one slice holds all
+
+
+def test_dequant_ahead_bench_summary_and_errors(capsys):
+    """The dequant-ahead bench's summary: per variant the median over rounds with the rounds' range, each round's
+    ratio against that round's bf16; bad arguments name the value and the valid choices (exit 2, before any GPU)."""
+    from benchmarks import dequant_ahead_bench as dab
+    rows = []
+    for rd, (b, a) in enumerate(((100.0, 80.0), (104.0, 100.0))):
+        rows.append(dict(model="7b", fmt="nvfp4", op="fwd", M=512, round=rd, variant="bf16", us=b, vs_bf16=1.0))
+        rows.append(dict(model="7b", fmt="nvfp4", op="fwd", M=512, round=rd, variant="ahead", us=a,
+                         vs_bf16=round(b / a, 3)))
+    md = dab.markdown(rows, "# t")
+    assert "| 7b | nvfp4 | fwd | 512 | ahead | 90.0 (80.0-100.0) | 1.145× (1.040-1.250) |" in md
+    assert "| 7b | nvfp4 | fwd | 512 | bf16 | 102.0 (100.0-104.0) | 1.000× (1.000-1.000) |" in md
+    for args, msg in ((["--fmts", "nf4"], "'nf4' is not one of nvfp4, mxfp4"),
+                      (["--variants", "ahead,bf16"], "the first must be bf16"),
+                      (["--variants", "bf16,later"], "'later' is not one of bf16, lib, seq"),
+                      (["--ops", "upd"], "'upd' is not one of fwd, bwd"),
+                      (["--m", "5x"], "'5x' is not a comma-separated list")):
+        with pytest.raises(SystemExit) as e:
+            dab.main(args)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, args
