@@ -21,7 +21,11 @@ than the L2 cache, each variant captured as one CUDA graph (median replay / laye
 - ``ahead``: the same work with linear i+1's rebuild on a side stream into the other of two buffers (it waits
   until the GEMM two steps back has read that buffer), the GEMM waiting only for its own weight;
 - ``ahead_prio``: ``ahead`` with the GEMMs on a high-priority stream and the rebuilds on a low-priority one;
-- ``ahead_eager``: ``ahead`` launched eagerly (as autograd runs it; events around the whole chain).
+- ``ahead_eager``: ``ahead`` launched eagerly (as autograd runs it; events around the whole chain);
+- ``bf16_carve`` / ``ahead_carve``: ``bf16`` / ``ahead`` with the GEMMs through cuBLASLt told to leave ``--carveout``
+  SMs free (``torch._C._set_sm_carveout_experimental``), so the rebuild has SMs of its own while a GEMM holds the
+  rest (a GEMM whose CTAs fill every SM leaves the side stream nothing until its last wave). Skipped, with a line
+  saying so, where this torch lacks the switch.
 
 The variants run in turn, ``--rounds`` times, so the spread between rounds is printed beside each figure. Rows go
 to ``dequant_ahead_<gpu>.csv`` as they finish and a markdown summary (per-layer µs, and each variant's speed
@@ -31,6 +35,7 @@ relative to ``bf16`` of the same round) to ``dequant_ahead_<gpu>.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -40,7 +45,9 @@ import torch.nn.functional as F
 
 from benchmarks import kernel_bench as kb
 
-VARIANTS = ("bf16", "lib", "seq", "ahead", "ahead_prio", "ahead_eager")
+VARIANTS = ("bf16", "lib", "seq", "ahead", "ahead_prio", "ahead_eager", "bf16_carve", "ahead_carve")
+#: SMs left free of cuBLAS's GEMMs in the ``*_carve`` variants (``--carveout``)
+CARVEOUT = 16
 
 
 def _dense(fmt: str, q) -> object:
@@ -56,6 +63,8 @@ class _Chain:
     def __init__(self, variant: str, fmt: str, steps: list, op: str, bufs: list, outs: dict):
         self.variant, self.fmt, self.steps, self.op, self.bufs, self.outs = variant, fmt, steps, op, bufs, outs
         self.side = self.main = None
+        variant = variant.removesuffix("_carve")
+        self.variant = variant
         if variant.startswith("ahead"):
             pr = torch.cuda.Stream.priority_range()  # lower numbers run first: e.g. (0, -5)
             lo, hi = max(pr), min(pr)
@@ -116,8 +125,34 @@ class _Chain:
         cur.wait_stream(side)
 
 
-def _time_chain(chain: _Chain, layers: int, rep_ms: float) -> tuple[float, str]:
-    """Per-layer time (ms) of the chain: median over CUDA-graph replays (eagerly for ``ahead_eager``)."""
+@contextlib.contextmanager
+def _carveout(sms: int | None):
+    """cuBLAS GEMMs launched inside leave ``sms`` SMs free (cuBLASLt's SM-count target; None: no change)."""
+    if sms is None:
+        yield
+        return
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(prev)
+
+
+def carveout_supported() -> bool:
+    return hasattr(torch._C, "_set_sm_carveout_experimental")
+
+
+def _time_chain(chain: _Chain, layers: int, rep_ms: float, carve: int | None = None) -> tuple[float, str]:
+    """Per-layer time (ms) of the chain: median over CUDA-graph replays (eagerly for ``ahead_eager``); with ``carve``,
+    its GEMMs captured (or launched) leaving that many SMs free."""
+    with _carveout(carve):
+        return _time_chain_now(chain, layers, rep_ms)
+
+
+def _time_chain_now(chain: _Chain, layers: int, rep_ms: float) -> tuple[float, str]:
     eager = chain.variant == "ahead_eager"
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -148,7 +183,8 @@ def _time_chain(chain: _Chain, layers: int, rep_ms: float) -> tuple[float, str]:
     return statistics.median(times) / layers, "eager" if eager else "graph"
 
 
-def measure(models, fmts, ms, ops, variants, rounds: int, rep_ms: float, csv_path: str) -> list[dict]:
+def measure(models, fmts, ms, ops, variants, rounds: int, rep_ms: float, csv_path: str,
+            carveout: int = CARVEOUT) -> list[dict]:
     rows: list[dict] = []
     dev = torch.cuda.get_device_name()
     for mdl in models:
@@ -181,13 +217,14 @@ def measure(models, fmts, ms, ops, variants, rounds: int, rep_ms: float, csv_pat
                     for rd in range(rounds):
                         base = None
                         for v in variants:
-                            chain = _Chain(v, kfmt, steps_b if v == "bf16" else steps_q, op, bufs, outs)
-                            t, mode = _time_chain(chain, layers, rep_ms)
+                            chain = _Chain(v, kfmt, steps_b if v.startswith("bf16") else steps_q, op, bufs, outs)
+                            carve = carveout if v.endswith("_carve") else None
+                            t, mode = _time_chain(chain, layers, rep_ms, carve)
                             if v == "bf16":
                                 base = t
                             row = dict(model=mdl, fmt=fmt, op=op, M=m, round=rd, variant=v, us=round(t * 1e3, 1),
                                        vs_bf16=round(base / t, 3) if base else "", mode=mode, layers=layers,
-                                       device=dev)
+                                       carveout=carve or 0, device=dev)
                             rows.append(row)
                             kb.write_csv(csv_path, rows)
                             print(f"[ahead] {mdl} {fmt} {op} M={m} round {rd} {v}: {t * 1e3:.1f} us/layer"
@@ -228,6 +265,7 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rep-ms", type=float, default=300.0)
+    p.add_argument("--carveout", type=int, default=CARVEOUT, help="SMs the *_carve variants' GEMMs leave free")
     p.add_argument("--out", default="results/speed")
     a = p.parse_args(argv)
     models = [v for v in a.models.split(",") if v]
@@ -248,6 +286,8 @@ def main(argv=None) -> None:
             p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
     if variants[0] != "bf16":
         p.error("--variants: the first must be bf16 (every ratio is against its round's bf16)")
+    if a.carveout < 1:
+        p.error(f"--carveout: {a.carveout} must be at least 1 SM")
     if a.rounds < 1:
         p.error(f"--rounds: {a.rounds} must be at least 1")
     try:
@@ -256,10 +296,13 @@ def main(argv=None) -> None:
         p.error(f"--m: {a.m!r} is not a comma-separated list of integers")
     if not torch.cuda.is_available():
         p.error("this benchmark times CUDA streams: it needs a GPU")
+    if not carveout_supported() and any(v.endswith("_carve") for v in variants):
+        print("[ahead] this torch has no torch._C._set_sm_carveout_experimental: the *_carve variants are skipped")
+        variants = [v for v in variants if not v.endswith("_carve")]
     os.makedirs(a.out, exist_ok=True)
     stem = "dequant_ahead_" + kb.gpu_tag()
     csv_path = os.path.join(a.out, stem + ".csv")
-    rows = measure(models, fmts, ms, ops, variants, a.rounds, a.rep_ms, csv_path)
+    rows = measure(models, fmts, ms, ops, variants, a.rounds, a.rep_ms, csv_path, a.carveout)
     md = markdown(rows, f"# Dequantize-ahead at large M ({torch.cuda.get_device_name()})")
     with open(os.path.join(a.out, stem + ".md"), "w") as f:
         f.write(md)
