@@ -25,7 +25,10 @@ than the L2 cache, each variant captured as one CUDA graph (median replay / laye
 - ``bf16_carve`` / ``ahead_carve``: ``bf16`` / ``ahead`` with the GEMMs through cuBLASLt told to leave ``--carveout``
   SMs free (``torch._C._set_sm_carveout_experimental``), so the rebuild has SMs of its own while a GEMM holds the
   rest (a GEMM whose CTAs fill every SM leaves the side stream nothing until its last wave). Skipped, with a line
-  saying so, where this torch lacks the switch.
+  saying so, where this torch lacks the switch;
+- ``lib_eager`` / ``lib_ahead``: the library's path launched eagerly, without and with its own dequantize-ahead
+  (``QERL_DEQUANT_AHEAD=1``, ``qerl.kernels.ahead``: successors learned from the order of the calls, the warm-up's
+  pass teaching the timed ones; it never runs under graph capture, hence eager).
 
 The variants run in turn, ``--rounds`` times, so the spread between rounds is printed beside each figure. Rows go
 to ``dequant_ahead_<gpu>.csv`` as they finish and a markdown summary (per-layer µs, and each variant's speed
@@ -45,7 +48,9 @@ import torch.nn.functional as F
 
 from benchmarks import kernel_bench as kb
 
-VARIANTS = ("bf16", "lib", "seq", "ahead", "ahead_prio", "ahead_eager", "bf16_carve", "ahead_carve")
+VARIANTS = ("bf16", "lib", "seq", "ahead", "ahead_prio", "ahead_eager", "bf16_carve", "ahead_carve", "lib_eager",
+            "lib_ahead")
+EAGER = ("ahead_eager", "lib_eager", "lib_ahead")
 #: SMs left free of cuBLAS's GEMMs in the ``*_carve`` variants (``--carveout``)
 CARVEOUT = 16
 
@@ -91,7 +96,7 @@ class _Chain:
             for q, x, _w, _n in self.steps:
                 torch.matmul(x, q["weight"]) if self.op == "bwd" else F.linear(x, q["weight"])
             return
-        if self.variant == "lib":
+        if self.variant.startswith("lib"):
             from qerl import kernels as qk
             f = qk.qmm_t if self.op == "bwd" else qk.qmm
             for q, x, _w, _n in self.steps:
@@ -145,15 +150,29 @@ def carveout_supported() -> bool:
     return hasattr(torch._C, "_set_sm_carveout_experimental")
 
 
-def _time_chain(chain: _Chain, layers: int, rep_ms: float, carve: int | None = None) -> tuple[float, str]:
+def _time_chain(chain: _Chain, layers: int, rep_ms: float, carve: int | None = None) -> tuple[float, str, str]:
     """Per-layer time (ms) of the chain: median over CUDA-graph replays (eagerly for ``ahead_eager``); with ``carve``,
-    its GEMMs captured (or launched) leaving that many SMs free."""
-    with _carveout(carve):
-        return _time_chain_now(chain, layers, rep_ms)
+    its GEMMs captured (or launched) leaving that many SMs free. Third: ``lib_ahead``'s hits / misses / prefetches
+    over warm-up and timing ("" for the others)."""
+    prev = os.environ.get("QERL_DEQUANT_AHEAD")
+    os.environ["QERL_DEQUANT_AHEAD"] = "1" if chain.variant == "lib_ahead" else "0"
+    try:
+        with _carveout(carve):
+            t, mode = _time_chain_now(chain, layers, rep_ms)
+        from qerl.kernels import ahead
+        st = [a.stats for a in ahead._AHEAD.values()]
+        return t, mode, "/".join(str(sum(x[k] for x in st)) for k in ("hits", "misses", "prefetches")) if st else ""
+    finally:
+        if prev is None:
+            os.environ.pop("QERL_DEQUANT_AHEAD", None)
+        else:
+            os.environ["QERL_DEQUANT_AHEAD"] = prev
+        from qerl.kernels import ahead
+        ahead.release()
 
 
 def _time_chain_now(chain: _Chain, layers: int, rep_ms: float) -> tuple[float, str]:
-    eager = chain.variant == "ahead_eager"
+    eager = chain.variant in EAGER
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (cuBLAS handles, workspaces) off the capture
@@ -219,16 +238,17 @@ def measure(models, fmts, ms, ops, variants, rounds: int, rep_ms: float, csv_pat
                         for v in variants:
                             chain = _Chain(v, kfmt, steps_b if v.startswith("bf16") else steps_q, op, bufs, outs)
                             carve = carveout if v.endswith("_carve") else None
-                            t, mode = _time_chain(chain, layers, rep_ms, carve)
+                            t, mode, stats = _time_chain(chain, layers, rep_ms, carve)
                             if v == "bf16":
                                 base = t
                             row = dict(model=mdl, fmt=fmt, op=op, M=m, round=rd, variant=v, us=round(t * 1e3, 1),
                                        vs_bf16=round(base / t, 3) if base else "", mode=mode, layers=layers,
-                                       carveout=carve or 0, device=dev)
+                                       carveout=carve or 0, ahead=stats, device=dev)
                             rows.append(row)
                             kb.write_csv(csv_path, rows)
                             print(f"[ahead] {mdl} {fmt} {op} M={m} round {rd} {v}: {t * 1e3:.1f} us/layer"
-                                  + (f" ({base / t:.3f}x bf16)" if base else ""), flush=True)
+                                  + (f" ({base / t:.3f}x bf16)" if base else "")
+                                  + (f" hits/misses/prefetches {stats}" if stats else ""), flush=True)
                             del chain
                     del steps_q, steps_b, xs, outs
             del wq, dense, bufs

@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from qerl.kernels import configs, relaid
+from qerl.kernels import ahead, configs, relaid
 from qerl.quant import BF16Format, MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
 from qerl.quant import base as _quant
 
@@ -552,6 +552,8 @@ def _relaid_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch
               and _dq_route(w, x.device, "fwd")):
             from qerl.kernels import cuda_dq
             cuda_dq.gemm(x2, w, out)
+        elif x2.dtype == torch.bfloat16 and ahead.usable(x2):
+            torch.mm(x2, ahead.dense(w, "fwd").t(), out=out)
         else:
             _relaid_dequant_mm(x2, w, out, _relaid_fwd_slice(fmt, w, m, x2))
     return out.reshape(*x.shape[:-1], w.n)
@@ -816,6 +818,8 @@ def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.
             if g2.stride(-1) != 1 or g2.stride(0) % 8 or g2.data_ptr() % 16:
                 g2 = g2.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy (contiguous() may not)
             return cuda_dq.gemm_t(g2, w).reshape(*g.shape[:-1], w.k)
+        if g.dtype == torch.bfloat16 and ahead.usable(g):  # the whole weight, rebuilt ahead (QERL_DEQUANT_AHEAD)
+            return torch.matmul(g, ahead.dense(w, "bwd"))
         cols = (configs.dequant_slice("bwd", w.n, w.k, g.numel() // max(1, w.n), _device_info(g.device)[0])
                 if g.dtype == torch.bfloat16 else None)
         if not cols:  # the whole dense weight (no slice table, or its entry is the whole weight)
