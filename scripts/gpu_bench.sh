@@ -257,7 +257,7 @@
 #                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, then `ahead`'s bench
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
-#                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
+#                                (tests/test_dequant_ahead.py's GPU tests, then benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
 #                                ops, AHEAD_ROUNDS 2, AHEAD_SECS 240) into $OUT/ahead and $OUT/ahead.tgz; ~4 min cold
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
@@ -308,7 +308,9 @@ lora_a_sweep() {  # benchmarks.lora_a_bench --quick over 7B's four x·Aᵀ produ
   timeout 130 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 --quick --out "$OUT/lora_a" 2>&1 \
     | grep -v Warn > "$OUT/lora_a/log.txt"
 }
-ahead_bench() {  # benchmarks.dequant_ahead_bench (7B; AHEAD_FMTS, AHEAD_M, AHEAD_ROUNDS) into $OUT/ahead, tarred
+ahead_bench() {  # qerl.kernels.ahead's GPU tests, then benchmarks.dequant_ahead_bench (7B; AHEAD_FMTS, AHEAD_M,
+  # AHEAD_ROUNDS) into $OUT/ahead, tarred
+  gpu_tests ahead "${AHEAD_TEST_SECS:-120}" tests/test_dequant_ahead.py
   timeout "${AHEAD_SECS:-240}" python3 -m benchmarks.dequant_ahead_bench --models 7b --fmts "${AHEAD_FMTS:-nvfp4,mxfp4}" \
     --m "${AHEAD_M:-512,1024,2048}" --rounds "${AHEAD_ROUNDS:-2}" --out "$OUT/ahead" 2>&1 | grep "^|\|rror" >> "$LOG"
   tar czf "$OUT/ahead.tgz" -C "$OUT" ahead
