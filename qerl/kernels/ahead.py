@@ -111,6 +111,7 @@ class Ahead:
         cur.wait_stream(self.side)
         for s in self.slots:
             s.buf = torch.empty(numel, device=self.device, dtype=torch.bfloat16)
+            s.buf.record_stream(self.side)  # freed later: not reused before the side stream's work on it is done
             s.ref = s.ready = s.used = None
 
     def _write(self, w, slot: _Slot) -> torch.Tensor:
