@@ -74,6 +74,164 @@ def test_successors_default_to_the_calling_thread():
     assert got == [None]
 
 
+class _Sim:
+    """A simulated CUDA runtime for :class:`ahead.Ahead`: streams with vector clocks, events that capture them, and
+    buffers whose every write and read is checked against the others on the same buffer (each pair with a write
+    must be ordered by the streams and events; a read must see the weight it was handed)."""
+
+    class Stream:
+        def __init__(self, sim, idx):
+            self.sim, self.idx, self.clock = sim, idx, {idx: 0}
+
+        def wait_event(self, ev):
+            if ev.clock is not None:  # waiting on a never-recorded event is a no-op, as in CUDA
+                self.sim.merge(self, ev.clock)
+
+        def wait_stream(self, other):
+            self.sim.merge(self, other.clock)
+
+    class Event:
+        clock = None
+
+        def record(self, stream):
+            self.clock = dict(stream.clock)
+
+    class Buf:
+        def __init__(self, ident, numel):
+            self.ident, self.n = ident, numel
+
+        def numel(self):
+            return self.n
+
+        def __getitem__(self, sl):
+            assert sl.stop <= self.n
+            return self
+
+        def view(self, *shape):
+            return self
+
+    def __init__(self):
+        self.streams = [self.Stream(self, 0)]
+        self.cur = [self.streams[0]]
+        self.ops: dict[int, list] = {}  # buffer -> [(kind, stream idx, clock, weight)]
+        self.nbuf = 0
+        self.checked = 0
+
+    @staticmethod
+    def merge(stream, clock):
+        for k, v in clock.items():
+            stream.clock[k] = max(stream.clock.get(k, 0), v)
+
+    def new_stream(self):
+        self.streams.append(self.Stream(self, len(self.streams)))
+        return self.streams[-1]
+
+    def current_stream(self):
+        return self.cur[-1]
+
+    def event(self):
+        return self.Event()
+
+    def on(self, stream):
+        sim = self
+
+        class _Ctx:
+            def __enter__(self):
+                sim.cur.append(stream)
+
+            def __exit__(self, *exc):
+                sim.cur.pop()
+        return _Ctx()
+
+    def buffer(self, numel, side):
+        self.nbuf += 1
+        return self.Buf(self.nbuf, numel)
+
+    def _op(self, kind, buf, w):
+        s = self.cur[-1]
+        s.clock[s.idx] += 1
+        clock = dict(s.clock)
+        for k2, idx, c2, w2 in self.ops.get(buf.ident, []):
+            if kind == "w" or k2 == "w":  # issued earlier: must happen before this one
+                assert c2[idx] <= clock.get(idx, 0), f"{kind} of {w} on buffer {buf.ident} races a {k2} of {w2}"
+                self.checked += 1
+        if kind == "r":
+            writes = [w2 for k2, _, _, w2 in self.ops.get(buf.ident, []) if k2 == "w"]
+            assert writes and writes[-1] is w, f"read of {w} on buffer {buf.ident} sees {writes[-1:]}"
+        self.ops.setdefault(buf.ident, []).append((kind, s.idx, clock, w))
+
+    def write(self, w, view):
+        self._op("w", view, w)
+
+    def read(self, w, view):
+        self._op("r", view, w)
+
+
+class _SW(_W):
+    def __init__(self, name, n, k):
+        self.name, self.n, self.k = name, n, k
+
+    def __repr__(self):
+        return self.name
+
+
+def test_ahead_orders_every_buffer_write_after_its_reads_whatever_the_call_order():
+    """The hand-out and prefetch logic on a simulated runtime: a forward over six weights then the backward in
+    reverse on another thread (and stream), a checkpointed segment (recompute then backward), random orders with
+    repeats, a weight larger than the buffers (they grow). Every write to a buffer is ordered after every read of
+    its previous contents and each read sees its own weight; the regular passes are served by prefetches."""
+    import random
+
+    sim = _Sim()
+    a = ahead.Ahead(torch.device("cpu"), runtime=sim)
+    ws = [_SW(f"w{i}", 16 * (4 + i % 3), 64) for i in range(6)]
+    rng = random.Random(0)
+    bwd_stream = sim.new_stream()
+
+    def call(w, op, stream=None):
+        if stream is not None:
+            sim.cur.append(stream)
+        try:
+            view = a.dense(w, op)
+            sim.read(w, view)
+            if rng.random() < 0.3:  # a second product with the same weight (q|k|v-like), later on the stream
+                sim.read(w, view)
+        finally:
+            if stream is not None:
+                sim.cur.pop()
+
+    def on_thread(fn):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
+    for _ in range(4):
+        for w in ws:
+            call(w, "fwd")
+        on_thread(lambda: [call(w, "bwd", bwd_stream) for w in reversed(ws)])
+    regular = dict(a.stats)
+    assert regular["prefetches"] >= 3 * 10 and regular["hits"] >= 3 * 10, regular
+
+    def segment():  # a checkpointed layer: recompute forward, then its backward, layer by layer from the last
+        for lo in (4, 2, 0):
+            for w in ws[lo:lo + 2]:
+                call(w, "fwd", bwd_stream)
+            for w in reversed(ws[lo:lo + 2]):
+                call(w, "bwd", bwd_stream)
+    for _ in range(3):
+        on_thread(segment)
+    for _ in range(300):
+        w = rng.choice(ws)
+        call(w, rng.choice(ahead.OPS), rng.choice([None, bwd_stream]))
+    assert sim.nbuf == 6  # two buffers, grown by w1 and w2 (each larger than the one before)
+    big = _SW("big", 16 * 40, 64)
+    call(big, "fwd")
+    call(ws[0], "fwd")
+    call(big, "fwd")
+    assert sim.nbuf == 8  # grown once more, both buffers
+    assert sim.checked > 1000 and a.stats["hits"] + a.stats["misses"] == 4 * 12 + 3 * 12 + 300 + 3
+
+
 def test_switch_values(monkeypatch):
     monkeypatch.delenv("QERL_DEQUANT_AHEAD", raising=False)
     assert ahead.mode() == "0" and not ahead.usable(torch.zeros(2))

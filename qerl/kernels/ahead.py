@@ -84,19 +84,49 @@ class _Slot:
     def __init__(self):
         self.buf: torch.Tensor | None = None
         self.ref: weakref.ref | None = None  # the weight whose Ŵ the buffer holds or is receiving
-        self.ready: torch.cuda.Event | None = None  # recorded after a side-stream write
+        self.ready: torch.cuda.Event | None = None  # recorded after its last write (side stream or a caller's)
         self.used: torch.cuda.Event | None = None  # recorded after the last product issued with its contents
 
     def holds(self, w) -> bool:
         return self.ref is not None and self.ref() is w
 
 
-class Ahead:
-    """Two dense-weight buffers and a side stream on one device (see the module docstring)."""
+class CudaRuntime:
+    """What :class:`Ahead` does with streams, events and buffers, on CUDA (a test drives the same logic through a
+    simulated one that checks every buffer's reads and writes are ordered)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.side = torch.cuda.Stream(device)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def on(self, stream):
+        return torch.cuda.stream(stream)
+
+    def buffer(self, numel: int, side) -> torch.Tensor:
+        buf = torch.empty(numel, device=self.device, dtype=torch.bfloat16)
+        buf.record_stream(side)  # freed later: not reused before the side stream's work on it is done
+        return buf
+
+    def write(self, w, view: torch.Tensor) -> None:
+        from qerl.kernels import dequantize_relaid
+        dequantize_relaid(w, view)
+
+
+class Ahead:
+    """Two dense-weight buffers and a side stream on one device (see the module docstring)."""
+
+    def __init__(self, device: torch.device, runtime=None):
+        self.device = device
+        self.rt = CudaRuntime(device) if runtime is None else runtime
+        self.side = self.rt.new_stream()
         self.slots = (_Slot(), _Slot())
         self.succ = Successors()
         self._last: int | None = None  # the slot handed out last, and the stream it was handed out on
@@ -107,59 +137,49 @@ class Ahead:
         """Both buffers hold ``numel`` elements (grown together; the side stream drained before the old go)."""
         if self.slots[0].buf is not None and self.slots[0].buf.numel() >= numel:
             return
-        cur = torch.cuda.current_stream(self.device)
-        cur.wait_stream(self.side)
+        self.rt.current_stream().wait_stream(self.side)
         for s in self.slots:
-            s.buf = torch.empty(numel, device=self.device, dtype=torch.bfloat16)
-            s.buf.record_stream(self.side)  # freed later: not reused before the side stream's work on it is done
+            s.buf = self.rt.buffer(numel, self.side)
             s.ref = s.ready = s.used = None
 
-    def _write(self, w, slot: _Slot) -> torch.Tensor:
-        from qerl.kernels import dequantize_relaid
-        view = slot.buf[:w.n * w.k].view(w.n, w.k)
-        dequantize_relaid(w, view)
-        return view
+    def _write_after(self, w, slot: _Slot, stream) -> None:
+        """Rebuild ``w`` into ``slot`` on ``stream`` (the current one), after the slot's last write and every product
+        issued with its contents; its ready event recorded after."""
+        for ev in (slot.ready, slot.used):
+            if ev is not None:
+                stream.wait_event(ev)
+        self.rt.write(w, slot.buf[:w.n * w.k].view(w.n, w.k))
+        slot.ref, slot.ready, slot.used = weakref.ref(w), self.rt.event(), None
+        slot.ready.record(stream)
 
     def dense(self, w, op: str) -> torch.Tensor:
         """Ŵ (N, K) bf16 of the re-laid-out weight ``w`` (``cuda_fp4.CudaFP4Weight``) for its product ``op``
         ("fwd" / "bwd") and any others issued on the current stream before the next call; starts the rebuild of the
         weight predicted to come next."""
-        cur = torch.cuda.current_stream(self.device)
+        cur = self.rt.current_stream()
         if self._last is not None:  # the last hand-out's products are issued by now: its buffer's free point
-            ev = torch.cuda.Event()
+            ev = self.rt.event()
             ev.record(self._last_stream)
             self.slots[self._last].used = ev
         self._fit(w.n * w.k)
         i = next((j for j, s in enumerate(self.slots) if s.holds(w)), None)
         if i is not None:
             slot = self.slots[i]
-            if slot.ready is not None:
-                cur.wait_event(slot.ready)
+            cur.wait_event(slot.ready)  # its write, on the side stream or on another caller's stream
+            if slot.used is not None:  # earlier readers on another stream: this stream's free point then covers them
+                cur.wait_event(slot.used)
             self.stats["hits"] += 1
         else:
             i = 0 if self._last is None else 1 - self._last
             slot = self.slots[i]
-            if slot.ready is not None:  # a side write (a guess that missed) may still be landing
-                cur.wait_event(slot.ready)
-            if slot.used is not None:
-                cur.wait_event(slot.used)
-            self._write(w, slot)
-            slot.ref, slot.ready = weakref.ref(w), None
+            self._write_after(w, slot, cur)
             self.stats["misses"] += 1
         self.succ.observe(w, op)
         nxt = self.succ.predict(w, op)
         if nxt is not None and nxt is not w and nxt.n * nxt.k <= slot.buf.numel() \
                 and not any(s.holds(nxt) for s in self.slots):
-            other = self.slots[1 - i]  # a side write still landing there is ordered by the side stream itself
-            if other.used is not None:
-                self.side.wait_event(other.used)
-            if other.ready is None:  # last written on a caller's stream (a miss): wait for that write too
-                self.side.wait_stream(cur)
-            with torch.cuda.stream(self.side):
-                self._write(nxt, other)
-                ev = torch.cuda.Event()
-                ev.record(self.side)
-            other.ref, other.ready = weakref.ref(nxt), ev
+            with self.rt.on(self.side):
+                self._write_after(nxt, self.slots[1 - i], self.side)
             self.stats["prefetches"] += 1
         self._last, self._last_stream = i, cur
         return slot.buf[:w.n * w.k].view(w.n, w.k)
