@@ -35,7 +35,10 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    layout, ``dequantize_relaid`` (the same values from the fragment words) for every M the CUDA
                    GEMV/GEMM do not take, in slices of Ŵ where the device's measured slice table says so
                    (``configs.dequant_slice``: rows for ``qmm``, columns for ``qmm_t``, each slice's product one
-                   cuBLAS call into its output columns; ``QERL_DEQUANT_SLICES=0`` ignores the table)
+                   cuBLAS call into its output columns; ``QERL_DEQUANT_SLICES=0`` ignores the table); with
+                   ``QERL_DEQUANT_AHEAD=1`` (eager calls only, not under graph capture) the whole weight instead,
+                   from one of two buffers, the next linear's rebuilt on a side stream while this one's cuBLAS runs
+                   (``qerl.kernels.ahead``: the next learned per thread and product from the order of the calls)
 ``cuda_dq``        NVFP4/MXFP4 in the kernels' layout, sm_90, BF16 activations, instead of ``dequant_cublas`` when
                    ``QERL_DQ_GEMM`` names the product (``bwd``: every ``qmm_t``; ``fwd``: the forward where the
                    dispatcher would dequantize; ``all``; ``0`` none): one wgmma GEMM that dequantizes each chunk of the
