@@ -254,7 +254,8 @@
 #                                built (at once, QERL_CUDA_GEMV=0), its GPU tests ($OUT/tests_dq_<decode>.txt) and the
 #                                bench (DQDEC_FMTS nvfp4,mxfp4, both ops, M 512,2048, kz 0,1,2; no table) into
 #                                $OUT/dec_<decode>; ~3 min
-#                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, then `ahead`'s bench
+#                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, and `ahead`'s tests
+#                                and bench before the decodes' (a cut call keeps it)
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (tests/test_dequant_ahead.py's GPU tests, then benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -782,6 +783,7 @@ dqdecode)  # issue 10, session 65: the dq kernel's exact and mma decodes (see th
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
+  [ -n "${DQDEC_AHEAD:-}" ] && ahead_bench
   for d in exact mma; do
     QERL_CUDA_GEMV=0 QERL_DQ_DECODE=$d timeout "${DQDEC_TEST_SECS:-100}" python3 -m pytest -q -m gpu \
       tests/test_cuda_dq.py > "$OUT/tests_dq_$d.txt" 2>&1
@@ -789,8 +791,7 @@ dqdecode)  # issue 10, session 65: the dq kernel's exact and mma decodes (see th
     QERL_CUDA_GEMV=0 QERL_DQ_DECODE=$d timeout "${DQDEC_SECS:-100}" python3 -m benchmarks.dq_gemm_bench --models 7b \
       --fmts "${DQDEC_FMTS:-nvfp4,mxfp4}" --ops bwd,fwd --m 512,2048 --kz 0,1,2 --out "$OUT/dec_$d" 2>&1 \
       | grep "^|\|Error\|dq\] the" | sed "s/^/$d: /" >> "$LOG"
-  done
-  [ -n "${DQDEC_AHEAD:-}" ] && ahead_bench ;;
+  done ;;
 ahead)  # issue 10, session 66: the next weight's rebuild under this GEMM at large M (see the header)
   build 2
   ahead_bench ;;
