@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -187,19 +186,9 @@ def _time_chain_now(chain: _Chain, layers: int, rep_ms: float) -> tuple[float, s
         run = g.replay
     else:
         run = chain.issue
-    run()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    t_end = time.perf_counter() + rep_ms * 1e-3
-    while len(times) < 5 or (time.perf_counter() < t_end and len(times) < 200):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    t = kb.replay_median_ms(run, rep_ms)
     del g
-    return statistics.median(times) / layers, "eager" if eager else "graph"
+    return t / layers, "eager" if eager else "graph"
 
 
 def measure(models, fmts, ms, ops, variants, rounds: int, rep_ms: float, csv_path: str,

@@ -223,6 +223,14 @@ def _graph_ms(calls: list, rep_ms: float) -> tuple[float, str]:
         def run():
             for c in calls:
                 c()
+    t = replay_median_ms(run, rep_ms)
+    del g
+    return t / len(calls), mode
+
+
+def replay_median_ms(run, rep_ms: float) -> float:
+    """Median time (ms) of ``run()`` (a graph replay or eager launches) between CUDA events: one untimed run, then
+    at least 5 and at most 200 timed ones within ``rep_ms``."""
     run()
     torch.cuda.synchronize()
     times: list[float] = []
@@ -234,8 +242,7 @@ def _graph_ms(calls: list, rep_ms: float) -> tuple[float, str]:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times) / len(calls), mode
+    return statistics.median(times)
 
 
 def _time_fn(fmt: str, wts: _Weights, m: int, k: int, n: int, op: str, rep_ms: float, cfg=None) -> float:
