@@ -26,9 +26,12 @@ than the L2 cache, each variant captured as one CUDA graph (median replay / laye
   SMs free (``torch._C._set_sm_carveout_experimental``), so the rebuild has SMs of its own while a GEMM holds the
   rest (a GEMM whose CTAs fill every SM leaves the side stream nothing until its last wave). Skipped, with a line
   saying so, where this torch lacks the switch;
-- ``lib_eager`` / ``lib_ahead``: the library's path launched eagerly, without and with its own dequantize-ahead
-  (``QERL_DEQUANT_AHEAD=1``, ``qerl.kernels.ahead``: successors learned from the order of the calls, the warm-up's
-  pass teaching the timed ones; it never runs under graph capture, hence eager).
+- ``lib_eager``: the library's path launched eagerly (as autograd runs it).
+
+Measured on one H100 (session 66, ``results/speed/raw/h100_s66_ahead``): the side stream's rebuild did not hide
+under cuBLAS (``ahead`` 0.65x BF16 at M 512 forward, the same as ``seq``; at most +3% over ``seq`` elsewhere), nor
+with 16 SMs carved out of the GEMMs. A library form of it (``QERL_DEQUANT_AHEAD``, successors learned from the call
+order; variant ``lib_ahead``) was measured in the same run and removed; its code is at commit 9d2955c.
 
 The variants run in turn, ``--rounds`` times, so the spread between rounds is printed beside each figure. Rows go
 to ``dequant_ahead_<gpu>.csv`` as they finish and a markdown summary (per-layer µs, and each variant's speed
@@ -47,9 +50,8 @@ import torch.nn.functional as F
 
 from benchmarks import kernel_bench as kb
 
-VARIANTS = ("bf16", "lib", "seq", "ahead", "ahead_prio", "ahead_eager", "bf16_carve", "ahead_carve", "lib_eager",
-            "lib_ahead")
-EAGER = ("ahead_eager", "lib_eager", "lib_ahead")
+VARIANTS = ("bf16", "lib", "seq", "ahead", "ahead_prio", "ahead_eager", "bf16_carve", "ahead_carve", "lib_eager")
+EAGER = ("ahead_eager", "lib_eager")
 #: SMs left free of cuBLAS's GEMMs in the ``*_carve`` variants (``--carveout``)
 CARVEOUT = 16
 
@@ -149,25 +151,11 @@ def carveout_supported() -> bool:
     return hasattr(torch._C, "_set_sm_carveout_experimental")
 
 
-def _time_chain(chain: _Chain, layers: int, rep_ms: float, carve: int | None = None) -> tuple[float, str, str]:
+def _time_chain(chain: _Chain, layers: int, rep_ms: float, carve: int | None = None) -> tuple[float, str]:
     """Per-layer time (ms) of the chain: median over CUDA-graph replays (eagerly for ``ahead_eager``); with ``carve``,
-    its GEMMs captured (or launched) leaving that many SMs free. Third: ``lib_ahead``'s hits / misses / prefetches
-    over warm-up and timing ("" for the others)."""
-    prev = os.environ.get("QERL_DEQUANT_AHEAD")
-    os.environ["QERL_DEQUANT_AHEAD"] = "1" if chain.variant == "lib_ahead" else "0"
-    try:
-        with _carveout(carve):
-            t, mode = _time_chain_now(chain, layers, rep_ms)
-        from qerl.kernels import ahead
-        st = [a.stats for a in ahead._AHEAD.values()]
-        return t, mode, "/".join(str(sum(x[k] for x in st)) for k in ("hits", "misses", "prefetches")) if st else ""
-    finally:
-        if prev is None:
-            os.environ.pop("QERL_DEQUANT_AHEAD", None)
-        else:
-            os.environ["QERL_DEQUANT_AHEAD"] = prev
-        from qerl.kernels import ahead
-        ahead.release()
+    its GEMMs captured (or launched) leaving that many SMs free."""
+    with _carveout(carve):
+        return _time_chain_now(chain, layers, rep_ms)
 
 
 def _time_chain_now(chain: _Chain, layers: int, rep_ms: float) -> tuple[float, str]:
@@ -227,17 +215,16 @@ def measure(models, fmts, ms, ops, variants, rounds: int, rep_ms: float, csv_pat
                         for v in variants:
                             chain = _Chain(v, kfmt, steps_b if v.startswith("bf16") else steps_q, op, bufs, outs)
                             carve = carveout if v.endswith("_carve") else None
-                            t, mode, stats = _time_chain(chain, layers, rep_ms, carve)
+                            t, mode = _time_chain(chain, layers, rep_ms, carve)
                             if v == "bf16":
                                 base = t
                             row = dict(model=mdl, fmt=fmt, op=op, M=m, round=rd, variant=v, us=round(t * 1e3, 1),
                                        vs_bf16=round(base / t, 3) if base else "", mode=mode, layers=layers,
-                                       carveout=carve or 0, ahead=stats, device=dev)
+                                       carveout=carve or 0, device=dev)
                             rows.append(row)
                             kb.write_csv(csv_path, rows)
                             print(f"[ahead] {mdl} {fmt} {op} M={m} round {rd} {v}: {t * 1e3:.1f} us/layer"
-                                  + (f" ({base / t:.3f}x bf16)" if base else "")
-                                  + (f" hits/misses/prefetches {stats}" if stats else ""), flush=True)
+                                  + (f" ({base / t:.3f}x bf16)" if base else ""), flush=True)
                             del chain
                     del steps_q, steps_b, xs, outs
             del wq, dense, bufs

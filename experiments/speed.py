@@ -839,10 +839,11 @@ The decode path of the rollouts above (M <= 16). BF16, Triton and CUDA columns c
 ## Decoder linears at GRPO batch sizes (M > 16): the CUDA GEMMs (`python -m benchmarks.cuda_gemm_bench`)
 Issue 10. The same re-laid-out weights as the GEMV: the mma.sync kernel (tokens staged in shared memory) and, on
 sm_90, the wgmma kernel (weights as the register operand, permuted tokens read by the tensor cores); the tuned table
-takes the faster per shape and M; `prev` is the path before both. The H100 table below is session 55's sweep (098199f,
-TMA staging and tail splits among the candidates; `raw/h100_s55_tune/README.md`). Session 32's table on the same GPU
-model ran the NVFP4 layer (`qmm`) in 135 / 204 / 313 / 497 µs at M = 64 / 128 / 256 / 512; this one in
-131 / 186 / 279 / 445 µs (BF16 cuBLAS within 5% of its own session-32 time at those M):
+takes the faster per shape and M; `prev` is the path without them. The H100 table below is session 66's sweep (9d2955c;
+`raw/h100_s66_tune/README.md`): `prev` now on the kernels' layout, the one training holds (dequantize + cuBLAS at
+every M; session 55's `prev` was the compressed-tensors layout's Triton GEMM, hence its 0.7-0.95× at M <= 64). The NVFP4
+layer (`qmm`) took 128 / 185 / 277 / 446 µs at M = 64 / 128 / 256 / 512 (session 55: 131 / 186 / 279 / 445; session
+32: 135 / 204 / 313 / 497), 61 of the 72 table entries unchanged:
 {gemm}
 ### The layer against its roofline (`python -m benchmarks.decode_floor`, session 43)
 Above M ≈ 96 the FP4 linears are bound by the tensor cores, so the ratio the floors allow falls to 1.0 by M = 256

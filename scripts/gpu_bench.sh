@@ -254,14 +254,12 @@
 #                                built (at once, QERL_CUDA_GEMV=0), its GPU tests ($OUT/tests_dq_<decode>.txt) and the
 #                                bench (DQDEC_FMTS nvfp4,mxfp4, both ops, M 512,2048, kz 0,1,2; no table) into
 #                                $OUT/dec_<decode>; ~3 min
-#                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, and `ahead`'s tests
-#                                and bench before the decodes' (a cut call keeps it)
+#                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, and `ahead`'s bench
+#                                before the decodes' (a cut call keeps it)
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
-#                                (tests/test_dequant_ahead.py's GPU tests, then benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
+#                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
 #                                ops, AHEAD_ROUNDS 2, AHEAD_SECS 240) into $OUT/ahead and $OUT/ahead.tgz; ~4 min cold
-#   scripts/gpu_bench.sh aheadup  issue 10, session 66: qerl.bench update (as dqup's) with QERL_DEQUANT_AHEAD=0 / 1 / 1 / 0, one
-#                                process each ($OUT/ah_<value>_<pass>; AHEADUP_FMTS, AHEADUP_MICRO, AHEADUP_SECS 130)
 #   scripts/gpu_bench.sh dqup    issue 10: one GRPO micro-batch's log-prob pass and forward + backward (qerl.bench update, 7B,
 #                                DQUP_MICRO=2 completions of 64 + 1024 tokens, GC on) with the in-loop dequantizing GEMM
 #                                for both products and without (QERL_DQ_GEMM=0 / all / all / 0, one process each,
@@ -311,9 +309,7 @@ lora_a_sweep() {  # benchmarks.lora_a_bench --quick over 7B's four x·Aᵀ produ
   timeout 130 python3 -m benchmarks.lora_a_bench --models 7b --m 64,128,256 --quick --out "$OUT/lora_a" 2>&1 \
     | grep -v Warn > "$OUT/lora_a/log.txt"
 }
-ahead_bench() {  # qerl.kernels.ahead's GPU tests, then benchmarks.dequant_ahead_bench (7B; AHEAD_FMTS, AHEAD_M,
-  # AHEAD_ROUNDS) into $OUT/ahead, tarred
-  gpu_tests ahead "${AHEAD_TEST_SECS:-120}" tests/test_dequant_ahead.py
+ahead_bench() {  # benchmarks.dequant_ahead_bench (7B; AHEAD_FMTS, AHEAD_M, AHEAD_ROUNDS) into $OUT/ahead, tarred
   timeout "${AHEAD_SECS:-240}" python3 -m benchmarks.dequant_ahead_bench --models 7b --fmts "${AHEAD_FMTS:-nvfp4,mxfp4}" \
     --m "${AHEAD_M:-512,1024,2048}" --rounds "${AHEAD_ROUNDS:-2}" --out "$OUT/ahead" 2>&1 | grep "^|\|rror" >> "$LOG"
   tar czf "$OUT/ahead.tgz" -C "$OUT" ahead
@@ -819,11 +815,6 @@ dqup)  # issue 10: the GRPO update with the in-loop dequantizing GEMM and withou
   wait $bpid
   ab_runs QERL_DQ_GEMM dq "0:1 all:1 all:2 0:2" "${DQUP_SECS:-130}" micro python3 -m qerl.bench update \
     --models 7b --formats "${DQUP_FMTS:-nvfp4,bf16}" --micro "${DQUP_MICRO:-2}" --prompt 64 --new 1024 --gc on \
-    --repeats 3 ;;
-aheadup)  # issue 10, session 66: the GRPO update with the next weight rebuilt ahead and without (see the header)
-  build 2
-  ab_runs QERL_DEQUANT_AHEAD ah "0:1 1:1 1:2 0:2" "${AHEADUP_SECS:-130}" micro python3 -m qerl.bench update \
-    --models 7b --formats "${AHEADUP_FMTS:-nvfp4,bf16}" --micro "${AHEADUP_MICRO:-2}" --prompt 64 --new 1024 --gc on \
     --repeats 3 ;;
 upslice)  # issue 10, session 55: the GRPO update where the slice tables apply (see the header)
   build 2

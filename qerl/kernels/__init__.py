@@ -35,10 +35,7 @@ the path is picked by device, format and M (rows of x flattened) and named by :f
                    layout, ``dequantize_relaid`` (the same values from the fragment words) for every M the CUDA
                    GEMV/GEMM do not take, in slices of Ŵ where the device's measured slice table says so
                    (``configs.dequant_slice``: rows for ``qmm``, columns for ``qmm_t``, each slice's product one
-                   cuBLAS call into its output columns; ``QERL_DEQUANT_SLICES=0`` ignores the table); with
-                   ``QERL_DEQUANT_AHEAD=1`` (eager calls only, not under graph capture) the whole weight instead,
-                   from one of two buffers, the next linear's rebuilt on a side stream while this one's cuBLAS runs
-                   (``qerl.kernels.ahead``: the next learned per thread and product from the order of the calls)
+                   cuBLAS call into its output columns; ``QERL_DEQUANT_SLICES=0`` ignores the table)
 ``cuda_dq``        NVFP4/MXFP4 in the kernels' layout, sm_90, BF16 activations, instead of ``dequant_cublas`` when
                    ``QERL_DQ_GEMM`` names the product (``bwd``: every ``qmm_t``; ``fwd``: the forward where the
                    dispatcher would dequantize; ``all``; ``0`` none): one wgmma GEMM that dequantizes each chunk of the
@@ -69,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from qerl.kernels import ahead, configs, relaid
+from qerl.kernels import configs, relaid
 from qerl.quant import BF16Format, MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
 from qerl.quant import base as _quant
 
@@ -555,8 +552,6 @@ def _relaid_linear(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch
               and _dq_route(w, x.device, "fwd")):
             from qerl.kernels import cuda_dq
             cuda_dq.gemm(x2, w, out)
-        elif x2.dtype == torch.bfloat16 and ahead.usable(x2):
-            torch.mm(x2, ahead.dense(w, "fwd").t(), out=out)
         else:
             _relaid_dequant_mm(x2, w, out, _relaid_fwd_slice(fmt, w, m, x2))
     return out.reshape(*x.shape[:-1], w.n)
@@ -821,8 +816,6 @@ def _fp4_linear_t(fmt, g: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.
             if g2.stride(-1) != 1 or g2.stride(0) % 8 or g2.data_ptr() % 16:
                 g2 = g2.clone(memory_format=torch.contiguous_format)  # a fresh, aligned copy (contiguous() may not)
             return cuda_dq.gemm_t(g2, w).reshape(*g.shape[:-1], w.k)
-        if g.dtype == torch.bfloat16 and ahead.usable(g):  # the whole weight, rebuilt ahead (QERL_DEQUANT_AHEAD)
-            return torch.matmul(g, ahead.dense(w, "bwd"))
         cols = (configs.dequant_slice("bwd", w.n, w.k, g.numel() // max(1, w.n), _device_info(g.device)[0])
                 if g.dtype == torch.bfloat16 else None)
         if not cols:  # the whole dense weight (no slice table, or its entry is the whole weight)
