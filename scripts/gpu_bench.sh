@@ -256,6 +256,11 @@
 #                                $OUT/dec_<decode>; ~3 min
 #                                DQDEC_AHEAD=1: the default extension's build beside the dq builds, and `ahead`'s bench
 #                                before the decodes' (a cut call keeps it)
+#   scripts/gpu_bench.sh dqws    issue 10, session 66: the dq kernel's main loops (QERL_DQ_LOOP ws / plain) x decodes,
+#                                DQWS_BUILDS "loop:decode ..." (default ws:mma ws:exact plain:mma), built at once
+#                                (QERL_CUDA_GEMV=0); per build its GPU tests ($OUT/tests_dq_<loop>_<decode>.txt, -x)
+#                                and the bench (DQWS_FMTS nvfp4, DQWS_M 512,2048, kz 0,1,2) into $OUT/ws_<loop>_<decode>;
+#                                $OUT/ws.tgz holds it all; ~4 min
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -788,6 +793,23 @@ dqdecode)  # issue 10, session 65: the dq kernel's exact and mma decodes (see th
       --fmts "${DQDEC_FMTS:-nvfp4,mxfp4}" --ops bwd,fwd --m 512,2048 --kz 0,1,2 --out "$OUT/dec_$d" 2>&1 \
       | grep "^|\|Error\|dq\] the" | sed "s/^/$d: /" >> "$LOG"
   done ;;
+dqws)  # issue 10, session 66: the dq kernel's warp-specialized main loop against the plain one (see the header)
+  pids=
+  for v in ${DQWS_BUILDS:-ws:mma ws:exact plain:mma}; do
+    QERL_CUDA_GEMV=0 QERL_DQ_LOOP=${v%%:*} QERL_DQ_DECODE=${v##*:} dq_build "$v" &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
+  for v in ${DQWS_BUILDS:-ws:mma ws:exact plain:mma}; do
+    n=${v/:/_}
+    QERL_CUDA_GEMV=0 QERL_DQ_LOOP=${v%%:*} QERL_DQ_DECODE=${v##*:} timeout "${DQWS_TEST_SECS:-100}" python3 -m pytest \
+      -q -m gpu tests/test_cuda_dq.py -x > "$OUT/tests_dq_$n.txt" 2>&1
+    tail -2 "$OUT/tests_dq_$n.txt" | sed "s/^/$v: /" >> "$LOG"
+    QERL_CUDA_GEMV=0 QERL_DQ_LOOP=${v%%:*} QERL_DQ_DECODE=${v##*:} timeout "${DQWS_SECS:-100}" python3 -m \
+      benchmarks.dq_gemm_bench --models 7b --fmts "${DQWS_FMTS:-nvfp4}" --ops bwd,fwd --m "${DQWS_M:-512,2048}" \
+      --kz 0,1,2 --out "$OUT/ws_$n" 2>&1 | grep "^|\|Error\|dq\] the" | sed "s/^/$v: /" >> "$LOG"
+  done
+  tar czf "$OUT/ws.tgz" -C "$OUT" $(cd "$OUT" && ls -d ws_* tests_dq_*) ;;
 ahead)  # issue 10, session 66: the next weight's rebuild under this GEMM at large M (see the header)
   build 2
   ahead_bench ;;

@@ -153,6 +153,20 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     for n in gemms:
         assert kern[n][0] <= 255 and kern[n][1] == 0, (n, kern[n])
     assert "C7512" not in r.stderr and "C7513" not in r.stderr, r.stderr
+    # the warp-specialized build (QERL_DQ_LOOP=ws): its kernels alone, three warpgroups an SM within 65536 registers
+    r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                        "-DQFP4_DQ_WS=1", f"-I{src.parent}", "-o", str(tmp_path / "dqws.o"), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ws = {}
+    for block in r.stderr.split("Compiling entry function '")[1:]:
+        ws[block.split("'")[0]] = (int(re.search(r"Used (\d+) registers", block).group(1)),
+                                   int(re.search(r"(\d+) bytes spill stores", block).group(1)))
+    assert sorted(n.split("dq_ws_kernel")[1] for n in ws if "dq_ws_kernel" in n) == sorted(
+        n.split("dq_gemm_kernel")[1] for n in gemms)  # the same instantiations
+    assert not any("dq_gemm_kernel" in n for n in ws), sorted(ws)
+    for n, (regs, spill) in ws.items():
+        assert regs * 384 <= 65536 and spill == 0, (n, regs, spill)
     r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{src.parent}", "-o",
                         str(tmp_path / "deq.o"), str(src.parent / "fp4_dequant.cu")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -162,7 +176,8 @@ def sass_builds() -> dict[str, list[tuple]]:
     """{test: its ``wgmma_sass_check.compile_sass`` builds}, started ahead by conftest."""
     src = dq._CU[0].read_text()
     return {"test_ablation_and_decode_builds": [(2, src, (f"QFP4_DQ_ABLATE={v}",)) for v in (0, 1, 2, 4)]
-            + [(2, src, ("QFP4_DQ_MMA_DECODE=1",))]}
+            + [(2, src, ("QFP4_DQ_MMA_DECODE=1",))],
+            "test_warp_specialized_build": [(2, src, ("QFP4_DQ_WS=1",))]}
 
 
 def test_ablation_and_decode_switches():
@@ -178,6 +193,14 @@ def test_ablation_and_decode_switches():
             with pytest.raises(ValueError, match=rf"QERL_DQ_ABLATE={bad!r}: a sum of 1 \(no dequantization\), 2 "
                                                  r"\(no MMAs\), 4 \(no barrier before the MMAs\), 0 to 7"):
                 dq.ablate()
+        mp.delenv("QERL_DQ_LOOP", raising=False)
+        assert dq.loop() == "plain"
+        mp.setenv("QERL_DQ_LOOP", "ws")
+        assert dq.loop() == "ws"
+        mp.setenv("QERL_DQ_LOOP", "1")
+        with pytest.raises(ValueError, match=r"QERL_DQ_LOOP='1'; valid: plain, ws"):
+            dq.loop()
+        mp.delenv("QERL_DQ_LOOP")
         mp.delenv("QERL_DQ_DECODE", raising=False)
         assert dq.decode() == "exact"
         mp.setenv("QERL_DQ_DECODE", "mma")
@@ -223,6 +246,23 @@ def test_ablation_and_decode_builds():
         assert mma[0] > 0 and mma[1] == mma[4] == mma[0] and mma[2] == 0, (name, mma)
         assert sts[1] < sts[0] and sts[0] > 0, (name, sts)
         assert bar[4] < bar[0] == bar[1], (name, bar)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None or wsc._tool("cuobjdump") is None,
+                    reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_warp_specialized_build():
+    """-DQFP4_DQ_WS=1: every kernel waits on and arrives at mbarriers (SYNCS), keeps its fp32 MMAs (HGMMA .F32) and
+    the decode's shared stores, and uses the producer's named barrier (BAR.SYNC with an id) besides the CTA's."""
+    src, defines = sass_builds()["test_warp_specialized_build"][0][1:]
+    funcs = wsc.functions(wsc.compile_sass(2, src, defines)[0])
+    kernels = {n: [wsc.opcode(t) for _, t in b] for n, b in funcs.items() if "dq_ws_kernel" in n}
+    assert len(kernels) == 12, sorted(funcs)
+    for name, ops in kernels.items():
+        assert sum(op.startswith("HGMMA") and ".F32" in op for op in ops) > 0, name
+        assert sum(op.startswith("SYNCS") for op in ops) >= 3, (name, sorted({o for o in ops if "SYNC" in o}))
+        assert sum(op.startswith("STS") for op in ops) > 0, name
+        assert sum(op.startswith("BAR.SYNC") for op in ops) >= 2, (name, sorted({o for o in ops if "BAR" in o}))
 
 
 # ------------------------------------------------------------------------------------------ GPU

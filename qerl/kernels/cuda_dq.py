@@ -135,10 +135,23 @@ def decode() -> str:
     return _gemm_lora_switch("QERL_DQ_DECODE", "exact", DECODES)
 
 
+LOOPS = ("plain", "ws")
+
+
+def loop() -> str:
+    """``QERL_DQ_LOOP``: the kernel's main loop. ``plain`` (the default): every thread of the CTA's two warpgroups
+    stages, decodes and multiplies in turn between CTA barriers; ``ws``: warp-specialized, a third warpgroup copying
+    two chunks ahead and decoding into a four-stage ring on mbarriers while the two MMA warpgroups multiply (session
+    66: the plain loop's staging, decode and MMAs were measured adding up, not overlapping). Same results bit for
+    bit; a build of its own (``-DQFP4_DQ_WS=1``)."""
+    from qerl.kernels import _gemm_lora_switch
+    return _gemm_lora_switch("QERL_DQ_LOOP", "plain", LOOPS)
+
+
 def _ext():
     abl = ablate()
     flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={abl}"] if abl else []) \
-        + (["-DQFP4_DQ_MMA_DECODE=1"] if decode() == "mma" else [])
+        + (["-DQFP4_DQ_MMA_DECODE=1"] if decode() == "mma" else []) + (["-DQFP4_DQ_WS=1"] if loop() == "ws" else [])
     return cuda_build.load_extension("qerl_fp4_dq", _CU, _HEADERS, _BINDING, flags, _STATE)
 
 

@@ -110,6 +110,85 @@ struct Args {
   float out_mult;  // ... and accumulator multiplier 2^(126 - bexp)
 };
 
+// Unit u (lane u & 31 of block u / 32) of a chunk's packed weight blocks (words at wb: 512 B a block; scale pairs at
+// sb) into the BF16 tile at shared address tile: the exact dequantization, or QFP4_DQ_MMA_DECODE's.
+template <int FMT, bool HAS_G, int NB, bool FWD>
+__device__ __forceinline__ void decode_unit(const unsigned char* wb, const unsigned char* sb, uint32_t tile, int u,
+                                            float inv, uint32_t bword) {
+  constexpr int SPB = scale_bytes<FMT>();
+  constexpr int GPC = FMT == 0 ? 4 : 2;
+  constexpr int CB = NB / 64;
+  const int lane = u & 31, b = u >> 5, g = lane >> 2, t = lane & 3;
+  const uint4 w = *reinterpret_cast<const uint4*>(wb + b * 512 + lane * 16);
+  const uint32_t s16 = *reinterpret_cast<const uint16_t*>(sb + b * SPB + 2 * (g * GPC + (FMT == 0 ? t : t >> 1)));
+  const uint32_t v[4] = {w.x, w.y, w.z, w.w};
+  uint32_t ra[8], rb[8];
+#if QFP4_DQ_MMA_DECODE
+  uint32_t sg, sg8;
+  scale_words<FMT>(s16, bword, sg, sg8);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {  // dequant_unit's pairs, scaled as decode_word scales them
+    ra[2 * j] = bmul2(v[j] & kMask, sg);
+    rb[2 * j] = bmul2(rotr(v[j], 3) & kMask, sg8);
+    ra[2 * j + 1] = bmul2(rotr(v[j], 6) & kMask, sg);
+    rb[2 * j + 1] = bmul2(((v[j] & kRest) * kSpread) & kMask, sg8);
+  }
+#else
+  float s0, s8;
+  row_scales<FMT, HAS_G>(s16, inv, s0, s8);
+  dequant_unit(v, s0, s8, ra, rb);
+#endif
+  // BWD: contraction row 16 (b / CB) + g of the 64-column block b % CB (MN-major); FWD: weight row 16 b + g of the
+  // tile (K-major: its 64 contraction columns in the row's 128 bytes). Rows row and row + 8 share (row & 7).
+  const int row = FWD ? 16 * b + g : 16 * (b / CB) + g;
+  const uint32_t p = tile + (FWD ? 0 : (b % CB) * 8192) + row * 128;
+  const uint32_t u0 = ((2 * t) ^ (row & 7)) << 4, u1 = ((2 * t + 1) ^ (row & 7)) << 4;
+  st_shared_v4(p + u0, ra[0], ra[1], ra[2], ra[3]);
+  st_shared_v4(p + u1, ra[4], ra[5], ra[6], ra[7]);
+  st_shared_v4(p + 1024 + u0, rb[0], rb[1], rb[2], rb[3]);
+  st_shared_v4(p + 1024 + u1, rb[4], rb[5], rb[6], rb[7]);
+}
+
+// The tile's epilogue (warpgroup wg's 64 rows of the 128-row token tile tm, column tile tc): the mma decode's
+// multiplier, then bf16 into out (fdst null) or fp32 into fdst (the tile's element (0, 0); row stride fld), rows
+// below M only.
+template <bool HAS_G, int NB>
+__device__ __forceinline__ void epilogue(const Args& a, float (&acc)[NB / 2], int wg, int tm, int tc, float inv,
+                                         float* fdst, long fld) {
+  const int m0 = tm * kBM, col0 = tc * NB;
+  const int lane = threadIdx.x & 31;
+#if QFP4_DQ_MMA_DECODE
+  {  // the decode's exponent offset and the global scale, once a tile (linear: partials may carry it)
+    const float mult = HAS_G ? a.out_mult / inv : a.out_mult;
+#pragma unroll
+    for (int i = 0; i < NB / 2; ++i) acc[i] *= mult;
+  }
+#endif
+  // acc[4 i + e]: row 64 wg + 16 warp + g + 8 (e >> 1), column 8 i + 2 t + (e & 1) of the tile
+  const int w4 = (threadIdx.x >> 5) & 3, g = lane >> 2, t = lane & 3;
+  const int rl = 64 * wg + 16 * w4 + g, r0 = m0 + rl;  // the tile's row, the output's
+  if (fdst == nullptr) {
+#pragma unroll
+    for (int i = 0; i < NB / 8; ++i) {
+      const int c = col0 + 8 * i + 2 * t;
+      if (r0 < a.M)
+        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)r0 * a.ldo + c) =
+            __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+      if (r0 + 8 < a.M)
+        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)(r0 + 8) * a.ldo + c) =
+            __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NB / 8; ++i) {
+      const int c = 8 * i + 2 * t;
+      if (r0 < a.M) *reinterpret_cast<float2*>(fdst + (long)rl * fld + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
+      if (r0 + 8 < a.M)
+        *reinterpret_cast<float2*>(fdst + (long)(rl + 8) * fld + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+    }
+  }
+}
+
 // One output tile (token tile tm, column tile tc) over contraction chunks [c_begin, c_begin + nck): the main loop
 // described at the top, then the epilogue: bf16 into out (fdst null) or fp32 into fdst (the tile's element (0, 0);
 // row stride fld), rows below M only.
@@ -118,11 +197,10 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
                                         int c_begin, int nck, float* fdst, long fld) {
   using L = Smem<FMT, NB>;
   constexpr int SPB = scale_bytes<FMT>();
-  constexpr int GPC = FMT == 0 ? 4 : 2;
   const uint32_t tbase = sbase + kStages * L::STAGE;  // the two BF16 tiles
 
-  const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
-  const int m0 = tm * kBM, col0 = tc * NB;  // token row, output column of the tile
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int m0 = tm * kBM;  // the tile's first token row
   const int oc0 = tc * L::CB;               // BWD: its first output chunk
   const int os0 = tc * (NB / 16);           // FWD: its first weight strip
 
@@ -152,40 +230,9 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
   auto dequant = [&](int idx) {
     const unsigned char* st = gbase + (idx & (kStages - 1)) * L::STAGE;
     const uint32_t tile = tbase + (idx & 1) * L::TILE;
-    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int u = tid; u < L::BLOCKS * 32; u += kThreads) {
-      const int b = u >> 5;
-      const uint4 w = *reinterpret_cast<const uint4*>(st + L::WOFF + b * 512 + lane * 16);
-      const uint32_t s16 =
-          *reinterpret_cast<const uint16_t*>(st + L::SOFF + b * SPB + 2 * (g * GPC + (FMT == 0 ? t : t >> 1)));
-      const uint32_t v[4] = {w.x, w.y, w.z, w.w};
-      uint32_t ra[8], rb[8];
-#if QFP4_DQ_MMA_DECODE
-      uint32_t sg, sg8;
-      scale_words<FMT>(s16, a.bword, sg, sg8);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // dequant_unit's pairs, scaled as decode_word scales them
-        ra[2 * j] = bmul2(v[j] & kMask, sg);
-        rb[2 * j] = bmul2(rotr(v[j], 3) & kMask, sg8);
-        ra[2 * j + 1] = bmul2(rotr(v[j], 6) & kMask, sg);
-        rb[2 * j + 1] = bmul2(((v[j] & kRest) * kSpread) & kMask, sg8);
-      }
-#else
-      float s0, s8;
-      row_scales<FMT, HAS_G>(s16, inv, s0, s8);
-      dequant_unit(v, s0, s8, ra, rb);
-#endif
-      // BWD: contraction row 16 (b / CB) + g of the 64-column block b % CB (MN-major); FWD: weight row 16 b + g of
-      // the tile (K-major: its 64 contraction columns in the row's 128 bytes). Rows row and row + 8 share (row & 7).
-      const int row = FWD ? 16 * b + g : 16 * (b / L::CB) + g;
-      const uint32_t p = tile + (FWD ? 0 : (b % L::CB) * 8192) + row * 128;
-      const uint32_t u0 = ((2 * t) ^ (row & 7)) << 4, u1 = ((2 * t + 1) ^ (row & 7)) << 4;
-      st_shared_v4(p + u0, ra[0], ra[1], ra[2], ra[3]);
-      st_shared_v4(p + u1, ra[4], ra[5], ra[6], ra[7]);
-      st_shared_v4(p + 1024 + u0, rb[0], rb[1], rb[2], rb[3]);
-      st_shared_v4(p + 1024 + u1, rb[4], rb[5], rb[6], rb[7]);
-    }
+    for (int u = tid; u < L::BLOCKS * 32; u += kThreads)
+      decode_unit<FMT, HAS_G, NB, FWD>(st + L::WOFF, st + L::SOFF, tile, u, inv, a.bword);
   };
 
   float acc[NB / 2];
@@ -227,36 +274,7 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
   for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
   cp_async_wait<0>();
 
-#if QFP4_DQ_MMA_DECODE
-  {  // the decode's exponent offset and the global scale, once a tile (linear: partials may carry it)
-    const float mult = HAS_G ? a.out_mult / inv : a.out_mult;
-#pragma unroll
-    for (int i = 0; i < NB / 2; ++i) acc[i] *= mult;
-  }
-#endif
-  // acc[4 i + e]: row 64 wg + 16 warp + g + 8 (e >> 1), column 8 i + 2 t + (e & 1) of the tile
-  const int w4 = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-  const int rl = 64 * wg + 16 * w4 + g, r0 = m0 + rl;  // the tile's row, the output's
-  if (fdst == nullptr) {
-#pragma unroll
-    for (int i = 0; i < NB / 8; ++i) {
-      const int c = col0 + 8 * i + 2 * t;
-      if (r0 < a.M)
-        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)r0 * a.ldo + c) =
-            __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
-      if (r0 + 8 < a.M)
-        *reinterpret_cast<__nv_bfloat162*>(a.out + (long)(r0 + 8) * a.ldo + c) =
-            __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < NB / 8; ++i) {
-      const int c = 8 * i + 2 * t;
-      if (r0 < a.M) *reinterpret_cast<float2*>(fdst + (long)rl * fld + c) = make_float2(acc[4 * i], acc[4 * i + 1]);
-      if (r0 + 8 < a.M)
-        *reinterpret_cast<float2*>(fdst + (long)(rl + 8) * fld + c) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
-    }
-  }
+  epilogue<HAS_G, NB>(a, acc, wg, tm, tc, inv, fdst, fld);
 }
 
 // Stream-K (a.sk > 0): the iterations (tile, chunk), tile-major with tiles numbered token tile fastest, are cut into
@@ -295,6 +313,223 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
     i += e - s;
     __syncthreads();  // every thread is done with the stages and tiles before the next segment refills them
   }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// QFP4_DQ_WS (QERL_DQ_WS=1 selects the build): the same products warp-specialized. Session 66's ablation of the
+// kernel above found its parts adding up (staging skeleton ~1000 µs + decode ~600 + MMAs ~550 at 7B M 2048, against
+// cuBLAS's 1300): every thread stages, decodes and multiplies in turn between CTA barriers, so nothing overlaps.
+// Here a CTA is three warpgroups. Warpgroup 0 produces: it copies chunk j + 2's tokens (into MMA stage (j + 2) % 4)
+// and packed weight blocks (into packed slot (j + 2) % 3) by cp.async, then decodes chunk j's blocks into stage
+// j % 4's BF16 tile and arrives on the stage's "full" mbarrier. Warpgroups 1 and 2 consume: each waits for "full",
+// issues its 64 token rows' MMAs of the chunk, keeps one chunk of MMAs in flight, and arrives on the previous
+// stage's "empty" mbarrier once those retired; the producer waits for "empty" before refilling a stage. So chunk j's
+// decode runs while chunk j - 1's MMAs do, and the copies two chunks ahead. A CTA works through a list of
+// (tile, chunk) iterations -- one tile's chunks in the grid mode, an even range of them in stream-K -- the producer
+// and the consumers walking the same list, the consumers writing each tile's epilogue as its last chunk retires.
+// Same results as the kernel above bit for bit (same decode, same MMA order per output element).
+#ifndef QFP4_DQ_WS
+#define QFP4_DQ_WS 0
+#endif
+constexpr int kWsStages = 4;   // MMA stages: tokens + BF16 tile
+constexpr int kWsPacked = 3;   // packed weight slots (the producer's copies run kWsPacked - 1 chunks ahead)
+constexpr int kWsThreads = 384;
+
+template <int FMT, int NB>
+struct WsSmem {
+  static constexpr int CB = NB / 64;
+  static constexpr int BLOCKS = 4 * CB;
+  static constexpr int TOFF = kGBytes;                               // the BF16 tile after the tokens
+  static constexpr int STAGE = kGBytes + 64 * NB * 2;                 // 32 KB (NB 128) | 48 KB (256)
+  static constexpr int SOFF = BLOCKS * 512;                           // a packed slot's scale pairs
+  static constexpr int PACKED = (BLOCKS * (512 + scale_bytes<FMT>()) + 127) / 128 * 128;
+  static constexpr int POFF = kWsStages * STAGE;                      // the packed slots
+  static constexpr int BAR = POFF + kWsPacked * PACKED;               // full[4], empty[4]
+  static constexpr int BYTES = BAR + 2 * kWsStages * 8 + 1024;
+};
+
+// The CTA's iterations: j = 0 .. n - 1 -> (token tile, column tile, chunk); a tile's run of them is a segment.
+struct WsWork {
+  long i0;   // stream-K: the first global iteration; grid: unused
+  int n;     // iterations
+  int nc;    // chunks a whole tile
+  int tm_n;  // token tiles
+  int c0;    // grid: the split's first chunk
+  bool sk;
+  __device__ __forceinline__ void at(int j, int& tm, int& tc, int& c) const {
+    if (sk) {
+      const long gi = i0 + j;
+      const int tile = (int)(gi / nc);
+      tm = tile % tm_n;
+      tc = tile / tm_n;
+      c = (int)(gi % nc);
+    } else {
+      tm = blockIdx.x;
+      tc = blockIdx.y;
+      c = c0 + j;
+    }
+  }
+  __device__ __forceinline__ bool first(int j, int c) const { return j == 0 || (sk && c == 0); }
+  __device__ __forceinline__ bool last(int j, int c) const { return j == n - 1 || (sk && c == nc - 1); }
+};
+
+template <int FMT, bool HAS_G, int NB, bool FWD>
+__device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned char* gbase, const WsWork& wk) {
+  using L = WsSmem<FMT, NB>;
+  constexpr int SPB = scale_bytes<FMT>();
+  constexpr int kWsAhead = kWsPacked - 1;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const uint32_t full0 = sbase + L::BAR, empty0 = full0 + kWsStages * 8;
+  const float inv = HAS_G ? *a.gs : 1.0f;
+  if (wg == 0) {  // ------------------------------------------------------------------------- the producer
+    const int pt = tid;  // 0 .. 127
+    const int gu = pt & 7, gr = pt >> 3;  // token unit gu of rows gr + 16 i (i < 8); (row & 7) == (gr & 7)
+    auto issue = [&](int q) {
+      int tm, tc, c;
+      wk.at(q, tm, tc, c);
+      const uint32_t st = sbase + (q % kWsStages) * L::STAGE;
+      const uint32_t pk = sbase + L::POFF + (q % kWsPacked) * L::PACKED;
+      const int m0 = tm * kBM;
+      const __nv_bfloat16* src = a.g + (long)min(m0 + gr, a.M - 1) * a.ldg + 8 * gu + 64L * c;
+      const uint32_t dst = st + gr * 128 + ((gu ^ (gr & 7)) << 4);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        cp_async16(dst + i * 16 * 128, src + (long)i * 16 * a.ldg, m0 + gr + 16 * i < a.M);
+      auto block = [&](int b) -> long {
+        return FWD ? (long)(tc * (NB / 16) + b) * a.cs + c : (long)(4 * c + b / L::CB) * a.cs + tc * L::CB + b % L::CB;
+      };
+#pragma unroll
+      for (int u = pt; u < L::BLOCKS * 32; u += 128)
+        cp_async16(pk + (u >> 5) * 512 + (u & 31) * 16, a.qw + block(u >> 5) * 32 + (u & 31), true);
+      constexpr int SU = SPB / 16;
+      if (pt < L::BLOCKS * SU) cp_async16(pk + L::SOFF + pt * 16, a.sc + block(pt / SU) * SPB + (pt % SU) * 16, true);
+    };
+#pragma unroll
+    for (int q = 0; q < kWsAhead; ++q) {
+      if (q < wk.n) issue(q);
+      cp_async_commit();
+    }
+    for (int j = 0; j < wk.n; ++j) {
+      cp_async_wait<kWsAhead - 1>();  // this thread's copies of chunk j have landed
+      group_sync(1, 128);  // everyone's; and everyone has decoded chunk j - 1 (its packed slot is j + 2's)
+      const int q = j + kWsAhead;
+      if (q < wk.n) {
+        if (q >= kWsStages) mbar_wait(empty0 + (q % kWsStages) * 8, ((q / kWsStages) - 1) & 1);
+        issue(q);
+      }
+      cp_async_commit();
+      const unsigned char* pk = gbase + L::POFF + (j % kWsPacked) * L::PACKED;
+      const uint32_t tile = sbase + (j % kWsStages) * L::STAGE + L::TOFF;
+      if constexpr (!(QFP4_DQ_ABLATE & 1)) {
+#pragma unroll
+        for (int u = pt; u < L::BLOCKS * 32; u += 128)
+          decode_unit<FMT, HAS_G, NB, FWD>(pk, pk + L::SOFF, tile, u, inv, a.bword);
+      }
+      fence_proxy_async();  // this thread's tokens (cp.async) and tile stores, for the tensor cores
+      mbar_arrive(full0 + (j % kWsStages) * 8);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+  // ------------------------------------------------------------------------------------------- the consumers
+  const int cw = wg - 1;  // 64 token rows each
+  float acc[NB / 2];
+  if (wk.n == 0) {  // a grid split past the contraction's end (e.g. 9 chunks in 4 splits of 3): its partial is zero
+    if (gridDim.z > 1) {
+#pragma unroll
+      for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
+      epilogue<HAS_G, NB>(a, acc, cw, blockIdx.x, blockIdx.y, inv,
+                          a.ws + (long)blockIdx.z * a.M * a.C + (long)blockIdx.x * kBM * a.C + blockIdx.y * NB, a.C);
+    }
+    return;
+  }
+  int seg = 0, c_first = 0;  // the CTA's segments so far, this one's first chunk
+  for (int j = 0; j < wk.n; ++j) {
+    int tm, tc, c;
+    wk.at(j, tm, tc, c);
+    const bool first = wk.first(j, c), last = wk.last(j, c);
+    if (first) {
+      c_first = c;
+#pragma unroll
+      for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
+    }
+    const int sidx = j % kWsStages;
+    mbar_wait(full0 + sidx * 8, (j / kWsStages) & 1);
+    const uint32_t st = sbase + sidx * L::STAGE;
+    const uint32_t alo = desc_lo(st + cw * 64 * 128);
+    wgmma_fence();
+    if constexpr (QFP4_DQ_ABLATE & 2) {
+    } else if constexpr (FWD) {
+      const uint32_t blo = desc_lo(st + L::TOFF);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_ss<NB>(acc, alo + 2 * k, kDescHi, blo + 2 * k, kDescHi);
+    } else {
+      const uint32_t blo = desc_lo_mn(st + L::TOFF);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) wgmma_ss_tb<NB>(acc, alo + 2 * k, kDescHi, blo + 128 * k, kDescHi);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (!first) mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // chunk j - 1's MMAs have retired
+    if (last) {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
+      mbar_arrive(empty0 + sidx * 8);
+      float* fdst = nullptr;  // whole tile, one split: bf16 into out
+      long fld = a.C;
+      if (wk.sk) {
+        if (!(c_first == 0 && c == wk.nc - 1)) {  // part of a tile: the CTA's slot 0 (first segment) or 1
+          fdst = a.ws + (2L * blockIdx.x + (seg == 0 ? 0 : 1)) * kBM * NB;
+          fld = NB;
+        }
+      } else if (gridDim.z > 1) {
+        fdst = a.ws + (long)blockIdx.z * a.M * a.C + (long)tm * kBM * a.C + tc * NB;
+      }
+      epilogue<HAS_G, NB>(a, acc, cw, tm, tc, inv, fdst, fld);
+      ++seg;
+    }
+  }
+}
+
+template <int FMT, bool HAS_G, int NB, bool FWD>
+__global__ void __launch_bounds__(kWsThreads, 1) dq_ws_kernel(const Args a) {
+#if QFP4_DQ_WGMMA
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t sbase = (raw + 1023u) & ~1023u;
+  unsigned char* const gbase = smem_raw + (sbase - raw);
+  using L = WsSmem<FMT, NB>;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kWsStages; ++s) {
+      mbar_init(sbase + L::BAR + s * 8, 128);                   // full: every producer thread
+      mbar_init(sbase + L::BAR + (kWsStages + s) * 8, 256);     // empty: every consumer thread
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int nc_all = a.R / 64;
+  WsWork wk;
+  wk.nc = nc_all;
+  wk.tm_n = (a.M + kBM - 1) / kBM;
+  wk.sk = a.sk > 0;
+  if (!wk.sk) {
+    const int kz = gridDim.z;
+    const int per = (nc_all + kz - 1) / kz;
+    wk.c0 = min(nc_all, (int)blockIdx.z * per);
+    wk.n = min(nc_all, wk.c0 + per) - wk.c0;
+    wk.i0 = 0;
+  } else {
+    const long T = (long)wk.tm_n * (a.C / NB) * nc_all;
+    wk.i0 = sk_begin(T, gridDim.x, blockIdx.x);
+    wk.n = (int)(sk_begin(T, gridDim.x, blockIdx.x + 1) - wk.i0);
+    wk.c0 = 0;
+  }
+  dq_ws<FMT, HAS_G, NB, FWD>(a, sbase, gbase, wk);
 #endif
 }
 
@@ -347,19 +582,32 @@ __global__ void dq_stream_reduce_kernel(const float* __restrict__ ws, int G, lon
   store_bf16x4(out, ldo, r, c, s);
 }
 
+template <int FMT, int NB>
+constexpr int smem_bytes() { return QFP4_DQ_WS ? WsSmem<FMT, NB>::BYTES : Smem<FMT, NB>::BYTES; }
+
+// The build's kernel (only it is instantiated)
+template <int FMT, bool HAS_G, int NB, bool FWD>
+constexpr auto dq_kernel() {
+  if constexpr (QFP4_DQ_WS != 0) {
+    return dq_ws_kernel<FMT, HAS_G, NB, FWD>;
+  } else {
+    return dq_gemm_kernel<FMT, HAS_G, NB, FWD>;
+  }
+}
+
 template <int FMT, bool HAS_G, int NB, bool FWD>
 int launch(const Args& a, int kz, cudaStream_t st) {
-  constexpr int bytes = Smem<FMT, NB>::BYTES;
+  constexpr int bytes = smem_bytes<FMT, NB>();
+  constexpr auto kernel = dq_kernel<FMT, HAS_G, NB, FWD>();
   static bool ready = false;  // the attribute, once per kernel and process (the launch itself is capturable)
   if (!ready) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(dq_gemm_kernel<FMT, HAS_G, NB, FWD>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return (int)e;
     ready = true;
   }
   const int tm_n = (a.M + kBM - 1) / kBM;
   const dim3 grid = a.sk ? dim3(a.sk, 1, 1) : dim3(tm_n, a.C / NB, kz);
-  dq_gemm_kernel<FMT, HAS_G, NB, FWD><<<grid, kThreads, bytes, st>>>(a);
+  kernel<<<grid, QFP4_DQ_WS ? kWsThreads : kThreads, bytes, st>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || (kz == 1 && !a.sk)) return (int)e;
   const long quads = (long)a.M * a.C / 4;
@@ -390,8 +638,8 @@ int launch_fmt(const Args& a, int fmt, int nb, int kz, cudaStream_t st) {
 // Shared-memory bytes of a (fmt, nb) kernel (the launch asks for them; > 227 KB would not launch).
 extern "C" int qfp4_dq_smem(int fmt, int nb) {
   using namespace qfp4::dq;
-  if (fmt == 0) return nb == 256 ? Smem<0, 256>::BYTES : Smem<0, 128>::BYTES;
-  return nb == 256 ? Smem<1, 256>::BYTES : Smem<1, 128>::BYTES;
+  if (fmt == 0) return nb == 256 ? smem_bytes<0, 256>() : smem_bytes<0, 128>();
+  return nb == 256 ? smem_bytes<1, 256>() : smem_bytes<1, 128>();
 }
 
 // fwd 0: out (M, K) = a (M, N) @ W (N, K) (the backward's input gradient, a = g); fwd 1: out (M, N) = a (M, K) @ Wᵀ
