@@ -458,27 +458,33 @@ def _swizzle(addr):
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
+@pytest.mark.parametrize("loop", dq.LOOPS)
 @pytest.mark.parametrize("op,nb", [("bwd", 128), ("bwd", 256), ("fwd", 128), ("fwd", 256)])
-def test_shared_memory_addressing_matches_the_descriptors(op, nb):
+def test_shared_memory_addressing_matches_the_descriptors(op, nb, loop):
     """The kernel's index math on the CPU: where its threads write the activations' tile (cp.async) and the
     dequantized weight tile (st.shared), read back through wgmma's canonical 128-byte-swizzle layouts with the
     descriptors the kernel builds (K-major: SBO 1 KB, k16 step j at +32 j bytes; the backward's MN-major weight tile:
     LBO 8 KB between 64-column blocks, SBO 1 KB between 8-row groups, step j at +2 KB), gives each MMA step exactly
-    the operand elements it multiplies. The constants are read from the kernel's source, so an edit there that is
-    not made here fails the test."""
+    the operand elements it multiplies: for the plain main loop (256 threads stage the tokens, rows gr + 32 j) and the
+    warp-specialized one (the producer's 128 threads, rows gr + 16 i; the consumers' MMAs). The constants are read
+    from the kernel's source, so an edit there that is not made here fails the test."""
     src = dq._CU[0].read_text()
-    for const in ("((8192u >> 4) << 16)", "blo + 128 * j", "blo + 2 * j", "alo + 2 * j", "wg * 64 * 128",
-                  "gr * 128 + ((gu ^ (gr & 7)) << 4)", "j * 32 * 128", "(FWD ? 0 : (b % L::CB) * 8192) + row * 128",
-                  "FWD ? 16 * b + g : 16 * (b / L::CB) + g", "p + 1024 + u0", "((2 * t) ^ (row & 7)) << 4"):
+    shared = ("((8192u >> 4) << 16)", "gr * 128 + ((gu ^ (gr & 7)) << 4)", "(FWD ? 0 : (b % CB) * 8192) + row * 128",
+              "FWD ? 16 * b + g : 16 * (b / CB) + g", "p + 1024 + u0", "((2 * t) ^ (row & 7)) << 4")
+    own = {"plain": ("blo + 128 * j", "blo + 2 * j", "alo + 2 * j", "wg * 64 * 128", "j * 32 * 128"),
+           "ws": ("blo + 128 * k", "blo + 2 * k", "alo + 2 * k", "cw * 64 * 128", "dst + i * 16 * 128",
+                  "desc_lo(st + L::TOFF)", "desc_lo_mn(st + L::TOFF)", "STAGE = kGBytes + 64 * NB * 2")}[loop]
+    for const in shared + own:
         assert const in src, const
     cb_n = nb // 64
-    # the activations' tile: thread tid writes unit gu = tid & 7 of rows gr + 32 j, gr = tid >> 3
+    # the activations' tile: thread tid writes unit gu = tid & 7 of rows gr + step j, gr = tid >> 3
+    threads, step = (256, 32) if loop == "plain" else (128, 16)
     act = {}
-    for tid in range(256):
+    for tid in range(threads):
         gu, gr = tid & 7, tid >> 3
-        for j in range(4):
-            row = gr + 32 * j
-            base = gr * 128 + ((gu ^ (gr & 7)) << 4) + j * 32 * 128
+        for j in range(128 // step):
+            row = gr + step * j
+            base = gr * 128 + ((gu ^ (gr & 7)) << 4) + j * step * 128
             for e in range(8):
                 act[base + 2 * e] = (row, 8 * gu + e)  # (token row, contraction column of the chunk)
     # the weight tile: block b, lane (g, t) writes rows row and row + 8, columns 16 t .. 16 t + 15 of its block
