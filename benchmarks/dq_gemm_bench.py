@@ -212,6 +212,8 @@ def main(argv=None) -> None:
     try:
         abl = cuda_dq.ablate()
         cuda_dq.decode()
+        cuda_dq.loop()
+        cuda_dq.stages()
     except ValueError as e:
         ap.error(str(e))
     if abl and a.write_table:
@@ -228,7 +230,8 @@ def main(argv=None) -> None:
               + ", ".join(w for b, w in cuda_dq.ABLATE_BITS.items() if abl & b) + ".\n\n" + md)
     with open(os.path.join(a.out, f"dq_gemm_{tag}.md"), "w") as f:
         f.write(f"## FP4 products with the weight dequantized inside the GEMM: {torch.cuda.get_device_name()}"
-                f"\n\ntorch {torch.__version__}, QERL_DQ_DECODE={cuda_dq.decode()}. Command: `python -m benchmarks.dq_gemm_bench "
+                f"\n\ntorch {torch.__version__}, QERL_DQ_DECODE={cuda_dq.decode()}, QERL_DQ_LOOP={cuda_dq.loop()}, "
+                f"QERL_DQ_STAGES={cuda_dq.stages()}. Command: `python -m benchmarks.dq_gemm_bench "
                 f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{prev_note()}\n\n{md}\n")
     print(md)
     if a.write_table:

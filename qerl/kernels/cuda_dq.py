@@ -148,10 +148,23 @@ def loop() -> str:
     return _gemm_lora_switch("QERL_DQ_LOOP", "plain", LOOPS)
 
 
+STAGES = ("4", "3", "5", "6")
+
+
+def stages() -> int:
+    """``QERL_DQ_STAGES``: the plain loop's ring of copied stages (tokens + packed weight), its copies running stages
+    - 2 chunks ahead of the MMAs; 4 (the default) to 6, the most whose shared memory fits at 256 output columns a
+    tile. Session 67 measures whether deeper copies shorten the loop; a build of its own (``-DQFP4_DQ_STAGES``)."""
+    from qerl.kernels import _gemm_lora_switch
+    return int(_gemm_lora_switch("QERL_DQ_STAGES", "4", STAGES))
+
+
 def _ext():
     abl = ablate()
+    st = stages()
     flags = ["-O3", *cuda_build.arch_flags()] + ([f"-DQFP4_DQ_ABLATE={abl}"] if abl else []) \
-        + (["-DQFP4_DQ_MMA_DECODE=1"] if decode() == "mma" else []) + (["-DQFP4_DQ_WS=1"] if loop() == "ws" else [])
+        + (["-DQFP4_DQ_MMA_DECODE=1"] if decode() == "mma" else []) + (["-DQFP4_DQ_WS=1"] if loop() == "ws" else []) \
+        + ([f"-DQFP4_DQ_STAGES={st}"] if st != 4 else [])
     return cuda_build.load_extension("qerl_fp4_dq", _CU, _HEADERS, _BINDING, flags, _STATE)
 
 

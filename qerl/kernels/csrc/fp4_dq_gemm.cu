@@ -61,7 +61,13 @@
 namespace qfp4 {
 namespace dq {
 
-constexpr int kStages = 4;      // a power of 2; lookahead kStages - 2 chunks
+// QFP4_DQ_STAGES (QERL_DQ_STAGES selects the build): the plain loop's ring of copied stages, 3 to 6 (6 is the most
+// whose shared memory fits with NB = 256); the copies run kStages - 2 chunks ahead of the MMAs
+#ifndef QFP4_DQ_STAGES
+#define QFP4_DQ_STAGES 4
+#endif
+constexpr int kStages = QFP4_DQ_STAGES;
+static_assert(kStages >= 3 && kStages <= 6, "QFP4_DQ_STAGES: 3 to 6");
 constexpr int kBM = 128;        // token rows a CTA (two warpgroups of 64)
 constexpr int kThreads = 256;
 constexpr int kGBytes = kBM * 128;  // g's tile a stage: 128 rows of 64 bf16
@@ -209,7 +215,7 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
   const __nv_bfloat16* gsrc = a.g + (long)min(m0 + gr, a.M - 1) * a.ldg + 8 * gu + 64L * c_begin;
   const uint32_t gdst = gr * 128 + ((gu ^ (gr & 7)) << 4);
   auto stage = [&](int idx) {
-    const uint32_t st = sbase + (idx & (kStages - 1)) * L::STAGE;
+    const uint32_t st = sbase + (idx % kStages) * L::STAGE;
     const long off = 64L * idx;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -228,7 +234,7 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
   };
   const float inv = HAS_G ? *a.gs : 1.0f;
   auto dequant = [&](int idx) {
-    const unsigned char* st = gbase + (idx & (kStages - 1)) * L::STAGE;
+    const unsigned char* st = gbase + (idx % kStages) * L::STAGE;
     const uint32_t tile = tbase + (idx & 1) * L::TILE;
 #pragma unroll
     for (int u = tid; u < L::BLOCKS * 32; u += kThreads)
@@ -254,7 +260,7 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
     if constexpr (!(QFP4_DQ_ABLATE & 1)) dequant(idx);  // into the tile chunk idx - 2's MMAs read
     fence_proxy_async();
     if constexpr (!(QFP4_DQ_ABLATE & 4)) __syncthreads();  // (B) the tile is whole
-    const uint32_t alo = desc_lo(sbase + (idx & (kStages - 1)) * L::STAGE + wg * 64 * 128);
+    const uint32_t alo = desc_lo(sbase + (idx % kStages) * L::STAGE + wg * 64 * 128);
     wgmma_fence();
     if constexpr (QFP4_DQ_ABLATE & 2) {
     } else if constexpr (FWD) {
