@@ -167,6 +167,16 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     assert not any("dq_gemm_kernel" in n for n in ws), sorted(ws)
     for n, (regs, spill) in ws.items():
         assert regs * 384 <= 65536 and spill == 0, (n, regs, spill)
+    # the deepest copy ring (QERL_DQ_STAGES=6) fits its shared memory (a static_assert) and spills nothing; 7 does not
+    for st, ok in ((6, True), (7, False)):
+        r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                            f"-DQFP4_DQ_STAGES={st}", f"-I{src.parent}", "-o", str(tmp_path / f"st{st}.o"), str(src)],
+                           capture_output=True, text=True)
+        assert (r.returncode == 0) == ok, (st, r.stderr[-3000:])
+        assert ok or "227 KB" in r.stderr, r.stderr[-3000:]
+        if ok:
+            spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+            assert spills and set(spills) == {"0"}, r.stderr[-3000:]
     r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{src.parent}", "-o",
                         str(tmp_path / "deq.o"), str(src.parent / "fp4_dequant.cu")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -201,6 +211,15 @@ def test_ablation_and_decode_switches():
         with pytest.raises(ValueError, match=r"QERL_DQ_LOOP='1'; valid: plain, ws"):
             dq.loop()
         mp.delenv("QERL_DQ_LOOP")
+        mp.delenv("QERL_DQ_STAGES", raising=False)
+        assert dq.stages() == 4
+        mp.setenv("QERL_DQ_STAGES", "6")
+        assert dq.stages() == 6
+        for bad in ("7", "2", "four"):
+            mp.setenv("QERL_DQ_STAGES", bad)
+            with pytest.raises(ValueError, match=rf"QERL_DQ_STAGES={bad!r}; valid: 4, 3, 5, 6"):
+                dq.stages()
+        mp.delenv("QERL_DQ_STAGES")
         mp.delenv("QERL_DQ_DECODE", raising=False)
         assert dq.decode() == "exact"
         mp.setenv("QERL_DQ_DECODE", "mma")

@@ -67,7 +67,7 @@ namespace dq {
 #define QFP4_DQ_STAGES 4
 #endif
 constexpr int kStages = QFP4_DQ_STAGES;
-static_assert(kStages >= 3 && kStages <= 6, "QFP4_DQ_STAGES: 3 to 6");
+static_assert(kStages >= 3, "QFP4_DQ_STAGES: at least 3 (the loop copies kStages - 2 chunks ahead)");
 constexpr int kBM = 128;        // token rows a CTA (two warpgroups of 64)
 constexpr int kThreads = 256;
 constexpr int kGBytes = kBM * 128;  // g's tile a stage: 128 rows of 64 bf16
@@ -86,6 +86,8 @@ struct Smem {
   static constexpr int TILE = 64 * NB * 2;                // one dequantized BF16 tile (64 rows x NB)
   static constexpr int BYTES = kStages * STAGE + 2 * TILE + 1024;  // + the 1024-byte alignment of the base
 };
+static_assert(Smem<0, 256>::BYTES <= 232448 && Smem<1, 256>::BYTES <= 232448,
+              "QFP4_DQ_STAGES: the stages and tiles exceed an sm_90 CTA's 227 KB of shared memory");
 
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
