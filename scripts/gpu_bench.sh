@@ -262,8 +262,9 @@
 #                                and the bench (DQWS_FMTS nvfp4, DQWS_M 512,2048, kz 0,1,2) into $OUT/ws_<loop>_<decode>;
 #                                $OUT/ws.tgz holds it all; ~4 min
 #   scripts/gpu_bench.sh dqstages issue 10, session 67: the plain dq loop's copy depth (QERL_DQ_STAGES, mma decode),
-#                                DQST_BUILDS "stages:ablate ..." (default 4:0 5:0 6:0 4:3 6:3; ablate 3 = the staging
-#                                skeleton alone), built at once; the GPU tests of each unablated build ($OUT/tests_st_*)
+#                                DQST_BUILDS "stages:ablate[:loop] ..." (default 4:0 5:0 6:0 4:3 6:3 4:1:ws 4:2:ws
+#                                4:3:ws; ablate 3 = the staging skeleton alone; the ws ones ablate the warp-specialized
+#                                loop), built at once; the GPU tests of each unablated build ($OUT/tests_st_*)
 #                                and the bench (DQST_M 512,2048, kz 0,1,2; ablated builds kz 1) into $OUT/st_<s>_<a>;
 #                                $OUT/st.tgz holds it all; ~5 min
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
@@ -816,25 +817,34 @@ dqws)  # issue 10, session 66: the dq kernel's warp-specialized main loop agains
   done
   tar czf "$OUT/ws.tgz" -C "$OUT" $(cd "$OUT" && ls -d ws_* tests_dq_*) ;;
 dqstages)  # issue 10, session 67: the plain dq loop's copy depth (see the header)
+  specs=${DQST_BUILDS:-4:0 5:0 6:0 4:3 6:3 4:1:ws 4:2:ws 4:3:ws}
+  st_env() {  # the switches of build spec $1 = stages:ablate[:loop], mma decode
+    local r=${1#*:}
+    local l=plain
+    [ "$r" = "${r#*:}" ] || l=${r#*:}
+    echo "QERL_CUDA_GEMV=0 QERL_DQ_DECODE=mma QERL_DQ_STAGES=${1%%:*} QERL_DQ_ABLATE=${r%%:*} QERL_DQ_LOOP=$l"
+  }
   pids=
-  for v in ${DQST_BUILDS:-4:0 5:0 6:0 4:3 6:3}; do
-    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=mma QERL_DQ_STAGES=${v%%:*} QERL_DQ_ABLATE=${v##*:} dq_build "$v" &
+  for v in $specs; do
+    env $(st_env "$v") python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $v', d.available(), \
+d._STATE.get('error'))" >> "$LOG" 2>&1 &
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done
-  for v in ${DQST_BUILDS:-4:0 5:0 6:0 4:3 6:3}; do
-    n=${v/:/_}
+  for v in $specs; do
+    n=${v//:/_}
     kz=0,1,2
-    if [ "${v##*:}" = 0 ]; then
-      QERL_CUDA_GEMV=0 QERL_DQ_DECODE=mma QERL_DQ_STAGES=${v%%:*} timeout "${DQST_TEST_SECS:-100}" python3 -m pytest \
-        -q -m gpu tests/test_cuda_dq.py -x > "$OUT/tests_st_$n.txt" 2>&1
+    r=${v#*:}
+    if [ "${r%%:*}" = 0 ]; then
+      env $(st_env "$v") timeout "${DQST_TEST_SECS:-100}" python3 -m pytest -q -m gpu tests/test_cuda_dq.py -x \
+        > "$OUT/tests_st_$n.txt" 2>&1
       tail -2 "$OUT/tests_st_$n.txt" | sed "s/^/$v: /" >> "$LOG"
     else
       kz=1
     fi
-    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=mma QERL_DQ_STAGES=${v%%:*} QERL_DQ_ABLATE=${v##*:} timeout "${DQST_SECS:-100}" \
-      python3 -m benchmarks.dq_gemm_bench --models 7b --fmts "${DQST_FMTS:-nvfp4}" --ops bwd,fwd --m "${DQST_M:-512,2048}" \
-      --kz $kz --out "$OUT/st_$n" 2>&1 | grep "^|\|Error\|dq\] the" | sed "s/^/$v: /" >> "$LOG"
+    env $(st_env "$v") timeout "${DQST_SECS:-100}" python3 -m benchmarks.dq_gemm_bench --models 7b \
+      --fmts "${DQST_FMTS:-nvfp4}" --ops bwd,fwd --m "${DQST_M:-512,2048}" --kz $kz --out "$OUT/st_$n" 2>&1 \
+      | grep "^|\|Error\|dq\] the" | sed "s/^/$v: /" >> "$LOG"
   done
   tar czf "$OUT/st.tgz" -C "$OUT" $(cd "$OUT" && ls -d st_* tests_st_*) ;;
 ahead)  # issue 10, session 66: the next weight's rebuild under this GEMM at large M (see the header)
