@@ -262,11 +262,11 @@
 #                                and the bench (DQWS_FMTS nvfp4, DQWS_M 512,2048, kz 0,1,2) into $OUT/ws_<loop>_<decode>;
 #                                $OUT/ws.tgz holds it all; ~4 min
 #   scripts/gpu_bench.sh dqstages issue 10, session 67: the plain dq loop's copy depth (QERL_DQ_STAGES, mma decode),
-#                                DQST_BUILDS "stages:ablate[:loop] ..." (default 4:0 5:0 6:0 4:3 6:3 4:1:ws 4:2:ws
-#                                4:3:ws; ablate 3 = the staging skeleton alone; the ws ones ablate the warp-specialized
-#                                loop), built at once; the GPU tests of each unablated build ($OUT/tests_st_*)
-#                                and the bench (DQST_M 512,2048, kz 0,1,2; ablated builds kz 1) into $OUT/st_<s>_<a>;
-#                                $OUT/st.tgz holds it all; ~5 min
+#                                DQST_BUILDS "stages:ablate[:loop] ..." (default 4:0:ws 4:0 6:0 5:0 4:3 6:3 4:1:ws 4:2:ws
+#                                4:3:ws; ablate 3 = the staging skeleton alone; the ws ones time the warp-specialized
+#                                loop and its parts), built at once; the GPU tests of each unablated build ($OUT/tests_st_*)
+#                                and the bench (DQST_M 512,2048, kz 0,1,2; ablated builds kz 1) into $OUT/st_<s>_<a>[_ws];
+#                                $OUT/st.tgz holds it all; ~7 min
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -817,7 +817,7 @@ dqws)  # issue 10, session 66: the dq kernel's warp-specialized main loop agains
   done
   tar czf "$OUT/ws.tgz" -C "$OUT" $(cd "$OUT" && ls -d ws_* tests_dq_*) ;;
 dqstages)  # issue 10, session 67: the plain dq loop's copy depth (see the header)
-  specs=${DQST_BUILDS:-4:0 5:0 6:0 4:3 6:3 4:1:ws 4:2:ws 4:3:ws}
+  specs=${DQST_BUILDS:-4:0:ws 4:0 6:0 5:0 4:3 6:3 4:1:ws 4:2:ws 4:3:ws}
   st_env() {  # the switches of build spec $1 = stages:ablate[:loop], mma decode
     local r=${1#*:}
     local l=plain

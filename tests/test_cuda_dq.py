@@ -152,7 +152,7 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     assert any("dq_stream_reduce_kernel" in n for n in kern), sorted(kern)
     for n in gemms:
         assert kern[n][0] <= 255 and kern[n][1] == 0, (n, kern[n])
-    assert "C7512" not in r.stderr and "C7513" not in r.stderr, r.stderr
+    assert "Performance Loss" not in r.stderr, r.stderr  # e.g. C7512 / C7513 / C7518: serialized MMAs
     # the warp-specialized build (QERL_DQ_LOOP=ws): its kernels alone, three warpgroups an SM within 65536 registers
     r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
                         "-DQFP4_DQ_WS=1", f"-I{src.parent}", "-o", str(tmp_path / "dqws.o"), str(src)],
@@ -167,6 +167,8 @@ def test_sm90a_build_has_every_kernel_without_spills(tmp_path):
     assert not any("dq_gemm_kernel" in n for n in ws), sorted(ws)
     for n, (regs, spill) in ws.items():
         assert regs * 384 <= 65536 and spill == 0, (n, regs, spill)
+    # its MMAs pipelined: session 66's loop touched the accumulators on a branch inside it and ptxas serialized them
+    assert "Performance Loss" not in r.stderr, r.stderr
     # the deepest copy ring (QERL_DQ_STAGES=6) fits its shared memory (a static_assert) and spills nothing; 7 does not
     for st, ok in ((6, True), (7, False)):
         r = subprocess.run(["nvcc", "-c", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",

@@ -387,7 +387,7 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
   using L = WsSmem<FMT, NB>;
   constexpr int SPB = scale_bytes<FMT>();
   constexpr int kWsAhead = kWsPacked - 1;
-  const int tid = threadIdx.x, wg = tid >> 7;
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform, provably
   const uint32_t full0 = sbase + L::BAR, empty0 = full0 + kWsStages * 8;
   const float inv = HAS_G ? *a.gs : 1.0f;
   if (wg == 0) {  // ------------------------------------------------------------------------- the producer
@@ -452,54 +452,51 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
     }
     return;
   }
-  int seg = 0, c_first = 0;  // the CTA's segments so far, this one's first chunk
-  for (int j = 0; j < wk.n; ++j) {
-    int tm, tc, c;
-    wk.at(j, tm, tc, c);
-    const bool first = wk.first(j, c), last = wk.last(j, c);
-    if (first) {
-      c_first = c;
+  // segment by segment (a tile's run of chunks), the accumulators zeroed before and read after each segment's loop
+  // only: touching them on a branch inside the loop made ptxas serialize the MMAs (C7518, session 67)
+  for (int j = 0, seg = 0; j < wk.n; ++seg) {
+    int tm, tc, c_first;
+    wk.at(j, tm, tc, c_first);
+    const int len = wk.sk ? min(wk.n - j, wk.nc - c_first) : wk.n;  // grid: the split's chunks, one segment
 #pragma unroll
-      for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NB / 2; ++i) acc[i] = 0.f;
 #pragma unroll
-      for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
-    }
-    const int sidx = j % kWsStages;
-    mbar_wait(full0 + sidx * 8, (j / kWsStages) & 1);
-    const uint32_t st = sbase + sidx * L::STAGE;
-    const uint32_t alo = desc_lo(st + cw * 64 * 128);
-    wgmma_fence();
-    if constexpr (QFP4_DQ_ABLATE & 2) {
-    } else if constexpr (FWD) {
-      const uint32_t blo = desc_lo(st + L::TOFF);
+    for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
+    for (int ci = 0; ci < len; ++ci, ++j) {
+      const int sidx = j % kWsStages;
+      mbar_wait(full0 + sidx * 8, (j / kWsStages) & 1);
+      const uint32_t st = sbase + sidx * L::STAGE;
+      const uint32_t alo = desc_lo(st + cw * 64 * 128);
+      wgmma_fence();
+      if constexpr (QFP4_DQ_ABLATE & 2) {
+      } else if constexpr (FWD) {
+        const uint32_t blo = desc_lo(st + L::TOFF);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_ss<NB>(acc, alo + 2 * k, kDescHi, blo + 2 * k, kDescHi);
-    } else {
-      const uint32_t blo = desc_lo_mn(st + L::TOFF);
+        for (int k = 0; k < 4; ++k) wgmma_ss<NB>(acc, alo + 2 * k, kDescHi, blo + 2 * k, kDescHi);
+      } else {
+        const uint32_t blo = desc_lo_mn(st + L::TOFF);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) wgmma_ss_tb<NB>(acc, alo + 2 * k, kDescHi, blo + 128 * k, kDescHi);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();
-    if (!first) mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // chunk j - 1's MMAs have retired
-    if (last) {
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
-      mbar_arrive(empty0 + sidx * 8);
-      float* fdst = nullptr;  // whole tile, one split: bf16 into out
-      long fld = a.C;
-      if (wk.sk) {
-        if (!(c_first == 0 && c == wk.nc - 1)) {  // part of a tile: the CTA's slot 0 (first segment) or 1
-          fdst = a.ws + (2L * blockIdx.x + (seg == 0 ? 0 : 1)) * kBM * NB;
-          fld = NB;
-        }
-      } else if (gridDim.z > 1) {
-        fdst = a.ws + (long)blockIdx.z * a.M * a.C + (long)tm * kBM * a.C + tc * NB;
+        for (int k = 0; k < 4; ++k) wgmma_ss_tb<NB>(acc, alo + 2 * k, kDescHi, blo + 128 * k, kDescHi);
       }
-      epilogue<HAS_G, NB>(a, acc, cw, tm, tc, inv, fdst, fld);
-      ++seg;
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (ci > 0) mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // chunk j - 1's MMAs have retired
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
+    mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // the segment's last chunk
+    float* fdst = nullptr;  // whole tile, one split: bf16 into out
+    long fld = a.C;
+    if (wk.sk) {
+      if (!(c_first == 0 && len == wk.nc)) {  // part of a tile: the CTA's slot 0 (first segment) or 1
+        fdst = a.ws + (2L * blockIdx.x + (seg == 0 ? 0 : 1)) * kBM * NB;
+        fld = NB;
+      }
+    } else if (gridDim.z > 1) {
+      fdst = a.ws + (long)blockIdx.z * a.M * a.C + (long)tm * kBM * a.C + tc * NB;
+    }
+    epilogue<HAS_G, NB>(a, acc, cw, tm, tc, inv, fdst, fld);
   }
 }
 
