@@ -491,10 +491,11 @@ def test_shared_memory_addressing_matches_the_descriptors(op, nb, loop):
     from the kernel's source, so an edit there that is not made here fails the test."""
     src = dq._CU[0].read_text()
     shared = ("((8192u >> 4) << 16)", "gr * 128 + ((gu ^ (gr & 7)) << 4)", "(FWD ? 0 : (b % CB) * 8192) + row * 128",
-              "FWD ? 16 * b + g : 16 * (b / CB) + g", "p + 1024 + u0", "((2 * t) ^ (row & 7)) << 4")
-    own = {"plain": ("blo + 128 * j", "blo + 2 * j", "alo + 2 * j", "wg * 64 * 128", "j * 32 * 128"),
-           "ws": ("blo + 128 * k", "blo + 2 * k", "alo + 2 * k", "cw * 64 * 128", "dst + i * 16 * 128",
-                  "desc_lo(st + L::TOFF)", "desc_lo_mn(st + L::TOFF)", "STAGE = kGBytes + 64 * NB * 2")}[loop]
+              "FWD ? 16 * b + g : 16 * (b / CB) + g", "p + 1024 + u0", "((2 * t) ^ (row & 7)) << 4",
+              "blo + 128 * j", "blo + 2 * j", "alo + 2 * j")  # chunk_mmas's steps
+    own = {"plain": ("wg * 64 * 128", "j * 32 * 128", "chunk_mmas<NB, FWD>(acc, alo, tbase + (idx & 1) * L::TILE)"),
+           "ws": ("cw * 64 * 128", "dst + i * 16 * 128", "chunk_mmas<NB, FWD>(acc, alo, st + L::TOFF)",
+                  "STAGE = kGBytes + 64 * NB * 2")}[loop]
     for const in shared + own:
         assert const in src, const
     cb_n = nb // 64

@@ -157,6 +157,23 @@ __device__ __forceinline__ void decode_unit(const unsigned char* wb, const unsig
   st_shared_v4(p + 1024 + u1, rb[4], rb[5], rb[6], rb[7]);
 }
 
+// A chunk's four k16 MMA steps (both main loops): A = the warpgroup's 64 token rows at descriptor alo (K-major, step
+// j 16 columns on: +32 B), B = the BF16 tile at shared address tile (FWD: K-major, step j at +32 B; BWD: MN-major,
+// step j 16 contraction rows on: +2 KB). QFP4_DQ_ABLATE bit 2 leaves them out.
+template <int NB, bool FWD>
+__device__ __forceinline__ void chunk_mmas(float (&acc)[NB / 2], uint32_t alo, uint32_t tile) {
+  if constexpr (QFP4_DQ_ABLATE & 2) {
+  } else if constexpr (FWD) {
+    const uint32_t blo = desc_lo(tile);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_ss<NB>(acc, alo + 2 * j, kDescHi, blo + 2 * j, kDescHi);
+  } else {
+    const uint32_t blo = desc_lo_mn(tile);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_ss_tb<NB>(acc, alo + 2 * j, kDescHi, blo + 128 * j, kDescHi);
+  }
+}
+
 // The tile's epilogue (warpgroup wg's 64 rows of the 128-row token tile tm, column tile tc): the mma decode's
 // multiplier, then bf16 into out (fdst null) or fp32 into fdst (the tile's element (0, 0); row stride fld), rows
 // below M only.
@@ -264,16 +281,7 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
     if constexpr (!(QFP4_DQ_ABLATE & 4)) __syncthreads();  // (B) the tile is whole
     const uint32_t alo = desc_lo(sbase + (idx % kStages) * L::STAGE + wg * 64 * 128);
     wgmma_fence();
-    if constexpr (QFP4_DQ_ABLATE & 2) {
-    } else if constexpr (FWD) {
-      const uint32_t blo = desc_lo(tbase + (idx & 1) * L::TILE);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_ss<NB>(acc, alo + 2 * j, kDescHi, blo + 2 * j, kDescHi);  // +16 columns
-    } else {
-      const uint32_t blo = desc_lo_mn(tbase + (idx & 1) * L::TILE);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_ss_tb<NB>(acc, alo + 2 * j, kDescHi, blo + 128 * j, kDescHi);  // +16 rows
-    }
+    chunk_mmas<NB, FWD>(acc, alo, tbase + (idx & 1) * L::TILE);
     wgmma_commit();
     wgmma_wait<1>();
   }
@@ -468,16 +476,7 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
       const uint32_t st = sbase + sidx * L::STAGE;
       const uint32_t alo = desc_lo(st + cw * 64 * 128);
       wgmma_fence();
-      if constexpr (QFP4_DQ_ABLATE & 2) {
-      } else if constexpr (FWD) {
-        const uint32_t blo = desc_lo(st + L::TOFF);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) wgmma_ss<NB>(acc, alo + 2 * k, kDescHi, blo + 2 * k, kDescHi);
-      } else {
-        const uint32_t blo = desc_lo_mn(st + L::TOFF);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) wgmma_ss_tb<NB>(acc, alo + 2 * k, kDescHi, blo + 128 * k, kDescHi);
-      }
+      chunk_mmas<NB, FWD>(acc, alo, st + L::TOFF);
       wgmma_commit();
       wgmma_wait<1>();
       if (ci > 0) mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // chunk j - 1's MMAs have retired
