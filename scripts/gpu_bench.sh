@@ -267,6 +267,9 @@
 #                                loop and its parts), built at once; the GPU tests of each unablated build ($OUT/tests_st_*)
 #                                and the bench (DQST_M 512,2048, kz 0,1,2; ablated builds kz 1) into $OUT/st_<s>_<a>[_ws];
 #                                $OUT/st.tgz holds it all; ~7 min
+#   scripts/gpu_bench.sh dqncu   issue 10, session 67: Nsight Compute on the dq GEMM (mma decode, DQNCU_LOOPS "plain ws")
+#                                and cuBLAS on the 7B gate shape at M 2048, fwd and bwd (benchmarks.dq_ncu, config 256,1):
+#                                $OUT/prof/ncu_dq_<loop>.txt, its throughput / pipe / stall lines in the log; ~4 min cold
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -847,6 +850,24 @@ d._STATE.get('error'))" >> "$LOG" 2>&1 &
       | grep "^|\|Error\|dq\] the" | sed "s/^/$v: /" >> "$LOG"
   done
   tar czf "$OUT/st.tgz" -C "$OUT" $(cd "$OUT" && ls -d st_* tests_st_*) ;;
+dqncu)  # issue 10, session 67: Nsight Compute on the dq GEMM beside cuBLAS (see the header)
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/prof"
+  pids=
+  for l in ${DQNCU_LOOPS:-plain ws}; do
+    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=mma QERL_DQ_LOOP=$l dq_build "$l" &
+    pids="$pids $!"
+  done
+  for p in $pids; do wait "$p"; done
+  for l in ${DQNCU_LOOPS:-plain ws}; do
+    QERL_CUDA_GEMV=0 QERL_DQ_DECODE=mma QERL_DQ_LOOP=$l timeout "${DQNCU_SECS:-200}" "$NCU" --clock-control none \
+      --kernel-name regex:'gemm|nvjet|dq_ws|xmma' --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section SchedulerStats --print-details all python3 -m benchmarks.dq_ncu ${DQNCU_ARGS:-} \
+      > "$OUT/prof/ncu_dq_$l.txt" 2>&1
+    grep -E "^  [a-zA-Z_0-9]+.*\(|dq_ncu|Throughput|Duration|Shared|Pipe|pipe|Stall|stall|Eligible|Issued Warp|Registers|Bank" \
+      "$OUT/prof/ncu_dq_$l.txt" | cut -c1-160 | head -150 | sed "s/^/$l: /" >> "$LOG"
+  done ;;
 ahead)  # issue 10, session 66: the next weight's rebuild under this GEMM at large M (see the header)
   build 2
   ahead_bench ;;

@@ -631,3 +631,15 @@ def test_stream_k_walk_and_its_reduction_agree(tmp_path):
         assert got == want, (m, r, c, nb)
         k += len(want)
     assert dq.stream_ctas(512, 3584, 3584, 128, 132) == 132 and dq.stream_ctas(1, 64, 128, 128, 132) == 1
+
+
+def test_ncu_driver_rejects_bad_arguments(capsys):
+    """benchmarks.dq_ncu names the bad value and the choices before it asks for a device."""
+    from benchmarks import dq_ncu
+    for argv, msg in ((["--config", "256"], "2 non-negative integers separated by ','"),
+                      (["--ops", "grad"], "valid: bwd, fwd"), (["--fmt", "int4"], "valid: nvfp4, mxfp4"),
+                      (["--shape", "18944"], "--shape '18944'"),
+                      (["--config", "100,1"], "dq config (100, 1) for contraction 3584")):
+        with pytest.raises(SystemExit) as e:
+            dq_ncu.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
