@@ -494,8 +494,9 @@ def test_shared_memory_addressing_matches_the_descriptors(op, nb, loop):
               "FWD ? 16 * b + g : 16 * (b / CB) + g", "p + 1024 + u0", "((2 * t) ^ (row & 7)) << 4",
               "blo + 128 * j", "blo + 2 * j", "alo + 2 * j")  # chunk_mmas's steps
     own = {"plain": ("wg * 64 * 128", "j * 32 * 128", "chunk_mmas<NB, FWD>(acc, alo, tbase + (idx & 1) * L::TILE)"),
-           "ws": ("cw * 64 * 128", "dst + i * 16 * 128", "chunk_mmas<NB, FWD>(acc, alo, st + L::TOFF)",
-                  "STAGE = kGBytes + 64 * NB * 2")}[loop]
+           "ws": ("cw * 64 * 128", "dst + i * 16 * 128",
+                  "chunk_mmas<NB, FWD>(acc, alo, sbase + L::TOFF + (j % kWsTiles) * L::TILE)",
+                  "COPY = (SOFF + BLOCKS * scale_bytes<FMT>() + 1023) / 1024 * 1024")}[loop]
     for const in shared + own:
         assert const in src, const
     cb_n = nb // 64

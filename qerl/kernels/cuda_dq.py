@@ -141,9 +141,10 @@ LOOPS = ("plain", "ws")
 def loop() -> str:
     """``QERL_DQ_LOOP``: the kernel's main loop. ``plain`` (the default): every thread of the CTA's two warpgroups
     stages, decodes and multiplies in turn between CTA barriers; ``ws``: warp-specialized, a third warpgroup copying
-    two chunks ahead and decoding into a four-stage ring on mbarriers while the two MMA warpgroups multiply (session
-    66: the plain loop's staging, decode and MMAs were measured adding up, not overlapping). Same results bit for
-    bit; a build of its own (``-DQFP4_DQ_WS=1``)."""
+    four chunks ahead (six copy slots) and decoding into two BF16 tiles on mbarriers while the two MMA warpgroups
+    multiply (session 66: the plain loop's staging, decode and MMAs were measured adding up, not overlapping). Same
+    results bit for bit; a build of its own (``-DQFP4_DQ_WS=1``). Measured slower than plain so far (session 67,
+    ``results/speed/raw/h100_s67_*``)."""
     from qerl.kernels import _gemm_lora_switch
     return _gemm_lora_switch("QERL_DQ_LOOP", "plain", LOOPS)
 

@@ -336,34 +336,38 @@ __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
 // QFP4_DQ_WS (QERL_DQ_WS=1 selects the build): the same products warp-specialized. Session 66's ablation of the
 // kernel above found its parts adding up (staging skeleton ~1000 µs + decode ~600 + MMAs ~550 at 7B M 2048, against
 // cuBLAS's 1300): every thread stages, decodes and multiplies in turn between CTA barriers, so nothing overlaps.
-// Here a CTA is three warpgroups. Warpgroup 0 produces: it copies chunk j + 2's tokens (into MMA stage (j + 2) % 4)
-// and packed weight blocks (into packed slot (j + 2) % 3) by cp.async, then decodes chunk j's blocks into stage
-// j % 4's BF16 tile and arrives on the stage's "full" mbarrier. Warpgroups 1 and 2 consume: each waits for "full",
-// issues its 64 token rows' MMAs of the chunk, keeps one chunk of MMAs in flight, and arrives on the previous
-// stage's "empty" mbarrier once those retired; the producer waits for "empty" before refilling a stage. So chunk j's
-// decode runs while chunk j - 1's MMAs do, and the copies two chunks ahead. A CTA works through a list of
+// Here a CTA is three warpgroups. Warpgroup 0 produces: it copies chunk j + 4's tokens and packed weight blocks by
+// cp.async into copy slot (j + 4) % 6, then decodes chunk j's blocks (slot j % 6) into BF16 tile j % 2 and arrives on
+// the tile's "full" mbarrier. Warpgroups 1 and 2 consume: each waits for "full", issues its 64 token rows' MMAs of
+// the chunk (tokens read in place from the copy slot), keeps one chunk of MMAs in flight, and arrives on the previous
+// chunk's tile and copy slot "empty" mbarriers once those retired; the producer waits for them before refilling a
+// tile or a slot. So chunk j's decode runs while chunk j - 1's MMAs do, and the copies four chunks ahead (session 67:
+// with the tokens in the tile's ring, copies two ahead, the producer waited on them most of its time). A CTA works through a list of
 // (tile, chunk) iterations -- one tile's chunks in the grid mode, an even range of them in stream-K -- the producer
 // and the consumers walking the same list, the consumers writing each tile's epilogue as its last chunk retires.
 // Same results as the kernel above bit for bit (same decode, same MMA order per output element).
 #ifndef QFP4_DQ_WS
 #define QFP4_DQ_WS 0
 #endif
-constexpr int kWsStages = 4;   // MMA stages: tokens + BF16 tile
-constexpr int kWsPacked = 3;   // packed weight slots (the producer's copies run kWsPacked - 1 chunks ahead)
+constexpr int kWsCopies = 6;   // copy slots: a chunk's tokens + packed weight blocks
+constexpr int kWsAhead = kWsCopies - 2;  // chunks the copies run ahead of the decode
+constexpr int kWsTiles = 2;    // BF16 tiles
 constexpr int kWsThreads = 384;
 
 template <int FMT, int NB>
 struct WsSmem {
   static constexpr int CB = NB / 64;
   static constexpr int BLOCKS = 4 * CB;
-  static constexpr int TOFF = kGBytes;                               // the BF16 tile after the tokens
-  static constexpr int STAGE = kGBytes + 64 * NB * 2;                 // 32 KB (NB 128) | 48 KB (256)
-  static constexpr int SOFF = BLOCKS * 512;                           // a packed slot's scale pairs
-  static constexpr int PACKED = (BLOCKS * (512 + scale_bytes<FMT>()) + 127) / 128 * 128;
-  static constexpr int POFF = kWsStages * STAGE;                      // the packed slots
-  static constexpr int BAR = POFF + kWsPacked * PACKED;               // full[4], empty[4]
-  static constexpr int BYTES = BAR + 2 * kWsStages * 8 + 1024;
+  static constexpr int POFF = kGBytes;                                // a copy slot's packed blocks after its tokens
+  static constexpr int SOFF = POFF + BLOCKS * 512;                    // and their scale pairs
+  static constexpr int COPY = (SOFF + BLOCKS * scale_bytes<FMT>() + 1023) / 1024 * 1024;  // 21 KB (NB 128) | 25 KB
+  static constexpr int TILE = 64 * NB * 2;                            // a BF16 tile: 16 KB | 32 KB
+  static constexpr int TOFF = kWsCopies * COPY;                       // the tiles after the copy slots
+  static constexpr int BAR = TOFF + kWsTiles * TILE;                  // full[tiles], empty tile[tiles], empty copy[copies]
+  static constexpr int BYTES = BAR + (2 * kWsTiles + kWsCopies) * 8 + 1024;
 };
+static_assert(WsSmem<0, 256>::BYTES <= 232448 && WsSmem<1, 256>::BYTES <= 232448,
+              "the warp-specialized loop's copy slots and tiles exceed an sm_90 CTA's 227 KB of shared memory");
 
 // The CTA's iterations: j = 0 .. n - 1 -> (token tile, column tile, chunk); a tile's run of them is a segment.
 struct WsWork {
@@ -394,9 +398,8 @@ template <int FMT, bool HAS_G, int NB, bool FWD>
 __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned char* gbase, const WsWork& wk) {
   using L = WsSmem<FMT, NB>;
   constexpr int SPB = scale_bytes<FMT>();
-  constexpr int kWsAhead = kWsPacked - 1;
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform, provably
-  const uint32_t full0 = sbase + L::BAR, empty0 = full0 + kWsStages * 8;
+  const uint32_t full0 = sbase + L::BAR, etile0 = full0 + kWsTiles * 8, ecopy0 = etile0 + kWsTiles * 8;
   const float inv = HAS_G ? *a.gs : 1.0f;
   if (wg == 0) {  // ------------------------------------------------------------------------- the producer
     const int pt = tid;  // 0 .. 127
@@ -404,8 +407,7 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
     auto issue = [&](int q) {
       int tm, tc, c;
       wk.at(q, tm, tc, c);
-      const uint32_t st = sbase + (q % kWsStages) * L::STAGE;
-      const uint32_t pk = sbase + L::POFF + (q % kWsPacked) * L::PACKED;
+      const uint32_t st = sbase + (q % kWsCopies) * L::COPY;
       const int m0 = tm * kBM;
       const __nv_bfloat16* src = a.g + (long)min(m0 + gr, a.M - 1) * a.ldg + 8 * gu + 64L * c;
       const uint32_t dst = st + gr * 128 + ((gu ^ (gr & 7)) << 4);
@@ -417,9 +419,9 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
       };
 #pragma unroll
       for (int u = pt; u < L::BLOCKS * 32; u += 128)
-        cp_async16(pk + (u >> 5) * 512 + (u & 31) * 16, a.qw + block(u >> 5) * 32 + (u & 31), true);
+        cp_async16(st + L::POFF + (u >> 5) * 512 + (u & 31) * 16, a.qw + block(u >> 5) * 32 + (u & 31), true);
       constexpr int SU = SPB / 16;
-      if (pt < L::BLOCKS * SU) cp_async16(pk + L::SOFF + pt * 16, a.sc + block(pt / SU) * SPB + (pt % SU) * 16, true);
+      if (pt < L::BLOCKS * SU) cp_async16(st + L::SOFF + pt * 16, a.sc + block(pt / SU) * SPB + (pt % SU) * 16, true);
     };
 #pragma unroll
     for (int q = 0; q < kWsAhead; ++q) {
@@ -428,22 +430,23 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
     }
     for (int j = 0; j < wk.n; ++j) {
       cp_async_wait<kWsAhead - 1>();  // this thread's copies of chunk j have landed
-      group_sync(1, 128);  // everyone's; and everyone has decoded chunk j - 1 (its packed slot is j + 2's)
+      group_sync(1, 128);  // everyone's
       const int q = j + kWsAhead;
       if (q < wk.n) {
-        if (q >= kWsStages) mbar_wait(empty0 + (q % kWsStages) * 8, ((q / kWsStages) - 1) & 1);
+        if (q >= kWsCopies) mbar_wait(ecopy0 + (q % kWsCopies) * 8, ((q / kWsCopies) - 1) & 1);
         issue(q);
       }
       cp_async_commit();
-      const unsigned char* pk = gbase + L::POFF + (j % kWsPacked) * L::PACKED;
-      const uint32_t tile = sbase + (j % kWsStages) * L::STAGE + L::TOFF;
+      if (j >= kWsTiles) mbar_wait(etile0 + (j % kWsTiles) * 8, ((j / kWsTiles) - 1) & 1);
+      const unsigned char* pk = gbase + (j % kWsCopies) * L::COPY;
+      const uint32_t tile = sbase + L::TOFF + (j % kWsTiles) * L::TILE;
       if constexpr (!(QFP4_DQ_ABLATE & 1)) {
 #pragma unroll
         for (int u = pt; u < L::BLOCKS * 32; u += 128)
-          decode_unit<FMT, HAS_G, NB, FWD>(pk, pk + L::SOFF, tile, u, inv, a.bword);
+          decode_unit<FMT, HAS_G, NB, FWD>(pk + L::POFF, pk + L::SOFF, tile, u, inv, a.bword);
       }
       fence_proxy_async();  // this thread's tokens (cp.async) and tile stores, for the tensor cores
-      mbar_arrive(full0 + (j % kWsStages) * 8);
+      mbar_arrive(full0 + (j % kWsTiles) * 8);
     }
     cp_async_wait<0>();
     return;
@@ -460,6 +463,10 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
     }
     return;
   }
+  auto retire = [&](int q) {  // chunk q's tile and copy slot are free again
+    mbar_arrive(etile0 + (q % kWsTiles) * 8);
+    mbar_arrive(ecopy0 + (q % kWsCopies) * 8);
+  };
   // segment by segment (a tile's run of chunks), the accumulators zeroed before and read after each segment's loop
   // only: touching them on a branch inside the loop made ptxas serialize the MMAs (C7518, session 67)
   for (int j = 0, seg = 0; j < wk.n; ++seg) {
@@ -471,20 +478,18 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
 #pragma unroll
     for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
     for (int ci = 0; ci < len; ++ci, ++j) {
-      const int sidx = j % kWsStages;
-      mbar_wait(full0 + sidx * 8, (j / kWsStages) & 1);
-      const uint32_t st = sbase + sidx * L::STAGE;
-      const uint32_t alo = desc_lo(st + cw * 64 * 128);
+      mbar_wait(full0 + (j % kWsTiles) * 8, (j / kWsTiles) & 1);
+      const uint32_t alo = desc_lo(sbase + (j % kWsCopies) * L::COPY + cw * 64 * 128);
       wgmma_fence();
-      chunk_mmas<NB, FWD>(acc, alo, st + L::TOFF);
+      chunk_mmas<NB, FWD>(acc, alo, sbase + L::TOFF + (j % kWsTiles) * L::TILE);
       wgmma_commit();
       wgmma_wait<1>();
-      if (ci > 0) mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // chunk j - 1's MMAs have retired
+      if (ci > 0) retire(j - 1);  // chunk j - 1's MMAs have retired
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < NB / 2; ++i) fence_reg(acc[i]);
-    mbar_arrive(empty0 + ((j - 1) % kWsStages) * 8);  // the segment's last chunk
+    retire(j - 1);  // the segment's last chunk
     float* fdst = nullptr;  // whole tile, one split: bf16 into out
     long fld = a.C;
     if (wk.sk) {
@@ -509,10 +514,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) dq_ws_kernel(const Args a) {
   using L = WsSmem<FMT, NB>;
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < kWsStages; ++s) {
+    for (int s = 0; s < kWsTiles; ++s) {
       mbar_init(sbase + L::BAR + s * 8, 128);                   // full: every producer thread
-      mbar_init(sbase + L::BAR + (kWsStages + s) * 8, 256);     // empty: every consumer thread
+      mbar_init(sbase + L::BAR + (kWsTiles + s) * 8, 256);      // empty tile: every consumer thread
     }
+#pragma unroll
+    for (int s = 0; s < kWsCopies; ++s) mbar_init(sbase + L::BAR + (2 * kWsTiles + s) * 8, 256);  // empty copy slot
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
