@@ -205,23 +205,18 @@ def test_ablation_and_decode_switches():
             with pytest.raises(ValueError, match=rf"QERL_DQ_ABLATE={bad!r}: a sum of 1 \(no dequantization\), 2 "
                                                  r"\(no MMAs\), 4 \(no barrier before the MMAs\), 0 to 7"):
                 dq.ablate()
-        mp.delenv("QERL_DQ_LOOP", raising=False)
-        assert dq.loop() == "plain"
-        mp.setenv("QERL_DQ_LOOP", "ws")
-        assert dq.loop() == "ws"
-        mp.setenv("QERL_DQ_LOOP", "1")
-        with pytest.raises(ValueError, match=r"QERL_DQ_LOOP='1'; valid: plain, ws"):
-            dq.loop()
-        mp.delenv("QERL_DQ_LOOP")
-        mp.delenv("QERL_DQ_STAGES", raising=False)
-        assert dq.stages() == 4
-        mp.setenv("QERL_DQ_STAGES", "6")
-        assert dq.stages() == 6
-        for bad in ("7", "2", "four"):
-            mp.setenv("QERL_DQ_STAGES", bad)
-            with pytest.raises(ValueError, match=rf"QERL_DQ_STAGES={bad!r}; valid: 4, 3, 5, 6"):
-                dq.stages()
-        mp.delenv("QERL_DQ_STAGES")
+        for name, fn, default, good, bads, valid in (
+                ("QERL_DQ_LOOP", dq.loop, "plain", ("ws", "ws"), ("1",), "plain, ws"),
+                ("QERL_DQ_STAGES", dq.stages, 4, ("6", 6), ("7", "2", "four"), "4, 3, 5, 6")):
+            mp.delenv(name, raising=False)
+            assert fn() == default, name
+            mp.setenv(name, good[0])
+            assert fn() == good[1], name
+            for bad in bads:
+                mp.setenv(name, bad)
+                with pytest.raises(ValueError, match=rf"{name}={bad!r}; valid: {valid}"):
+                    fn()
+            mp.delenv(name)
         mp.delenv("QERL_DQ_DECODE", raising=False)
         assert dq.decode() == "exact"
         mp.setenv("QERL_DQ_DECODE", "mma")
