@@ -293,6 +293,15 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
   epilogue<HAS_G, NB>(a, acc, wg, tm, tc, inv, fdst, fld);
 }
 
+// The dynamic shared memory's base rounded up to 1024 bytes (the 128-byte swizzle's period): its shared-window
+// address and its generic pointer.
+__device__ __forceinline__ void smem_base(uint32_t& sbase, unsigned char*& gbase) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  sbase = (raw + 1023u) & ~1023u;
+  gbase = smem_raw + (sbase - raw);
+}
+
 // Stream-K (a.sk > 0): the iterations (tile, chunk), tile-major with tiles numbered token tile fastest, are cut into
 // gridDim.x equal contiguous ranges, CTA b taking [T b / G, T (b + 1) / G) (T = tiles x chunks, G = gridDim.x <= T): no
 // wave of partly idle SMs whatever the tile count. A range covers the tail of one tile, whole tiles, the head of
@@ -302,10 +311,9 @@ __device__ __forceinline__ void dq_tile(const Args& a, uint32_t sbase, unsigned 
 template <int FMT, bool HAS_G, int NB, bool FWD>
 __global__ void __launch_bounds__(kThreads, 1) dq_gemm_kernel(const Args a) {
 #if QFP4_DQ_WGMMA
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t sbase = (raw + 1023u) & ~1023u;
-  unsigned char* const gbase = smem_raw + (sbase - raw);
+  uint32_t sbase;
+  unsigned char* gbase;
+  smem_base(sbase, gbase);
   const int nc_all = a.R / 64;
   if (a.sk == 0) {
     const int kz = gridDim.z;
@@ -507,10 +515,9 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
 template <int FMT, bool HAS_G, int NB, bool FWD>
 __global__ void __launch_bounds__(kWsThreads, 1) dq_ws_kernel(const Args a) {
 #if QFP4_DQ_WGMMA
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t sbase = (raw + 1023u) & ~1023u;
-  unsigned char* const gbase = smem_raw + (sbase - raw);
+  uint32_t sbase;
+  unsigned char* gbase;
+  smem_base(sbase, gbase);
   using L = WsSmem<FMT, NB>;
   if (threadIdx.x == 0) {
 #pragma unroll
