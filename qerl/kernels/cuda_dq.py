@@ -154,8 +154,9 @@ STAGES = ("4", "3", "5", "6")
 
 def stages() -> int:
     """``QERL_DQ_STAGES``: the plain loop's ring of copied stages (tokens + packed weight), its copies running stages
-    - 2 chunks ahead of the MMAs; 4 (the default) to 6, the most whose shared memory fits at 256 output columns a
-    tile. Session 67 measures whether deeper copies shorten the loop; a build of its own (``-DQFP4_DQ_STAGES``)."""
+    - 2 chunks ahead of the MMAs; 3 to 6 (6: the most whose shared memory fits at 256 output columns a tile), 4 the
+    default. Session 67 measured 4, 5 and 6 the same within 2% (``results/speed/raw/h100_s67_dqstages``); a build of
+    its own (``-DQFP4_DQ_STAGES``)."""
     from qerl.kernels import _gemm_lora_switch
     return int(_gemm_lora_switch("QERL_DQ_STAGES", "4", STAGES))
 
@@ -375,6 +376,6 @@ def gemm(x: torch.Tensor, w: cuda_fp4.CudaFP4Weight, out: torch.Tensor | None = 
     return _run("fwd", x, w, out, config)
 
 
-__all__ = ["gemm_t", "gemm", "enabled", "decode", "ablate", "available", "supported", "dims", "configs", "check_config",
+__all__ = ["gemm_t", "gemm", "enabled", "decode", "ablate", "loop", "stages", "available", "supported", "dims", "configs", "check_config",
            "pick_config", "estimate_us", "tiles", "stream_ctas", "stream_segments", "load_table", "install_table", "tuned_config",
            "NBS", "MAX_KZ", "OPS", "DQ_MODES"]
