@@ -829,8 +829,7 @@ dqstages)  # issue 10, session 67: the plain dq loop's copy depth (see the heade
   }
   pids=
   for v in $specs; do
-    env $(st_env "$v") python3 -c "from qerl.kernels import cuda_dq as d; print('dq build $v', d.available(), \
-d._STATE.get('error'))" >> "$LOG" 2>&1 &
+    (export $(st_env "$v"); dq_build "$v") &
     pids="$pids $!"
   done
   for p in $pids; do wait "$p"; done

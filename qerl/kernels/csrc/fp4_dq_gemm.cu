@@ -399,9 +399,14 @@ struct WsWork {
       c = c0 + j;
     }
   }
-  __device__ __forceinline__ bool first(int j, int c) const { return j == 0 || (sk && c == 0); }
-  __device__ __forceinline__ bool last(int j, int c) const { return j == n - 1 || (sk && c == nc - 1); }
 };
+
+// Before chunk q takes its place in a ring of N (empty mbarriers from empty0, 8 bytes apart): chunk q - N's
+// consumers have released it (that place's phase q / N - 1); the first N chunks find it free.
+template <int N>
+__device__ __forceinline__ void await_free(uint32_t empty0, int q) {
+  if (q >= N) mbar_wait(empty0 + (q % N) * 8, ((q / N) - 1) & 1);
+}
 
 template <int FMT, bool HAS_G, int NB, bool FWD>
 __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned char* gbase, const WsWork& wk) {
@@ -442,11 +447,11 @@ __device__ __forceinline__ void dq_ws(const Args& a, uint32_t sbase, unsigned ch
       group_sync(1, 128);  // everyone's
       const int q = j + kWsAhead;
       if (q < wk.n) {
-        if (q >= kWsCopies) mbar_wait(ecopy0 + (q % kWsCopies) * 8, ((q / kWsCopies) - 1) & 1);
+        await_free<kWsCopies>(ecopy0, q);
         issue(q);
       }
       cp_async_commit();
-      if (j >= kWsTiles) mbar_wait(etile0 + (j % kWsTiles) * 8, ((j / kWsTiles) - 1) & 1);
+      await_free<kWsTiles>(etile0, j);
       const unsigned char* pk = gbase + (j % kWsCopies) * L::COPY;
       const uint32_t tile = sbase + L::TOFF + (j % kWsTiles) * L::TILE;
       if constexpr (!(QFP4_DQ_ABLATE & 1)) {
