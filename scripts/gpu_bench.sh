@@ -114,8 +114,8 @@
 #                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min). ABLATE40_V replaces the
 #                                variants: ABLATE40_V="4 16 20" (session 48's plan) times the MMAs with A from shared
 #                                memory (16) and that without the decode (20) beside no decode alone (4)
-#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA
-#                                or QERL_WGMMA_LORA), ABK_RUNS="VALUE:PASS ..." in the order run
+#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA,
+#                                QERL_WGMMA_LORA or QERL_WGMMA_ROT), ABK_RUNS="VALUE:PASS ..." in the order run
 #                                (default "0:1 1:1 1:2 0:2"; the first run's value is the baseline), every build at once,
 #                                ABK_TESTS (pytest -k over tests/test_cuda_fp4.py) on each other build (or on those of
 #                                ABK_TESTED, e.g. one, where the tests set the switch themselves), then each 7B
@@ -651,8 +651,8 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}
   case "$SW" in
-    QERL_WGMMA_TMA|QERL_WGMMA_LORA) ;;
-    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" | tee -a "$LOG" >&2
+    QERL_WGMMA_TMA|QERL_WGMMA_LORA|QERL_WGMMA_ROT) ;;
+    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_ROT" | tee -a "$LOG" >&2
        exit 2 ;;
   esac
   RUNS=${ABK_RUNS:-0:1 1:1 1:2 0:2}

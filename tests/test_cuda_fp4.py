@@ -436,6 +436,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing.
     QERL_WGMMA_TMA=1 (the default) adds -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing.
     QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
+    QERL_WGMMA_ROT=1 adds -DQFP4_WGMMA_ROT=1 (the tensor copies' K walk rotated per tile), and needs QERL_WGMMA_TMA=1.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl import kernels as qk
@@ -459,7 +460,16 @@ def test_wgmma_pipe_switch(monkeypatch):
         monkeypatch.setenv("QERL_WGMMA_TMA", v)
         with pytest.raises(ValueError, match=f"QERL_WGMMA_TMA='{v}'; valid: 0, 1$"):
             cf._build_flags()
+    monkeypatch.setenv("QERL_WGMMA_TMA", "0")
+    monkeypatch.setenv("QERL_WGMMA_ROT", "1")  # session 68's experiment rotates the tensor copies: not without them
+    with pytest.raises(ValueError, match="QERL_WGMMA_ROT='1' needs QERL_WGMMA_TMA=1.*valid: 0$"):
+        cf._build_flags()
     monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_ROT=1"
+    monkeypatch.setenv("QERL_WGMMA_ROT", "2")
+    with pytest.raises(ValueError, match="QERL_WGMMA_ROT='2'; valid: 0, 1$"):
+        cf._build_flags()
+    monkeypatch.delenv("QERL_WGMMA_ROT")
     monkeypatch.setenv("QERL_WGMMA_TAIL", "0")  # session 49's kernel, without the tail splits
     assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
     monkeypatch.delenv("QERL_WGMMA_TAIL")

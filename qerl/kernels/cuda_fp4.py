@@ -793,6 +793,23 @@ def wgmma_tail() -> bool:
     return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
 
+WGMMA_ROT = ("0", "1")
+
+
+def wgmma_rot() -> bool:
+    """``QERL_WGMMA_ROT``: ``1`` (session 68's experiment, ``-DQFP4_WGMMA_ROT=1``, a build of its own) makes the
+    tensor-copied wgmma variants walk a CTA's K range from chunk ``tile % n`` and wrap around, so that the ~132 CTAs
+    in flight, which all read the same token tile, do not request the same chunk at nearly the same time. Same
+    products, summed over K in another order (deterministic; not bit-identical to the default). ``0`` (default): every
+    CTA from its first chunk. Needs ``QERL_WGMMA_TMA=1``."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    v = _gemm_lora_switch("QERL_WGMMA_ROT", "0", WGMMA_ROT)
+    if v == "1" and wgmma_tma() == "0":
+        raise ValueError("QERL_WGMMA_ROT='1' needs QERL_WGMMA_TMA=1 (it rotates the tensor copies); with "
+                         "QERL_WGMMA_TMA=0 valid: 0")
+    return v == "1"
+
+
 BF16_LOADS = ("pair", "sector")
 
 
@@ -813,7 +830,8 @@ def bf16_loads() -> str:
 
 
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_WGMMA_ROT",
+                  "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
@@ -843,6 +861,7 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
+            *(["-DQFP4_WGMMA_ROT=1"] if wgmma_rot() else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
