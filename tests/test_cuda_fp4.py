@@ -1472,6 +1472,44 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_rot_changes_only_the_summation_order(fmt, monkeypatch):
+    """QERL_WGMMA_ROT=1's build (session 68's experiment: the tensor-copied variants walk K from chunk tile % n): the
+    variants it leaves alone (under 128 tokens a CTA, stream-K: cp.async) give QERL_WGMMA_ROT=0's output bit for bit;
+    the tensor-copied ones match the emulator with and without LoRA, are deterministic (two launches equal), and at
+    least one of them differs from ROT=0 in some bit (the rotation took effect: fp32 sums in another order)."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    if cf.wgmma_pipe() != 2:
+        pytest.skip(f"QERL_WGMMA_ROT=1 needs the tensor copies (pipe 2); this run has pipe {cf.wgmma_pipe()}")
+    monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+    q, w, ops, k = _gemm_lora_case(fmt)
+    cfgs = cf.wgmma_configs(w.n // 16, k // 64)
+    g = torch.Generator(device="cuda").manual_seed(68)
+    differs = 0
+    for m in (130, 300):
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        emu, emu_l = cf.emulate(x, w), cf.emulate(x, w, ops[0])
+        for op in (None, ops[0]):
+            for cfg in cfgs:
+                monkeypatch.setenv("QERL_WGMMA_ROT", "0")
+                ref = cf.gemm(x, w, config=cfg, lora=op)
+                monkeypatch.setenv("QERL_WGMMA_ROT", "1")
+                got = cf.gemm(x, w, config=cfg, lora=op)
+                assert torch.equal(cf.gemm(x, w, config=cfg, lora=op), got), cfg
+                if 8 * cfg[0] < 128 or cfg[1] == cf.WGMMA_SK:
+                    assert torch.equal(got, ref), (m, cfg, op is None)
+                    continue
+                differs += not torch.equal(got, ref)
+                if op is None:
+                    _check(got, x, fmt, q, w, emu)
+                else:
+                    _check_lora(got, x, w, op, emu_l)
+    assert differs > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
 def test_gpu_wgmma_tail_split(fmt, monkeypatch):
     """QERL_WGMMA_TAIL=1's build (the default since session 50) gives QERL_WGMMA_TAIL=0's output bit for bit at every
     config (``_check_build_bit_identical``); and a tail-split config (nt, wgmma_tail_sw(kt), r, ks) gives, tile by
