@@ -271,9 +271,10 @@
 #                                and cuBLAS on the 7B gate shape at M 2048, fwd and bwd (benchmarks.dq_ncu, config 256,1):
 #                                $OUT/prof/ncu_dq_<loop>.txt, its throughput / pipe / stall lines in the log; ~4 min cold
 #   scripts/gpu_bench.sh rot     issue 10, session 68: QERL_WGMMA_ROT (the tensor copies' K walk rotated per tile) against
-#                                the default: abk's A/B (ROT_M, default 128,256,512; GPU tests "wgmma and not
-#                                tma_is_bit" on the ROT=1 build), then the 7B layer (kernel_bench --layout kernel, BF16
-#                                and NVFP4 at ROT_M) once under ROT=1 and once under ROT=0 ($OUT/layers_rot_<v>); ~8 min cold
+#                                the default: abk's A/B (ROT_M, default 128,256,512; GPU tests -k ROT_TESTS, default
+#                                "rot_changes or wgmma_gemm_every_variant", on the ROT=1 build), then the 7B layer
+#                                (kernel_bench --layout kernel, BF16 and NVFP4 at ROT_M) once under ROT=1 and once under
+#                                ROT=0 ($OUT/layers_rot_<v>); all of it in $OUT/rot.tgz; ~8 min cold
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -653,9 +654,10 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 rot)  # issue 10, session 68: the rotated K walk, kernel-level and layer-level (see the header)
-  ABK_M=${ROT_M:-128,256,512} kernel_ab QERL_WGMMA_ROT abk "0:1 1:1 1:2 0:2" 1 "wgmma and not tma_is_bit"
+  ABK_M=${ROT_M:-128,256,512} kernel_ab QERL_WGMMA_ROT abk "0:1 1:1 1:2 0:2" 1 \
+    "${ROT_TESTS:-rot_changes or wgmma_gemm_every_variant}"
   for v in 1 0; do
-    QERL_WGMMA_ROT=$v timeout "${ROT_LAYER_SECS:-100}" python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4 \
+    QERL_WGMMA_ROT=$v timeout "${ROT_LAYER_SECS:-80}" python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4 \
       --layout kernel --m "${ROT_M:-128,256,512}" --out "$OUT/layers_rot_$v" 2>&1 | grep "\[bench\]" | sed "s/^/rot $v: /" >> "$LOG"
   done
   tar czf "$OUT/rot.tgz" -C "$OUT" $(cd "$OUT" && ls -d abk_* layers_rot_* tests_* ab.md 2>/dev/null) ;;
