@@ -446,6 +446,60 @@ def test_targets_table_judges_each_target_by_its_h100_run(tmp_path):
     assert got["Qwen2.5-32B NVFP4 batch 8: ≥ 800 tok/s"][0] == "not measured"  # only an H200 row
 
 
+def test_missed_targets_table_gives_each_missed_target_its_gap_and_one_named_limit(tmp_path):
+    """Only measured, unmet targets are listed; the gap is value / bound - 1 (negative short of an at-least bound,
+    positive over a below one); each is named by the one limit entry matching it ("not analysed" without one), each
+    used limit's text and evidence follow once, in order of first use; two entries matching one target are refused;
+    a table with every target met says so. The TOML loader refuses an entry with a missing key by name."""
+    rows = [dict(issue=10, what="7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16", bound=2.3, higher=True, value=2.07,
+                 text="2.070×", met=False, run="a"),
+            dict(issue=10, what="7B layer MXFP4 fwd M = 32: ≥ 2.3× BF16", bound=2.3, higher=True, value=2.3,
+                 text="2.300×", met=True, run="a"),
+            dict(issue=10, what="7B layer MXFP4 fwd M = 64: ≥ 1.6× BF16", bound=1.6, higher=True, value=None,
+                 text=None, met=None, run=""),
+            dict(issue=10, what="32B NVFP4 GRPO step peak < 45 GB", bound=45.0, higher=False, value=46.8,
+                 text="46.8 GB", met=False, run="b"),
+            dict(issue=11, what="Qwen2.5-7B BF16 batch 8: ≥ 1650 tok/s", bound=1650, higher=True, value=1291.0,
+                 text="1291", met=False, run="c"),
+            dict(issue=10, what="7B layer MXFP4 fwd M = 256: ≥ 0.95× BF16", bound=0.95, higher=True, value=0.9,
+                 text="0.900×", met=False, run="a")]
+    limits = [dict(name="Small GEMM", match="fwd M = (32|256): ", limit="the  mma\n loop", evidence="raw/x"),
+              dict(name="Peak", match="peak", limit="memory", evidence="raw/y")]
+    md = speed.missed_targets_table(rows, limits)
+    lines = md.splitlines()
+    assert lines[2:6] == ["| 10 | 7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16 | 2.070× | -10.0% | Small GEMM |",
+                          "| 10 | 32B NVFP4 GRPO step peak < 45 GB | 46.8 GB | +4.0% | Peak |",
+                          "| 11 | Qwen2.5-7B BF16 batch 8: ≥ 1650 tok/s | 1291 | -21.8% | not analysed |",
+                          "| 10 | 7B layer MXFP4 fwd M = 256: ≥ 0.95× BF16 | 0.900× | -5.3% | Small GEMM |"]
+    assert lines[7:] == ["- **Small GEMM.** the mma loop *Evidence:* raw/x.", "- **Peak.** memory *Evidence:* raw/y."]
+    with pytest.raises(ValueError, match="'32B NVFP4 GRPO step peak < 45 GB': 2 limit entries match it"):
+        speed.missed_targets_table(rows, limits + [dict(name="P2", match="GB", limit="-", evidence="-")])
+    assert speed.missed_targets_table(rows[1:3], limits) == "_every measured target is met_\n"
+    bad = tmp_path / "limits.toml"
+    bad.write_text('[[limit]]\nname = "x"\nmatch = "y"\nlimit = "z"\n')
+    with pytest.raises(ValueError, match="limit entry 1 \\('y'\\) has keys \\['limit', 'match', 'name'\\]"):
+        speed.target_limits(bad)
+
+
+def test_committed_target_limits_cover_every_missed_target():
+    """results/speed/target_limits.toml against the committed results: every target the targets table marks unmet has
+    exactly one limit entry, every entry matches some target, and every raw run an entry cites exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "results" / "speed"
+    rows = speed.target_rows(root, *speed.TARGET_RUNS)
+    limits = speed.target_limits(root / "target_limits.toml")
+    missed = [r for r in rows if r["met"] is False]
+    assert missed, "no missed target: the limits file would have nothing to explain"
+    for r in missed:
+        assert sum(bool(re.search(e["match"], r["what"])) for e in limits) == 1, r["what"]
+    for e in limits:
+        assert any(re.search(e["match"], r["what"]) for r in rows), e["name"]
+        for run in re.findall(r"raw/([\w./-]+)", e["evidence"]):
+            assert (root / "raw" / run.rstrip(".,")).exists(), (e["name"], run)
+
+
 def test_batch_rollout_table_takes_the_default_mode_and_the_last_pass(tmp_path):
     """A run with several decode modes and passes (session 39's `--decode fused,fused`; session 37's `fused,fused-s36`):
     the table shows the `fused` rows of the last pass, whatever order the CSV holds them in."""
