@@ -810,6 +810,22 @@ def wgmma_rot() -> bool:
     return v == "1"
 
 
+WGMMA_ARRIVE = ("thread", "warp")
+
+
+def wgmma_arrive() -> str:
+    """``QERL_WGMMA_ARRIVE``: how the tensor-copied wgmma variants release a stage. ``thread`` (default): every thread
+    arrives on the stage's "empty" mbarrier (256 or 512 arrivals on one word a chunk); ``warp`` (session 68's
+    experiment, ``-DQFP4_WGMMA_WARP_ARRIVE=1``, a build of its own): one arrival a warp after ``__syncwarp``. Same
+    results bit for bit. Needs ``QERL_WGMMA_TMA=1``."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    v = _gemm_lora_switch("QERL_WGMMA_ARRIVE", "thread", WGMMA_ARRIVE)
+    if v == "warp" and wgmma_tma() == "0":
+        raise ValueError("QERL_WGMMA_ARRIVE='warp' needs QERL_WGMMA_TMA=1 (the stages' mbarriers); with "
+                         "QERL_WGMMA_TMA=0 valid: thread")
+    return v
+
+
 BF16_LOADS = ("pair", "sector")
 
 
@@ -831,7 +847,7 @@ def bf16_loads() -> str:
 
 # the environment switches _build_flags reads (each value a build of its own)
 BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_WGMMA_ROT",
-                  "QERL_BF16_LOADS")
+                  "QERL_WGMMA_ARRIVE", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
@@ -862,6 +878,7 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
             *(["-DQFP4_WGMMA_ROT=1"] if wgmma_rot() else []),
+            *(["-DQFP4_WGMMA_WARP_ARRIVE=1"] if wgmma_arrive() == "warp" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 

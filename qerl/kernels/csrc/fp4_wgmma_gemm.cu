@@ -115,6 +115,17 @@
 #ifndef QFP4_WGMMA_ROT
 #define QFP4_WGMMA_ROT 0
 #endif
+// QFP4_WGMMA_WARP_ARRIVE (the build's -D, set by QERL_WGMMA_ARRIVE=warp; session 68's experiment): a stage of the
+// tensor-copied variants is released by one arrival a warp (after __syncwarp: every lane has retired its MMAs of the
+// chunk and read its decode) on an "empty" mbarrier counting the group's warps, instead of one arrival a thread on one
+// counting its threads (256 or 512 arrivals on one shared-memory word a chunk). Same data, same MMAs in the same
+// order: the same results. 0 compiles exactly the kernel without it.
+#ifndef QFP4_WGMMA_WARP_ARRIVE
+#define QFP4_WGMMA_WARP_ARRIVE 0
+#endif
+#if QFP4_WGMMA_WARP_ARRIVE && !QFP4_WGMMA_TMA
+#error "QFP4_WGMMA_WARP_ARRIVE needs QFP4_WGMMA_TMA"
+#endif
 #if QFP4_WGMMA_ROT && !QFP4_WGMMA_TMA
 #error "QFP4_WGMMA_ROT needs QFP4_WGMMA_TMA"
 #endif
@@ -258,7 +269,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
         for (int s = 0; s < kStages; ++s) {
           const uint32_t f = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[k][0][s]));
           mbar_init(f, 1);
-          mbar_init(f + kStages * 8, GT);
+          mbar_init(f + kStages * 8, QFP4_WGMMA_WARP_ARRIVE ? GT / 32 : GT);
         }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -362,7 +373,14 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
+#if QFP4_WGMMA_WARP_ARRIVE
+        if constexpr (TMA) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
+        }
+#else
         if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
+#endif
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
