@@ -487,7 +487,7 @@ def dequant_table(root: Path) -> str:
 
 #: The runs issues 10 and 11's layer and rollout targets are judged by: the forward layer table, the backward's
 #: (the slice A/B's second pass, the installed setting) and the rollouts (see :func:`target_rows`).
-TARGET_RUNS = ("h100_s55_tune/layers", "h100_s55_slices/layers_s1_2", "h100_s55_cmp")
+TARGET_RUNS = ("h100_s68_layers", "h100_s68_layers", "h100_s55_cmp")
 #: Issue 10's per-layer targets on the H100 (7B decoder linears, FP4 vs BF16 cuBLAS): (op, M, at least).
 LAYER_TARGETS = (("fwd", 32, 2.3), ("fwd", 64, 1.6), ("fwd", 128, 1.15), ("fwd", 256, 0.95), ("fwd", 512, 0.95),
                  ("fwd", 2048, 0.95), ("bwd", 512, 0.95), ("bwd", 2048, 0.95))
@@ -524,7 +524,8 @@ def target_rows(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> list[d
     """Issues 10 and 11's H100 targets, each as a dict: issue, what (the target's text), bound, higher (True: at least
     the bound is asked for; False: below it), value (None: not measured), text (the value as the table prints it),
     met, run. The layer rows come from ``raw/<fwd_run>`` (forward) and ``raw/<bwd_run>`` (backward; the runs of the
-    installed setting, ``benchmarks.kernel_bench`` CSVs), the rollout rows from ``raw/<roll_run>/rollout.csv`` (its
+    installed setting, ``benchmarks.kernel_bench`` CSVs: with several passes, one CSV each in subfolders, the mean of
+    each layer's µs over the passes), the rollout rows from ``raw/<roll_run>/rollout.csv`` (its
     last pass), the realistic GRPO step, the 32B step's peak, the 7B resident size and the decode rows from the
     top-level CSVs' H100 rows (the row merged last where several match). Values are not rounded before the
     comparison."""
@@ -537,8 +538,10 @@ def target_rows(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> list[d
 
     layer = {}
     for op, run in (("fwd", fwd_run), ("bwd", bwd_run)):
-        for p in sorted((root / "raw" / run).glob("layers_*.csv")):
-            layer.update({(o, f, m): (us, run) for (f, o, m), us in _layer_us(p).items() if o == op})
+        passes = [_layer_us(p) for p in sorted((root / "raw" / run).rglob("layers_*.csv"))]
+        if passes:  # several passes (one CSV each, in subfolders): the mean of each layer's µs over them
+            mean = pd.concat(passes, axis=1).mean(axis=1)
+            layer.update({(o, f, m): (us, run) for (f, o, m), us in mean.items() if o == op})
     for fmt in ("nvfp4", "mxfp4"):
         for op, m, bound in LAYER_TARGETS:
             bf, fp = layer.get((op, "bf16", m)), layer.get((op, f"{fmt}-kernel", m))
@@ -727,10 +730,12 @@ Raw logs, per-run CSVs and env.json: `results/speed/raw/`.
 ## Model size (Table 3)
 {memory_table(root)}
 ## Where issues 10 and 11's H100 targets stand
-Each target beside the H100 measurement that judges it and the run that made it. The forward layer rows come from
-session 55's layer table with the installed GEMM table (`raw/h100_s55_tune/layers`). The backward rows come from the
-slice A/B's second pass with the installed slice table (`raw/h100_s55_slices/layers_s1_2`). One pass each; a ratio
-within ~3% of its bound is within one process's noise (NVFP4's 1.147× at M = 128 among them).
+Each target beside the H100 measurement that judges it and the run that made it. The layer rows (forward and
+backward) come from session 68's layer table at the current code with the installed GEMM and slice tables
+(`raw/h100_s68_layers`: three passes, one process each, on one H100; each layer's µs is the mean of the passes). A
+ratio within ~2-3% of its bound is within the spread between passes and machines: session 55's run on another H100
+(`raw/h100_s55_tune/layers`, `raw/h100_s55_slices/layers_s1_2`) met M = 64 (1.627×) and the NVFP4 backward at 2048
+(0.960×) that this run misses by 0.5-1%, with BF16 cuBLAS 2-4% slower there.
 
 {targets_table(root, *TARGET_RUNS)}
 ### The targets not met: by how much, and what limits each

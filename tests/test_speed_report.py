@@ -432,6 +432,11 @@ def test_targets_table_judges_each_target_by_its_h100_run(tmp_path):
     h200 = _rollout([_row("Qwen2.5-32B-Instruct", "QeRL", "NVFP4", 8, 900.0)], "h200")
     h200["device"] = "NVIDIA H200"
     pd.concat([roll, h200]).to_csv(tmp_path / "rollout.csv", index=False)
+    _layers(tmp_path / "raw" / "two" / "p1", [("bf16", "fwd", 256, 90.0), ("nvfp4-kernel", "fwd", 256, 100.0)])
+    _layers(tmp_path / "raw" / "two" / "p2", [("bf16", "fwd", 256, 100.0), ("nvfp4-kernel", "fwd", 256, 100.0)])
+    rows = {r["what"]: r for r in speed.target_rows(tmp_path, "two", "bw", "ro")}
+    assert rows["7B layer NVFP4 fwd M = 256: ≥ 0.95× BF16"]["value"] == pytest.approx(0.95)  # the passes' mean µs
+    assert rows["7B layer NVFP4 fwd M = 256: ≥ 0.95× BF16"]["met"]
     got = {ln.split("|")[2].strip(): (ln.split("|")[3].strip(), ln.split("|")[4].strip(), ln.split("|")[5].strip())
            for ln in speed.targets_table(tmp_path, "fw", "bw", "ro").splitlines()[2:]}
     assert got["7B layer NVFP4 fwd M = 128: ≥ 1.15× BF16"] == ("1.150×", "yes", "`fw`")
