@@ -114,8 +114,8 @@
 #                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min). ABLATE40_V replaces the
 #                                variants: ABLATE40_V="4 16 20" (session 48's plan) times the MMAs with A from shared
 #                                memory (16) and that without the decode (20) beside no decode alone (4)
-#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA,
-#                                QERL_WGMMA_LORA, QERL_WGMMA_ROT or QERL_WGMMA_ARRIVE), ABK_RUNS="VALUE:PASS ..." in the order run
+#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA
+#                                or QERL_WGMMA_LORA), ABK_RUNS="VALUE:PASS ..." in the order run
 #                                (default "0:1 1:1 1:2 0:2"; the first run's value is the baseline), every build at once,
 #                                ABK_TESTS (pytest -k over tests/test_cuda_fp4.py) on each other build (or on those of
 #                                ABK_TESTED, e.g. one, where the tests set the switch themselves), then each 7B
@@ -270,13 +270,6 @@
 #   scripts/gpu_bench.sh dqncu   issue 10, session 67: Nsight Compute on the dq GEMM (mma decode, DQNCU_LOOPS "plain ws")
 #                                and cuBLAS on the 7B gate shape at M 2048, fwd and bwd (benchmarks.dq_ncu, config 256,1):
 #                                $OUT/prof/ncu_dq_<loop>.txt, its throughput / pipe / stall lines in the log; ~4 min cold
-#   scripts/gpu_bench.sh s68     issue 10, session 68: two wgmma experiments against the default build, all three built
-#                                at once: QERL_WGMMA_ROT=1 (the tensor copies' K walk rotated per tile) and
-#                                QERL_WGMMA_ARRIVE=warp (one arrival a warp releases a stage); their GPU tests (S68_TESTS),
-#                                then each 7B product at its tuned config with a rank-32 LoRA (wgmma_profile, S68_M,
-#                                default 128,256,512) in the order base rot arr arr rot base ($OUT/s68_<build>_<pass>),
-#                                the gains ($OUT/ab.md); S68_LAYERS="rot base" adds the 7B layer (kernel_bench) under
-#                                each named build; $OUT/s68.tgz holds it all; ~6 min cold
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -655,30 +648,11 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   for p in "${pids[@]}"; do wait "$p"; done
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
-s68)  # issue 10, session 68: two wgmma experiments against the default (see the header)
-  builds_at_once - QERL_WGMMA_ROT=1 QERL_WGMMA_ARRIVE=warp
-  gpu_tests s68 200 tests/test_cuda_fp4.py -k "${S68_TESTS:-rot_changes or warp_arrive}"
-  for run in base:1 rot:1 arr:1 arr:2 rot:2 base:2; do
-    IFS=: read -r v pass <<< "$run"
-    case $v in base) e=QERL_WGMMA_ROT=0 ;; rot) e=QERL_WGMMA_ROT=1 ;; arr) e=QERL_WGMMA_ARRIVE=warp ;; esac
-    env "$e" timeout 60 python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 --m "${S68_M:-128,256,512}" \
-      --out "$OUT/s68_${v}_$pass" 2>&1 | grep "prof\]" >> "$LOG"
-  done
-  python3 -m benchmarks.ab_compare "$OUT" --prefix s68 --base base --md "$OUT/ab.md" >> "$LOG" 2>&1
-  if [ -n "${S68_LAYERS:-}" ]; then  # the 7B layer under each build (kernel_bench: BF16 and NVFP4 at S68_M)
-    for v in ${S68_LAYERS}; do
-      case $v in base) e=QERL_WGMMA_ROT=0 ;; rot) e=QERL_WGMMA_ROT=1 ;; arr) e=QERL_WGMMA_ARRIVE=warp ;; esac
-      env "$e" timeout 80 python3 -m benchmarks.kernel_bench --models 7b --fmts bf16,nvfp4 --layout kernel \
-        --m "${S68_M:-128,256,512}" --out "$OUT/layers_$v" 2>&1 | grep "\[bench\]" | sed "s/^/$v: /" >> "$LOG"
-    done
-  fi
-  tar czf "$OUT/s68.tgz" -C "$OUT" $(cd "$OUT" && ls -d s68_* layers_* tests_s68.txt ab.md 2>/dev/null) ;;
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}
   case "$SW" in
-    QERL_WGMMA_TMA|QERL_WGMMA_LORA|QERL_WGMMA_ROT|QERL_WGMMA_ARRIVE) ;;
-    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_ROT, QERL_WGMMA_ARRIVE" \
-         | tee -a "$LOG" >&2
+    QERL_WGMMA_TMA|QERL_WGMMA_LORA) ;;
+    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" | tee -a "$LOG" >&2
        exit 2 ;;
   esac
   RUNS=${ABK_RUNS:-0:1 1:1 1:2 0:2}

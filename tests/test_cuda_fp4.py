@@ -436,8 +436,6 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing.
     QERL_WGMMA_TMA=1 (the default) adds -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing.
     QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
-    QERL_WGMMA_ROT=1 adds -DQFP4_WGMMA_ROT=1 (the tensor copies' K walk rotated per tile), and needs QERL_WGMMA_TMA=1;
-    QERL_WGMMA_ARRIVE=warp adds -DQFP4_WGMMA_WARP_ARRIVE=1 (one arrival a warp releases a stage), and needs it too.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl import kernels as qk
@@ -461,26 +459,7 @@ def test_wgmma_pipe_switch(monkeypatch):
         monkeypatch.setenv("QERL_WGMMA_TMA", v)
         with pytest.raises(ValueError, match=f"QERL_WGMMA_TMA='{v}'; valid: 0, 1$"):
             cf._build_flags()
-    monkeypatch.setenv("QERL_WGMMA_TMA", "0")
-    monkeypatch.setenv("QERL_WGMMA_ROT", "1")  # session 68's experiment rotates the tensor copies: not without them
-    with pytest.raises(ValueError, match="QERL_WGMMA_ROT='1' needs QERL_WGMMA_TMA=1.*valid: 0$"):
-        cf._build_flags()
     monkeypatch.setenv("QERL_WGMMA_TMA", "1")
-    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_ROT=1"
-    monkeypatch.setenv("QERL_WGMMA_ROT", "2")
-    with pytest.raises(ValueError, match="QERL_WGMMA_ROT='2'; valid: 0, 1$"):
-        cf._build_flags()
-    monkeypatch.delenv("QERL_WGMMA_ROT")
-    monkeypatch.setenv("QERL_WGMMA_ARRIVE", "warp")  # one arrival a warp on the stages' mbarriers
-    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_WARP_ARRIVE=1"
-    monkeypatch.setenv("QERL_WGMMA_TMA", "0")
-    with pytest.raises(ValueError, match="QERL_WGMMA_ARRIVE='warp' needs QERL_WGMMA_TMA=1.*valid: thread$"):
-        cf._build_flags()
-    monkeypatch.setenv("QERL_WGMMA_TMA", "1")
-    monkeypatch.setenv("QERL_WGMMA_ARRIVE", "lane")
-    with pytest.raises(ValueError, match="QERL_WGMMA_ARRIVE='lane'; valid: thread, warp$"):
-        cf._build_flags()
-    monkeypatch.delenv("QERL_WGMMA_ARRIVE")
     monkeypatch.setenv("QERL_WGMMA_TAIL", "0")  # session 49's kernel, without the tail splits
     assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
     monkeypatch.delenv("QERL_WGMMA_TAIL")
@@ -1440,8 +1419,8 @@ def test_gpu_gemm_graph_replay_and_dispatch(fmt, monkeypatch):
         monkeypatch.delenv("QERL_CUDA_GEMM")
 
 
-def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfgs, seed: int, off: str = "0") -> None:
-    """The build that ``switch=on`` selects gives the output of ``switch=off``'s bit for bit at every config of cfgs,
+def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfgs, seed: int) -> None:
+    """The build that ``switch=on`` selects gives the output of ``switch=0``'s bit for bit at every config of cfgs,
     without LoRA and with the first two operands of ``case`` (``_gemm_lora_case``), at M = 17, 40, 100, 130 and 300
     (fresh tokens per M); with it on, (16, 0, 2, 2) matches the emulator with and without LoRA, and in a CUDA graph."""
     q, w, ops, k = case
@@ -1450,7 +1429,7 @@ def _check_build_bit_identical(fmt, monkeypatch, switch: str, on: str, case, cfg
         x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         for op in (None, *ops[:2]):
             for cfg in cfgs:
-                monkeypatch.setenv(switch, off)
+                monkeypatch.setenv(switch, "0")
                 ref = cf.gemm(x, w, config=cfg, lora=op)
                 monkeypatch.setenv(switch, on)
                 got = cf.gemm(x, w, config=cfg, lora=op)
@@ -1478,61 +1457,6 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
     _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", "1", (q, w, ops, k), cfgs, seed=41)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", FP4)
-def test_gpu_wgmma_warp_arrive_is_bit_identical(fmt, monkeypatch):
-    """QERL_WGMMA_ARRIVE=warp's build (session 68's experiment: one arrival a warp releases a stage) gives the default
-    (one a thread) output bit for bit: every wgmma config, with and without LoRA, in a CUDA graph; and matches the
-    emulator."""
-    if not cf.wgmma_supported():
-        pytest.skip("the wgmma kernel needs compute capability 9.0")
-    if cf.wgmma_pipe() != 2:
-        pytest.skip(f"QERL_WGMMA_ARRIVE=warp needs the tensor copies (pipe 2); this run has pipe {cf.wgmma_pipe()}")
-    monkeypatch.setenv("QERL_WGMMA_TMA", "1")
-    q, w, ops, k = _gemm_lora_case(fmt)
-    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_ARRIVE", "warp", (q, w, ops, k),
-                               cf.wgmma_configs(w.n // 16, k // 64), seed=68, off="thread")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", FP4)
-def test_gpu_wgmma_rot_changes_only_the_summation_order(fmt, monkeypatch):
-    """QERL_WGMMA_ROT=1's build (session 68's experiment: the tensor-copied variants walk K from chunk tile % n): the
-    variants it leaves alone (under 128 tokens a CTA, stream-K: cp.async) give QERL_WGMMA_ROT=0's output bit for bit;
-    the tensor-copied ones match the emulator with and without LoRA, are deterministic (two launches equal), and at
-    least one of them differs from ROT=0 in some bit (the rotation took effect: fp32 sums in another order)."""
-    if not cf.wgmma_supported():
-        pytest.skip("the wgmma kernel needs compute capability 9.0")
-    if cf.wgmma_pipe() != 2:
-        pytest.skip(f"QERL_WGMMA_ROT=1 needs the tensor copies (pipe 2); this run has pipe {cf.wgmma_pipe()}")
-    monkeypatch.setenv("QERL_WGMMA_TMA", "1")
-    q, w, ops, k = _gemm_lora_case(fmt)
-    cfgs = cf.wgmma_configs(w.n // 16, k // 64)
-    g = torch.Generator(device="cuda").manual_seed(68)
-    differs = 0
-    for m in (130, 300):
-        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-        emu, emu_l = cf.emulate(x, w), cf.emulate(x, w, ops[0])
-        for op in (None, ops[0]):
-            for cfg in cfgs:
-                monkeypatch.setenv("QERL_WGMMA_ROT", "0")
-                ref = cf.gemm(x, w, config=cfg, lora=op)
-                monkeypatch.setenv("QERL_WGMMA_ROT", "1")
-                got = cf.gemm(x, w, config=cfg, lora=op)
-                assert torch.equal(cf.gemm(x, w, config=cfg, lora=op), got), cfg
-                if 8 * cfg[0] < 128 or cfg[1] == cf.WGMMA_SK:
-                    assert torch.equal(got, ref), (m, cfg, op is None)
-                    continue
-                differs += not torch.equal(got, ref)
-                if op is None:
-                    _check(got, x, fmt, q, w, emu)
-                else:
-                    _check_lora(got, x, w, op, emu_l)
-    assert differs > 0
 
 
 @pytest.mark.gpu

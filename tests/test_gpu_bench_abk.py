@@ -108,7 +108,7 @@ def test_tail_builds_tests_and_times_the_tail_splits_twice(tmp_path):
 def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
     p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_PIPE")  # build() pins the pipe: not an A/B this mode can run
     assert p.returncode == 2
-    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_ROT, QERL_WGMMA_ARRIVE" in p.stderr
+    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" in p.stderr
     assert not [c for c in calls if "|-c " in c or "wgmma_profile" in c]
 
 

@@ -793,39 +793,6 @@ def wgmma_tail() -> bool:
     return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
 
-WGMMA_ROT = ("0", "1")
-
-
-def wgmma_rot() -> bool:
-    """``QERL_WGMMA_ROT``: ``1`` (session 68's experiment, ``-DQFP4_WGMMA_ROT=1``, a build of its own) makes the
-    tensor-copied wgmma variants walk a CTA's K range from chunk ``tile % n`` and wrap around, so that the ~132 CTAs
-    in flight, which all read the same token tile, do not request the same chunk at nearly the same time. Same
-    products, summed over K in another order (deterministic; not bit-identical to the default). ``0`` (default): every
-    CTA from its first chunk. Needs ``QERL_WGMMA_TMA=1``."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    v = _gemm_lora_switch("QERL_WGMMA_ROT", "0", WGMMA_ROT)
-    if v == "1" and wgmma_tma() == "0":
-        raise ValueError("QERL_WGMMA_ROT='1' needs QERL_WGMMA_TMA=1 (it rotates the tensor copies); with "
-                         "QERL_WGMMA_TMA=0 valid: 0")
-    return v == "1"
-
-
-WGMMA_ARRIVE = ("thread", "warp")
-
-
-def wgmma_arrive() -> str:
-    """``QERL_WGMMA_ARRIVE``: how the tensor-copied wgmma variants release a stage. ``thread`` (default): every thread
-    arrives on the stage's "empty" mbarrier (256 or 512 arrivals on one word a chunk); ``warp`` (session 68's
-    experiment, ``-DQFP4_WGMMA_WARP_ARRIVE=1``, a build of its own): one arrival a warp after ``__syncwarp``. Same
-    results bit for bit. Needs ``QERL_WGMMA_TMA=1``."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
-    v = _gemm_lora_switch("QERL_WGMMA_ARRIVE", "thread", WGMMA_ARRIVE)
-    if v == "warp" and wgmma_tma() == "0":
-        raise ValueError("QERL_WGMMA_ARRIVE='warp' needs QERL_WGMMA_TMA=1 (the stages' mbarriers); with "
-                         "QERL_WGMMA_TMA=0 valid: thread")
-    return v
-
-
 BF16_LOADS = ("pair", "sector")
 
 
@@ -846,8 +813,7 @@ def bf16_loads() -> str:
 
 
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_WGMMA_ROT",
-                  "QERL_WGMMA_ARRIVE", "QERL_BF16_LOADS")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
@@ -864,7 +830,9 @@ def _build_flags() -> list[str]:
     (``QERL_LORA_SKEW``); in session 49 (the code is at 38b0e06 / f40a905), the weights prefetched into L2 ahead of
     their tensor copies (``QERL_WGMMA_L2PF``, 5-14% slower) and the producer refilling after its own MMAs
     (``QERL_WGMMA_TMA=late``, 1-5% slower); in session 50 (the code is at 5d33040) the copies 3 or 4 chunks ahead
-    (``QERL_WGMMA_TMA=la3 | la4``, 0.3-13% slower)."""
+    (``QERL_WGMMA_TMA=la3 | la4``, 0.3-13% slower); in session 68 (the code is at 8d96cac; H100,
+    `results/speed/raw/h100_s68_wgexp`) every CTA walking its K range from chunk ``tile % n`` (``QERL_WGMMA_ROT=1``,
+    0.3-8.6% slower) and one arrival a warp releasing a stage (``QERL_WGMMA_ARRIVE=warp``, level to 2.8% slower)."""
     return ["-O3", *_arch_flags(), *switch_defines()]
 
 
@@ -877,8 +845,6 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
-            *(["-DQFP4_WGMMA_ROT=1"] if wgmma_rot() else []),
-            *(["-DQFP4_WGMMA_WARP_ARRIVE=1"] if wgmma_arrive() == "warp" else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 

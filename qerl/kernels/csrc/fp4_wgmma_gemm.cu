@@ -104,31 +104,6 @@
 #else
 #define QFP4_WG_TAIL_PARAM
 #endif
-// QFP4_WGMMA_ROT (the build's -D, set by QERL_WGMMA_ROT=1; session 68's experiment): the tensor-copied variants walk a
-// CTA's K range starting at chunk (tile % n) of its n chunks and wrap around, instead of every CTA starting at its
-// first chunk. The question it answers: at 128-512 tokens every CTA in flight reads the same token tile, chunk by
-// chunk, nearly in step, so the same few kilobytes are requested by ~132 SMs at once (one L2 slice's lines at a
-// time); rotated, the CTAs in flight read ~n different chunks. Deterministic (the rotation is the output tile's, not
-// the CTA's: a tail split's part of a tile rotates as the same tile's kz split does), but the sum over K runs in
-// another order than the unrotated build's (not bit-identical to QERL_WGMMA_TMA=0). 0 compiles exactly the kernel
-// without it.
-#ifndef QFP4_WGMMA_ROT
-#define QFP4_WGMMA_ROT 0
-#endif
-// QFP4_WGMMA_WARP_ARRIVE (the build's -D, set by QERL_WGMMA_ARRIVE=warp; session 68's experiment): a stage of the
-// tensor-copied variants is released by one arrival a warp (after __syncwarp: every lane has retired its MMAs of the
-// chunk and read its decode) on an "empty" mbarrier counting the group's warps, instead of one arrival a thread on one
-// counting its threads (256 or 512 arrivals on one shared-memory word a chunk). Same data, same MMAs in the same
-// order: the same results. 0 compiles exactly the kernel without it.
-#ifndef QFP4_WGMMA_WARP_ARRIVE
-#define QFP4_WGMMA_WARP_ARRIVE 0
-#endif
-#if QFP4_WGMMA_WARP_ARRIVE && !QFP4_WGMMA_TMA
-#error "QFP4_WGMMA_WARP_ARRIVE needs QFP4_WGMMA_TMA"
-#endif
-#if QFP4_WGMMA_ROT && !QFP4_WGMMA_TMA
-#error "QFP4_WGMMA_ROT needs QFP4_WGMMA_TMA"
-#endif
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
 #endif
@@ -269,7 +244,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
         for (int s = 0; s < kStages; ++s) {
           const uint32_t f = static_cast<uint32_t>(__cvta_generic_to_shared(&tma_bar[k][0][s]));
           mbar_init(f, 1);
-          mbar_init(f + kStages * 8, QFP4_WGMMA_WARP_ARRIVE ? GT / 32 : GT);
+          mbar_init(f + kStages * 8, GT);
         }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -279,9 +254,8 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 
   float acc[NA];
 
-  // acc = the product over chunks [c0, c0 + n) (n >= 1) of the token tile at tok0 and this warp's strip (with
-  // QFP4_WGMMA_ROT, in the tensor-copied variants, chunks c0 + rot .. c0 + n - 1, then c0 .. c0 + rot - 1).
-  auto mainloop = [&](int tok0, int strip, int c0, int n, [[maybe_unused]] int rot) {
+  // acc = the product over chunks [c0, c0 + n) (n >= 1) of the token tile at tok0 and this warp's strip.
+  auto mainloop = [&](int tok0, int strip, int c0, int n) {
 #pragma unroll
     for (int i = 0; i < NA; ++i) acc[i] = 0.f;
     TokenStager<NTOK, GT> tokens(xp, C * 64, tok0, c0, M, gtid);
@@ -299,12 +273,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
           if (idx >= kStages) mbar_wait(empty_s + sidx * 8, ((idx / kStages) - 1) & 1);
           const uint32_t dst = gbase_s + sidx * SB, fb = full_s + sidx * 8;
           mbar_expect(fb, XB + RW * 4 * (512 + SP));
-#if QFP4_WGMMA_ROT
-          const int ci = idx + rot;
-          const int c = c0 + (ci >= n ? ci - n : ci), strip0 = (strip - wr * 4 - wq);  // the group's first strip
-#else
           const int c = c0 + idx, strip0 = (strip - wr * 4 - wq);  // the group's first strip
-#endif
           tma_load_2d(dst, &maps.x, 64 * c, tok0, fb);
           tma_load_2d(dst + XB, &maps.w, 64 * c, strip0, fb);
           tma_load_2d(dst + XB + RW * 4 * 512, &maps.s, SL * c, strip0, fb);
@@ -373,14 +342,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
       // chunk idx's MMAs retired and its decode read: this thread is done with its stage (QFP4_WGMMA_TMA)
       auto release = [&](int idx) {
 #if QFP4_WGMMA_TMA
-#if QFP4_WGMMA_WARP_ARRIVE
-        if constexpr (TMA) {
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
-        }
-#else
         if constexpr (TMA) mbar_arrive(empty_s + (idx & (kStages - 1)) * 8);
-#endif
 #endif
       };
       auto mma = [&](int idx, const uint32_t (&a)[4][4]) {
@@ -541,8 +503,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     // split q of the KZ * KS splits of K: CTA split QFP4_BZ (blockIdx.z; gridDim.z = KZ), group grp inside it
     const int KZ = QFP4_KZ, q = QFP4_BZ * KS + grp;
     const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
-    // >= 1 chunk: the caller keeps KZ * KS <= C
-    mainloop(tok0, strip, c0, c1 - c0, QFP4_WGMMA_ROT && TMA ? (int)(QFP4_TILE) % (c1 - c0) : 0);
+    mainloop(tok0, strip, c0, c1 - c0);  // >= 1 chunk: the caller keeps KZ * KS <= C
     if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
 
     if constexpr (KS > 1) {
@@ -610,7 +571,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
   for (int tile = w; tile < DP; tile += P) {
     const int tok0 = (tile % tx_n) * NTOK;
     const int strip = ((tile / tx_n) * RW + wr) * 4 + wq;
-    mainloop(tok0, strip, 0, C, 0);
+    mainloop(tok0, strip, 0, C);
     if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
     group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
     epilogue(tok0, strip);
@@ -635,7 +596,7 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     u += b - a;
     const int tok0 = (tile % tx_n) * NTOK;
     const int strip = ((tile / tx_n) * RW + wr) * 4 + wq;
-    mainloop(tok0, strip, a, b - a, 0);
+    mainloop(tok0, strip, a, b - a);
     if constexpr (LORA && QFP4_WGMMA_PDL) wait_prior_grid();
     group_sync(bar, GT);  // every warp of the group is done with the stages (MMAs waited, decodes read)
     if (a > 0 || b < C) {
