@@ -5,11 +5,19 @@ third CTA, the busiest SMs set the time: the product would then cost about what 
 not what its bytes do.
 
     python -m benchmarks.wave_balance [--fmt nvfp4] [--k 3584] [--m 32] [--config 4,2,2,2] [--ctas 132,264,296,...]
+                                      [--kz 1,2,4]
+    python -m benchmarks.wave_balance --products [--models 7b] [--m 17,32,48,64] [--kz 1,2,3,4]
 
 For each CTA count the weight gets rows = CTAs x the config's rows per CTA (16 x sw x r), so the grid has exactly that
-many CTAs (one token tile at M <= 8 nt), and the product is timed as the layer benches time it (CUDA-graph replays over
-rotating weight copies). Printed per count: µs, µs per CTA-row-block, and the time against the smallest count scaled
-by the work (1.00: the time follows the work; above 1: the extra CTAs cost more than their share). Needs a CUDA GPU.
+many row blocks (one token tile at M <= 8 nt), and the product is timed as the layer benches time it (CUDA-graph
+replays over rotating weight copies). Printed per count: µs, µs per row block, and that against the first count's
+(1.00: the time follows the work; above 1: the extra row blocks cost more than their share). ``--kz`` (a
+``QERL_GEMM_KZ=1`` build) also times each count with K split across that many CTAs a row block.
+
+``--products``: the decoder layer's linears (and the decode step's fused q|k|v and gate|up) at each M with the
+device's pick for them, where it is an mma.sync config, at each kz: the question the split of K across CTAs answers
+(do the SMs' idle 29-39% at M = 32, `results/speed/raw/h100_s68_ncu32`, turn into speed?). Writes
+``wave_balance_<gpu>.csv`` under ``--out`` in this mode. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ import math
 
 import torch
 
-from benchmarks import cuda_gemm_bench as cgb
 from benchmarks import kernel_bench as bench
 from qerl.kernels import cuda_fp4 as cf
 
@@ -43,15 +50,82 @@ def rows_per_cta(config: tuple[int, int, int, int]) -> int:
     return 16 * sw * r
 
 
+def time_gemm(cws, m: int, rep_ms: float, config, kz: int) -> float:
+    """µs per cf.gemm call at ``config`` and ``kz``, graph-replayed over the weight copies ``cws``."""
+    x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
+    outs = [torch.empty(m, w.n, device="cuda", dtype=torch.bfloat16) for w in cws]
+    calls = [lambda w=w, o=o: cf.gemm(x, w, out=o, config=config, kz=kz) for w, o in zip(cws, outs, strict=True)]
+    return bench._graph_ms(calls, rep_ms)[0] * 1e3
+
+
+def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: float, out: str) -> list[dict]:
+    """Each product of ``models``' layers (and the fused q|k|v, gate|up) at each M where the device's pick is an
+    mma.sync config, timed at each kz that fits; one CSV row per (shape, M, kz)."""
+    import csv
+    import os
+
+    rows = []
+    for mdl in models:
+        h, inter, nh, nkv, hd = bench.MODELS[mdl]
+        shapes = list(dict.fromkeys([(n, k) for _, n, k in bench.layer_linears(mdl)]
+                                    + [((nh + 2 * nkv) * hd, h), (2 * inter, h)]))
+        for i, (n, k) in enumerate(shapes):
+            wts = bench._Weights(fmt, n, k, seed=6900 + i)
+            cws = wts.cuda()
+            for m in ms:
+                cfg = tuple(cf._gemm_config(cws[0], m, torch.device("cuda")))
+                if cfg[1] <= 0:
+                    print(f"[kz] {mdl} {fmt} {n}x{k} M={m}: the pick {cfg} is a wgmma config; skipped", flush=True)
+                    continue
+                base = None
+                for kz in kzs:
+                    if kz * cfg[3] > k // 64:
+                        continue
+                    us = time_gemm(cws, m, rep, cfg, kz)
+                    base = base or us
+                    rows.append(dict(model=mdl, fmt=fmt, N=n, K=k, M=m, config=str(cfg), kz=kz, us=round(us, 3),
+                                     vs_kz1=round(base / us, 4)))
+                    print(f"[kz] {mdl} {fmt} {n}x{k} M={m} {cfg} kz {kz}: {us:8.2f} us ({base / us:5.3f}x the "
+                          f"first kz)", flush=True)
+            del wts, cws
+            torch.cuda.empty_cache()
+    if rows:
+        os.makedirs(out, exist_ok=True)
+        gpu = torch.cuda.get_device_name(0).split()[1].lower()
+        with open(os.path.join(out, f"wave_balance_{gpu}.csv"), "w", newline="") as fh:
+            wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fmt", default="nvfp4", choices=["nvfp4", "mxfp4"])
     ap.add_argument("--k", type=int, default=3584)
-    ap.add_argument("--m", type=int, default=32)
+    ap.add_argument("--m", default="32", help="tokens (with --products: a comma-separated list)")
     ap.add_argument("--config", default="4,2,2,2")
     ap.add_argument("--ctas", default="132,264,296,330,396")
     ap.add_argument("--rep", type=float, default=10.0, help="ms of graph replays per measurement")
+    ap.add_argument("--kz", default="1", help="splits of K across CTAs to time (kz > 1: a QERL_GEMM_KZ=1 build)")
+    ap.add_argument("--products", action="store_true", help="the layer's products at their picks (see above)")
+    ap.add_argument("--models", default="7b")
+    ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)
+    kzs = parse_ints(a.kz, "kz")
+    if max(kzs) > 1 and not cf.gemm_kz():
+        raise ValueError(f"--kz {a.kz!r}: kz > 1 needs a QERL_GEMM_KZ=1 build (set QERL_GEMM_KZ=1)")
+    if a.products:
+        ms = parse_ints(a.m, "m")
+        models = [v for v in a.models.split(",") if v]
+        bad = [v for v in models if v not in bench.MODELS]
+        if bad:
+            raise ValueError(f"--models {bad}: valid {sorted(bench.MODELS)}")
+        if not torch.cuda.is_available():
+            raise SystemExit("wave_balance needs a CUDA GPU")
+        products(a.fmt, models, ms, kzs, a.rep, a.out)
+        return
+    a.m = parse_ints(a.m, "m")[0]
     config = tuple(parse_ints(a.config, "config"))
     if len(config) != 4:
         raise ValueError(f"--config {a.config!r}: four integers nt,sw,r,ks")
@@ -68,12 +142,15 @@ def main(argv=None) -> None:
         wts = bench._Weights(a.fmt, n, a.k, seed=6800 + n_ctas)
         cws = wts.cuda()
         cfg = cf.check_gemm_config(config, n // 16, a.k // 64)
-        us = cgb._time_gemm(cws, a.m, a.rep, cfg) * 1e3
-        per = us / n_ctas
-        base = base or per
-        print(f"[balance] {a.fmt} M={a.m} K={a.k} config {cfg} CTAs {n_ctas:5d} ({n_ctas / sms:4.2f} per SM, "
-              f"max {math.ceil(n_ctas / sms)}) rows {n:6d}: {us:8.2f} us, {per:6.3f} us a CTA, "
-              f"{per / base:5.2f}x the first count's", flush=True)
+        for kz in kzs:
+            if kz * cfg[3] > a.k // 64:
+                continue
+            us = time_gemm(cws, a.m, a.rep, cfg, kz)
+            per = us / n_ctas
+            base = base or per
+            print(f"[balance] {a.fmt} M={a.m} K={a.k} config {cfg} kz {kz} row blocks {n_ctas:5d} ({n_ctas / sms:4.2f}"
+                  f" per SM, max {math.ceil(n_ctas / sms)}) rows {n:6d}: {us:8.2f} us, {per:6.3f} us a row block, "
+                  f"{per / base:5.2f}x the first's", flush=True)
         del wts, cws
         torch.cuda.empty_cache()
 

@@ -270,6 +270,12 @@
 #   scripts/gpu_bench.sh dqncu   issue 10, session 67: Nsight Compute on the dq GEMM (mma decode, DQNCU_LOOPS "plain ws")
 #                                and cuBLAS on the 7B gate shape at M 2048, fwd and bwd (benchmarks.dq_ncu, config 256,1):
 #                                $OUT/prof/ncu_dq_<loop>.txt, its throughput / pipe / stall lines in the log; ~4 min cold
+#   scripts/gpu_bench.sh kz68    issue 10, session 68: the mma.sync GEMM's K split across CTAs (QERL_GEMM_KZ=1, its own
+#                                build, beside the default one): its GPU tests ($OUT/tests_kz.txt), then
+#                                benchmarks.wave_balance: the 7B gate shape's config (4, 2, 2, 2) at M 32 over 132-396
+#                                row blocks and q / o's (4, 2, 1, 8) over 112-264, each at kz 1 / 2 / 4 (does the time
+#                                follow the busiest SM?), and the 7B products at their picks at M 17-64 with kz 1-4
+#                                ($OUT/kz/wave_balance_<gpu>.csv); $OUT/kz.tgz; ~5 min cold
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -648,6 +654,17 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   for p in "${pids[@]}"; do wait "$p"; done
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
+kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the header)
+  builds_at_once - QERL_GEMM_KZ=1
+  (export QERL_GEMM_KZ=1; gpu_tests kz 200 tests/test_cuda_fp4.py -k "${KZ_TESTS:-kz_splits or gemm_every_config}")
+  export QERL_GEMM_KZ=1
+  timeout 100 python3 -m benchmarks.wave_balance --kz 1,2,4 --ctas 132,264,296,330,396 2>&1 \
+    | grep "balance\]\|Error" >> "$LOG"
+  timeout 60 python3 -m benchmarks.wave_balance --config 4,2,1,8 --kz 1,2,3 --ctas 112,132,224,264 2>&1 \
+    | grep "balance\]\|Error" >> "$LOG"
+  timeout "${KZ_SECS:-200}" python3 -m benchmarks.wave_balance --products --m "${KZ_M:-17,32,48,64}" --kz 1,2,3,4 \
+    --out "$OUT/kz" 2>&1 | grep "kz\]\|Error" >> "$LOG"
+  tar czf "$OUT/kz.tgz" -C "$OUT" $(cd "$OUT" && ls -d kz tests_kz.txt log.txt 2>/dev/null) ;;
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}
   case "$SW" in

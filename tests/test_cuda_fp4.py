@@ -436,6 +436,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_LORA=pdl (the default) adds -DQFP4_WGMMA_PDL=1 (the LoRA variants' waits), its other values nothing.
     QERL_WGMMA_TMA=1 (the default) adds -DQFP4_WGMMA_TMA=1 (chunks staged by tensor copies), 0 nothing.
     QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
+    QERL_GEMM_KZ=1 adds -DQFP4_GEMM_KZ=1 (the mma.sync GEMM's K split across CTAs), 0 (the default) nothing.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl import kernels as qk
@@ -460,6 +461,12 @@ def test_wgmma_pipe_switch(monkeypatch):
         with pytest.raises(ValueError, match=f"QERL_WGMMA_TMA='{v}'; valid: 0, 1$"):
             cf._build_flags()
     monkeypatch.setenv("QERL_WGMMA_TMA", "1")
+    monkeypatch.setenv("QERL_GEMM_KZ", "1")  # session 68's experiment: the mma.sync GEMM's K split across CTAs
+    assert cf._build_flags()[-1] == "-DQFP4_GEMM_KZ=1"
+    monkeypatch.setenv("QERL_GEMM_KZ", "2")
+    with pytest.raises(ValueError, match="QERL_GEMM_KZ='2'; valid: 0, 1$"):
+        cf._build_flags()
+    monkeypatch.delenv("QERL_GEMM_KZ")
     monkeypatch.setenv("QERL_WGMMA_TAIL", "0")  # session 49's kernel, without the tail splits
     assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
     monkeypatch.delenv("QERL_WGMMA_TAIL")
@@ -1293,6 +1300,48 @@ def _check_gemm_lora_graph(w, op, cfg, x) -> None:
     """cf.gemm with LoRA captured in a CUDA graph: two replays on new tokens equal the eager launch."""
     cf.gemm(x, w, config=cfg, lora=op)
     _check_graph_replay(lambda: cf.gemm(x, w, config=cfg, lora=op), x)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_mma_gemm_kz_splits_k_across_ctas(fmt, monkeypatch):
+    """QERL_GEMM_KZ=1's build (session 68's experiment): kz = 1 gives the default build's output bit for bit; kz = 2,
+    3, 4 (K split across CTAs as well, uneven splits, partial token tiles and strip groups) match the emulator with and
+    without LoRA, are deterministic, leave the tile counters at zero, and replay in a CUDA graph; kz is refused in the
+    default build, under PDL and past the chunks, by name."""
+    q, w, ops, k = _gemm_lora_case(fmt)  # 13 strips, 24 chunks
+    g = torch.Generator(device="cuda").manual_seed(68)
+    cfgs = [(4, 2, 2, 2), (4, 2, 1, 8), (2, 1, 4, 2), (8, 1, 2, 1), (16, 1, 2, 2)]
+    x = torch.randn(40, k, device="cuda", generator=g).bfloat16()
+    monkeypatch.setenv("QERL_GEMM_KZ", "0")
+    with pytest.raises(ValueError, match="kz=2 .* needs a QERL_GEMM_KZ=1 build \\(this one: False\\)"):
+        cf.gemm(x, w, config=cfgs[0], kz=2)
+    base = {(m, c): cf.gemm(xm, w, config=c) for m, xm in ((17, x[:17]), (40, x)) for c in cfgs}
+    monkeypatch.setenv("QERL_GEMM_KZ", "1")
+    for (m, c), ref in base.items():
+        assert torch.equal(cf.gemm(x[:m], w, config=c), ref), (m, c)  # kz = 1: the default kernel's bits
+    for m in (17, 40):
+        xm = x[:m].contiguous()
+        emu, emu_l = cf.emulate(xm, w), cf.emulate(xm, w, ops[0])
+        for c in cfgs:
+            for kz in (2, 3, 4):
+                if kz * c[3] > k // 64:
+                    continue
+                y = cf.gemm(xm, w, config=c, kz=kz)
+                _check(y, xm, fmt, q, w, emu)
+                assert torch.equal(cf.gemm(xm, w, config=c, kz=kz), y), (m, c, kz)
+                _check_lora(cf.gemm(xm, w, config=c, kz=kz, lora=ops[0]), xm, w, ops[0], emu_l)
+    torch.cuda.synchronize()
+    assert not cf._wgmma_counters(x.device).any()
+    _check_graph_replay(lambda: cf.gemm(x, w, config=(4, 2, 2, 2), kz=3), x)
+    with pytest.raises(ValueError, match="kz=9 .* 1 <= kz <= 8"):
+        cf.gemm(x, w, config=cfgs[0], kz=9)
+    with pytest.raises(ValueError, match="kz=4 .* kz \\* ks <= 24 chunks"):
+        cf.gemm(x, w, config=(4, 2, 1, 8), kz=4)
+    t = torch.nn.functional.linear(x, ops[0].a)
+    with pytest.raises(ValueError, match="kz=2 .* no pdl"):
+        cf.gemm(x, w, config=cfgs[0], kz=2, lora=ops[0], t=t, pdl=True)
 
 
 @pytest.mark.gpu

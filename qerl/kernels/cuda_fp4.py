@@ -464,7 +464,7 @@ extern "C" int qfp4_occupancy(int, int, int, int, int, int, int);
 extern "C" int qfp4_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_gemm(const void*, const void*, const void*, int, void*, int, const float*, float, unsigned, int,
                          int, int, int, int, int, int, int, void*, const void*, int, const void*, int, int, int,
-                         int, const int*, const int*, int);
+                         int, const int*, const int*, int, int, void*, long long, void*, int);
 extern "C" int qfp4_gemm_occupancy(int, int, int, int, int);
 extern "C" int qfp4_gemm_attributes(int, int, int, int, int*, int*);
 extern "C" int qfp4_dequant(const void*, const void*, const float*, void*, long, int, int, long, int, void*);
@@ -587,9 +587,15 @@ static void gemm_lora_args(const torch::Tensor& t, const torch::Tensor& bn, int 
 void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t nt, int64_t sw, int64_t r, int64_t ks, bool lora, torch::Tensor t,
           torch::Tensor bn, int64_t bound1, int64_t bound2, std::vector<int64_t> roff, std::vector<int64_t> rk,
-          bool pdl) {
+          bool pdl, int64_t kz, torch::Tensor ws, torch::Tensor ctr) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
+  if (kz > 1) {
+    TORCH_CHECK(ws.is_cuda() && ws.scalar_type() == torch::kFloat32 && ws.is_contiguous() && ws.device() == x.device(),
+                "gemm: ws must be a contiguous float32 tensor on the device");
+    TORCH_CHECK(ctr.is_cuda() && ctr.scalar_type() == torch::kInt32 && ctr.is_contiguous() && ctr.device() == x.device(),
+                "gemm: ctr must be a contiguous int32 tensor on the device");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, ldt = 0, RP = 0, R = 0;
@@ -599,7 +605,9 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
                             (int)sw, (int)r, (int)ks,
                             (void*)c10::cuda::getCurrentCUDAStream(x.device().index()).stream(),
                             lora ? t.data_ptr() : nullptr, ldt, lora ? bn.data_ptr() : nullptr, RP, R, (int)bound1,
-                            (int)bound2, ro, rr, (int)pdl);
+                            (int)bound2, ro, rr, (int)pdl, (int)kz, kz > 1 ? ws.data_ptr() : nullptr,
+                            kz > 1 ? (long long)ws.numel() : 0, kz > 1 ? ctr.data_ptr() : nullptr,
+                            kz > 1 ? (int)ctr.numel() : 0);
   TORCH_CHECK(err == 0, "qfp4_gemm: ", err == -1 ? "unsupported configuration"
                                                   : cudaGetErrorString((cudaError_t)err));
 }
@@ -793,6 +801,19 @@ def wgmma_tail() -> bool:
     return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
 
+GEMM_KZ = ("0", "1")
+GEMM_MAX_KZ = 8  # splits of K across CTAs the mma.sync GEMM's kz takes at most
+
+
+def gemm_kz() -> bool:
+    """``QERL_GEMM_KZ``: ``1`` (session 68's experiment, ``-DQFP4_GEMM_KZ=1``, a build of its own) lets the mma.sync
+    GEMM split K across CTAs as well (:func:`gemm`'s ``kz``), so that more, smaller CTAs of the same shape spread over
+    the SMs evenly (Nsight Compute at M = 32 found the 7B products' SMs active 61-71% of the time,
+    ``results/speed/raw/h100_s68_ncu32``). ``0`` (default): the kernel without it; ``kz`` must be 1."""
+    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    return _gemm_lora_switch("QERL_GEMM_KZ", "0", GEMM_KZ) == "1"
+
+
 BF16_LOADS = ("pair", "sector")
 
 
@@ -813,7 +834,8 @@ def bf16_loads() -> str:
 
 
 # the environment switches _build_flags reads (each value a build of its own)
-BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_BF16_LOADS")
+BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_GEMM_KZ",
+                  "QERL_BF16_LOADS")
 
 
 def _build_flags() -> list[str]:
@@ -845,6 +867,7 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
+            *(["-DQFP4_GEMM_KZ=1"] if gemm_kz() else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 
@@ -1533,7 +1556,8 @@ def wgmma_lora_ok(lora: LoraOperand) -> bool:
 
 def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
          config: tuple[int, int, int, int] | None = None, lora: LoraOperand | None = None,
-         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None) -> torch.Tensor:
+         t: torch.Tensor | None = None, pdl: bool = False, xp: torch.Tensor | None = None,
+         kz: int = 1) -> torch.Tensor:
     """y (M, N) bf16 = x (M, K) bf16 @ Ŵᵀ for any M >= 1 on the current CUDA stream (graph capturable), on the same
     re-laid-out weight as :func:`gemv`. Meant for M > 16 (rollouts of many sequences, prefill); ``config`` =
     (nt, sw, r, ks) overrides the tuned table / heuristic. The mma.sync kernel (sw >= 1) allocates nothing but
@@ -1546,7 +1570,9 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     with ``xp``; sm_90): launch under programmatic dependent launch, so the main loop runs while the kernel that
     computed ``t`` finishes and every global store and the read of t wait for it; only right after that kernel
     (``lora_a(x, a, trigger=True)``), which itself started after x (and xp) were written: the main loop reads them
-    before the wait."""
+    before the wait. ``kz`` > 1 (an mma.sync config, a ``QERL_GEMM_KZ=1`` build, not with ``pdl``; session 68's
+    experiment): K split across kz CTAs an output tile as well (fp32 partials from the caching allocator, the device's
+    tile counters; the last CTA of a tile adds them in split order)."""
     _check_fmt(w.fmt)  # the GEMMs take the FP4 layouts only (a BF16 weight above M = 16: cuBLAS)
     x, out = _operands("gemm", x, w, out)
     m = x.shape[0]
@@ -1554,6 +1580,11 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
     if config is None:
         config = _gemm_config(w, m, x.device)
     nt, sw, r, ks = check_gemm_config(config, s, c)
+    if kz != 1 and (not gemm_kz() or sw <= 0 or not isinstance(kz, int) or kz < 1 or kz > GEMM_MAX_KZ
+                    or kz * ks > c or pdl):
+        raise ValueError(f"gemm: kz={kz!r} (K split across CTAs) needs a QERL_GEMM_KZ=1 build (this one: "
+                         f"{gemm_kz()}), an mma.sync config (sw >= 1), 1 <= kz <= {GEMM_MAX_KZ}, kz * ks <= {c} "
+                         f"chunks and no pdl; config {config!r}")
     if lora is not None and not wgmma_lora_ok(lora):
         raise ValueError(f"gemm: LoRA in the GEMM needs ranks that are multiples of 8 (members {lora.members})")
     lora_args = (False, x, x, 0, 0, [0, 0, 0], [0, 0, 0])  # no LoRA (the tensors are not read)
@@ -1596,7 +1627,15 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
                           *lora_args, permuted, pdl)
         return out
-    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl)
+    ws = ctr = x
+    if kz != 1:
+        tiles = -(-m // (8 * nt)) * -(-s // (r * sw))
+        ws = torch.empty(kz * tiles * r * 32 * sw * nt * 4, device=x.device, dtype=torch.float32)
+        ctr = _wgmma_counters(x.device)
+        if tiles > ctr.numel():
+            raise ValueError(f"gemm: {tiles} output tiles exceed the {ctr.numel()} tile counters")
+    _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl, kz, ws,
+                ctr)
     return out
 
 

@@ -25,6 +25,23 @@
 
 #include "fp4_mma_common.cuh"
 
+// QFP4_GEMM_KZ (the build's -D, set by QERL_GEMM_KZ=1; session 68's experiment): the kernel also splits K across
+// CTAs (gridDim.z = KZ): CTA z's KS groups take splits z KS .. z KS + KS - 1 of KZ KS even splits of the chunks; each
+// CTA of an output tile writes its fp32 partial (after its groups' reduction) to a workspace, and the last to finish
+// (a per-tile counter) adds the KZ partials in split order -- deterministic, no floating-point atomics -- runs the
+// epilogue (LoRA term, bf16 store) and leaves the counter at zero. Why: Nsight Compute at M = 32 (session 68,
+// results/speed/raw/h100_s68_ncu32) found the 7B gate product's 296 CTAs spread 2-3 an SM and q / o's 112 CTAs
+// leaving 20 SMs empty, the SMs active 61-71% of the time: more, smaller CTAs of the same shape spread the work
+// evenly. 0 compiles exactly the kernel without it (its parameters too).
+#ifndef QFP4_GEMM_KZ
+#define QFP4_GEMM_KZ 0
+#endif
+#if QFP4_GEMM_KZ
+#define QFP4_GEMM_KZ_PARAM , float* __restrict__ ws, int* __restrict__ ctr
+#else
+#define QFP4_GEMM_KZ_PARAM
+#endif
+
 namespace qfp4 {
 
 constexpr int kStages = 4;  // a power of 2 (stage of chunk idx = idx & (kStages - 1))
@@ -82,7 +99,7 @@ template <int FMT, int NT, int SW, int R, bool LORA>
 __global__ void __launch_bounds__(kGemmMaxWarps * 32)
 fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, const __nv_bfloat16* __restrict__ x,
                 int ldx, __nv_bfloat16* __restrict__ out, int ldo, const float* __restrict__ gs, float out_mult,
-                uint32_t bword, int M, int S, int C, int KS, GemmLora lo) {
+                uint32_t bword, int M, int S, int C, int KS, GemmLora lo QFP4_GEMM_KZ_PARAM) {
   constexpr int TM = 8 * NT;
   constexpr int SL = FMT == 0 ? 32 : 16;  // scale pairs per (strip, chunk)
   constexpr int XB = TM * 128;            // bytes of one staged chunk of tokens
@@ -95,7 +112,12 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   const int gtid = threadIdx.x - grp * GT;
   const int tok0 = blockIdx.x * TM;
   const int strip0 = (blockIdx.y * R + wr) * SW;
+#if QFP4_GEMM_KZ
+  const int KZ = gridDim.z, q = blockIdx.z * KS + grp;  // split q of KZ * KS (the caller keeps KZ * KS <= C)
+  const int c0 = (int)((long long)q * C / (KZ * KS)), c1 = (int)((long long)(q + 1) * C / (KZ * KS));
+#else
   const int c0 = (int)((long long)grp * C / KS), c1 = (int)((long long)(grp + 1) * C / KS);
+#endif
   const int n = c1 - c0;  // chunks of this group (>= 1: the caller keeps KS <= C)
   unsigned char* gs_base = smem + grp * kStages * SB;
   const uint32_t gs_s = static_cast<uint32_t>(__cvta_generic_to_shared(gs_base));
@@ -200,6 +222,41 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
         }
     }
   }
+#if QFP4_GEMM_KZ
+  if (KZ > 1) {  // group 0's threads (the others returned): the tile's KZ partials, added by the last CTA
+    __shared__ int last;
+    const int rt = threadIdx.x;  // 0 .. GT - 1
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x, tiles = gridDim.x * gridDim.y;
+    constexpr int TF = SW * NT * 4 * GT;  // floats of one partial tile
+    float* mine = ws + ((size_t)blockIdx.z * tiles + tile) * TF;
+#pragma unroll
+    for (int i = 0; i < SW; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) __stcg(mine + ((i * NT + nt) * 4 + e) * GT + rt, acc[i][nt][e]);
+    __threadfence();
+    group_sync(1, GT);
+    if (rt == 0) last = atomicAdd(ctr + tile, 1) == KZ - 1;
+    group_sync(1, GT);
+    if (!last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < SW; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+    for (int z = 0; z < KZ; ++z) {
+      const float* part = ws + ((size_t)z * tiles + tile) * TF;
+#pragma unroll
+      for (int i = 0; i < SW; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][nt][e] += __ldcg(part + ((i * NT + nt) * 4 + e) * GT + rt);
+    }
+    if (rt == 0) ctr[tile] = 0;
+  }
+#endif
   float mult = out_mult;
   if (FMT == 0) mult = out_mult / __ldg(gs);
   if constexpr (LORA) {
@@ -286,9 +343,13 @@ size_t gemm_smem(int nt, int sw, int r, int ks) {
 extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx, void* out, int ldo, const float* gs,
                          float out_mult, unsigned bword, int M, int S, int C, int fmt, int nt, int sw, int r, int ks,
                          void* stream, const void* t, int ldt, const void* bn, int rp, int R, int bound1,
-                         int bound2, const int* roff, const int* rk, int pdl) {
+                         int bound2, const int* roff, const int* rk, int pdl, int kz, void* ws, long long ws_floats,
+                         void* ctr, int ctr_len) {
   qfp4::GemmLora lo = {};
   if (pdl && t == nullptr) return -1;  // the plain variants never wait: under PDL they could read x early
+  // kz > 1 (a QFP4_GEMM_KZ build only): K split across kz CTAs a tile; ws >= kz x tiles x the tile's r * 32 * sw * nt * 4
+  // floats, ctr >= tiles zeroed ints (left zero); not under PDL (the launch before could still hold the workspace)
+  if (kz < 1 || (kz > 1 && (!QFP4_GEMM_KZ || pdl || ws == nullptr || ctr == nullptr || kz * ks > C))) return -1;
   if (t != nullptr && !qfp4::gemm_lora(lo, t, bn, ldt, rp, R, bound1, bound2, roff, rk, S * 16, 4)) return -1;
   const void* fn = qfp4::pick_gemm(fmt, nt, sw, r, t != nullptr);
   // token rows are addressed by 32-bit element offsets (M * ldx < 2^32)
@@ -302,10 +363,17 @@ extern "C" int qfp4_gemm(const void* qw, const void* sc, const void* x, int ldx,
     if (e != cudaSuccess) return (int)e;
   }
   const int tm = 8 * nt, per = r * sw;
-  const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per));
-  if (grid.y > 65535u) return -1;
+  const dim3 grid((unsigned)((M + tm - 1) / tm), (unsigned)((S + per - 1) / per), (unsigned)kz);
+  if (grid.y > 65535u || kz > 64) return -1;
+  if (kz > 1) {
+    const long long tiles = (long long)grid.x * grid.y;
+    if (tiles > ctr_len || (long long)kz * tiles * r * 32 * sw * nt * 4 > ws_floats) return -1;
+  }
+  float* wsf = static_cast<float*>(ws);
+  int* ctri = static_cast<int*>(ctr);
   void* args[] = {(void*)&qw, (void*)&sc, (void*)&x, (void*)&ldx, (void*)&out, (void*)&ldo, (void*)&gs,
-                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ks, (void*)&lo};
+                  (void*)&out_mult, (void*)&bword, (void*)&M, (void*)&S, (void*)&C, (void*)&ks, (void*)&lo,
+                  (void*)&wsf, (void*)&ctri};  // the last two are read by a QFP4_GEMM_KZ build's kernels only
   return (int)qfp4::launch_pdl(fn, grid, dim3((unsigned)(r * ks * 32)), smem, (cudaStream_t)stream, args, pdl != 0);
 }
 
