@@ -218,6 +218,21 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Split-K across CTAs (the wgmma GEMM's kz, the mma.sync GEMM's QFP4_GEMM_KZ): once every thread of the group (gt
+// threads, named barrier 1; rt its index, 0 counting) has stored its part of the CTA's fp32 partial of output tile
+// `tile`, whether this CTA is the last of the tile's `splits` to finish (a per-tile counter); the last one may then
+// read every partial (fenced on both sides).
+__device__ __forceinline__ bool last_of_splits(int* ctr, int tile, int splits, int rt, int gt) {
+  __shared__ int last;
+  __threadfence();
+  group_sync(1, gt);
+  if (rt == 0) last = atomicAdd(ctr + tile, 1) == splits - 1;
+  group_sync(1, gt);
+  if (!last) return false;
+  __threadfence();
+  return true;
+}
+
 // The LoRA members of a product (the GEMV's and the GEMMs' LoRA terms; cuda_fp4.LoraOperand): member i's output rows
 // start at 0, bound1, bound2 and use ranks [roff_i, roff_i + rk_i) of t. The member of output row n:
 template <class L>

@@ -224,7 +224,6 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
   }
 #if QFP4_GEMM_KZ
   if (KZ > 1) {  // group 0's threads (the others returned): the tile's KZ partials, added by the last CTA
-    __shared__ int last;
     const int rt = threadIdx.x;  // 0 .. GT - 1
     const int tile = blockIdx.y * gridDim.x + blockIdx.x, tiles = gridDim.x * gridDim.y;
     constexpr int TF = SW * NT * 4 * GT;  // floats of one partial tile
@@ -235,12 +234,7 @@ fp4_gemm_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, c
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) __stcg(mine + ((i * NT + nt) * 4 + e) * GT + rt, acc[i][nt][e]);
-    __threadfence();
-    group_sync(1, GT);
-    if (rt == 0) last = atomicAdd(ctr + tile, 1) == KZ - 1;
-    group_sync(1, GT);
-    if (!last) return;
-    __threadfence();
+    if (!last_of_splits(ctr, tile, KZ, rt, GT)) return;
 #pragma unroll
     for (int i = 0; i < SW; ++i)
 #pragma unroll

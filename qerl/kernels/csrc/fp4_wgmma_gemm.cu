@@ -525,19 +525,13 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
     // the workspace; the last to finish (a per-tile counter) adds the KZ partials in split order -- deterministic,
     // no floating-point atomics -- and writes the tile; it leaves the counter at zero for the next launch.
     if (KZ > 1) {
-      __shared__ int last;
       const int rt = threadIdx.x;  // group 0's threads: 0 .. GT - 1
       const int tile = QFP4_TILE;
       const size_t tile_floats = (size_t)NA * GT;
       float* mine = ws + ((size_t)QFP4_BZ * QFP4_TILES + tile) * tile_floats;
 #pragma unroll
       for (int i = 0; i < NA; ++i) __stcg(mine + (size_t)i * GT + rt, acc[i]);
-      __threadfence();
-      group_sync(1, GT);
-      if (rt == 0) last = atomicAdd(ctr + tile, 1) == KZ - 1;
-      group_sync(1, GT);
-      if (!last) return;
-      __threadfence();
+      if (!last_of_splits(ctr, tile, KZ, rt, GT)) return;
 #pragma unroll
       for (int i = 0; i < NA; ++i) acc[i] = 0.f;
       for (int z = 0; z < KZ; ++z) {
