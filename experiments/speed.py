@@ -609,6 +609,13 @@ def target_limits(path: Path) -> list[dict]:
     return entries
 
 
+def _limits_or_none(root: Path) -> list[dict]:
+    """``root/target_limits.toml``'s entries, none where the file is absent (a results folder without it renders
+    every missed target as "not analysed")."""
+    path = root / "target_limits.toml"
+    return target_limits(path) if path.exists() else []
+
+
 def missed_targets_table(rows: list[dict], limits: list[dict]) -> str:
     """Each target of ``rows`` (:func:`target_rows`) that is measured and not met: its value, how far it is from its
     bound (in % of the bound: a ratio's shortfall negative, a size over a below-bound positive) and the name of what
@@ -743,7 +750,7 @@ The gap is the measured value against the bound (a ratio's shortfall is negative
 analysis in `results/speed/target_limits.toml`, with the measurements behind it (raw runs; the sessions of
 `benchmarks/NOTES.md`).
 
-{missed_targets_table(target_rows(root, *TARGET_RUNS), target_limits(root / "target_limits.toml"))}
+{missed_targets_table(target_rows(root, *TARGET_RUNS), _limits_or_none(root))}
 ## Rollout throughput (Tables 5-8, Fig. 1)
 The current sampler: fused decode step (`qerl.kernels.fused`, q|k|v and gate|up as one matmul each) and, for
 NVFP4/MXFP4 at decode size, the CUDA mma GEMV (`qerl.kernels.cuda_fp4`). † = ratio against a row of another run

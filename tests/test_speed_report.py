@@ -480,6 +480,7 @@ def test_missed_targets_table_gives_each_missed_target_its_gap_and_one_named_lim
     with pytest.raises(ValueError, match="'32B NVFP4 GRPO step peak < 45 GB': 2 limit entries match it"):
         speed.missed_targets_table(rows, limits + [dict(name="P2", match="GB", limit="-", evidence="-")])
     assert speed.missed_targets_table(rows[1:3], limits) == "_every measured target is met_\n"
+    assert speed._limits_or_none(tmp_path) == []  # no target_limits.toml: every missed target "not analysed"
     bad = tmp_path / "limits.toml"
     bad.write_text('[[limit]]\nname = "x"\nmatch = "y"\nlimit = "z"\n')
     with pytest.raises(ValueError, match="limit entry 1 \\('y'\\) has keys \\['limit', 'match', 'name'\\]"):
