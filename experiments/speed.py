@@ -485,8 +485,8 @@ def dequant_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: The runs issues 10 and 11's layer and rollout targets are judged by: the forward layer table, the backward's
-#: (the slice A/B's second pass, the installed setting) and the rollouts (see :func:`target_rows`).
+#: The runs issues 10 and 11's layer and rollout targets are judged by: the forward layer rows', the backward's (both
+#: session 68's three passes at the installed GEMM and slice tables) and the rollouts' (see :func:`target_rows`).
 TARGET_RUNS = ("h100_s68_layers", "h100_s68_layers", "h100_s55_cmp")
 #: Issue 10's per-layer targets on the H100 (7B decoder linears, FP4 vs BF16 cuBLAS): (op, M, at least).
 LAYER_TARGETS = (("fwd", 32, 2.3), ("fwd", 64, 1.6), ("fwd", 128, 1.15), ("fwd", 256, 0.95), ("fwd", 512, 0.95),
