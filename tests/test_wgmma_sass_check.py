@@ -17,6 +17,10 @@ def _gemv_src() -> str:
     return (wsc.SRC.parent / "fp4_mma_gemv.cu").read_text()
 
 
+def _gemm_src() -> str:
+    return (wsc.SRC.parent / "fp4_mma_gemm.cu").read_text()
+
+
 @functools.cache
 def _gemv_sass(*defines: str) -> dict:
     """The decode GEMV's functions (``wsc.functions``) built for sm_90a with these -D's; cached: several tests
@@ -249,6 +253,8 @@ def sass_builds() -> dict[str, list]:
            "test_tma_build_stages_the_grid_variants_by_tensor_copies": [(2, None, d) for d in _TMA_TAIL],
            "test_bf16_sector_loads_build_changes_only_the_dense_gemv": [(2, gemv, ()),
                                                                         (2, gemv, ("QFP4_DENSE_SECTOR=1",))],
+           "test_gemm_kz_build_adds_the_split_of_k_across_ctas": [(2, _gemm_src(), ()),
+                                                                  (2, _gemm_src(), ("QFP4_GEMM_KZ=1",))],
            "test_lora_ablate_builds_leave_out_what_they_name": [(2, gemv, ()),
                                                                  *((2, gemv, (d,)) for d in _LORA_ABLATE)]}
     if shutil.which("g++") is not None and _cuda_include() is not None:
@@ -393,6 +399,25 @@ def test_bf16_sector_loads_build_changes_only_the_dense_gemv():
         for build, want in zip(builds, ({0, 0x10}, {0, 0x40}), strict=True):
             offs = _chunk_offsets(build[name])
             assert offs <= want and len(offs - {0}) == 1, (name, sorted(offs))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_gemm_kz_build_adds_the_split_of_k_across_ctas():
+    """QERL_GEMM_KZ=1's build of the mma.sync GEMM (-DQFP4_GEMM_KZ=1, session 68's experiment): the same kernels,
+    each with the workspace and counter parameters appended (float*, int*), and the split's per-tile counter (a
+    global atomic add) in every kernel, which the default build has in none. (Its registers differ: e.g. 107 -> 128
+    for the 32-token (4, 2, *, *) variants, 141-184 -> 236-240 for the 64-token two-strip ones; gpu_bench.sh kz68
+    times the default build beside it.)"""
+    with ThreadPoolExecutor(2) as pool:
+        (base, _), (kz, kz_msgs) = pool.map(lambda d: wsc.compile_sass(2, _gemm_src(), d),
+                                                    [(), ("QFP4_GEMM_KZ=1",)])
+    fb, fk = wsc.functions(base), wsc.functions(kz)
+    assert len(fb) >= 40 and {n + "PfPi" for n in fb} == set(fk), sorted(set(fk) ^ {n + "PfPi" for n in fb})[:4]
+    rk = wsc.resources(kz_msgs)
+    assert all(0 < rk[n][0] <= 255 for n in fk), {n: rk[n] for n in fk if n not in rk or rk[n][0] > 255}
+    atomic = lambda body: any(wsc.opcode(t).startswith(("ATOMG", "RED")) for _, t in body)  # noqa: E731
+    assert not any(atomic(b) for b in fb.values()) and all(atomic(b) for b in fk.values())
 
 
 def _chunk_offsets(body) -> set[int]:
