@@ -105,12 +105,21 @@ def configs(s: int, c: int, m: int, fmt: str = "nvfp4") -> list[tuple[int, int, 
     return out
 
 
-def _time_gemm(cws, m: int, rep_ms: float, config, lora=None) -> float:
-    """ms per cf.gemm call at ``config`` (with the LoRA operand ``lora``, its x·Aᵀ launch included), graph-replayed
-    over the weight copies ``cws``."""
+def product_shapes(mdl: str) -> list[tuple[int, int]]:
+    """(N, K) of a model's decoder-layer linears, then the fused q|k|v and gate|up projections the sampler's decode
+    step runs as one matmul each (qerl.fastdecode): rollouts dispatch on those shapes."""
+    h, inter, nh, nkv, hd = bench.MODELS[mdl]
+    return list(dict.fromkeys([(n, k) for _, n, k in bench.layer_linears(mdl)]
+                              + [((nh + 2 * nkv) * hd, h), (2 * inter, h)]))
+
+
+def _time_gemm(cws, m: int, rep_ms: float, config, lora=None, kz: int = 1) -> float:
+    """ms per cf.gemm call at ``config`` (with the LoRA operand ``lora``, its x·Aᵀ launch included; ``kz``: K split
+    across that many CTAs, a ``QERL_GEMM_KZ=1`` build), graph-replayed over the weight copies ``cws``."""
     x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
     outs = [torch.empty(m, w.n, device="cuda", dtype=torch.bfloat16) for w in cws]
-    calls = [lambda w=w, o=o: cf.gemm(x, w, out=o, config=config, lora=lora) for w, o in zip(cws, outs, strict=True)]
+    calls = [lambda w=w, o=o: cf.gemm(x, w, out=o, config=config, lora=lora, kz=kz)
+             for w, o in zip(cws, outs, strict=True)]
     return bench._graph_ms(calls, rep_ms)[0]
 
 
@@ -122,11 +131,7 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def sweep(models, fmts, ms, rep_ms, layout: str = "kernel") -> tuple[list[dict], list[dict]]:
     rows, table = [], []
     for mdl in models:
-        h, inter, nh, nkv, hd = bench.MODELS[mdl]
-        # the layer's linears, and the fused q|k|v and gate|up projections the sampler's decode step runs as one
-        # matmul each (qerl.fastdecode): rollouts dispatch on those shapes
-        shapes = list(dict.fromkeys([(n, k) for _, n, k in bench.layer_linears(mdl)]
-                                    + [((nh + 2 * nkv) * hd, h), (2 * inter, h)]))
+        shapes = product_shapes(mdl)
         for fmt in fmts:
             for i, (n, k) in enumerate(shapes):
                 wts = bench._Weights(fmt, n, k, seed=2000 + i)

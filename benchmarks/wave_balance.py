@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from benchmarks import cuda_gemm_bench as cgb
 from benchmarks import kernel_bench as bench
 from qerl.kernels import cuda_fp4 as cf
 
@@ -50,14 +51,6 @@ def rows_per_cta(config: tuple[int, int, int, int]) -> int:
     return 16 * sw * r
 
 
-def time_gemm(cws, m: int, rep_ms: float, config, kz: int) -> float:
-    """µs per cf.gemm call at ``config`` and ``kz``, graph-replayed over the weight copies ``cws``."""
-    x = torch.randn(m, cws[0].k, device="cuda").bfloat16()
-    outs = [torch.empty(m, w.n, device="cuda", dtype=torch.bfloat16) for w in cws]
-    calls = [lambda w=w, o=o: cf.gemm(x, w, out=o, config=config, kz=kz) for w, o in zip(cws, outs, strict=True)]
-    return bench._graph_ms(calls, rep_ms)[0] * 1e3
-
-
 def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: float, out: str) -> list[dict]:
     """Each product of ``models``' layers (and the fused q|k|v, gate|up) at each M where the device's pick is an
     mma.sync config, timed at each kz that fits; one CSV row per (shape, M, kz)."""
@@ -66,10 +59,7 @@ def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: fl
 
     rows = []
     for mdl in models:
-        h, inter, nh, nkv, hd = bench.MODELS[mdl]
-        shapes = list(dict.fromkeys([(n, k) for _, n, k in bench.layer_linears(mdl)]
-                                    + [((nh + 2 * nkv) * hd, h), (2 * inter, h)]))
-        for i, (n, k) in enumerate(shapes):
+        for i, (n, k) in enumerate(cgb.product_shapes(mdl)):
             wts = bench._Weights(fmt, n, k, seed=6900 + i)
             cws = wts.cuda()
             for m in ms:
@@ -81,7 +71,7 @@ def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: fl
                 for kz in kzs:
                     if kz * cfg[3] > k // 64:
                         continue
-                    us = time_gemm(cws, m, rep, cfg, kz)
+                    us = cgb._time_gemm(cws, m, rep, cfg, kz=kz) * 1e3
                     base = base or us
                     rows.append(dict(model=mdl, fmt=fmt, N=n, K=k, M=m, config=str(cfg), kz=kz, us=round(us, 3),
                                      vs_kz1=round(base / us, 4)))
@@ -145,7 +135,7 @@ def main(argv=None) -> None:
         for kz in kzs:
             if kz * cfg[3] > a.k // 64:
                 continue
-            us = time_gemm(cws, a.m, a.rep, cfg, kz)
+            us = cgb._time_gemm(cws, a.m, a.rep, cfg, kz=kz) * 1e3
             per = us / n_ctas
             base = base or per
             print(f"[balance] {a.fmt} M={a.m} K={a.k} config {cfg} kz {kz} row blocks {n_ctas:5d} ({n_ctas / sms:4.2f}"

@@ -521,18 +521,17 @@ def targets_table(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> str:
 
 
 def target_rows(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> list[dict]:
-    """Issues 10 and 11's H100 targets, each as a dict: issue, what (the target's text), bound, higher (True: at least
-    the bound is asked for; False: below it), value (None: not measured), text (the value as the table prints it),
-    met, run. The layer rows come from ``raw/<fwd_run>`` (forward) and ``raw/<bwd_run>`` (backward; the runs of the
-    installed setting, ``benchmarks.kernel_bench`` CSVs: with several passes, one CSV each in subfolders, the mean of
-    each layer's µs over the passes), the rollout rows from ``raw/<roll_run>/rollout.csv`` (its
-    last pass), the realistic GRPO step, the 32B step's peak, the 7B resident size and the decode rows from the
+    """Issues 10 and 11's H100 targets, each as a dict: issue, what (the target's text), bound, value (None: not
+    measured), text (the value as the table prints it), met, run. The layer rows come from ``raw/<fwd_run>``
+    (forward) and ``raw/<bwd_run>`` (backward; the runs of the installed setting, ``benchmarks.kernel_bench`` CSVs:
+    with several passes, one CSV each in subfolders, the mean of each layer's µs over the passes), the rollout rows
+    from ``raw/<roll_run>/rollout.csv`` (its last pass), the realistic GRPO step, the 32B step's peak, the 7B resident size and the decode rows from the
     top-level CSVs' H100 rows (the row merged last where several match). Values are not rounded before the
     comparison."""
     rows: list[dict] = []
 
-    def row(issue, what, meets, value, run, fmt="{:.3f}×", bound=None, higher=True):
-        rows.append(dict(issue=issue, what=what, bound=bound, higher=higher, value=value, run=run,
+    def row(issue, what, meets, value, run, fmt="{:.3f}×", bound=None):
+        rows.append(dict(issue=issue, what=what, bound=bound, value=value, run=run,
                          text=None if value is None else fmt.format(value),
                          met=None if value is None else bool(meets(value))))
 
@@ -574,14 +573,13 @@ def target_rows(root: Path, fwd_run: str, bwd_run: str, roll_run: str) -> list[d
         big = big[big["layout"] == "kernel"] if "layout" in big else big
         if len(big):
             v, run = float(big.iloc[-1].peak_mem_gb), big.iloc[-1].run
-    row(10, "32B NVFP4 GRPO step peak < 45 GB", lambda v: v < 45.0, v, run, "{:.1f} GB", bound=45.0, higher=False)
+    row(10, "32B NVFP4 GRPO step peak < 45 GB", lambda v: v < 45.0, v, run, "{:.1f} GB", bound=45.0)
     mem, v, run = _on_h100(_read(root, "memory.csv")), None, ""
     if mem is not None and "layout" in mem:
         r = mem[(mem.model == "Qwen2.5-7B-Instruct") & (mem.weights == "NVFP4") & (mem["layout"] == "kernel")]
         if len(r):
             v, run = float(r.iloc[-1].model_size_gb), r.iloc[-1].run
-    row(10, "7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB", lambda v: v <= 5.9, v, run, "{:.2f} GB", bound=5.9,
-        higher=False)
+    row(10, "7B NVFP4 resident weights (kernel layout) ≤ 5.9 GB", lambda v: v <= 5.9, v, run, "{:.2f} GB", bound=5.9)
     rolls = _on_h100(_read(root, "rollout.csv"))
     for model, w, b, bound in DECODE_TARGETS:
         v, run = None, ""

@@ -456,17 +456,17 @@ def test_missed_targets_table_gives_each_missed_target_its_gap_and_one_named_lim
     positive over a below one); each is named by the one limit entry matching it ("not analysed" without one), each
     used limit's text and evidence follow once, in order of first use; two entries matching one target are refused;
     a table with every target met says so. The TOML loader refuses an entry with a missing key by name."""
-    rows = [dict(issue=10, what="7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16", bound=2.3, higher=True, value=2.07,
+    rows = [dict(issue=10, what="7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16", bound=2.3, value=2.07,
                  text="2.070×", met=False, run="a"),
-            dict(issue=10, what="7B layer MXFP4 fwd M = 32: ≥ 2.3× BF16", bound=2.3, higher=True, value=2.3,
+            dict(issue=10, what="7B layer MXFP4 fwd M = 32: ≥ 2.3× BF16", bound=2.3, value=2.3,
                  text="2.300×", met=True, run="a"),
-            dict(issue=10, what="7B layer MXFP4 fwd M = 64: ≥ 1.6× BF16", bound=1.6, higher=True, value=None,
+            dict(issue=10, what="7B layer MXFP4 fwd M = 64: ≥ 1.6× BF16", bound=1.6, value=None,
                  text=None, met=None, run=""),
-            dict(issue=10, what="32B NVFP4 GRPO step peak < 45 GB", bound=45.0, higher=False, value=46.8,
+            dict(issue=10, what="32B NVFP4 GRPO step peak < 45 GB", bound=45.0, value=46.8,
                  text="46.8 GB", met=False, run="b"),
-            dict(issue=11, what="Qwen2.5-7B BF16 batch 8: ≥ 1650 tok/s", bound=1650, higher=True, value=1291.0,
+            dict(issue=11, what="Qwen2.5-7B BF16 batch 8: ≥ 1650 tok/s", bound=1650, value=1291.0,
                  text="1291", met=False, run="c"),
-            dict(issue=10, what="7B layer MXFP4 fwd M = 256: ≥ 0.95× BF16", bound=0.95, higher=True, value=0.9,
+            dict(issue=10, what="7B layer MXFP4 fwd M = 256: ≥ 0.95× BF16", bound=0.95, value=0.9,
                  text="0.900×", met=False, run="a")]
     limits = [dict(name="Small GEMM", match="fwd M = (32|256): ", limit="the  mma\n loop", evidence="raw/x"),
               dict(name="Peak", match="peak", limit="memory", evidence="raw/y")]

@@ -1615,28 +1615,32 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         if not permuted:
             xp = torch.empty((m, w.k), device=x.device, dtype=torch.bfloat16)  # x in the kernel's K permutation
         kt = wgmma_tail_kt(sw)
-        kz = -kt if kt else 0 if sw == WGMMA_SK else 1 - sw
+        wkz = -kt if kt else 0 if sw == WGMMA_SK else 1 - sw  # the launcher's kz, from the config (not ``kz``)
         ws = ctr = xp
-        if kz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
+        if wkz != 1:  # fp32 partial tiles; counters shared by the device's launches (one stream)
             tiles = wgmma_tiles(m, s, nt, r)
-            slots = abs(kz) * tiles if kz != 0 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
-            ws = torch.empty(slots * 4 * nt * r * 128, device=x.device, dtype=torch.float32)
-            ctr = _wgmma_counters(x.device)
-            if tiles > ctr.numel():
-                raise ValueError(f"wgmma split-K: {tiles} output tiles exceed the {ctr.numel()} counters")
-        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, kz, ws, ctr,
+            slots = abs(wkz) * tiles if wkz != 0 else 2 * wgmma_sk_ctas(w.fmt, 8 * nt, r, ks) * ks
+            ws, ctr = _split_workspace(x.device, slots * 4 * nt * r * 128, tiles, "wgmma split-K")
+        _ext().wgmma_gemm(x, w.qweight, w.scales, gs, out, xp, fmt, w.out_mult, w.bword, 8 * nt, r, ks, wkz, ws, ctr,
                           *lora_args, permuted, pdl)
         return out
     ws = ctr = x
     if kz != 1:
         tiles = -(-m // (8 * nt)) * -(-s // (r * sw))
-        ws = torch.empty(kz * tiles * r * 32 * sw * nt * 4, device=x.device, dtype=torch.float32)
-        ctr = _wgmma_counters(x.device)
-        if tiles > ctr.numel():
-            raise ValueError(f"gemm: {tiles} output tiles exceed the {ctr.numel()} tile counters")
+        ws, ctr = _split_workspace(x.device, kz * tiles * r * 32 * sw * nt * 4, tiles, "gemm split-K")
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl, kz, ws,
                 ctr)
     return out
+
+
+def _split_workspace(dev: torch.device, floats: int, tiles: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partial tiles: ``floats`` from the caching allocator, the graph's pool under capture; the device's tile
+    counters, shared by its launches on one stream) for a split of K across CTAs over ``tiles`` output tiles; more
+    tiles than counters is an error naming ``what``."""
+    ctr = _wgmma_counters(dev)
+    if tiles > ctr.numel():
+        raise ValueError(f"{what}: {tiles} output tiles exceed the {ctr.numel()} counters")
+    return torch.empty(floats, device=dev, dtype=torch.float32), ctr
 
 
 def permute_tokens(x: torch.Tensor) -> torch.Tensor:
