@@ -276,7 +276,8 @@
 #                                row blocks and q / o's (4, 2, 1, 8) over 112-264, each at kz 1 / 2 / 4 (does the time
 #                                follow the busiest SM?), and the 7B products at their picks at M 17-64 with kz 1-4
 #                                ($OUT/kz/wave_balance_<gpu>.csv) beside the default build's kz 1 ($OUT/kz_default:
-#                                the KZ build's registers differ); $OUT/kz.tgz; ~6 min cold
+#                                the KZ build's registers differ); $OUT/kz.tgz; ~6 min cold (KZ_SWEEPS=0: the products
+#                                only, no row-block sweeps)
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -661,10 +662,12 @@ kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the 
   QERL_GEMM_KZ=0 timeout 90 python3 -m benchmarks.wave_balance --products --m "${KZ_M:-17,32,48,64}" --kz 1 \
     --out "$OUT/kz_default" 2>&1 | grep "kz\]\|Error" | sed "s/^/default build: /" >> "$LOG"
   export QERL_GEMM_KZ=1
-  timeout 100 python3 -m benchmarks.wave_balance --kz 1,2,4 --ctas 132,264,296,330,396 2>&1 \
-    | grep "balance\]\|Error" >> "$LOG"
-  timeout 60 python3 -m benchmarks.wave_balance --config 4,2,1,8 --kz 1,2,3 --ctas 112,132,224,264 2>&1 \
-    | grep "balance\]\|Error" >> "$LOG"
+  if [ "${KZ_SWEEPS:-1}" = 1 ]; then  # KZ_SWEEPS=0: the products only (a short call)
+    timeout 100 python3 -m benchmarks.wave_balance --kz 1,2,4 --ctas 132,264,296,330,396 2>&1 \
+      | grep "balance\]\|Error" >> "$LOG"
+    timeout 60 python3 -m benchmarks.wave_balance --config 4,2,1,8 --kz 1,2,3 --ctas 112,132,224,264 2>&1 \
+      | grep "balance\]\|Error" >> "$LOG"
+  fi
   timeout "${KZ_SECS:-200}" python3 -m benchmarks.wave_balance --products --m "${KZ_M:-17,32,48,64}" --kz 1,2,3,4 \
     --out "$OUT/kz" 2>&1 | grep "kz\]\|Error" >> "$LOG"
   tar czf "$OUT/kz.tgz" -C "$OUT" $(cd "$OUT" && ls -d kz kz_default tests_kz.txt log.txt 2>/dev/null) ;;
