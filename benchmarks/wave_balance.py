@@ -17,7 +17,8 @@ replays over rotating weight copies). Printed per count: µs, µs per row block,
 ``--products``: the decoder layer's linears (and the decode step's fused q|k|v and gate|up) at each M with the
 device's pick for them, where it is an mma.sync config, at each kz: the question the split of K across CTAs answers
 (do the SMs' idle 29-39% at M = 32, `results/speed/raw/h100_s68_ncu32`, turn into speed?). Writes
-``wave_balance_<gpu>.csv`` under ``--out`` in this mode. Needs a CUDA GPU.
+``wave_balance_<gpu>.csv`` under ``--out`` in this mode; ``--eager`` launches each once instead (for Nsight Compute:
+``scripts/gpu_bench.sh kzab``). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def rows_per_cta(config: tuple[int, int, int, int]) -> int:
     return 16 * sw * r
 
 
-def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: float, out: str) -> list[dict]:
+def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: float, out: str,
+             eager: bool = False) -> list[dict]:
     """Each product of ``models``' layers (and the fused q|k|v, gate|up) at each M where the device's pick is an
-    mma.sync config, timed at each kz that fits; one CSV row per (shape, M, kz)."""
+    mma.sync config, timed at each kz that fits; one CSV row per (shape, M, kz). ``eager``: instead of timing, one
+    plain launch each (after a warm-up call), named on stdout in launch order, for a profiler to catch."""
     import csv
     import os
 
@@ -70,6 +73,14 @@ def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: fl
                 base = None
                 for kz in kzs:
                     if kz * cfg[3] > k // 64:
+                        continue
+                    if eager:
+                        x = torch.randn(m, k, device="cuda").bfloat16()
+                        cf.gemm(x, cws[0], config=cfg, kz=kz)  # warm-up (the build, the workspace)
+                        torch.cuda.synchronize()
+                        print(f"[kz-eager] {mdl} {fmt} {n}x{k} M={m} {cfg} kz {kz}", flush=True)
+                        cf.gemm(x, cws[0], config=cfg, kz=kz)
+                        torch.cuda.synchronize()
                         continue
                     us = cgb._time_gemm(cws, m, rep, cfg, kz=kz) * 1e3
                     base = base or us
@@ -100,11 +111,15 @@ def main(argv=None) -> None:
     ap.add_argument("--kz", default="1", help="splits of K across CTAs to time (kz > 1: a QERL_GEMM_KZ=1 build)")
     ap.add_argument("--products", action="store_true", help="the layer's products at their picks (see above)")
     ap.add_argument("--models", default="7b")
+    ap.add_argument("--eager", action="store_true",
+                    help="with --products: one launch each instead of timing (for Nsight Compute)")
     ap.add_argument("--out", default="results/speed")
     a = ap.parse_args(argv)
     kzs = parse_ints(a.kz, "kz")
     if max(kzs) > 1 and not cf.gemm_kz():
         raise ValueError(f"--kz {a.kz!r}: kz > 1 needs a QERL_GEMM_KZ=1 build (set QERL_GEMM_KZ=1)")
+    if a.eager and not a.products:
+        raise ValueError("--eager: only with --products (the row-block sweep always times)")
     if a.products:
         ms = parse_ints(a.m, "m")
         models = [v for v in a.models.split(",") if v]
@@ -113,7 +128,7 @@ def main(argv=None) -> None:
             raise ValueError(f"--models {bad}: valid {sorted(bench.MODELS)}")
         if not torch.cuda.is_available():
             raise SystemExit("wave_balance needs a CUDA GPU")
-        products(a.fmt, models, ms, kzs, a.rep, a.out)
+        products(a.fmt, models, ms, kzs, a.rep, a.out, eager=a.eager)
         return
     a.m = parse_ints(a.m, "m")[0]
     config = tuple(parse_ints(a.config, "config"))

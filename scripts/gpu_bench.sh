@@ -278,6 +278,13 @@
 #                                ($OUT/kz/wave_balance_<gpu>.csv) beside the default build's kz 1 ($OUT/kz_default:
 #                                the KZ build's registers differ); $OUT/kz.tgz; ~6 min cold (KZ_SWEEPS=0: the products
 #                                only, no row-block sweeps)
+#   scripts/gpu_bench.sh kzab    issue 10, session 69: why the QERL_GEMM_KZ=1 build's kernels ran 1.4-2.3x slower than
+#                                the default build's even unsplit (kz 1; results/speed/raw/h100_s69_kz): both builds,
+#                                the 7B products at M 32 at kz 1 in alternating processes (default KZ default KZ:
+#                                $OUT/kzab/<build>_<pass>/, the lines in the log), then Nsight Compute on one launch of
+#                                each (benchmarks.wave_balance --products --eager; the KZ build at kz 1 and 2):
+#                                $OUT/prof/ncu_kz<build>.txt.gz, their duration / occupancy / stall lines in the log;
+#                                ~5 min cold
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -656,6 +663,24 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   for p in "${pids[@]}"; do wait "$p"; done
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
+kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the default's (see the header)
+  builds_at_once - QERL_GEMM_KZ=1
+  for run in 0:1 1:1 0:2 1:2; do
+    QERL_GEMM_KZ=${run%%:*} timeout 60 python3 -m benchmarks.wave_balance --products --m "${KZ_M:-32}" --kz 1 \
+      --out "$OUT/kzab/kz${run%%:*}_${run##*:}" 2>&1 | grep "kz\]\|Error" | sed "s/^/KZ=${run%%:*} pass ${run##*:}: /" >> "$LOG"
+  done
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  mkdir -p "$OUT/prof"
+  for b in 0 1; do
+    QERL_GEMM_KZ=$b timeout "${NCU_SECS:-150}" "$NCU" --clock-control none --kernel-name regex:fp4_gemm_kernel \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section InstructionStats --print-details all python3 -m benchmarks.wave_balance \
+      --products --eager --m "${KZ_M:-32}" --kz "$([ $b = 1 ] && echo 1,2 || echo 1)" > "$OUT/prof/ncu_kz$b.txt" 2>&1
+    grep -E "kz-eager|fp4_gemm_kernel|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Shared Memory Config|Dynamic Shared|Static Shared|Executed Instructions  |Issued Warp|Stall|Block Limit" \
+      "$OUT/prof/ncu_kz$b.txt" | sed "s/^/ncu KZ=$b: /" | head -150 >> "$LOG"
+    gzip -f "$OUT/prof/ncu_kz$b.txt"
+  done
+  tar czf "$OUT/kzab.tgz" -C "$OUT" $(cd "$OUT" && ls -d kzab prof log.txt 2>/dev/null) ;;
 kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the header)
   builds_at_once - QERL_GEMM_KZ=1
   (export QERL_GEMM_KZ=1; gpu_tests kz 200 tests/test_cuda_fp4.py -k "${KZ_TESTS:-kz_splits or gemm_every_config}")

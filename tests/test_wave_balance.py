@@ -24,6 +24,8 @@ def test_bad_arguments_are_refused_by_name(monkeypatch):
         wb.main(["--config", "4,2,2"])
     with pytest.raises(ValueError, match=r"--m 64: more than one token tile of config \(4, 2, 2, 2\) \(32 tokens\)"):
         wb.main(["--m", "64"])
+    with pytest.raises(ValueError, match=r"--eager: only with --products"):
+        wb.main(["--eager"])
     with pytest.raises(ValueError, match=r"--models \['9b'\]: valid"):
         wb.main(["--products", "--models", "9b"])
     monkeypatch.setenv("QERL_GEMM_KZ", "1")

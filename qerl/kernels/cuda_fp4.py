@@ -809,7 +809,10 @@ def gemm_kz() -> bool:
     """``QERL_GEMM_KZ``: ``1`` (session 68's experiment, ``-DQFP4_GEMM_KZ=1``, a build of its own) lets the mma.sync
     GEMM split K across CTAs as well (:func:`gemm`'s ``kz``), so that more, smaller CTAs of the same shape spread over
     the SMs evenly (Nsight Compute at M = 32 found the 7B products' SMs active 61-71% of the time,
-    ``results/speed/raw/h100_s68_ncu32``). ``0`` (default): the kernel without it; ``kz`` must be 1."""
+    ``results/speed/raw/h100_s68_ncu32``). Measured on an H100 (session 69, ``results/speed/raw/h100_s69_kz``): kz 2-4
+    slower than kz 1 at every 7B product at M = 32 and 64 (0.59-0.98x), and this build's kernels 1.4-2.3x slower
+    than the default build's even at kz 1 (not explained; ``scripts/gpu_bench.sh kzab`` compares the two). Kept as
+    an opt-in experiment until that is explained. ``0`` (default): the kernel without it; ``kz`` must be 1."""
     from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
     return _gemm_lora_switch("QERL_GEMM_KZ", "0", GEMM_KZ) == "1"
 
