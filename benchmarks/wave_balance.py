@@ -52,6 +52,11 @@ def rows_per_cta(config: tuple[int, int, int, int]) -> int:
     return 16 * sw * r
 
 
+def fitting(kzs: list[int], cfg: tuple[int, int, int, int], k: int) -> list[int]:
+    """The kz of ``kzs`` that config ``cfg`` can split a contraction of ``k`` into (kz x its ks groups <= the chunks)."""
+    return [kz for kz in kzs if kz * cfg[3] <= k // 64]
+
+
 def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: float, out: str,
              eager: bool = False) -> list[dict]:
     """Each product of ``models``' layers (and the fused q|k|v, gate|up) at each M where the device's pick is an
@@ -71,11 +76,9 @@ def products(fmt: str, models: list[str], ms: list[int], kzs: list[int], rep: fl
                     print(f"[kz] {mdl} {fmt} {n}x{k} M={m}: the pick {cfg} is a wgmma config; skipped", flush=True)
                     continue
                 base = None
-                for kz in kzs:
-                    if kz * cfg[3] > k // 64:
-                        continue
+                x = torch.randn(m, k, device="cuda").bfloat16() if eager else None
+                for kz in fitting(kzs, cfg, k):
                     if eager:
-                        x = torch.randn(m, k, device="cuda").bfloat16()
                         cf.gemm(x, cws[0], config=cfg, kz=kz)  # warm-up (the build, the workspace)
                         torch.cuda.synchronize()
                         print(f"[kz-eager] {mdl} {fmt} {n}x{k} M={m} {cfg} kz {kz}", flush=True)
@@ -147,9 +150,7 @@ def main(argv=None) -> None:
         wts = bench._Weights(a.fmt, n, a.k, seed=6800 + n_ctas)
         cws = wts.cuda()
         cfg = cf.check_gemm_config(config, n // 16, a.k // 64)
-        for kz in kzs:
-            if kz * cfg[3] > a.k // 64:
-                continue
+        for kz in fitting(kzs, cfg, a.k):
             us = cgb._time_gemm(cws, a.m, a.rep, cfg, kz=kz) * 1e3
             per = us / n_ctas
             base = base or per

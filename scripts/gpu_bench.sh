@@ -330,6 +330,11 @@ builds_at_once() {  # SETTING ...: one extension build per argument, all at once
   done
   for p in $pids; do wait "$p"; done
 }
+kz_products() {  # SECONDS LABEL DIR KZS: benchmarks.wave_balance --products at M ${KZ_M} and kz KZS on the caller's
+  # build (QERL_GEMM_KZ), its CSV under $OUT/DIR, its result lines in the log prefixed by LABEL
+  timeout "$1" python3 -m benchmarks.wave_balance --products --m "$KZ_M" --kz "$4" --out "$OUT/$3" 2>&1 \
+    | grep "kz\]\|Error" | sed "s/^/$2/" >> "$LOG"
+}
 lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QERL_WGMMA_LORA=1's (without), at once
   builds_at_once - QERL_WGMMA_LORA=1
 }
@@ -665,9 +670,10 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the default's (see the header)
   builds_at_once - QERL_GEMM_KZ=1
+  KZ_M=${KZ_M:-32}
   for run in 0:1 1:1 0:2 1:2; do
-    QERL_GEMM_KZ=${run%%:*} timeout 60 python3 -m benchmarks.wave_balance --products --m "${KZ_M:-32}" --kz 1 \
-      --out "$OUT/kzab/kz${run%%:*}_${run##*:}" 2>&1 | grep "kz\]\|Error" | sed "s/^/KZ=${run%%:*} pass ${run##*:}: /" >> "$LOG"
+    b=${run%%:*} p=${run##*:}
+    QERL_GEMM_KZ=$b kz_products 60 "KZ=$b pass $p: " "kzab/kz${b}_$p" 1
   done
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"
@@ -675,7 +681,7 @@ kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the defaul
     QERL_GEMM_KZ=$b timeout "${NCU_SECS:-150}" "$NCU" --clock-control none --kernel-name regex:fp4_gemm_kernel \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section InstructionStats --print-details all python3 -m benchmarks.wave_balance \
-      --products --eager --m "${KZ_M:-32}" --kz "$([ $b = 1 ] && echo 1,2 || echo 1)" > "$OUT/prof/ncu_kz$b.txt" 2>&1
+      --products --eager --m "$KZ_M" --kz "$([ $b = 1 ] && echo 1,2 || echo 1)" > "$OUT/prof/ncu_kz$b.txt" 2>&1
     grep -E "kz-eager|fp4_gemm_kernel|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Shared Memory Config|Dynamic Shared|Static Shared|Executed Instructions  |Issued Warp|Stall|Block Limit" \
       "$OUT/prof/ncu_kz$b.txt" | sed "s/^/ncu KZ=$b: /" | head -150 >> "$LOG"
     gzip -f "$OUT/prof/ncu_kz$b.txt"
@@ -684,8 +690,8 @@ kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the defaul
 kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the header)
   builds_at_once - QERL_GEMM_KZ=1
   (export QERL_GEMM_KZ=1; gpu_tests kz 200 tests/test_cuda_fp4.py -k "${KZ_TESTS:-kz_splits or gemm_every_config}")
-  QERL_GEMM_KZ=0 timeout 90 python3 -m benchmarks.wave_balance --products --m "${KZ_M:-17,32,48,64}" --kz 1 \
-    --out "$OUT/kz_default" 2>&1 | grep "kz\]\|Error" | sed "s/^/default build: /" >> "$LOG"
+  KZ_M=${KZ_M:-17,32,48,64}
+  QERL_GEMM_KZ=0 kz_products 90 "default build: " kz_default 1
   export QERL_GEMM_KZ=1
   if [ "${KZ_SWEEPS:-1}" = 1 ]; then  # KZ_SWEEPS=0: the products only (a short call)
     timeout 100 python3 -m benchmarks.wave_balance --kz 1,2,4 --ctas 132,264,296,330,396 2>&1 \
@@ -693,8 +699,7 @@ kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the 
     timeout 60 python3 -m benchmarks.wave_balance --config 4,2,1,8 --kz 1,2,3 --ctas 112,132,224,264 2>&1 \
       | grep "balance\]\|Error" >> "$LOG"
   fi
-  timeout "${KZ_SECS:-200}" python3 -m benchmarks.wave_balance --products --m "${KZ_M:-17,32,48,64}" --kz 1,2,3,4 \
-    --out "$OUT/kz" 2>&1 | grep "kz\]\|Error" >> "$LOG"
+  kz_products "${KZ_SECS:-200}" "" kz 1,2,3,4
   tar czf "$OUT/kz.tgz" -C "$OUT" $(cd "$OUT" && ls -d kz kz_default tests_kz.txt log.txt 2>/dev/null) ;;
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}

@@ -14,6 +14,11 @@ def test_rows_per_cta_is_the_mma_config_s_row_block():
         wb.rows_per_cta((16, 0, 2, 2))
 
 
+def test_fitting_keeps_the_kz_the_chunks_allow():
+    assert wb.fitting([1, 2, 3, 4], (4, 2, 1, 8), 1536) == [1, 2, 3]  # 24 chunks: 3 x 8 groups fit, 4 x 8 do not
+    assert wb.fitting([1, 2], (4, 2, 2, 2), 128) == [1]
+
+
 def test_bad_arguments_are_refused_by_name(monkeypatch):
     monkeypatch.delenv("QERL_GEMM_KZ", raising=False)
     with pytest.raises(ValueError, match="--kz '1,2': kz > 1 needs a QERL_GEMM_KZ=1 build"):

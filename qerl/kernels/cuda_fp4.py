@@ -1380,7 +1380,13 @@ def wgmma_supported(device: torch.device | int | None = None) -> bool:
 
 def wgmma_tiles(m: int, s: int, nt: int, r: int) -> int:
     """Output tiles (CTAs per split of K) of a wgmma launch: token tiles of 8 nt x row blocks of 4 r strips."""
-    return -(-m // (8 * nt)) * -(-s // (4 * r))
+    return gemm_tiles(m, s, nt, 4 * r)
+
+
+def gemm_tiles(m: int, s: int, nt: int, strips: int) -> int:
+    """Output tiles (CTAs per split of K) of a GEMM launch: token tiles of 8 nt x row blocks of ``strips`` strips
+    (the mma.sync GEMM's r x sw; the wgmma GEMM's 4 r)."""
+    return -(-m // (8 * nt)) * -(-s // strips)
 
 
 def wgmma_configs(s: int, c: int) -> list[tuple[int, int, int, int]]:
@@ -1629,7 +1635,7 @@ def gemm(x: torch.Tensor, w: CudaFP4Weight, out: torch.Tensor | None = None,
         return out
     ws = ctr = x
     if kz != 1:
-        tiles = -(-m // (8 * nt)) * -(-s // (r * sw))
+        tiles = gemm_tiles(m, s, nt, r * sw)
         ws, ctr = _split_workspace(x.device, kz * tiles * r * 32 * sw * nt * 4, tiles, "gemm split-K")
     _ext().gemm(x, w.qweight, w.scales, gs, out, fmt, w.out_mult, w.bword, nt, sw, r, ks, *lora_args, pdl, kz, ws,
                 ctr)
