@@ -507,6 +507,13 @@ static void check_operands(const torch::Tensor& x, const torch::Tensor& qw, cons
   TORCH_CHECK(fmt == 2 || (qw.is_contiguous() && sc.is_contiguous()), "qweight/scales must be contiguous");
 }
 
+// A split of K across CTAs (either GEMM): ws its fp32 partial tiles, ctr its int32 tile counters, contiguous on x's device
+static void check_split(const torch::Tensor& x, const torch::Tensor& ws, const torch::Tensor& ctr) {
+  TORCH_CHECK(ws.is_cuda() && ws.scalar_type() == at::kFloat && ws.is_contiguous() && ws.device() == x.device() &&
+              ctr.is_cuda() && ctr.scalar_type() == at::kInt && ctr.is_contiguous() && ctr.device() == x.device(),
+              "split-K workspace: a contiguous fp32 ws and int32 ctr on x's device");
+}
+
 void gemv(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs, torch::Tensor out, int64_t fmt,
           double out_mult, int64_t bword, int64_t splits, int64_t strips_per_cta, int64_t unroll, int64_t sw,
           bool pdl, int64_t act) {
@@ -590,12 +597,7 @@ void gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tensor gs,
           bool pdl, int64_t kz, torch::Tensor ws, torch::Tensor ctr) {
   check_operands(x, qw, sc, out);
   const int M = (int)x.size(0), S = (int)qw.size(0), C = (int)qw.size(1);
-  if (kz > 1) {
-    TORCH_CHECK(ws.is_cuda() && ws.scalar_type() == torch::kFloat32 && ws.is_contiguous() && ws.device() == x.device(),
-                "gemm: ws must be a contiguous float32 tensor on the device");
-    TORCH_CHECK(ctr.is_cuda() && ctr.scalar_type() == torch::kInt32 && ctr.is_contiguous() && ctr.device() == x.device(),
-                "gemm: ctr must be a contiguous int32 tensor on the device");
-  }
+  if (kz > 1) check_split(x, ws, ctr);
   const c10::cuda::CUDAGuard guard(x.device());
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
   int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, ldt = 0, RP = 0, R = 0;
@@ -629,8 +631,7 @@ void wgmma_gemm(torch::Tensor x, torch::Tensor qw, torch::Tensor sc, torch::Tens
   int err = permuted ? 0 : qfp4_permute_x(x.data_ptr(), (int)x.stride(0), xp.data_ptr(), M, C, stream);
   TORCH_CHECK(err == 0, "qfp4_permute_x: ", err == -1 ? "bad arguments" : cudaGetErrorString((cudaError_t)err));
   const float* gp = fmt == 0 ? gs.data_ptr<float>() : nullptr;
-  TORCH_CHECK(kz == 1 || (ws.is_cuda() && ws.scalar_type() == at::kFloat && ctr.is_cuda() &&
-                          ctr.scalar_type() == at::kInt), "split-K workspace: fp32 ws, int32 ctr on CUDA");
+  if (kz != 1) check_split(x, ws, ctr);
   int ro[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, R = 0, ldt = 0, RP = 0;
   if (lora) gemm_lora_args(t, bn, M, S, roff, rk, R, ldt, RP, ro, rr);
   err = qfp4_wgmma_gemm(qw.data_ptr(), sc.data_ptr(), xp.data_ptr(), out.data_ptr(),
