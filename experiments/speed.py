@@ -898,7 +898,8 @@ dequantization's whole-sector stores), `h100_s29h` (+ fused RoPE).
 ## Data-parallel GRPO steps on several GPUs (issue 13; `python -m experiments.speed --run scaling`)
 The same global batch on 1, 2 and 4 GPUs of one host: 128 completions per step (16 prompts × G 8, whole groups per
 rank), 1024 new tokens, micro-batches of 8, gradient checkpointing, GRPO, LoRA rank 32, `torchrun` with NCCL
-(NVLink multicast off). Times are the slowest rank's, averaged over the steps after the first (CUDA-graph capture);
+(NVLink multicast off). Times are the slowest rank's (each phase's own slowest rank, so on several GPUs the phases
+may add up to a little more than the step), averaged over the steps after the first (CUDA-graph capture);
 "all-reduce" is the LoRA gradient exchange inside the update, timed between device synchronisations. Efficiency =
 tokens/s per GPU ÷ the one-GPU row's tokens/s (the same configuration in the same session; † = another session);
 "×" columns are each phase's speed-up over one GPU (ideal = the number of GPUs).

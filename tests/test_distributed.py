@@ -378,8 +378,12 @@ def test_scaling_benchmark_runs_one_and_two_ranks_with_the_same_global_batch(tmp
     assert one.comm_s == 0 and 0 < two.comm_s <= two.update_s
     for r in (one, two):
         assert r.timed_steps == 1 and r.steps == 2  # the first (warm-up) step is left out
-        assert r.rollout_s + r.logprob_s + r.update_s <= r.step_s + 1e-6
+        assert max(r.rollout_s, r.logprob_s, r.update_s) <= r.step_s + 1e-6
         assert r.tokens_per_s == pytest.approx(r.rollout_tokens / r.step_s)
+    # one rank: its phases are disjoint parts of its step. Two: each phase is the slowest rank's (qerl.train's _max),
+    # and two ranks can be slowest in different phases, so their sum may pass the slowest step (seen on 2 busy cores:
+    # 0.284 s against 0.281)
+    assert one.rollout_s + one.logprob_s + one.update_s <= one.step_s + 1e-6
     rows = scaling_rows(d)
     assert rows[0]["efficiency"] == pytest.approx(1.0)
     assert rows[1]["efficiency"] == pytest.approx(two.tokens_per_s / 2 / one.tokens_per_s)
