@@ -281,7 +281,8 @@
 #   scripts/gpu_bench.sh kzab    issue 10, session 69: why the QERL_GEMM_KZ=1 build's kernels ran 1.4-2.3x slower than
 #                                the default build's even unsplit (kz 1; results/speed/raw/h100_s69_kz): both builds,
 #                                the 7B products at M 32 at kz 1 in alternating processes (default KZ default KZ:
-#                                $OUT/kzab/<build>_<pass>/, the lines in the log), then Nsight Compute on one launch of
+#                                $OUT/kzab/<build>_<pass>/, the lines in the log, with the GPU's clocks, throttle
+#                                reasons and power sampled meanwhile), then Nsight Compute on one launch of
 #                                each (benchmarks.wave_balance --products --eager; the KZ build at kz 1 and 2):
 #                                $OUT/prof/ncu_kz<build>.txt.gz, their duration / occupancy / stall lines in the log;
 #                                ~5 min cold
@@ -331,9 +332,28 @@ builds_at_once() {  # SETTING ...: one extension build per argument, all at once
   for p in $pids; do wait "$p"; done
 }
 kz_products() {  # SECONDS LABEL DIR KZS: benchmarks.wave_balance --products at M ${KZ_M} and kz KZS on the caller's
-  # build (QERL_GEMM_KZ), its CSV under $OUT/DIR, its result lines in the log prefixed by LABEL
+  # build (QERL_GEMM_KZ), its CSV under $OUT/DIR, its result lines in the log prefixed by LABEL; the GPU's SM / memory
+  # clocks, throttle reasons, temperature and power sampled every 200 ms meanwhile ($OUT/DIR/gpu_state.csv; their
+  # range in the log: an order effect between processes, a clock or power state, shows up there)
+  mkdir -p "$OUT/$3"
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw \
+    --format=csv,noheader,nounits -lms 200 > "$OUT/$3/gpu_state.csv" 2>&1 &
+  local smi=$!
   timeout "$1" python3 -m benchmarks.wave_balance --products --m "$KZ_M" --kz "$4" --out "$OUT/$3" 2>&1 \
     | grep "kz\]\|Error" | sed "s/^/$2/" >> "$LOG"
+  kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+  gpu_state_range "$OUT/$3/gpu_state.csv" "$2" >> "$LOG"
+}
+gpu_state_range() {  # CSV LABEL: one line, the SM and memory clocks' (MHz), temperature's and power's min-max over the
+  # samples of `nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw`
+  # and the throttle-reason masks seen
+  awk -F', *' -v label="$2" 'NF >= 5 && $1 ~ /^[0-9]/ {
+      n++; for (i = 1; i <= 5; i++) if (i != 3) { if (n == 1 || $i < lo[i]) lo[i] = $i; if (n == 1 || $i > hi[i]) hi[i] = $i }
+      seen[$3] = 1 }
+    END { if (!n) { print "gpu state " label ": no samples"; exit }
+      r = ""; for (k in seen) r = r " " k
+      printf "gpu state %s%d samples: SM %d-%d MHz, memory %d-%d MHz, %d-%d C, %.0f-%.0f W, throttle reasons%s\n",
+        label, n, lo[1], hi[1], lo[2], hi[2], lo[4], hi[4], lo[5], hi[5], r }' "$1"
 }
 lora_builds() {  # the default build (the wgmma LoRA variants' PDL waits) and QERL_WGMMA_LORA=1's (without), at once
   builds_at_once - QERL_WGMMA_LORA=1
