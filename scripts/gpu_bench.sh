@@ -280,7 +280,8 @@
 #                                only, no row-block sweeps)
 #   scripts/gpu_bench.sh kzab    issue 10, session 69: why the QERL_GEMM_KZ=1 build's kernels ran 1.4-2.3x slower than
 #                                the default build's even unsplit (kz 1; results/speed/raw/h100_s69_kz): both builds,
-#                                the 7B products at M 32 at kz 1 in alternating processes (default KZ default KZ:
+#                                the 7B products at M 32 at kz 1 (the KZ build also at kz 2 and 4) in alternating
+#                                processes (default KZ default KZ:
 #                                $OUT/kzab/<build>_<pass>/, the lines in the log, with the GPU's clocks, throttle
 #                                reasons and power sampled meanwhile), then Nsight Compute on one launch of
 #                                each (benchmarks.wave_balance --products --eager; the KZ build at kz 1 and 2):
@@ -693,7 +694,7 @@ kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the defaul
   KZ_M=${KZ_M:-32}
   for run in 0:1 1:1 0:2 1:2; do
     b=${run%%:*} p=${run##*:}
-    QERL_GEMM_KZ=$b kz_products 60 "KZ=$b pass $p: " "kzab/kz${b}_$p" 1
+    QERL_GEMM_KZ=$b kz_products 90 "KZ=$b pass $p: " "kzab/kz${b}_$p" "$([ "$b" = 1 ] && echo 1,2,4 || echo 1)"
   done
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"
