@@ -286,7 +286,7 @@
 #                                reasons and power sampled meanwhile), then Nsight Compute on one launch of
 #                                each (benchmarks.wave_balance --products --eager; the KZ build at kz 1 and 2):
 #                                $OUT/prof/ncu_kz<build>.txt.gz, their duration / occupancy / stall lines in the log;
-#                                ~5 min cold
+#                                ~5 min cold (KZAB_NCU=0: no Nsight Compute, ~3 min)
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -698,7 +698,7 @@ kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the defaul
   done
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   mkdir -p "$OUT/prof"
-  for b in 0 1; do
+  for b in $([ "${KZAB_NCU:-1}" = 1 ] && echo 0 1); do  # KZAB_NCU=0: the timed passes only (a short call)
     QERL_GEMM_KZ=$b timeout "${NCU_SECS:-150}" "$NCU" --clock-control none --kernel-name regex:fp4_gemm_kernel \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section InstructionStats --print-details all python3 -m benchmarks.wave_balance \
