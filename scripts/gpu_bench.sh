@@ -696,17 +696,19 @@ kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the defaul
     b=${run%%:*} p=${run##*:}
     QERL_GEMM_KZ=$b kz_products 90 "KZ=$b pass $p: " "kzab/kz${b}_$p" "$([ "$b" = 1 ] && echo 1,2,4 || echo 1)"
   done
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  mkdir -p "$OUT/prof"
-  for b in $([ "${KZAB_NCU:-1}" = 1 ] && echo 0 1); do  # KZAB_NCU=0: the timed passes only (a short call)
-    QERL_GEMM_KZ=$b timeout "${NCU_SECS:-150}" "$NCU" --clock-control none --kernel-name regex:fp4_gemm_kernel \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats --section InstructionStats --print-details all python3 -m benchmarks.wave_balance \
-      --products --eager --m "$KZ_M" --kz "$([ $b = 1 ] && echo 1,2 || echo 1)" > "$OUT/prof/ncu_kz$b.txt" 2>&1
-    grep -E "kz-eager|fp4_gemm_kernel|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Shared Memory Config|Dynamic Shared|Static Shared|Executed Instructions  |Issued Warp|Stall|Block Limit" \
-      "$OUT/prof/ncu_kz$b.txt" | sed "s/^/ncu KZ=$b: /" | head -150 >> "$LOG"
-    gzip -f "$OUT/prof/ncu_kz$b.txt"
-  done
+  if [ "${KZAB_NCU:-1}" = 1 ]; then  # KZAB_NCU=0: the timed passes only (a short call)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    mkdir -p "$OUT/prof"
+    for b in 0 1; do
+      QERL_GEMM_KZ=$b timeout "${NCU_SECS:-150}" "$NCU" --clock-control none --kernel-name regex:fp4_gemm_kernel \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --print-details all python3 -m benchmarks.wave_balance \
+        --products --eager --m "$KZ_M" --kz "$([ $b = 1 ] && echo 1,2 || echo 1)" > "$OUT/prof/ncu_kz$b.txt" 2>&1
+      grep -E "kz-eager|fp4_gemm_kernel|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Shared Memory Config|Dynamic Shared|Static Shared|Executed Instructions  |Issued Warp|Stall|Block Limit" \
+        "$OUT/prof/ncu_kz$b.txt" | sed "s/^/ncu KZ=$b: /" | head -150 >> "$LOG"
+      gzip -f "$OUT/prof/ncu_kz$b.txt"
+    done
+  fi
   tar czf "$OUT/kzab.tgz" -C "$OUT" $(cd "$OUT" && ls -d kzab prof log.txt 2>/dev/null) ;;
 kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the header)
   builds_at_once - QERL_GEMM_KZ=1
