@@ -324,7 +324,7 @@ def _lora_operand(owner, a: torch.Tensor, bts: list[torch.Tensor | None], member
     """The fused GEMV's LoRA operand: ``a`` and the members' (scaling·B)ᵀ ``bts`` laid out as Bn in a buffer kept on
     ``owner`` (``_lora_bn``, reused in place: captured graphs keep its address); None where the kernel cannot take
     them (not on CUDA, not bf16, too many ranks or members, member rows not multiples of 16)."""
-    from qerl.kernels.cuda_fp4 import LORA_MAX_RANKS, LoraOperand, lora_bn, lora_rp
+    from qerl.kernels.fp4_layout import LORA_MAX_RANKS, LoraOperand, lora_bn, lora_rp
     if (not a.is_cuda or a.dtype != torch.bfloat16 or not 1 <= a.shape[0] <= LORA_MAX_RANKS or len(members) > 3
             or any(n % 16 for n, _ in members)):
         return None

@@ -1,7 +1,7 @@
 // W4A16 decode GEMV for NVFP4 / MXFP4 weights on tensor cores (mma.sync m16n8k16, bf16 in, fp32 acc), and the
 // same kernel over a dense BF16 weight (FMT = 2, the BF16 baseline's decode products; see "BF16 weights" below).
 //
-// out (M, N) = x (M, K) @ W^T for M <= 16. W is re-laid out once by qerl/kernels/cuda_fp4.py (prepare) so that
+// out (M, N) = x (M, K) @ W^T for M <= 16. W is re-laid out once by qerl/kernels/fp4_layout.py (prepare) so that
 // one 128-bit load per lane and K chunk of 64 is that lane's A fragments for four MMAs:
 //   weight rows = the MMA's M (a strip of 16 rows per warp), x rows (tokens) = the MMA's N (one n8 tile, or two
 //   for M > 8), K chunk c of 64: lane (g = lane/4, t = lane%4) holds rows g and g+8, k = 64c + 16t + 0..15, so its
