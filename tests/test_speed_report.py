@@ -10,7 +10,7 @@ import os
 import pandas as pd
 import pytest
 
-from experiments import speed
+from experiments import speed, speed_targets
 
 
 def _rollout(rows, run, sha="abc1234"):
@@ -434,11 +434,11 @@ def test_targets_table_judges_each_target_by_its_h100_run(tmp_path):
     pd.concat([roll, h200]).to_csv(tmp_path / "rollout.csv", index=False)
     _layers(tmp_path / "raw" / "two" / "p1", [("bf16", "fwd", 256, 90.0), ("nvfp4-kernel", "fwd", 256, 100.0)])
     _layers(tmp_path / "raw" / "two" / "p2", [("bf16", "fwd", 256, 100.0), ("nvfp4-kernel", "fwd", 256, 100.0)])
-    rows = {r["what"]: r for r in speed.target_rows(tmp_path, "two", "bw", "ro")}
+    rows = {r["what"]: r for r in speed_targets.target_rows(tmp_path, "two", "bw", "ro")}
     assert rows["7B layer NVFP4 fwd M = 256: ≥ 0.95× BF16"]["value"] == pytest.approx(0.95)  # the passes' mean µs
     assert rows["7B layer NVFP4 fwd M = 256: ≥ 0.95× BF16"]["met"]
     got = {ln.split("|")[2].strip(): (ln.split("|")[3].strip(), ln.split("|")[4].strip(), ln.split("|")[5].strip())
-           for ln in speed.targets_table(tmp_path, "fw", "bw", "ro").splitlines()[2:]}
+           for ln in speed_targets.targets_table(tmp_path, "fw", "bw", "ro").splitlines()[2:]}
     assert got["7B layer NVFP4 fwd M = 128: ≥ 1.15× BF16"] == ("1.150×", "yes", "`fw`")
     assert got["7B layer NVFP4 bwd M = 2048: ≥ 0.95× BF16"] == ("0.960×", "yes", "`bw`")  # the backward's run
     assert got["7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16"] == ("not measured", "—", "—")
@@ -470,7 +470,7 @@ def test_missed_targets_table_gives_each_missed_target_its_gap_and_one_named_lim
                  text="0.900×", met=False, run="a")]
     limits = [dict(name="Small GEMM", match="fwd M = (32|256): ", limit="the  mma\n loop", evidence="raw/x"),
               dict(name="Peak", match="peak", limit="memory", evidence="raw/y")]
-    md = speed.missed_targets_table(rows, limits)
+    md = speed_targets.missed_targets_table(rows, limits)
     lines = md.splitlines()
     assert lines[2:6] == ["| 10 | 7B layer NVFP4 fwd M = 32: ≥ 2.3× BF16 | 2.070× | -10.0% | Small GEMM |",
                           "| 10 | 32B NVFP4 GRPO step peak < 45 GB | 46.8 GB | +4.0% | Peak |",
@@ -478,13 +478,13 @@ def test_missed_targets_table_gives_each_missed_target_its_gap_and_one_named_lim
                           "| 10 | 7B layer MXFP4 fwd M = 256: ≥ 0.95× BF16 | 0.900× | -5.3% | Small GEMM |"]
     assert lines[7:] == ["- **Small GEMM.** the mma loop *Evidence:* raw/x.", "- **Peak.** memory *Evidence:* raw/y."]
     with pytest.raises(ValueError, match="'32B NVFP4 GRPO step peak < 45 GB': 2 limit entries match it"):
-        speed.missed_targets_table(rows, limits + [dict(name="P2", match="GB", limit="-", evidence="-")])
-    assert speed.missed_targets_table(rows[1:3], limits) == "_every measured target is met_\n"
-    assert speed._limits_or_none(tmp_path) == []  # no target_limits.toml: every missed target "not analysed"
+        speed_targets.missed_targets_table(rows, limits + [dict(name="P2", match="GB", limit="-", evidence="-")])
+    assert speed_targets.missed_targets_table(rows[1:3], limits) == "_every measured target is met_\n"
+    assert speed_targets._limits_or_none(tmp_path) == []  # no target_limits.toml: every missed target "not analysed"
     bad = tmp_path / "limits.toml"
     bad.write_text('[[limit]]\nname = "x"\nmatch = "y"\nlimit = "z"\n')
     with pytest.raises(ValueError, match="limit entry 1 \\('y'\\) has keys \\['limit', 'match', 'name'\\]"):
-        speed.target_limits(bad)
+        speed_targets.target_limits(bad)
 
 
 def test_committed_target_limits_cover_every_missed_target():
@@ -494,8 +494,8 @@ def test_committed_target_limits_cover_every_missed_target():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent / "results" / "speed"
-    rows = speed.target_rows(root, *speed.TARGET_RUNS)
-    limits = speed.target_limits(root / "target_limits.toml")
+    rows = speed_targets.target_rows(root, *speed_targets.TARGET_RUNS)
+    limits = speed_targets.target_limits(root / "target_limits.toml")
     missed = [r for r in rows if r["met"] is False]
     assert missed, "no missed target: the limits file would have nothing to explain"
     for r in missed:
