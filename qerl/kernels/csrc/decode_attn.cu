@@ -29,7 +29,7 @@ using qfp4::mma_bf16;
 constexpr int kWarps = 4;
 constexpr int kKeys = 16;  // keys per subtile: one MMA k-step of P·V
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNeg = -1.0e30f;  // qerl.kernels.fused.NEG: finite "minus infinity"
+constexpr float kNeg = -1.0e30f;  // qerl.kernels.fused_triton.NEG: finite "minus infinity"
 
 template <int D>
 struct Stage {  // one warp's subtile: K and V rows (swizzled 16-byte units), the keys' bias
