@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from qerl.bench import _env, _write_csv
-from qerl.kernels import _COUNTER_SLOTS, _counters, _interpret
+from qerl.kernels.base import _COUNTER_SLOTS, _counters, _interpret
 from qerl.kernels.fused import lora_a_config
 from qerl.kernels.fused import lora_a_splits as splits  # (K splits, K per split); cap: most splits
 from qerl.model import PRESETS

@@ -345,14 +345,14 @@ def test_gpu_dq_gemm_every_config(fmt):
 def test_gpu_dq_gemm_without_global_scale_on_a_column_slice_into_strided_out():
     """NVFP4 without its global scale (the kernel's HAS_G = false build), a column slice of a weight (its strips
     read where they lie: cs > C), g and out with row strides wider than their rows."""
-    from qerl import kernels as qk
+    from qerl.kernels import dequant as kd
     q = _quantized("nvfp4", 1024, 1024, seed=7, device="cuda")
     w = dataclasses.replace(_prepared("nvfp4", q), global_scale=None)
     whole = _exact("nvfp4", {k: v for k, v in q.items() if k != "weight_global_scale"})
     gen = torch.Generator(device="cuda").manual_seed(12)
     gw = torch.randn(300, 1024 + 24, device="cuda", generator=gen).bfloat16()
     g = gw[:, 8:8 + 1024]
-    part = qk._relaid_cols(w, 256, 768)  # 512 columns of 1024
+    part = kd._relaid_cols(w, 256, 768)  # 512 columns of 1024
     ref, mag = _ref(g, whole[:, 256:768])
     wide = torch.full((300, 512 + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
     for cfg in ((256, 1), (128, 2), (256, 4), (128, 0), (256, 0)):  # 16 contraction chunks: up to 4 splits

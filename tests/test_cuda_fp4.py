@@ -439,7 +439,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_GEMM_KZ=1 adds -DQFP4_GEMM_KZ=1 (the mma.sync GEMM's K split across CTAs), 0 (the default) nothing.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
     The removed opt-ins' switches are refused by value, naming the choices left."""
-    from qerl import kernels as qk
+    from qerl.kernels import switches as sw
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
     for k in cf.BUILD_SWITCHES:
         monkeypatch.delenv(k, raising=False)
@@ -477,7 +477,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     for name in ("QERL_WGMMA_LORA", "QERL_GEMM_LORA"):
         monkeypatch.setenv(name, "pdl-tail")  # removed in session 48
         with pytest.raises(ValueError, match=f"{name}='pdl-tail'; valid: 0, 1, pdl$"):
-            qk.wgmma_lora_mode() if name == "QERL_WGMMA_LORA" else qk.mma_lora_mode()
+            sw.wgmma_lora_mode() if name == "QERL_WGMMA_LORA" else sw.mma_lora_mode()
     monkeypatch.delenv("QERL_WGMMA_LORA")
     monkeypatch.setenv("QERL_WGMMA_PIPE", "1")
     assert cf.wgmma_pipe() == 1 and "-DQFP4_WGMMA_PIPE=1" in cf._build_flags()
@@ -675,17 +675,18 @@ def test_bf16_gemv_switch_and_cpu_dispatch(monkeypatch):
     """QERL_BF16_GEMV: auto (default), 1 and pdl on, 0 off, anything else refused by name; PDL by mode and M (off the
     GPU never); off the GPU the BF16 format's kernels decline (F.linear, the reference, runs: ``dense``)."""
     from qerl import kernels as qk
+    from qerl.kernels import bf16_decode as bd
     from qerl.quant import get_format
     monkeypatch.delenv("QERL_BF16_GEMV", raising=False)
     assert qk.bf16_gemv_enabled()
     for v, on in (("pdl", True), ("0", False), ("1", True), ("auto", True)):
         monkeypatch.setenv("QERL_BF16_GEMV", v)
         assert qk.bf16_gemv_enabled() is on
-        assert not qk._bf16_pdl(torch.zeros(1, 64))  # a CPU tensor: no PDL in any mode
-    monkeypatch.setattr(qk, "pdl_enabled", lambda t: True)  # as on an sm_90 GPU
+        assert not bd._bf16_pdl(torch.zeros(1, 64))  # a CPU tensor: no PDL in any mode
+    monkeypatch.setattr(bd, "pdl_enabled", lambda t: True)  # as on an sm_90 GPU
     for v, want in (("pdl", (True, True)), ("1", (False, False)), ("auto", (True, False))):
         monkeypatch.setenv("QERL_BF16_GEMV", v)
-        assert (qk._bf16_pdl(torch.zeros(qk.BF16_PDL_MAX_M, 64)), qk._bf16_pdl(torch.zeros(8, 64))) == want, v
+        assert (bd._bf16_pdl(torch.zeros(bd.BF16_PDL_MAX_M, 64)), bd._bf16_pdl(torch.zeros(8, 64))) == want, v
     monkeypatch.setenv("QERL_BF16_GEMV", "yes")
     with pytest.raises(ValueError, match="QERL_BF16_GEMV='yes'; valid: auto, 0, 1, pdl"):
         qk.bf16_gemv_enabled()
@@ -701,10 +702,10 @@ def test_wgmma_lora_switch_and_rank_rule(monkeypatch):
     """LoRA in the GEMMs' epilogues: QERL_WGMMA_LORA (pdl default, 1, 0 off: the addmm; anything else refused by name),
     QERL_GEMM_LORA for the mma.sync kernel (pdl default, 1, 0), and only for ranks that are multiples of 8 (16-byte
     staging of t, whole Bn pairs)."""
-    from qerl import kernels as qk
     # both GEMMs' epilogues (under PDL by default): the other values, a bad one
-    for name, mode, default, others, bad in (("QERL_WGMMA_LORA", qk.wgmma_lora_mode, "pdl", ("0", "1"), "yes"),
-                                             ("QERL_GEMM_LORA", qk.mma_lora_mode, "pdl", ("0", "1"), "on")):
+    from qerl.kernels import switches as sw
+    for name, mode, default, others, bad in (("QERL_WGMMA_LORA", sw.wgmma_lora_mode, "pdl", ("0", "1"), "yes"),
+                                             ("QERL_GEMM_LORA", sw.mma_lora_mode, "pdl", ("0", "1"), "on")):
         monkeypatch.delenv(name, raising=False)
         assert mode() == default
         for v in others:
@@ -893,6 +894,7 @@ def test_gpu_relaid_backward_in_column_slices(fmt, tmp_path, monkeypatch):
 
     from qerl import kernels as qk
     from qerl.kernels import configs, relaid
+    from qerl.kernels import dequant as kd
     g = torch.Generator(device="cuda").manual_seed(6)
     for i, (n, k) in enumerate(SHAPES):
         if k < 192:
@@ -900,7 +902,7 @@ def test_gpu_relaid_backward_in_column_slices(fmt, tmp_path, monkeypatch):
         w = _prep(fmt, _quant(fmt, n, k, seed=600 + i, device="cuda"))
         whole = qk.dequantize_relaid(w, torch.empty((n, k), device="cuda", dtype=torch.bfloat16))
         c0, c1 = 64, k - 64 * (k // 192)
-        part = cf.dequantize(qk._relaid_cols(w, c0, c1), torch.full((n, c1 - c0), float("nan"), device="cuda",
+        part = cf.dequantize(kd._relaid_cols(w, c0, c1), torch.full((n, c1 - c0), float("nan"), device="cuda",
                                                                    dtype=torch.bfloat16))
         assert torch.equal(part, whole[:, c0:c1]), (n, k, "column slice")
         gr = torch.randn(384, n, device="cuda", generator=g).bfloat16()

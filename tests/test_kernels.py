@@ -16,6 +16,7 @@ from conftest import run_under_triton_interpreter
 
 from qerl import kernels as qk
 from qerl.kernels import configs
+from qerl.kernels import dequant as kd
 from qerl.quant import FORMATS, MXFP4Format
 
 FP4 = tuple(f for f in FORMATS if isinstance(FORMATS[f].kernels, qk.FP4Kernels))  # the Triton family
@@ -232,7 +233,7 @@ def _interpreter_main() -> None:
                 qk._relaid_dequant_mm(x, cw, sliced, chunk)
                 assert _rel(sliced, ref) < 1e-2, (fmt, n, k, chunk, "chunked relaid dequant+mm")
             if k > 64:  # the backward's column slices: the strided views read as the whole weight's columns
-                cols = qk._relaid_cols(cw, 64, k)
+                cols = kd._relaid_cols(cw, 64, k)
                 assert not cols.qweight.is_contiguous() and (cols.n, cols.k) == (n, k - 64)
                 part = qk.dequantize_relaid(cols, torch.full((n, k - 64), float("nan")), bn=bn, bk=bk)
                 assert torch.equal(part, got[:, 64:]), (fmt, n, k, "column slice")

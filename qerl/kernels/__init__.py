@@ -67,35 +67,42 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from qerl.kernels import configs, relaid
+from qerl.kernels.base import (
+    _COUNTER_SLOTS,
+    _CUDA_ENCODINGS,
+    CUDA_GEMV_MAX_M,
+    HAS_TRITON,
+    _counters,
+    _cuda_gemv_ok,
+    _device_info,
+    _fp4_id,
+    _interpret,
+    _k,
+    _stamp,
+    _triton_ok,
+    _workspace,
+    cuda_gemm_choice,
+    cuda_gemv_enabled,
+    pdl_enabled,
+    triton,
+)
+from qerl.kernels.bf16_decode import BF16Kernels, bf16_gemv_enabled
+from qerl.kernels.bnb_nf4 import BnbKernels
+from qerl.kernels.dequant import (
+    _relaid_dense,
+    _relaid_dequant_mm,
+    _relaid_reference,
+    cuda_dequant_enabled,
+    dequantize_relaid,
+    sliced_rows,
+)
+from qerl.kernels.gemm_lora import _gemm_lora, _gemm_lora_route, _lora_fits
+from qerl.kernels.permuted import permuted_twin
 from qerl.quant import BF16Format, MXFP4Format, NF4Format, NVFP4Format, get_format, register_kernels
 from qerl.quant import base as _quant
 
-try:  # Triton is optional: CPU hosts without it use the reference path.
-    import triton
-
-    from qerl.kernels import fp4_triton as _k
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the host
-    triton, _k, HAS_TRITON = None, None, False
-
 BACKENDS = ("cuda_gemv", "cuda_gemm", "triton_gemv", "triton_gemm", "dequant_cublas", "cuda_dq", "bnb", "dense",
             "torch_reference")
-# The Triton/CUDA kernels' FMT switch: how a block scale byte decodes (E4M3 with an FP32 divisor, or E8M0).
-_SCALE_KIND_ID = {"e4m3": 0, "e8m0": 1}
-_COUNTER_SLOTS = 1 << 16
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _fp4_id(fmt) -> int:
-    """The kernels' FMT constant of an FP4-family format, from the scale type the format declares."""
-    kind = getattr(fmt, "scale_kind", None)
-    if kind not in _SCALE_KIND_ID:
-        raise ValueError(f"{fmt!r} is not an FP4-family format (scale_kind {kind!r}; the FP4 kernels take "
-                         f"{sorted(_SCALE_KIND_ID)})")
-    return _SCALE_KIND_ID[kind]
 
 
 @dataclass
@@ -117,14 +124,6 @@ class PackedFP4:
 
 
 _PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_BNB_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_DEV_INFO: dict[int, tuple[str, int, int]] = {}
-
-
-def _stamp(*ts: torch.Tensor | None) -> tuple:
-    return tuple((t.data_ptr(), t._version) for t in ts if t is not None)
 
 
 def prepare(fmt, q: Mapping[str, torch.Tensor]) -> PackedFP4:
@@ -161,64 +160,7 @@ def prepare(fmt, q: Mapping[str, torch.Tensor]) -> PackedFP4:
     return pw
 
 
-def _device_info(dev: torch.device) -> tuple[str, int, int]:
-    """(name, SM count, compute capability major*10+minor) of a CUDA device, cached."""
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    info = _DEV_INFO.get(idx)
-    if info is None:
-        p = torch.cuda.get_device_properties(idx)
-        info = (p.name, p.multi_processor_count, p.major * 10 + p.minor)
-        _DEV_INFO[idx] = info
-    return info
-
-
-# programmatic dependent launch for the decode step's kernels when QERL_PDL is unset / "auto": on, measured faster on
-# the H100 in every same-run A/B (7B batch 8 NVFP4 2442 vs 2363 and 2372 vs 2276 tokens/s, batch 2 672 vs 625, 32B
-# batch 8 683 vs 663; results/speed/raw/h100_s23_pdl, h100_s23_prefetch) and bit-identical in output
-PDL_DEFAULT = True
-
-
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Launch the decode step's kernels (the fused Triton kernels and the CUDA FP4 GEMV) with programmatic dependent
-    launch: each starts while its predecessor drains and waits (``griddepcontrol.wait``) before reading anything.
-    ``QERL_PDL``: "1" on, "0" off, "auto" (default) :data:`PDL_DEFAULT`; only on CUDA devices of compute
-    capability 9.0+ (elsewhere the launch attribute does not exist) and never under the Triton interpreter."""
-    mode = os.environ.get("QERL_PDL", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"QERL_PDL={mode!r}: choose 1 (on), 0 (off) or auto")
-    if not (PDL_DEFAULT if mode == "auto" else mode == "1"):
-        return False
-    return t.is_cuda and not _interpret() and _device_info(t.device)[2] >= 90
-
-
-# ----------------------------------------------------------------------------------------- CUDA decode GEMV
-
-CUDA_GEMV_MAX_M = 16
-CUDA_GEMM_DEFAULT_MAX_M = 192  # the CUDA GEMM's range on shapes/devices without a tuned table (7B H100 crossover)
-_CUDA_ENCODINGS = {(0, 16): "nvfp4", (1, 32): "mxfp4"}  # (scale kind id, block) -> cuda_fp4's encoding
-_CUDA: dict = {}
 _CUDA_PREPARED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def cuda_gemv_enabled(dev: torch.device) -> bool:
-    """True when the hand-written CUDA FP4 GEMV (``qerl.kernels.cuda_fp4``) serves decode-size M on ``dev``:
-    a CUDA device, ``QERL_CUDA_GEMV`` not "0", and the extension built (once; a failure warns and falls back
-    to Triton)."""
-    if dev.type != "cuda" or _interpret() or os.environ.get("QERL_CUDA_GEMV", "1") == "0":
-        return False
-    ok = _CUDA.get("ok")
-    if ok is None:
-        try:
-            from qerl.kernels import cuda_fp4
-            ok = cuda_fp4.available()
-            err = cuda_fp4.build_error()
-        except Exception as e:  # pragma: no cover - depends on the host
-            ok, err = False, f"{type(e).__name__}: {e}"
-        if not ok:
-            import warnings
-            warnings.warn(f"CUDA FP4 GEMV unavailable ({err}); decode uses the Triton kernels", stacklevel=2)
-        _CUDA["ok"] = ok
-    return ok
 
 
 def _cuda_weight(fmt, q: Mapping[str, torch.Tensor]):
@@ -249,45 +191,6 @@ def prepared_bytes() -> int:
     """Bytes held by the CUDA kernels' re-laid-out copies of compressed-tensors weights (made at a weight's first
     CUDA GEMV/GEMM, kept while the weight lives): the second copy that ``quant.layout=kernel`` does without."""
     return sum(hit[1].nbytes for hit in list(_CUDA_PREPARED.values()) if hit[1] is not None)
-
-
-def _cuda_gemv_ok(x: torch.Tensor, m: int, n: int, k: int) -> bool:
-    return (m <= CUDA_GEMV_MAX_M and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 64 == 0
-            and cuda_gemv_enabled(x.device))
-
-
-def cuda_gemm_choice(fmt, n: int, k: int, m: int, dev: torch.device) -> bool:
-    """True when the CUDA FP4 GEMM (``cuda_fp4.gemm``) serves this (format, shape, M > 16) on ``dev``:
-    ``QERL_CUDA_GEMM=1`` forces it (where it can run), ``0`` turns it off; by default the device's tuned table
-    (measured crossover against the Triton / dequantize + cuBLAS paths, ``qerl/kernels/tuned/``) decides, and an
-    untuned shape or device uses it for M <= ``CUDA_GEMM_DEFAULT_MAX_M``."""
-    mode = os.environ.get("QERL_CUDA_GEMM", "auto")
-    if mode == "0" or m <= CUDA_GEMV_MAX_M or n % 16 or k % 64 or not cuda_gemv_enabled(dev):
-        return False
-    if mode == "1":
-        return True
-    from qerl.kernels import cuda_fp4
-    encoding = _CUDA_ENCODINGS.get((_fp4_id(fmt), get_format(fmt).block))
-    if encoding is None:
-        return False
-    hit = cuda_fp4.tuned_gemm_config(encoding, n, k, m, _device_info(dev)[0])
-    if hit is None:
-        return m <= CUDA_GEMM_DEFAULT_MAX_M
-    return hit[1]
-
-
-def _triton_ok(x: torch.Tensor) -> bool:
-    return HAS_TRITON and ((x.is_cuda and torch.cuda.is_available()) or _interpret())
-
-
-def _nf4_on_gpu(x: torch.Tensor) -> bool:
-    if not x.is_cuda:
-        return False
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def _fp4_backend(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None) -> str | None:
@@ -321,30 +224,6 @@ def _fp4_backend(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor] | None) -> 
     if cfg.kernel == "cublas":
         return "dequant_cublas"
     return "triton_gemv" if m <= configs.GEMV_MAX_M else "triton_gemm"
-
-
-# ----------------------------------------------------------------------------------------- buffers
-
-def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """A flat reusable buffer per (device, dtype), grown to the largest weight seen (old one released)."""
-    key = (device, dtype)
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < numel:
-        _WORKSPACE.pop(key, None)
-        buf = torch.empty(numel, device=device, dtype=dtype)
-        _WORKSPACE[key] = buf
-    return buf[:numel]
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 split-K tile counters per (device, stream); each kernel leaves them zero again."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = torch.zeros(_COUNTER_SLOTS, device=device, dtype=torch.int32)
-        _COUNTERS[key] = c
-    return c
 
 
 # ----------------------------------------------------------------------------------------- launchers
@@ -410,45 +289,6 @@ def _dequant_launch(pw: PackedFP4, out: torch.Tensor, bn: int = 32, bk: int = 25
     return out
 
 
-def cuda_dequant_enabled(dev: torch.device) -> bool:
-    """True when ``dequantize_relaid`` writes BF16 weights with the CUDA kernel (``cuda_fp4.dequantize``) on
-    ``dev``: the CUDA FP4 extension serves it (``cuda_gemv_enabled``) and ``QERL_CUDA_DEQUANT`` is not "0"."""
-    return os.environ.get("QERL_CUDA_DEQUANT", "1") != "0" and cuda_gemv_enabled(dev)
-
-
-def dequantize_relaid(w, out: torch.Tensor | None = None, bn: int = 32, bk: int = 128,
-                      backend: str = "auto") -> torch.Tensor | None:
-    """Ŵ (N, K) from the CUDA kernels' re-laid-out copy alone (``cuda_fp4.prepare``'s ``CudaFP4Weight``): the
-    same values as ``dequantize_into`` of the compressed-tensors tensors wherever ``cuda_fp4.relayout_is_exact``
-    holds (float32 products, then ``out``'s dtype). ``out``: a contiguous (N, K) float tensor (bfloat16 (N, K)
-    when None); None off the Triton path (no Triton, or CPU tensors without ``TRITON_INTERPRET=1``). So a layer
-    whose decode kernels read the re-laid-out copy can rebuild the dense weight for cuBLAS (large M, the backward)
-    without keeping the compressed-tensors copy as well. ``backend``: "auto" (the CUDA kernel ``cuda_fp4.dequantize``
-    for a bfloat16 ``out`` where ``cuda_dequant_enabled``, else Triton), "triton" (``_relaid_dequant_kernel``, any
-    float dtype; ``bn``/``bk`` its tile) or "cuda". The two give the same bits; on an H100 the Triton kernel wrote a
-    7B layer at ~0.7 TB/s (``python -m qerl.bench update``)."""
-    if backend not in ("auto", "triton", "cuda"):
-        raise ValueError(f"dequantize_relaid: backend={backend!r}; valid: 'auto', 'triton', 'cuda'")
-    if not _triton_ok(w.qweight):
-        return None
-    if out is None:
-        out = torch.empty((w.n, w.k), device=w.qweight.device, dtype=torch.bfloat16)
-    if out.shape != (w.n, w.k) or not out.is_contiguous():
-        raise ValueError(f"dequantize_relaid: out must be contiguous {(w.n, w.k)}, got {tuple(out.shape)}")
-    from qerl.kernels import cuda_fp4
-    if backend == "cuda" or (backend == "auto" and out.dtype == torch.bfloat16 and out.is_cuda
-                             and out.data_ptr() % 16 == 0 and cuda_dequant_enabled(out.device)):
-        return cuda_fp4.dequantize(w, out)
-    if not (w.qweight.is_contiguous() and w.scales.is_contiguous()):  # a column slice (_relaid_cols): the Triton
-        w = cuda_fp4.weight_from(w.fmt, w.qweight.contiguous(), w.scales.contiguous(), w.global_scale, w.bexp)
-    gs = w.global_scale if w.global_scale is not None else w.qweight  # dummy pointer when HAS_G is off
-    grid = (triton.cdiv(w.n, bn), triton.cdiv(w.k, bk))
-    _k._relaid_dequant_kernel[grid](w.qweight, w.scales, gs, out, w.n, w.k, FMT=int(w.fmt == "mxfp4"),
-                                    G=cuda_fp4._GROUP[w.fmt],
-                                    HAS_G=w.global_scale is not None, BN=bn, BK=bk, num_warps=4)
-    return out
-
-
 def kernel_config(fmt, n: int, k: int, m: int, device: torch.device) -> configs.KernelConfig:
     """The launch configuration the dispatcher uses for this layer shape and M on ``device``."""
     if device.type == "cuda":
@@ -459,21 +299,6 @@ def kernel_config(fmt, n: int, k: int, m: int, device: torch.device) -> configs.
 
 
 # ----------------------------------------------------------------------------------------- FP4 family
-
-def _relaid_reference(fmt, q: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Ŵ of a re-laid-out ``q`` off the Triton path (CPU): converted back, then the format's reference."""
-    return fmt.dequantize(relaid.to_compressed(fmt, q), dtype)
-
-
-def _relaid_dense(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None, dtype=torch.bfloat16) -> torch.Tensor:
-    """Ŵ of a re-laid-out ``q`` (into ``out``; else, on the GPU, the per-device workspace of ``dtype``)."""
-    w = relaid.weight(fmt, q)
-    if _triton_ok(w.qweight):
-        if out is None:
-            out = _workspace(w.qweight.device, dtype, w.n * w.k).view(w.n, w.k)
-        return dequantize_relaid(w, out)
-    ref = _relaid_reference(fmt, q, dtype if out is None else out.dtype)
-    return ref if out is None else out.copy_(ref)
 
 
 def _fp4_dequantize(fmt, q: Mapping[str, torch.Tensor], out: torch.Tensor | None) -> torch.Tensor | None:
@@ -570,49 +395,6 @@ def _relaid_fwd_slice(fmt, w, m: int, x2: torch.Tensor) -> int:
     return sliced_rows(cfg.chunk, m, w.n) if cfg.kernel == "cublas" else 0
 
 
-def _relaid_rows(w, r0: int, r1: int):
-    """Rows ``r0:r1`` (multiples of 16) of a re-laid-out weight, as views of its tensors."""
-    from qerl.kernels import cuda_fp4
-    return cuda_fp4.weight_from(w.fmt, w.qweight[r0 // 16:r1 // 16], w.scales[r0 // 16:r1 // 16], w.global_scale,
-                                w.bexp)
-
-
-def _relaid_cols(w, c0: int, c1: int):
-    """Columns ``c0:c1`` (multiples of 64) of a re-laid-out weight, as strided views of its tensors (its strips
-    keep the whole weight's stride; ``cuda_fp4.dequantize`` reads them where they lie)."""
-    from qerl.kernels import cuda_fp4
-    return cuda_fp4.weight_from(w.fmt, w.qweight[:, c0 // 64:c1 // 64], w.scales[:, c0 // 64:c1 // 64],
-                                w.global_scale, w.bexp)
-
-
-def _relaid_dequant_mm(a: torch.Tensor, w, out: torch.Tensor, size: int, t: bool = False) -> None:
-    """out = a @ Ŵᵀ (``t`` False: a (M, K), out (M, N)) or a @ Ŵ (``t``: the backward, a (M, N), out (M, K)) from the
-    kernels' layout by ``dequantize_relaid`` + cuBLAS, in slices of ``size`` rows of Ŵ (forward) or columns (the
-    backward), rounded down to the layout's 16-row strips / 64-column chunks; 0: the whole weight at once. Each
-    slice's product is one cuBLAS call into its columns of ``out`` (every output element one whole product), and
-    the slices share one slice-sized buffer. Where slices pay is measured per device (``configs.dequant_slice``)."""
-    unit, total, other = (64, w.k, w.n) if t else (16, w.n, w.k)
-    size -= size % unit
-    if not size or size >= total:
-        size = total
-    buf = _workspace(a.device, a.dtype, size * other)
-    for s0 in range(0, total, size):
-        c = min(size, total - s0)
-        if t:
-            part = buf[:c * other].view(other, c)
-            dequantize_relaid(_relaid_cols(w, s0, s0 + c), part)
-            torch.mm(a, part, out=out[:, s0:s0 + c])
-        else:
-            part = buf[:c * other].view(c, other)
-            dequantize_relaid(_relaid_rows(w, s0, s0 + c), part)
-            torch.mm(a, part.t(), out=out[:, s0:s0 + c])
-
-
-def _lora_fits(lora, w) -> bool:
-    """The LoRA operand (bf16 A (R, K), Bn (N, RP)) matches the CUDA kernels' weight ``w``."""
-    return lora.bn.shape[0] == w.n and lora.a.dtype == torch.bfloat16 and lora.a.shape[1] == w.k
-
-
 def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, act=None) -> torch.Tensor | None:
     """x (..., K) @ Ŵᵀ + the LoRA term (``lora`` None: none) in one CUDA GEMV launch (``cuda_fp4.gemv(lora=...)``)
     for decode-size M (``QERL_CUDA_LORA=0`` turns the LoRA path off), with ``act`` ("silu_mul": silu(gate) · up of
@@ -643,118 +425,6 @@ def _fp4_linear_lora(fmt, x: torch.Tensor, q: Mapping[str, torch.Tensor], lora, 
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-GEMM_LORA_MODES = ("0", "1", "pdl")  # QERL_GEMM_LORA
-
-
-def wgmma_lora_mode() -> str:
-    """``QERL_WGMMA_LORA``: above decode size, how the LoRA term of a linear whose product the wgmma GEMM runs is
-    added: ``pdl`` (default since session 37) by that GEMM's epilogue with x permuted first, then t = x·Aᵀ's launch
-    (``qerl.kernels.fused.lora_a``), then the GEMM under programmatic dependent launch so its main loop overlaps t's
-    launch (where that launch is lora_a's Triton kernel: up to ``QERL_LORA_A_MAX_M`` tokens) and waits for t only
-    after it (a build of its own: ``-DQFP4_WGMMA_PDL=1``); ``1`` the same epilogue without PDL (the build without the
-    waits); ``0`` an addmm after the GEMM. Measured on one H100 (7B NVFP4 rollouts, 256 + 512, the modes alternating
-    twice in one process; `results/speed/raw/h100_s37_wgpdl`), tokens/s pdl with lora_a up to 256 tokens (the
-    defaults) vs 1 with lora_a up to 64 (session 36's): 9752 / 9755 vs 9035 / 9171 at 64 sequences, 12583 / 12585 vs
-    11792 / 11876 at 128, 14945 / 14960 vs 14535 / 14568 at 256; ``1`` against ``0`` +2.4-3.8% at 64-256
-    (`results/speed/raw/h100_s32`). Same tokens and log-probs with and without PDL
-    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``). The tail launch (``pdl-tail``, sessions 39-40: a launch's
-    last partial wave of row blocks as a second launch with K split across CTAs; rollouts within the order effect,
-    `results/speed/raw/h200_s40_tail`) was removed in session 48 (the code is at b686701)."""
-    return _gemm_lora_switch("QERL_WGMMA_LORA", "pdl")
-
-
-def mma_lora_mode() -> str:
-    """``QERL_GEMM_LORA``: above decode size, how the LoRA term of a linear whose product the mma.sync GEMM runs (the
-    H100 table's pick at 17-32 tokens, and at 64 for 7B's o projection) is added: ``pdl`` (default) in that GEMM's
-    epilogue (t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` first), the GEMM launched under programmatic dependent
-    launch so its main loop runs while lora_a finishes and only the epilogue waits for t; ``1`` the same without PDL;
-    ``0`` an addmm after the GEMM. Measured on one H100 (7B NVFP4 rollouts, 256 + 512, the modes alternating twice in
-    one process; `results/speed/raw/h100_s36_pdl`): at 32 sequences pdl 6843 / 6791 tokens/s, 1 6083 / 6090, 0 with
-    x·Aᵀ by cuBLAS (session 35's path) 5590 / 5766; at 64, 9149 / 9151, 8958 / 8944, 8731 / 8844; the 32-sequence
-    graph step 4441 vs 5026 µs. Same tokens and log-probs with and without PDL
-    (``test_gpu_gemm_lora_pdl_decode_is_bit_identical``)."""
-    return _gemm_lora_switch("QERL_GEMM_LORA", "pdl")
-
-
-def _gemm_lora_switch(name: str, default: str, valid: tuple[str, ...] = GEMM_LORA_MODES) -> str:
-    v = os.environ.get(name, default)
-    if v not in valid:
-        raise ValueError(f"{name}={v!r}; valid: {', '.join(valid)}")
-    return v
-
-
-def _gemm_lora_route(fmt, m: int, w, lora, dev: torch.device) -> tuple[tuple, bool, str] | None:
-    """(config, wgmma?, mode) of the CUDA GEMM with the LoRA term in its epilogue for M tokens, where the dispatcher
-    gives this (format, shape, M) to the CUDA GEMM, the ranks fit (``cuda_fp4.wgmma_lora_ok``) and the switch of its
-    kernel is on (a wgmma configuration: :func:`wgmma_lora_mode`; an mma.sync one: :func:`mma_lora_mode`); None
-    otherwise (the caller adds the LoRA)."""
-    if not cuda_gemm_choice(fmt, w.n, w.k, m, dev):
-        return None
-    from qerl.kernels import cuda_fp4
-    if not cuda_fp4.wgmma_lora_ok(lora):
-        return None
-    config = cuda_fp4._gemm_config(w, m, dev)
-    wg = config[1] <= 0
-    mode = wgmma_lora_mode() if wg else mma_lora_mode()
-    return None if mode == "0" else (config, wg, mode)
-
-
-def _gemm_lora(fmt, x2: torch.Tensor, w, lora, xp: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x2 @ Ŵᵀ + the LoRA term by the CUDA GEMM with the term in its epilogue (:func:`_gemm_lora_route`); None where
-    that path does not run (the caller adds the LoRA). t = x·Aᵀ by ``qerl.kernels.fused.lora_a`` (cuBLAS above its M
-    bound); in mode ``pdl`` that launch triggers the GEMM (under PDL) at once. The wgmma kernel reads x in its K
-    permutation: ``xp`` when given (x's producer wrote it: :func:`permuted_twin`), else permuted here, before t's
-    launch (which must be the GEMM's immediate predecessor under PDL)."""
-    route = _gemm_lora_route(fmt, x2.shape[0], w, lora, x2.device)
-    if route is None:
-        return None
-    from qerl.kernels import cuda_fp4
-    from qerl.kernels.fused import lora_a
-    config, wg, mode = route
-    if not wg or (xp is not None and (xp.shape != x2.shape or not xp.is_contiguous())):
-        xp = None
-    # rows read in place: no copy between t's launch and the GEMM
-    pdl = mode == "pdl" and pdl_enabled(x2) and (not wg or xp is not None or cuda_fp4.rows_aligned(x2))
-    if xp is None and pdl and wg:
-        xp = cuda_fp4.permute_tokens(x2)
-    return cuda_fp4.gemm(x2, w, config=config, lora=lora, t=lora_a(x2, lora.a, trigger=pdl), pdl=pdl, xp=xp)
-
-
-def tag_permuted(x: torch.Tensor, xp: torch.Tensor) -> None:
-    """Record that ``xp`` holds x in the wgmma GEMM's K permutation (``cuda_fp4.permute_x_reference``), written by
-    the launch that writes x (``qerl.kernels.fused.add_rms_norm`` / ``silu_mul`` with ``permuted=True``): the GEMM
-    of the linear that takes x then reads xp instead of permuting x itself (:func:`permuted_twin`). The tag lives on
-    this tensor object only (a view of x carries none); an in-place change of x after tagging voids it."""
-    x._qerl_permuted = (xp, _version(x))
-
-
-def permuted_buffer(x: torch.Tensor, permuted: bool) -> torch.Tensor | None:
-    """The buffer for x's copy in the wgmma GEMM's K permutation, tagged on x (:func:`tag_permuted`; None: not
-    wanted, or K not a multiple of 64). Written by the launch that writes x, which runs right after this (the fused
-    RMSNorm / SwiGLU launches, the CUDA decode attention)."""
-    if not permuted or x.shape[-1] % 64:
-        return None
-    xp = torch.empty_like(x)
-    tag_permuted(x, xp)
-    return xp
-
-
-def permuted_twin(x: torch.Tensor) -> torch.Tensor | None:
-    """x's copy in the wgmma GEMM's K permutation recorded by :func:`tag_permuted`, or None (none recorded, or x was
-    changed in place since)."""
-    tag = getattr(x, "_qerl_permuted", None)
-    if tag is None or tag[1] != _version(x) or tag[0].shape != x.shape:
-        return None
-    return tag[0]
-
-
-def _version(x: torch.Tensor) -> int | None:
-    try:
-        return x._version
-    except RuntimeError:  # inference-mode tensors keep no version counter (and cannot change outside it)
-        return None
-
-
 def _fp4_wants_permuted(fmt, q: Mapping[str, torch.Tensor], lora, m: int, device: torch.device) -> bool:
     """Whether :func:`_fp4_linear_lora` on an (M, K) bf16 x on ``device`` runs the wgmma GEMM with the LoRA term in
     its epilogue, the kernel that reads x in its K permutation: x's producer may then write that copy too."""
@@ -765,16 +435,6 @@ def _fp4_wants_permuted(fmt, q: Mapping[str, torch.Tensor], lora, m: int, device
         return False
     route = _gemm_lora_route(fmt, m, w, lora, device)
     return route is not None and route[1]
-
-
-def sliced_rows(chunk: int, m: int, n: int) -> int:
-    """The weight-row slice of dequantize + cuBLAS for M tokens and N rows, 0 = the whole weight at once. Slicing
-    keeps each dequantized slice in L2 (saves the full BF16 weight's write + read, 2 N K bf16) but re-reads x for
-    every slice after the first ((slices - 1) M K bf16): worth it only while (slices - 1) M < 2 N. The tuned tables
-    stop at M = 2048; applied to a GRPO micro-batch (M ~ 16 K rows) their slices re-read x, up to 644 MB per call."""
-    if not chunk or chunk >= n:
-        return 0
-    return chunk if (-(-n // chunk) - 1) * m < 2 * n else 0
 
 
 def _dequant_mm(x2: torch.Tensor, fmt, q, pw: PackedFP4, out: torch.Tensor, chunk: int) -> None:
@@ -857,141 +517,7 @@ class FP4Kernels:
         return _fp4_dequantize(fmt, q, out)
 
 
-# ----------------------------------------------------------------------------------------- NF4 (bitsandbytes)
-
-def _bnb_state(q: Mapping[str, torch.Tensor], device: torch.device):
-    packed = q["weight_packed"]
-    hit = _BNB_STATES.get(packed)
-    if hit is not None and hit[0] == _stamp(packed):
-        return hit[1]
-    from qerl.quant.nf4 import to_bnb_quant_state
-    state = to_bnb_quant_state(q, device)
-    _BNB_STATES[packed] = (_stamp(packed), state)
-    return state
-
-
-def _bnb_dequant(q: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    import bitsandbytes.functional as bnbf
-    return bnbf.dequantize_4bit(q["weight_packed"], _bnb_state(q, device))
-
-
-def _bnb_matmul(x: torch.Tensor, q: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    import bitsandbytes as bnb
-    state = _bnb_state(q, x.device)
-    w = q["weight_packed"]
-    if x.dtype != state.dtype:
-        return F.linear(x, _bnb_dequant(q, x.device).to(x.dtype))
-    return bnb.matmul_4bit(x, w.t(), quant_state=state)
-
-
-class BnbKernels:
-    """NF4 through bitsandbytes' own kernels on CUDA (gemv_4bit for one token, dequantize + matmul else)."""
-
-    def backend(self, fmt, x, q=None):
-        return "bnb" if _nf4_on_gpu(x) else None
-
-    def linear(self, fmt, x, q):
-        return _bnb_matmul(x, q) if _nf4_on_gpu(x) else None
-
-    def linear_t(self, fmt, g, q):
-        return torch.matmul(g, _bnb_dequant(q, g.device).to(g.dtype)) if _nf4_on_gpu(g) else None
-
-    def dequantize(self, fmt, q, out):
-        packed = q["weight_packed"]
-        if not (packed.is_cuda and _nf4_on_gpu(packed)):
-            return None
-        w = _bnb_dequant(q, packed.device)
-        return w if out is None else out.copy_(w)
-
-
-# ----------------------------------------------------------------------------------------- BF16 (dense) decode
-
-BF16_GEMV_MODES = ("auto", "0", "1", "pdl")
-# auto: the BF16 GEMV under PDL up to this M, without above (H100, 7B, 256 + 512, same process, two pairs each, with
-# / without PDL: batch 1 170 / 165, batch 2 337 / 326, batch 4 659 / 640 tokens/s (raw/h100_s34_bf16/call3), batch 8
-# 1184 / 1252 (call2))
-BF16_PDL_MAX_M = 4
-
-
-def _bf16_gemv_mode() -> str:
-    v = os.environ.get("QERL_BF16_GEMV", "auto")
-    if v not in BF16_GEMV_MODES:
-        raise ValueError(f"QERL_BF16_GEMV={v!r}; valid: {', '.join(BF16_GEMV_MODES)}")
-    return v
-
-
-def bf16_gemv_enabled() -> bool:
-    """``QERL_BF16_GEMV`` (default ``auto``): BF16 weights at decode size (M <= 16, CUDA) run the CUDA GEMV over the
-    stored weight, base + LoRA (+ SwiGLU) in one launch as for FP4 — under programmatic dependent launch (where the
-    decode chain has it) up to :data:`BF16_PDL_MAX_M` rows, without it above; ``1``: never under PDL; ``pdl``: always
-    (a 7B layer's seven GEMVs back to back in one graph measured 180.5 µs without PDL and 229-247 µs with it on the
-    H100, ``raw/h100_s34_bf16``; in the decode step PDL paid at batches 1-4, +3%, and cost 6% at batch 8); ``0``:
-    cuBLAS (``F.linear``), the LoRA by the caller. ``QERL_CUDA_GEMV=0`` turns it off too."""
-    return _bf16_gemv_mode() != "0"
-
-
-def _bf16_pdl(x2: torch.Tensor) -> bool:
-    mode = _bf16_gemv_mode()
-    return (mode == "pdl" or (mode == "auto" and x2.shape[0] <= BF16_PDL_MAX_M)) and pdl_enabled(x2)
-
-
-def _dense_gemv_weight(x2: torch.Tensor, w: torch.Tensor):
-    """``cuda_fp4.dense_weight(w)`` when the CUDA GEMV takes x2 (M, K) @ wᵀ, else None."""
-    m, k = x2.shape
-    if (w.dim() != 2 or not w.is_cuda or w.shape[1] != k or not 1 <= m or not bf16_gemv_enabled()
-            or not _cuda_gemv_ok(x2, m, w.shape[0], k)):
-        return None
-    from qerl.kernels import cuda_fp4
-    try:  # dtype, row layout and alignment: dense_weight's checks
-        return cuda_fp4.dense_weight(w)
-    except ValueError:
-        return None
-
-
-def _bf16_linear_lora(x: torch.Tensor, w: torch.Tensor, lora=None, act=None) -> torch.Tensor | None:
-    """x (..., K) @ wᵀ (+ ``lora``'s term) (+ ``act``'s epilogue) by the CUDA GEMV in one launch at decode size;
-    None where it does not run (CPU, M > 16, a shape or layout it does not take, ``QERL_CUDA_LORA=0`` with a LoRA)."""
-    from qerl.kernels import cuda_fp4
-    if act is not None and act not in cuda_fp4.ACTS:
-        raise ValueError(f"act={act!r}: valid epilogues are None, {', '.join(map(repr, cuda_fp4.ACTS))}")
-    if not x.is_cuda or x.dtype != torch.bfloat16 or (lora is not None and os.environ.get("QERL_CUDA_LORA",
-                                                                                        "1") == "0"):
-        return None
-    x2 = x.reshape(-1, x.shape[-1])
-    dw = _dense_gemv_weight(x2, w)
-    if dw is None or (act is not None and dw.n % 32):
-        return None
-    if lora is not None and (lora.bn.shape[0] != dw.n or lora.a.dtype != torch.bfloat16 or lora.a.shape[1] != dw.k):
-        return None
-    y = cuda_fp4.gemv(x2, dw, lora=lora, pdl=_bf16_pdl(x2), act=act)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-class BF16Kernels:
-    """The BF16 baseline's decode products: the FP4 GEMV's kernel over the stored weight (``cuda_gemv``, M <= 16;
-    measured against cuBLAS in ``benchmarks.cuda_bench``); None elsewhere, so ``F.linear`` (cuBLAS) runs large M,
-    the backward and the CPU."""
-
-    def backend(self, fmt, x, q=None):
-        if not (x.is_cuda and x.dtype == torch.bfloat16 and bf16_gemv_enabled()):
-            return None
-        x2 = x.reshape(-1, x.shape[-1])
-        if q is None:
-            return "cuda_gemv" if _cuda_gemv_ok(x2, x2.shape[0], 16, 64) and x2.shape[1] % 64 == 0 else None
-        return "cuda_gemv" if _dense_gemv_weight(x2, q["weight"]) is not None else None
-
-    def linear(self, fmt, x, q):
-        return _bf16_linear_lora(x, q["weight"])
-
-    def linear_t(self, fmt, g, q):
-        return None
-
-    def linear_lora(self, fmt, x, q, lora, act=None):
-        return _bf16_linear_lora(x, q["weight"], lora, act)
-
-    def dequantize(self, fmt, q, out):
-        return None
-
+# ------------------------------------------------------------------- registration (NF4: bnb_nf4; BF16: bf16_decode)
 
 FP4 = FP4Kernels()
 BNB = BnbKernels()

@@ -90,14 +90,14 @@ def attend(q, kc, vc, bias, s: int, scale: float, slot: torch.Tensor | None, pdl
     """softmax(q·Kᵀ·scale + bias)·V over cache slots [0, s), one CTA per (row, KV head): q (M, H, d), kc/vc (M, HKV,
     S_max, d), bias (M, S_max) fp32. Returns (M, H·d) bf16. ``nst``: ring stages per warp (default :data:`NST`).
     ``permuted``: the launch also writes the output in the FP4 wgmma GEMM's K permutation, tagged on it
-    (``qerl.kernels.tag_permuted``: the o projection's GEMM reads it instead of permuting)."""
+    (``qerl.kernels.permuted.tag_permuted``: the o projection's GEMM reads it instead of permuting)."""
     nst = NST if nst is None else nst
     if nst not in NST_CHOICES:
         raise ValueError(f"nst={nst}; valid: {NST_CHOICES}")
     m, h, d = q.shape
     o = torch.empty((m, h * d), dtype=q.dtype, device=q.device)
     empty = torch.empty(0, dtype=torch.long, device=q.device)
-    from qerl.kernels import permuted_buffer
+    from qerl.kernels.permuted import permuted_buffer
     op = permuted_buffer(o, permuted)  # tagged on o before the launch that writes both
     _ext().attend(q, kc, vc, bias, empty if slot is None else slot, o, o[:0] if op is None else op, int(s),
                   float(scale), int(nst), bool(pdl))

@@ -55,7 +55,7 @@ def enabled(op: str = "bwd") -> bool:
     the kernel instead of dequantize + cuBLAS: ``bwd`` the backward's g @ Ŵ (``qerl.kernels.qmm_t``), ``fwd`` the
     forward x @ Ŵᵀ where the dispatcher would dequantize (large M; the wgmma GEMM's M range keeps that kernel),
     ``all`` both; ``0`` (the default until it is measured faster on a GPU) neither."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    from qerl.kernels.switches import _gemm_lora_switch  # one check of a value against its choices
     if op not in OPS:
         raise ValueError(f"dq op {op!r}; valid: {', '.join(OPS)}")
     v = _gemm_lora_switch("QERL_DQ_GEMM", "0", DQ_MODES)
@@ -84,7 +84,7 @@ def decode() -> str:
     the fp32 summation order); ``mma``: the wgmma GEMM's decode, e2m1 x scale exact in bf16 with the weight's
     exponent offset (one HMUL2 a pair), the offset and the NVFP4 global scale applied to the fp32 accumulators: the
     weight is not rounded to bf16 at all (as in ``cuda_fp4.gemm``)."""
-    from qerl.kernels import _gemm_lora_switch
+    from qerl.kernels.switches import _gemm_lora_switch
     return _gemm_lora_switch("QERL_DQ_DECODE", "exact", DECODES)
 
 
@@ -98,7 +98,7 @@ def loop() -> str:
     multiply (session 66: the plain loop's staging, decode and MMAs were measured adding up, not overlapping). Same
     results bit for bit; a build of its own (``-DQFP4_DQ_WS=1``). Measured slower than plain so far (session 67,
     ``results/speed/raw/h100_s67_*``)."""
-    from qerl.kernels import _gemm_lora_switch
+    from qerl.kernels.switches import _gemm_lora_switch
     return _gemm_lora_switch("QERL_DQ_LOOP", "plain", LOOPS)
 
 
@@ -110,7 +110,7 @@ def stages() -> int:
     - 2 chunks ahead of the MMAs; 3 to 6 (6: the most whose shared memory fits at 256 output columns a tile), 4 the
     default. Session 67 measured 4, 5 and 6 the same within 2% (``results/speed/raw/h100_s67_dqstages``); a build of
     its own (``-DQFP4_DQ_STAGES``)."""
-    from qerl.kernels import _gemm_lora_switch
+    from qerl.kernels.switches import _gemm_lora_switch
     return int(_gemm_lora_switch("QERL_DQ_STAGES", "4", STAGES))
 
 

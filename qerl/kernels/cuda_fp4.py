@@ -114,7 +114,7 @@ def wgmma_tma() -> str:
     `results/speed/raw/h200_s50_la3`, the code at 5d33040).
     The tensor copies need the two-chunk main loop: with ``QERL_WGMMA_PIPE=1`` the default is ``0`` and ``1`` is an
     error (the build would stop at the kernel's ``#error``; before session 52 it did, for pipe 1 with the defaults)."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    from qerl.kernels.switches import _gemm_lora_switch  # one check of a value against its choices
     pipe = wgmma_pipe()
     v = _gemm_lora_switch("QERL_WGMMA_TMA", "1" if pipe == 2 else "0", WGMMA_TMA)
     if v != "0" and pipe != 2:
@@ -139,7 +139,7 @@ def wgmma_tail() -> bool:
     at 512 (kt 2), q|k|v 17% at 1024 (kt 4); MXFP4 gate|up 3-11% at 64-512. 7B NVFP4 rollouts +1.6 / +2.8% tokens/s
     at 128 sequences and +1.2 / +1.6% at 256 (+3.1 / -0.8% at 64). ``0`` (a build of its own, decode mode
     ``fused-no-tail``): no such configs, session 49's kernel."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    from qerl.kernels.switches import _gemm_lora_switch  # one check of a value against its choices
     return _gemm_lora_switch("QERL_WGMMA_TAIL", "1", WGMMA_TAIL) == "1"
 
 
@@ -155,7 +155,7 @@ def gemm_kz() -> bool:
     slower than kz 1 at every 7B product at M = 32 and 64 (0.59-0.98x), and this build's kernels 1.4-2.3x slower
     than the default build's even at kz 1 (not explained; ``scripts/gpu_bench.sh kzab`` compares the two). Kept as
     an opt-in experiment until that is explained. ``0`` (default): the kernel without it; ``kz`` must be 1."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    from qerl.kernels.switches import _gemm_lora_switch  # one check of a value against its choices
     return _gemm_lora_switch("QERL_GEMM_KZ", "0", GEMM_KZ) == "1"
 
 
@@ -174,7 +174,7 @@ def bf16_loads() -> str:
     GEMVs +2.6% / +7.5% at M = 8 and +1.7% / +5.6% at M = 1 in the two passes (cuBLAS in the same runs: -2.5…+1.0%);
     BF16-LoRA rollouts' decode rate +3.6% at batch 8 and +2.0…2.2% at batch 2 in both passes. Not measured on an
     H100."""
-    from qerl.kernels import _gemm_lora_switch  # the switches' one check of a value against its choices
+    from qerl.kernels.switches import _gemm_lora_switch  # one check of a value against its choices
     return _gemm_lora_switch("QERL_BF16_LOADS", "sector", BF16_LOADS)
 
 
@@ -206,7 +206,7 @@ def _build_flags() -> list[str]:
 def switch_defines() -> list[str]:
     """The -D flags the kernel switches set (:func:`_build_flags` without the device's arch flags; the SASS checks
     build with them)."""
-    from qerl.kernels import wgmma_lora_mode
+    from qerl.kernels.switches import wgmma_lora_mode
     pipe, tma = wgmma_pipe(), wgmma_tma()
     return [*([f"-DQFP4_WGMMA_PIPE={pipe}"] if pipe != 2 else []),
             *(["-DQFP4_WGMMA_PDL=1"] if wgmma_lora_mode() == "pdl" else []),

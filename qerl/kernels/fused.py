@@ -45,8 +45,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from qerl.kernels import _counters, _interpret, _triton_ok, pdl_enabled, permuted_buffer, tag_permuted
+from qerl.kernels.base import _counters, _interpret, _triton_ok, pdl_enabled
 from qerl.kernels.fused_triton import HAS_TRITON, triton
+from qerl.kernels.permuted import permuted_buffer, tag_permuted
 
 if HAS_TRITON:
     from qerl.kernels.fused_triton import (
@@ -167,7 +168,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """``h += delta`` (in place) and ``RMSNorm(h)·w``. h: (M, D) contiguous; delta: (M, D) with unit column stride
     (its rows may lie further apart: a BF16 product's view, ``qerl.fastdecode.reserve_lora_rows``). Returns (h, x).
     ``permuted`` (D a multiple of 64): the launch also writes x in the wgmma GEMM's K permutation and tags x with it
-    (``qerl.kernels.tag_permuted``), so the next linear's GEMM skips its permute launch; without the Triton kernel
+    (``qerl.kernels.permuted.tag_permuted``), so the next linear's GEMM skips its permute launch; without the Triton kernel
     the copy is made by torch (the same values)."""
     if not _triton_ok(h):
         h, x = add_rms_norm_ref(h, delta, weight, eps)

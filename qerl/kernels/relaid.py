@@ -58,7 +58,7 @@ def is_relaid(q: Mapping[str, torch.Tensor]) -> bool:
 
 
 def _encoding(fmt) -> str:
-    from qerl.kernels import _CUDA_ENCODINGS, _fp4_id
+    from qerl.kernels.base import _CUDA_ENCODINGS, _fp4_id
 
     enc = _CUDA_ENCODINGS.get((_fp4_id(fmt), getattr(fmt, "block", None)))
     if enc is None:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qerl.kernels import HAS_TRITON, _triton_ok
+from qerl.kernels.base import HAS_TRITON, _triton_ok
 from qerl.kernels.fused import _unit_cols
 
 if HAS_TRITON:

@@ -126,7 +126,7 @@ def linear_lora(fmt: QuantFormat, x: torch.Tensor, q: Mapping[str, torch.Tensor]
 
 def wants_permuted(fmt: QuantFormat, q: Mapping[str, torch.Tensor], lora, m: int, device: torch.device) -> bool:
     """Whether :func:`linear_lora` on an (M, K) input on ``device`` would read it through a copy in a GEMM's own K
-    order (the FP4 wgmma GEMM's), which the input's producer can write beside it (``qerl.kernels.tag_permuted``,
+    order (the FP4 wgmma GEMM's), which the input's producer can write beside it (``qerl.kernels.permuted.tag_permuted``,
     ``qerl.kernels.fused.add_rms_norm(permuted=True)``) to save the permute launch; False for formats without it."""
     fn = getattr(fmt.kernels, "wants_permuted", None)
     return bool(fn is not None and lora is not None and fn(fmt, q, lora, m, device))
