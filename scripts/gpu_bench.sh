@@ -287,6 +287,12 @@
 #                                each (benchmarks.wave_balance --products --eager; the KZ build at kz 1 and 2):
 #                                $OUT/prof/ncu_kz<build>.txt.gz, their duration / occupancy / stall lines in the log;
 #                                ~5 min cold (KZAB_NCU=0: no Nsight Compute, ~3 min)
+#   scripts/gpu_bench.sh dqvar   issue 10, session 72: the CUDA dequantization (the large-M and backward path's rebuild
+#                                of Ŵ, 2.15 TB/s) in build variants against the library's kernel: 16-byte stores only,
+#                                whole 128-byte lines per store, the evict-first hint, 8 chunks a warp, 4 warps a CTA,
+#                                persistent warps loading their next task early (benchmarks.dequant_variants: bits
+#                                against the Triton kernel, 7B linears as CUDA graphs, DQVAR_PASSES interleaved passes)
+#                                into $OUT/dqvar; no extension build (nvcc per variant, seconds); ~1-2 min
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -689,6 +695,10 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   for p in "${pids[@]}"; do wait "$p"; done
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
+dqvar)  # issue 10, session 72: the CUDA dequantization's build variants (see the header)
+  timeout "${DQVAR_SECS:-300}" python3 -m benchmarks.dequant_variants --passes "${DQVAR_PASSES:-5}" \
+    ${DQVAR_VARIANTS:+--variants "$DQVAR_VARIANTS"} --out "$OUT/dqvar" 2>&1 | grep -v Warn >> "$LOG"
+  cat "$OUT/dqvar/dequant_variants.md" >> "$LOG" 2>/dev/null ;;
 kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the default's (see the header)
   builds_at_once - QERL_GEMM_KZ=1
   KZ_M=${KZ_M:-32}

@@ -398,3 +398,22 @@ def test_dqdecode_builds_tests_and_benches_both_decodes(tmp_path):
             assert "--write-table" not in c
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "exact: 4 passed" in log and "mma: 4 passed" in log
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_dqvar_runs_the_dequant_variants_bench_and_logs_its_table(tmp_path):
+    """``dqvar``: no extension build, one ``benchmarks.dequant_variants`` process into $OUT/dqvar (DQVAR_VARIANTS picks
+    the variants, DQVAR_PASSES the passes), its table appended to the log."""
+    stub = r"""#!/usr/bin/env bash
+echo "py|$*" >> "$STUB_LOG"
+out=""; prev=""
+for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+mkdir -p "$out" && printf '| fmt | linear |\n| nvfp4 | gate_proj |\n' > "$out/dequant_variants.md"
+"""
+    p, calls = _run(tmp_path, "dqvar", stub)
+    assert p.returncode == 0, p.stderr
+    assert calls == [f"py|-m benchmarks.dequant_variants --passes 5 --out {tmp_path / 'out' / 'dqvar'}"], calls
+    assert "| nvfp4 | gate_proj |" in (tmp_path / "out" / "log.txt").read_text()
+    p, calls = _run(tmp_path, "dqvar", stub, DQVAR_VARIANTS="vec,lines", DQVAR_PASSES="3")
+    assert p.returncode == 0, p.stderr
+    assert calls[-1] == f"py|-m benchmarks.dequant_variants --passes 3 --variants vec,lines --out {tmp_path / 'out' / 'dqvar'}"
