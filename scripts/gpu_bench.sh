@@ -114,13 +114,14 @@
 #                                7B gate|up and down at 64-256 tokens ($OUT/ablate; ~5 min). ABLATE40_V replaces the
 #                                variants: ABLATE40_V="4 16 20" (session 48's plan) times the MMAs with A from shared
 #                                memory (16) and that without the decode (20) beside no decode alone (4)
-#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA
-#                                or QERL_WGMMA_LORA), ABK_RUNS="VALUE:PASS ..." in the order run
+#   scripts/gpu_bench.sh abk     a kernel-level A/B of one build switch of the wgmma GEMM: ABK_SWITCH (QERL_WGMMA_TMA,
+#                                QERL_WGMMA_LORA or QERL_WGMMA_STSM), ABK_RUNS="VALUE:PASS ..." in the order run
 #                                (default "0:1 1:1 1:2 0:2"; the first run's value is the baseline), every build at once,
 #                                ABK_TESTS (pytest -k over tests/test_cuda_fp4.py) on each other build (or on those of
 #                                ABK_TESTED, e.g. one, where the tests set the switch themselves), then each 7B
 #                                product at its tuned config with a rank-32 LoRA term (benchmarks.wgmma_profile
-#                                --configs tuned --lora 32 --m ${ABK_M:-64,128,256}) once per run ($OUT/abk_VALUE_PASS),
+#                                --configs tuned --lora ${ABK_LORA:-32} --m ${ABK_M:-64,128,256}; ABK_LORA=0: the plain
+#                                products, as issue 10's layer table times them) once per run ($OUT/abk_VALUE_PASS),
 #                                and the gains per product and pass (benchmarks.ab_compare: $OUT/ab.md); ~3-5 min
 #   scripts/gpu_bench.sh lora42  issue 10 / 11: what the LoRA term costs the decode step, as a bound on what fusing it
 #                                could gain: 7B NVFP4 and BF16 rollouts at 16 (warm-up), 64, 128, 256 sequences (256 +
@@ -405,8 +406,8 @@ kernel_ab() {  # SWITCH PREFIX RUNS TESTED TESTS: the builds of RUNS' values ("V
       (export "$sw=$v"; gpu_tests "${prefix}_$v" 300 tests/test_cuda_fp4.py -k "$tests")
     done
   fi
-  ab_runs "$sw" "$prefix" "$runs" 60 "prof\]" python3 -m benchmarks.wgmma_profile --configs tuned --lora 32 \
-    --m "${ABK_M:-64,128,256}"
+  ab_runs "$sw" "$prefix" "$runs" 60 "prof\]" python3 -m benchmarks.wgmma_profile --configs tuned \
+    --lora "${ABK_LORA:-32}" --m "${ABK_M:-64,128,256}"
   python3 -m benchmarks.ab_compare "$OUT" --prefix "$prefix" --base "${runs%%:*}" --md "$OUT/ab.md" >> "$LOG" 2>&1
 }
 ab_runs() {  # SWITCH PREFIX RUNS SECONDS PATTERN CMD...: CMD once per run of RUNS ("VALUE:PASS ..." in the order run)
@@ -737,8 +738,8 @@ kz68)  # issue 10, session 68: the mma.sync GEMM's K split across CTAs (see the 
 abk)  # a kernel-level A/B of one wgmma build switch (see the header)
   SW=${ABK_SWITCH:-}
   case "$SW" in
-    QERL_WGMMA_TMA|QERL_WGMMA_LORA) ;;
-    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" | tee -a "$LOG" >&2
+    QERL_WGMMA_TMA|QERL_WGMMA_LORA|QERL_WGMMA_STSM) ;;
+    *) echo "abk: ABK_SWITCH='$SW'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_STSM" | tee -a "$LOG" >&2
        exit 2 ;;
   esac
   RUNS=${ABK_RUNS:-0:1 1:1 1:2 0:2}

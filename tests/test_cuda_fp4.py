@@ -438,6 +438,7 @@ def test_wgmma_pipe_switch(monkeypatch):
     QERL_WGMMA_TAIL=1 (the default) adds -DQFP4_WGMMA_TAIL=1 (the tail-split configs), 0 nothing.
     QERL_GEMM_KZ=1 adds -DQFP4_GEMM_KZ=1 (the mma.sync GEMM's K split across CTAs), 0 (the default) nothing.
     QERL_BF16_LOADS=sector (the default) adds -DQFP4_DENSE_SECTOR=1 (the BF16 GEMV's sector-wide loads), pair nothing.
+    QERL_WGMMA_STSM=1 adds -DQFP4_WGMMA_STSM=1 (the wgmma epilogue through shared memory), 0 (the default) nothing.
     The removed opt-ins' switches are refused by value, naming the choices left."""
     from qerl.kernels import switches as sw
     monkeypatch.setattr(cf, "_arch_flags", lambda: ["-gencode=arch=compute_90a,code=sm_90a"])  # no GPU here
@@ -467,6 +468,12 @@ def test_wgmma_pipe_switch(monkeypatch):
     with pytest.raises(ValueError, match="QERL_GEMM_KZ='2'; valid: 0, 1$"):
         cf._build_flags()
     monkeypatch.delenv("QERL_GEMM_KZ")
+    monkeypatch.setenv("QERL_WGMMA_STSM", "1")  # session 72's experiment: the wgmma epilogue through shared memory
+    assert cf._build_flags()[-1] == "-DQFP4_WGMMA_STSM=1"
+    monkeypatch.setenv("QERL_WGMMA_STSM", "on")
+    with pytest.raises(ValueError, match="QERL_WGMMA_STSM='on'; valid: 0, 1$"):
+        cf._build_flags()
+    monkeypatch.delenv("QERL_WGMMA_STSM")
     monkeypatch.setenv("QERL_WGMMA_TAIL", "0")  # session 49's kernel, without the tail splits
     assert cf._build_flags()[-1] == "-DQFP4_WGMMA_TMA=1"
     monkeypatch.delenv("QERL_WGMMA_TAIL")
@@ -1508,6 +1515,32 @@ def test_gpu_wgmma_tma_is_bit_identical(fmt, monkeypatch):
     cfgs = cf.wgmma_configs(w.n // 16, k // 64)
     assert any(c[1] < 0 for c in cfgs) and any(c[1] == cf.WGMMA_SK for c in cfgs), cfgs
     _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_TMA", "1", (q, w, ops, k), cfgs, seed=41)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", FP4)
+def test_gpu_wgmma_stsm_is_bit_identical(fmt, monkeypatch):
+    """QERL_WGMMA_STSM=1's build (session 72's experiment: the epilogue through shared memory, 16-byte stores) gives
+    the default build's output bit for bit at every wgmma config, with and without LoRA (``_check_build_bit_identical``),
+    and into an out whose rows are 16-byte aligned with a wider row stride (the staged stores), start 2 bytes off or
+    have a row stride that is no multiple of 8 (both: the plain stores), the columns around it untouched."""
+    if not cf.wgmma_supported():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    q, w, ops, k = _gemm_lora_case(fmt)
+    cfgs = cf.wgmma_configs(w.n // 16, k // 64)
+    _check_build_bit_identical(fmt, monkeypatch, "QERL_WGMMA_STSM", "1", (q, w, ops, k), cfgs, seed=72)
+    x = torch.randn(130, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(73)).bfloat16()
+    for off, extra in ((8, 16), (1, 8), (0, 4)):
+        for op in (None, ops[0]):
+            monkeypatch.setenv("QERL_WGMMA_STSM", "0")
+            ref = cf.gemm(x, w, config=(16, 0, 2, 2), lora=op)
+            monkeypatch.setenv("QERL_WGMMA_STSM", "1")
+            wide = torch.full((130, w.n + extra), float("nan"), device="cuda", dtype=torch.bfloat16)
+            out = wide[:, off:off + w.n]
+            cf.gemm(x, w, out=out, config=(16, 0, 2, 2), lora=op)
+            assert torch.equal(out, ref), (off, extra, op is None)
+            assert wide[:, :off].isnan().all() and wide[:, off + w.n:].isnan().all(), (off, extra)
 
 
 @pytest.mark.gpu

@@ -67,6 +67,20 @@ def test_abk_builds_tests_and_times_each_build_in_order(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
+def test_abk_takes_the_stsm_switch_and_times_the_plain_products_with_abk_lora_0(tmp_path):
+    """QERL_WGMMA_STSM (session 72's epilogue experiment) is an A/B abk runs; ABK_LORA=0 times the products without a
+    LoRA term (as issue 10's layer table does), the default a rank-32 term."""
+    stub = STUB.replace('echo "${QERL_WGMMA_TMA:-unset}|$*"', 'echo "${QERL_WGMMA_STSM:-unset}|$*"')
+    p, calls = _run(tmp_path, stub_text=stub, ABK_SWITCH="QERL_WGMMA_STSM", ABK_LORA="0", ABK_TESTS="wgmma")
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0", "1"]
+    assert [c.split("|")[0] for c in calls if "|-m pytest" in c] == ["1"]
+    prof = [c for c in calls if "benchmarks.wgmma_profile" in c]
+    assert [c.split("|")[0] for c in prof] == ["0", "1", "1", "0"]
+    assert all("--configs tuned --lora 0 --m 64,128,256" in c for c in prof), prof
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_abk_tests_only_the_builds_abk_tested_names(tmp_path):
     """ABK_TESTED (for tests that set the switch themselves) runs the tests on the named build only; every value is
     still built once and timed in RUNS' order."""
@@ -108,7 +122,7 @@ def test_tail_builds_tests_and_times_the_tail_splits_twice(tmp_path):
 def test_abk_refuses_an_unknown_switch_before_building(tmp_path):
     p, calls = _run(tmp_path, ABK_SWITCH="QERL_WGMMA_PIPE")  # build() pins the pipe: not an A/B this mode can run
     assert p.returncode == 2
-    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA" in p.stderr
+    assert "ABK_SWITCH='QERL_WGMMA_PIPE'; valid: QERL_WGMMA_TMA, QERL_WGMMA_LORA, QERL_WGMMA_STSM" in p.stderr
     assert not [c for c in calls if "|-c " in c or "wgmma_profile" in c]
 
 

@@ -34,6 +34,7 @@ _FIRST_OLD = "        wgmma_wait<0>();\n        keep_regs(a);\n#pragma unroll\n"
 _FIRST_NEW = "        wgmma_wait<1>();\n#pragma unroll\n"
 _ABLATE_ALL = ("QFP4_WGMMA_ABLATE=31", "QFP4_WGMMA_NO_SK=1")
 _TMA_TAIL = (("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1", "QFP4_WGMMA_TAIL=1"), ("QFP4_WGMMA_PDL=1", "QFP4_WGMMA_TMA=1"))
+_STSM = (*_TMA_TAIL[0], "QFP4_WGMMA_STSM=1")  # the default build's switches and session 72's epilogue experiment
 _LORA_ABLATE = tuple(f"QFP4_LORA_ABLATE={v}" for v in (1, 2, 4, 8))
 
 
@@ -251,6 +252,7 @@ def sass_builds() -> dict[str, list]:
     out = {"test_real_kernel_both_pipes_clean_and_the_first_version_caught": _both_pipes_builds(),
            "test_ablation_build_leaves_the_parts_out_of_the_main_loop": [(2, None, _ABLATE_ALL)],
            "test_tma_build_stages_the_grid_variants_by_tensor_copies": [(2, None, d) for d in _TMA_TAIL],
+           "test_stsm_build_stores_the_epilogue_through_shared_memory": [(2, None, _STSM)],
            "test_bf16_sector_loads_build_changes_only_the_dense_gemv": [(2, gemv, ()),
                                                                         (2, gemv, ("QFP4_DENSE_SECTOR=1",))],
            "test_gemm_kz_build_adds_the_split_of_k_across_ctas": [(2, _gemm_src(), ()),
@@ -344,6 +346,28 @@ def test_tma_build_stages_the_grid_variants_by_tensor_copies():
             waves = _sm90_ctas_by_lora(msgs)
             assert len(waves) == 2 * len(cf.WGMMA_VARIANTS) and max(p for p, _ in waves.values()) > 1, waves
             assert all(p == lo >= 1 for p, lo in waves.values()), {k: v for k, v in waves.items() if v[0] != v[1]}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAVE, reason="needs nvcc and cuobjdump (sm_90a code is built, not run)")
+def test_stsm_build_stores_the_epilogue_through_shared_memory():
+    """QERL_WGMMA_STSM=1's build (with the default's switches): the loop check stays clean, and every wgmma kernel
+    writes its tile by stmatrix.trans (STSM.16.MT88.4) each followed by one 16-byte global store (STG.E.128), the
+    2-byte stores (STG.E.U16) kept for an out whose row stride or start is not 16-byte aligned; the CTAs an SM hold
+    stay those of the default build (compared on the CPU in session 72: all equal but one stream-K variant, 2 -> 3)."""
+    sass, msgs = wsc.compile_sass(2, None, _STSM)
+    r = wsc.check(sass, msgs)
+    assert r["kernels"] == 4 * (len(cf.WGMMA_VARIANTS) + len(cf.WGMMA_SK_VARIANTS)), r["kernels"]
+    assert r["hazards"] == [] and not r["serialized"], r
+    n = 0
+    for name, body in wsc.functions(sass).items():
+        if "fp4_wgmma_kernel" not in name:
+            continue
+        ops = [wsc.opcode(ins) for _, ins in body]
+        stsm, st16, st2 = (sum(o.startswith(p) for o in ops) for p in ("STSM.16.MT88.4", "STG.E.128", "STG.E.U16"))
+        assert stsm > 0 and st16 == stsm and st2 > 0, (name, stsm, st16, st2)
+        n += 1
+    assert n == r["kernels"]
 
 
 def _wgmma_args(name: str) -> tuple[int, ...]:

@@ -178,9 +178,25 @@ def bf16_loads() -> str:
     return _gemm_lora_switch("QERL_BF16_LOADS", "sector", BF16_LOADS)
 
 
+WGMMA_STSM = ("0", "1")
+
+
+def wgmma_stsm() -> bool:
+    """``QERL_WGMMA_STSM``: ``1`` (session 72's experiment, ``-DQFP4_WGMMA_STSM=1``, a build of its own; not yet run
+    on a GPU) makes the wgmma GEMM's epilogue write its output tile through shared memory (one ``stmatrix.trans`` per
+    16 tokens a warp, then one 16-byte store a lane: whole 32-byte sectors) instead of one 2-byte store per element
+    (16 bytes of each of 4 tokens an instruction: half sectors, 8 instructions per 512 bytes), with a group barrier
+    before and after it. Why it might pay: a CTA's fixed cost outside its main loop was ~2 µs (session 49) and the
+    epilogue's stores are part of it, paid once a tile at 128-512 tokens (issue 10's missed targets). The same
+    values bit for bit. ``0`` (default): the kernel without it. Measure with ``scripts/gpu_bench.sh abk``
+    (``ABK_SWITCH=QERL_WGMMA_STSM``)."""
+    from qerl.kernels.switches import _gemm_lora_switch  # one check of a value against its choices
+    return _gemm_lora_switch("QERL_WGMMA_STSM", "0", WGMMA_STSM) == "1"
+
+
 # the environment switches _build_flags reads (each value a build of its own)
 BUILD_SWITCHES = ("QERL_WGMMA_PIPE", "QERL_WGMMA_LORA", "QERL_WGMMA_TMA", "QERL_WGMMA_TAIL", "QERL_GEMM_KZ",
-                  "QERL_BF16_LOADS")
+                  "QERL_BF16_LOADS", "QERL_WGMMA_STSM")
 
 
 def _build_flags() -> list[str]:
@@ -213,6 +229,7 @@ def switch_defines() -> list[str]:
             *(["-DQFP4_WGMMA_TMA=1"] if tma != "0" else []),
             *(["-DQFP4_WGMMA_TAIL=1"] if wgmma_tail() else []),
             *(["-DQFP4_GEMM_KZ=1"] if gemm_kz() else []),
+            *(["-DQFP4_WGMMA_STSM=1"] if wgmma_stsm() else []),
             *(["-DQFP4_DENSE_SECTOR=1"] if bf16_loads() == "sector" else [])]
 
 

@@ -107,6 +107,19 @@
 #if QFP4_WGMMA_TMA
 #include <cuda.h>  // CUtensorMap and the encoder's types (the driver itself is reached through the runtime)
 #endif
+// QFP4_WGMMA_STSM (the build's -D, set by QERL_WGMMA_STSM=1; an experiment, 0 by default: the kernels without it):
+// the epilogue writes the output tile through shared memory instead of one 2-byte store per element. A thread's
+// accumulators hold weight rows g and g + 8 of two tokens each, so the plain epilogue's store instructions write 16
+// bytes of each of 4 tokens (half of every 32-byte sector; 8 instructions per 512 bytes written). Here, per 16 tokens
+// a warp rounds its 16 rows x 16 tokens to bf16 pairs, stores them transposed by one stmatrix.x4.trans into a
+// 512-byte buffer of its own ([token][16 rows], in the group's second stage), reads them back 16 bytes a lane and
+// writes them as one 16-byte store a lane: token lane / 2, rows 8 (lane % 2) ..: whole sectors, one instruction per
+// 512 bytes. The same values (each element rounded once as before). The group synchronizes before (every warp done
+// with the stages: the main loop's, the split-K reduction's, the LoRA tile's) and after (stream-K's next tile stages
+// into them). Where out's row stride or start is not 16-byte aligned the plain stores run.
+#ifndef QFP4_WGMMA_STSM
+#define QFP4_WGMMA_STSM 0
+#endif
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define QFP4_WGMMA 1
@@ -157,6 +170,31 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NTOK / 2], const uint32_t
     }
   }
   wgmma_commit();
+}
+#endif
+
+#if QFP4_WGMMA_STSM
+// QFP4_WGMMA_STSM's epilogue: four 8x8 bf16 matrices (lane (g, t) holds row g, columns 2 t, 2 t + 1 of each)
+// stored transposed (column c of matrix i at the address lane 8 i + c gives), then 16 bytes of shared memory back,
+// then 16 bytes to global memory in one instruction.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_global16(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (the low half) = lo, each rounded once
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 #endif
 
@@ -449,6 +487,31 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
       for (int i = 0; i < NA; ++i) fence_reg(acc[i]);
     }
+#if QFP4_WGMMA_STSM
+    group_sync(bar, GT);  // every warp of the group done with the stages (see QFP4_WGMMA_STSM)
+    const bool staged = (ldo & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0;
+    if (staged && strip < S) {
+      const float mu = LORA ? 1.f : FMT == 0 ? out_mult / __ldg(gs) : out_mult;
+      const uint32_t buf = gbase_s + SB + (gtid >> 5) * 512;  // this warp's buffer in the group's second stage
+      const int mi = lane >> 3, mr = lane & 7;  // the matrix and row whose address this lane gives
+      __nv_bfloat16* dst = out + strip * 16 + 8 * (lane & 1);
+#pragma unroll
+      for (int j2 = 0; j2 < NTOK / 16; ++j2) {
+        // matrices: rows 0-7 / 8-15 (v < 2 / v >= 2) of tokens 16 j2 + 0..7 (j = 2 j2), then of + 8..15 (j = 2 j2 + 1)
+        const float* a = acc + 8 * j2;
+        stmatrix_x4_trans(buf + ((mi >> 1) * 8 + mr) * 32 + (mi & 1) * 16, bf16_pair(a[0] * mu, a[1] * mu),
+                          bf16_pair(a[2] * mu, a[3] * mu), bf16_pair(a[4] * mu, a[5] * mu),
+                          bf16_pair(a[6] * mu, a[7] * mu));
+        __syncwarp();
+        const uint4 v = ld_shared16(buf + lane * 16);  // token 16 j2 + lane / 2, rows 8 (lane % 2) .. + 7
+        const int tok = tok0 + 16 * j2 + (lane >> 1);
+        if (tok < M) st_global16(dst + (size_t)tok * ldo, v);
+        __syncwarp();  // the buffer read before the next tokens overwrite it
+      }
+    }
+    group_sync(bar, GT);  // the buffers read before the group stages again (stream-K's next tile)
+    if (staged) return;
+#endif
     if (strip >= S) return;
     float mult = out_mult;
     if (FMT == 0) mult = out_mult / __ldg(gs);
