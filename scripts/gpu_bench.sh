@@ -294,6 +294,11 @@
 #                                persistent warps loading their next task early (benchmarks.dequant_variants: bits
 #                                against the Triton kernel, 7B linears as CUDA graphs, DQVAR_PASSES interleaved passes)
 #                                into $OUT/dqvar; no extension build (nvcc per variant, seconds); ~1-2 min
+#   scripts/gpu_bench.sh next72  issue 10 after session 72, one call (~8-9 min cold): the default, QERL_WGMMA_STSM=1
+#                                and QERL_GEMM_KZ=1 builds at once while `dqvar` runs, the STSM GPU tests
+#                                ($OUT/tests_stsm.txt), the tuned wgmma products at M ${ABK_M:-64,128,256,512} without
+#                                LoRA (ABK_LORA) in STSM 0 1 1 0 order ($OUT/abk_*, $OUT/ab.md), then `kzab`'s timed
+#                                passes (no Nsight Compute); all of it in $OUT/next72.tgz
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -351,6 +356,20 @@ kz_products() {  # SECONDS LABEL DIR KZS: benchmarks.wave_balance --products at 
     | grep "kz\]\|Error" | sed "s/^/$2/" >> "$LOG"
   kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
   gpu_state_range "$OUT/$3/gpu_state.csv" "$2" >> "$LOG"
+}
+kzab_passes() {  # session 69's question: the default build's products at M ${KZ_M:-32} and kz 1 against the KZ build's
+  # (kz 1, 2, 4), alternating processes (default KZ default KZ: $OUT/kzab/kz<build>_<pass>), clocks sampled meanwhile
+  KZ_M=${KZ_M:-32}
+  local run b p
+  for run in 0:1 1:1 0:2 1:2; do
+    b=${run%%:*} p=${run##*:}
+    QERL_GEMM_KZ=$b kz_products 90 "KZ=$b pass $p: " "kzab/kz${b}_$p" "$([ "$b" = 1 ] && echo 1,2,4 || echo 1)"
+  done
+}
+dqvar_run() {  # benchmarks.dequant_variants (DQVAR_VARIANTS, DQVAR_PASSES) into $OUT/dqvar, its table in the log
+  timeout "${DQVAR_SECS:-300}" python3 -m benchmarks.dequant_variants --passes "${DQVAR_PASSES:-5}" \
+    ${DQVAR_VARIANTS:+--variants "$DQVAR_VARIANTS"} --out "$OUT/dqvar" 2>&1 | grep -v Warn >> "$LOG"
+  cat "$OUT/dqvar/dequant_variants.md" >> "$LOG" 2>/dev/null
 }
 gpu_state_range() {  # CSV LABEL: one line, the SM and memory clocks' (MHz), temperature's and power's min-max over the
   # samples of `nvidia-smi --query-gpu=clocks.sm,clocks.mem,clocks_throttle_reasons.active,temperature.gpu,power.draw`
@@ -697,16 +716,21 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
   timeout 200 python3 -m benchmarks.wgmma_ablate --variants "0,${V// /,}" --m 64,128,256 --out "$OUT/ablate" 2>&1 \
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 dqvar)  # issue 10, session 72: the CUDA dequantization's build variants (see the header)
-  timeout "${DQVAR_SECS:-300}" python3 -m benchmarks.dequant_variants --passes "${DQVAR_PASSES:-5}" \
-    ${DQVAR_VARIANTS:+--variants "$DQVAR_VARIANTS"} --out "$OUT/dqvar" 2>&1 | grep -v Warn >> "$LOG"
-  cat "$OUT/dqvar/dequant_variants.md" >> "$LOG" 2>/dev/null ;;
+  dqvar_run ;;
+next72)  # issue 10 after session 72: its two experiments and session 69's open question in one call (see the header)
+  builds_at_once - QERL_WGMMA_STSM=1 QERL_GEMM_KZ=1 &  # the three extension builds while the variants (nvcc alone) run
+  bpid=$!
+  dqvar_run
+  wait "$bpid"
+  (export QERL_WGMMA_STSM=1; gpu_tests stsm 240 tests/test_cuda_fp4.py -k stsm)
+  ab_runs QERL_WGMMA_STSM abk "0:1 1:1 1:2 0:2" 60 "prof\]" python3 -m benchmarks.wgmma_profile --configs tuned \
+    --lora "${ABK_LORA:-0}" --m "${ABK_M:-64,128,256,512}"
+  python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base 0 --md "$OUT/ab.md" >> "$LOG" 2>&1
+  kzab_passes
+  tar czf "$OUT/next72.tgz" -C "$OUT" $(cd "$OUT" && ls -d dqvar kzab abk_* ab.md tests_stsm.txt log.txt 2>/dev/null) ;;
 kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the default's (see the header)
   builds_at_once - QERL_GEMM_KZ=1
-  KZ_M=${KZ_M:-32}
-  for run in 0:1 1:1 0:2 1:2; do
-    b=${run%%:*} p=${run##*:}
-    QERL_GEMM_KZ=$b kz_products 90 "KZ=$b pass $p: " "kzab/kz${b}_$p" "$([ "$b" = 1 ] && echo 1,2,4 || echo 1)"
-  done
+  kzab_passes
   if [ "${KZAB_NCU:-1}" = 1 ]; then  # KZAB_NCU=0: the timed passes only (a short call)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     mkdir -p "$OUT/prof"
