@@ -363,7 +363,7 @@ def test_scaling_benchmark_runs_one_and_two_ranks_with_the_same_global_batch(tmp
     recorded as skipped; the speed report turns the rows into an efficiency against the one-rank row."""
     import pandas as pd
 
-    from experiments.speed import scaling_rows, scaling_table
+    from experiments.speed_tables import scaling_rows, scaling_table
 
     res = subprocess.run([sys.executable, "-m", "qerl.bench", "scaling", "--models", "tiny", "--formats", "nvfp4",
                           "--nproc", "1,2,3", "--batch", "8", "--group", "4", "--micro", "4", "--new", "16",

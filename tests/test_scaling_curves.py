@@ -91,7 +91,8 @@ def test_shifted_set_differs_and_is_written(tmp_path):
     assert set(table.loc[table["scale"] == "toy", "overall"]) == {"matches within seed noise"}
 
     # speed.md shows the rows (experiments.speed renders from the CSVs under results/speed)
-    from experiments.speed import curves_table, render
+    from experiments.speed import render
+    from experiments.speed_tables import curves_table
 
     assert "| toy | nvfp4-lora | 0.0005 | 2 | 0 1 2 | 40 | reward AUC |" in curves_table(out / "speed")
     assert "Reward curves on 1 vs N GPUs" in render(out / "speed")

@@ -10,7 +10,7 @@ import os
 import pandas as pd
 import pytest
 
-from experiments import speed, speed_targets
+from experiments import speed, speed_tables, speed_targets
 
 
 def _rollout(rows, run, sha="abc1234"):
@@ -73,7 +73,7 @@ def test_rollout_table_ratios_and_cross_run_mark(tmp_path):
                              _row("Qwen2.5-32B-Instruct", "QeRL", "NVFP4", 8, 300.0, "unfused")], "a"),
                    _rollout([_row("Qwen2.5-32B-Instruct", "LoRA", "BF16", 8, 260.0)], "b")])
     d.to_csv(tmp_path / "rollout.csv", index=False)
-    md = speed.rollout_table(tmp_path, decode="fused")
+    md = speed_tables.rollout_table(tmp_path, decode="fused")
     line = next(x for x in md.splitlines() if "| QeRL |" in x)
     cells = [c.strip() for c in line.split("|")]
     assert cells[7] == "520" and cells[8] == "2.00†" and cells[9] == "4.00"  # ×LoRA from run b: marked
@@ -94,14 +94,14 @@ def test_kernel_layout_rows_pair_within_a_session(tmp_path):
                    _rollout([dict(_row(m, "QeRL", "NVFP4", 64, 7000.0), layout="compressed", peak_mem_gb=24.0)],
                             "s27/c3")])
     d.to_csv(tmp_path / "rollout.csv", index=False)
-    main = speed.rollout_table(tmp_path, decode="fused")
+    main = speed_tables.rollout_table(tmp_path, decode="fused")
     kl = next(x for x in main.splitlines() if "fused (kernel layout)" in x and "| 8 |" in x)
     assert [c.strip() for c in kl.split("|")][8] == "2.20"  # against the BF16-LoRA row of its own group
-    lay = speed.layout_table(tmp_path)
+    lay = speed_tables.layout_table(tmp_path)
     rows = [x for x in lay.splitlines() if x.startswith("| rollout")]
     assert len(rows) == 1 and "2000.0 tok/s" in rows[0] and "2200.0 tok/s" in rows[0]
     assert "| 1.100 |" in rows[0] and "14.9 → 8.7" in rows[0]
-    assert "no kernel-layout rows" in speed.layout_table(tmp_path / "missing")
+    assert "no kernel-layout rows" in speed_tables.layout_table(tmp_path / "missing")
     # a later run of the same configuration replaces the s27 kernel row at the top level: the pair is taken from
     # the session's raw folder (raw/s27/ab), not lost and not paired with the later row
     (tmp_path / "raw" / "s27" / "ab").mkdir(parents=True)
@@ -109,9 +109,9 @@ def test_kernel_layout_rows_pair_within_a_session(tmp_path):
     later = d.copy()
     later.loc[(later["run"] == "s27/ab") & (later["layout"] == "kernel"), ["run", "tokens_per_s"]] = ["s29", 2500.0]
     later.to_csv(tmp_path / "rollout.csv", index=False)
-    rows = [x for x in speed.layout_table(tmp_path, sessions=("s27",)).splitlines() if x.startswith("| rollout")]
+    rows = [x for x in speed_tables.layout_table(tmp_path, sessions=("s27",)).splitlines() if x.startswith("| rollout")]
     assert len(rows) == 1 and "| 1.100 |" in rows[0] and "2500" not in rows[0]
-    assert not [x for x in speed.layout_table(tmp_path, sessions=()).splitlines() if x.startswith("| rollout")]
+    assert not [x for x in speed_tables.layout_table(tmp_path, sessions=()).splitlines() if x.startswith("| rollout")]
 
 
 def test_rank_table_beside_paper_table9(tmp_path):
@@ -121,7 +121,7 @@ def test_rank_table_beside_paper_table9(tmp_path):
     later = _rollout([_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 2, 420.0, rank=16)], "s")  # a newer build's row
     d = pd.concat([d[~((d.lora_rank == 16) & (d.weights == "NVFP4"))], later])
     d.to_csv(tmp_path / "rollout.csv", index=False)
-    md = speed.rank_table(tmp_path)
+    md = speed_tables.rank_table(tmp_path)
     row = next(x for x in md.splitlines() if "| NVFP4 | 64 |" in x)
     cells = [c.strip() for c in row.split("|")]
     assert cells[5] == "540" and cells[6] == "2.00" and cells[7] == "137.7"  # paper Table 9, 7B NVFP4 r64
@@ -188,7 +188,7 @@ def test_bench_rollout_keeps_every_pass_of_an_ab(tmp_path):
     assert "pass" not in top and sorted(top["decode"]) == ["fused", "unfused"]
     assert sorted(top["tokens_per_s"]) == sorted(r["tokens_per_s"] for r in rows[2:])  # the last pass
     assert len(pd.read_csv(root / "raw" / "cpu_ab" / "rollout.csv")) == 4
-    md = speed.rollout_table(root / "raw" / "cpu_ab", decode=None, rank=8)
+    md = speed_tables.rollout_table(root / "raw" / "cpu_ab", decode=None, rank=8)
     assert md.count(", pass 2 |") == 2 and md.count("| fused") == 2, md
 
 
@@ -202,11 +202,11 @@ def test_batch_rollout_table_gemm_on_and_off(tmp_path):
            ("7B", "NVFP4", 128, 1400.0), ("7B", "BF16", 256, 3000.0)]
     pd.DataFrame(on, columns=cols).to_csv(raw / "rollout_gemm_auto.csv", index=False)
     pd.DataFrame(off, columns=cols).to_csv(raw / "rollout_gemm_0.csv", index=False)
-    rows = speed.batch_rollout_table(tmp_path, "run").splitlines()
+    rows = speed_tables.batch_rollout_table(tmp_path, "run").splitlines()
     assert rows[2] == "| 7B | 64 | 1000 | 1500 | 1.50 | 800 | 0.80 |"
     assert rows[3] == "| 7B | 128 | 2000 | 1800 | 0.90 | 1400 | 0.70 |"
     assert len(rows) == 4  # batch 256 has no NVFP4 rows: left out
-    assert speed.batch_rollout_table(tmp_path, "missing").startswith("_not measured_")
+    assert speed_tables.batch_rollout_table(tmp_path, "missing").startswith("_not measured_")
 
 
 def test_bench_step_groups_and_micro_batches_on_cpu(tmp_path):
@@ -230,7 +230,7 @@ def test_bench_step_groups_and_micro_batches_on_cpu(tmp_path):
     bench._write_csv([dict(r, run="r1") for r in rows], out / "step.csv")
     old = dict(rows[0], group_size="", micro_batch="", batch_size=8, run="r0")  # a row from before the columns
     bench._write_csv([old], out / "step.csv")
-    lines = [ln for ln in speed.step_table(out).splitlines() if ln.startswith("| tiny")]
+    lines = [ln for ln in speed_tables.step_table(out).splitlines() if ln.startswith("| tiny")]
     assert len(lines) == 3, lines
     assert any("| 8 (2 × 4) | 4 | 8 | on | QeRL | ok |" in ln for ln in lines)
     assert any("| 8 (1 × 8) | 8 | 8 | on | QeRL | ok |" in ln for ln in lines)  # the old row: one group
@@ -238,7 +238,7 @@ def test_bench_step_groups_and_micro_batches_on_cpu(tmp_path):
     ratio = float(nv.split("|")[13])
     assert ratio == pytest.approx(rows[1]["step_s"] / rows[0]["step_s"], abs=0.006)  # LoRA's s/step over QeRL's
     bench._write_csv([dict(rows[0], weights="MXFP4", method="MXFP4-LoRA", run="r2")], out / "step.csv")
-    mx = next(ln for ln in speed.step_table(out).splitlines() if "MXFP4-LoRA" in ln)
+    mx = next(ln for ln in speed_tables.step_table(out).splitlines() if "MXFP4-LoRA" in ln)
     assert mx.split("|")[13].strip().endswith("†") and not nv.split("|")[13].strip().endswith("†")  # other run
 
 
@@ -252,7 +252,7 @@ def test_batch_rollout_table_one_process_per_format(tmp_path):
             ("7B", "NVFP4", 128, 1900.0)]
     pd.DataFrame(rows, columns=["model", "weights", "batch_size", "tokens_per_s"]).to_csv(raw / "rollout.csv",
                                                                                           index=False)
-    lines = speed.batch_rollout_table(tmp_path, "s").splitlines()
+    lines = speed_tables.batch_rollout_table(tmp_path, "s").splitlines()
     assert lines[2:] == ["| 7B | 64 | 1000 | 1250 | 1.25 | 1500 | 1.50 |", "| 7B | 128 | 2000 | 1900 | 0.95 | — | — |"]
 
 
@@ -277,11 +277,11 @@ def test_scaling_rows_keep_each_machine_and_compare_within_a_session(tmp_path):
     speed.merge_run(src, root, "h100x4", sha="cafe123")
     d = pd.read_csv(root / "scaling.csv")
     assert len(d) == 5 and set(d["run"]) == {"h200x2", "h100x4"}
-    eff = {(r["run"], int(r["world_size"])): r["efficiency"] for r in speed.scaling_rows(d)}
+    eff = {(r["run"], int(r["world_size"])): r["efficiency"] for r in speed_tables.scaling_rows(d)}
     assert eff[("h200x2", 2)] == pytest.approx(0.8)  # 4800 / 2 / 3000
     assert eff[("h100x4", 2)] == pytest.approx(0.9)  # 7200 / 2 / 4000, not against the H200's 3000
     assert eff[("h100x4", 4)] == pytest.approx(0.75)
-    assert not any(r.get("cross_run") for r in speed.scaling_rows(d))
+    assert not any(r.get("cross_run") for r in speed_tables.scaling_rows(d))
     # the same machine measured again replaces its rows
     speed.merge_run(src, root, "h100x4b", sha="cafe124")
     assert sorted(pd.read_csv(root / "scaling.csv")["run"]) == ["h100x4b"] * 3 + ["h200x2"] * 2
@@ -297,7 +297,7 @@ def test_bench_memory_reports_what_decode_adds_on_cpu(tmp_path):
     assert list(d["weights"]) == ["NVFP4", "BF16"] and (d["model_size_gb"] > 0).all()
     assert (d["decode_copy_gb"] == 0).all() and (d["resident_after_decode_gb"] == d["quantized_linears_gb"]).all()
     assert list(d["layout"]) == ["compressed", "compressed"]  # auto on the CPU
-    md = speed.memory_table(tmp_path)
+    md = speed_tables.memory_table(tmp_path)
     assert "+ decode kernels' copy (GB)" in md and "| 0.00 |" in md
 
 
@@ -311,7 +311,7 @@ def test_rollout_ratios_compare_rows_of_one_gpu_model(tmp_path):
                    _rollout([dict(_row("Qwen2.5-7B-Instruct", "QeRL", "NVFP4", 8, 2900.0), device="NVIDIA H200")],
                             "h200_a")])
     d.to_csv(tmp_path / "rollout.csv", index=False)
-    table = speed.rollout_table(tmp_path)
+    table = speed_tables.rollout_table(tmp_path)
     cells = {line.split(" | ")[6]: line.split(" | ")[7] for line in table.splitlines() if "| QeRL |" in line}
     assert cells == {"2000": "2.00", "2500": "2.50†", "2900": "—"}, table
     body = [line for line in table.splitlines()[2:] if line.startswith("| Qwen")]
@@ -325,12 +325,12 @@ def test_rollout_ratios_compare_rows_of_one_gpu_model(tmp_path):
     # other lengths on the paper's GPU: withheld too
     d.loc[d["run"] == "h100_b", "new_tokens"] = 512
     d.to_csv(tmp_path / "rollout.csv", index=False)
-    line = next(x for x in speed.rollout_table(tmp_path).splitlines() if x.startswith("| Qwen") and "| 2500 |" in x)
+    line = next(x for x in speed_tables.rollout_table(tmp_path).splitlines() if x.startswith("| Qwen") and "| 2500 |" in x)
     assert line.split(" | ")[9:11] == ["—‡", "—‡"] and line.endswith("| 256 + 512 |")
     # a table with nothing withheld has no footnote
     d = d[d["run"] == "h100_a"]
     d.to_csv(tmp_path / "rollout.csv", index=False)
-    assert "‡" not in speed.rollout_table(tmp_path)
+    assert "‡" not in speed_tables.rollout_table(tmp_path)
 
 
 def test_bench_update_runs_on_cpu_and_renders(tmp_path):
@@ -358,7 +358,7 @@ def test_bench_update_runs_on_cpu_and_renders(tmp_path):
         assert speed.merge_run(out, root, run) == [str(root / "update.csv")]
     d = pd.read_csv(root / "update.csv")
     assert set(d["run"]) == {"r1", "r2"} and len(d) == 2 * len(rows)
-    table = speed.update_table(root)
+    table = speed_tables.update_table(root)
     n = [r for r in cats if r["weights"] == "NVFP4"][0]["update_ms"]
     b = [r for r in cats if r["weights"] == "BF16"][0]["update_ms"]
     assert table.count(f"| {n / b:.3f}× |") == 2  # one per run, each against its own BF16 row
@@ -372,15 +372,15 @@ def test_dequant_and_step_ab_tables(tmp_path):
     pd.DataFrame([dict(base, backend="triton", us=287.0, tb_s=0.61, bits_equal=True),
                   dict(base, backend="cuda", us=129.0, tb_s=1.35, bits_equal=True)]).to_csv(root / "dequant.csv",
                                                                                               index=False)
-    t = speed.dequant_table(root)
+    t = speed_tables.dequant_table(root)
     assert "| 287.0 (0.61) | 129.0 (1.35) | 2.22× | yes |" in t
     step = dict(bench="step", step_s=31.0, rollout_s=11.4, logprob_s=5.1, update_s=14.5, peak_mem_gb=23.5)
     pd.DataFrame([dict(step, weights="NVFP4")]).to_csv(root / "raw" / "new" / "step.csv", index=False)
     pd.DataFrame([dict(step, weights="NVFP4", step_s=34.1, update_s=16.7)]).to_csv(root / "raw" / "old" / "step.csv",
                                                                                    index=False)
-    t = speed.step_ab_table(root, "new", "old", "fused")
+    t = speed_tables.step_ab_table(root, "new", "old", "fused")
     assert "31.00 / 34.10 (-9.1%)" in t and "14.50 / 16.70 (-13.2%)" in t and "11.40 / 11.40 (+0.0%)" in t
-    assert speed.step_ab_table(root, "new", "missing", "x") == "_not measured_\n"
+    assert speed_tables.step_ab_table(root, "new", "missing", "x") == "_not measured_\n"
 
 
 def _layers(path, rows):
@@ -396,10 +396,10 @@ def test_slices_ab_table_per_pass_gain_and_ratio(tmp_path):
     raw = tmp_path / "raw" / "ab"
     for on, p, us in (("1", "1", 90.0), ("0", "1", 100.0), ("0", "2", 99.0), ("1", "2", 95.0)):
         _layers(raw / f"layers_s{on}_{p}", [("bf16", "bwd", 2048, 80.0), ("nvfp4-kernel", "bwd", 2048, us)])
-    lines = speed.slices_ab_table(tmp_path, "ab").splitlines()
+    lines = speed_tables.slices_ab_table(tmp_path, "ab").splitlines()
     assert lines[2:] == ["| nvfp4 | bwd | 2048 | 90 / 95 | 100 / 99 | +11.1% / +4.2% | 0.89× / 0.84× | "
                          "0.80× / 0.81× |"]
-    assert speed.slices_ab_table(tmp_path, "none").startswith("_no slice A/B")
+    assert speed_tables.slices_ab_table(tmp_path, "none").startswith("_no slice A/B")
 
 
 def test_targets_table_judges_each_target_by_its_h100_run(tmp_path):
@@ -516,7 +516,7 @@ def test_batch_rollout_table_takes_the_default_mode_and_the_last_pass(tmp_path):
             ("7B", "NVFP4", 64, "fused-s36", 2, 9999.0), ("7B", "BF16", 64, "fused-s36", None, 1.0)]
     pd.DataFrame(rows, columns=["model", "weights", "batch_size", "decode", "pass", "tokens_per_s"]).to_csv(
         raw / "rollout.csv", index=False)
-    lines = speed.batch_rollout_table(tmp_path, "p").splitlines()
+    lines = speed_tables.batch_rollout_table(tmp_path, "p").splitlines()
     assert lines[2:] == ["| 7B | 64 | 1100 | 1650 | 1.50 | — | — |"]
 
 
@@ -533,7 +533,7 @@ def test_step_table_ratio_against_the_same_run_and_never_another_gpu(tmp_path):
             ("step", "7B", "MXFP4-LoRA", "MXFP4", 128, 8, 16, True, 1024, 10.0, 1, 1, 1, 9, "ok", "B200", "d", "b1")]
     pd.DataFrame(rows, columns=cols).to_csv(tmp_path / "step.csv", index=False)
     ratio = {(ln.split("|")[6].strip(), ln.split("|")[15].split("(")[0].strip()): ln.split("|")[13].strip()
-             for ln in speed.step_table(tmp_path).splitlines() if ln.startswith("| 7B")}
+             for ln in speed_tables.step_table(tmp_path).splitlines() if ln.startswith("| 7B")}
     assert ratio == {("LoRA", "h1"): "1.00", ("QeRL", "h1"): "1.20", ("LoRA", "h2"): "1.00", ("QeRL", "h2"): "1.25",
                      ("QLoRA", "h3"): "0.75†", ("MXFP4-LoRA", "b1"): "—"}
 
@@ -541,14 +541,14 @@ def test_step_table_ratio_against_the_same_run_and_never_another_gpu(tmp_path):
 def test_devices_line_counts_the_rows_of_each_gpu(tmp_path):
     """The report's device line names every GPU behind its rows, the most frequent first; nothing when no row names
     one (the caller then falls back to the raw runs' env.json)."""
-    assert speed._devices(tmp_path) == ""
+    assert speed_tables._devices(tmp_path) == ""
     pd.DataFrame({"device": ["H100", "H200", "H100"], "tokens_per_s": [1, 2, 3]}).to_csv(tmp_path / "rollout.csv",
                                                                                          index=False)
     pd.DataFrame({"device": ["H200", "H200", "H200"], "step_s": [1, 2, 3]}).to_csv(tmp_path / "step.csv", index=False)
-    assert speed._devices(tmp_path) == "H200 (4 rows), H100 (2 rows); a ratio never pairs rows of two GPU models"
+    assert speed_tables._devices(tmp_path) == "H200 (4 rows), H100 (2 rows); a ratio never pairs rows of two GPU models"
     (tmp_path / "step.csv").unlink()
     pd.DataFrame({"device": ["H100"], "tokens_per_s": [1]}).to_csv(tmp_path / "rollout.csv", index=False)
-    assert speed._devices(tmp_path) == "H100 (1 row)"
+    assert speed_tables._devices(tmp_path) == "H100 (1 row)"
 
 
 def test_bench_rank_zero_is_the_base_alone():
@@ -623,11 +623,11 @@ def test_bench_reuse_rows_per_step_and_pass_on_cpu(tmp_path):
     raw = tmp_path / "root" / "raw" / "cpu_reuse"
     raw.mkdir(parents=True)
     d.to_csv(raw / "reuse.csv", index=False)
-    md = speed.reuse_table(tmp_path / "root", "cpu_reuse", "absent")
+    md = speed_tables.reuse_table(tmp_path / "root", "cpu_reuse", "absent")
     lines = [ln for ln in md.splitlines() if ln.startswith("| 1 ") or ln.startswith("| 2 ")]
     assert "3 prompts x G 2" in md and len(lines) == 2 and "every new length" in lines[0]
     assert lines[0].split("|")[5].strip() == str(changes) and lines[1].endswith(f"| {' '.join(str(int(x)) for x in lens[0])} |")
     assert f"{passes.loc[0, 'wall_s'] / passes.loc[1, 'wall_s']:.3f}x" in lines[0]  # pass 2 is the only later default
-    assert speed.reuse_table(tmp_path / "root", "absent") == "_not measured_\n"
+    assert speed_tables.reuse_table(tmp_path / "root", "absent") == "_not measured_\n"
     with pytest.raises(ValueError, match=r"reuse pass '2'.*\['0', '1'\]"):
         bench.bench_reuse(["tiny"], ["nvfp4"], 1, 1, 1, 1, "cpu", passes=("2",))
