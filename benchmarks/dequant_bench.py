@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qerl.bench import _env, _write_csv
+from qerl.bench_common import _env, _write_csv
 from qerl.kernels import cuda_fp4, dequantize_relaid
 from qerl.model import PRESETS
 from qerl.quant import FORMATS

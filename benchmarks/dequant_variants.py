@@ -194,7 +194,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("dequant_variants needs a CUDA GPU")
     from benchmarks.dequant_bench import linears
-    from qerl.bench import _env, _write_csv
+    from qerl.bench_common import _env, _write_csv
     from qerl.kernels import cuda_build
     from qerl.kernels.fp4_layout import weight_from
     out_dir = Path(a.out)

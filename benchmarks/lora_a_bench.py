@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qerl.bench import _env, _write_csv
+from qerl.bench_common import _env, _write_csv
 from qerl.kernels.base import _COUNTER_SLOTS, _counters, _interpret
 from qerl.kernels.fused import lora_a_config
 from qerl.kernels.fused import lora_a_splits as splits  # (K splits, K per split); cap: most splits

@@ -49,8 +49,8 @@ from experiments.speed_targets import (
     target_rows,
     targets_table,
 )
-from qerl.bench import IDENT as BENCH_IDENT
-from qerl.bench import SCALING_IDENT, UPDATE_IDENT
+from qerl.bench_common import IDENT as BENCH_IDENT
+from qerl.bench_common import SCALING_IDENT, UPDATE_IDENT
 
 STAGES = {
     "core": [["memory", "--models", "7b", "--formats", "bf16,nf4,mxfp4,nvfp4"],

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.speed_targets import _last_pass, _layer_us, _read
-from qerl.bench import _FP4_LABELS
-from qerl.bench import IDENT as BENCH_IDENT
+from qerl.bench_common import _FP4_LABELS
+from qerl.bench_common import IDENT as BENCH_IDENT
 
 PAPER_DIR = Path(__file__).resolve().parents[1] / "paper_figures" / "paper"
 SIZES = {"Qwen2.5-7B-Instruct": {"BF16": 15.2, "NF4": 5.7, "NVFP4": 5.9},

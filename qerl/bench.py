@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import gc
-import io
 import json
 import os
 import time
@@ -37,97 +34,29 @@ from pathlib import Path
 
 import torch
 
-from qerl.lora import LoraSpec, lora_inference_cache, resident_weight_bytes
-from qerl.model import load_policy, resolve_layout
+from qerl import bench_common
+from qerl.bench_common import (
+    PAPER_NAME,
+    REUSE_IDENT,
+    SCALING_IDENT,
+    UPDATE_IDENT,
+    _env,
+    _free,
+    _kernel_times,
+    _layout_for,
+    _layout_tag,
+    _method,
+    _policy,
+    _write_csv,
+    method_name,
+)
+from qerl.bench_scaling import bench_scaling
+from qerl.bench_update import bench_update
+from qerl.lora import lora_inference_cache, resident_weight_bytes
 from qerl.quant import FORMATS, get_format
-from qerl.quant.base import KERNEL_LAYOUT_FORMATS, LAYOUTS
-from qerl.results import atomic_write_text, environment
+from qerl.quant.base import LAYOUTS
+from qerl.results import environment
 from qerl.rollout import Sampler
-
-#: The paper's method names of its three formats; any other format is "<label>-LoRA" (MXFP4-LoRA, INT4-LoRA).
-PAPER_METHOD = {"bf16": "LoRA", "nf4": "QLoRA", "nvfp4": "QeRL"}
-
-
-def method_name(fmt: str) -> str:
-    """The method a format's rows are reported under (the paper's name where it has one)."""
-    return PAPER_METHOD.get(fmt) or f"{get_format(fmt).label}-LoRA"
-PAPER_NAME = {"3b": "Qwen2.5-3B-Instruct", "7b": "Qwen2.5-7B-Instruct", "14b": "Qwen2.5-14B-Instruct",
-              "32b": "Qwen2.5-32B-Instruct", "0.5b": "Qwen2.5-0.5B-Instruct", "1.5b": "Qwen2.5-1.5B-Instruct"}
-
-
-def _env() -> dict:
-    e = environment()
-    hw = e["hardware"]
-    return {"device": hw.get("gpu", hw.get("cpu")), "torch": e["packages"].get("torch"),
-            "triton": e["packages"].get("triton"), "git_sha": (e["git_sha"] or "")[:10]}
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-#: The columns that identify a row of a benchmark CSV (a new row replaces an old one with the same values).
-IDENT = ("bench", "model", "weights", "batch_size", "group_size", "micro_batch", "lora_rank", "gc", "prompt_len",
-         "new_tokens", "decode", "layout", "pass")
-SCALING_IDENT = ("bench", "model", "weights", "world_size", "global_batch", "group_size", "micro_batch", "gc",
-                 "new_tokens", "layout")
-REUSE_IDENT = ("bench", "model", "weights", "batch_size", "group_size", "new_tokens", "steps", "layout", "reuse",
-               "pass", "kind", "step")
-UPDATE_IDENT = ("bench", "model", "weights", "micro_batch", "gc", "prompt_len", "new_tokens", "layout", "device",
-                "fused_train", "cuda_dequant", "category", "kernel")
-#: how NVFP4/MXFP4 bases are held in this process's runs (``--layout``; ``qerl.kernels.relaid``) and on which
-#: device (``--device``): rows and training runs record the resolved layout (``auto`` is kernel where the CUDA FP4
-#: kernels run); other formats have one layout, "compressed"
-LAYOUT, DEVICE = "auto", "cpu"
-_FP4_LABELS = ("NVFP4", "MXFP4")
-
-
-def _layout_for(fmt: str) -> str:
-    return resolve_layout(LAYOUT, fmt, DEVICE) if fmt in KERNEL_LAYOUT_FORMATS else "compressed"
-
-
-def _write_csv(rows: list[dict], path: Path, ident: tuple[str, ...] = IDENT) -> None:
-    if not rows:
-        return
-    for r in rows:  # rows record the layout their base was held in (rows written before it existed: compressed)
-        r.setdefault("layout", _layout_for(r["weights"].lower()) if r.get("weights") in _FP4_LABELS else "compressed")
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    old = []
-    if path.exists():  # append-merge: rows with the same key columns are replaced
-        with open(path) as f:
-            old = list(csv.DictReader(f))
-        keys = list(dict.fromkeys(list(old[0].keys()) + keys)) if old else keys
-    for r in old:
-        r["layout"] = r.get("layout") or "compressed"
-    new_ids = {tuple(str(r.get(k, "")) for k in ident) for r in rows}
-    merged = [r for r in old if tuple(str(r.get(k, "")) for k in ident) not in new_ids] + rows
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(merged)
-    atomic_write_text(path, buf.getvalue())
-    print(f"wrote {path} ({len(rows)} new rows)", flush=True)
-
-
-def _source(model: str) -> str:
-    return "preset:tiny" if model == "tiny" else f"preset:qwen2.5-{model}"
-
-
-def _policy(model: str, fmt: str, rank: int, device: str):
-    """The bench's policy: a LoRA of ``rank`` (alpha = rank) on every target; rank 0: no adapters at all (the frozen
-    base alone, ``load_policy(lora=None)``), which bounds what the LoRA term costs a decode step."""
-    if rank < 0:
-        raise ValueError(f"LoRA rank {rank}: expected >= 1, or 0 for no adapters")
-    lora = LoraSpec(rank=rank, alpha=rank) if rank > 0 else None
-    return load_policy(_source(model), fmt, lora, device=device, layout=_layout_for(fmt))
-
-
-def _method(fmt: str, rank: int) -> str:
-    """A row's method: :func:`method_name`, or "<format> base" for rank 0 (no adapters: not a LoRA method)."""
-    return method_name(fmt) if rank > 0 else f"{get_format(fmt).label} base"
 
 
 def bench_memory(models, formats, device, sink=None) -> list[dict]:
@@ -378,129 +307,6 @@ def bench_step(models, formats, batches, gcs, steps, prompt_len, new_tokens, dev
     return rows
 
 
-def _layout_tag(fmt: str) -> str:
-    return "-kl" if _layout_for(fmt) == "kernel" else ""
-
-
-def scaling_overrides(model: str, fmt: str, world: int, batch: int, group: int, micro: int, use_gc: bool,
-                      steps: int, prompt_len: int, new_tokens: int, device: str, out_root: Path) -> list[str]:
-    """The ``qerl.train`` overrides of one scaling run: GRPO on the shape preset, ``batch`` completions per step in
-    groups of ``group`` (whole groups per rank), ``micro`` completions per forward/backward, no evaluation."""
-    gc_ = "gc" if use_gc else "nogc"
-    return ["model=tiny" if model == "tiny" else f"model=preset-{model}", f"quant={fmt}", "lora=r32", "algo=grpo",
-            "algo.ppo_epochs=1", "algo.minibatches=1", "algo.mask_truncated=false", f"algo.group_size={group}",
-            f"train.batch_size={batch}", f"train.micro_batch={micro}", f"train.steps={steps}", "train.save_every=0",
-            "train.progress=false", f"train.gradient_checkpointing={str(use_gc).lower()}", "data=toy",
-            f"data.max_new_tokens={new_tokens}", f"data.max_prompt_tokens={prompt_len}", "eval.sets=[]", "aqn=off",
-            "scale=smoke", f"device={device}", "dist.timeout_s=900", f"out_dir={out_root}", "experiment=scaling",
-            f"quant.layout={_layout_for(fmt)}", f"run_name={model}-{fmt}-b{batch}-g{group}-w{world}-{gc_}{_layout_tag(fmt)}"]
-
-
-def scaling_command(world: int, overrides: list[str]) -> list[str]:
-    """``python -m qerl.train`` for one process, ``torchrun --standalone --nproc_per_node W`` for several."""
-    import sys
-
-    train = ["-m", "qerl.train", *overrides]
-    if world == 1:
-        return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *train]
-
-
-def scaling_measures(metrics: list[dict]) -> dict:
-    """The measured columns of a scaling row from a run's metrics lines. The first step (CUDA-graph capture,
-    autotuning) is left out when there are more; times are the slowest rank's, memory the largest rank's (qerl.train
-    logs them so)."""
-    keep = metrics[1:] if len(metrics) > 1 else metrics
-
-    def mean(k):
-        vals = [r[k] for r in keep if r.get(k) is not None]
-        return sum(vals) / len(vals) if vals else None
-    step_s, tokens = mean("time_step_s"), mean("rollout_tokens")
-    return dict(steps=len(metrics), timed_steps=len(keep), step_s=step_s, rollout_s=mean("time_rollout_s"),
-                reward_s=mean("time_reward_s"), logprob_s=mean("time_logprob_s"), update_s=mean("time_update_s"),
-                comm_s=mean("time_comm_s"), rollout_tokens=tokens,
-                tokens_per_s=(tokens / step_s) if tokens and step_s else None,
-                rollout_tokens_per_s=mean("rollout_tokens_per_s"),
-                peak_mem_gb=max((r.get("peak_mem_gib", 0) for r in metrics), default=None))
-
-
-def bench_scaling(models, formats, nprocs, batch: int, group: int, micro: int, use_gc: bool, steps: int,
-                  prompt_len: int, new_tokens: int, device: str, out_root: Path, sink=None) -> list[dict]:
-    """Data-parallel GRPO steps on 1, 2, 4 ... ranks with the same global batch (issue 13): each configuration is
-    a ``qerl.train`` job (``torchrun`` for several ranks) whose metrics give time per step split into rollout /
-    reward / log-probs / update, the gradient all-reduce inside the update (``comm_s``), generated tokens per
-    second of step, and peak memory per GPU. A world size that needs more GPUs than are visible, or that does not
-    divide the step's groups, is recorded with its reason and skipped."""
-    import os
-    import subprocess
-
-    from qerl.results import read_jsonl
-
-    rows = []
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    env = dict(os.environ)
-    # NVLink multicast stays off (a program that uses it can take a shared host's GPUs down)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    for m in models:
-        for f in formats:
-            for w in nprocs:
-                over = scaling_overrides(m, f, w, batch, group, micro, use_gc, steps, prompt_len, new_tokens, device,
-                                         out_root)
-                run_dir = out_root / "scaling" / over[-1].split("=", 1)[1]
-                base = dict(bench="scaling", model=PAPER_NAME.get(m, m), method=method_name(f),
-                            weights=get_format(f).label, world_size=w, global_batch=batch, group_size=group,
-                            per_gpu_batch=batch // w, micro_batch=micro, gc=use_gc,
-                            prompt_len="toy task (~60 tokens)", new_tokens=new_tokens, host_gpus=visible)
-                why = None
-                if device.startswith("cuda") and w > visible:
-                    why = f"skipped: needs {w} GPUs, {visible} visible"
-                elif (batch // group) % w or batch % group:
-                    why = f"skipped: {batch // group} groups of {group} do not split over {w} ranks"
-                if why:
-                    rows.append(dict(base, status=why, **_env()))
-                else:
-                    if run_dir.exists():  # a fresh measurement, never a resumed one
-                        import shutil
-
-                        shutil.rmtree(run_dir)
-                    run_dir.parent.mkdir(parents=True, exist_ok=True)
-                    log = run_dir.parent / f"{run_dir.name}.log"
-                    t0 = time.perf_counter()
-                    with open(log, "w") as fh:
-                        rc = subprocess.run(scaling_command(w, over), env=env, stdout=fh, stderr=subprocess.STDOUT
-                                            ).returncode
-                    wall = time.perf_counter() - t0
-                    text = log.read_text(errors="replace")
-                    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-                    if rc == 0 and metrics:
-                        status = "ok"
-                    elif "OutOfMemoryError" in text or "out of memory" in text:
-                        status = "OOM"
-                    else:
-                        last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [""]
-                        status = f"failed (exit {rc}): {last[0][:160]}"
-                    rows.append(dict(base, **(scaling_measures(metrics) if metrics else {}), status=status,
-                                     wall_s=wall, **_env()))
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()
-                       if k in ("model", "weights", "world_size", "step_s", "rollout_s", "logprob_s", "update_s",
-                                "comm_s", "tokens_per_s", "peak_mem_gb", "status")}, flush=True)
-                if sink:
-                    sink(rows[-1])
-    return rows
-
-
-def _kernel_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
-    """{kernel name: (µs, launches)} of a torch.profiler run: device time of the kernels only on CUDA (launch calls
-    and copies left out), CPU time of the ops elsewhere."""
-    out = {}
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
-        if us > 0 and e.count > 0 and not e.key.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset")):
-            out[e.key] = (us, e.count)
-    return out
-
-
 def bench_reuse(models, formats, steps: int, prompts_per_step: int, group: int, new_tokens: int, device: str,
                 passes=("0", "1", "1", "0"), sink=None, max_prompt_tokens: int = 256) -> list[dict]:
     """Prompt lengths as a GRPO run meets them: ``steps`` rollouts of ``prompts_per_step`` GSM8K train prompts (Table 1's
@@ -630,111 +436,6 @@ def bench_profile(models, formats, batches, prompt_len, device, decodes=("fused"
     return rows
 
 
-#: Kernel-name fragments -> the phase table's categories (first match wins; lower-case names).
-UPDATE_CATEGORIES = (("dequant", "dequantize"), ("_rms", "norm"), ("_silu", "activation"), ("_rope", "rope"), ("fp4", "fp4_gemm"), ("flash", "attention"), ("fmha", "attention"),
-                     ("attn", "attention"), ("nvjet", "cublas_gemm"), ("gemm", "cublas_gemm"),
-                     ("xmma", "cublas_gemm"), ("cutlass", "cublas_gemm"), ("softmax", "logprob"),
-                     ("reduce", "reduce"), ("elementwise", "elementwise"), ("copy", "copy_cast"))
-
-
-def kernel_category(name: str) -> str:
-    """The category of a CUDA kernel name in ``bench_update``'s table (``UPDATE_CATEGORIES``; else "other")."""
-    low = name.lower()
-    return next((c for frag, c in UPDATE_CATEGORIES if frag in low), "other")
-
-
-def _update_passes(policy, ro, ac):
-    """The log-prob pass (no grad) and one forward + backward of all of ``ro``'s rows, as closures."""
-    from qerl.train import completion_logprobs
-
-    rows = slice(0, ro.prompt_ids.shape[0])
-
-    def logprob_pass():
-        with torch.no_grad(), ac:
-            completion_logprobs(policy, ro, rows, 1.0, False)
-
-    def update_pass():
-        with ac:
-            lp, _ = completion_logprobs(policy, ro, rows, 1.0, False)
-        lp.float().mean().backward()
-        policy.zero_grad(set_to_none=True)
-
-    return logprob_pass, update_pass
-
-
-def bench_update(models, formats, micro: int, prompt_len: int, new_tokens: int, use_gc: bool, device: str,
-                 repeats: int = 2, sink=None) -> list[dict]:
-    """Where the GRPO update's GPU time goes: one micro-batch of ``micro`` completions (``prompt_len`` prompt +
-    ``new_tokens`` completion tokens, random ids) through ``qerl.train.completion_logprobs`` — the log-prob pass
-    (no grad) and the update's forward + backward (GC as ``use_gc``), each timed over ``repeats`` runs after a warm
-    one, then one forward + backward under torch.profiler with its CUDA kernels grouped by ``kernel_category``.
-    One row per (model, format, category) plus the ten longest kernels (``kernel`` set)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from qerl.devices import autocast_for
-    from qerl.kernels.train_fused import fused_train_enabled
-    from qerl.rollout import Rollout
-
-    cuda = torch.device(device).type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    rows = []
-    for m in models:
-        for f in formats:
-            _free()
-            policy, _tok = _policy(m, f, 32, device)
-            if use_gc:
-                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            policy.train()
-            g = torch.Generator().manual_seed(0)
-            vocab = policy.config.vocab_size
-            pi = torch.randint(100, vocab, (micro, prompt_len), generator=g).to(device)
-            ci = torch.randint(100, vocab, (micro, new_tokens), generator=g).to(device)
-            ones = lambda t: torch.ones_like(t, dtype=torch.bool)  # noqa: E731
-            z = torch.zeros(micro, new_tokens, device=device)
-            ro = Rollout(pi, ones(pi), ci, ones(ci), z, z, torch.zeros(micro, dtype=torch.bool, device=device),
-                         [""] * micro, micro)
-            logprob_pass, update_pass = _update_passes(policy, ro, autocast_for(policy, torch.device(device)))
-            times = {}
-            for name, fn in (("logprob", logprob_pass), ("update", update_pass)):
-                fn()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(repeats):
-                    fn()
-                sync()
-                times[name] = (time.perf_counter() - t0) / repeats
-            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                update_pass()
-                sync()
-            per = _kernel_times(prof, cuda)
-            total = sum(v[0] for v in per.values())
-            cats: dict[str, list[float]] = {}
-            for k, (us, n) in per.items():
-                c = cats.setdefault(kernel_category(k), [0.0, 0])
-                c[0] += us
-                c[1] += n
-            base = dict(bench="update", model=PAPER_NAME.get(m, m), weights=get_format(f).label, micro_batch=micro,
-                        fused_train=fused_train_enabled(), cuda_dequant=os.environ.get("QERL_CUDA_DEQUANT", "1") != "0",
-                        prompt_len=prompt_len, new_tokens=new_tokens, gc=use_gc, tokens=micro * (prompt_len + new_tokens),
-                        logprob_ms=times["logprob"] * 1e3, update_ms=times["update"] * 1e3, kernels_ms=total / 1e3,
-                        **_env())
-            print(f"{m} {f} micro {micro} x ({prompt_len} + {new_tokens}) gc={use_gc}: log-prob pass "
-                  f"{times['logprob'] * 1e3:.1f} ms, forward + backward {times['update'] * 1e3:.1f} ms "
-                  f"(profiled kernels {total / 1e3:.1f} ms)", flush=True)
-            out = []
-            for c, (us, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
-                out.append(dict(base, category=c, kernel="", kernel_ms=us / 1e3, calls=n))
-                print(f"   {c:12s} {us / 1e3:9.2f} ms {n:6d} launches")
-            for k, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:10]:
-                out.append(dict(base, category=kernel_category(k), kernel=k[:120], kernel_ms=us / 1e3, calls=n))
-                print(f"      {us / 1e3:9.2f} ms {n:6d}x  {k[:100]}")
-            rows += out
-            if sink:
-                sink(out)
-            del policy
-    return rows
-
-
 def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
     out, skip = [], False
     for x in args:
@@ -780,8 +481,7 @@ def main(argv=None) -> None:
                    help="one process per (model, format): a 32B BF16 policy after a 32B NVFP4 one in the same process "
                         "OOMed at load on 80 GB (memory the first left cached); auto = yes on CUDA")
     a, rest = p.parse_known_args(argv)
-    global LAYOUT, DEVICE
-    LAYOUT, DEVICE = a.layout, a.device
+    bench_common.LAYOUT, bench_common.DEVICE = a.layout, a.device  # read by _layout_for
     if a.what == "layers":
         from benchmarks import kernel_bench as kb
 

@@ -128,7 +128,7 @@ def _rows_main() -> None:
     import tempfile
     from pathlib import Path
 
-    from qerl.bench import _write_csv
+    from qerl.bench_common import _write_csv
 
     m, r, k = TINY
     grid = lb.candidates(m, r, k, quick=True)

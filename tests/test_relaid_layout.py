@@ -108,7 +108,7 @@ def test_auto_layout_is_kernel_only_where_the_cuda_kernels_run(monkeypatch):
     """``auto`` (the default of ``load_policy``, ``quant.layout`` and ``qerl.bench --layout``) holds an FP4 base in the
     kernels' layout only on a GPU that runs the CUDA FP4 kernels: the CPU, other formats and a GPU with the kernels
     switched off keep the compressed-tensors tensors; an explicit layout is kept as asked."""
-    from qerl import bench
+    from qerl import bench, bench_common
     from qerl.model import resolve_layout
 
     assert load_config([]).quant.layout == "auto" and load_config(["quant=nvfp4"]).quant.layout == "auto"
@@ -122,10 +122,10 @@ def test_auto_layout_is_kernel_only_where_the_cuda_kernels_run(monkeypatch):
     assert resolve_layout("auto", "nvfp4", "cuda") == "compressed"
     with pytest.raises(ValueError, match="valid layouts are \\['auto', 'compressed', 'kernel'\\]"):
         resolve_layout("fragments", "nvfp4", "cpu")
-    monkeypatch.setattr(bench, "LAYOUT", "auto")
-    monkeypatch.setattr(bench, "DEVICE", "cpu")  # bench rows record the resolved layout, never "auto"
+    monkeypatch.setattr(bench_common, "LAYOUT", "auto")
+    monkeypatch.setattr(bench_common, "DEVICE", "cpu")  # bench rows record the resolved layout, never "auto"
     assert bench._layout_for("nvfp4") == "compressed"
-    monkeypatch.setattr(bench, "LAYOUT", "kernel")
+    monkeypatch.setattr(bench_common, "LAYOUT", "kernel")
     assert bench._layout_for("mxfp4") == "kernel" and bench._layout_for("nf4") == "compressed"
 
 

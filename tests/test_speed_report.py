@@ -337,7 +337,7 @@ def test_bench_update_runs_on_cpu_and_renders(tmp_path):
     """``qerl.bench update`` end to end on the tiny preset (CPU): a summary row per kernel category whose times add up
     to the profiled total, the variant columns; merged twice (two runs) both runs stay in update.csv; the table
     gives NVFP4 against BF16 of the same run and variant only."""
-    from qerl import bench
+    from qerl import bench, bench_update
 
     out = tmp_path / "out"
     rows = bench.bench_update(["tiny"], ["nvfp4", "bf16"], 2, 8, 16, True, "cpu", repeats=1,
@@ -348,10 +348,10 @@ def test_bench_update_runs_on_cpu_and_renders(tmp_path):
         assert sub and sub[0]["update_ms"] > 0 and sub[0]["logprob_ms"] > 0 and sub[0]["fused_train"] is True
         assert abs(sum(r["kernel_ms"] for r in sub) - sub[0]["kernels_ms"]) < 1e-6 * sub[0]["kernels_ms"] + 1e-9
         assert len({r["category"] for r in sub}) == len(sub)
-    assert bench.kernel_category("void (anonymous namespace)::dequant_kernel<0, true>") == "dequantize"
-    assert bench.kernel_category("_rms_bwd_kernel") == "norm" and bench.kernel_category("_rope_kernel") == "rope"
-    assert bench.kernel_category("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == "cublas_gemm"
-    assert bench.kernel_category("something_else") == "other"
+    assert bench_update.kernel_category("void (anonymous namespace)::dequant_kernel<0, true>") == "dequantize"
+    assert bench_update.kernel_category("_rms_bwd_kernel") == "norm" and bench_update.kernel_category("_rope_kernel") == "rope"
+    assert bench_update.kernel_category("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN") == "cublas_gemm"
+    assert bench_update.kernel_category("something_else") == "other"
     root = tmp_path / "speed"
     root.mkdir()
     for run in ("r1", "r2"):
