@@ -498,10 +498,10 @@ fp4_wgmma_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc, 
 #pragma unroll
       for (int j2 = 0; j2 < NTOK / 16; ++j2) {
         // matrices: rows 0-7 / 8-15 (v < 2 / v >= 2) of tokens 16 j2 + 0..7 (j = 2 j2), then of + 8..15 (j = 2 j2 + 1)
-        const float* a = acc + 8 * j2;
-        stmatrix_x4_trans(buf + ((mi >> 1) * 8 + mr) * 32 + (mi & 1) * 16, bf16_pair(a[0] * mu, a[1] * mu),
-                          bf16_pair(a[2] * mu, a[3] * mu), bf16_pair(a[4] * mu, a[5] * mu),
-                          bf16_pair(a[6] * mu, a[7] * mu));
+        const int a = 8 * j2;  // the accumulators of tokens 16 j2 .. 16 j2 + 15 (constant indices: registers)
+        stmatrix_x4_trans(buf + ((mi >> 1) * 8 + mr) * 32 + (mi & 1) * 16, bf16_pair(acc[a] * mu, acc[a + 1] * mu),
+                          bf16_pair(acc[a + 2] * mu, acc[a + 3] * mu), bf16_pair(acc[a + 4] * mu, acc[a + 5] * mu),
+                          bf16_pair(acc[a + 6] * mu, acc[a + 7] * mu));
         __syncwarp();
         const uint4 v = ld_shared16(buf + lane * 16);  // token 16 j2 + lane / 2, rows 8 (lane % 2) .. + 7
         const int tok = tok0 + 16 * j2 + (lane >> 1);
