@@ -44,6 +44,8 @@ VARIANTS = {
     "vec_persist2": ("QFP4_DQ_VEC=1", "QFP4_DQ_PERSIST=2"),
     "vec_persist3": ("QFP4_DQ_VEC=1", "QFP4_DQ_PERSIST=3"),
     "lines_persist2": ("QFP4_DQ_LINES=1", "QFP4_DQ_PERSIST=2"),
+    "bulk": ("QFP4_DQ_BULK=1", "QFP4_DQ_WARPS=4"),
+    "bulk_persist4": ("QFP4_DQ_BULK=1", "QFP4_DQ_WARPS=4", "QFP4_DQ_PERSIST=4"),
 }
 DEFAULT = ",".join(VARIANTS)
 FMT_ID = {"nvfp4": 0, "mxfp4": 1}

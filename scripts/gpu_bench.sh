@@ -291,7 +291,8 @@
 #   scripts/gpu_bench.sh dqvar   issue 10, session 72: the CUDA dequantization (the large-M and backward path's rebuild
 #                                of Ŵ, 2.15 TB/s) in build variants against the library's kernel: 16-byte stores only,
 #                                whole 128-byte lines per store, the evict-first hint, 8 chunks a warp, 4 warps a CTA,
-#                                persistent warps loading their next task early (benchmarks.dequant_variants: bits
+#                                persistent warps loading their next task early, rows staged in shared memory and
+#                                written by bulk copies (benchmarks.dequant_variants: bits
 #                                against the Triton kernel, 7B linears as CUDA graphs, DQVAR_PASSES interleaved passes)
 #                                into $OUT/dqvar; no extension build (nvcc per variant, seconds); ~1-2 min
 #   scripts/gpu_bench.sh next72  issue 10 after session 72, one call (~8-9 min cold): the default, QERL_WGMMA_STSM=1

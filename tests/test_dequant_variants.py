@@ -96,6 +96,11 @@ def test_variants_build_and_their_machine_code(tmp_path):
     # whole lines: one more butterfly round (xor 4) for each pair of row pieces: 3 shuffle rounds instead of 2
     shfl = {n: _count(sass[n], "SHFL.BFLY") for n in ("base", "vec", "lines")}
     assert shfl["vec"] == shfl["base"] and 2 * shfl["lines"] == 3 * shfl["base"], shfl
+    # the bulk copies: the rows staged in shared memory (16-byte stores), one copy a row by the tensor memory
+    # accelerator, no global store instruction
+    for n in ("bulk", "bulk_persist4"):
+        assert "UBLKCP.G.S" in sass[n] and _count(sass[n], "STG.E.128") + _count(sass[n], "STG.E") == 0, n
+        assert _count(sass[n], "STS.128") > 0, n
     # the persistent grids' register budget: no spill at 2 CTAs an SM (3 spills a few bytes: the bench times both)
     msgs = got["vec_persist2"][1]
     assert re.findall(r"(\d+) bytes spill stores", msgs) and set(re.findall(r"(\d+) bytes spill stores", msgs)) \

@@ -22,6 +22,9 @@
 // instruction writes whole 128-byte lines (4 rows x 128 bytes) instead of half lines (8 rows x 64 bytes; store_row),
 // QFP4_DQ_STCS 1: the stores with the evict-first hint (st.global.cs); LINES and STCS store by st16 too.
 // QFP4_DQ_PERSIST N > 0: N CTAs an SM walking the tasks, each warp loading its next task before storing this one.
+// QFP4_DQ_BULK 1: a warp writes its task's 16 rows x kCPW chunks into shared memory, then 16 of its lanes hand one
+// row each (kCPW * 128 contiguous bytes) to the tensor memory accelerator (cp.async.bulk, shared -> global): no
+// store instructions for the data, whole lines; the staging must fit 48 KB of static shared memory (4 warps a CTA).
 #ifndef QFP4_DQ_CPW
 #define QFP4_DQ_CPW 4
 #endif
@@ -42,6 +45,9 @@
 #endif
 #ifndef QFP4_DQ_VEC
 #define QFP4_DQ_VEC 0
+#endif
+#ifndef QFP4_DQ_BULK
+#define QFP4_DQ_BULK 0
 #endif
 #if QFP4_DQ_MINB > 0
 #define QFP4_DQ_BOUNDS __launch_bounds__(32 * kWarps, QFP4_DQ_MINB)
@@ -140,6 +146,51 @@ __device__ __forceinline__ void load_task(Task& k, long task, int cb, int C, lon
   }
 }
 
+#if QFP4_DQ_BULK
+constexpr int kRowBytes = kCPW * 128;     // one row's bytes of a task
+constexpr int kRowPitch = kRowBytes + 16;  // its pitch in the staging (rows g of a store instruction in other banks)
+static_assert(kWarps * 16 * kRowPitch <= 48 * 1024,
+              "QFP4_DQ_BULK: the warps' staging must fit 48 KB of static shared memory (fewer warps or chunks)");
+
+// Task k's rows by bulk copies: the lanes' decoded pieces into this warp's staging (row g at byte 32 t of each chunk),
+// visible to the async proxy, then lane r < 16 copies row r's nc * 128 bytes to out. The previous task's copies have
+// read the staging before it is written again (wait_group.read by the lanes that issued them).
+template <int FMT, bool HAS_G>
+__device__ __forceinline__ void store_task(const Task& k, float inv, __nv_bfloat16* __restrict__ out, long ldo,
+                                           int lane) {
+  __shared__ alignas(16) unsigned char staging[kWarps][16][kRowPitch];
+  unsigned char* mine = &staging[threadIdx.x >> 5][0][0];
+  const int g = lane >> 2, t = lane & 3;
+  if (lane < 16) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kCPW; ++i) {
+    if (i < k.nc) {
+      float s0, s8;
+      qfp4::row_scales<FMT, HAS_G>(k.pr[i], inv, s0, s8);
+      const uint32_t v[4] = {k.w[i].x, k.w[i].y, k.w[i].z, k.w[i].w};
+      uint32_t a[8], b[8];  // row g / row g + 8: columns 16 t .. 16 t + 15 of the chunk, in order
+      qfp4::dequant_unit(v, s0, s8, a, b);
+      unsigned char* ra = mine + g * kRowPitch + i * 128 + 32 * t;
+      unsigned char* rb = ra + 8 * kRowPitch;
+      reinterpret_cast<uint4*>(ra)[0] = make_uint4(a[0], a[1], a[2], a[3]);
+      reinterpret_cast<uint4*>(ra)[1] = make_uint4(a[4], a[5], a[6], a[7]);
+      reinterpret_cast<uint4*>(rb)[0] = make_uint4(b[0], b[1], b[2], b[3]);
+      reinterpret_cast<uint4*>(rb)[1] = make_uint4(b[4], b[5], b[6], b[7]);
+    }
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncwarp();
+  if (lane < 16) {
+    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(mine + lane * kRowPitch));
+    __nv_bfloat16* dst = out + (long)(16 * k.s + lane) * ldo + 64L * k.c0;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(k.nc * 128)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  }
+}
+#else
 template <int FMT, bool HAS_G>
 __device__ __forceinline__ void store_task(const Task& k, float inv, __nv_bfloat16* __restrict__ out, long ldo,
                                            int lane) {
@@ -164,6 +215,7 @@ __device__ __forceinline__ void store_task(const Task& k, float inv, __nv_bfloat
     }
   }
 }
+#endif
 
 template <int FMT, bool HAS_G>
 __global__ void QFP4_DQ_BOUNDS dequant_kernel(const uint4* __restrict__ qw, const uint16_t* __restrict__ sc,
@@ -192,6 +244,9 @@ __global__ void QFP4_DQ_BOUNDS dequant_kernel(const uint4* __restrict__ qw, cons
   }
 #else
   store_task<FMT, HAS_G>(k, inv, out, ldo, lane);
+#endif
+#if QFP4_DQ_BULK
+  if (lane < 16) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the copies done before the CTA ends
 #endif
 }
 
