@@ -119,3 +119,13 @@ def test_bench_builds_shared_libraries_ctypes_loads_and_names_a_failed_build(tmp
             dv.build(["broken"], tmp_path, ARCH)
     finally:
         del dv.VARIANTS["broken"]
+
+
+def test_table_puts_each_variant_beside_base_per_linear():
+    rows = [dict(fmt="nvfp4", linear=lin, n=n, k=k, variant=v, us=us, tb_s=tb, vs_base=r)
+            for lin, n, k in (("gate_proj", 18944, 3584), ("k_proj", 512, 3584))
+            for v, us, tb, r in (("base", 80.0, 2.15, 1.0), ("vec", 70.0, 2.46, 80 / 70))]
+    md = dv.table(rows).splitlines()
+    assert md[0] == "| fmt | linear | N × K | base µs (TB/s, vs base) | vec µs (TB/s, vs base) |"
+    assert md[2] == "| nvfp4 | gate_proj | 18944 × 3584 | 80.0 (2.15, 1.000×) | 70.0 (2.46, 1.143×) |"
+    assert len(md) == 4 and md[3].startswith("| nvfp4 | k_proj | 512 × 3584 |")
