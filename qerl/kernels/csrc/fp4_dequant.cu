@@ -73,6 +73,7 @@ __device__ __forceinline__ void st16(__nv_bfloat16* p, const uint32_t (&v)[4]) {
 }
 #endif
 
+#if !QFP4_DQ_BULK  // (the bulk variant stages the rows in shared memory instead)
 // The four lanes t = 0..3 of a row hold its 128-byte chunk segment as 32 bytes each (lane t: bytes 32 t .. 32 t + 31,
 // halves h0, h1). Two butterfly exchanges (xor 1, then xor 2; 8 shuffles) give lane t bytes 16 t .. and 64 + 16 t ..,
 // so each of the two 16-byte store instructions writes whole 32-byte sectors (64 contiguous bytes per row) instead
@@ -121,6 +122,8 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* p, const uint32_t (&w)[
 #endif
 }
 
+#endif
+
 // One warp's task: strip s, chunks c0 .. c0 + nc - 1 (nc <= kCPW), this lane's words and scale pairs of them.
 struct Task {
   uint4 w[kCPW];
@@ -146,6 +149,16 @@ __device__ __forceinline__ void load_task(Task& k, long task, int cb, int C, lon
   }
 }
 
+// Chunk i of task k, dequantized: rows g (a) and g + 8 (b), columns 16 t .. 16 t + 15 of the chunk in order as 8 bf16
+// pairs (word j of the lane's group: columns 4 j + {0, 1}, {2, 3}).
+template <int FMT, bool HAS_G>
+__device__ __forceinline__ void decode_chunk(const Task& k, int i, float inv, uint32_t (&a)[8], uint32_t (&b)[8]) {
+  float s0, s8;
+  qfp4::row_scales<FMT, HAS_G>(k.pr[i], inv, s0, s8);
+  const uint32_t v[4] = {k.w[i].x, k.w[i].y, k.w[i].z, k.w[i].w};
+  qfp4::dequant_unit(v, s0, s8, a, b);
+}
+
 #if QFP4_DQ_BULK
 constexpr int kRowBytes = kCPW * 128;     // one row's bytes of a task
 constexpr int kRowPitch = kRowBytes + 16;  // its pitch in the staging (rows g of a store instruction in other banks)
@@ -166,11 +179,8 @@ __device__ __forceinline__ void store_task(const Task& k, float inv, __nv_bfloat
 #pragma unroll
   for (int i = 0; i < kCPW; ++i) {
     if (i < k.nc) {
-      float s0, s8;
-      qfp4::row_scales<FMT, HAS_G>(k.pr[i], inv, s0, s8);
-      const uint32_t v[4] = {k.w[i].x, k.w[i].y, k.w[i].z, k.w[i].w};
-      uint32_t a[8], b[8];  // row g / row g + 8: columns 16 t .. 16 t + 15 of the chunk, in order
-      qfp4::dequant_unit(v, s0, s8, a, b);
+      uint32_t a[8], b[8];
+      decode_chunk<FMT, HAS_G>(k, i, inv, a, b);
       unsigned char* ra = mine + g * kRowPitch + i * 128 + 32 * t;
       unsigned char* rb = ra + 8 * kRowPitch;
       reinterpret_cast<uint4*>(ra)[0] = make_uint4(a[0], a[1], a[2], a[3]);
@@ -200,11 +210,8 @@ __device__ __forceinline__ void store_task(const Task& k, float inv, __nv_bfloat
 #pragma unroll
   for (int i = 0; i < kCPW; ++i) {
     if (i < k.nc) {
-      float s0, s8;
-      qfp4::row_scales<FMT, HAS_G>(k.pr[i], inv, s0, s8);
-      const uint32_t v[4] = {k.w[i].x, k.w[i].y, k.w[i].z, k.w[i].w};
-      uint32_t a[8], b[8];  // row g / row g + 8: columns 4 j + {0, 1}, {2, 3} of word j
-      qfp4::dequant_unit(v, s0, s8, a, b);
+      uint32_t a[8], b[8];
+      decode_chunk<FMT, HAS_G>(k, i, inv, a, b);
 #if QFP4_DQ_LINES
       store_row(r0 - (g & 1) * ldo + 64 * i, a, t, ldo);  // from row g & ~1 (see store_row)
       store_row(r8 - (g & 1) * ldo + 64 * i, b, t, ldo);
