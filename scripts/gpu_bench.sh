@@ -295,11 +295,11 @@
 #                                written by bulk copies (benchmarks.dequant_variants: bits
 #                                against the Triton kernel, 7B linears as CUDA graphs, DQVAR_PASSES interleaved passes)
 #                                into $OUT/dqvar; no extension build (nvcc per variant, seconds); ~1-2 min
-#   scripts/gpu_bench.sh next72  issue 10 after session 72, one call (~8-9 min cold): the default, QERL_WGMMA_STSM=1
-#                                and QERL_GEMM_KZ=1 builds at once while `dqvar` runs, the STSM GPU tests
-#                                ($OUT/tests_stsm.txt), the tuned wgmma products at M ${ABK_M:-64,128,256,512} without
-#                                LoRA (ABK_LORA) in STSM 0 1 1 0 order ($OUT/abk_*, $OUT/ab.md), then `kzab`'s timed
-#                                passes (no Nsight Compute); all of it in $OUT/next72.tgz
+#   scripts/gpu_bench.sh next72  issue 10 after session 72, one call (~7 min cold): the default and QERL_WGMMA_STSM=1
+#                                builds at once while `dqvar` runs, the STSM GPU tests ($OUT/tests_stsm.txt), the tuned
+#                                wgmma products at M ${ABK_M:-64,128,256,512} without LoRA (ABK_LORA) in STSM 0 1 1 0
+#                                order ($OUT/abk_*, $OUT/ab.md); $OUT/next72.tgz rewritten after each phase. `kzab`
+#                                (KZAB_NCU=0, ~3 min) is the next call
 #   scripts/gpu_bench.sh ahead   issue 10, session 66: a 7B layer's 7 linears at large M as one chain, BF16 cuBLAS vs the
 #                                library's path vs dequantize + cuBLAS with the next weight rebuilt on a side stream
 #                                (benchmarks.dequant_ahead_bench; AHEAD_FMTS nvfp4,mxfp4, AHEAD_M 512,1024,2048, both
@@ -366,6 +366,9 @@ kzab_passes() {  # session 69's question: the default build's products at M ${KZ
     b=${run%%:*} p=${run##*:}
     QERL_GEMM_KZ=$b kz_products 90 "KZ=$b pass $p: " "kzab/kz${b}_$p" "$([ "$b" = 1 ] && echo 1,2,4 || echo 1)"
   done
+}
+next72_tar() {  # what next72 has so far, in one archive (rewritten after each phase: a call cut short keeps it)
+  tar czf "$OUT/next72.tgz" -C "$OUT" $(cd "$OUT" && ls -d dqvar abk_* ab.md tests_stsm.txt log.txt 2>/dev/null)
 }
 dqvar_run() {  # benchmarks.dequant_variants (DQVAR_VARIANTS, DQVAR_PASSES) into $OUT/dqvar, its table in the log
   timeout "${DQVAR_SECS:-300}" python3 -m benchmarks.dequant_variants --passes "${DQVAR_PASSES:-5}" \
@@ -718,17 +721,18 @@ ablate40)  # issue 10, session 40: the wgmma main loop's parts, each left out in
     | grep "ablate\]\|wrote\|Error" >> "$LOG" ;;
 dqvar)  # issue 10, session 72: the CUDA dequantization's build variants (see the header)
   dqvar_run ;;
-next72)  # issue 10 after session 72: its two experiments and session 69's open question in one call (see the header)
-  builds_at_once - QERL_WGMMA_STSM=1 QERL_GEMM_KZ=1 &  # the three extension builds while the variants (nvcc alone) run
+next72)  # issue 10 after session 72: its two experiments in one call (see the header)
+  builds_at_once - QERL_WGMMA_STSM=1 &  # the two extension builds while the variants (nvcc alone) run
   bpid=$!
   dqvar_run
+  next72_tar
   wait "$bpid"
-  (export QERL_WGMMA_STSM=1; gpu_tests stsm 240 tests/test_cuda_fp4.py -k stsm)
+  (export QERL_WGMMA_STSM=1; gpu_tests stsm 200 tests/test_cuda_fp4.py -k stsm)
+  next72_tar
   ab_runs QERL_WGMMA_STSM abk "0:1 1:1 1:2 0:2" 60 "prof\]" python3 -m benchmarks.wgmma_profile --configs tuned \
     --lora "${ABK_LORA:-0}" --m "${ABK_M:-64,128,256,512}"
   python3 -m benchmarks.ab_compare "$OUT" --prefix abk --base 0 --md "$OUT/ab.md" >> "$LOG" 2>&1
-  kzab_passes
-  tar czf "$OUT/next72.tgz" -C "$OUT" $(cd "$OUT" && ls -d dqvar kzab abk_* ab.md tests_stsm.txt log.txt 2>/dev/null) ;;
+  next72_tar ;;
 kzab)  # issue 10, session 69: the KZ build's unsplit kernels against the default's (see the header)
   builds_at_once - QERL_GEMM_KZ=1
   kzab_passes

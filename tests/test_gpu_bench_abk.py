@@ -434,23 +434,25 @@ mkdir -p "$out" && printf '| fmt | linear |\n| nvfp4 | gate_proj |\n' > "$out/de
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
-def test_next72_builds_three_runs_the_variants_the_stsm_ab_and_the_kz_passes(tmp_path):
-    """``next72``: the default, STSM and KZ builds (in the background) beside the dequantization variants, then the
-    STSM GPU tests on the STSM build, the plain tuned products at 64-512 tokens in STSM 0 1 1 0 order with their
-    comparison, the KZ passes (default KZ default KZ), and one archive of it all."""
+def test_next72_builds_two_runs_the_variants_the_stsm_tests_and_ab(tmp_path):
+    """``next72``: the default and STSM builds (in the background) beside the dequantization variants, then the STSM
+    GPU tests on the STSM build, the plain tuned products at 64-512 tokens in STSM 0 1 1 0 order with their
+    comparison; the archive written after each phase (a call cut short keeps what it has)."""
     stub = STUB.replace('echo "${QERL_WGMMA_TMA:-unset}|$*"', 'echo "${QERL_WGMMA_STSM:-0},${QERL_GEMM_KZ:-0}|$*"')
     stub = stub.replace('''  "-m pytest") echo "1 passed in 0.1s" ;;''', '''  "-m pytest") echo "1 passed in 0.1s" ;;
-  "-m benchmarks.dequant_variants"|"-m benchmarks.wave_balance") echo "[kz] stub" ;;''')
+  "-m benchmarks.dequant_variants") echo "[dqvar] stub" ;;''')
     p, calls = _run(tmp_path, "next72", stub)
     assert p.returncode == 0, p.stderr
-    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0,0", "0,1", "1,0"]  # default, KZ, STSM
+    assert sorted(c.split("|")[0] for c in calls if "|-c " in c) == ["0,0", "1,0"]  # default, STSM
     rest = [c for c in calls if "|-c " not in c]
     assert "-m benchmarks.dequant_variants --passes 5 --out" in rest[0]
     assert rest[1].startswith("1,0|-m pytest") and "-k stsm" in rest[1]
     prof = rest[2:6]
     assert [c.split("|")[0] for c in prof] == ["0,0", "1,0", "1,0", "0,0"]
     assert all("benchmarks.wgmma_profile --configs tuned --lora 0 --m 64,128,256,512" in c for c in prof), prof
-    assert "-m benchmarks.ab_compare" in rest[6] and "--prefix abk --base 0" in rest[6]
-    kz = [c.split("|")[0] for c in rest[7:]]
-    assert kz == ["0,0", "0,1", "0,0", "0,1"] and all("benchmarks.wave_balance --products" in c for c in rest[7:])
-    assert (tmp_path / "out" / "ab.md").exists() and (tmp_path / "out" / "next72.tgz").exists()
+    assert "-m benchmarks.ab_compare" in rest[6] and "--prefix abk --base 0" in rest[6] and len(rest) == 7
+    assert (tmp_path / "out" / "ab.md").exists()
+    import tarfile
+    with tarfile.open(tmp_path / "out" / "next72.tgz") as tf:
+        names = tf.getnames()
+    assert "ab.md" in names and "log.txt" in names and any(n.startswith("abk_") for n in names), names
