@@ -32,6 +32,20 @@ def linears(model: str) -> list[tuple[str, int, int]]:
             ("up_proj", i, h), ("down_proj", h, i)]
 
 
+def weight(fmt: str, n: int, k: int, seed: int):
+    """A random (N, K) weight (0.02 N(0, 1), ``seed``) quantized to ``fmt`` and re-laid out for the CUDA kernels."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = FORMATS[fmt].quantize(0.02 * torch.randn(n, k, device="cuda", generator=g))
+    return cuda_fp4.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
+
+
+def rotating_copies(w0, min_bytes: int = 160 * 2**20) -> list:
+    """``w0`` and as many copies of its tensors as make ``min_bytes`` in all (so L2 holds none of them)."""
+    copies = max(1, -(-min_bytes // w0.nbytes))
+    return [w0] + [cuda_fp4.weight_from(w0.fmt, w0.qweight.clone(), w0.scales.clone(), w0.global_scale, w0.bexp)
+                   for _ in range(copies - 1)]
+
+
 def _time(fn, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ts = []
@@ -67,12 +81,8 @@ def main(argv=None) -> None:
     for model in a.models.split(","):
         for fmt in a.formats.split(","):
             for name, n, k in linears(model):
-                g = torch.Generator(device="cuda").manual_seed(n + k)
-                q = FORMATS[fmt].quantize(0.02 * torch.randn(n, k, device="cuda", generator=g))
-                w0 = cuda_fp4.prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
-                copies = max(1, -(-160 * 2**20 // w0.nbytes))
-                ws = [w0] + [cuda_fp4.weight_from(fmt, w0.qweight.clone(), w0.scales.clone(), w0.global_scale,
-                                                  w0.bexp) for _ in range(copies - 1)]
+                w0 = weight(fmt, n, k, seed=n + k)
+                ws = rotating_copies(w0)
                 out = torch.empty((n, k), device="cuda", dtype=torch.bfloat16)
                 ref = dequantize_relaid(w0, torch.empty_like(out), backend="triton")
                 same = bool(torch.equal(dequantize_relaid(w0, out, backend="cuda"), ref))

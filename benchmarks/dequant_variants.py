@@ -105,24 +105,17 @@ def run(lib: ctypes.CDLL, w, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _weight(fmt: str, n: int, k: int, seed: int):
-    from qerl.kernels.fp4_layout import prepare
-    from qerl.quant import FORMATS
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = FORMATS[fmt].quantize(0.02 * torch.randn(n, k, device="cuda", generator=g))
-    return prepare(fmt, q["weight_packed"], q["weight_scale"], q.get("weight_global_scale"))
-
-
 def check(libs: dict, shapes: list[tuple[str, int, int]], formats: list[str]) -> list[str]:
     """Each variant's output against the Triton kernel's, bit for bit: the timed shapes, a 144 x 832 weight (13
     chunks: a short last batch for every chunks-per-warp value) and a column slice (chunks 2..10 of it). Returns
     the failures ("variant fmt shape"), empty when all are equal."""
+    from benchmarks.dequant_bench import weight
     from qerl.kernels import dequantize_relaid
     from qerl.kernels.dequant import _relaid_cols
     bad = []
     for fmt in formats:
         for i, (name, n, k) in enumerate([*shapes, ("odd", 144, 832)]):
-            w = _weight(fmt, n, k, seed=1000 + i)
+            w = weight(fmt, n, k, seed=1000 + i)
             ref = dequantize_relaid(w, torch.empty((n, k), device="cuda", dtype=torch.bfloat16), backend="triton")
             views = [(name, w, ref)]
             if name == "odd":
@@ -195,10 +188,9 @@ def main(argv=None) -> None:
         raise ValueError(f"unknown format(s) {bad_fmt}; valid: {', '.join(FMT_ID)}")
     if not torch.cuda.is_available():
         raise SystemExit("dequant_variants needs a CUDA GPU")
-    from benchmarks.dequant_bench import linears
+    from benchmarks.dequant_bench import linears, rotating_copies, weight
     from qerl.bench_common import _env, _write_csv
     from qerl.kernels import cuda_build
-    from qerl.kernels.fp4_layout import weight_from
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = _env()
@@ -210,10 +202,8 @@ def main(argv=None) -> None:
         rows = []
         for fmt in formats:
             for i, (name, n, k) in enumerate(shapes):
-                w0 = _weight(fmt, n, k, seed=2000 + i)
-                copies = max(2, -(-160 * 2**20 // w0.nbytes))
-                ws = [w0] + [weight_from(fmt, w0.qweight.clone(), w0.scales.clone(), w0.global_scale, w0.bexp)
-                             for _ in range(copies - 1)]
+                w0 = weight(fmt, n, k, seed=2000 + i)
+                ws = rotating_copies(w0)
                 out = torch.empty((n, k), device="cuda", dtype=torch.bfloat16)
                 graphs = {v: _graph(libs[v], ws, out) for v in names}
                 per = {v: [] for v in names}
@@ -221,18 +211,20 @@ def main(argv=None) -> None:
                     for v in (names if pss % 2 == 0 else names[::-1]):
                         per[v].append(time_graph(graphs[v], len(ws)))
                 moved = w0.nbytes + 2 * n * k
+                new = []
                 for v in names:
                     us = statistics.median(per[v])
                     ratio = statistics.median(b / x for b, x in zip(per["base"], per[v], strict=True))  # base µs / variant µs
-                    rows.append(dict(bench="dequant_variants", model=name.split(":")[0], fmt=fmt,
-                                     linear=name.split(":")[1], n=n, k=k, variant=v, flags=" ".join(VARIANTS[v]),
-                                     us=us, us_min=min(per[v]), us_max=max(per[v]), tb_s=moved / us / 1e6,
-                                     vs_base=ratio, passes=a.passes, launches=len(ws), bits_ok=not any(
-                                         b.startswith(f"{v} ") for b in bad), **env))
+                    new.append(dict(bench="dequant_variants", model=name.split(":")[0], fmt=fmt,
+                                    linear=name.split(":")[1], n=n, k=k, variant=v, flags=" ".join(VARIANTS[v]),
+                                    us=us, us_min=min(per[v]), us_max=max(per[v]), tb_s=moved / us / 1e6,
+                                    vs_base=ratio, passes=a.passes, launches=len(ws), bits_ok=not any(
+                                        b.startswith(f"{v} ") for b in bad), **env))
                     print(f"{fmt} {name:14s} {n:6d}x{k:<6d} {v:15s} {us:8.2f} us ({moved / us / 1e6:.2f} TB/s) "
                           f"x{ratio:.3f} vs base", flush=True)
-                _write_csv(rows, out_dir / "dequant_variants.csv",
+                _write_csv(new, out_dir / "dequant_variants.csv",
                            ("bench", "model", "fmt", "linear", "n", "k", "variant", "device"))
+                rows += new
                 del graphs, ws, out
                 torch.cuda.empty_cache()
     (out_dir / "dequant_variants.md").write_text(

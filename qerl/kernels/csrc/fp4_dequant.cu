@@ -15,7 +15,7 @@
 
 // Timing experiments only (benchmarks.dequant_variants builds this file alone with other values; the library's build
 // leaves them unset, which compiles exactly the kernel without these switches): QFP4_DQ_CPW chunks per warp (4),
-// QFP4_DQ_WARPS warps per CTA (8), QFP4_DQ_MINB the CTAs an SM __launch_bounds__ asks ptxas for (0: none),
+// QFP4_DQ_WARPS warps per CTA (8),
 // QFP4_DQ_VEC 1: every 16-byte store as one st.global.v4 in inline PTX (st16; in the library's build the compiler's
 // front end splits the first chunk's first store of each row into four 4-byte stores: 24 st.global.u32 beside 42
 // st.global.v4.u32 in its PTX, so an eighth of the bytes go out in pieces of 4), QFP4_DQ_LINES 1: each store
@@ -30,9 +30,6 @@
 #endif
 #ifndef QFP4_DQ_WARPS
 #define QFP4_DQ_WARPS 8
-#endif
-#ifndef QFP4_DQ_MINB
-#define QFP4_DQ_MINB 0
 #endif
 #ifndef QFP4_DQ_LINES
 #define QFP4_DQ_LINES 0
@@ -49,9 +46,7 @@
 #ifndef QFP4_DQ_BULK
 #define QFP4_DQ_BULK 0
 #endif
-#if QFP4_DQ_MINB > 0
-#define QFP4_DQ_BOUNDS __launch_bounds__(32 * kWarps, QFP4_DQ_MINB)
-#elif QFP4_DQ_PERSIST > 0  // the registers for the grid's CTAs an SM
+#if QFP4_DQ_PERSIST > 0  // the registers for the grid's CTAs an SM
 #define QFP4_DQ_BOUNDS __launch_bounds__(32 * kWarps, QFP4_DQ_PERSIST)
 #else
 #define QFP4_DQ_BOUNDS __launch_bounds__(32 * kWarps)
